@@ -1,0 +1,213 @@
+"""The runtime configuration of one role process, read once at the process edge.
+
+Sources, later ones winning: defaults < a YAML/JSON file (`AFD_CONFIG_FILE` or
+`--config`) < `AFD_*` environment variables (DESIGN §2) < CLI flags. The result is a
+frozen, validated `AFDConfig`; errors name the source and the bad value. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from afd.topology import Topology, TopologyError
+
+ROLES = ("attention", "ffn")
+CONNECTORS = ("loopback", "zmq", "nccl")
+STAGES = (1, 2)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class AFDConfig:
+    """Everything a role process needs to know; see DESIGN §2 for the env names."""
+
+    role: str = "attention"
+    rank: int = 0
+    num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
+    ffn_address_template: str = "127.0.0.1"
+    control_port: int = 25500
+    data_port: int = 25501
+    port_stride: int = 0
+    connector: str = "zmq"
+    stages: int = 1
+    gate_on_attention: bool = False
+    model: str = ""
+    dtype: str = "auto"
+    device: str = "auto"
+    http_host: str = "0.0.0.0"
+    http_port: int = 8000
+    metrics_port: int = 9090
+    max_num_seqs: int = 64
+    max_model_len: int = 0
+    group_token: str = ""
+    connect_timeout_s: float = 60.0
+    peer_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_choice("role", self.role, ROLES)
+        _check_choice("connector", self.connector, CONNECTORS)
+        _check_choice("stages", self.stages, STAGES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        try:
+            topology = self.topology
+        except TopologyError as err:
+            raise ConfigError(str(err)) from None
+        size = topology.num_attention if self.role == "attention" else topology.num_ffn
+        if not 0 <= self.rank < size:
+            raise ConfigError(f"rank={self.rank}: a {self.role} rank must be in 0..{size - 1} for {topology}")
+        for name in ("control_port", "data_port", "http_port", "metrics_port"):
+            port = getattr(self, name)
+            if not 1 <= port <= 65535:
+                raise ConfigError(f"{name}={port}: must be a TCP port in 1..65535")
+        for name in ("max_num_seqs", "connect_timeout_s", "peer_timeout_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
+        if self.max_model_len < 0 or self.port_stride < 0:
+            raise ConfigError("max_model_len and port_stride must not be negative")
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.num_attention_ranks, self.num_ffn_ranks)
+
+    def ffn_host(self, ffn_rank: int) -> str:
+        """Host name of FFN rank `ffn_rank` from the address template."""
+        return self.ffn_address_template.format(rank=ffn_rank)
+
+    def ffn_ports(self, ffn_rank: int) -> tuple[int, int]:
+        """(control, data) ports of FFN rank `ffn_rank`; a stride keeps local ranks apart."""
+        offset = ffn_rank * self.port_stride
+        return self.control_port + offset, self.data_port + offset
+
+    def replace(self, **changes: Any) -> "AFDConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: must be one of {', '.join(map(str, choices))}")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true or false")
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "int": int,
+    "float": float,
+    "bool": _parse_bool,
+    "str": str,
+}
+
+# Environment variable → field. Names beyond DESIGN §2 keep the AFD_ prefix.
+ENV_VARS: dict[str, str] = {
+    "AFD_ROLE": "role",
+    "AFD_RANK": "rank",
+    "AFD_NUM_ATTENTION_RANKS": "num_attention_ranks",
+    "AFD_NUM_FFN_RANKS": "num_ffn_ranks",
+    "AFD_FFN_ADDRESS_TEMPLATE": "ffn_address_template",
+    "AFD_CONTROL_PORT": "control_port",
+    "AFD_DATA_PORT": "data_port",
+    "AFD_PORT_STRIDE": "port_stride",
+    "AFD_CONNECTOR": "connector",
+    "AFD_STAGES": "stages",
+    "AFD_GATE_ON_ATTENTION": "gate_on_attention",
+    "AFD_MODEL": "model",
+    "AFD_DTYPE": "dtype",
+    "AFD_DEVICE": "device",
+    "AFD_HTTP_HOST": "http_host",
+    "AFD_HTTP_PORT": "http_port",
+    "AFD_METRICS_PORT": "metrics_port",
+    "AFD_MAX_NUM_SEQS": "max_num_seqs",
+    "AFD_MAX_MODEL_LEN": "max_model_len",
+    "AFD_GROUP_TOKEN": "group_token",
+    "AFD_CONNECT_TIMEOUT_S": "connect_timeout_s",
+    "AFD_PEER_TIMEOUT_S": "peer_timeout_s",
+    "AFD_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+}
+
+_FIELD_TYPES = {f.name: f.type for f in fields(AFDConfig)}
+_ORDINAL_RE = re.compile(r"-(\d+)$")
+
+
+def _coerce(source: str, name: str, raw: Any) -> Any:
+    if name not in _FIELD_TYPES:
+        raise ConfigError(f"{source}: unknown setting {name!r}")
+    parser = _PARSERS[_FIELD_TYPES[name]]
+    try:
+        return parser(raw)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{source}={raw!r}: not a valid {_FIELD_TYPES[name]} ({err})") from None
+
+
+def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """Settings present in `env`, typed; `AFD_RANK` falls back to the `$HOSTNAME` ordinal."""
+    values = {field: _coerce(var, field, env[var]) for var, field in ENV_VARS.items() if var in env}
+    if "AFD_TOPOLOGY" in env:
+        values.update(values_from_topology(env["AFD_TOPOLOGY"], source="AFD_TOPOLOGY"))
+    if "rank" not in values and (match := _ORDINAL_RE.search(env.get("HOSTNAME", ""))):
+        values["rank"] = int(match.group(1))
+    return values
+
+
+def values_from_topology(text: str, source: str = "topology") -> dict[str, int]:
+    try:
+        topology = Topology.parse(text)
+    except TopologyError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    return {"num_attention_ranks": topology.num_attention, "num_ffn_ranks": topology.num_ffn}
+
+
+def values_from_file(path: str | Path) -> dict[str, Any]:
+    """Settings from a YAML or JSON mapping whose keys are `AFDConfig` field names."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
+    data = dict(data)
+    values = values_from_topology(data.pop("topology"), f"{path}: topology") if "topology" in data else {}
+    values.update({key: _coerce(f"{path}: {key}", key, raw) for key, raw in data.items()})
+    return values
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    file: str | Path | None = None,
+) -> AFDConfig:
+    """Build the frozen config once from file, environment and CLI overrides."""
+    env = os.environ if env is None else env
+    file = file or env.get("AFD_CONFIG_FILE")
+    values: dict[str, Any] = values_from_file(file) if file else {}
+    values.update(values_from_env(env))
+    for key, raw in (cli or {}).items():
+        if raw is not None:
+            values[key] = _coerce(f"--{key.replace('_', '-')}", key, raw)
+    return AFDConfig(**values)

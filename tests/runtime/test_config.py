@@ -1,0 +1,72 @@
+import pytest
+
+from afd.config import AFDConfig, ConfigError, load_config
+
+
+def test_env_contract_of_design_section_2():
+    env = {
+        "AFD_ROLE": "ffn",
+        "AFD_RANK": "1",
+        "AFD_NUM_ATTENTION_RANKS": "4",
+        "AFD_NUM_FFN_RANKS": "2",
+        "AFD_FFN_ADDRESS_TEMPLATE": "demo-g0-ffn-{rank}.demo-g0-ffn.ns.svc",
+        "AFD_CONTROL_PORT": "7000",
+        "AFD_DATA_PORT": "7001",
+        "AFD_CONNECTOR": "zmq",
+        "AFD_STAGES": "2",
+        "AFD_GATE_ON_ATTENTION": "true",
+        "AFD_MODEL": "/models/x",
+        "AFD_HTTP_PORT": "8080",
+        "AFD_METRICS_PORT": "9100",
+    }
+    config = load_config(env=env)
+    assert config.role == "ffn" and config.rank == 1 and config.stages == 2 and config.gate_on_attention
+    assert str(config.topology) == "4A2F"
+    assert config.ffn_host(1) == "demo-g0-ffn-1.demo-g0-ffn.ns.svc"
+    assert config.ffn_ports(1) == (7000, 7001)
+    with pytest.raises(Exception):
+        config.stages = 1  # frozen
+
+
+def test_rank_from_statefulset_ordinal():
+    env = {"AFD_ROLE": "attention", "AFD_NUM_ATTENTION_RANKS": "4", "HOSTNAME": "demo-g0-attn-3"}
+    assert load_config(env=env).rank == 3
+
+
+def test_precedence_file_env_cli(tmp_path):
+    path = tmp_path / "afd.yaml"
+    path.write_text("topology: 2A1F\nstages: 2\nmodel: /from/file\n")
+    config = load_config(cli={"model": "/from/cli"}, env={"AFD_STAGES": "1"}, file=path)
+    assert (config.num_attention_ranks, config.num_ffn_ranks) == (2, 1)
+    assert config.stages == 1 and config.model == "/from/cli"
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"AFD_STAGES": "3"}, "stages=3"),
+        ({"AFD_STAGES": "two"}, "AFD_STAGES='two'"),
+        ({"AFD_CONNECTOR": "tcp"}, "connector='tcp'"),
+        ({"AFD_ROLE": "router"}, "role='router'"),
+        ({"AFD_NUM_ATTENTION_RANKS": "1", "AFD_NUM_FFN_RANKS": "2"}, "A >= F"),
+        ({"AFD_TOPOLOGY": "2B1F"}, "'2B1F'"),
+        ({"AFD_RANK": "2", "AFD_NUM_ATTENTION_RANKS": "2"}, "rank=2"),
+        ({"AFD_CONTROL_PORT": "70000"}, "control_port=70000"),
+        ({"AFD_GATE_ON_ATTENTION": "maybe"}, "AFD_GATE_ON_ATTENTION='maybe'"),
+    ],
+)
+def test_errors_name_the_bad_value(env, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(env=env)
+    assert needle in str(err.value)
+
+
+def test_unknown_file_key_is_refused(tmp_path):
+    path = tmp_path / "afd.json"
+    path.write_text('{"stagez": 2}')
+    with pytest.raises(ConfigError, match="unknown setting 'stagez'"):
+        load_config(env={}, file=path)
+
+
+def test_defaults_are_valid():
+    assert AFDConfig().topology.num_attention == 1
