@@ -1,0 +1,74 @@
+"""Greedy generation over a static batch: the loop behind `afd generate` and the parity tests.
+
+The stepper is anything that maps (flattened input ids, attention batch) to the logits of
+each sequence's last token: the monolithic model, or an attention runner whose FFN is
+remote. All prompts are in flight together; finished sequences leave the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from afd.kv_cache import KVCache
+from afd.models.attention import AttentionBatch
+
+Stepper = Callable[[torch.Tensor, AttentionBatch], torch.Tensor]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]
+    last_logits: list[torch.Tensor]  # [vocab] float32, logits that chose each sequence's last token
+
+
+def greedy_generate(
+    step: Stepper,
+    kv_cache: KVCache,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    device: torch.device | str = "cpu",
+) -> GenerationResult:
+    """Decode every prompt greedily until `max_tokens` or EOS (unless `ignore_eos`)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens}: must be at least 1")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    longest = max(len(p) for p in prompts) + max_tokens
+    if longest > kv_cache.max_len:
+        raise ValueError(f"prompt + max_tokens = {longest} tokens exceeds the cache length {kv_cache.max_len}")
+    slots = [kv_cache.allocate() for _ in prompts]
+    try:
+        return _decode(step, slots, prompts, max_tokens, set(eos_token_ids), ignore_eos, device)
+    finally:
+        for slot in slots:
+            kv_cache.release(slot)
+
+
+def _decode(step, slots, prompts, max_tokens, eos, ignore_eos, device) -> GenerationResult:
+    count = len(prompts)
+    context = [0] * count
+    pending = [list(map(int, p)) for p in prompts]
+    tokens: list[list[int]] = [[] for _ in range(count)]
+    last_logits: list[torch.Tensor] = [torch.empty(0)] * count
+    active = list(range(count))
+    while active:
+        input_ids = torch.tensor([t for i in active for t in pending[i]], dtype=torch.long, device=device)
+        batch = AttentionBatch.build(
+            [slots[i] for i in active], [context[i] for i in active], [len(pending[i]) for i in active], device
+        )
+        logits = step(input_ids, batch)  # [len(active), vocab]
+        chosen = logits.argmax(dim=-1).tolist()
+        for row, i in enumerate(active):
+            context[i] += len(pending[i])
+            tokens[i].append(chosen[row])
+            last_logits[i] = logits[row].float().cpu()
+            pending[i] = [chosen[row]]
+        active = [
+            i for i in active if len(tokens[i]) < max_tokens and (ignore_eos or tokens[i][-1] not in eos)
+        ]
+    return GenerationResult(tokens, last_logits)

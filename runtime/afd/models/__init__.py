@@ -1,0 +1,5 @@
+"""Model families (DeepSeek-V2, Qwen3-MoE) and their role split.
+
+Kept import-light: `afd.models.spec` and `afd.models.checkpoint` are what callers
+need first; `afd.models.loader.load_model` builds a role's model.
+"""

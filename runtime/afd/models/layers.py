@@ -1,0 +1,206 @@
+"""Building blocks shared by the model families: norms, MLPs, routing, experts, RoPE."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32, scaled in the input dtype (as the HF families do)."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How router logits become (weights, expert ids); runs wherever the experts run."""
+
+    top_k: int
+    num_experts: int
+    norm_topk_prob: bool = False
+    scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2)
+    num_groups: int = 1
+    topk_groups: int = 1
+    scale_when_normalized: bool = True  # DeepSeek-V2 scales only un-normalized weights
+
+    def select(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, experts] logits → ([tokens, k] weights in `dtype`, [tokens, k] expert ids)."""
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if self.topk_method == "group_limited_greedy":
+            scores = self._mask_to_top_groups(scores)
+        weights, ids = torch.topk(scores, self.top_k, dim=-1)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            if self.scale_when_normalized:
+                weights = weights * self.scaling_factor
+        else:
+            weights = weights * self.scaling_factor
+        return weights.to(dtype), ids
+
+    def _mask_to_top_groups(self, scores: torch.Tensor) -> torch.Tensor:
+        grouped = scores.view(scores.shape[0], self.num_groups, -1)  # [tokens, groups, experts/group]
+        top_groups = grouped.max(dim=-1).values.topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0]).scatter_(1, top_groups, 1.0).bool()
+        return grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view_as(scores)
+
+
+class Router(nn.Module):
+    """The gate: hidden → router logits (float32 when `fp32_logits`, as DeepSeek does)."""
+
+    def __init__(self, hidden: int, num_experts: int, fp32_logits: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.fp32_logits = fp32_logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32_logits:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight).float()
+
+
+class Experts(nn.Module):
+    """Routed experts as stacked weights, computed with one sort and grouped GEMMs.
+
+    Token→expert pairs are sorted by expert so each expert multiplies one contiguous
+    block; there is no loop over tokens. On CUDA the blocks go through one grouped
+    GEMM; elsewhere each expert with rows is one matmul.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        top_k = ids.shape[1]
+        flat_ids = ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat_ids, stable=True)
+        rows = order // top_k  # source token of each sorted pair
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        hidden = _grouped_matmul(x.index_select(0, rows), counts, self.gate_up)  # [T*k, 2I]
+        gate, up = hidden.chunk(2, dim=-1)
+        out = _grouped_matmul(F.silu(gate) * up, counts, self.down)  # [T*k, H]
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, rows, out.to(x.dtype))
+
+
+def _grouped_matmul(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` grouped by expert (sizes `counts`) times each expert's `weight[e].T`."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    pieces = [
+        chunk @ weight[expert].T
+        for expert, chunk in enumerate(x.split(counts.tolist()))
+        if chunk.shape[0]
+    ]
+    return torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[1])
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared experts, with a gate that may live elsewhere."""
+
+    def __init__(self, hidden: int, routing: Routing, expert_width: int, shared_width: int, fp32_logits: bool):
+        super().__init__()
+        self.routing = routing
+        self.gate: Router | None = Router(hidden, routing.num_experts, fp32_logits)
+        self.experts: Experts | None = Experts(routing.num_experts, hidden, expert_width)
+        self.shared_experts: GatedMLP | None = GatedMLP(hidden, shared_width) if shared_width else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.from_logits(x, self.gate(x))
+
+    def from_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The expert half of the layer given router logits (shipped by attention or local)."""
+        weights, ids = self.routing.select(router_logits, x.dtype)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def rope_inv_freq(rope: dict, dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of `dim` rotary dims and the attention factor, for default or YaRN RoPE."""
+    base = float(rope.get("rope_theta", 10000.0))
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type != "yarn":
+        raise ValueError(f"rope_type={rope_type!r} is not supported (supported: default, yarn)")
+    factor = float(rope["factor"])
+    original_len = rope["original_max_position_embeddings"]
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = math.floor(correction_dim(beta_fast)), math.ceil(correction_dim(beta_slow))
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv_freq = (inv_freq / factor) * ramp + inv_freq * (1 - ramp)  # interpolate the low frequencies
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of `positions` × `inv_freq`, both scaled by the attention factor: [T, dim/2]."""
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    return torch.cos(angles) * factor, torch.sin(angles) * factor
+
+
+def apply_rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [T, heads, dim] pairing dim i with i + dim/2 (Llama/Qwen layout)."""
+    cos, sin = cos.repeat(1, 2).unsqueeze(1), sin.repeat(1, 2).unsqueeze(1)
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [T, heads, dim] pairing dims (2i, 2i+1) (the DeepSeek layout)."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)

@@ -1,0 +1,68 @@
+"""Qwen3-MoE: grouped-query attention with per-head q/k norms; routed experts, no shared ones."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from afd.models.attention import AttentionBatch, cached_attention
+from afd.models.base import DecoderLayer, MoECausalLM
+from afd.models.layers import GatedMLP, MoE, RMSNorm, Routing, apply_rope_halves, rope_cos_sin, rope_inv_freq
+from afd.models.spec import ModelSpec, rope_parameters
+
+
+class GroupedQueryAttention(nn.Module):
+    """GQA with RMS-normed query and key heads, rotary in the half-split layout."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        self.head_dim = config.get("head_dim") or hidden // self.heads
+        bias = bool(config.get("attention_bias", False))
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.k_norm = RMSNorm(self.head_dim, eps)
+        self.rope = rope_parameters(config)
+        self.rope_dim = int(self.head_dim * self.rope.get("partial_rotary_factor", 1.0))
+        if self.rope_dim != self.head_dim:
+            raise ValueError("partial_rotary_factor < 1 is not supported for qwen3_moe")
+        self._inv_freq: torch.Tensor | None = None  # computed on first use, never loaded
+        self.kv_layout = (self.kv_heads, self.head_dim, self.head_dim)
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(tokens, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(tokens, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
+        if self._inv_freq is None:
+            inv_freq, self._rope_factor = rope_inv_freq(self.rope, self.head_dim)
+            self._inv_freq = inv_freq.to(x.device)
+        cos, sin = rope_cos_sin(self._inv_freq, batch.positions, self._rope_factor)
+        q, k = apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin)
+        out = cached_attention(q, k, v, cache_k, cache_v, batch, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+def build(config: dict, spec: ModelSpec) -> MoECausalLM:
+    hidden = spec.hidden_size
+    routing = Routing(
+        top_k=config["num_experts_per_tok"] if spec.num_experts else 1,
+        num_experts=spec.num_experts,
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+    )
+
+    def mlp(is_moe: bool) -> nn.Module:
+        if is_moe:
+            return MoE(hidden, routing, config["moe_intermediate_size"], 0, fp32_logits=False)
+        return GatedMLP(hidden, config["intermediate_size"])
+
+    layers = [
+        DecoderLayer(GroupedQueryAttention(config), mlp(is_moe), hidden, spec.rms_norm_eps)
+        for is_moe in spec.moe_layers
+    ]
+    return MoECausalLM(spec, layers)

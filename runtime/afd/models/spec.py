@@ -1,0 +1,83 @@
+"""Torch-free facts about a checkpoint's architecture, read from its config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UnsupportedModelError(ValueError):
+    """A config.json this runtime cannot serve, with the reason."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What both roles must agree on before any tensor moves."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    moe_layers: tuple[bool, ...]
+    num_experts: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+
+
+def moe_layer_mask(config: dict) -> tuple[bool, ...]:
+    """Which decoder layers hold routed experts, by each family's own rule."""
+    arch = config.get("model_type")
+    layers = range(config["num_hidden_layers"])
+    if arch == "deepseek_v2":
+        experts = config.get("n_routed_experts") or 0
+        first_dense = config.get("first_k_dense_replace", 0)
+        every = config.get("moe_layer_freq", 1) or 1
+        return tuple(bool(experts) and i >= first_dense and i % every == 0 for i in layers)
+    if arch == "qwen3_moe":
+        experts = num_experts(config)
+        dense_only = set(config.get("mlp_only_layers") or [])
+        step = config.get("decoder_sparse_step", 1) or 1
+        return tuple(i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in layers)
+    raise UnsupportedModelError(f"model_type={arch!r} is not supported (supported: deepseek_v2, qwen3_moe)")
+
+
+def num_experts(config: dict) -> int:
+    if config.get("model_type") == "deepseek_v2":
+        return int(config.get("n_routed_experts") or 0)
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def rope_parameters(config: dict) -> dict:
+    """RoPE settings in one shape, from the new `rope_parameters` or the older `rope_scaling` keys."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def parse_spec(config: dict) -> ModelSpec:
+    """Validate the parts of config.json every role relies on."""
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={config['hidden_act']!r}: only silu MLPs are supported")
+    if config.get("model_type") == "qwen3_moe" and config.get("use_sliding_window"):
+        raise UnsupportedModelError("use_sliding_window=true: sliding-window attention is not supported")
+    if config.get("model_type") == "deepseek_v2" and config.get("scoring_func", "softmax") != "softmax":
+        raise UnsupportedModelError(f"scoring_func={config['scoring_func']!r}: only softmax routing is supported")
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    try:
+        return ModelSpec(
+            arch=config["model_type"],
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            moe_layers=moe_layer_mask(config),
+            num_experts=num_experts(config),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        )
+    except KeyError as err:
+        raise UnsupportedModelError(f"config.json lacks {err.args[0]!r}") from None
