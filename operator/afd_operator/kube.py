@@ -1,0 +1,120 @@
+"""The one module that talks to the Kubernetes API (besides kopf itself).
+
+Children are written with server-side apply under the field manager `afd-operator`, so
+fields that other managers own (an HPA's `replicas` on the resource, a mutating
+webhook's additions on pods) are never fought over. API errors are translated here into
+`KubeError`, whose message says what failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Protocol
+
+from afd_operator.labels import OPERATOR
+
+log = logging.getLogger(__name__)
+
+# kind → plural, for every kind the operator writes. RBAC (rbac.yaml) grants exactly these.
+PLURALS = {
+    "ConfigMap": "configmaps",
+    "Service": "services",
+    "Pod": "pods",
+    "StatefulSet": "statefulsets",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "PodMonitor": "podmonitors",
+    "PodGroup": "podgroups",
+}
+
+
+class KubeError(RuntimeError):
+    """A Kubernetes API call that failed; `status` is the HTTP status (0: no answer)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Store(Protocol):
+    """What the reconciler needs from the cluster; fakes implement it in tests."""
+
+    def apply(self, obj: dict[str, Any]) -> None: ...
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool: ...
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
+    """REST path of a namespaced object (or its collection when `name` is empty)."""
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{PLURALS[kind]}"
+    return f"{path}/{name}" if name else path
+
+
+class KubeStore:
+    """`Store` over the official `kubernetes` client (kubeconfig or in-cluster credentials)."""
+
+    def __init__(self, api_client: Any) -> None:
+        self._api = api_client
+
+    @classmethod
+    def from_environment(cls) -> "KubeStore":
+        """Credentials from the pod's service account, else from `KUBECONFIG`/~/.kube/config."""
+        import kubernetes
+
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        return cls(kubernetes.client.ApiClient())
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        self._call(
+            "PATCH", path, obj,
+            query=[("fieldManager", OPERATOR), ("force", "true")],
+            content_type="application/apply-patch+yaml",
+        )
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete one object (its dependents in the background); False if it was not there."""
+        path = object_path(api_version, kind, namespace, name)
+        try:
+            self._call("DELETE", path, {"propagationPolicy": "Background"})
+        except KubeError as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
+
+    def _call(
+        self, method: str, path: str, body: Any, query: list | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        api = self._api
+        try:
+            request = api.param_serialize(
+                method=method, resource_path=path, query_params=query or [],
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
+                body=body, auth_settings=["BearerToken"],
+            )
+            response = api.call_api(*request)
+            response.read()
+        except ApiException as err:
+            raise KubeError(err.status or 0, f"{method} {path}: {_reason(err)}") from None
+        except OSError as err:  # urllib3 wraps connection failures in OSError subclasses
+            raise KubeError(0, f"{method} {path}: no answer from the API server ({err})") from None
+        if response.status >= 400:
+            raise KubeError(response.status, f"{method} {path}: HTTP {response.status}")
+        return json.loads(response.data or b"null")
+
+
+def _reason(err: Any) -> str:
+    try:
+        body = json.loads(err.body)
+        return f"HTTP {err.status} {body.get('reason', '')}: {body.get('message', '')}"
+    except (TypeError, ValueError):
+        return f"HTTP {err.status} {err.reason}"

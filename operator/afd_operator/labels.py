@@ -1,0 +1,43 @@
+"""Label keys and child names: the one place that knows how children are called."""
+
+from __future__ import annotations
+
+NAME = "afd.io/name"
+GROUP = "afd.io/group"
+ROLE = "afd.io/role"
+REVISION = "afd.io/revision"
+MANAGED_BY = "app.kubernetes.io/managed-by"
+OPERATOR = "afd-operator"  # also the server-side apply field manager
+
+ROLES = ("attention", "ffn")
+_ROLE_SUFFIX = {"attention": "attn", "ffn": "ffn"}
+
+
+def group_name(name: str, index: int) -> str:
+    return f"{name}-g{index}"
+
+
+def role_name(name: str, index: int, role: str) -> str:
+    """The StatefulSet and its headless Service share this name (pod DNS depends on it)."""
+    return f"{group_name(name, index)}-{_ROLE_SUFFIX[role]}"
+
+
+def config_name(name: str, index: int) -> str:
+    return f"{group_name(name, index)}-config"
+
+
+def podgroup_name(name: str, index: int) -> str:
+    return group_name(name, index)
+
+
+def group_labels(name: str, index: int, revision: str) -> dict[str, str]:
+    return {NAME: name, GROUP: str(index), REVISION: revision, MANAGED_BY: OPERATOR}
+
+
+def role_labels(name: str, index: int, role: str, revision: str) -> dict[str, str]:
+    return {**group_labels(name, index, revision), ROLE: role}
+
+
+def role_selector(name: str, index: int, role: str) -> dict[str, str]:
+    """Stable selector of one role of one group: revisions change, selectors must not."""
+    return {NAME: name, GROUP: str(index), ROLE: role}

@@ -1,0 +1,313 @@
+"""Typed AFDDeployment spec, parsed once from the custom resource body.
+
+The CRD schema (crds/afd.io_afddeployments.yaml) is the first line of defence: it
+defaults and validates what the API server sees. This module is the second: the API
+server may run an older CRD, and `afd render -f` reads files no server has seen. Field
+names and defaults mirror the CRD; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from afd.topology import Topology
+
+API_GROUP = "afd.io"
+API_VERSION = "afd.io/v1alpha1"
+KIND = "AFDDeployment"
+PLURAL = "afddeployments"
+MAX_NAME_LENGTH = 40  # "<name>-g<NNN>-attn" must stay under the 52 characters a StatefulSet may use
+
+Quantity = Union[int, float, str]
+_MODEL_URI_RE = re.compile(
+    r"^(?:pvc://(?P<claim>[a-z0-9](?:[-a-z0-9.]*[a-z0-9])?)(?P<sub>/.*)?"
+    r"|hf://(?P<repo>[^/\s@]+/[^/\s@]+)(?:@(?P<rev>\S+))?"
+    r"|(?:file://)?(?P<path>/\S*))$"
+)
+
+
+class SpecError(ValueError):
+    """An AFDDeployment spec the operator cannot act on; the message names every bad field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class Toleration(_Model):
+    key: Optional[str] = None
+    operator: Optional[Literal["Exists", "Equal"]] = None
+    value: Optional[str] = None
+    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
+    toleration_seconds: Optional[int] = None
+
+
+class EnvVar(_Model):
+    name: str = Field(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str = ""
+
+
+class Resources(_Model):
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class RoleSpec(_Model):
+    """One role of a group: how many ranks (one pod each) and what each pod gets."""
+
+    ranks: int = Field(default=1, ge=1, le=256)
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list)
+
+
+class SecretKeyRef(_Model):
+    name: str
+    key: str = "HF_TOKEN"
+
+
+class ModelCache(_Model):
+    claim_name: Optional[str] = None
+    size_limit: Optional[str] = None
+
+
+class ModelSource(_Model):
+    """Where the checkpoint comes from: `pvc://claim/dir`, `hf://org/name[@rev]` or a host path."""
+
+    uri: str
+    cache: ModelCache = Field(default_factory=ModelCache)
+    secret_ref: Optional[SecretKeyRef] = None
+
+    @model_validator(mode="after")
+    def _check_uri(self) -> "ModelSource":
+        if not _MODEL_URI_RE.match(self.uri):
+            raise ValueError(
+                f"model.uri {self.uri!r}: expected pvc://<claim>[/dir], hf://<org>/<name>[@revision] "
+                "or an absolute host path"
+            )
+        return self
+
+    @property
+    def kind(self) -> Literal["pvc", "hf", "host"]:
+        match = _MODEL_URI_RE.match(self.uri)
+        assert match is not None
+        return "pvc" if match["claim"] else "hf" if match["repo"] else "host"
+
+    @property
+    def parts(self) -> dict[str, Optional[str]]:
+        """The named pieces of the URI: claim/sub, repo/rev or path."""
+        match = _MODEL_URI_RE.match(self.uri)
+        assert match is not None
+        return match.groupdict()
+
+
+class CudaGraphs(_Model):
+    enabled: bool = False
+
+
+class AFDSettings(_Model):
+    """The runtime knobs of DESIGN §2 that the whole group shares."""
+
+    connector: Literal["zmq", "nccl"] = "zmq"
+    stages: Literal[1, 2] = 1
+    compute_gate_on_attention: bool = False
+    cuda_graphs: CudaGraphs = Field(default_factory=CudaGraphs)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_model_len: int = Field(default=0, ge=0)
+
+
+class Ports(_Model):
+    http: int = Field(default=8000, ge=1, le=65535)
+    metrics: int = Field(default=9090, ge=1, le=65535)
+    control: int = Field(default=25500, ge=1, le=65535)
+    data: int = Field(default=25501, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _check_distinct(self) -> "Ports":
+        ffn = {"control": self.control, "data": self.data, "metrics": self.metrics}
+        attention = {"http": self.http, "metrics": self.metrics}
+        for role, ports in (("FFN", ffn), ("attention", attention)):
+            if len(set(ports.values())) != len(ports):
+                raise ValueError(f"ports: the {role} ports {ports} must be distinct")
+        return self
+
+
+class Probes(_Model):
+    period_seconds: int = Field(default=5, ge=1)
+    startup_timeout_seconds: int = Field(default=3600, ge=10)
+
+
+class Rollout(_Model):
+    """Rollouts replace whole groups; both bounds count groups, never pods."""
+
+    max_surge: int = Field(default=0, ge=0)
+    max_unavailable: int = Field(default=1, ge=0)
+    partition: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_progress(self) -> "Rollout":
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise ValueError("rollout.maxSurge and rollout.maxUnavailable must not both be 0")
+        return self
+
+
+class RestartPolicy(_Model):
+    """What the operator does when a rank of a group is lost."""
+
+    type: Optional[Literal["RecreateGroupOnRankFailure", "None"]] = None
+    backoff_seconds: int = Field(default=30, ge=0)
+    max_backoff_seconds: int = Field(default=600, ge=0)
+    max_restarts: Optional[int] = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> "RestartPolicy":
+        if self.max_backoff_seconds < self.backoff_seconds:
+            raise ValueError(
+                f"restartPolicy.maxBackoffSeconds ({self.max_backoff_seconds}) must not be below "
+                f"restartPolicy.backoffSeconds ({self.backoff_seconds})"
+            )
+        return self
+
+
+class GangScheduling(_Model):
+    enabled: bool = False
+    scheduler: Literal["volcano", "scheduler-plugins"] = "volcano"
+    scheduler_name: Optional[str] = None
+    timeout_seconds: int = Field(default=60, ge=1)
+
+
+class Placement(_Model):
+    """Pack each group into one topology domain (a node, a rack, an NVLink domain)."""
+
+    topology_key: str
+    mode: Literal["Required", "Preferred"] = "Preferred"
+
+
+class DisruptionBudget(_Model):
+    enabled: bool = False
+    max_unavailable: int = Field(default=1, ge=0)
+
+
+class Monitoring(_Model):
+    pod_monitor: bool = False
+    interval: str = Field(default="15s", pattern=r"^[0-9]+(ms|s|m|h)$")
+
+
+class ImagePullSecret(_Model):
+    name: str
+
+
+class AFDDeploymentSpec(_Model):
+    """The whole spec of one AFDDeployment: `replicas` identical AFD groups."""
+
+    replicas: int = Field(default=1, ge=0, le=100)
+    image: str = Field(min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_secrets: list[ImagePullSecret] = Field(default_factory=list)
+    service_account_name: Optional[str] = None
+    priority_class_name: Optional[str] = None
+    shm_size_limit: Optional[str] = None
+    model: ModelSource
+    attention: RoleSpec = Field(default_factory=RoleSpec)
+    ffn: RoleSpec = Field(default_factory=RoleSpec)
+    afd: AFDSettings = Field(default_factory=AFDSettings)
+    ports: Ports = Field(default_factory=Ports)
+    probes: Probes = Field(default_factory=Probes)
+    rollout: Rollout = Field(default_factory=Rollout)
+    restart_policy: RestartPolicy = Field(default_factory=RestartPolicy)
+    gang_scheduling: GangScheduling = Field(default_factory=GangScheduling)
+    placement: Optional[Placement] = None
+    pod_disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget)
+    monitoring: Monitoring = Field(default_factory=Monitoring)
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "AFDDeploymentSpec":
+        if self.ffn.ranks > self.attention.ranks:
+            raise ValueError(
+                f"ffn.ranks ({self.ffn.ranks}) must not exceed attention.ranks ({self.attention.ranks})"
+            )
+        return self
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.attention.ranks, self.ffn.ranks)
+
+    @property
+    def restart_type(self) -> str:
+        """The effective restart policy: NCCL communicators cannot be rebuilt in place."""
+        if self.restart_policy.type:
+            return self.restart_policy.type
+        return "RecreateGroupOnRankFailure" if self.afd.connector == "nccl" else "None"
+
+    @property
+    def revision(self) -> str:
+        """Hash of everything that shapes a group's pods (not replicas, rollout or restarts).
+
+        Only values that differ from the defaults enter the hash, so spelling out a
+        default, or an operator upgrade adding a defaulted field, starts no rollout.
+        """
+        pod_fields = set(type(self).model_fields) - {
+            "replicas", "rollout", "restart_policy", "pod_disruption_budget", "monitoring",
+        }
+        data = self.model_dump(include=pod_fields, exclude_defaults=True, by_alias=True, mode="json")
+        digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+        return digest[:10]
+
+
+class Owner(_Model):
+    """The identity of the custom resource, for names, labels and ownerReferences."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def parse_spec(spec: Any) -> AFDDeploymentSpec:
+    """Parse a spec mapping; every problem is reported in one `SpecError`."""
+    try:
+        return AFDDeploymentSpec.model_validate(dict(spec or {}))
+    except ValidationError as err:
+        raise SpecError("; ".join(_describe(e) for e in err.errors())) from None
+
+
+def parse_owner(body: Any) -> Owner:
+    meta = body.get("metadata", {})
+    name = meta.get("name", "")
+    if len(name) > MAX_NAME_LENGTH:
+        raise SpecError(
+            f"metadata.name {name!r} is {len(name)} characters; an AFDDeployment name may have at "
+            f"most {MAX_NAME_LENGTH} so that its StatefulSet and pod names stay valid"
+        )
+    return Owner(name=name, namespace=meta.get("namespace") or "default", uid=meta.get("uid", ""))
+
+
+def _describe(error: dict[str, Any]) -> str:
+    message = str(error["msg"]).removeprefix("Value error, ")
+    location = ".".join(_camel(part) for part in error["loc"])
+    if location and not message.startswith(location.split(".")[0]):
+        return f"spec.{location}: {message}"
+    return message
+
+
+def _camel(part: Any) -> str:
+    return to_camel(part) if isinstance(part, str) else f"[{part}]"

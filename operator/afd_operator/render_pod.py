@@ -1,0 +1,200 @@
+"""Render the pod template of one role of one group. Pure.
+
+The pod contract (DESIGN §2): the whole runtime configuration arrives as `AFD_*`
+environment variables plus the group's ConfigMap mounted at /etc/afd; the rank is the
+StatefulSet ordinal in `$HOSTNAME`, which the runtime reads itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from afd_operator import labels as L
+from afd_operator.model import AFDDeploymentSpec, Owner
+
+CONFIG_DIR = "/etc/afd"
+CONFIG_FILE = f"{CONFIG_DIR}/afd.yaml"
+MODEL_DIR = "/models"
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+DEFAULT_SCHEDULERS = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
+
+
+def ffn_address_template(owner: Owner, index: int) -> str:
+    """Stable DNS of FFN rank `{rank}` through the headless Service (resolves before Ready)."""
+    ffn = L.role_name(owner.name, index, "ffn")
+    return f"{ffn}-{{rank}}.{ffn}.{owner.namespace}.svc"
+
+
+def model_path(spec: AFDDeploymentSpec) -> str:
+    """Where the checkpoint is inside the pod (AFD_MODEL)."""
+    parts = spec.model.parts
+    if spec.model.kind == "pvc":
+        return MODEL_DIR + (parts["sub"] or "").rstrip("/")
+    if spec.model.kind == "hf":
+        return f"{MODEL_DIR}/{parts['repo']}"
+    return MODEL_DIR
+
+
+def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, revision: str) -> list[dict]:
+    """The AFD_* environment of one role pod (the rank comes from $HOSTNAME)."""
+    afd, ports = spec.afd, spec.ports
+    values = {
+        "AFD_ROLE": role,
+        "AFD_NUM_ATTENTION_RANKS": spec.attention.ranks,
+        "AFD_NUM_FFN_RANKS": spec.ffn.ranks,
+        "AFD_FFN_ADDRESS_TEMPLATE": ffn_address_template(owner, index),
+        "AFD_CONTROL_PORT": ports.control,
+        "AFD_DATA_PORT": ports.data,
+        "AFD_CONNECTOR": afd.connector,
+        "AFD_STAGES": afd.stages,
+        "AFD_GATE_ON_ATTENTION": afd.compute_gate_on_attention,
+        "AFD_CUDA_GRAPHS": afd.cuda_graphs.enabled,
+        "AFD_MODEL": model_path(spec),
+        "AFD_HTTP_PORT": ports.http,
+        "AFD_METRICS_PORT": ports.metrics,
+        # Both roles of a group share it; a pod of another group or revision is refused.
+        "AFD_GROUP_TOKEN": f"{L.group_name(owner.name, index)}-{revision}",
+        "AFD_CONFIG_FILE": CONFIG_FILE,
+    }
+    env = [{"name": k, "value": _text(v)} for k, v in values.items()]
+    return env + [{"name": e.name, "value": e.value} for e in _role(spec, role).env]
+
+
+def render_pod_template(
+    spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, revision: str
+) -> dict[str, Any]:
+    """The StatefulSet pod template of `role` in group `index` at `revision`."""
+    role_spec = _role(spec, role)
+    metadata: dict[str, Any] = {"labels": L.role_labels(owner.name, index, role, revision)}
+    pod: dict[str, Any] = {
+        "enableServiceLinks": False,  # dozens of *_SERVICE_HOST variables help no one here
+        "terminationGracePeriodSeconds": 30,
+        "containers": [_container(spec, owner, index, role, revision)],
+        "volumes": _volumes(spec, owner, index),
+    }
+    if spec.model.kind == "hf":
+        pod["initContainers"] = [_download_container(spec)]
+    optional = {
+        "serviceAccountName": spec.service_account_name,
+        "priorityClassName": spec.priority_class_name,
+        "imagePullSecrets": [{"name": s.name} for s in spec.image_pull_secrets],
+        "nodeSelector": dict(role_spec.node_selector),
+        "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in role_spec.tolerations],
+        "affinity": _affinity(spec, owner, index),
+    }
+    pod.update({k: v for k, v in optional.items() if v})
+    gang = spec.gang_scheduling
+    if gang.enabled:
+        pod["schedulerName"] = gang.scheduler_name or DEFAULT_SCHEDULERS[gang.scheduler]
+        group = L.podgroup_name(owner.name, index)
+        if gang.scheduler == "volcano":
+            metadata["annotations"] = {VOLCANO_GROUP_ANNOTATION: group}
+        else:
+            metadata["labels"][COSCHEDULING_GROUP_LABEL] = group
+    return {"metadata": metadata, "spec": pod}
+
+
+def _container(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, revision: str) -> dict:
+    ports = spec.ports
+    if role == "attention":
+        container_ports = [("http", ports.http), ("metrics", ports.metrics)]
+        health = {"path": "/health", "port": "http"}
+    else:
+        container_ports = [("control", ports.control), ("data", ports.data), ("metrics", ports.metrics)]
+        health = {"path": "/health", "port": "metrics"}
+    period = spec.probes.period_seconds
+    resources = _role(spec, role).resources.model_dump(exclude_defaults=True)
+    container = {
+        "name": role,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["afd", "serve"],
+        "env": render_env(spec, owner, index, role, revision),
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in container_ports],
+        # Ready means warmed up and serving (the runtime's /health says so only after warm-up).
+        "readinessProbe": {"httpGet": health, "periodSeconds": period, "failureThreshold": 3},
+        # Loading weights and capturing graphs takes minutes: hold other probes off until then.
+        "startupProbe": {
+            "httpGet": health,
+            "periodSeconds": period,
+            "failureThreshold": math.ceil(spec.probes.startup_timeout_seconds / period),
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "shm", "mountPath": "/dev/shm"},
+            {"name": "model", "mountPath": MODEL_DIR, "readOnly": spec.model.kind != "hf"},
+        ],
+    }
+    if resources:
+        container["resources"] = {k: {r: _quantity(q) for r, q in v.items()} for k, v in resources.items()}
+    return container
+
+
+def _download_container(spec: AFDDeploymentSpec) -> dict:
+    parts = spec.model.parts
+    command = ["hf", "download", parts["repo"], "--local-dir", model_path(spec)]
+    if parts["rev"]:
+        command += ["--revision", parts["rev"]]
+    container: dict[str, Any] = {
+        "name": "model-download",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": command,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}],
+    }
+    if spec.model.secret_ref:
+        ref = spec.model.secret_ref
+        container["env"] = [
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        ]
+    return container
+
+
+def _volumes(spec: AFDDeploymentSpec, owner: Owner, index: int) -> list[dict]:
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.shm_size_limit:
+        shm["sizeLimit"] = spec.shm_size_limit
+    model = spec.model
+    parts = model.parts
+    if model.kind == "pvc":
+        source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": parts["claim"], "readOnly": True}}
+    elif model.kind == "host":
+        source = {"hostPath": {"path": parts["path"], "type": "Directory"}}
+    elif model.cache.claim_name:
+        source = {"persistentVolumeClaim": {"claimName": model.cache.claim_name}}
+    else:
+        cache = {"sizeLimit": model.cache.size_limit} if model.cache.size_limit else {}
+        source = {"emptyDir": cache}
+    return [
+        {"name": "config", "configMap": {"name": L.config_name(owner.name, index)}},
+        # Memory-backed so NCCL and torch have room; it lives as long as the pod.
+        {"name": "shm", "emptyDir": shm},
+        {"name": "model", **source},
+    ]
+
+
+def _affinity(spec: AFDDeploymentSpec, owner: Owner, index: int) -> dict:
+    if spec.placement is None:
+        return {}
+    term = {
+        "labelSelector": {"matchLabels": {L.NAME: owner.name, L.GROUP: str(index)}},
+        "topologyKey": spec.placement.topology_key,
+    }
+    if spec.placement.mode == "Required":
+        return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    weighted = {"weight": 100, "podAffinityTerm": term}
+    return {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [weighted]}}
+
+
+def _role(spec: AFDDeploymentSpec, role: str):
+    return spec.attention if role == "attention" else spec.ffn
+
+
+def _quantity(value: Any) -> Any:
+    return value if isinstance(value, str) else str(value)
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
