@@ -40,6 +40,8 @@ class AFDConfig:
     control_port: int = 25500
     data_port: int = 25501
     port_stride: int = 0
+    bind_host: str = "0.0.0.0"
+    max_message_bytes: int = 1 << 30
     connector: str = "zmq"
     stages: int = 1
     gate_on_attention: bool = False
@@ -73,9 +75,14 @@ class AFDConfig:
             port = getattr(self, name)
             if not 1 <= port <= 65535:
                 raise ConfigError(f"{name}={port}: must be a TCP port in 1..65535")
-        for name in ("max_num_seqs", "connect_timeout_s", "peer_timeout_s", "heartbeat_interval_s"):
+        for name in ("max_num_seqs", "max_message_bytes", "connect_timeout_s", "peer_timeout_s", "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
+        if self.num_ffn_ranks > 1 and "{rank}" not in self.ffn_address_template and not self.port_stride:
+            raise ConfigError(
+                f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
+                f"all {self.num_ffn_ranks} FFN ranks would share one address"
+            )
         if self.max_model_len < 0 or self.port_stride < 0:
             raise ConfigError("max_model_len and port_stride must not be negative")
 
@@ -127,6 +134,8 @@ ENV_VARS: dict[str, str] = {
     "AFD_CONTROL_PORT": "control_port",
     "AFD_DATA_PORT": "data_port",
     "AFD_PORT_STRIDE": "port_stride",
+    "AFD_BIND_HOST": "bind_host",
+    "AFD_MAX_MESSAGE_BYTES": "max_message_bytes",
     "AFD_CONNECTOR": "connector",
     "AFD_STAGES": "stages",
     "AFD_GATE_ON_ATTENTION": "gate_on_attention",

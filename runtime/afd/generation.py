@@ -1,6 +1,6 @@
 """Greedy generation over a static batch: the loop behind `afd generate` and the parity tests.
 
-The stepper is anything that maps (flattened input ids, attention batch) to the logits of
+The stepper is anything that maps (flattened input ids, sequence layout) to the logits of
 each sequence's last token: the monolithic model, or an attention runner whose FFN is
 remote. All prompts are in flight together; finished sequences leave the batch.
 """
@@ -13,9 +13,9 @@ from typing import Callable, Sequence
 import torch
 
 from afd.kv_cache import KVCache
-from afd.models.attention import AttentionBatch
+from afd.runners.microbatch import SeqLayout
 
-Stepper = Callable[[torch.Tensor, AttentionBatch], torch.Tensor]
+Stepper = Callable[[torch.Tensor, SeqLayout], torch.Tensor]
 
 
 @dataclass
@@ -58,10 +58,10 @@ def _decode(step, slots, prompts, max_tokens, eos, ignore_eos, device) -> Genera
     active = list(range(count))
     while active:
         input_ids = torch.tensor([t for i in active for t in pending[i]], dtype=torch.long, device=device)
-        batch = AttentionBatch.build(
-            [slots[i] for i in active], [context[i] for i in active], [len(pending[i]) for i in active], device
+        layout = SeqLayout(
+            tuple(slots[i] for i in active), tuple(context[i] for i in active), tuple(len(pending[i]) for i in active)
         )
-        logits = step(input_ids, batch)  # [len(active), vocab]
+        logits = step(input_ids, layout)  # [len(active), vocab]
         chosen = logits.argmax(dim=-1).tolist()
         for row, i in enumerate(active):
             context[i] += len(pending[i])

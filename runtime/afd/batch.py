@@ -1,0 +1,40 @@
+"""One attention rank's share of an offline batch: connect, generate greedily, disconnect.
+
+Used by `afd generate` for every attention rank, in threads (loopback) or in
+processes (zmq), so both paths run the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from afd.config import AFDConfig
+from afd.generation import GenerationResult, greedy_generate
+from afd.roles import build_attention
+
+
+def split_prompts(num_prompts: int, num_ranks: int) -> list[list[int]]:
+    """Prompt indices of each attention rank: contiguous, balanced blocks."""
+    base, extra = divmod(num_prompts, num_ranks)
+    blocks, start = [], 0
+    for rank in range(num_ranks):
+        size = base + (1 if rank < extra else 0)
+        blocks.append(list(range(start, start + size)))
+        start += size
+    return blocks
+
+
+def run_attention_batch(
+    config: AFDConfig, prompts: Sequence[Sequence[int]], max_tokens: int, ignore_eos: bool
+) -> GenerationResult:
+    """Handshake with the FFN rank, decode `prompts` as one batch, say goodbye."""
+    max_len = max((len(p) for p in prompts), default=1) + max_tokens
+    role = build_attention(config, num_slots=max(len(prompts), 1), max_len=max_len)
+    try:
+        if not prompts:
+            return GenerationResult([], [])
+        return greedy_generate(
+            role.runner, role.kv_cache, prompts, max_tokens, role.loaded.spec.eos_token_ids, ignore_eos, role.device
+        )
+    finally:
+        role.close("batch finished")

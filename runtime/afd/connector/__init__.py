@@ -1,0 +1,1 @@
+"""Connectors between attention and FFN ranks: control plane, data plane, transports."""

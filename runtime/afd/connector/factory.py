@@ -1,0 +1,75 @@
+"""Lazy connector factory: a connector name picks the transport; nothing is imported early."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from afd.config import AFDConfig
+from afd.connector.attention_side import AttentionConnector
+from afd.connector.base import ConnectorError
+from afd.connector.ffn_side import DataContract, FFNConnector
+
+# name → (module, attention-side factory, FFN-side factory)
+_REGISTRY = {
+    "loopback": ("afd.connector.factory", "_loopback_peer", "_loopback_server"),
+    "zmq": ("afd.connector.factory", "_zmq_peer", "_zmq_server"),
+    "nccl": ("afd.connector.nccl", "make_peer_transport", "make_server_transport"),
+}
+
+
+def _resolve(name: str, side: int):
+    if name not in _REGISTRY:
+        raise ConnectorError(f"connector {name!r} is unknown (known: {', '.join(_REGISTRY)})")
+    module_name = _REGISTRY[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConnectorError(f"connector {name!r} is not available here: {err}") from None
+    return getattr(module, _REGISTRY[name][side])
+
+
+def loopback_address(config: AFDConfig, ffn_rank: int) -> str:
+    return f"{config.ffn_host(ffn_rank)}:{config.ffn_ports(ffn_rank)[0]}"
+
+
+def _loopback_peer(config: AFDConfig, ffn_rank: int, identity: bytes):
+    from afd.connector.transport import LoopbackPeer
+
+    return LoopbackPeer(loopback_address(config, ffn_rank), identity)
+
+
+def _loopback_server(config: AFDConfig):
+    from afd.connector.transport import LoopbackServer
+
+    return LoopbackServer(loopback_address(config, config.rank))
+
+
+def _zmq_peer(config: AFDConfig, ffn_rank: int, identity: bytes):
+    from afd.connector.zmq_transport import ZmqPeer
+
+    return ZmqPeer(config.ffn_host(ffn_rank), config.ffn_ports(ffn_rank), identity)
+
+
+def _zmq_server(config: AFDConfig):
+    from afd.connector.zmq_transport import ZmqServer
+
+    return ZmqServer(config.bind_host, config.ffn_ports(config.rank), config.max_message_bytes)
+
+
+def peer_identity(attention_rank: int) -> bytes:
+    return f"attn-{attention_rank}".encode()
+
+
+def make_attention_connector(config: AFDConfig, device: torch.device | str) -> AttentionConnector:
+    """The connector of attention rank `config.rank` to the FFN rank that serves it."""
+    ffn_rank = config.topology.ffn_rank_of(config.rank)
+    transport = _resolve(config.connector, 1)(config, ffn_rank, peer_identity(config.rank))
+    return AttentionConnector(transport, ffn_rank, device, config.peer_timeout_s)
+
+
+def make_ffn_connector(config: AFDConfig, device: torch.device | str, contract: DataContract) -> FFNConnector:
+    """The listening connector of FFN rank `config.rank`."""
+    transport = _resolve(config.connector, 2)(config)
+    return FFNConnector(transport, device, config.peer_timeout_s, contract)

@@ -1,0 +1,32 @@
+"""Tensors as data-plane frames: raw bytes whose shape and dtype travel in the header."""
+
+from __future__ import annotations
+
+import torch
+
+from afd.connector.wire import ProtocolError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def to_frame(tensor: torch.Tensor) -> memoryview:
+    """A CPU byte view of `tensor` (copied off the device when needed)."""
+    data = tensor.detach().contiguous()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    return memoryview(data.view(torch.uint8).reshape(-1).numpy())
+
+
+def from_frame(frame: bytes, rows: int, cols: int, dtype_name: str, device: torch.device | str) -> torch.Tensor:
+    """Bytes → [rows, cols] tensor on `device`; a size that does not match is a `ProtocolError`."""
+    dtype = DTYPES.get(dtype_name)
+    if dtype is None:
+        raise ProtocolError(f"unknown dtype {dtype_name!r}")
+    expected = rows * cols * torch.empty(0, dtype=dtype).element_size()
+    if len(frame) != expected:
+        raise ProtocolError(f"tensor frame has {len(frame)} bytes, header says {rows}x{cols} {dtype_name} = {expected}")
+    if expected == 0:
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    data = torch.frombuffer(bytearray(frame), dtype=torch.uint8).view(dtype).view(rows, cols)
+    return data.to(device)

@@ -1,0 +1,134 @@
+"""The FFN daemon loop (the seed's FFN runtime, point by point).
+
+Block on the control plane; gather the step plans that are ready; then for each
+crossing layer and each stage: receive the rows of every peer in the step,
+concatenate, compute (experts from shipped router logits when the gate runs on
+attention, the whole FFN otherwise), split, and send each slice back to its source.
+Peers that have not sent a plan are not waited for, so an idle attention rank never
+stalls a busy one. No scheduler, no KV cache, no sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from afd.connector import wire
+from afd.connector.base import FFNTransfer
+from afd.connector.ffn_side import FFNConnector
+from afd.models.loader import LoadedModel
+from afd.runners.handshake import check_hello
+
+log = logging.getLogger(__name__)
+POLL_INTERVAL_S = 0.1
+
+
+class FFNRunner:
+    """Serves the attention ranks of one FFN rank until `stop` is set."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        connector: FFNConnector,
+        expected_hello: wire.Hello,
+        served_ranks: tuple[int, ...],
+        ffn_rank: int,
+    ):
+        self.layers = loaded.model.layers
+        self.crossing = loaded.crossing
+        self.connector = connector
+        self.expected = expected_hello
+        self.served_ranks = served_ranks
+        self.ffn_rank = ffn_rank
+        self.peers: dict[bytes, int] = {}  # identity → attention rank
+        self.steps_run = 0
+        self.rows_served = 0
+
+    def serve(self, stop: threading.Event) -> None:
+        """The daemon loop; returns within one poll interval of `stop` being set."""
+        try:
+            while not stop.is_set():
+                plans: dict[bytes, wire.StepPlan] = {}
+                for peer, message in self.connector.poll_control(POLL_INTERVAL_S):
+                    self._on_control(peer, message, plans)
+                if plans:
+                    with torch.inference_mode():
+                        self.run_step(plans)
+        finally:
+            for peer in list(self.peers):
+                self.connector.send_control(peer, wire.Goodbye("ffn rank shutting down"))
+            self.connector.close()
+
+    def run_step(self, plans: dict[bytes, wire.StepPlan]) -> None:
+        """One step for every peer that sent a plan: all crossing layers, all stages."""
+        live = dict(sorted(plans.items()))
+        for layer in self.crossing:
+            for stage in range(self.expected.stages):
+                peers = tuple(p for p, plan in live.items() if plan.stage_tokens[stage] > 0)
+                if not peers:
+                    continue
+                transfer = FFNTransfer(
+                    layer, stage, peers, tuple(live[p].step_id for p in peers), tuple(live[p].stage_tokens[stage] for p in peers)
+                )
+                delivered, hidden, logits = self.connector.recv_attn_output(transfer)
+                for peer, reason in self.connector.failed_peers.items():
+                    live.pop(peer, None)
+                    self._drop(peer, reason)
+                if delivered.peers:
+                    self.connector.send_ffn_output(self._compute(layer, hidden, logits), delivered)
+                    self.rows_served += hidden.shape[0]
+        self.steps_run += 1
+
+    def _compute(self, layer_index: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
+        layer = self.layers[layer_index]
+        if router_logits is not None:
+            return layer.expert_half(hidden, router_logits)
+        return layer.ffn_half(hidden)
+
+    def _on_control(self, peer: bytes, message: object, plans: dict[bytes, wire.StepPlan]) -> None:
+        if isinstance(message, wire.Hello):
+            self._on_hello(peer, message)
+        elif isinstance(message, wire.StepPlan):
+            problem = self._check_plan(peer, message)
+            if problem:
+                self._drop(peer, problem)
+            else:
+                plans[peer] = message
+        elif isinstance(message, wire.Heartbeat):
+            if peer in self.peers:
+                self.connector.send_control(peer, message)
+        elif isinstance(message, wire.Goodbye):
+            if self.peers.pop(peer, None) is not None:
+                log.info("attention peer %s left: %s", peer.decode(errors="replace"), message.reason)
+        elif isinstance(message, wire.ProtocolVersionError):
+            self.connector.send_control(peer, wire.HelloReply(False, self.ffn_rank, str(message)))
+            log.warning("refused %s: %s", peer.decode(errors="replace"), message)
+        elif isinstance(message, wire.ProtocolError):
+            self.connector.rejected["control"] += 1
+            log.warning("rejected a control message from %s: %s", peer.decode(errors="replace"), message)
+
+    def _on_hello(self, peer: bytes, hello: wire.Hello) -> None:
+        reason = check_hello(hello, self.expected, self.served_ranks)
+        if reason is None and peer.decode(errors="replace") != f"attn-{hello.attention_rank}":
+            reason = f"identity {peer!r} does not match attention rank {hello.attention_rank}"
+        self.connector.send_control(peer, wire.HelloReply(reason is None, self.ffn_rank, reason or ""))
+        if reason:
+            log.error("refused attention peer %s: %s", peer.decode(errors="replace"), reason)
+            return
+        self.peers[peer] = hello.attention_rank
+        self.connector.accept_peer(peer)
+        log.info("attention rank %d connected", hello.attention_rank)
+
+    def _check_plan(self, peer: bytes, plan: wire.StepPlan) -> str | None:
+        if peer not in self.peers:
+            return "step plan before a completed handshake"
+        if len(plan.stage_tokens) != self.expected.stages or min(plan.stage_tokens) < 0:
+            return f"step plan with stage tokens {list(plan.stage_tokens)} for {self.expected.stages} stage(s)"
+        return None
+
+    def _drop(self, peer: bytes, reason: str) -> None:
+        rank = self.peers.pop(peer, None)
+        log.warning("dropping attention peer %s: %s", rank if rank is not None else peer, reason)
+        self.connector.drop_peer(peer, reason)

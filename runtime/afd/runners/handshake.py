@@ -1,0 +1,59 @@
+"""What a Hello says, and the pure check an FFN rank applies to one."""
+
+from __future__ import annotations
+
+import hashlib
+
+from afd.config import AFDConfig
+from afd.connector.wire import Hello
+from afd.models.spec import ModelSpec
+
+
+def token_digest(token: str) -> str:
+    """The group token never travels; its digest does (empty when no token is set)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
+
+
+def make_hello(config: AFDConfig, spec: ModelSpec, crossing: tuple[int, ...], fingerprint: str, dtype: str) -> Hello:
+    return Hello(
+        attention_rank=config.rank if config.role == "attention" else -1,
+        topology=str(config.topology),
+        model_fingerprint=fingerprint,
+        layers=tuple(crossing),
+        hidden_size=spec.hidden_size,
+        dtype=dtype,
+        stages=config.stages,
+        gate_on_attention=config.gate_on_attention,
+        router_width=spec.num_experts if config.gate_on_attention else 0,
+        token_digest=token_digest(config.group_token),
+    )
+
+
+_CHECKS = (
+    ("token_digest", "group token differs (is the peer from another AFD deployment?)"),
+    ("topology", "topology differs"),
+    ("model_fingerprint", "model fingerprint differs (are both roles loading the same checkpoint?)"),
+    ("gate_on_attention", "gate placement differs"),
+    ("layers", "crossing layer list differs"),
+    ("hidden_size", "hidden size differs"),
+    ("dtype", "dtype differs"),
+    ("stages", "stage count differs"),
+    ("router_width", "router logit width differs"),
+)
+
+
+def check_hello(hello: Hello, expected: Hello, served_ranks: tuple[int, ...]) -> str | None:
+    """None when `hello` may join; otherwise the reason, naming both values."""
+    for field, problem in _CHECKS:
+        theirs, ours = getattr(hello, field), getattr(expected, field)
+        if theirs != ours:
+            if field == "token_digest":
+                return problem
+            return f"{problem}: attention has {_show(theirs)}, ffn has {_show(ours)}"
+    if hello.attention_rank not in served_ranks:
+        return f"attention rank {hello.attention_rank} is not served by this ffn rank (it serves {list(served_ranks)})"
+    return None
+
+
+def _show(value) -> str:
+    return str(list(value)) if isinstance(value, tuple) else str(value)
