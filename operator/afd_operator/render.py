@@ -54,7 +54,11 @@ def render_all(
 
 
 class _Dumper(yaml.SafeDumper):
-    """Block style for multi-line strings, so embedded config files stay readable."""
+    """Block style for multi-line strings, so embedded config files stay readable; no
+    anchors, so every manifest reads on its own."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.Node:

@@ -1,0 +1,160 @@
+"""The CRD: structural, valid for Kubernetes, in step with the typed model, and its CEL
+rules evaluated for real (cel-python) on good and bad resources."""
+
+from __future__ import annotations
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from afd_operator.model import AFDDeploymentSpec, SpecError, parse_spec
+from op_testkit import SAMPLES, apply_defaults, cel_failures, crd_schema, make_cr, walk_validations
+
+NEWEST = kubernetes_validate.utils.latest_version()
+
+
+@pytest.mark.parametrize("version", ["1.30", NEWEST])
+def test_crd_is_a_valid_kubernetes_object(crd, version):
+    kubernetes_validate.validate(crd, version, strict=True)
+
+
+def test_crd_names_and_subresources(crd):
+    spec = crd["spec"]
+    assert (spec["group"], spec["scope"], spec["names"]["kind"]) == ("afd.io", "Namespaced", "AFDDeployment")
+    assert spec["names"]["plural"] == "afddeployments" and spec["names"]["shortNames"] == ["afd"]
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["storage"] and version["served"]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Ready", "Groups", "Topology", "Revision", "Age"]
+
+
+def _structural_problems(node, path):
+    if path != ".metadata" and "type" not in node and not node.get("x-kubernetes-int-or-string"):
+        yield f"{path}: no type"
+    if node.get("x-kubernetes-preserve-unknown-fields"):
+        yield f"{path}: preserve-unknown-fields"
+    if "properties" in node and "additionalProperties" in node:
+        yield f"{path}: both properties and additionalProperties"
+    for key, sub in (node.get("properties") or {}).items():
+        yield from _structural_problems(sub, f"{path}.{key}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            yield from _structural_problems(node[key], f"{path}.{key}")
+
+
+def test_schema_is_structural():
+    assert list(_structural_problems(crd_schema(), "")) == []
+
+
+def _model_problems(model: type[BaseModel], schema: dict, path: str):
+    """Fields the typed model and the CRD schema disagree about (by name)."""
+    props = schema.get("properties") or {}
+    fields = {f.alias: f for f in model.model_fields.values()}
+    for missing in sorted(set(fields) ^ set(props)):
+        yield f"{path}.{missing}: only in {'the model' if missing in fields else 'the CRD'}"
+    for alias, field in fields.items():
+        sub_model = _model_of(field.annotation)
+        if sub_model is not None and alias in props:
+            sub_schema = props[alias]
+            if sub_schema.get("type") == "array":
+                sub_schema = sub_schema["items"]
+            yield from _model_problems(sub_model, sub_schema, f"{path}.{alias}")
+
+
+def _model_of(annotation):
+    candidates = [annotation, *getattr(annotation, "__args__", ())]
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+        for inner in getattr(candidate, "__args__", ()):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
+
+
+def test_typed_model_and_crd_schema_have_the_same_fields():
+    spec_schema = crd_schema()["properties"]["spec"]
+    assert list(_model_problems(AFDDeploymentSpec, spec_schema, "spec")) == []
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_samples_validate_against_the_crd_schema_and_cel_rules(path):
+    body = yaml.safe_load(path.read_text())
+    defaulted = apply_defaults(crd_schema(), body)
+    jsonschema.Draft7Validator(crd_schema()).validate(defaulted)
+    assert cel_failures(crd_schema(), defaulted) == []
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_crd_defaults_equal_the_typed_model_defaults(path):
+    """What the API server stores (CRD defaults) parses to the same spec as the raw file."""
+    body = yaml.safe_load(path.read_text())
+    defaulted = apply_defaults(crd_schema(), body)
+    assert parse_spec(defaulted["spec"]) == parse_spec(body["spec"])
+
+
+def test_every_cel_rule_compiles():
+    import celpy
+
+    env = celpy.Environment()
+    rules = list(walk_validations(crd_schema()))
+    assert len(rules) >= 5
+    for _, rule in rules:
+        env.compile(rule["rule"])
+        if "messageExpression" in rule:
+            env.compile(rule["messageExpression"])
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("demo", {"attention": {"ranks": 2}, "ffn": {"ranks": 3}},
+         "ffn.ranks (3) must not exceed attention.ranks (2)"),
+        ("demo", {"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
+         "rollout.maxSurge and rollout.maxUnavailable must not both be 0"),
+        ("demo", {"restartPolicy": {"backoffSeconds": 60, "maxBackoffSeconds": 10}},
+         "restartPolicy.maxBackoffSeconds (10) must not be below restartPolicy.backoffSeconds (60)"),
+        ("demo", {"ports": {"data": 25500}}, "ports.control, ports.data and ports.metrics"),
+        ("demo", {"ports": {"http": 9090}}, "ports.http and ports.metrics"),
+        ("n" * 41, {}, "metadata.name may have at most 40 characters"),
+    ],
+)
+def test_cel_rules_reject_what_the_schema_cannot(name, change, message):
+    body = make_cr(name=name, **change)
+    defaulted = apply_defaults(crd_schema(), body)
+    jsonschema.Draft7Validator(crd_schema()).validate(defaulted)  # the schema alone lets it through
+    failures = cel_failures(crd_schema(), defaulted)
+    assert len(failures) == 1 and message in failures[0]
+
+
+@pytest.mark.parametrize("change", [
+    {"attention": {"ranks": 2}, "ffn": {"ranks": 3}},
+    {"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
+    {"restartPolicy": {"backoffSeconds": 60, "maxBackoffSeconds": 10}},
+])
+def test_cel_and_the_operator_say_the_same_thing(change):
+    """If the API server runs an older CRD, the operator's own check gives the same message."""
+    defaulted = apply_defaults(crd_schema(), make_cr(**change))
+    [cel_message] = cel_failures(crd_schema(), defaulted)
+    with pytest.raises(SpecError) as err:
+        parse_spec(defaulted["spec"])
+    assert cel_message in str(err.value)
+
+
+@pytest.mark.parametrize("change, where", [
+    ({"afd": {"stages": 3}}, "stages"), ({"afd": {"connector": "tcp"}}, "connector"),
+    ({"ffn": {"ranks": 0}}, "ranks"), ({"ports": {"http": 70000}}, "http"),
+    ({"model": {"uri": "s3://x/y"}}, "uri"), ({"replicas": -1}, "replicas"),
+])
+def test_schema_rejects_out_of_range_values(change, where):
+    defaulted = apply_defaults(crd_schema(), make_cr(**change))
+    with pytest.raises(jsonschema.ValidationError) as err:
+        jsonschema.Draft7Validator(crd_schema()).validate(defaulted)
+    assert where in "/".join(map(str, err.value.absolute_path))
