@@ -220,3 +220,12 @@ def load_config(
         if raw is not None:
             values[key] = _coerce(f"--{key.replace('_', '-')}", key, raw)
     return AFDConfig(**values)
+
+
+def config_to_env(config: AFDConfig) -> dict[str, str]:
+    """The `AFD_*` environment that makes `load_config` rebuild `config` (for child processes)."""
+    env = {}
+    for var, name in ENV_VARS.items():
+        value = getattr(config, name)
+        env[var] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return env

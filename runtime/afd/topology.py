@@ -25,6 +25,8 @@ class Topology:
     num_ffn: int
 
     def __post_init__(self) -> None:
+        if self.num_attention < 1:
+            raise TopologyError(f"topology {self}: needs at least one attention rank, got {self.num_attention}")
         if self.num_ffn < 1:
             raise TopologyError(f"topology {self}: needs at least one FFN rank, got {self.num_ffn}")
         if self.num_attention < self.num_ffn:

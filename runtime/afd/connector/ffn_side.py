@@ -10,6 +10,7 @@ rejected, counted and logged, and its sender is dropped without touching the oth
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -23,6 +24,11 @@ from afd.connector.transport import ServerTransport
 
 log = logging.getLogger(__name__)
 MAX_STASHED_MESSAGES = 1024
+WAIT_SLICE_S = 0.1
+
+
+class Interrupted(Exception):
+    """The runner is shutting down; raised out of a blocked receive."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class FFNConnector:
         self._stash: dict[tuple[bytes, int, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._peers: set[bytes] = set()
         self._bad_peers: dict[bytes, str] = {}
+        self.interrupt = threading.Event()  # set by the runner's shutdown; unblocks receives
 
     # -- peers -----------------------------------------------------------------
     def accept_peer(self, peer: bytes) -> None:
@@ -100,7 +107,9 @@ class FFNConnector:
                 for peer in waiting:
                     self.failed_peers[peer] = f"no data for layer {transfer.layer} stage {transfer.stage} within {self.peer_timeout_s:.0f} s"
                 break
-            self._pump(left)
+            if self.interrupt.is_set():
+                raise Interrupted()
+            self._pump(min(left, WAIT_SLICE_S))
         delivered = transfer.only({p for p in transfer.peers if p not in self.failed_peers})
         pieces = [self._stash.pop(keys[peer]) for peer in delivered.peers]
         if not pieces:

@@ -17,7 +17,7 @@ import torch
 
 from afd.connector import wire
 from afd.connector.base import FFNTransfer
-from afd.connector.ffn_side import FFNConnector
+from afd.connector.ffn_side import FFNConnector, Interrupted
 from afd.models.loader import LoadedModel
 from afd.runners.handshake import check_hello
 
@@ -47,7 +47,8 @@ class FFNRunner:
         self.rows_served = 0
 
     def serve(self, stop: threading.Event) -> None:
-        """The daemon loop; returns within one poll interval of `stop` being set."""
+        """The daemon loop; returns within one poll interval of `stop` being set, even mid-step."""
+        self.connector.interrupt = stop
         try:
             while not stop.is_set():
                 plans: dict[bytes, wire.StepPlan] = {}
@@ -56,6 +57,8 @@ class FFNRunner:
                 if plans:
                     with torch.inference_mode():
                         self.run_step(plans)
+        except Interrupted:
+            log.info("ffn rank %d interrupted mid-step by shutdown", self.ffn_rank)
         finally:
             for peer in list(self.peers):
                 self.connector.send_control(peer, wire.Goodbye("ffn rank shutting down"))

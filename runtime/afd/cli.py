@@ -1,0 +1,212 @@
+"""The `afd` command line: generate, serve, up, make-tiny-model (and internal run-batch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from afd.config import ConfigError, load_config
+from afd.topology import TopologyError
+
+log = logging.getLogger("afd")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like every other failure of this CLI."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from afd.connector.base import ConnectorError
+    from afd.connector.wire import ProtocolError
+    from afd.models.checkpoint import CheckpointError
+    from afd.models.spec import UnsupportedModelError
+    from afd.processes import ChildFailed
+
+    return (ConfigError, TopologyError, CheckpointError, UnsupportedModelError, ConnectorError, ProtocolError, ChildFailed)
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: need at least one non-negative token id")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="afd", description="Attention-FFN disaggregated MoE serving.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    generate = commands.add_parser("generate", help="greedy-decode token-id prompts on a local AFD deployment")
+    generate.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    generate.add_argument("--topology", default="1A1F", help="e.g. 2A1F: attention ranks A, FFN ranks F (A >= F)")
+    generate.add_argument("--stages", type=int, default=1, help="micro-batches per layer: 1, or 2 (ping-pong)")
+    generate.add_argument("--gate", default="ffn", help="where the MoE router runs: ffn or attention")
+    generate.add_argument("--connector", default="zmq", help="zmq (one process per rank) or loopback (threads)")
+    generate.add_argument("--prompt-ids", type=_prompt_ids, action="append", required=True, metavar="IDS")
+    generate.add_argument("--max-tokens", type=int, default=16)
+    generate.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
+    generate.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    generate.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    generate.add_argument("--ffn-model", help="checkpoint of the FFN ranks (default: --model)")
+    generate.add_argument("--json", action="store_true", help="print one JSON line")
+    generate.add_argument("--with-logits", action="store_true", help="add each prompt's last-step logits to the JSON")
+
+    serve = commands.add_parser("serve", help="run one role process; configuration from AFD_* env (DESIGN §2)")
+    serve.add_argument("--config", help="YAML/JSON settings file (overridden by env, then flags)")
+    serve.add_argument("--role")
+    serve.add_argument("--rank", type=int)
+    serve.add_argument("--model")
+    serve.add_argument("--topology")
+    serve.add_argument("--connector")
+    serve.add_argument("--stages", type=int)
+
+    tiny = commands.add_parser("make-tiny-model", help="write a small random MoE checkpoint with a tokenizer")
+    tiny.add_argument("--arch", required=True, help="deepseek_v2 or qwen3_moe")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
+
+    batch = commands.add_parser("run-batch", help=argparse.SUPPRESS)
+    batch.add_argument("--input", required=True)
+    batch.add_argument("--output", required=True)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from afd.config import AFDConfig, values_from_topology
+    from afd.models.checkpoint import Checkpoint
+    from afd.models.spec import parse_spec
+
+    if args.gate not in ("ffn", "attention"):
+        raise ConfigError(f"--gate {args.gate!r}: must be ffn or attention")
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens {args.max_tokens}: must be at least 1")
+    config = AFDConfig(
+        role="attention",
+        **values_from_topology(args.topology, "--topology"),
+        connector=args.connector,
+        stages=args.stages,
+        gate_on_attention=args.gate == "attention",
+        model=str(Path(args.model).resolve()),
+        dtype=args.dtype,
+        device=args.device,
+        ffn_address_template="127.0.0.1",
+        port_stride=2,  # local ranks share one host; each FFN rank gets its own ports
+    )
+    if config.connector == "nccl":
+        raise ConfigError("--connector nccl: afd generate runs zmq or loopback groups")
+    for path in {args.model, args.ffn_model or args.model}:
+        spec = parse_spec(Checkpoint(path).config)
+        bad = [i for prompt in args.prompt_ids for i in prompt if i >= spec.vocab_size]
+        if bad:
+            raise ConfigError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary of {path} (size {spec.vocab_size})")
+    if config.connector == "loopback":
+        from afd.local_threads import generate_in_threads
+
+        result = generate_in_threads(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
+        tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
+    else:
+        from afd.local_processes import generate_in_processes
+
+        ffn_model = str(Path(args.ffn_model).resolve()) if args.ffn_model else None
+        tokens, logits = generate_in_processes(config, args.prompt_ids, args.max_tokens, args.ignore_eos, ffn_model)
+    output: dict = {"outputs": tokens}
+    if args.with_logits:
+        output["last_logits"] = logits
+    print(json.dumps(output) if args.json else "\n".join(" ".join(map(str, row)) for row in tokens))
+    return 0
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from afd.batch import run_attention_batch
+
+    job = json.loads(Path(args.input).read_text())
+    config = load_config()
+    result = run_attention_batch(config, job["prompts"], job["max_tokens"], job["ignore_eos"])
+    output = {"tokens": result.tokens, "last_logits": [row.tolist() for row in result.last_logits]}
+    Path(args.output).write_text(json.dumps(output))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from afd.config import values_from_topology
+
+    cli = {"role": args.role, "rank": args.rank, "model": args.model, "connector": args.connector, "stages": args.stages}
+    if args.topology:
+        cli.update(values_from_topology(args.topology, "--topology"))
+    config = load_config(cli=cli, file=args.config)
+    if not config.model:
+        raise ConfigError("no model: set AFD_MODEL or pass --model")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    if config.role == "ffn":
+        from afd.roles import build_ffn
+
+        runner = build_ffn(config)
+        log.info("ffn rank %d ready", config.rank)
+        runner.serve(stop)
+        log.info("ffn rank %d stopped after %d steps", config.rank, runner.steps_run)
+        return 0
+    from afd.server.app import serve_attention
+
+    return serve_attention(config, stop)
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from afd.tiny import ARCHES, make_tiny_model
+
+    if args.arch not in ARCHES:
+        raise ConfigError(f"--arch {args.arch!r}: must be one of {', '.join(ARCHES)}")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise ConfigError(f"--out {out}: folder is not empty (pass --force to overwrite)")
+    make_tiny_model(args.arch, out, args.seed)
+    print(out)
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "serve": cmd_serve,
+    "make-tiny-model": cmd_make_tiny_model,
+    "run-batch": cmd_run_batch,
+}
+
+
+def _raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("AFD_LOG_LEVEL", "INFO" if args.command in ("serve", "run-batch") else "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command in ("generate", "up"):
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up children on `kill` as on Ctrl-C
+    try:
+        return COMMANDS[args.command](args)
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

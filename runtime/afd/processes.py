@@ -1,0 +1,118 @@
+"""Child processes of a local deployment, never outliving their parent.
+
+Each child gets PR_SET_PDEATHSIG so the kernel kills it if the parent dies without
+cleaning up (even on SIGKILL); `LocalProcesses` terminates everything on exit,
+error or Ctrl-C, escalating from SIGTERM to SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: the parent's cleanup still applies
+
+
+class ChildFailed(RuntimeError):
+    """A child process exited with an error; the message is its last error line."""
+
+
+class LocalProcesses:
+    """Start `python -m afd ...` children with their own env; stop them all on exit."""
+
+    def __init__(self, grace_s: float = 5.0):
+        self.grace_s = grace_s
+        self.workdir = Path(tempfile.mkdtemp(prefix="afd-local-"))
+        self.children: dict[str, subprocess.Popen] = {}
+
+    def __enter__(self) -> "LocalProcesses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        log = open(self.log_path(name), "wb")
+        child = subprocess.Popen(
+            [sys.executable, "-m", "afd", *args],
+            env={**os.environ, **env},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        self.children[name] = child
+        return child
+
+    def log_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    def last_error(self, name: str) -> str:
+        """The child's last `error:` line, else its last line, for a one-line report."""
+        lines = self.log_path(name).read_text(errors="replace").strip().splitlines()
+        errors = [line for line in lines if line.startswith("error:")]
+        line = errors[-1] if errors else (lines[-1] if lines else f"exited with code {self.children[name].returncode}")
+        return line.removeprefix("error: ")
+
+    def wait(self, names: list[str], watch: list[str], timeout_s: float) -> None:
+        """Wait until every child in `names` exits 0; fail fast if any of `names` or `watch` fails."""
+        deadline = time.monotonic() + timeout_s
+        pending = set(names)
+        while pending:
+            for name in list(pending) + watch:
+                code = self.children[name].poll()
+                if code is None:
+                    continue
+                if code != 0 or name in watch:
+                    raise ChildFailed(f"{name}: {self.last_error(name)}")
+                pending.discard(name)
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{', '.join(sorted(pending))} did not finish within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def stop_all(self) -> None:
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for child in self.children.values():
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """A base port whose next `count` ports are free right now."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + count < 65535 and all(_is_free(host, base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no block of {count} free ports found on {host}")
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random checkpoints written by transformers, and HF reference outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11], [7], [40, 41, 42, 43]]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """name → folder of a tiny checkpoint (two seeds of DeepSeek-V2, one variant, Qwen3-MoE)."""
+    from afd.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {
+        "deepseek_v2": make_tiny_model("deepseek_v2", root / "deepseek_v2", seed=0),
+        "qwen3_moe": make_tiny_model("qwen3_moe", root / "qwen3_moe", seed=0),
+        "deepseek_v2_seed1": make_tiny_model("deepseek_v2", root / "deepseek_v2_seed1", seed=1),
+        # DeepSeek-V2 (not Lite): low-rank queries and group-limited routing
+        "deepseek_v2_full": make_tiny_model(
+            "deepseek_v2",
+            root / "deepseek_v2_full",
+            seed=2,
+            overrides={"q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_reference(checkpoints):
+    """name → (tokens, last-step logits) of transformers' greedy `generate`, one prompt at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def reference(name):
+        if name not in cache:
+            model = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
+            model.generation_config.eos_token_id = None  # like --ignore-eos: exactly NEW_TOKENS tokens
+            tokens, logits = [], []
+            for prompt in PROMPTS:
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=0,
+                )
+                tokens.append(out.sequences[0, len(prompt) :].tolist())
+                logits.append(out.logits[-1][0].float())
+            cache[name] = (tokens, logits)
+        return cache[name]
+
+    return reference
+
+
+def max_relative_error(ours, theirs) -> float:
+    import torch
+
+    return max(
+        float((torch.as_tensor(a) - b).abs().max() / b.abs().max()) for a, b in zip(ours, theirs)
+    )

@@ -1,0 +1,145 @@
+"""The FFN daemon loop: handshake refusals, idle peers, bad data, shutdown while blocked."""
+
+import dataclasses
+import logging
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+
+from afd.config import AFDConfig
+from afd.connector import wire
+from afd.connector.base import AttnTransfer, HandshakeError, PeerLost
+from afd.connector.factory import make_attention_connector
+from afd.generation import greedy_generate
+from afd.roles import build_attention, build_ffn
+from afd.runners.handshake import make_hello
+from afd.models.loader import load_model
+from tests.conftest import NEW_TOKENS, PROMPTS
+
+_counter = iter(range(10**6))
+
+
+@pytest.fixture
+def group(checkpoints):
+    """A running loopback FFN rank for 2A1F and a function making attention-side configs."""
+    base = AFDConfig(
+        num_attention_ranks=2,
+        num_ffn_ranks=1,
+        connector="loopback",
+        model=str(checkpoints["qwen3_moe"]),
+        ffn_address_template=f"ffn-test-{next(_counter)}",
+        peer_timeout_s=3.0,
+        connect_timeout_s=5.0,
+    )
+    runner = build_ffn(base.replace(role="ffn"))
+    stop = threading.Event()
+    thread = threading.Thread(target=runner.serve, args=(stop,), daemon=True)
+    thread.start()
+    yield base, runner, stop, thread
+    stop.set()
+    thread.join(timeout=5)
+
+
+def attention_hello(base, rank=0, **changes):
+    config = base.replace(role="attention", rank=rank)
+    loaded = load_model(config.model, "attention")
+    hello = make_hello(config, loaded.spec, loaded.crossing, loaded.fingerprint, "float32")
+    return config, dataclasses.replace(hello, **changes)
+
+
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"model_fingerprint": "0000"}, "model fingerprint differs"),
+        ({"layers": (1, 2)}, "crossing layer list differs: attention has [1, 2], ffn has [0, 1, 2, 3]"),
+        ({"stages": 2}, "stage count differs"),
+        ({"topology": "4A2F"}, "topology differs"),
+        ({"token_digest": "abc"}, "group token differs"),
+        ({"dtype": "bfloat16"}, "dtype differs"),
+    ],
+)
+def test_handshake_refuses_mismatches_on_both_sides(group, changes, reason, caplog):
+    base, *_ = group
+    config, hello = attention_hello(base, **changes)
+    connector = make_attention_connector(config, "cpu")
+    with caplog.at_level(logging.ERROR, logger="afd.runners.ffn_runner"):
+        with pytest.raises(HandshakeError, match="refused the connection: " + reason.replace("[", r"\[").replace("]", r"\]")):
+            connector.handshake(hello, timeout_s=5)
+    assert any(reason in record.getMessage() for record in caplog.records)
+
+
+def test_handshake_refuses_a_rank_it_does_not_serve(checkpoints):
+    base = AFDConfig(num_attention_ranks=2, num_ffn_ranks=2, connector="loopback", model=str(checkpoints["qwen3_moe"]),
+                     ffn_address_template=f"ffn-serve-{next(_counter)}-{{rank}}")
+    runner = build_ffn(base.replace(role="ffn", rank=0))
+    stop = threading.Event()
+    thread = threading.Thread(target=runner.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        config, hello = attention_hello(base, rank=0, attention_rank=1)
+        with pytest.raises(HandshakeError, match="not served by this ffn rank"):
+            make_attention_connector(config, "cpu").handshake(hello, timeout_s=5)
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def test_other_protocol_version_is_refused_with_a_reply(group):
+    base, *_ = group
+    config, _ = attention_hello(base)
+    connector = make_attention_connector(config, "cpu")
+    connector.transport.send("control", [msgpack.packb({"v": 2, "t": "hello"})])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        received = connector.transport.recv(0.5)
+        if received:
+            reply = wire.decode(received[1][0])
+            assert isinstance(reply, wire.HelloReply) and not reply.accepted
+            assert "protocol version 2 is not supported" in reply.reason
+            return
+    pytest.fail("no reply to a Hello of another protocol version")
+
+
+def test_idle_attention_rank_does_not_stall_a_busy_one(group, hf_reference):
+    base, runner, *_ = group
+    idle = build_attention(base.replace(role="attention", rank=1), 1, 32)  # connected, never steps
+    busy = build_attention(base.replace(role="attention", rank=0), len(PROMPTS), 32)
+    started = time.monotonic()
+    result = greedy_generate(busy.runner, busy.kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True)
+    assert time.monotonic() - started < base.peer_timeout_s  # never waited for the idle peer
+    assert result.tokens == hf_reference("qwen3_moe")[0]
+    assert runner.steps_run == NEW_TOKENS
+    idle.close()
+    busy.close()
+
+
+def test_bad_data_drops_only_the_sender(group, hf_reference):
+    base, runner, *_ = group
+    good = build_attention(base.replace(role="attention", rank=0), len(PROMPTS), 32)
+    bad = build_attention(base.replace(role="attention", rank=1), 1, 32)
+    bad.connector.send_plan(wire.StepPlan(1, (2,)))
+    bad.connector.send_attn_output(torch.zeros(2, 7), AttnTransfer(1, 0, 0))  # wrong width
+    with pytest.raises(PeerLost, match="invalid data message"):
+        bad.connector.recv_ffn_output(AttnTransfer(1, 0, 0))
+    result = greedy_generate(good.runner, good.kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True)
+    assert result.tokens == hf_reference("qwen3_moe")[0]
+    assert sum(runner.connector.rejected.values()) == 1
+    good.close()
+
+
+def test_shutdown_while_blocked_on_a_receive_returns_quickly(group):
+    base, runner, stop, thread = group
+    role = build_attention(base.replace(role="attention", rank=0), 1, 32)
+    role.connector.send_plan(wire.StepPlan(1, (3,)))  # promise rows that never come
+    time.sleep(0.3)  # the FFN is now waiting for layer 0 rows
+    started = time.monotonic()
+    stop.set()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 5
+    with pytest.raises(PeerLost, match="shutting down"):
+        role.connector.recv_ffn_output(AttnTransfer(1, 0, 0))
+    assert not [t for t in threading.enumerate() if t.name.startswith("ffn-")]

@@ -1,0 +1,86 @@
+"""Each role reads only its own tensors from disk; together they read the checkpoint exactly once."""
+
+import re
+
+import pytest
+
+from afd.models.checkpoint import Checkpoint, CheckpointError
+from afd.models.loader import load_model
+from afd.models.spec import moe_layer_mask
+
+ATTENTION_ONLY = re.compile(r"embed_tokens|self_attn|input_layernorm|^model\.norm|^lm_head")
+EXPERTS = re.compile(r"mlp\.experts\.|mlp\.shared_experts\.")
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "qwen3_moe", "deepseek_v2_full"])
+@pytest.mark.parametrize("gate", ["ffn", "attention"])
+def test_roles_partition_the_checkpoint(name, gate, checkpoints):
+    path = str(checkpoints[name])
+    on_attention = gate == "attention"
+    attention = set(load_model(path, "attention", on_attention).loaded_keys)
+    ffn = set(load_model(path, "ffn", on_attention).loaded_keys)
+    everything = set(Checkpoint(path).keys())
+    assert attention | ffn == everything
+    assert not attention & ffn
+    assert not any(EXPERTS.search(key) for key in attention), "attention read expert weights"
+    assert not any(ATTENTION_ONLY.search(key) for key in ffn), "ffn read embeddings, attention or the LM head"
+    moe = moe_layer_mask(Checkpoint(path).config)
+    for key in ffn:
+        layer = int(key.split(".")[2])
+        if on_attention:
+            assert moe[layer] and EXPERTS.search(key), f"ffn read {key} although the gate runs on attention"
+    gates = {key for key in everything if key.endswith("mlp.gate.weight")}
+    assert gates <= (attention if on_attention else ffn)
+
+
+def test_gate_on_attention_keeps_dense_layers_local(checkpoints):
+    path = str(checkpoints["qwen3_moe"])  # mlp_only_layers=[0]
+    loaded = load_model(path, "attention", gate_on_attention=True)
+    assert loaded.crossing == (1, 2, 3)
+    assert "model.layers.0.mlp.down_proj.weight" in loaded.loaded_keys
+    assert load_model(path, "attention", gate_on_attention=False).crossing == (0, 1, 2, 3)
+
+
+def test_sharded_checkpoint_loads_the_same_tensors(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    source = checkpoints["qwen3_moe"]
+    for item in source.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    tensors = load_file(str(source / "model.safetensors"))
+    keys = sorted(tensors)
+    half = len(keys) // 2
+    save_file({k: tensors[k] for k in keys[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in keys[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    whole = load_model(str(source)).model.state_dict()
+    sharded = load_model(str(tmp_path)).model.state_dict()
+    assert whole.keys() == sharded.keys()
+    assert all((whole[k] == sharded[k]).all() for k in whole)
+
+
+def test_fingerprints_tell_checkpoints_apart(checkpoints):
+    same = Checkpoint(checkpoints["deepseek_v2"]).fingerprint()
+    assert same == Checkpoint(checkpoints["deepseek_v2"]).fingerprint()
+    assert same != Checkpoint(checkpoints["deepseek_v2_seed1"]).fingerprint()
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda d: None, "no config.json"),
+        (lambda d: (d / "config.json").write_text("{"), "not valid JSON"),
+        (lambda d: (d / "config.json").write_text('{"model_type": "llama"}'), "unsupported architecture model_type='llama'"),
+        (lambda d: (d / "config.json").write_text('{"model_type": "qwen3_moe"}'), "no *.safetensors"),
+    ],
+)
+def test_bad_checkpoint_folders(tmp_path, setup, message):
+    setup(tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        Checkpoint(tmp_path)
+
+
+def test_missing_folder():
+    with pytest.raises(CheckpointError, match="no such folder"):
+        Checkpoint("/nonexistent/model")

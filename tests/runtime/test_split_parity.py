@@ -1,0 +1,50 @@
+"""The split model (attention ranks + FFN ranks over loopback) equals transformers and our monolith."""
+
+import itertools
+
+import pytest
+
+from afd.config import AFDConfig
+from afd.local_threads import generate_in_threads
+from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error
+
+TOPOLOGIES = ["1A1F", "2A1F", "2A2F", "4A2F", "3A2F"]
+CASES = list(itertools.product(["deepseek_v2", "qwen3_moe"], TOPOLOGIES, [1, 2], ["ffn", "attention"]))
+
+
+def loopback_config(path, topology, stages, gate, tag=""):
+    return AFDConfig(
+        num_attention_ranks=int(topology[0]),
+        num_ffn_ranks=int(topology[2]),
+        connector="loopback",
+        stages=stages,
+        gate_on_attention=gate == "attention",
+        model=str(path),
+        ffn_address_template=f"test-{tag}{topology}-{stages}-{gate}-{{rank}}",
+    )
+
+
+@pytest.mark.parametrize("name, topology, stages, gate", CASES)
+def test_loopback_split_equals_transformers(name, topology, stages, gate, checkpoints, hf_reference):
+    tokens, logits = hf_reference(name)
+    result = generate_in_threads(loopback_config(checkpoints[name], topology, stages, gate), PROMPTS, NEW_TOKENS, ignore_eos=True)
+    assert result.tokens == tokens
+    assert max_relative_error(result.last_logits, logits) < 1e-4
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_split_equals_our_monolithic_model(stages, checkpoints):
+    from tests.runtime.test_models import monolithic_generate
+
+    reference = monolithic_generate(checkpoints["deepseek_v2_full"])
+    config = loopback_config(checkpoints["deepseek_v2_full"], "3A2F", stages, "attention", tag="full-")
+    result = generate_in_threads(config, PROMPTS, NEW_TOKENS, ignore_eos=True)
+    assert result.tokens == reference.tokens
+    assert max_relative_error(result.last_logits, reference.last_logits) < 1e-5
+
+
+def test_fewer_prompts_than_attention_ranks(checkpoints, hf_reference):
+    """Idle attention ranks connect and leave without stalling the busy one."""
+    tokens, _ = hf_reference("qwen3_moe")
+    result = generate_in_threads(loopback_config(checkpoints["qwen3_moe"], "4A2F", 2, "ffn", tag="idle-"), PROMPTS[:1], NEW_TOKENS, ignore_eos=True)
+    assert result.tokens == tokens[:1]
