@@ -10,6 +10,7 @@ from typing import Sequence
 
 from afd.config import AFDConfig
 from afd.generation import GenerationResult, greedy_generate
+from afd.kv_cache import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
 from afd.roles import build_attention
 
 
@@ -28,8 +29,8 @@ def run_attention_batch(
     config: AFDConfig, prompts: Sequence[Sequence[int]], max_tokens: int, ignore_eos: bool
 ) -> GenerationResult:
     """Handshake with the FFN rank, decode `prompts` as one batch, say goodbye."""
-    max_len = max((len(p) for p in prompts), default=1) + max_tokens
-    role = build_attention(config, num_slots=max(len(prompts), 1), max_len=max_len)
+    cache_tokens = sum(len(p) + max_tokens + KV_BLOCK_SIZE for p in prompts) or KV_BLOCK_SIZE
+    role = build_attention(config, cache_tokens)
     try:
         if not prompts:
             return GenerationResult([], [])

@@ -38,18 +38,17 @@ def greedy_generate(
         raise ValueError(f"max_tokens={max_tokens}: must be at least 1")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    longest = max(len(p) for p in prompts) + max_tokens
-    if longest > kv_cache.max_len:
-        raise ValueError(f"prompt + max_tokens = {longest} tokens exceeds the cache length {kv_cache.max_len}")
-    slots = [kv_cache.allocate() for _ in prompts]
+    tables = []
     try:
-        return _decode(step, slots, prompts, max_tokens, set(eos_token_ids), ignore_eos, device)
+        for prompt in prompts:
+            tables.append(tuple(kv_cache.allocate(len(prompt) + max_tokens)))
+        return _decode(step, tables, prompts, max_tokens, set(eos_token_ids), ignore_eos, device)
     finally:
-        for slot in slots:
-            kv_cache.release(slot)
+        for table in tables:
+            kv_cache.release(table)
 
 
-def _decode(step, slots, prompts, max_tokens, eos, ignore_eos, device) -> GenerationResult:
+def _decode(step, tables, prompts, max_tokens, eos, ignore_eos, device) -> GenerationResult:
     count = len(prompts)
     context = [0] * count
     pending = [list(map(int, p)) for p in prompts]
@@ -59,7 +58,7 @@ def _decode(step, slots, prompts, max_tokens, eos, ignore_eos, device) -> Genera
     while active:
         input_ids = torch.tensor([t for i in active for t in pending[i]], dtype=torch.long, device=device)
         layout = SeqLayout(
-            tuple(slots[i] for i in active), tuple(context[i] for i in active), tuple(len(pending[i]) for i in active)
+            tuple(tables[i] for i in active), tuple(context[i] for i in active), tuple(len(pending[i]) for i in active)
         )
         logits = step(input_ids, layout)  # [len(active), vocab]
         chosen = logits.argmax(dim=-1).tolist()

@@ -1,4 +1,8 @@
-"""Slot-based KV cache: one preallocated [slots, max_len, heads, dim] pair per layer."""
+"""Paged KV cache: per layer, one [blocks × block_size, heads, dim] pair of tensors.
+
+Sequences own lists of blocks (their block tables); memory is reserved per block,
+not per maximum length, so the cache holds as many tokens as its budget allows.
+"""
 
 from __future__ import annotations
 
@@ -6,43 +10,71 @@ from typing import Sequence
 
 import torch
 
+DEFAULT_BLOCK_SIZE = 16
+
 
 class CacheFullError(RuntimeError):
-    """No free slot: the caller must wait for a sequence to finish."""
+    """Not enough free blocks: the caller must wait for a sequence to finish."""
 
 
 class KVCache:
-    """Keys and values of up to `num_slots` sequences of at most `max_len` tokens each."""
+    """Keys and values of `num_blocks` blocks of `block_size` tokens each, for every layer."""
 
     def __init__(
         self,
         layouts: Sequence[tuple[int, int, int]],
-        num_slots: int,
-        max_len: int,
+        num_blocks: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ):
-        self.num_slots, self.max_len = num_slots, max_len
-        self.keys = [torch.zeros(num_slots, max_len, heads, k_dim, dtype=dtype, device=device) for heads, k_dim, _ in layouts]
-        self.values = [torch.zeros(num_slots, max_len, heads, v_dim, dtype=dtype, device=device) for heads, _, v_dim in layouts]
-        self._free = list(range(num_slots - 1, -1, -1))
+        if num_blocks < 1:
+            raise ValueError(f"a KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        rows = num_blocks * block_size
+        self.keys = [torch.zeros(rows, heads, k_dim, dtype=dtype, device=device) for heads, k_dim, _ in layouts]
+        self.values = [torch.zeros(rows, heads, v_dim, dtype=dtype, device=device) for heads, _, v_dim in layouts]
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @classmethod
+    def for_tokens(cls, layouts, num_tokens: int, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
+        return cls(layouts, -(-num_tokens // block_size), dtype, device, block_size)
+
+    @classmethod
+    def for_budget(cls, layouts, budget_bytes: int, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
+        """As many blocks as fit in `budget_bytes`."""
+        per_block = cls.bytes_per_token(layouts, dtype) * block_size
+        return cls(layouts, budget_bytes // per_block, dtype, device, block_size)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
 
     @property
-    def free_slots(self) -> int:
+    def free_blocks(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
-        if not self._free:
-            raise CacheFullError(f"all {self.num_slots} KV-cache slots are in use")
-        return self._free.pop()
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
-    def release(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots or slot in self._free:
-            raise ValueError(f"slot {slot} is not an allocated KV-cache slot")
-        self._free.append(slot)
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) <= len(self._free)
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        """Blocks holding `num_tokens` tokens; `CacheFullError` if too few are free."""
+        needed = self.blocks_for(num_tokens)
+        if needed > len(self._free):
+            raise CacheFullError(f"{needed} KV-cache blocks needed, {len(self._free)} of {self.num_blocks} free")
+        return [self._free.pop() for _ in range(needed)]
+
+    def release(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            if not 0 <= block < self.num_blocks:
+                raise ValueError(f"block {block} is not a KV-cache block")
+        self._free.extend(blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
 
     @staticmethod
     def bytes_per_token(layouts: Sequence[tuple[int, int, int]], dtype: torch.dtype) -> int:

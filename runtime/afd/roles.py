@@ -52,12 +52,12 @@ class AttentionRole:
         self.connector.close(reason)
 
 
-def build_attention(config: AFDConfig, num_slots: int, max_len: int) -> AttentionRole:
-    """Attention rank `config.rank`: its weights, a KV cache, and a handshaken link to its FFN rank."""
+def build_attention(config: AFDConfig, cache_tokens: int) -> AttentionRole:
+    """Attention rank `config.rank`: its weights, a KV cache of `cache_tokens`, a handshaken FFN link."""
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
     loaded = load_model(config.model, "attention", config.gate_on_attention, torch_dtype(dtype), device)
-    kv_cache = KVCache(loaded.model.kv_layouts(), num_slots, max_len, torch_dtype(dtype), device)
+    kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), cache_tokens, torch_dtype(dtype), device)
     connector = make_attention_connector(config, device)
     try:
         connector.handshake(make_hello(config, loaded.spec, loaded.crossing, loaded.fingerprint, dtype), config.connect_timeout_s)

@@ -105,8 +105,8 @@ def test_other_protocol_version_is_refused_with_a_reply(group):
 
 def test_idle_attention_rank_does_not_stall_a_busy_one(group, hf_reference):
     base, runner, *_ = group
-    idle = build_attention(base.replace(role="attention", rank=1), 1, 32)  # connected, never steps
-    busy = build_attention(base.replace(role="attention", rank=0), len(PROMPTS), 32)
+    idle = build_attention(base.replace(role="attention", rank=1), 256)  # connected, never steps
+    busy = build_attention(base.replace(role="attention", rank=0), 512)
     started = time.monotonic()
     result = greedy_generate(busy.runner, busy.kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True)
     assert time.monotonic() - started < base.peer_timeout_s  # never waited for the idle peer
@@ -118,8 +118,8 @@ def test_idle_attention_rank_does_not_stall_a_busy_one(group, hf_reference):
 
 def test_bad_data_drops_only_the_sender(group, hf_reference):
     base, runner, *_ = group
-    good = build_attention(base.replace(role="attention", rank=0), len(PROMPTS), 32)
-    bad = build_attention(base.replace(role="attention", rank=1), 1, 32)
+    good = build_attention(base.replace(role="attention", rank=0), 512)
+    bad = build_attention(base.replace(role="attention", rank=1), 256)
     bad.connector.send_plan(wire.StepPlan(1, (2,)))
     bad.connector.send_attn_output(torch.zeros(2, 7), AttnTransfer(1, 0, 0))  # wrong width
     with pytest.raises(PeerLost, match="invalid data message"):
@@ -132,7 +132,7 @@ def test_bad_data_drops_only_the_sender(group, hf_reference):
 
 def test_shutdown_while_blocked_on_a_receive_returns_quickly(group):
     base, runner, stop, thread = group
-    role = build_attention(base.replace(role="attention", rank=0), 1, 32)
+    role = build_attention(base.replace(role="attention", rank=0), 256)
     role.connector.send_plan(wire.StepPlan(1, (3,)))  # promise rows that never come
     time.sleep(0.3)  # the FFN is now waiting for layer 0 rows
     started = time.monotonic()

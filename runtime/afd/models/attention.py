@@ -1,9 +1,10 @@
-"""Batched attention over a slot-based KV cache, for prefill and decode in one step.
+"""Batched attention over a paged KV cache, for prefill and decode in one step.
 
 A step's tokens arrive flattened ([T, ...]); `AttentionBatch` says which sequence
-(cache slot) and position each token has. The kernel writes the new keys and values
-into the cache, gathers each sequence's keys into a padded batch and runs one SDPA
-with a causal, length-aware mask. No Python loop over tokens or sequences.
+each token belongs to, its position, and where in the cache its key and value live
+(block table × block size, flattened). The kernel writes the new keys and values,
+gathers each sequence's keys into a padded batch and runs one SDPA with a causal,
+length-aware mask. No Python loop over tokens or sequences.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class AttentionBatch:
-    """Where each flattened token of a step sits: sequence, cache slot and position."""
+    """Where each flattened token of a step sits: sequence, position and cache row."""
 
     positions: torch.Tensor  # [T] absolute position of each token
-    token_slot: torch.Tensor  # [T] cache slot of each token's sequence
+    write_index: torch.Tensor  # [T] cache row receiving each token's key and value
     token_seq: torch.Tensor  # [T] index of each token's sequence in this batch
     token_col: torch.Tensor  # [T] index of each token among its sequence's new tokens
-    slots: torch.Tensor  # [B] cache slot of each sequence
+    key_index: torch.Tensor  # [B, max_len] cache row of each sequence's j-th key (0 past its end)
     mask: torch.Tensor  # [B, 1, max_new, max_len] True where a query may attend
     last_token: torch.Tensor  # [B] flat index of each sequence's last new token
     max_len: int
@@ -35,24 +36,29 @@ class AttentionBatch:
 
     @property
     def num_seqs(self) -> int:
-        return int(self.slots.shape[0])
+        return int(self.key_index.shape[0])
 
     @classmethod
     def build(
         cls,
-        slots: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
         context_lens: Sequence[int],
         new_lens: Sequence[int],
+        block_size: int,
         device: torch.device | str = "cpu",
     ) -> "AttentionBatch":
-        """Metadata for sequences in `slots` that already cached `context_lens` tokens and add `new_lens`."""
-        if not (len(slots) == len(context_lens) == len(new_lens)) or not slots:
-            raise ValueError("an attention batch needs one slot, context length and new length per sequence")
+        """Metadata for sequences that already cached `context_lens` tokens and add `new_lens`.
+
+        `block_tables[s]` lists the cache blocks of sequence s, in order; each holds
+        `block_size` consecutive positions.
+        """
+        if not (len(block_tables) == len(context_lens) == len(new_lens)) or not block_tables:
+            raise ValueError("an attention batch needs one block table, context length and new length per sequence")
         if min(new_lens) < 1:
             raise ValueError("every sequence in a step must add at least one token")
         new = torch.tensor(new_lens, dtype=torch.long)
         context = torch.tensor(context_lens, dtype=torch.long)
-        token_seq = torch.repeat_interleave(torch.arange(len(slots)), new)
+        token_seq = torch.repeat_interleave(torch.arange(len(block_tables)), new)
         starts = torch.cumsum(new, 0) - new
         token_col = torch.arange(int(new.sum())) - starts[token_seq]
         positions = context[token_seq] + token_col
@@ -61,13 +67,18 @@ class AttentionBatch:
         query_pos = context[:, None] + torch.arange(max_new)[None, :]  # [B, max_new]
         key_pos = torch.arange(max_len)
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < total[:, None, None])
-        slot_tensor = torch.tensor(slots, dtype=torch.long)
+        width = -(-max_len // block_size)
+        if any(len(table) * block_size < length for table, length in zip(block_tables, total.tolist())):
+            raise ValueError("a block table is too short for its sequence")
+        tables = torch.tensor([list(t[:width]) + [0] * (width - len(t[:width])) for t in block_tables], dtype=torch.long)
+        key_index = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, max_len]
+        key_index = key_index.masked_fill(key_pos[None, :] >= total[:, None], 0)
         return cls(
             positions=positions.to(device),
-            token_slot=slot_tensor[token_seq].to(device),
+            write_index=key_index[token_seq, positions].to(device),
             token_seq=token_seq.to(device),
             token_col=token_col.to(device),
-            slots=slot_tensor.to(device),
+            key_index=key_index.to(device),
             mask=mask.unsqueeze(1).to(device),
             last_token=(starts + new - 1).to(device),
             max_len=max_len,
@@ -79,16 +90,16 @@ def cached_attention(
     q: torch.Tensor,  # [T, Hq, Dk]
     k: torch.Tensor,  # [T, Hkv, Dk]
     v: torch.Tensor,  # [T, Hkv, Dv]
-    cache_k: torch.Tensor,  # [slots, max_model_len, Hkv, Dk]
-    cache_v: torch.Tensor,  # [slots, max_model_len, Hkv, Dv]
+    cache_k: torch.Tensor,  # [cache rows, Hkv, Dk]
+    cache_v: torch.Tensor,  # [cache rows, Hkv, Dv]
     batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:
-    """Store k/v at their positions, then attend each query to its sequence's cache: [T, Hq, Dv]."""
-    cache_k[batch.token_slot, batch.positions] = k.to(cache_k.dtype)
-    cache_v[batch.token_slot, batch.positions] = v.to(cache_v.dtype)
-    keys = cache_k[batch.slots, : batch.max_len].transpose(1, 2)  # [B, Hkv, L, Dk]
-    values = cache_v[batch.slots, : batch.max_len].transpose(1, 2)  # [B, Hkv, L, Dv]
+    """Store k/v in their cache rows, then attend each query to its sequence's keys: [T, Hq, Dv]."""
+    cache_k[batch.write_index] = k.to(cache_k.dtype)
+    cache_v[batch.write_index] = v.to(cache_v.dtype)
+    keys = cache_k[batch.key_index].transpose(1, 2)  # [B, Hkv, L, Dk]
+    values = cache_v[batch.key_index].transpose(1, 2)  # [B, Hkv, L, Dv]
     padded_q = q.new_zeros(batch.num_seqs, batch.max_new, *q.shape[1:])
     padded_q[batch.token_seq, batch.token_col] = q
     out = F.scaled_dot_product_attention(

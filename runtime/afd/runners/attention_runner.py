@@ -52,7 +52,10 @@ class AttentionRunner:
         for stage, part in enumerate(parts):
             if part.num_tokens:
                 ids = input_ids[start : start + part.num_tokens]
-                micro.append(_MicroBatch(stage, AttentionBatch.build(part.slots, part.context_lens, part.new_lens, device), self.model.embed(ids)))
+                batch = AttentionBatch.build(
+                    part.block_tables, part.context_lens, part.new_lens, self.kv_cache.block_size, device
+                )
+                micro.append(_MicroBatch(stage, batch, self.model.embed(ids)))
             start += part.num_tokens
         for index, layer in enumerate(self.model.layers):
             for mb in micro:

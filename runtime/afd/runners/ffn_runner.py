@@ -116,13 +116,14 @@ class FFNRunner:
         reason = check_hello(hello, self.expected, self.served_ranks)
         if reason is None and peer.decode(errors="replace") != f"attn-{hello.attention_rank}":
             reason = f"identity {peer!r} does not match attention rank {hello.attention_rank}"
-        self.connector.send_control(peer, wire.HelloReply(reason is None, self.ffn_rank, reason or ""))
         if reason:
             log.error("refused attention peer %s: %s", peer.decode(errors="replace"), reason)
+            self.connector.send_control(peer, wire.HelloReply(False, self.ffn_rank, reason))
             return
         self.peers[peer] = hello.attention_rank
         self.connector.accept_peer(peer)
         log.info("attention rank %d connected", hello.attention_rank)
+        self.connector.send_control(peer, wire.HelloReply(True, self.ffn_rank))
 
     def _check_plan(self, peer: bytes, plan: wire.StepPlan) -> str | None:
         if peer not in self.peers:

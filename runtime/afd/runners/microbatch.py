@@ -8,9 +8,9 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class SeqLayout:
-    """The sequences of one step: cache slot, tokens already cached, tokens added now."""
+    """The sequences of one step: cache blocks, tokens already cached, tokens added now."""
 
-    slots: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
     context_lens: tuple[int, ...]
     new_lens: tuple[int, ...]
 
@@ -19,7 +19,7 @@ class SeqLayout:
         return sum(self.new_lens)
 
     def part(self, start: int, stop: int) -> "SeqLayout":
-        return SeqLayout(self.slots[start:stop], self.context_lens[start:stop], self.new_lens[start:stop])
+        return SeqLayout(self.block_tables[start:stop], self.context_lens[start:stop], self.new_lens[start:stop])
 
 
 def split_point(new_lens: Sequence[int]) -> int:
@@ -44,4 +44,4 @@ def split_layout(layout: SeqLayout, stages: int) -> list[SeqLayout]:
     if stages == 1:
         return [layout]
     cut = split_point(layout.new_lens)
-    return [layout.part(0, cut), layout.part(cut, len(layout.slots))]
+    return [layout.part(0, cut), layout.part(cut, len(layout.new_lens))]

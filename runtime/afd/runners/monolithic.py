@@ -16,5 +16,7 @@ class MonolithicRunner:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        batch = AttentionBatch.build(layout.slots, layout.context_lens, layout.new_lens, input_ids.device)
+        batch = AttentionBatch.build(
+            layout.block_tables, layout.context_lens, layout.new_lens, self.kv_cache.block_size, input_ids.device
+        )
         return self.model(input_ids, batch, self.kv_cache)
