@@ -1,10 +1,15 @@
 """kopf wiring: thin adapters from kopf's callbacks to `reconcile.reconcile`.
 
 Handlers live on a registry built by `build_registry()`, so a test can run a fresh
-operator against a mock API without global state. Reconciles of one resource are
-serialised (change handlers and the resync timer may fire together), and the status
-this operator wrote last is preferred over a possibly stale body: the operator is the
-only writer of status.
+operator against a mock API without global state. Spec changes reconcile at once; a
+resync loop re-reconciles every resource periodically (and soon after any of its pods
+changes) to follow readiness, rank losses and backoffs. The loop is ours, not a kopf
+timer: kopf puts a finalizer on every resource with a timer, and then a stopped
+operator would block `kubectl delete`. Children go with the resource through their
+ownerReferences, so no finalizer is needed at all.
+
+Reconciles of one resource are serialised, and the status this operator wrote last is
+preferred over a possibly stale body: the reconciler is the only writer of status.
 """
 
 from __future__ import annotations
@@ -20,26 +25,27 @@ import kopf
 from afd_operator import labels as L
 from afd_operator.kube import KubeError, KubeStore, Store
 from afd_operator.model import API_GROUP, PLURAL
-from afd_operator.observe import PodFacts, pod_facts
+from afd_operator.observe import pod_facts
 from afd_operator.reconcile import Outcome, reconcile
 
 VERSION = "v1alpha1"
 RESYNC_ENV = "AFD_OPERATOR_RESYNC_SECONDS"
 DEFAULT_RESYNC_SECONDS = 10.0
+log = logging.getLogger(__name__)
 
 
 class OperatorMemo(kopf.Memo):
-    """Process-wide state: the API store, per-resource locks, the last status written."""
-
-    store: Optional[Store] = None
-    locks: dict
-    last_status: dict
+    """Process-wide state shared by all handlers (kopf hands out shallow copies, so the
+    containers are shared). No class-level attributes: they would shadow Memo's keys."""
 
     def __init__(self, store: Optional[Store] = None) -> None:
         super().__init__()
         self.store = store
-        self.locks = {}
-        self.last_status = {}
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.last_status: dict[str, dict] = {}
+        self.bodies: dict[str, dict] = {}  # uid → latest body seen on the watch
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, owner) → name → PodFacts
+        self.wakeup: Optional[asyncio.Event] = None
 
 
 def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegistry:
@@ -49,63 +55,97 @@ def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegis
     resource = (API_GROUP, VERSION, PLURAL)
 
     @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> None:
+    async def configure(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> None:
         # Keep kopf's bookkeeping in annotations: status fields the CRD does not declare are pruned.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=API_GROUP, key="last-handled-configuration")
-        settings.posting.loggers = False  # events are posted on purpose, not for every log line
+        settings.posting.enabled = False  # the reconciler posts its own events, not log lines
         if memo.store is None:
-            memo.store = KubeStore.from_environment()
+            memo.store = await asyncio.to_thread(KubeStore.from_environment)
+        memo.wakeup = asyncio.Event()
+        memo.resync_task = asyncio.create_task(_resync_forever(memo, interval), name="afd-resync")
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop(memo: OperatorMemo, **_: Any) -> None:
+        task = memo.get("resync_task")
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
-    @kopf.index("pods", labels={L.NAME: kopf.PRESENT, L.GROUP: kopf.PRESENT}, registry=registry)
-    def pods_by_owner(namespace: str, labels: dict, body: Any, **_: Any) -> Optional[dict]:
+    @kopf.on.event("pods", labels={L.NAME: kopf.PRESENT, L.GROUP: kopf.PRESENT}, registry=registry)
+    async def pod_event(type: str, body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
         facts = pod_facts(body)
-        return {(namespace, labels[L.NAME]): facts} if facts else None
+        if facts is None:
+            return
+        pods = memo.pods.setdefault((body.metadata.namespace, body.metadata.labels[L.NAME]), {})
+        if type == "DELETED":
+            pods.pop(facts.name, None)
+        else:
+            pods[facts.name] = facts
+        if memo.wakeup is not None:
+            memo.wakeup.set()
+
+    @kopf.on.event(*resource, registry=registry)
+    async def resource_event(type: str, body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
+        uid = body.metadata.uid
+        if type == "DELETED":
+            for store in (memo.bodies, memo.last_status, memo.locks):
+                store.pop(uid, None)
+        else:
+            memo.bodies[uid] = dict(body)
 
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
-    async def on_change(body: kopf.Body, patch: kopf.Patch, memo: OperatorMemo,
-                        pods_by_owner: kopf.Index, **_: Any) -> None:
+    async def on_change(body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
         try:
-            await _run(body, patch, memo, pods_by_owner, full=True)
+            await reconcile_one(memo, dict(body), full=True)
         except KubeError as err:
             raise kopf.TemporaryError(str(err), delay=10) from err
-
-    @kopf.timer(*resource, interval=interval, registry=registry)
-    async def resync(body: kopf.Body, patch: kopf.Patch, memo: OperatorMemo,
-                     pods_by_owner: kopf.Index, logger: logging.Logger, **_: Any) -> None:
-        try:
-            await _run(body, patch, memo, pods_by_owner, full=False)
-        except KubeError as err:  # the next tick retries
-            logger.warning("resync failed: %s", err)
-
-    @kopf.on.delete(*resource, optional=True, registry=registry)  # optional: no finalizer
-    def forget(body: kopf.Body, memo: OperatorMemo, **_: Any) -> None:
-        # Children go with the resource through their ownerReferences (garbage collection).
-        memo.locks.pop(body.metadata.uid, None)
-        memo.last_status.pop(body.metadata.uid, None)
 
     return registry
 
 
-async def _run(body: kopf.Body, patch: kopf.Patch, memo: OperatorMemo,
-               index: kopf.Index, full: bool) -> Outcome:
-    uid = body.metadata.uid
-    lock = memo.locks.setdefault(uid, asyncio.Lock())
-    async with lock:
-        pods: list[PodFacts] = list(index.get((body.metadata.namespace, body.metadata.name), []))
-        current = dict(body)
-        current["status"] = memo.last_status.get(uid) or dict(body.get("status") or {})
-        assert memo.store is not None
-        outcome = await asyncio.to_thread(reconcile, current, pods, memo.store, time.time(), full)
-        memo.last_status[uid] = outcome.status
-        patch["status"] = outcome.status
+async def reconcile_one(memo: OperatorMemo, body: dict[str, Any], full: bool) -> Outcome:
+    """Reconcile one resource under its lock; write the status only when it changed."""
+    meta = body["metadata"]
+    uid = meta["uid"]
+    async with memo.locks.setdefault(uid, asyncio.Lock()):
+        pods = list(memo.pods.get((meta["namespace"], meta["name"]), {}).values())
+        current = {**body, "status": memo.last_status.get(uid) or dict(body.get("status") or {})}
+        store = memo.store
+        assert store is not None, "the startup handler sets the store"
+        outcome = await asyncio.to_thread(reconcile, current, pods, store, time.time(), full)
+        if outcome.status != memo.last_status.get(uid):
+            await asyncio.to_thread(store.patch_status, meta["namespace"], meta["name"], outcome.status)
+            memo.last_status[uid] = outcome.status
         for event in outcome.events:
-            kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+            await asyncio.to_thread(store.post_event, meta, event.type, event.reason, event.message)
         return outcome
+
+
+async def _resync_forever(memo: OperatorMemo, interval: float) -> None:
+    """Re-reconcile every known resource each `interval` seconds, or soon after a pod event."""
+    assert memo.wakeup is not None
+    while True:
+        try:
+            await asyncio.wait_for(memo.wakeup.wait(), timeout=interval)
+            await asyncio.sleep(min(0.5, interval))  # let a burst of pod events settle
+        except asyncio.TimeoutError:
+            pass
+        memo.wakeup.clear()
+        for uid, body in list(memo.bodies.items()):
+            if body.get("metadata", {}).get("deletionTimestamp"):
+                continue
+            try:
+                await reconcile_one(memo, body, full=False)
+            except KubeError as err:  # the next round retries
+                log.warning("resync of %s/%s failed: %s", body["metadata"].get("namespace"),
+                            body["metadata"].get("name"), err)
+            except Exception:  # one broken resource must not stop the others' resyncs
+                log.exception("resync of %s failed", uid)

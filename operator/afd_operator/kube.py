@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from typing import Any, Protocol
 
 from afd_operator.labels import OPERATOR
+from afd_operator.model import API_VERSION
 
 log = logging.getLogger(__name__)
 
 # kind → plural, for every kind the operator writes. RBAC (rbac.yaml) grants exactly these.
 PLURALS = {
+    "AFDDeployment": "afddeployments",
     "ConfigMap": "configmaps",
+    "Event": "events",
     "Service": "services",
     "Pod": "pods",
     "StatefulSet": "statefulsets",
@@ -43,6 +48,10 @@ class Store(Protocol):
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool: ...
 
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+
+    def post_event(self, owner: dict[str, Any], type: str, reason: str, message: str) -> None: ...
+
 
 def object_path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
     """REST path of a namespaced object (or its collection when `name` is empty)."""
@@ -65,7 +74,8 @@ class KubeStore:
         try:
             kubernetes.config.load_incluster_config()
         except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
+            # Read KUBECONFIG now: the client reads its default only once, at import time.
+            kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         return cls(kubernetes.client.ApiClient())
 
     def apply(self, obj: dict[str, Any]) -> None:
@@ -76,6 +86,16 @@ class KubeStore:
             query=[("fieldManager", OPERATOR), ("force", "true")],
             content_type="application/apply-patch+yaml",
         )
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge-patch the status subresource of an AFDDeployment."""
+        path = object_path(API_VERSION, "AFDDeployment", namespace, name) + "/status"
+        self._call("PATCH", path, {"status": status}, content_type="application/merge-patch+json")
+
+    def post_event(self, owner: dict[str, Any], type: str, reason: str, message: str) -> None:
+        """Record a core/v1 Event on an AFDDeployment (`owner` is its metadata)."""
+        self._call("POST", object_path("v1", "Event", owner["namespace"]),
+                   render_event(owner, type, reason, message, time.time()))
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete one object (its dependents in the background); False if it was not there."""
@@ -110,6 +130,26 @@ class KubeStore:
         if response.status >= 400:
             raise KubeError(response.status, f"{method} {path}: HTTP {response.status}")
         return json.loads(response.data or b"null")
+
+
+def render_event(owner: dict[str, Any], type: str, reason: str, message: str, now: float) -> dict[str, Any]:
+    """A core/v1 Event about the AFDDeployment whose metadata is `owner`."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{owner['name']}.", "namespace": owner["namespace"]},
+        "involvedObject": {"apiVersion": API_VERSION, "kind": "AFDDeployment", "name": owner["name"],
+                           "namespace": owner["namespace"], "uid": owner.get("uid", "")},
+        "type": type,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": OPERATOR},
+        "reportingComponent": OPERATOR,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
 
 
 def _reason(err: Any) -> str:

@@ -8,6 +8,7 @@ read from kopf's in-memory index; nothing here talks to the API.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Optional
 
@@ -132,7 +133,9 @@ def _lost_reason(memory: GroupMemory, pods: list[PodFacts], expected: int) -> st
         return f"pod {failed[0]} is {next(p.phase for p in pods if p.name == failed[0])}"
     if len(pods) < expected:
         return f"{expected - len(pods)} of {expected} pods are missing"
-    replaced = [p.name for p in pods if p.created is not None and p.created > memory.ready_since]
+    # The API server keeps whole seconds: a pod from the second the group became Ready is not new.
+    since = math.floor(memory.ready_since)
+    replaced = [p.name for p in pods if p.created is not None and math.floor(p.created) > since]
     if replaced:
         return f"pod {replaced[0]} was recreated after the group became Ready"
     restarts = sum(p.restarts for p in pods)
@@ -141,9 +144,14 @@ def _lost_reason(memory: GroupMemory, pods: list[PodFacts], expected: int) -> st
     return ""
 
 
-def remember(view: GroupView, now: float, reset_after: float) -> GroupMemory:
-    """The memory to keep after observing `view` (before any action is applied)."""
+def remember(view: GroupView, now: float, reset_after: float, runtime_recovers: bool = False) -> GroupMemory:
+    """The memory to keep after observing `view` (before any action is applied).
+
+    With `runtime_recovers` (restart policy None) a group that lost a rank and is fully
+    Ready again has recovered by itself: its baseline moves to now."""
     memory = view.memory
+    if view.state.ready and view.lost_reason and runtime_recovers:
+        memory = replace(memory, ready_since=now, restart_baseline=view.pod_restarts)
     if view.state.ready and memory.ready_since is None and not view.lost_reason:
         # Restarts during start-up are not losses; later ones are compared with this baseline.
         memory = replace(memory, ready_since=now, restart_baseline=view.pod_restarts)

@@ -81,7 +81,8 @@ def reconcile(
 
     views = observe_groups(memories_from_status(previous), pods, spec.attention.ranks, spec.ffn.ranks)
     reset_after = float(spec.restart_policy.max_backoff_seconds)
-    memories = {v.state.index: remember(v, now, reset_after) for v in views}
+    recovers = spec.restart_type != RECREATE
+    memories = {v.state.index: remember(v, now, reset_after, recovers) for v in views}
     states = [replace(v.state, restarts=memories[v.state.index].restarts) for v in views]
     plan = plan_groups(desired_of(spec), states, now)
 
