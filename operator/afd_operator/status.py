@@ -109,7 +109,8 @@ def judge(inp: StatusInput, ready: int, updated: int, available: int, existing: 
                             f"{updated}/{existing} group(s) at revision {spec.revision}")
     else:
         ready_c = Condition("Ready", False, "GroupsNotReady", f"{available}/{want} group(s) Ready")
-    floor = max(0, want - spec.rollout.max_unavailable)
+    # Like a Deployment's minimum, but a resource with no Ready group is never Available.
+    floor = max(min(want, 1), want - spec.rollout.max_unavailable)
     available_c = Condition(
         "Available", ready >= floor, "MinimumGroupsReady" if ready >= floor else "TooFewGroupsReady",
         f"{ready} Ready group(s), at least {floor} required",

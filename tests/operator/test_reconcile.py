@@ -1,0 +1,177 @@
+"""Observation, status and the reconciler with a fake store: the rules that keep a group
+consistent and the status honest, without any API server."""
+
+from __future__ import annotations
+
+import yaml
+
+from afd_operator import labels as L
+from afd_operator.kube import PLURALS
+from afd_operator.model import parse_spec
+from afd_operator.observe import GroupMemory, PodFacts, format_time, observe_groups, pod_facts, remember
+from afd_operator.reconcile import reconcile
+from afd_operator.status import merge_conditions, Condition
+from op_testkit import ROOT, make_cr
+
+NOW = 1_800_000_000.0
+
+
+class FakeStore:
+    def __init__(self):
+        self.applied, self.deleted, self.statuses, self.events = [], [], [], []
+
+    def apply(self, obj):
+        self.applied.append((obj["kind"], obj["metadata"]["name"], obj["metadata"]["labels"].get(L.REVISION)))
+
+    def delete(self, api_version, kind, namespace, name):
+        self.deleted.append((kind, name))
+        return True
+
+    def patch_status(self, namespace, name, status):
+        self.statuses.append(status)
+
+    def post_event(self, owner, type, reason, message):
+        self.events.append((type, reason, message))
+
+
+def pod(name, group=0, role="attention", revision="r1", ready=True, phase="Running", restarts=0, created=NOW - 100):
+    return PodFacts(name, group, role, revision, phase, ready, restarts, created)
+
+
+def ready_pods(revision, group=0, created=NOW - 100):
+    return [pod(f"demo-g{group}-attn-{r}", group, "attention", revision, created=created) for r in range(2)] + [
+        pod(f"demo-g{group}-ffn-0", group, "ffn", revision, created=created)]
+
+
+def status_with(groups, **extra):
+    return {"groups": [{"index": i, "revision": rev, "phase": "Ready", "readySince": format_time(NOW - 50),
+                        "restarts": 0, "restartBaseline": 0} for i, rev in groups], **extra}
+
+
+class TestObservation:
+    def test_pod_facts_reads_labels_readiness_and_restarts(self):
+        body = {"metadata": {"name": "demo-g1-ffn-0", "labels": {L.NAME: "demo", L.GROUP: "1", L.ROLE: "ffn",
+                                                                  L.REVISION: "r1"},
+                             "creationTimestamp": "2026-01-01T00:00:00Z"},
+                "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
+                           "containerStatuses": [{"restartCount": 2}, {"restartCount": 1}]}}
+        facts = pod_facts(body)
+        assert (facts.group, facts.role, facts.ready, facts.restarts) == (1, "ffn", True, 3)
+        assert pod_facts({"metadata": {"labels": {"app": "other"}}}) is None
+
+    def test_a_rank_is_lost_only_after_the_group_was_ready(self):
+        memory = GroupMemory(0, "r1")
+        [view] = observe_groups([memory], ready_pods("r1")[:2], 2, 1)  # FFN pod missing, never Ready
+        assert not view.state.lost
+        [view] = observe_groups([GroupMemory(0, "r1", ready_since=NOW - 50)], ready_pods("r1")[:2], 2, 1)
+        assert view.state.lost and "missing" in view.lost_reason
+
+    def test_recreated_pods_and_container_restarts_count_as_lost(self):
+        memory = GroupMemory(0, "r1", ready_since=NOW - 50, restart_baseline=1)
+        pods = ready_pods("r1")
+        pods[2] = pod("demo-g0-ffn-0", role="ffn", created=NOW - 10)
+        [view] = observe_groups([memory], pods, 2, 1)
+        assert "recreated" in view.lost_reason
+        pods = ready_pods("r1")
+        pods[0] = pod("demo-g0-attn-0", restarts=2)
+        [view] = observe_groups([memory], pods, 2, 1)
+        assert "1 container restart(s)" in view.lost_reason
+
+    def test_mixed_revisions_are_never_ready(self):
+        pods = ready_pods("r1")
+        pods[0] = pod("demo-g0-attn-0", revision="r0")
+        [view] = observe_groups([GroupMemory(0, "r1")], pods, 2, 1)
+        assert not view.state.ready
+
+    def test_groups_known_only_from_pods_are_adopted(self):
+        [view] = observe_groups([], ready_pods("r7", group=3), 2, 1)
+        assert (view.state.index, view.state.revision, view.state.ready) == (3, "r7", True)
+
+    def test_runtime_recovery_rebaselines_when_the_policy_leaves_it_to_the_runtime(self):
+        memory = GroupMemory(0, "r1", ready_since=NOW - 50)
+        pods = ready_pods("r1")
+        pods[2] = pod("demo-g0-ffn-0", role="ffn", created=NOW - 10)  # the FFN came back by itself
+        [view] = observe_groups([memory], pods, 2, 1)
+        assert remember(view, NOW, 600, runtime_recovers=True).ready_since == NOW
+        assert remember(view, NOW, 600, runtime_recovers=False).ready_since == NOW - 50
+
+
+def test_conditions_keep_their_transition_time_until_they_flip():
+    first = merge_conditions([], [Condition("Ready", False, "Starting")], 1, NOW)
+    same = merge_conditions(first, [Condition("Ready", False, "GroupsNotReady")], 2, NOW + 60)
+    assert same[0]["lastTransitionTime"] == first[0]["lastTransitionTime"]
+    flipped = merge_conditions(same, [Condition("Ready", True, "AllGroupsReady")], 2, NOW + 120)
+    assert flipped[0]["lastTransitionTime"] == format_time(NOW + 120)
+
+
+class TestReconcile:
+    def test_first_reconcile_creates_group_objects_services_first(self):
+        store = FakeStore()
+        outcome = reconcile(make_cr(), [], store, NOW)
+        kinds = [k for k, _, _ in store.applied]
+        assert kinds == ["ConfigMap", "Service", "Service", "StatefulSet", "StatefulSet", "Service"]
+        assert outcome.status["groups"][0]["phase"] == "Creating"
+        assert [c["status"] for c in outcome.status["conditions"]] == ["False", "False", "True", "False"]
+        assert ("Normal", "GroupCreated") in [(t, r) for t, r, _ in
+                                               [(e.type, e.reason, e.message) for e in outcome.events]]
+
+    def test_never_ready_while_an_old_revision_serves(self):
+        body = make_cr(replicas=2, rollout={"maxSurge": 1, "maxUnavailable": 0})
+        new = parse_spec(body["spec"]).revision
+        body["status"] = status_with([(0, "old"), (1, new)])  # every rank Ready, one group still old
+        outcome = reconcile(body, ready_pods("old", 0) + ready_pods(new, 1), FakeStore(), NOW)
+        assert [(a.kind, a.index) for a in outcome.actions] == [("create", 2)]  # surge first
+        ready = next(c for c in outcome.status["conditions"] if c["type"] == "Ready")
+        assert (ready["status"], ready["reason"]) == ("False", "RolloutInProgress")
+        assert outcome.status["currentRevision"] == "old" and outcome.status["updateRevision"] == new
+
+    def test_replace_applies_the_new_revision_then_deletes_every_rank(self):
+        body = make_cr(replicas=1)
+        new = parse_spec(body["spec"]).revision
+        body["status"] = status_with([(0, "old")])
+        store = FakeStore()
+        reconcile(body, ready_pods("old"), store, NOW)
+        assert {rev for _, _, rev in store.applied if rev} == {new}
+        assert sorted(store.deleted) == [("Pod", "demo-g0-attn-0"), ("Pod", "demo-g0-attn-1"), ("Pod", "demo-g0-ffn-0")]
+
+    def test_a_full_reconcile_never_reapplies_groups_at_an_old_revision(self):
+        """Their StatefulSets must keep the old template, or a recreated rank would mix revisions."""
+        body = make_cr(replicas=2, rollout={"maxUnavailable": 0, "maxSurge": 1})
+        new = parse_spec(body["spec"]).revision
+        body["status"] = status_with([(0, "old"), (1, new)])
+        store = FakeStore()
+        reconcile(body, ready_pods("old", 0) + ready_pods(new, 1), store, NOW, full=True)
+        touched = {name for _, name, _ in store.applied}
+        assert "demo-g1-attn" in touched and not any(name.startswith("demo-g0-") for name in touched)
+
+    def test_an_invalid_spec_applies_nothing_and_says_why_once(self):
+        store = FakeStore()
+        body = make_cr(attention={"ranks": 1}, ffn={"ranks": 2})
+        outcome = reconcile(body, [], store, NOW)
+        assert store.applied == [] and store.deleted == []
+        degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
+        assert degraded["reason"] == "InvalidSpec" and "ffn.ranks (2) must not exceed attention.ranks (1)" in degraded["message"]
+        assert [e.reason for e in outcome.events] == ["InvalidSpec"]
+        body["status"] = outcome.status
+        assert reconcile(body, [], store, NOW + 10).events == []
+
+    def test_disabled_optional_objects_are_pruned_on_full_reconciles(self):
+        store = FakeStore()
+        reconcile(make_cr(), [], store, NOW, full=True)
+        assert ("PodDisruptionBudget", "demo") in store.deleted and ("PodMonitor", "demo") in store.deleted
+
+
+def test_rbac_covers_every_kind_the_operator_writes():
+    rules = [r for doc in yaml.safe_load_all((ROOT / "operator/afd_operator/rbac.yaml").read_text())
+             if doc["metadata"]["name"] == "afd-operator" for r in doc["rules"]]
+    granted = {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
+    assert not any("*" in x for x in granted)
+    groups = {"ConfigMap": [""], "Service": [""], "Pod": [""], "Event": [""], "StatefulSet": ["apps"],
+              "PodDisruptionBudget": ["policy"], "PodMonitor": ["monitoring.coreos.com"],
+              "PodGroup": ["scheduling.volcano.sh", "scheduling.x-k8s.io"], "AFDDeployment": ["afd.io"]}
+    needed = {"Pod": ["delete", "list", "watch"], "Event": ["create"], "AFDDeployment": ["list", "watch", "patch"]}
+    for kind, plural in PLURALS.items():
+        for group in groups[kind]:
+            for verb in needed.get(kind, ["create", "patch", "delete"]):
+                assert (group, plural, verb) in granted, f"{verb} {group}/{plural} missing from rbac.yaml"
+    assert ("afd.io", "afddeployments/status", "patch") in granted
