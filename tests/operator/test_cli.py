@@ -20,6 +20,13 @@ def test_module_help_runs_without_torch():
     assert "render" in result.stdout and "run" in result.stdout
 
 
+def test_the_operator_never_imports_torch():
+    code = ("import sys, afd_operator.handlers, afd_operator.cli, afd_operator.reconcile;"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
 def test_render_matches_the_golden_file_for_the_sample():
     text = render_file(str(ROOT / "crds/samples/gpu-nccl-dsv2-lite.yaml"), namespace="ns")
     objs = list(yaml.safe_load_all(text))
