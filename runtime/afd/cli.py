@@ -31,7 +31,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from afd.models.spec import UnsupportedModelError
     from afd.processes import ChildFailed
 
-    return (ConfigError, TopologyError, CheckpointError, UnsupportedModelError, ConnectorError, ProtocolError, ChildFailed)
+    return (ConfigError, TopologyError, CheckpointError, UnsupportedModelError, ConnectorError, ProtocolError,
+            ChildFailed, RuntimeError)
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -77,6 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
+
+    up = commands.add_parser("up", help="run a supervised local AFD deployment behind one OpenAI URL")
+    up.add_argument("--model", help="checkpoint folder (default: a tiny qwen3_moe made and cached on first use)")
+    up.add_argument("--topology", default="2A1F")
+    up.add_argument("--stages", type=int, default=2)
+    up.add_argument("--gate", default="ffn", help="ffn or attention")
+    up.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible URL")
+    up.add_argument("--state-file", help="JSON file describing the API URL and every rank, kept current")
+    up.add_argument("--no-demo", action="store_true", help="do not send the demo request once ready")
+
+    operator = commands.add_parser("operator", help="run the kopf operator (see 'afd operator --help')", add_help=False)
+    operator.add_argument("args", nargs=argparse.REMAINDER)
+    render = commands.add_parser("render", help="render an AFDDeployment to manifests offline", add_help=False)
+    render.add_argument("args", nargs=argparse.REMAINDER)
 
     batch = commands.add_parser("run-batch", help=argparse.SUPPRESS)
     batch.add_argument("--input", required=True)
@@ -153,14 +168,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     if config.role == "ffn":
+        from prometheus_client import CollectorRegistry
+
         from afd.roles import build_ffn
+        from afd.server.probe_http import start_probe_server
 
         runner = build_ffn(config)
-        log.info("ffn rank %d ready", config.rank)
-        runner.serve(stop)
+        probe = start_probe_server(config.http_host, config.metrics_port, lambda: None, CollectorRegistry())
+        log.info("ffn rank %d ready (health and metrics on port %d)", config.rank, config.metrics_port)
+        try:
+            runner.serve(stop)
+        finally:
+            probe.shutdown()
         log.info("ffn rank %d stopped after %d steps", config.rank, runner.steps_run)
         return 0
-    from afd.server.app import serve_attention
+    from afd.server.run import serve_attention
 
     return serve_attention(config, stop)
 
@@ -178,7 +200,42 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from afd.config import AFDConfig, values_from_topology
+    from afd.models.checkpoint import Checkpoint
+    from afd.up import ensure_tiny_model, run_up
+
+    if args.gate not in ("ffn", "attention"):
+        raise ConfigError(f"--gate {args.gate!r}: must be ffn or attention")
+    model = Path(args.model).resolve() if args.model else ensure_tiny_model()
+    Checkpoint(model)  # a clear error now rather than in every rank's log
+    config = AFDConfig(
+        **values_from_topology(args.topology, "--topology"),
+        stages=args.stages,
+        gate_on_attention=args.gate == "attention",
+        model=str(model),
+        ffn_address_template="127.0.0.1",
+        port_stride=2,
+    )
+    return run_up(config, args.port, Path(args.state_file) if args.state_file else None, demo=not args.no_demo)
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from afd_operator.cli import operator_main
+
+    return operator_main(args.args)
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from afd_operator.cli import render_main
+
+    return render_main(args.args)
+
+
 COMMANDS = {
+    "up": cmd_up,
+    "operator": cmd_operator,
+    "render": cmd_render,
     "generate": cmd_generate,
     "serve": cmd_serve,
     "make-tiny-model": cmd_make_tiny_model,
@@ -193,7 +250,7 @@ def _raise_interrupt(*_) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("AFD_LOG_LEVEL", "INFO" if args.command in ("serve", "run-batch") else "WARNING"),
+        level=os.environ.get("AFD_LOG_LEVEL", "INFO" if args.command in ("serve", "run-batch", "operator") else "WARNING"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command in ("generate", "up"):

@@ -53,6 +53,9 @@ class AFDConfig:
     metrics_port: int = 9090
     max_num_seqs: int = 64
     max_model_len: int = 0
+    max_num_batched_tokens: int = 8192
+    kv_cache_bytes: int = 0
+    served_model_name: str = ""
     group_token: str = ""
     connect_timeout_s: float = 60.0
     peer_timeout_s: float = 10.0
@@ -75,7 +78,7 @@ class AFDConfig:
             port = getattr(self, name)
             if not 1 <= port <= 65535:
                 raise ConfigError(f"{name}={port}: must be a TCP port in 1..65535")
-        for name in ("max_num_seqs", "max_message_bytes", "connect_timeout_s", "peer_timeout_s", "heartbeat_interval_s"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_message_bytes", "connect_timeout_s", "peer_timeout_s", "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
         if self.num_ffn_ranks > 1 and "{rank}" not in self.ffn_address_template and not self.port_stride:
@@ -83,8 +86,9 @@ class AFDConfig:
                 f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
                 f"all {self.num_ffn_ranks} FFN ranks would share one address"
             )
-        if self.max_model_len < 0 or self.port_stride < 0:
-            raise ConfigError("max_model_len and port_stride must not be negative")
+        for name in ("max_model_len", "port_stride", "kv_cache_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
 
     @property
     def topology(self) -> Topology:
@@ -147,6 +151,9 @@ ENV_VARS: dict[str, str] = {
     "AFD_METRICS_PORT": "metrics_port",
     "AFD_MAX_NUM_SEQS": "max_num_seqs",
     "AFD_MAX_MODEL_LEN": "max_model_len",
+    "AFD_MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
+    "AFD_KV_CACHE_BYTES": "kv_cache_bytes",
+    "AFD_SERVED_MODEL_NAME": "served_model_name",
     "AFD_GROUP_TOKEN": "group_token",
     "AFD_CONNECT_TIMEOUT_S": "connect_timeout_s",
     "AFD_PEER_TIMEOUT_S": "peer_timeout_s",

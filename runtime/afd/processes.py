@@ -46,7 +46,7 @@ class LocalProcesses:
         self.stop_all()
 
     def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = open(self.log_path(name), "wb")
+        log = open(self.log_path(name), "ab")
         child = subprocess.Popen(
             [sys.executable, "-m", "afd", *args],
             env={**os.environ, **env},
@@ -85,12 +85,18 @@ class LocalProcesses:
                 raise ChildFailed(f"{', '.join(sorted(pending))} did not finish within {timeout_s:.0f} s")
             time.sleep(0.05)
 
+    def stop(self, name: str) -> None:
+        self._terminate([self.children[name]])
+
     def stop_all(self) -> None:
-        for child in self.children.values():
+        self._terminate(list(self.children.values()))
+
+    def _terminate(self, children: list[subprocess.Popen]) -> None:
+        for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
-        for child in self.children.values():
+        for child in children:
             try:
                 child.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -29,6 +29,10 @@ class AttentionBatch:
     last_token: torch.Tensor  # [B] flat index of each sequence's last new token
     max_len: int
     max_new: int
+    # decode on CUDA (one new token per sequence): the paged kernel reads these instead
+    block_table: torch.Tensor | None = None  # [B, W] int32 cache blocks of each sequence
+    seq_lens: torch.Tensor | None = None  # [B] int32 keys per sequence, new token included
+    block_size: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +77,13 @@ class AttentionBatch:
         tables = torch.tensor([list(t[:width]) + [0] * (width - len(t[:width])) for t in block_tables], dtype=torch.long)
         key_index = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, max_len]
         key_index = key_index.masked_fill(key_pos[None, :] >= total[:, None], 0)
+        paged = {}
+        if max_new == 1 and torch.device(device).type == "cuda" and _paged_kernel_available():
+            paged = dict(
+                block_table=tables.to(device=device, dtype=torch.int32),
+                seq_lens=total.to(device=device, dtype=torch.int32),
+                block_size=block_size,
+            )
         return cls(
             positions=positions.to(device),
             write_index=key_index[token_seq, positions].to(device),
@@ -83,7 +94,16 @@ class AttentionBatch:
             last_token=(starts + new - 1).to(device),
             max_len=max_len,
             max_new=max_new,
+            **paged,
         )
+
+    @classmethod
+    def for_decode(cls, positions, write_index, block_table, seq_lens, block_size: int) -> "AttentionBatch":
+        """A decode batch over static device buffers (CUDA graphs): one new token per sequence."""
+        seqs = torch.arange(block_table.shape[0], device=block_table.device)
+        empty = torch.empty(0, dtype=torch.long, device=block_table.device)
+        return cls(positions, write_index, seqs, torch.zeros_like(seqs), empty, empty, seqs, 0, 1,
+                   block_table, seq_lens, block_size)
 
 
 def cached_attention(
@@ -98,6 +118,10 @@ def cached_attention(
     """Store k/v in their cache rows, then attend each query to its sequence's keys: [T, Hq, Dv]."""
     cache_k[batch.write_index] = k.to(cache_k.dtype)
     cache_v[batch.write_index] = v.to(cache_v.dtype)
+    if batch.block_table is not None:  # decode on CUDA: the paged kernel, no gathered copy
+        from afd.kernels.decode_attention import paged_decode_attention
+
+        return paged_decode_attention(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale)
     keys = cache_k[batch.key_index].transpose(1, 2)  # [B, Hkv, L, Dk]
     values = cache_v[batch.key_index].transpose(1, 2)  # [B, Hkv, L, Dv]
     padded_q = q.new_zeros(batch.num_seqs, batch.max_new, *q.shape[1:])
@@ -111,3 +135,9 @@ def cached_attention(
         enable_gqa=q.shape[1] != k.shape[1],
     )  # [B, Hq, max_new, Dv]
     return out.transpose(1, 2)[batch.token_seq, batch.token_col]
+
+
+def _paged_kernel_available() -> bool:
+    from afd.kernels import triton_available
+
+    return triton_available()

@@ -90,17 +90,23 @@ class Experts(nn.Module):
     """Routed experts as stacked weights, computed with one sort and grouped GEMMs.
 
     Token→expert pairs are sorted by expert so each expert multiplies one contiguous
-    block; there is no loop over tokens. On CUDA the blocks go through one grouped
-    GEMM; elsewhere each expert with rows is one matmul.
+    block; there is no loop over tokens. On CUDA in bf16/fp16 the fused, sync-free
+    kernels of `afd.kernels.moe` run; elsewhere each expert with rows is one matmul.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts = num_experts
+        self.num_shared = 0  # shared experts folded in after loading (afd.kernels.moe.fuse_shared_experts)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from afd.kernels.moe import add_shared, experts_cuda  # sync-free, capturable
+
+            weights, ids = add_shared(weights, ids, self.num_experts, self.num_shared)
+            return experts_cuda(x, weights, ids, self.gate_up, self.down)
         top_k = ids.shape[1]
         flat_ids = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat_ids, stable=True)
@@ -115,9 +121,6 @@ class Experts(nn.Module):
 
 def _grouped_matmul(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Rows of `x` grouped by expert (sizes `counts`) times each expert's `weight[e].T`."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     pieces = [
         chunk @ weight[expert].T
         for expert, chunk in enumerate(x.split(counts.tolist()))

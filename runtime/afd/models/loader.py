@@ -10,7 +10,7 @@ import torch
 from afd.models import deepseek_v2, qwen3_moe
 from afd.models.base import MoECausalLM
 from afd.models.checkpoint import Checkpoint
-from afd.models.layers import Router
+from afd.models.layers import MoE, Router
 from afd.models.spec import ModelSpec, parse_spec
 from afd.models.split import prune_for_role
 from afd.topology import crossing_layers
@@ -51,6 +51,12 @@ def load_model(
             module.float()  # DeepSeek keeps its gate in float32
     _load_weights(model, checkpoint)
     model.eval().requires_grad_(False)
+    if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        from afd.kernels.moe import fuse_shared_experts
+
+        for module in model.modules():
+            if isinstance(module, MoE):
+                fuse_shared_experts(module)  # one kernel pair per MoE layer
     return LoadedModel(model, spec, crossing, checkpoint.fingerprint(), list(checkpoint.loaded_keys))
 
 

@@ -23,6 +23,16 @@ class ModelSpec:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
+    kv_layout: tuple[int, int, int]  # (cached heads, key dim, value dim) of every layer
+
+
+def kv_layout(config: dict) -> tuple[int, int, int]:
+    """What each layer caches per token; MLA caches the expanded per-head keys and values."""
+    if config.get("model_type") == "deepseek_v2":
+        heads = config["num_attention_heads"]
+        return heads, config["qk_nope_head_dim"] + config["qk_rope_head_dim"], config["v_head_dim"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_key_value_heads"], head_dim, head_dim
 
 
 def moe_layer_mask(config: dict) -> tuple[bool, ...]:
@@ -78,6 +88,7 @@ def parse_spec(config: dict) -> ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            kv_layout=kv_layout(config),
         )
     except KeyError as err:
         raise UnsupportedModelError(f"config.json lacks {err.args[0]!r}") from None

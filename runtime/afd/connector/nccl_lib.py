@@ -1,0 +1,148 @@
+"""A minimal ctypes binding of NCCL's point-to-point API, issued on torch's current stream.
+
+Why not torch.distributed: it needs one world of every rank fixed at start-up (a dead
+peer takes the world down, DESIGN §4 wants pairs that can be rebuilt alone), and its
+process groups run on internal streams. A two-rank communicator per attention↔FFN pair,
+created from an id that travels in the zmq handshake, issues `ncclSend`/`ncclRecv` on the
+caller's stream, so the transfers sit inside CUDA graphs like any kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+import torch
+
+NCCL_UINT8 = 1
+
+
+class NcclError(RuntimeError):
+    pass
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+    def to_hex(self) -> str:
+        return bytes(self.internal).hex()
+
+    @classmethod
+    def from_hex(cls, text: str) -> "UniqueId":
+        raw = bytes.fromhex(text)
+        if len(raw) != 128:
+            raise NcclError(f"an NCCL unique id has 128 bytes, got {len(raw)}")
+        uid = cls()
+        ctypes.memmove(uid.internal, raw, 128)
+        return uid
+
+
+def _candidates() -> list[str]:
+    # torch's CUDA build has already loaded libnccl.so.2, so the soname resolves to it
+    names = [os.environ.get("AFD_NCCL_LIBRARY", ""), "libnccl.so.2", "libnccl.so"]
+    try:
+        import nvidia.nccl  # type: ignore
+
+        names += glob.glob(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so*"))
+    except ImportError:
+        pass
+    return [n for n in names if n]
+
+
+class _Library:
+    def __init__(self) -> None:
+        errors = []
+        for name in _candidates():
+            try:
+                self.lib = ctypes.CDLL(name)
+                break
+            except OSError as err:
+                errors.append(f"{name}: {err}")
+        else:
+            raise NcclError("libnccl not found (set AFD_NCCL_LIBRARY): " + "; ".join(errors[-3:]))
+        lib, p, i, sz = self.lib, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
+        lib.ncclGetErrorString.argtypes = [i]
+        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]
+        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(p), i, UniqueId, i]
+        lib.ncclSend.argtypes = [p, sz, i, i, p, p]
+        lib.ncclRecv.argtypes = [p, sz, i, i, p, p]
+        lib.ncclCommAbort.argtypes = [p]
+        lib.ncclCommDestroy.argtypes = [p]
+        lib.ncclGetVersion.argtypes = [ctypes.POINTER(i)]
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            raise NcclError(f"{what} failed: {self.lib.ncclGetErrorString(result).decode()} (nccl error {result})")
+
+
+_LIB: _Library | None = None
+
+
+def library() -> _Library:
+    global _LIB
+    if _LIB is None:
+        _LIB = _Library()
+    return _LIB
+
+
+def version() -> int:
+    value = ctypes.c_int()
+    library().check(library().lib.ncclGetVersion(ctypes.byref(value)), "ncclGetVersion")
+    return value.value
+
+
+def new_unique_id() -> UniqueId:
+    uid = UniqueId()
+    library().check(library().lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+    return uid
+
+
+class Group:
+    """`with Group():` batches the sends and receives inside into one NCCL launch."""
+
+    def __enter__(self) -> "Group":
+        library().check(library().lib.ncclGroupStart(), "ncclGroupStart")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        library().check(library().lib.ncclGroupEnd(), "ncclGroupEnd")
+
+
+class PairComm:
+    """A two-rank communicator (rank 0: FFN, rank 1: attention) on one CUDA device."""
+
+    def __init__(self, uid: UniqueId, rank: int, device: torch.device):
+        self.rank, self.peer, self.device = rank, 1 - rank, device
+        self._comm = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            library().check(library().lib.ncclCommInitRank(ctypes.byref(self._comm), 2, uid, rank), "ncclCommInitRank")
+
+    def send(self, tensor: torch.Tensor) -> None:
+        """Queue `tensor` (contiguous, on this device) to the peer on the current stream."""
+        self._p2p(library().lib.ncclSend, tensor, "ncclSend")
+
+    def recv(self, tensor: torch.Tensor) -> None:
+        """Queue a receive into `tensor` (contiguous, on this device) on the current stream."""
+        self._p2p(library().lib.ncclRecv, tensor, "ncclRecv")
+
+    def _p2p(self, fn, tensor: torch.Tensor, what: str) -> None:
+        if self._comm is None:
+            raise NcclError(f"{what} on a closed communicator")
+        if not tensor.is_contiguous():
+            raise NcclError(f"{what}: the tensor must be contiguous")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        count = tensor.numel() * tensor.element_size()
+        library().check(fn(ctypes.c_void_p(tensor.data_ptr()), count, NCCL_UINT8, self.peer, self._comm, ctypes.c_void_p(stream)), what)
+
+    def abort(self) -> None:
+        """Tear down at once, unblocking any transfer still waiting on the peer."""
+        if self._comm is not None:
+            library().lib.ncclCommAbort(self._comm)
+            self._comm = None
+
+    def close(self) -> None:
+        if self._comm is not None:
+            library().lib.ncclCommDestroy(self._comm)
+            self._comm = None

@@ -1,0 +1,1 @@
+"""The attention rank's serving engine: requests, scheduler, sampler, detokenizer, step loop."""

@@ -1,0 +1,192 @@
+"""The engine thread: admit requests, run one step over the batch, sample, stream the results.
+
+Callers (the HTTP server) submit requests from any thread and get `RequestOutput`
+deltas through a callback. The step function is the attention runner (remote FFN)
+or the monolithic model; the engine does not know which. If a step fails because
+an FFN peer is gone, every request in flight ends with an explicit error and the
+engine reports itself unhealthy; nothing is silently cut short.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
+from afd.engine.sampler import sample
+from afd.engine.scheduler import Scheduler
+from afd.engine.text import IncrementalDetokenizer, StopChecker
+from afd.kv_cache import KVCache
+from afd.runners.microbatch import SeqLayout
+
+log = logging.getLogger(__name__)
+Step = Callable[[torch.Tensor, SeqLayout], torch.Tensor]
+
+
+class Engine:
+    """Continuous-batching generation loop of one attention rank."""
+
+    def __init__(
+        self,
+        step: Step,
+        kv_cache: KVCache,
+        tokenizer,
+        eos_token_ids: Sequence[int],
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int = 8192,
+        device: torch.device | str = "cpu",
+        observer=None,
+    ):
+        self.step = step
+        self.kv_cache = kv_cache
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.observer = observer
+        self.error: str | None = None
+        self._inbox: list[Request] = []
+        self._aborts: set[str] = set()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # -- public, any thread ----------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=timeout_s)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None]) -> Request:
+        """Queue a request; `InvalidRequest` if it can never run here."""
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} "
+                f"tokens, leaving no room to generate", "prompt")
+        request = Request(list(prompt_ids), params, on_output)
+        if not self.scheduler.fits_ever(request):
+            raise InvalidRequest(
+                f"prompt + max_tokens needs {self.scheduler.reserved_tokens(request)} tokens of KV cache; "
+                f"this server holds {self.kv_cache.num_blocks * self.kv_cache.block_size}", "max_tokens")
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        request.stop_checker = StopChecker(params.stop)
+        with self._wake:
+            self._inbox.append(request)
+            self._wake.notify()
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone); its KV-cache blocks are freed at the next step."""
+        with self._wake:
+            self._aborts.add(request_id)
+            self._wake.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    # -- engine thread ---------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopped or self._inbox or self._aborts or self.scheduler.running or self.scheduler.waiting):
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                for request in self._inbox:
+                    self.scheduler.add(request)
+                self._inbox.clear()
+                aborts, self._aborts = self._aborts, set()
+            self._apply_aborts(aborts)
+            batch = self.scheduler.schedule()
+            if batch:
+                self._run(batch)
+            elif self.scheduler.waiting and not self.scheduler.running:
+                time.sleep(0.001)  # cannot happen with worst-case reservation; never spin hot
+        self._fail_all("the server is shutting down")
+
+    def _apply_aborts(self, request_ids: set[str]) -> None:
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if request.request_id in request_ids:
+                self.scheduler.finish(request)
+                log.info("aborted %s", request.request_id)
+
+    def _run(self, batch: list[Request]) -> None:
+        started = time.monotonic()
+        pending = [request.pending_tokens() for request in batch]
+        input_ids = torch.tensor([t for tokens in pending for t in tokens], dtype=torch.long, device=self.device)
+        layout = SeqLayout(
+            tuple(tuple(r.blocks) for r in batch),
+            tuple(r.cached_tokens for r in batch),
+            tuple(len(tokens) for tokens in pending),
+        )
+        try:
+            logits = self.step(input_ids, layout)
+        except Exception as err:  # a lost FFN peer, or a bug: fail loudly, never hang
+            log.exception("step failed")
+            self.error = f"{type(err).__name__}: {err}"
+            self._fail_all(f"the step failed: {err}")
+            return
+        tokens, logprobs = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+        now = time.monotonic()
+        for request, new, token, token_logprobs in zip(batch, pending, tokens, logprobs):
+            request.cached_tokens += len(new)
+            self._advance(request, token, token_logprobs, now)
+        if self.observer:
+            self.observer.on_step(self, len(input_ids), time.monotonic() - started)
+
+    def _advance(self, request: Request, token: int, token_logprobs, now: float) -> None:
+        if self.observer:
+            self.observer.on_token(request, now)
+        request.first_token_at = request.first_token_at or now
+        request.last_token_at = now
+        request.output_ids.append(token)
+        params, checker = request.params, request.stop_checker
+        reason = None
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        else:
+            checker.add(request.detokenizer.add(token))
+            if checker.stopped:
+                reason = "stop"
+            elif len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason:
+            self.scheduler.finish(request)
+        request.on_output(
+            RequestOutput(
+                request.request_id,
+                checker.take(final=reason is not None),
+                [token],
+                [token_logprobs] if token_logprobs else [],
+                finished=reason is not None,
+                finish_reason=reason,
+                prompt_tokens=len(request.prompt_ids),
+                completion_tokens=len(request.output_ids),
+            )
+        )
+
+    def _fail_all(self, message: str) -> None:
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._inbox):
+            self.scheduler.finish(request)
+            request.on_output(RequestOutput(request.request_id, "", [], [], finished=True, finish_reason="error", error=message))
+        self._inbox.clear()

@@ -1,0 +1,102 @@
+"""Sampling parameters and the state of one request inside the engine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+MAX_LOGPROBS = 20
+_ids = itertools.count()
+
+
+class InvalidRequest(ValueError):
+    """A request the server must answer with HTTP 400; `param` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What vLLM users expect: greedy when temperature is 0, else temperature/top-k/top-p sampling."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: all tokens
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to report, 0 = only the chosen token
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 (off) or positive, got {self.top_k}", "top_k")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must not be empty", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (a streaming delta)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Request:
+    """A request as the engine tracks it; only the engine thread mutates it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None]
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # tokens whose keys and values are in the KV cache
+    generator: object = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    detokenizer: object = None
+    stop_checker: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def pending_tokens(self) -> list[int]:
+        """Tokens to feed this step: the whole prompt first, then the last sampled token."""
+        all_ids = self.prompt_ids + self.output_ids
+        return all_ids[self.cached_tokens :]

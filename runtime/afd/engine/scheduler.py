@@ -1,0 +1,63 @@
+"""Continuous batching with admission control: FIFO, never drops, never over-commits the cache.
+
+Every step, the running requests each decode one token and waiting requests join
+(prefilling their whole prompt) while there is room: fewer than `max_num_seqs`
+running, the step's token budget, and KV-cache blocks for the request's worst case
+(prompt + max_tokens, capped by the context length). Reserving the worst case at
+admission means a running request never has to be preempted. Admission is strictly
+first-come-first-served: a large request at the head is not overtaken.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from afd.engine.request import Request
+from afd.kv_cache import KVCache
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def reserved_tokens(self, request: Request) -> int:
+        return min(len(request.prompt_ids) + request.params.max_tokens, self.max_model_len)
+
+    def fits_ever(self, request: Request) -> bool:
+        return self.kv_cache.blocks_for(self.reserved_tokens(request)) <= self.kv_cache.num_blocks
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> list[Request]:
+        """Requests to run this step, running ones first; admitted ones get their blocks."""
+        batch = list(self.running)
+        budget = self.max_num_batched_tokens - len(batch)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            prompt = len(head.prompt_ids)
+            if batch and prompt > budget:
+                break  # a long prompt runs alone rather than never
+            if not self.kv_cache.can_allocate(self.reserved_tokens(head)):
+                break
+            head.blocks = self.kv_cache.allocate(self.reserved_tokens(head))
+            self.waiting.popleft()
+            self.running.append(head)
+            batch.append(head)
+            budget -= prompt
+        return batch
+
+    def finish(self, request: Request) -> None:
+        """Remove a running or waiting request and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.blocks:
+            self.kv_cache.release(request.blocks)
+            request.blocks = []

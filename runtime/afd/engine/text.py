@@ -1,0 +1,53 @@
+"""Incremental detokenization and stop strings for streaming.
+
+Text is decoded over a sliding window of token ids so that multi-token characters
+are emitted only once complete. Stop strings are searched in the generated text; a
+streaming client is sent text only up to where no stop string could still begin.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns one token at a time into new text, never emitting half a character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # an incomplete multi-byte character, or a special token
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return after[len(before) :]
+
+
+class StopChecker:
+    """Accumulates text; finds stop strings; says how much text is safe to stream."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, delta: str) -> None:
+        start = max(0, len(self.text) - self.hold)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def take(self, final: bool) -> str:
+        """Text not yet sent that can no longer turn into a stop string."""
+        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold)
+        piece, self.sent = self.text[self.sent : end], end
+        return piece

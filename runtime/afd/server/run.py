@@ -1,0 +1,85 @@
+"""`afd serve` for the attention role: connect to the FFN rank, start the engine, serve HTTP."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from prometheus_client import CollectorRegistry
+
+from afd.config import AFDConfig
+from afd.engine.engine import Engine
+from afd.engine.tokenizer import load_tokenizer
+from afd.kv_cache import KVCache
+from afd.models.checkpoint import Checkpoint
+from afd.models.spec import parse_spec
+from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
+from afd.server.app import ServerState, create_app
+from afd.server.probe_http import start_probe_server
+from afd.server.serving_metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def cache_tokens_for(config: AFDConfig, spec) -> int:
+    """KV-cache capacity in tokens from the configured byte budget (1 GiB when unset)."""
+    budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    dtype = torch_dtype(resolve_dtype(config, resolve_device(config)))
+    return budget // KVCache.bytes_per_token([spec.kv_layout] * spec.num_layers, dtype)
+
+
+def max_model_len_for(config: AFDConfig, spec) -> int:
+    return min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+
+
+def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
+    """Engine + app state around a connected attention role."""
+    spec = role.loaded.spec
+    registry = CollectorRegistry()
+    engine = Engine(
+        role.runner,
+        role.kv_cache,
+        load_tokenizer(config.model),
+        spec.eos_token_ids,
+        config.max_num_seqs,
+        max_model_len_for(config, spec),
+        config.max_num_batched_tokens,
+        role.device,
+        observer=ServingMetrics(registry, config.rank),
+    )
+    state = ServerState(
+        engine=engine,
+        tokenizer=engine.tokenizer,
+        model_name=config.served_model_name or os.path.basename(os.path.normpath(config.model)),
+        max_model_len=engine.max_model_len,
+        vocab_size=spec.vocab_size,
+        health=lambda: engine.error,
+        registry=registry,
+    )
+    return state, engine
+
+
+def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
+    import uvicorn
+
+    from afd.roles import build_attention
+
+    spec = parse_spec(Checkpoint(config.model).config)
+    log.info("attention rank %d: loading %s and connecting to ffn rank %d",
+             config.rank, config.model, config.topology.ffn_rank_of(config.rank))
+    role = build_attention(config, cache_tokens_for(config, spec))
+    state, engine = build_server(config, role)
+    engine.start()
+    probe = start_probe_server(config.http_host, config.metrics_port, state.health, state.registry)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=config.http_host, port=config.http_port, log_level="warning"))
+    threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
+    log.info("attention rank %d serving on http://%s:%d/v1", config.rank, config.http_host, config.http_port)
+    try:
+        server.run()
+    finally:
+        probe.shutdown()
+        engine.stop()
+        role.close("attention rank shutting down")
+    return 0

@@ -1,0 +1,45 @@
+"""Serving metrics of an attention rank (the vLLM set, named `afd_<thing>_<unit>`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ServingMetrics:
+    """Engine observer feeding Prometheus; labels are only role and rank."""
+
+    def __init__(self, registry: CollectorRegistry, rank: int):
+        labels = {"role": "attention", "rank": str(rank)}
+        names = list(labels)
+
+        def make(kind, name, doc, **kw):
+            return kind(name, doc, names, registry=registry, **kw).labels(**labels)
+
+        self.running = make(Gauge, "afd_requests_running", "Requests in the running batch")
+        self.waiting = make(Gauge, "afd_requests_waiting", "Requests waiting for admission")
+        self.ttft = make(Histogram, "afd_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS)
+        self.itl = make(Histogram, "afd_inter_token_latency_seconds", "Time between two tokens of a request", buckets=_LATENCY_BUCKETS)
+        self.prompt_tokens = make(Counter, "afd_prompt_tokens", "Prompt tokens prefilled")
+        self.generation_tokens = make(Counter, "afd_generation_tokens", "Tokens generated")
+        self.kv_usage = make(Gauge, "afd_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use")
+        self.step_duration = make(Histogram, "afd_step_duration_seconds", "Wall time of one engine step", buckets=_LATENCY_BUCKETS)
+        self.step_tokens = make(Histogram, "afd_step_tokens", "Tokens computed in one step", buckets=_TOKEN_BUCKETS)
+        self.request_errors = make(Counter, "afd_request_errors", "Requests ended by an error")
+
+    def on_token(self, request, now: float) -> None:
+        if request.first_token_at is None:
+            self.ttft.observe(now - request.arrival)
+            self.prompt_tokens.inc(len(request.prompt_ids))
+        else:
+            self.itl.observe(now - request.last_token_at)
+        self.generation_tokens.inc()
+
+    def on_step(self, engine, tokens: int, seconds: float) -> None:
+        self.step_duration.observe(seconds)
+        self.step_tokens.observe(tokens)
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_usage.set(engine.kv_cache.usage)

@@ -1,0 +1,199 @@
+"""`afd up`: a supervised local AFD deployment behind one OpenAI-compatible URL.
+
+Starts every FFN and attention rank as its own `afd serve` process on 127.0.0.1,
+waits until each attention rank reports healthy, serves the front door, restarts
+ranks that die, keeps a JSON state file current, and stops everything on Ctrl-C
+or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from afd.config import AFDConfig, config_to_env
+from afd.local_processes import local_zmq_config
+from afd.processes import LocalProcesses, free_port_block
+
+log = logging.getLogger(__name__)
+DEFAULT_CACHE = Path(os.environ.get("AFD_CACHE_DIR", Path.home() / ".cache" / "afd"))
+
+
+def progress(message: str) -> None:
+    print(f"afd up: {message}", file=sys.stderr, flush=True)
+
+
+def ensure_tiny_model(cache: Path = DEFAULT_CACHE, arch: str = "qwen3_moe") -> Path:
+    """The default demo model, made once with `afd make-tiny-model` and cached."""
+    path = cache / f"tiny-{arch}"
+    if not (path / "config.json").exists():
+        progress(f"making a tiny random {arch} checkpoint in {path} (first run only)")
+        from afd.tiny import make_tiny_model
+
+        partial = path.with_name(path.name + ".partial")
+        make_tiny_model(arch, partial, seed=0)
+        partial.rename(path)
+    return path
+
+
+@dataclass
+class Rank:
+    role: str
+    rank: int
+    config: AFDConfig
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.rank}"
+
+    def describe(self, pid: int) -> dict:
+        entry = {"role": self.role, "rank": self.rank, "pid": pid,
+                 "metrics": f"http://127.0.0.1:{self.config.metrics_port}/metrics"}
+        if self.role == "ffn":
+            control, data = self.config.ffn_ports(self.rank)
+            entry.update(control=f"tcp://127.0.0.1:{control}", data=f"tcp://127.0.0.1:{data}")
+        else:
+            entry["api"] = f"http://127.0.0.1:{self.config.http_port}/v1"
+        return entry
+
+
+def plan_ranks(base: AFDConfig) -> list[Rank]:
+    """Every rank of the group with its own ports on 127.0.0.1 (FFN ranks first)."""
+    config = local_zmq_config(base)
+    topology = config.topology
+    ports = iter(range(free_port_block(topology.num_ffn + 2 * topology.num_attention), 65536))
+    ranks = [Rank("ffn", f, config.replace(role="ffn", rank=f, http_host="127.0.0.1", metrics_port=next(ports)))
+             for f in range(topology.num_ffn)]
+    ranks += [Rank("attention", a, config.replace(role="attention", rank=a, http_host="127.0.0.1",
+                                                  http_port=next(ports), metrics_port=next(ports)))
+              for a in range(topology.num_attention)]
+    return ranks
+
+
+class Supervisor:
+    """Keeps every rank running; an FFN restart also restarts the attention ranks it serves."""
+
+    def __init__(self, ranks: list[Rank], processes: LocalProcesses, state_file: Path | None, api: str):
+        self.ranks = {rank.name: rank for rank in ranks}
+        self.processes = processes
+        self.state_file = state_file
+        self.api = api
+        self.restarts = 0
+        self._stop = threading.Event()
+
+    def start_all(self) -> None:
+        for rank in self.ranks.values():
+            self._start(rank)
+
+    def _start(self, rank: Rank) -> None:
+        self.processes.start(rank.name, ["serve"], config_to_env(rank.config))
+
+    def attention_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{r.config.http_port}" for r in self.ranks.values() if r.role == "attention"]
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(self.attention_urls())
+        last_report = 0.0
+        while pending:
+            self._check_alive()
+            for url in list(pending):
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        pending.discard(url)
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"attention ranks at {sorted(pending)} not healthy after {timeout_s:.0f} s")
+            if pending and time.monotonic() - last_report > 5:
+                progress(f"waiting for {len(pending)} attention rank(s) to load, connect and warm up")
+                last_report = time.monotonic()
+            time.sleep(0.2)
+
+    def _check_alive(self) -> None:
+        for name, child in self.processes.children.items():
+            if child.poll() is not None:
+                raise RuntimeError(f"{name} exited during start-up: {self.processes.last_error(name)}")
+
+    def write_state(self) -> None:
+        if not self.state_file:
+            return
+        ranks = [rank.describe(self.processes.children[rank.name].pid) for rank in self.ranks.values()]
+        temporary = self.state_file.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"api": self.api, "ranks": ranks}, indent=2))
+        temporary.replace(self.state_file)
+
+    def watch(self) -> None:
+        """Restart dead ranks until `stop`; runs in a background thread."""
+        while not self._stop.wait(0.5):
+            dead = [name for name, child in self.processes.children.items() if child.poll() is not None]
+            if not dead:
+                continue
+            restart = set(dead)
+            for name in dead:
+                rank = self.ranks[name]
+                if rank.role == "ffn":  # its attention ranks lost their peer: restart them with it
+                    topology = rank.config.topology
+                    restart |= {f"attention-{a}" for a in topology.attention_ranks_of(rank.rank)}
+            for name in sorted(restart, key=lambda n: not n.startswith("ffn")):
+                progress(f"restarting {name} ({self.processes.last_error(name) if name in dead else 'its ffn rank restarted'})")
+                self.processes.stop(name)
+                self._start(self.ranks[name])
+            self.restarts += len(restart)
+            try:
+                self.wait_healthy(timeout_s=300)
+            except RuntimeError as err:
+                progress(f"restart did not recover: {err}")
+            self.write_state()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = True, start_timeout_s: float = 600) -> int:
+    import uvicorn
+
+    from afd.server.front import Backends, create_front_app
+
+    ranks = plan_ranks(base)
+    api = f"http://127.0.0.1:{port}/v1"
+    with LocalProcesses() as processes:
+        supervisor = Supervisor(ranks, processes, state_file, api)
+        progress(f"starting {base.topology} ({len(ranks)} processes; logs in {processes.workdir})")
+        supervisor.start_all()
+        supervisor.wait_healthy(start_timeout_s)
+        supervisor.write_state()
+        watcher = threading.Thread(target=supervisor.watch, name="supervisor", daemon=True)
+        watcher.start()
+        server = uvicorn.Server(uvicorn.Config(create_front_app(Backends(supervisor.attention_urls)),
+                                               host="127.0.0.1", port=port, log_level="warning"))
+        if demo:
+            threading.Thread(target=_demo_request, args=(api, Path(base.model).name, server), daemon=True).start()
+        try:
+            server.run()
+        finally:
+            supervisor.stop()
+            progress("stopping every rank")
+    return 0
+
+
+def _demo_request(api: str, model: str, server) -> None:
+    """Once the front door is up, answer one real request so a newcomer sees it work."""
+    while not server.started:
+        time.sleep(0.1)
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello! What is AFD?"}], "max_tokens": 24, "temperature": 0}
+    try:
+        reply = httpx.post(f"{api}/chat/completions", json=body, timeout=120).json()
+        text = reply["choices"][0]["message"]["content"]
+        progress(f"demo request answered ({reply['usage']['completion_tokens']} tokens): {text!r}")
+    except Exception as err:  # the demo must never take the deployment down
+        progress(f"demo request failed: {err}")
+    progress(f"ready: {api}  (try: curl {api}/models ; Ctrl-C stops everything)")
