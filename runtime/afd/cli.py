@@ -173,8 +173,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from afd.roles import build_ffn
         from afd.server.probe_http import start_probe_server
 
+        from afd.server.ffn_metrics import FFNMetrics
+
         runner = build_ffn(config)
-        probe = start_probe_server(config.http_host, config.metrics_port, lambda: None, CollectorRegistry())
+        registry = CollectorRegistry()
+        runner.observer = FFNMetrics(registry, config.rank, runner.connector)
+        probe = start_probe_server(config.http_host, config.metrics_port, lambda: None, registry)
         log.info("ffn rank %d ready (health and metrics on port %d)", config.rank, config.metrics_port)
         try:
             runner.serve(stop)

@@ -60,6 +60,8 @@ class AFDConfig:
     connect_timeout_s: float = 60.0
     peer_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    cuda_graphs: bool = False  # decode graphs on attention, a step-graph cache on the FFN (nccl connector, CUDA)
+    ffn_batch_window_s: float = 0.0  # FFN: wait up to this long for every peer's plan so their rows share a step
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
@@ -86,7 +88,7 @@ class AFDConfig:
                 f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
                 f"all {self.num_ffn_ranks} FFN ranks would share one address"
             )
-        for name in ("max_model_len", "port_stride", "kv_cache_bytes"):
+        for name in ("max_model_len", "port_stride", "kv_cache_bytes", "ffn_batch_window_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
 
@@ -158,6 +160,8 @@ ENV_VARS: dict[str, str] = {
     "AFD_CONNECT_TIMEOUT_S": "connect_timeout_s",
     "AFD_PEER_TIMEOUT_S": "peer_timeout_s",
     "AFD_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+    "AFD_CUDA_GRAPHS": "cuda_graphs",
+    "AFD_FFN_BATCH_WINDOW_S": "ffn_batch_window_s",
 }
 
 _FIELD_TYPES = {f.name: f.type for f in fields(AFDConfig)}

@@ -31,7 +31,8 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError(f"a KV cache needs at least one block, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        rows = num_blocks * block_size
+        self.scratch_block = num_blocks  # one extra block, never allocated: padded graph rows write here
+        rows = (num_blocks + 1) * block_size
         self.keys = [torch.zeros(rows, heads, k_dim, dtype=dtype, device=device) for heads, k_dim, _ in layouts]
         self.values = [torch.zeros(rows, heads, v_dim, dtype=dtype, device=device) for heads, _, v_dim in layouts]
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -44,7 +45,7 @@ class KVCache:
     def for_budget(cls, layouts, budget_bytes: int, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
         """As many blocks as fit in `budget_bytes`."""
         per_block = cls.bytes_per_token(layouts, dtype) * block_size
-        return cls(layouts, budget_bytes // per_block, dtype, device, block_size)
+        return cls(layouts, budget_bytes // per_block - 1, dtype, device, block_size)  # less the scratch block
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]

@@ -35,7 +35,29 @@ def build_ffn(config: AFDConfig) -> FFNRunner:
     connector = make_ffn_connector(config, device, contract)
     served = config.topology.attention_ranks_of(config.rank)
     log.info("ffn rank %d serves attention ranks %s on layers %s", config.rank, list(served), list(loaded.crossing))
-    return FFNRunner(loaded, connector, expected, served, config.rank)
+    runner = FFNRunner(loaded, connector, expected, served, config.rank)
+    runner.batch_window_s = config.ffn_batch_window_s
+    if graphs_usable(config, device, dtype):
+        from afd.graphs.ffn import FFNGraphs
+
+        runner.graphs = FFNGraphs(device, generation=lambda: connector.generation)
+    return runner
+
+
+def graphs_usable(config: AFDConfig, device: torch.device, dtype: str) -> bool:
+    """CUDA graphs need a GPU, the NCCL data plane (host transfers cannot be captured) and bf16/fp16."""
+    if not config.cuda_graphs:
+        return False
+    problems = [
+        why for bad, why in (
+            (device.type != "cuda", "no CUDA device"),
+            (config.connector != "nccl", f"connector={config.connector} moves tensors through the host"),
+            (dtype == "float32", "float32 experts take the host-synchronising reference path"),
+        ) if bad
+    ]
+    if problems:
+        log.warning("cuda_graphs is on but disabled here: %s", "; ".join(problems))
+    return not problems
 
 
 @dataclass
@@ -65,4 +87,12 @@ def build_attention(config: AFDConfig, cache_tokens: int) -> AttentionRole:
         connector.transport.close()
         raise
     runner = AttentionRunner(loaded, connector, kv_cache, config.stages, config.gate_on_attention)
+    if graphs_usable(config, device, dtype):
+        try:  # warm-up and capture drive the FFN through their plans; Ready only after this
+            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks))
+        except Exception:
+            connector.close("graph capture failed")
+            raise
+        log.info("attention rank %d: decode graphs for %s sequences, %.1f MiB",
+                 config.rank, list(graphs.buckets), graphs.memory_bytes / 2**20)
     return AttentionRole(loaded, kv_cache, connector, runner, device)

@@ -144,7 +144,8 @@ class Supervisor:
                     topology = rank.config.topology
                     restart |= {f"attention-{a}" for a in topology.attention_ranks_of(rank.rank)}
             for name in sorted(restart, key=lambda n: not n.startswith("ffn")):
-                progress(f"restarting {name} ({self.processes.last_error(name) if name in dead else 'its ffn rank restarted'})")
+                code = self.processes.children[name].returncode
+                progress(f"restarting {name} ({f'it exited with code {code}' if name in dead else 'its ffn rank restarted'})")
                 self.processes.stop(name)
                 self._start(self.ranks[name])
             self.restarts += len(restart)
@@ -179,6 +180,8 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
             threading.Thread(target=_demo_request, args=(api, Path(base.model).name, server), daemon=True).start()
         try:
             server.run()
+        except KeyboardInterrupt:
+            pass  # Ctrl-C or SIGTERM: a requested stop, not an error
         finally:
             supervisor.stop()
             progress("stopping every rank")

@@ -84,6 +84,9 @@ class AttentionConnector:
                 self._on_message(*received)
         return self._stash.pop(key)
 
+    def wait_step(self) -> None:
+        """Block until this step's transfers are done (a no-op: host transfers already are)."""
+
     def close(self, reason: str = "shutdown") -> None:
         try:
             self.transport.send("control", [wire.encode(wire.Goodbye(reason))])

@@ -15,19 +15,23 @@ from afd.connector.ffn_side import DataContract, FFNConnector
 _REGISTRY = {
     "loopback": ("afd.connector.factory", "_loopback_peer", "_loopback_server"),
     "zmq": ("afd.connector.factory", "_zmq_peer", "_zmq_server"),
-    "nccl": ("afd.connector.nccl", "make_peer_transport", "make_server_transport"),
+}
+# connectors whose data plane is not a frame transport: name → (module, attention factory, FFN factory)
+_CONNECTORS = {
+    "nccl": ("afd.connector.nccl", "make_attention_connector", "make_ffn_connector"),
 }
 
 
 def _resolve(name: str, side: int):
-    if name not in _REGISTRY:
-        raise ConnectorError(f"connector {name!r} is unknown (known: {', '.join(_REGISTRY)})")
-    module_name = _REGISTRY[name][0]
+    registry = _CONNECTORS if name in _CONNECTORS else _REGISTRY
+    if name not in registry:
+        raise ConnectorError(f"connector {name!r} is unknown (known: {', '.join([*_REGISTRY, *_CONNECTORS])})")
+    module_name = registry[name][0]
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ConnectorError(f"connector {name!r} is not available here: {err}") from None
-    return getattr(module, _REGISTRY[name][side])
+    return getattr(module, registry[name][side])
 
 
 def loopback_address(config: AFDConfig, ffn_rank: int) -> str:
@@ -65,11 +69,15 @@ def peer_identity(attention_rank: int) -> bytes:
 def make_attention_connector(config: AFDConfig, device: torch.device | str) -> AttentionConnector:
     """The connector of attention rank `config.rank` to the FFN rank that serves it."""
     ffn_rank = config.topology.ffn_rank_of(config.rank)
+    if config.connector in _CONNECTORS:
+        return _resolve(config.connector, 1)(config, ffn_rank, peer_identity(config.rank), device)
     transport = _resolve(config.connector, 1)(config, ffn_rank, peer_identity(config.rank))
     return AttentionConnector(transport, ffn_rank, device, config.peer_timeout_s)
 
 
 def make_ffn_connector(config: AFDConfig, device: torch.device | str, contract: DataContract) -> FFNConnector:
     """The listening connector of FFN rank `config.rank`."""
+    if config.connector in _CONNECTORS:
+        return _resolve(config.connector, 2)(config, device, contract)
     transport = _resolve(config.connector, 2)(config)
     return FFNConnector(transport, device, config.peer_timeout_s, contract)

@@ -56,9 +56,11 @@ class FFNConnector:
         self.interrupt = threading.Event()  # set by the runner's shutdown; unblocks receives
 
     # -- peers -----------------------------------------------------------------
-    def accept_peer(self, peer: bytes) -> None:
+    def accept_peer(self, peer: bytes) -> dict:
+        """Admit `peer`; returns extra HelloReply fields (none for host transports)."""
         self._peers.add(peer)
         self._bad_peers.pop(peer, None)
+        return {}
 
     def drop_peer(self, peer: bytes, reason: str) -> None:
         """Forget `peer` and its stashed rows; tell it why so it fails fast."""
@@ -126,6 +128,13 @@ class FFNConnector:
             header = wire.DataHeader(step, transfer.layer, transfer.stage, piece.shape[0], piece.shape[1], self.contract.dtype)
             if not self.transport.send("data", peer, [wire.encode(header), to_frame(piece)]):
                 log.warning("peer %s vanished before its output of layer %d", peer.decode(errors="replace"), transfer.layer)
+
+    def end_step(self) -> None:
+        """Flush what the step still holds (a no-op: host sends leave at once)."""
+
+    def wait_step(self, peers: tuple[bytes, ...]) -> tuple[bytes, ...]:
+        """Block until the step's transfers are done; returns the peers that failed it (none here)."""
+        return ()
 
     def close(self) -> None:
         self.transport.close()

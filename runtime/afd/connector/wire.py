@@ -40,6 +40,7 @@ class Hello:
     gate_on_attention: bool
     router_width: int
     token_digest: str = ""
+    connector: str = ""  # data plane: both sides must speak the same one
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class HelloReply:
     accepted: bool
     ffn_rank: int
     reason: str = ""
+    nccl_id: str = ""  # hex NCCL unique id of the pair's communicator (nccl connector only)
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ def tile_config(num_pairs: int, num_experts: int) -> dict:
     """Triton block sizes for `num_pairs` token→expert pairs (pure; a function of shapes only)."""
     per_expert = num_pairs / max(num_experts, 1)
     if per_expert <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
+        block_m, block_n, block_k, warps, stages = 16, 64, 64, 4, 4
     elif per_expert <= 48:
-        block_m, block_n, block_k, warps, stages = 32, 64, 128, 4, 4
+        block_m, block_n, block_k, warps, stages = 32, 64, 64, 4, 4
     else:
         block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 4
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)

@@ -18,6 +18,8 @@ from afd.connector.base import AttnTransfer
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
+from afd.graphs.buckets import decode_buckets, stage_split
+from afd.graphs.decode import DecodeGraphs
 from afd.runners.microbatch import SeqLayout, split_layout
 
 
@@ -40,23 +42,35 @@ class AttentionRunner:
         self.stages = stages
         self.gate_on_attention = gate_on_attention
         self.step_id = 0
+        self.graphs: DecodeGraphs | None = None  # set by capture_graphs
+        self.eager_steps = 0  # steps no graph served while graphs were on
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         """Logits [sequences, vocab] of each sequence's last new token."""
-        self.step_id += 1
+        if self.graphs is not None:
+            logits = self.graphs.run(input_ids, layout)
+            if logits is not None:
+                self.connector.wait_step()
+                return logits
+            self.eager_steps += 1
         parts = split_layout(layout, self.stages)
-        self.connector.send_plan(wire.StepPlan(self.step_id, tuple(p.num_tokens for p in parts)))
+        self._send_plan(tuple(p.num_tokens for p in parts))
         micro, start = [], 0
-        device = input_ids.device
         for stage, part in enumerate(parts):
             if part.num_tokens:
-                ids = input_ids[start : start + part.num_tokens]
                 batch = AttentionBatch.build(
-                    part.block_tables, part.context_lens, part.new_lens, self.kv_cache.block_size, device
+                    part.block_tables, part.context_lens, part.new_lens, self.kv_cache.block_size, input_ids.device
                 )
-                micro.append(_MicroBatch(stage, batch, self.model.embed(ids)))
+                micro.append((stage, batch, slice(start, start + part.num_tokens)))
             start += part.num_tokens
+        logits = self.forward(input_ids, micro)
+        self.connector.wait_step()
+        return logits
+
+    def forward(self, input_ids: torch.Tensor, micro: list) -> torch.Tensor:
+        """The step's tensor work for (stage, batch, rows) micro-batches; capturable in a graph."""
+        micro = [_MicroBatch(stage, batch, self.model.embed(input_ids[rows])) for stage, batch, rows in micro]
         for index, layer in enumerate(self.model.layers):
             for mb in micro:
                 self._collect(mb)
@@ -74,6 +88,23 @@ class AttentionRunner:
             self._collect(mb)
         last = torch.cat([mb.hidden[mb.batch.last_token] for mb in micro])
         return self.model.compute_logits(last)
+
+    def _send_plan(self, stage_tokens: tuple[int, ...], mode: str = "eager") -> None:
+        self.step_id += 1
+        flags = {"warmup": mode == "warmup", "capture": mode == "capture", "replay": mode == "replay"}
+        self.connector.send_plan(wire.StepPlan(self.step_id, stage_tokens, **flags))
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_batch: int) -> DecodeGraphs:
+        """Warm up and capture decode graphs up to `max_batch` sequences (the FFN follows the plans)."""
+        buckets = decode_buckets(max_batch, self.stages)
+        self.graphs = DecodeGraphs(
+            self.forward, self.kv_cache, buckets, self.stages, self.kv_cache.keys[0].device,
+            before=lambda size, mode: self._send_plan(stage_split(size, self.stages), mode),
+        )
+        self.graphs.capture_all()
+        self.connector.wait_step()
+        return self.graphs
 
     def _collect(self, mb: _MicroBatch) -> None:
         if mb.waiting is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 
@@ -45,6 +46,9 @@ class FFNRunner:
         self.peers: dict[bytes, int] = {}  # identity → attention rank
         self.steps_run = 0
         self.rows_served = 0
+        self.graphs = None  # afd.graphs.ffn.FFNGraphs when CUDA graphs are on (NCCL data plane only)
+        self.batch_window_s = 0.0  # wait this long for every connected peer's plan before a step
+        self.observer = None  # metrics: on_step(seconds, rows), on_peer(rank, up)
 
     def serve(self, stop: threading.Event) -> None:
         """The daemon loop; returns within one poll interval of `stop` being set, even mid-step."""
@@ -54,6 +58,8 @@ class FFNRunner:
                 plans: dict[bytes, wire.StepPlan] = {}
                 for peer, message in self.connector.poll_control(POLL_INTERVAL_S):
                     self._on_control(peer, message, plans)
+                if plans and self.batch_window_s:
+                    self._gather_more(plans)
                 if plans:
                     with torch.inference_mode():
                         self.run_step(plans)
@@ -64,8 +70,31 @@ class FFNRunner:
                 self.connector.send_control(peer, wire.Goodbye("ffn rank shutting down"))
             self.connector.close()
 
+    def _gather_more(self, plans: dict[bytes, wire.StepPlan]) -> None:
+        """Hold the step up to `batch_window_s` so every connected peer's rows share it."""
+        deadline = time.monotonic() + self.batch_window_s
+        while len(plans) < len(self.peers) and (left := deadline - time.monotonic()) > 0:
+            for peer, message in self.connector.poll_control(left):
+                self._on_control(peer, message, plans)
+
     def run_step(self, plans: dict[bytes, wire.StepPlan]) -> None:
-        """One step for every peer that sent a plan: all crossing layers, all stages."""
+        """One step for every peer that sent a plan: eager, or captured/replayed as the plans say."""
+        started, rows_before = time.monotonic(), self.rows_served
+        if self.graphs is None:
+            self._step_body(plans)
+        else:
+            self.graphs.run(plans, lambda: self._step_body(plans))
+        failed = self.connector.wait_step(tuple(plans))
+        for peer in failed:
+            self._drop(peer, "the step's transfers did not finish in time")
+        if failed and self.graphs is not None:
+            self.graphs.clear()
+        self.steps_run += 1
+        if self.observer:
+            self.observer.on_step(time.monotonic() - started, self.rows_served - rows_before)
+
+    def _step_body(self, plans: dict[bytes, wire.StepPlan]) -> None:
+        """All crossing layers × stages for the peers in `plans`; capturable with the NCCL data plane."""
         live = dict(sorted(plans.items()))
         for layer in self.crossing:
             for stage in range(self.expected.stages):
@@ -82,7 +111,7 @@ class FFNRunner:
                 if delivered.peers:
                     self.connector.send_ffn_output(self._compute(layer, hidden, logits), delivered)
                     self.rows_served += hidden.shape[0]
-        self.steps_run += 1
+        self.connector.end_step()
 
     def _compute(self, layer_index: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         layer = self.layers[layer_index]
@@ -103,8 +132,10 @@ class FFNRunner:
             if peer in self.peers:
                 self.connector.send_control(peer, message)
         elif isinstance(message, wire.Goodbye):
-            if self.peers.pop(peer, None) is not None:
+            rank = self.peers.pop(peer, None)
+            if rank is not None:
                 log.info("attention peer %s left: %s", peer.decode(errors="replace"), message.reason)
+                self._notify_peer(rank, False)
         elif isinstance(message, wire.ProtocolVersionError):
             self.connector.send_control(peer, wire.HelloReply(False, self.ffn_rank, str(message)))
             log.warning("refused %s: %s", peer.decode(errors="replace"), message)
@@ -121,9 +152,10 @@ class FFNRunner:
             self.connector.send_control(peer, wire.HelloReply(False, self.ffn_rank, reason))
             return
         self.peers[peer] = hello.attention_rank
-        self.connector.accept_peer(peer)
+        extra = self.connector.accept_peer(peer)
+        self._notify_peer(hello.attention_rank, True)
         log.info("attention rank %d connected", hello.attention_rank)
-        self.connector.send_control(peer, wire.HelloReply(True, self.ffn_rank))
+        self.connector.send_control(peer, wire.HelloReply(True, self.ffn_rank, **extra))
 
     def _check_plan(self, peer: bytes, plan: wire.StepPlan) -> str | None:
         if peer not in self.peers:
@@ -132,7 +164,13 @@ class FFNRunner:
             return f"step plan with stage tokens {list(plan.stage_tokens)} for {self.expected.stages} stage(s)"
         return None
 
+    def _notify_peer(self, rank: int, up: bool) -> None:
+        if self.observer:
+            self.observer.on_peer(rank, up)
+
     def _drop(self, peer: bytes, reason: str) -> None:
         rank = self.peers.pop(peer, None)
+        if rank is not None:
+            self._notify_peer(rank, False)
         log.warning("dropping attention peer %s: %s", rank if rank is not None else peer, reason)
         self.connector.drop_peer(peer, reason)

@@ -26,12 +26,14 @@ def make_hello(config: AFDConfig, spec: ModelSpec, crossing: tuple[int, ...], fi
         gate_on_attention=config.gate_on_attention,
         router_width=spec.num_experts if config.gate_on_attention else 0,
         token_digest=token_digest(config.group_token),
+        connector="nccl" if config.connector == "nccl" else "host",
     )
 
 
 _CHECKS = (
     ("token_digest", "group token differs (is the peer from another AFD deployment?)"),
     ("topology", "topology differs"),
+    ("connector", "data plane differs (set the same AFD_CONNECTOR on both roles)"),
     ("model_fingerprint", "model fingerprint differs (are both roles loading the same checkpoint?)"),
     ("gate_on_attention", "gate placement differs"),
     ("layers", "crossing layer list differs"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from afd.graphs.buckets import decode_buckets
+from afd.graphs.decode import DecodeGraphs
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
@@ -13,9 +15,21 @@ from afd.runners.microbatch import SeqLayout
 class MonolithicRunner:
     def __init__(self, loaded: LoadedModel, kv_cache: KVCache):
         self.model, self.kv_cache = loaded.model, kv_cache
+        self.graphs: DecodeGraphs | None = None
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_batch: int) -> DecodeGraphs:
+        """Decode graphs over the same buckets as the attention role (the speed baseline)."""
+        body = lambda input_ids, micro: self.model(input_ids, micro[0][1], self.kv_cache)  # noqa: E731
+        device = self.kv_cache.keys[0].device
+        self.graphs = DecodeGraphs(body, self.kv_cache, decode_buckets(max_batch, 1), 1, device)
+        self.graphs.capture_all()
+        return self.graphs
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        if self.graphs is not None and (logits := self.graphs.run(input_ids, layout)) is not None:
+            return logits
         batch = AttentionBatch.build(
             layout.block_tables, layout.context_lens, layout.new_lens, self.kv_cache.block_size, input_ids.device
         )

@@ -30,9 +30,17 @@ def _completion_logprobs(tokenizer, entries: list[TokenLogprobs], offset: int) -
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+        "top_logprobs": [_top_by_text(tokenizer, e.top) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _top_by_text(tokenizer, top: list[tuple[int, float]]) -> dict[str, float]:
+    """OpenAI keys alternatives by text; when two tokens decode alike, keep the likelier."""
+    result: dict[str, float] = {}
+    for token_id, logprob in top:
+        result.setdefault(_token_text(tokenizer, token_id), logprob)
+    return result
 
 
 def _chat_logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict | None:

@@ -1,0 +1,1 @@
+"""CUDA graphs: bucket policy (pure), capture into one pool, attention decode graphs, FFN graph cache."""

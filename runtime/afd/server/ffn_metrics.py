@@ -1,0 +1,42 @@
+"""Metrics of an FFN rank: steps, rows served, peers, rejected messages."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from afd.server.serving_metrics import _LATENCY_BUCKETS, _TOKEN_BUCKETS
+
+
+class FFNMetrics:
+    """FFN-runner observer; rejected-message counts are read from the connector at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry, rank: int, connector):
+        labels = {"role": "ffn", "rank": str(rank)}
+        self._labels = labels
+        self.step_duration = Histogram("afd_step_duration_seconds", "Wall time of one FFN step", list(labels),
+                                       registry=registry, buckets=_LATENCY_BUCKETS).labels(**labels)
+        self.step_tokens = Histogram("afd_step_tokens", "Rows served in one FFN step (all peers, all layers' batch)",
+                                     list(labels), registry=registry, buckets=_TOKEN_BUCKETS).labels(**labels)
+        self.steps = Counter("afd_ffn_steps", "FFN steps run", list(labels), registry=registry).labels(**labels)
+        self.peer_up = Gauge("afd_peer_up", "1 while the attention peer is connected", [*labels, "peer"], registry=registry)
+        self.connector = connector
+        registry.register(self)
+
+    def on_step(self, seconds: float, rows: int) -> None:
+        self.step_duration.observe(seconds)
+        self.step_tokens.observe(rows)
+        self.steps.inc()
+
+    def on_peer(self, attention_rank: int, up: bool) -> None:
+        self.peer_up.labels(**self._labels, peer=str(attention_rank)).set(1 if up else 0)
+
+    def collect(self):
+        family = CounterMetricFamily("afd_rejected_messages", "Messages rejected by the FFN connector",
+                                     labels=[*self._labels, "reason"])
+        for reason, count in self.connector.rejected.items():
+            family.add_metric([*self._labels.values(), reason], count)
+        yield family
+
+    def describe(self):
+        return []

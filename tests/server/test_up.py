@@ -1,0 +1,73 @@
+"""`afd up`: a supervised local deployment behind one URL, restarts, state file, clean stop."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.runtime.test_cli import processes_with_marker
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def read_state(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+@pytest.mark.timeout(400)
+def test_afd_up_serves_restarts_and_stops(tmp_path):
+    import openai
+
+    from afd.processes import free_port_block
+
+    marker = uuid.uuid4().hex
+    port = free_port_block(1)
+    state_file = tmp_path / "state.json"
+    env = {**os.environ, "AFD_TEST_MARKER": marker, "AFD_CACHE_DIR": str(tmp_path / "cache")}
+    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--port", str(port), "--state-file", str(state_file), "--no-demo"],
+                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        state = wait_for(lambda: read_state(state_file), 240, "the state file")
+        assert state["api"] == f"http://127.0.0.1:{port}/v1"
+        roles = sorted((r["role"], r["rank"]) for r in state["ranks"])
+        assert roles == [("attention", 0), ("attention", 1), ("ffn", 0)]
+        ffn = next(r for r in state["ranks"] if r["role"] == "ffn")
+        assert ffn["control"].startswith("tcp://127.0.0.1:") and ffn["data"].startswith("tcp://127.0.0.1:")
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, 30, "the front door")
+        client = openai.OpenAI(base_url=state["api"], api_key="unused")
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+        assert reply.usage.completion_tokens >= 1
+        for rank in state["ranks"]:
+            assert "afd_" in httpx.get(rank["metrics"]).text  # every rank serves Prometheus metrics
+
+        victim = next(r for r in state["ranks"] if r["role"] == "attention" and r["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        restarted = wait_for(
+            lambda: (s := read_state(state_file)) and next(r["pid"] for r in s["ranks"] if r["role"] == "attention" and r["rank"] == 1) != victim["pid"] and s,
+            120, "attention rank 1 to be restarted")
+        assert next(r["pid"] for r in restarted["ranks"] if r["role"] == "ffn") == ffn["pid"]  # others untouched
+        for _ in range(4):  # both ranks answer again through the one URL
+            assert client.completions.create(model=model, prompt="Hello", max_tokens=3).usage.completion_tokens >= 1
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=30)
+    assert up.returncode == 0, up.stderr.read()
+    assert wait_for(lambda: processes_with_marker(marker) == [] or None, 15, "every process to stop") is not None
