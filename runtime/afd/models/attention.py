@@ -118,10 +118,12 @@ def cached_attention(
     """Store k/v in their cache rows, then attend each query to its sequence's keys: [T, Hq, Dv]."""
     cache_k[batch.write_index] = k.to(cache_k.dtype)
     cache_v[batch.write_index] = v.to(cache_v.dtype)
-    if batch.block_table is not None:  # decode on CUDA: the paged kernel, no gathered copy
-        from afd.kernels.decode_attention import paged_decode_attention
+    if batch.block_table is not None:  # decode: one query per sequence, keys through block tables
+        if q.is_cuda and _paged_kernel_available():
+            from afd.kernels.decode_attention import paged_decode_attention
 
-        return paged_decode_attention(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale)
+            return paged_decode_attention(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale)
+        return _paged_decode_reference(q, cache_k, cache_v, batch, scale)
     keys = cache_k[batch.key_index].transpose(1, 2)  # [B, Hkv, L, Dk]
     values = cache_v[batch.key_index].transpose(1, 2)  # [B, Hkv, L, Dv]
     padded_q = q.new_zeros(batch.num_seqs, batch.max_new, *q.shape[1:])
@@ -135,6 +137,22 @@ def cached_attention(
         enable_gqa=q.shape[1] != k.shape[1],
     )  # [B, Hq, max_new, Dv]
     return out.transpose(1, 2)[batch.token_seq, batch.token_col]
+
+
+def _paged_decode_reference(q, cache_k, cache_v, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """The paged decode kernel's function in plain torch (CPU, or no Triton): [B, Hq, Dv]."""
+    pos = torch.arange(batch.block_table.shape[1] * batch.block_size, device=q.device)  # [W*bs]
+    rows = batch.block_table[:, pos // batch.block_size].long() * batch.block_size + pos % batch.block_size
+    mask = (pos[None, :] < batch.seq_lens[:, None]).view(q.shape[0], 1, 1, -1)  # [B, 1, 1, W*bs]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, Dk]
+        cache_k[rows].transpose(1, 2).to(q.dtype),
+        cache_v[rows].transpose(1, 2).to(q.dtype),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != cache_k.shape[1],
+    )
+    return out.squeeze(2)
 
 
 def _paged_kernel_available() -> bool:
