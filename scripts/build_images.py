@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Build the AFD images locally with podman, on a machine without a container registry.
+
+    python scripts/build_images.py base               # make localhost/afd-base:bookworm (mmdebstrap + podman import)
+    python scripts/build_images.py build runtime      # images/runtime/Dockerfile -> localhost/afd-runtime:dev
+    python scripts/build_images.py build operator     # images/operator/Dockerfile -> localhost/afd-operator:dev
+    python scripts/build_images.py all                # all three
+
+No registry is reachable here, so the base image is a Debian bookworm root filesystem with
+python3, made by `mmdebstrap` and imported with `podman import`, and passed to the Dockerfiles
+through their BASE_IMAGE build argument with `--pull=never`. pip inside the build reaches PyPI
+with the host's CA bundle (mounted into the build) and the host's local wheel folder
+(/opt/wheels, where the CPU torch wheel lies). The build context is a clean copy of the files
+the images need, never the whole checkout (.venv alone is gigabytes).
+
+Needs, as root: Debian's podman, buildah, mmdebstrap (and runc: crun fails on cgroups here).
+Builds are cached by podman's layer cache; the base image is made once per machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_TAG = "localhost/afd-base:bookworm"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+BASE_PACKAGES = "python3,python3-venv,ca-certificates,passwd"
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+HOST_WHEELS = Path("/opt/wheels")
+CPU_TORCH = "torch==2.13.0"  # the CPU wheel in /opt/wheels (the Makefile's TORCH_VERSION)
+CONTEXT_PATHS = ["pyproject.toml", "README.md", "runtime", "operator", "images"]
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".pytest_cache")
+
+
+def image_tag(name: str) -> str:
+    return f"localhost/afd-{name}:dev"
+
+
+def podman(*args: str, check: bool = True, capture: bool = False, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run podman with the runc runtime (crun cannot set up cgroups on these machines)."""
+    return subprocess.run(["podman", "--runtime", "runc", *args], check=check, text=True, timeout=timeout,
+                          capture_output=capture)
+
+
+def missing_tools() -> list[str]:
+    """Tools this script needs that are not on PATH (empty when it can run)."""
+    return [tool for tool in ("podman", "buildah", "mmdebstrap", "runc") if shutil.which(tool) is None]
+
+
+def image_exists(tag: str) -> bool:
+    return podman("image", "exists", tag, check=False).returncode == 0
+
+
+def ensure_base(force: bool = False) -> str:
+    """Make the local Debian base image unless it exists; returns its tag."""
+    if image_exists(BASE_TAG) and not force:
+        return BASE_TAG
+    with tempfile.TemporaryDirectory(prefix="afd-base-") as tmp:
+        tar = Path(tmp) / "rootfs.tar"
+        subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={BASE_PACKAGES}",
+                        "bookworm", str(tar), DEBIAN_MIRROR], check=True)
+        podman("import", "--change", 'CMD ["/bin/bash"]', str(tar), BASE_TAG, capture=True)
+    return BASE_TAG
+
+
+def make_context(dest: Path) -> Path:
+    """Copy what the Dockerfiles COPY into `dest` (a clean build context)."""
+    for rel in CONTEXT_PATHS:
+        src = ROOT / rel
+        if src.is_dir():
+            shutil.copytree(src, dest / rel, ignore=IGNORED)
+        else:
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def build(name: str, base: str = BASE_TAG, tag: str | None = None) -> str:
+    """Build images/<name>/Dockerfile on `base`; returns the image tag."""
+    tag = tag or image_tag(name)
+    args = ["build", "--pull=never", "--layers", "-f", f"images/{name}/Dockerfile", "-t", tag,
+            "--build-arg", f"BASE_IMAGE={base}"]
+    if HOST_CA.exists():  # pip behind this network's TLS proxy needs the host's CA bundle
+        args += ["-v", f"{HOST_CA}:/etc/ssl/certs/afd-host-ca.crt:ro",
+                 "--build-arg", "PIP_CERT=/etc/ssl/certs/afd-host-ca.crt"]
+    if HOST_WHEELS.is_dir():
+        args += ["-v", f"{HOST_WHEELS}:/opt/wheels:ro", "--build-arg", "PIP_FIND_LINKS=/opt/wheels"]
+    if name == "runtime":
+        args += ["--build-arg", f"TORCH_SPEC={CPU_TORCH}"]
+    with tempfile.TemporaryDirectory(prefix=f"afd-{name}-ctx-") as tmp:
+        context = make_context(Path(tmp))
+        podman(*args, str(context))
+    return tag
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["base", "build", "all"])
+    parser.add_argument("name", nargs="?", choices=["runtime", "operator"])
+    parser.add_argument("--force-base", action="store_true", help="remake the base image")
+    args = parser.parse_args(argv)
+    if missing := missing_tools():
+        print(f"missing: {', '.join(missing)} (apt-get install podman buildah mmdebstrap runc)", file=sys.stderr)
+        return 2
+    os.chdir(ROOT)
+    start = time.monotonic()
+    base = ensure_base(args.force_base)
+    print(f"{base} ready ({time.monotonic() - start:.0f}s)")
+    names = {"base": [], "build": [args.name] if args.name else [], "all": ["operator", "runtime"]}[args.what]
+    if args.what == "build" and not args.name:
+        parser.error("build needs runtime or operator")
+    for name in names:
+        step = time.monotonic()
+        print(f"built {build(name)} ({time.monotonic() - step:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
