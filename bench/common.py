@@ -1,0 +1,102 @@
+"""Shared benchmark helpers: device ceilings, CUDA-graph timing, a DeepSeek-V2-Lite-shaped random model."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+# DeepSeek-V2-Lite's config.json dims (https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite)
+V2_LITE = dict(
+    model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+    n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+    kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-6,
+    max_position_embeddings=163840, hidden_act="silu",
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+)
+
+
+def time_graph(fn, iters: int = 50) -> float:
+    """Median ms of `fn` replayed in a CUDA graph (after warm-up), timed with events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_callable(graph.replay, iters)
+
+
+def time_callable(fn, iters: int = 50) -> float:
+    """Median ms of `fn` over `iters` runs, each bracketed by CUDA events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    """Measured copy bandwidth (bytes read + written per second) and bf16 matmul rate (FLOP/s)."""
+    src = torch.randn(2**30 // 2, dtype=torch.bfloat16, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = time_callable(lambda: dst.copy_(src), 20)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_ms = time_callable(lambda: a @ b, 20)
+    return {"copy_bytes_per_s": 2 * src.numel() * 2 / (copy_ms / 1e3), "bf16_flops": 2 * 8192**3 / (mm_ms / 1e3)}
+
+
+def random_model(config: dict, role: str = "monolithic", gate_on_attention: bool = False, seed: int = 0):
+    """A `role`-pruned model with random bf16 weights on the current GPU (shared experts folded in)."""
+    from afd.kernels.moe import fuse_shared_experts
+    from afd.models import deepseek_v2
+    from afd.models.layers import MoE, RMSNorm, Router
+    from afd.models.spec import parse_spec
+    from afd.models.split import prune_for_role
+    from afd.topology import crossing_layers
+
+    spec = parse_spec(config)
+    with torch.device("meta"):
+        model = deepseek_v2.build(config, spec)
+    crossing = crossing_layers(spec.moe_layers, gate_on_attention)
+    prune_for_role(model, role, crossing, gate_on_attention)
+    model.to_empty(device="cuda").to(torch.bfloat16)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Router):
+                module.float()
+        for name, param in model.named_parameters():
+            if "layernorm" in name or name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0, 0.02, generator=generator)
+        for module in model.modules():
+            if isinstance(module, MoE):
+                fuse_shared_experts(module)
+    model.eval().requires_grad_(False)
+    return model, spec, crossing
+
+
+def write_json(name: str, data) -> None:
+    out = Path(os.environ.get("OUT", "."))
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2))

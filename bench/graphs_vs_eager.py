@@ -1,0 +1,58 @@
+"""(d) Decode step with CUDA graphs vs eager, DeepSeek-V2-Lite-shaped random bf16 model on one GPU.
+
+    python3 bench/graphs_vs_eager.py     # prints a table, writes $OUT/graphs_vs_eager.json
+
+Each sequence has CONTEXT cached tokens; a step decodes one token per sequence. Step
+time is wall-clock around `runner(input_ids, layout)` plus a device sync (what a
+serving loop sees), median of STEPS steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from common import V2_LITE, random_model, write_json
+
+from afd.kv_cache import KVCache
+from afd.models.loader import LoadedModel
+from afd.runners.microbatch import SeqLayout
+from afd.runners.monolithic import MonolithicRunner
+
+BATCHES, CONTEXT, STEPS = (1, 4, 16, 32, 64), 128, 20
+
+
+def step_ms(runner, kv_cache, batch: int) -> float:
+    tables = [tuple(kv_cache.allocate(CONTEXT + 1)) for _ in range(batch)]
+    layout = SeqLayout(tuple(tables), (CONTEXT,) * batch, (1,) * batch)
+    ids = torch.randint(0, V2_LITE["vocab_size"], (batch,), device="cuda")
+    times = []
+    for _ in range(STEPS + 3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner(ids, layout).argmax(-1).tolist()
+        times.append((time.perf_counter() - start) * 1e3)
+    for table in tables:
+        kv_cache.release(table)
+    return statistics.median(times[3:])
+
+
+def main() -> None:
+    model, spec, crossing = random_model(V2_LITE)
+    loaded = LoadedModel(model, spec, crossing, "random")
+    kv_cache = KVCache(model.kv_layouts(), 64 * 10, torch.bfloat16, "cuda", block_size=16)
+    runner = MonolithicRunner(loaded, kv_cache)
+    eager = {b: step_ms(runner, kv_cache, b) for b in BATCHES}
+    graphs = runner.capture_graphs(max(BATCHES))
+    graphed = {b: step_ms(runner, kv_cache, b) for b in BATCHES}
+    rows = [{"batch": b, "eager_ms": eager[b], "graph_ms": graphed[b], "speedup": eager[b] / graphed[b]} for b in BATCHES]
+    write_json("graphs_vs_eager", {"context": CONTEXT, "graph_memory_bytes": graphs.memory_bytes, "rows": rows})
+    print(f"decode step, DeepSeek-V2-Lite shape (27 layers), context {CONTEXT}, graphs {graphs.memory_bytes / 2**20:.0f} MiB")
+    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'graph tok/s':>12}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} {r['speedup']:>8.2f} {r['batch'] / r['graph_ms'] * 1e3:>12.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""(a) MoE layer time vs its floor at DeepSeek-V2-Lite shapes, per kernel, CUDA-graph replays.
+
+    python3 bench/moe_layer.py        # prints a table, writes $OUT/moe_layer.json
+
+The layer is router + top-6 routing + 64 routed experts + 2 shared experts (folded in as
+experts), hidden 2048, expert width 1408, bf16. Floor = max(bytes of the touched expert
+weights / measured copy bandwidth, matmul FLOPs / measured bf16 rate).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from common import V2_LITE, ceilings, time_graph, write_json
+
+from afd.kernels.moe import fuse_shared_experts
+from afd.models.layers import MoE, Routing
+
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+
+
+def build_layer() -> MoE:
+    hidden, width, experts = V2_LITE["hidden_size"], V2_LITE["moe_intermediate_size"], V2_LITE["n_routed_experts"]
+    routing = Routing(top_k=V2_LITE["num_experts_per_tok"], num_experts=experts)
+    layer = MoE(hidden, routing, width, width * V2_LITE["n_shared_experts"], fp32_logits=True).cuda()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, 0.02)
+    layer.gate.float()
+    layer.experts.bfloat16()
+    layer.shared_experts.bfloat16()
+    fuse_shared_experts(layer)
+    return layer
+
+
+def floor_ms(layer: MoE, x: torch.Tensor, limits: dict) -> float:
+    weights, ids = layer.routing.select(layer.gate(x), x.dtype)
+    touched = int(ids.unique().numel()) + layer.experts.num_shared
+    hidden, width = layer.experts.down.shape[1], layer.experts.down.shape[2]
+    weight_bytes = touched * 3 * hidden * width * 2 + layer.gate.weight.numel() * 4
+    flops = 2 * x.shape[0] * (ids.shape[1] + layer.experts.num_shared) * 3 * hidden * width
+    return 1e3 * max(weight_bytes / limits["copy_bytes_per_s"], flops / limits["bf16_flops"])
+
+
+def main() -> None:
+    limits = ceilings()
+    layer = build_layer()
+    rows = []
+    with torch.inference_mode():
+        for tokens in TOKENS:
+            x = torch.randn(tokens, V2_LITE["hidden_size"], dtype=torch.bfloat16, device="cuda")
+            row = {"tokens": tokens, "floor_ms": floor_ms(layer, x, limits)}
+            outputs = {}
+            for kernel in ("triton", "grouped"):
+                os.environ["AFD_MOE_KERNEL"] = kernel
+                row[f"{kernel}_ms"] = time_graph(lambda: layer(x))
+                outputs[kernel] = layer(x).float()
+            row["triton_vs_grouped_rel_err"] = float((outputs["triton"] - outputs["grouped"]).norm() / outputs["grouped"].norm())
+            rows.append(row)
+    write_json("moe_layer", {"ceilings": limits, "rows": rows})
+    print(f"copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), bf16 matmul {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
+    print(f"{'tokens':>6} {'floor ms':>9} {'triton ms':>10} {'x floor':>8} {'grouped ms':>11} {'x floor':>8} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>6} {r['floor_ms']:>9.3f} {r['triton_ms']:>10.3f} {r['triton_ms'] / r['floor_ms']:>8.2f} "
+              f"{r['grouped_ms']:>11.3f} {r['grouped_ms'] / r['floor_ms']:>8.2f} {r['triton_vs_grouped_rel_err']:>8.1e}")
+
+
+if __name__ == "__main__":
+    main()

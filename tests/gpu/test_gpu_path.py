@@ -1,0 +1,119 @@
+"""GPU path on the device machine: kernels, NCCL AFD parity with the monolith, graphs. Skips without CUDA."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs need two GPUs")
+GPU_TOKENS = 32
+
+
+@pytest.mark.parametrize("kernel", ["triton", "grouped"])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_moe_kernels_equal_the_reference(kernel, tokens, monkeypatch):
+    from afd.kernels import moe
+    from afd.models.layers import Experts
+
+    monkeypatch.setenv("AFD_MOE_KERNEL", kernel)
+    torch.manual_seed(tokens)
+    experts = Experts(16, 256, 128).cuda()
+    experts.gate_up.data.normal_(0, 0.05)
+    experts.down.data.normal_(0, 0.05)
+    x = torch.randn(tokens, 256, device="cuda")
+    ids = torch.stack([torch.randperm(16, device="cuda")[:4] for _ in range(tokens)])
+    weights = torch.rand(tokens, 4, device="cuda")
+    reference = experts.double()(x.double(), weights.double(), ids)  # float64 per-expert path
+    out = moe.experts_cuda(x.bfloat16(), weights.bfloat16(), ids, experts.gate_up.bfloat16(), experts.down.bfloat16())
+    assert float((out.double() - reference).norm() / reference.norm()) < 1e-2
+
+
+def test_paged_decode_kernel_equals_sdpa():
+    from afd.kernels.decode_attention import paged_decode_attention
+    from afd.models.attention import AttentionBatch, cached_attention
+
+    torch.manual_seed(0)
+    cache_k, cache_v = torch.randn(64, 2, 48, device="cuda"), torch.randn(64, 2, 32, device="cuda")
+    tables, context = [[3, 1, 7], [0], [5, 9, 2, 4]], [9, 2, 13]
+    batch = AttentionBatch.build(tables, context, [1, 1, 1], 4, "cpu")  # the SDPA path
+    q, k, v = torch.randn(3, 4, 48, device="cuda"), torch.randn(3, 2, 48, device="cuda"), torch.randn(3, 2, 32, device="cuda")
+    cpu = lambda t: t.cpu()  # noqa: E731
+    reference = cached_attention(cpu(q), cpu(k), cpu(v), cpu(cache_k), cpu(cache_v), batch, 0.2)
+    cached_attention(q, k, v, cache_k, cache_v, AttentionBatch.build(tables, context, [1, 1, 1], 4, "cuda"), 0.2)
+    table = torch.tensor([t + [0] * (4 - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+    out = paged_decode_attention(q, cache_k, cache_v, table, torch.tensor([10, 3, 14], dtype=torch.int32, device="cuda"), 4, 0.2)
+    assert torch.allclose(out.cpu(), reference, atol=1e-4)
+
+
+def monolithic(path, dtype, graphs=False):
+    from afd.generation import greedy_generate
+    from afd.kv_cache import KVCache
+    from afd.models.loader import load_model
+    from afd.runners.monolithic import MonolithicRunner
+
+    loaded = load_model(str(path), dtype=dtype, device="cuda")
+    kv_cache = KVCache(loaded.model.kv_layouts(), 64, dtype, "cuda", block_size=16)
+    runner = MonolithicRunner(loaded, kv_cache)
+    if graphs:
+        runner.capture_graphs(8)
+    return greedy_generate(runner, kv_cache, PROMPTS, GPU_TOKENS, ignore_eos=True, device="cuda"), runner
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "qwen3_moe"])
+def test_fp32_on_gpu_equals_transformers(name, checkpoints, hf_reference):
+    tokens, logits = hf_reference(name)
+    result, _ = monolithic(checkpoints[name], torch.float32)
+    assert [t[:NEW_TOKENS] for t in result.tokens] == tokens
+
+
+def test_graph_replay_equals_eager_output(checkpoints):
+    eager, _ = monolithic(checkpoints["deepseek_v2"], torch.bfloat16)
+    graphed, runner = monolithic(checkpoints["deepseek_v2"], torch.bfloat16, graphs=True)
+    assert runner.graphs.replays == GPU_TOKENS - 1
+    assert graphed.tokens == eager.tokens
+    assert max_relative_error(graphed.last_logits, eager.last_logits) < 2e-2
+
+
+def afd_nccl(path, topology, stages, graphs, gate="ffn"):
+    """Greedy tokens from real processes: FFN rank(s) on GPU 1, attention ranks on GPU 0, NCCL data plane."""
+    from afd.batch import split_prompts
+    from afd.config import AFDConfig, config_to_env
+    from afd.local_processes import local_zmq_config
+    from afd.processes import LocalProcesses
+
+    base = AFDConfig(
+        num_attention_ranks=int(topology[0]), num_ffn_ranks=1, stages=stages, model=str(path), dtype="bfloat16",
+        device="cuda", cuda_graphs=graphs, max_num_seqs=8, gate_on_attention=gate == "attention",
+        ffn_batch_window_s=0.002 if topology == "2A1F" else 0.0, peer_timeout_s=60.0,
+    )
+    config = local_zmq_config(base).replace(connector="nccl")
+    blocks = split_prompts(len(PROMPTS), config.num_attention_ranks)
+    with LocalProcesses() as processes:
+        processes.start("ffn-0", ["serve"], {**config_to_env(config.replace(role="ffn")), "CUDA_VISIBLE_DEVICES": "1"})
+        names = []
+        for rank, block in enumerate(blocks):
+            job = processes.workdir / f"a{rank}.json"
+            job.write_text(json.dumps({"prompts": [PROMPTS[i] for i in block], "max_tokens": GPU_TOKENS, "ignore_eos": True}))
+            env = {**config_to_env(config.replace(role="attention", rank=rank)), "CUDA_VISIBLE_DEVICES": "0"}
+            processes.start(f"attn-{rank}", ["run-batch", "--input", str(job), "--output", str(processes.workdir / f"a{rank}.out")], env)
+            names.append(f"attn-{rank}")
+        processes.wait(names, watch=["ffn-0"], timeout_s=600)
+        outputs = [json.loads((processes.workdir / f"a{rank}.out").read_text()) for rank in range(len(blocks))]
+    tokens = [None] * len(PROMPTS)
+    for block, output in zip(blocks, outputs):
+        for position, index in enumerate(block):
+            tokens[index] = output["tokens"][position]
+    return tokens
+
+
+@two_gpus
+@pytest.mark.parametrize("topology, stages, graphs, gate", [
+    ("1A1F", 1, False, "ffn"), ("1A1F", 2, False, "ffn"), ("1A1F", 1, True, "ffn"),
+    ("1A1F", 2, True, "ffn"), ("2A1F", 2, True, "ffn"), ("1A1F", 2, True, "attention"),
+])
+def test_bf16_afd_over_nccl_equals_bf16_monolithic(topology, stages, graphs, gate, checkpoints):
+    reference, _ = monolithic(checkpoints["deepseek_v2"], torch.bfloat16, graphs=graphs)
+    assert afd_nccl(checkpoints["deepseek_v2"], topology, stages, graphs, gate) == reference.tokens
