@@ -5,6 +5,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABL
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; from afd.connector import nccl_lib; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', nccl_lib.version(), 'gpus', torch.cuda.device_count())"
-timeout 200 python3 bench/moe_layer.py 2>&1 | tee $OUT/moe_layer.log
-timeout 240 python3 -m pytest -q -x tests/gpu -p no:warnings -p no:cacheprovider --timeout 200 2>&1 | tee $OUT/gpu_tests.log | tail -30
-timeout 150 python3 bench/graphs_vs_eager.py 2>&1 | tee $OUT/graphs_vs_eager.log
+
+NCCL_DEBUG=WARN timeout 300 python3 -m pytest -q tests/gpu -k nccl -p no:warnings -p no:cacheprovider --timeout 200 2>&1 | tee $OUT/gpu_tests.log | tail -30
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -105,14 +106,26 @@ class LocalProcesses:
 
 
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
-    """A base port whose next `count` ports are free right now."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = probe.getsockname()[1]
-        if base + count < 65535 and all(_is_free(host, base + i) for i in range(count)):
+    """A base port whose next `count` ports are free right now.
+
+    Chosen below the kernel's ephemeral range, so that outgoing connections of the
+    ranks started first cannot take a port before the later ranks bind it.
+    """
+    low, _ = _ephemeral_range()
+    top = max(low - count, 2048)
+    for _ in range(500):
+        base = random.randrange(1024 if top <= 10000 else 10000, top)
+        if all(_is_free(host, base + i) for i in range(count)):
             return base
     raise RuntimeError(f"no block of {count} free ports found on {host}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _is_free(host: str, port: int) -> bool:

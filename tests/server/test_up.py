@@ -11,7 +11,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.runtime.test_cli import processes_with_marker
+from tests.runtime.test_generate_cli import processes_with_marker
 
 
 def wait_for(predicate, timeout_s, what):

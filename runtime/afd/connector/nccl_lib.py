@@ -118,6 +118,21 @@ class PairComm:
         self._comm = ctypes.c_void_p()
         with torch.cuda.device(device):
             library().check(library().lib.ncclCommInitRank(ctypes.byref(self._comm), 2, uid, rank), "ncclCommInitRank")
+            self._connect()
+
+    def _connect(self) -> None:
+        """One symmetric grouped exchange, so both directions are connected before real traffic.
+
+        NCCL connects peers lazily at their first group; if the two sides' first groups
+        differ (attention: send + receive, FFN: receive only) its bootstrap exchange
+        fails with "Message truncated". Connecting here makes later groups free to differ.
+        """
+        probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        back = torch.empty_like(probe)
+        with Group():
+            self.send(probe)
+            self.recv(back)
+        torch.cuda.synchronize(self.device)
 
     def send(self, tensor: torch.Tensor) -> None:
         """Queue `tensor` (contiguous, on this device) to the peer on the current stream."""
