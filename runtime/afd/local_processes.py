@@ -42,11 +42,13 @@ def generate_in_processes(
     config = local_zmq_config(base)
     topology = config.topology
     blocks = split_prompts(len(prompts), topology.num_attention)
+    metrics_ports = free_port_block(topology.num_ffn)
     with LocalProcesses() as processes:
         ffn_names = []
         for rank in range(topology.num_ffn):
             name = f"ffn-{rank}"
-            ffn_config = config.replace(role="ffn", rank=rank, model=ffn_model or config.model)
+            ffn_config = config.replace(role="ffn", rank=rank, model=ffn_model or config.model,
+                                        http_host="127.0.0.1", metrics_port=metrics_ports + rank)
             processes.start(name, ["serve"], config_to_env(ffn_config))
             ffn_names.append(name)
         attention_names = []
