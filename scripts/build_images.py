@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -43,10 +44,26 @@ def image_tag(name: str) -> str:
     return f"localhost/afd-{name}:dev"
 
 
+def containers_conf() -> Path:
+    """A containers.conf for podman here: the runc runtime (crun cannot set up cgroups on these
+    machines), and default ulimits no higher than this sandbox's hard limits (podman's defaults
+    are higher, and runc may not raise them: 'error setting rlimit ... operation not permitted')."""
+    _, nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, nproc = resource.getrlimit(resource.RLIMIT_NPROC)
+    nofile = 1048576 if nofile == resource.RLIM_INFINITY else nofile
+    nproc = 8192 if nproc == resource.RLIM_INFINITY else min(nproc, 8192)
+    path = Path(tempfile.gettempdir()) / "afd-containers.conf"
+    path.write_text("[containers]\n"
+                    f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
+                    "[engine]\n"
+                    'runtime = "runc"\n')
+    return path
+
+
 def podman(*args: str, check: bool = True, capture: bool = False, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run podman with the runc runtime (crun cannot set up cgroups on these machines)."""
-    return subprocess.run(["podman", "--runtime", "runc", *args], check=check, text=True, timeout=timeout,
-                          capture_output=capture)
+    """Run podman with this machine's containers.conf (see `containers_conf`)."""
+    env = {**os.environ, "CONTAINERS_CONF": str(containers_conf())}
+    return subprocess.run(["podman", *args], check=check, text=True, timeout=timeout, capture_output=capture, env=env)
 
 
 def missing_tools() -> list[str]:
@@ -93,9 +110,13 @@ def build(name: str, base: str = BASE_TAG, tag: str | None = None) -> str:
         args += ["-v", f"{HOST_WHEELS}:/opt/wheels:ro", "--build-arg", "PIP_FIND_LINKS=/opt/wheels"]
     if name == "runtime":
         args += ["--build-arg", f"TORCH_SPEC={CPU_TORCH}"]
+    previous = podman("image", "inspect", "--format", "{{.Id}}", tag, check=False, capture=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix=f"afd-{name}-ctx-") as tmp:
         context = make_context(Path(tmp))
         podman(*args, str(context))
+    current = podman("image", "inspect", "--format", "{{.Id}}", tag, capture=True).stdout.strip()
+    if previous and previous != current:  # the replaced image (about 1 GB for runtime) would pile up
+        podman("rmi", previous, check=False, capture=True)
     return tag
 
 
