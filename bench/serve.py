@@ -65,6 +65,7 @@ def transformers_throughput(model_path, prompts, batch, max_tokens) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch.set_num_threads(os.cpu_count() or 1)  # transformers gets the whole machine
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.generation_config.eos_token_id = None

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from afd.batch import split_prompts
 from afd.config import AFDConfig, config_to_env
-from afd.processes import LocalProcesses, free_port_block
+from afd.processes import LocalProcesses, free_port_block, threads_per_rank
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +43,14 @@ def generate_in_processes(
     topology = config.topology
     blocks = split_prompts(len(prompts), topology.num_attention)
     metrics_ports = free_port_block(topology.num_ffn)
+    threads = threads_per_rank(topology.num_ffn + topology.num_attention)
     with LocalProcesses() as processes:
         ffn_names = []
         for rank in range(topology.num_ffn):
             name = f"ffn-{rank}"
             ffn_config = config.replace(role="ffn", rank=rank, model=ffn_model or config.model,
                                         http_host="127.0.0.1", metrics_port=metrics_ports + rank)
-            processes.start(name, ["serve"], config_to_env(ffn_config))
+            processes.start(name, ["serve"], {**config_to_env(ffn_config), **threads})
             ffn_names.append(name)
         attention_names = []
         for rank, block in enumerate(blocks):
@@ -57,7 +58,7 @@ def generate_in_processes(
             job = processes.workdir / f"{name}.in.json"
             job.write_text(json.dumps({"prompts": [list(prompts[i]) for i in block], "max_tokens": max_tokens, "ignore_eos": ignore_eos}))
             args = ["run-batch", "--input", str(job), "--output", str(processes.workdir / f"{name}.out.json")]
-            processes.start(name, args, config_to_env(config.replace(role="attention", rank=rank)))
+            processes.start(name, args, {**config_to_env(config.replace(role="attention", rank=rank)), **threads})
             attention_names.append(name)
         log.info("started %d ffn and %d attention processes (logs in %s)", len(ffn_names), len(attention_names), processes.workdir)
         processes.wait(attention_names, watch=ffn_names, timeout_s=timeout_s)

@@ -21,7 +21,7 @@ import httpx
 
 from afd.config import AFDConfig, config_to_env
 from afd.local_processes import local_zmq_config
-from afd.processes import LocalProcesses, free_port_block
+from afd.processes import LocalProcesses, free_port_block, threads_per_rank
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE = Path(os.environ.get("AFD_CACHE_DIR", Path.home() / ".cache" / "afd"))
@@ -94,7 +94,8 @@ class Supervisor:
             self._start(rank)
 
     def _start(self, rank: Rank) -> None:
-        self.processes.start(rank.name, ["serve"], config_to_env(rank.config))
+        env = {**config_to_env(rank.config), **threads_per_rank(len(self.ranks))}
+        self.processes.start(rank.name, ["serve"], env)
 
     def attention_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{r.config.http_port}" for r in self.ranks.values() if r.role == "attention"]
