@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -57,6 +57,7 @@ class AFDConfig:
     kv_cache_bytes: int = 0
     served_model_name: str = ""
     group_token: str = ""
+    group_secret: str = field(default="", repr=False)  # from the operator's Secret; never logged, never sent
     connect_timeout_s: float = 60.0
     peer_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
@@ -157,6 +158,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_KV_CACHE_BYTES": "kv_cache_bytes",
     "AFD_SERVED_MODEL_NAME": "served_model_name",
     "AFD_GROUP_TOKEN": "group_token",
+    "AFD_GROUP_SECRET": "group_secret",
     "AFD_CONNECT_TIMEOUT_S": "connect_timeout_s",
     "AFD_PEER_TIMEOUT_S": "peer_timeout_s",
     "AFD_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",

@@ -9,9 +9,11 @@ from afd.connector.wire import Hello
 from afd.models.spec import ModelSpec
 
 
-def token_digest(token: str) -> str:
-    """The group token never travels; its digest does (empty when no token is set)."""
-    return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
+def token_digest(token: str, secret: str = "") -> str:
+    """The group token and secret never travel; their digest does (empty when neither is set)."""
+    if not token and not secret:
+        return ""
+    return hashlib.sha256(f"{secret}\0{token}".encode()).hexdigest()[:32]
 
 
 def make_hello(config: AFDConfig, spec: ModelSpec, crossing: tuple[int, ...], fingerprint: str, dtype: str) -> Hello:
@@ -25,7 +27,7 @@ def make_hello(config: AFDConfig, spec: ModelSpec, crossing: tuple[int, ...], fi
         stages=config.stages,
         gate_on_attention=config.gate_on_attention,
         router_width=spec.num_experts if config.gate_on_attention else 0,
-        token_digest=token_digest(config.group_token),
+        token_digest=token_digest(config.group_token, config.group_secret),
         connector="nccl" if config.connector == "nccl" else "host",
     )
 
