@@ -77,3 +77,52 @@ def test_refuses_a_folder_without_crds_or_with_other_kinds(tmp_path):
 def test_cli_reports_failures_in_one_line(tmp_path, capsys):
     assert apply_crds.main(["--dir", str(tmp_path)]) == 1
     assert capsys.readouterr().err.startswith("afd-apply-crds: ValueError: ")
+
+
+def test_real_kubernetes_client_sends_a_forced_server_side_apply(tmp_path):
+    """The request the real kubernetes client makes, seen by a local HTTP stand-in for the API server."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kubernetes import client
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_PATCH(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.command, self.path, self.headers["Content-Type"], body))
+            self._reply(body)
+
+        def do_GET(self):  # noqa: N802
+            seen.append((self.command, self.path, None, None))
+            self._reply({"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                         "metadata": {"name": "afddeployments.afd.io"},
+                         "status": {"conditions": [{"type": "Established", "status": "True"}]}})
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = client.Configuration(host=f"http://127.0.0.1:{server.server_address[1]}")
+        api = client.ApiextensionsV1Api(client.ApiClient(config))
+        crds = apply_crds.load_crds(chart_crds(tmp_path))
+        apply_crds.apply_crds(api, crds, timeout=5, log=lambda m: None)
+    finally:
+        server.shutdown()
+    (method, path, content_type, body), (get, get_path, _, _) = seen
+    assert method == "PATCH" and content_type == "application/apply-patch+yaml"
+    assert path == ("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/afddeployments.afd.io"
+                    "?fieldManager=afd-crd-upgrade&force=true")
+    assert body == crds[0]
+    assert get == "GET" and get_path == "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/afddeployments.afd.io"
