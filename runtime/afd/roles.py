@@ -70,8 +70,23 @@ class AttentionRole:
     runner: AttentionRunner
     device: torch.device
 
+    reconnect_timeout_s: float = 5.0
+
     def close(self, reason: str = "shutdown") -> None:
+        if self.runner.graphs is not None:  # release graphs first, then the connector (DESIGN §3)
+            torch.cuda.synchronize(self.device)
+            self.runner.graphs = None
         self.connector.close(reason)
+
+    def keepalive(self) -> None:
+        """Heartbeat the FFN rank between steps; raises `PeerLost` when it is gone."""
+        self.connector.keepalive()
+
+    def recover(self) -> None:
+        """Re-handshake with a returned FFN rank (fresh sockets; the KV cache stays)."""
+        self.connector.reconnect(self.reconnect_timeout_s)
+        if self.runner.graphs is not None:  # the FFN's graph cache died with it: warm up and capture again
+            self.runner.capture_graphs(max(self.runner.graphs.buckets))
 
 
 def build_attention(config: AFDConfig, cache_tokens: int) -> AttentionRole:

@@ -79,7 +79,7 @@ def plan_ranks(base: AFDConfig) -> list[Rank]:
 
 
 class Supervisor:
-    """Keeps every rank running; an FFN restart also restarts the attention ranks it serves."""
+    """Keeps every rank running by restarting the ones that die."""
 
     def __init__(self, ranks: list[Rank], processes: LocalProcesses, state_file: Path | None, api: str):
         self.ranks = {rank.name: rank for rank in ranks}
@@ -133,23 +133,19 @@ class Supervisor:
         temporary.replace(self.state_file)
 
     def watch(self) -> None:
-        """Restart dead ranks until `stop`; runs in a background thread."""
+        """Restart dead ranks until `stop`; runs in a background thread.
+
+        Only the dead rank restarts: attention ranks whose FFN rank died re-handshake with
+        the new one by themselves, and an FFN rank drops a dead attention peer on its own.
+        """
         while not self._stop.wait(0.5):
             dead = [name for name, child in self.processes.children.items() if child.poll() is not None]
+            for name in sorted(dead, key=lambda n: not n.startswith("ffn")):
+                progress(f"restarting {name} (it exited with code {self.processes.children[name].returncode})")
+                self._start(self.ranks[name])
             if not dead:
                 continue
-            restart = set(dead)
-            for name in dead:
-                rank = self.ranks[name]
-                if rank.role == "ffn":  # its attention ranks lost their peer: restart them with it
-                    topology = rank.config.topology
-                    restart |= {f"attention-{a}" for a in topology.attention_ranks_of(rank.rank)}
-            for name in sorted(restart, key=lambda n: not n.startswith("ffn")):
-                code = self.processes.children[name].returncode
-                progress(f"restarting {name} ({f'it exited with code {code}' if name in dead else 'its ffn rank restarted'})")
-                self.processes.stop(name)
-                self._start(self.ranks[name])
-            self.restarts += len(restart)
+            self.restarts += len(dead)
             try:
                 self.wait_healthy(timeout_s=300)
             except RuntimeError as err:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
 from afd.connector import wire
-from afd.connector.base import AttnTransfer, HandshakeError, PeerLost
+from afd.connector.base import AttnTransfer, ConnectorError, HandshakeError, PeerLost
 from afd.connector.tensors import DTYPE_NAMES, from_frame, to_frame
 from afd.connector.transport import PeerTransport
 
@@ -26,6 +27,11 @@ class AttentionConnector:
         self.peer_timeout_s = peer_timeout_s
         self._stash: dict[tuple[int, int, int], torch.Tensor] = {}
         self._step_id = -1
+        self.heartbeat_interval_s = 1.0
+        self.reopen: Callable[[], PeerTransport] | None = None  # set by the factory when the link can be rebuilt
+        self._hello: wire.Hello | None = None
+        self._beats = 0
+        self._last_beat = self._last_heard = time.monotonic()
 
     def handshake(self, hello: wire.Hello, timeout_s: float) -> wire.HelloReply:
         """Send Hello until the FFN answers; raise `HandshakeError` on refusal or silence."""
@@ -41,6 +47,7 @@ class AttentionConnector:
                 if isinstance(reply, wire.HelloReply):
                     if not reply.accepted:
                         raise HandshakeError(f"ffn rank {self.ffn_rank} refused the connection: {reply.reason}")
+                    self._hello, self._last_heard = hello, time.monotonic()
                     return reply
         raise HandshakeError(f"ffn rank {self.ffn_rank} did not answer the handshake within {timeout_s:.0f} s")
 
@@ -51,6 +58,28 @@ class AttentionConnector:
 
     def send_heartbeat(self, seq: int) -> None:
         self.transport.send("control", [wire.encode(wire.Heartbeat(seq))])
+
+    def keepalive(self) -> None:
+        """Between steps: heartbeat when due; `PeerLost` if the FFN went silent or said goodbye."""
+        now = time.monotonic()
+        if now - self._last_beat >= self.heartbeat_interval_s:
+            self._beats += 1
+            self.send_heartbeat(self._beats)
+            self._last_beat = now
+        while (received := self.transport.recv(0)) is not None:
+            self._on_message(*received)
+        silent = time.monotonic() - self._last_heard
+        if silent > self.peer_timeout_s:
+            raise PeerLost(f"ffn rank {self.ffn_rank} has not answered a heartbeat for {silent:.1f} s")
+
+    def reconnect(self, timeout_s: float) -> wire.HelloReply:
+        """Rebuild the link with fresh sockets and repeat the handshake (after the FFN came back)."""
+        if self.reopen is None or self._hello is None:
+            raise ConnectorError(f"this connector cannot reconnect to ffn rank {self.ffn_rank} in-process")
+        self.transport.close()
+        self.transport = self.reopen()
+        self._stash.clear()
+        return self.handshake(self._hello, timeout_s)
 
     def send_attn_output(
         self, hidden: torch.Tensor, transfer: AttnTransfer, router_logits: torch.Tensor | None = None
@@ -94,6 +123,7 @@ class AttentionConnector:
             self.transport.close()
 
     def _on_message(self, plane: str, frames: list[bytes]) -> None:
+        self._last_heard = time.monotonic()
         if plane == "control":
             message = self._decode_control(frames)
             if isinstance(message, wire.Goodbye):

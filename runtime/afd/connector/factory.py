@@ -71,8 +71,12 @@ def make_attention_connector(config: AFDConfig, device: torch.device | str) -> A
     ffn_rank = config.topology.ffn_rank_of(config.rank)
     if config.connector in _CONNECTORS:
         return _resolve(config.connector, 1)(config, ffn_rank, peer_identity(config.rank), device)
-    transport = _resolve(config.connector, 1)(config, ffn_rank, peer_identity(config.rank))
-    return AttentionConnector(transport, ffn_rank, device, config.peer_timeout_s)
+    open_transport = _resolve(config.connector, 1)
+    transport = open_transport(config, ffn_rank, peer_identity(config.rank))
+    connector = AttentionConnector(transport, ffn_rank, device, config.peer_timeout_s)
+    connector.heartbeat_interval_s = config.heartbeat_interval_s
+    connector.reopen = lambda: open_transport(config, ffn_rank, peer_identity(config.rank))
+    return connector
 
 
 def make_ffn_connector(config: AFDConfig, device: torch.device | str, contract: DataContract) -> FFNConnector:

@@ -60,6 +60,7 @@ class FFNConnector:
         """Admit `peer`; returns extra HelloReply fields (none for host transports)."""
         self._peers.add(peer)
         self._bad_peers.pop(peer, None)
+        self._stash = {key: value for key, value in self._stash.items() if key[0] != peer}  # a returning peer starts clean
         return {}
 
     def drop_peer(self, peer: bytes, reason: str) -> None:

@@ -52,6 +52,9 @@ def _candidates() -> list[str]:
 
 class _Library:
     def __init__(self) -> None:
+        # Captured transfers go through NCCL's own FIFO buffers: registering graph-pool buffers
+        # for zero-copy ties a graph to addresses the peer saw at its own capture.
+        os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
         errors = []
         for name in _candidates():
             try:

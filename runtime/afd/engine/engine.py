@@ -41,6 +41,8 @@ class Engine:
         max_num_batched_tokens: int = 8192,
         device: torch.device | str = "cpu",
         observer=None,
+        link=None,
+        link_check_s: float = 0.5,
     ):
         self.step = step
         self.kv_cache = kv_cache
@@ -50,6 +52,9 @@ class Engine:
         self.device = torch.device(device)
         self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.observer = observer
+        self.link = link  # the FFN link: keepalive() between steps, recover() after a loss; None when local
+        self.link_check_s = link_check_s
+        self._next_link_check = 0.0
         self.error: str | None = None
         self._inbox: list[Request] = []
         self._aborts: set[str] = set()
@@ -109,7 +114,8 @@ class Engine:
         while True:
             with self._wake:
                 while not (self._stopped or self._inbox or self._aborts or self.scheduler.running or self.scheduler.waiting):
-                    self._wake.wait()
+                    if not self._wake.wait(timeout=self.link_check_s if self.link else None):
+                        break  # idle: time to look after the link
                 if self._stopped:
                     break
                 for request in self._inbox:
@@ -117,12 +123,39 @@ class Engine:
                 self._inbox.clear()
                 aborts, self._aborts = self._aborts, set()
             self._apply_aborts(aborts)
+            if self.link is not None and time.monotonic() >= self._next_link_check:
+                self._tend_link()
+            if self.error is not None:
+                self._fail_all(f"the server cannot take requests: {self.error}")
+                continue
             batch = self.scheduler.schedule()
             if batch:
                 self._run(batch)
             elif self.scheduler.waiting and not self.scheduler.running:
                 time.sleep(0.001)  # cannot happen with worst-case reservation; never spin hot
         self._fail_all("the server is shutting down")
+
+    def _tend_link(self) -> None:
+        """Heartbeat a healthy link; try to re-handshake a lost one. Runs between steps only."""
+        self._next_link_check = time.monotonic() + self.link_check_s
+        if self.error is None:
+            try:
+                self.link.keepalive()
+            except Exception as err:
+                self._lose_link(err)
+            return
+        try:
+            self.link.recover()
+        except Exception as err:
+            log.debug("ffn link not back yet: %s", err)
+            return
+        log.info("ffn link recovered; serving again")
+        self.error = None
+
+    def _lose_link(self, err: Exception) -> None:
+        if self.error is None:
+            log.error("ffn link lost: %s", err)
+        self.error = f"{type(err).__name__}: {err}"
 
     def _apply_aborts(self, request_ids: set[str]) -> None:
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -143,7 +176,7 @@ class Engine:
             logits = self.step(input_ids, layout)
         except Exception as err:  # a lost FFN peer, or a bug: fail loudly, never hang
             log.exception("step failed")
-            self.error = f"{type(err).__name__}: {err}"
+            self._lose_link(err)
             self._fail_all(f"the step failed: {err}")
             return
         tokens, logprobs = sample(logits, [r.params for r in batch], [r.generator for r in batch])

@@ -66,6 +66,8 @@ class FFNRunner:
         except Interrupted:
             log.info("ffn rank %d interrupted mid-step by shutdown", self.ffn_rank)
         finally:
+            if self.graphs is not None:  # graphs go before the links they replay
+                self.graphs.clear()
             for peer in list(self.peers):
                 self.connector.send_control(peer, wire.Goodbye("ffn rank shutting down"))
             self.connector.close()

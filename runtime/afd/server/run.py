@@ -48,6 +48,7 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         config.max_num_batched_tokens,
         role.device,
         observer=ServingMetrics(registry, config.rank),
+        link=role if hasattr(role, "keepalive") else None,
     )
     state = ServerState(
         engine=engine,
