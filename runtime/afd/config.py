@@ -23,7 +23,6 @@ STAGES = (1, 2)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_ENGINES = ("afd", "vllm")  # vllm: the attention pod runs vLLM with afd.vllm_plugin
-ATTENTION_ENGINES = ("afd", "vllm")  # vllm: the attention pod runs vLLM with afd.vllm_plugin
 
 
 class ConfigError(ValueError):
@@ -66,7 +65,6 @@ class AFDConfig:
     cuda_graphs: bool = False  # decode graphs on attention, a step-graph cache on the FFN (nccl connector, CUDA)
     ffn_batch_window_s: float = 0.0  # FFN: wait up to this long for every peer's plan so their rows share a step
     attention_engine: str = "afd"  # attention role: our engine, or vLLM's OpenAI server with afd.vllm_plugin
-    attention_engine: str = "afd"  # attention role: our engine, or vLLM's OpenAI server with afd.vllm_plugin
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
@@ -74,7 +72,6 @@ class AFDConfig:
         _check_choice("stages", self.stages, STAGES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
-        _check_choice("attention_engine", self.attention_engine, ATTENTION_ENGINES)
         _check_choice("attention_engine", self.attention_engine, ATTENTION_ENGINES)
         try:
             topology = self.topology
@@ -170,7 +167,6 @@ ENV_VARS: dict[str, str] = {
     "AFD_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "AFD_CUDA_GRAPHS": "cuda_graphs",
     "AFD_FFN_BATCH_WINDOW_S": "ffn_batch_window_s",
-    "AFD_ATTENTION_ENGINE": "attention_engine",
     "AFD_ATTENTION_ENGINE": "attention_engine",
 }
 
