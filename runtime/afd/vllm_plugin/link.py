@@ -1,0 +1,124 @@
+"""One attention process's link to its FFN rank, shaped for an engine that owns the forward pass.
+
+vLLM calls the model once per step and each crossing layer once per call, in order, so
+the step boundary is the first crossing layer: there the link sends the step plan. Every
+exchange then ships the layer's rows stage by stage and waits for the FFN's answer.
+
+vLLM runs attention over the whole batch, so two stages split only the FFN exchange (the
+FFN computes stage 0 while stage 1 is still arriving); attention does not overlap with the
+FFN as it does in our own runner's ping-pong. No vLLM import here: the link is plain torch
+and our connector, tested against our FFN ranks without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from afd.config import AFDConfig, load_config
+from afd.connector import wire
+from afd.connector.attention_side import AttentionConnector
+from afd.connector.base import AttnTransfer
+from afd.connector.factory import make_attention_connector
+from afd.connector.tensors import DTYPE_NAMES
+from afd.models.checkpoint import Checkpoint
+from afd.models.spec import ModelSpec, parse_spec
+from afd.runners.handshake import make_hello
+from afd.topology import crossing_layers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    """What the attention side of one checkpoint sends where; pure facts, no sockets."""
+
+    spec: ModelSpec
+    crossing: tuple[int, ...]
+    gate_on_attention: bool
+    stages: int
+
+    def stage_rows(self, tokens: int) -> tuple[int, ...]:
+        """Rows of each stage for a step of `tokens` rows (the FFN computes per row, any cut is exact)."""
+        if self.stages == 1:
+            return (tokens,)
+        first = (tokens + 1) // 2
+        return (first, tokens - first)
+
+
+class FFNLink:
+    """Handshaken connection of attention rank `config.rank` to its FFN rank, one step at a time."""
+
+    def __init__(self, config: AFDConfig, plan: LinkPlan, connector: AttentionConnector):
+        self.config = config
+        self.plan = plan
+        self.connector = connector
+        self.first_layer = plan.crossing[0] if plan.crossing else -1
+        self.step_id = 0
+        self._stage_rows: tuple[int, ...] = ()
+        self.closed = False
+
+    @classmethod
+    def connect(cls, model_path: str, dtype: torch.dtype, config: AFDConfig | None = None) -> "FFNLink":
+        """Read the checkpoint's facts, open the connector and handshake (raises `HandshakeError`)."""
+        config = config or load_config(cli={"role": "attention"})
+        if config.role != "attention":
+            raise ValueError(f"AFD_ROLE={config.role}: the vLLM plugin runs attention ranks only")
+        if not Path(model_path).is_dir():
+            raise ValueError(f"model {model_path!r}: the AFD vLLM plugin needs a local checkpoint folder "
+                             "(the FFN ranks fingerprint the same files); download it first")
+        checkpoint = Checkpoint(model_path)
+        spec = parse_spec(checkpoint.config)
+        plan = LinkPlan(spec, crossing_layers(spec.moe_layers, config.gate_on_attention), config.gate_on_attention, config.stages)
+        dtype_name = DTYPE_NAMES[dtype]
+        connector = make_attention_connector(config, "cpu")
+        hello = make_hello(config, spec, plan.crossing, checkpoint.fingerprint(), dtype_name)
+        try:
+            connector.handshake(hello, config.connect_timeout_s)
+        except Exception:
+            connector.transport.close()
+            raise
+        log.info("afd: attention rank %d linked to ffn rank %d (%s, layers %s, %d stage(s), gate on %s)",
+                 config.rank, connector.ffn_rank, config.topology, list(plan.crossing), plan.stages,
+                 "attention" if plan.gate_on_attention else "ffn")
+        link = cls(config, plan, connector)
+        atexit.register(link.close)
+        return link
+
+    def exchange(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """FFN output [tokens, hidden] of crossing layer `layer` for `hidden` [tokens, hidden]."""
+        if layer == self.first_layer:
+            self._begin_step(hidden.shape[0])
+        elif hidden.shape[0] != sum(self._stage_rows):
+            raise RuntimeError(f"layer {layer}: {hidden.shape[0]} rows, but step {self.step_id} planned "
+                               f"{sum(self._stage_rows)} (layers must cross in order, starting at {self.first_layer})")
+        transfers, start = [], 0
+        for stage, rows in enumerate(self._stage_rows):
+            if rows:
+                transfer = AttnTransfer(self.step_id, layer, stage)
+                part = slice(start, start + rows)
+                logits = None if router_logits is None else router_logits[part]
+                self.connector.send_attn_output(hidden[part], transfer, logits)
+                transfers.append(transfer)
+            start += rows
+        outputs = [self.connector.recv_ffn_output(t).to(device=hidden.device, dtype=hidden.dtype) for t in transfers]
+        if len(outputs) == 1:
+            return outputs[0]
+        return torch.cat(outputs) if outputs else torch.empty_like(hidden)
+
+    def _begin_step(self, tokens: int) -> None:
+        self.step_id += 1
+        self._stage_rows = self.plan.stage_rows(tokens)
+        self.connector.send_plan(wire.StepPlan(self.step_id, self._stage_rows))
+
+    def close(self, reason: str = "vllm attention shutting down") -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.connector.close(reason)
+            except Exception as err:  # at exit the peer may be gone already
+                log.debug("afd: closing the ffn link: %s", err)

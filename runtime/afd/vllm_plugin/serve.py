@@ -1,0 +1,74 @@
+"""An attention pod with `attention_engine=vllm`: vLLM's OpenAI server, configured from `AFD_*`.
+
+    python -m afd.vllm_plugin.serve [-- extra vllm serve arguments]
+
+Reads the same `AFDConfig` as `afd serve` and replaces itself (exec) with `vllm serve`
+on the checkpoint, with the AFD attention-role architecture selected by `--hf-overrides`.
+The plugin inside vLLM reads the AFD_* environment again for rank, topology and FFN
+addresses. vLLM serves `/v1/*`, `/health` and `/metrics` on `AFD_HTTP_PORT`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from afd.config import AFDConfig, load_config
+from afd.vllm_plugin import afd_architecture
+
+
+def engine_overrides(model_path: str) -> dict:
+    """vLLM `hf_overrides` that select the AFD attention role for the checkpoint at `model_path`."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model {model_path!r}: no config.json; the vLLM attention engine needs a local checkpoint folder")
+    architectures = json.loads(config_file.read_text()).get("architectures") or [""]
+    return {"architectures": [afd_architecture(architectures[0])]}
+
+
+def vllm_serve_argv(config: AFDConfig, dtype: str, extra: list[str] | None = None) -> list[str]:
+    """The `vllm serve` command line of attention rank `config.rank` (pure: no process, no vLLM import)."""
+    if not config.model:
+        raise ValueError("no model: set AFD_MODEL")
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model,
+        "--host", config.http_host,
+        "--port", str(config.http_port),
+        "--served-model-name", config.served_model_name or os.path.basename(os.path.normpath(config.model)),
+        "--hf-overrides", json.dumps(engine_overrides(config.model)),
+        "--dtype", dtype,
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+    ]
+    if config.max_model_len:
+        argv += ["--max-model-len", str(config.max_model_len)]
+    return argv + list(extra or [])
+
+
+def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """vLLM's environment: our plugin must load; no usage reports leave the pod."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    plugins = env.get("VLLM_PLUGINS")
+    if plugins is not None and "afd" not in plugins.split(","):
+        env["VLLM_PLUGINS"] = ",".join(p for p in (plugins, "afd") if p)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    extra = list(sys.argv[1:] if argv is None else argv)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    config = load_config(cli={"role": "attention"})
+    from afd.runners.device import resolve_device, resolve_dtype
+
+    command = vllm_serve_argv(config, resolve_dtype(config, resolve_device(config)), extra)
+    print(f"afd: attention rank {config.rank} runs vLLM: {' '.join(command[3:])}", file=sys.stderr, flush=True)
+    os.execve(command[0], command, engine_env())
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
