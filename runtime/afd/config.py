@@ -62,6 +62,7 @@ class AFDConfig:
     connect_timeout_s: float = 60.0
     peer_timeout_s: float = 5.0
     heartbeat_interval_s: float = 1.0
+    shutdown_grace_s: float = 30.0
     cuda_graphs: bool = False  # decode graphs on attention, a step-graph cache on the FFN (nccl connector, CUDA)
     ffn_batch_window_s: float = 0.0  # FFN: wait up to this long for every peer's plan so their rows share a step
     attention_engine: str = "afd"  # attention role: our engine, or vLLM's OpenAI server with afd.vllm_plugin
@@ -84,7 +85,8 @@ class AFDConfig:
             port = getattr(self, name)
             if not 1 <= port <= 65535:
                 raise ConfigError(f"{name}={port}: must be a TCP port in 1..65535")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_message_bytes", "connect_timeout_s", "peer_timeout_s", "heartbeat_interval_s"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_message_bytes", "connect_timeout_s", "peer_timeout_s",
+                     "heartbeat_interval_s", "shutdown_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
         if self.num_ffn_ranks > 1 and "{rank}" not in self.ffn_address_template and not self.port_stride:
@@ -165,6 +167,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_CONNECT_TIMEOUT_S": "connect_timeout_s",
     "AFD_PEER_TIMEOUT_S": "peer_timeout_s",
     "AFD_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+    "AFD_SHUTDOWN_GRACE_S": "shutdown_grace_s",
     "AFD_CUDA_GRAPHS": "cuda_graphs",
     "AFD_FFN_BATCH_WINDOW_S": "ffn_batch_window_s",
     "AFD_ATTENTION_ENGINE": "attention_engine",

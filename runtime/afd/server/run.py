@@ -74,13 +74,18 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     state, engine = build_server(config, role)
     engine.start()
     probe = start_probe_server(config.http_host, config.metrics_port, state.health, state.registry)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=config.http_host, port=config.http_port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(state), host=config.http_host, port=config.http_port, log_level="warning",
+        timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
+    ))
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     log.info("attention rank %d serving on http://%s:%d/v1", config.rank, config.http_host, config.http_port)
     try:
         server.run()
     finally:
+        log.info("attention rank %d stopping: %d running, %d waiting requests", config.rank, engine.num_running, engine.num_waiting)
         probe.shutdown()
-        engine.stop()
+        engine.stop()  # fails whatever the grace period did not finish
         role.close("attention rank shutting down")
+    log.info("attention rank %d stopped", config.rank)
     return 0
