@@ -6,5 +6,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; from afd.connector import nccl_lib; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', nccl_lib.version(), 'gpus', torch.cuda.device_count())"
 
-NCCL_DEBUG=WARN timeout 200 python3 -m pytest -q -x tests/gpu -k "nccl and 1A1F-1-True" -p no:warnings -p no:cacheprovider --timeout 120 2>&1 | tee $OUT/gpu_tests.log | tail -30
+NCCL_DEBUG=WARN timeout 120 python3 bench/nccl_smoke.py 2>&1 | tee $OUT/nccl_smoke.log
+timeout 200 python3 bench/moe_layer.py 2>&1 | tee $OUT/moe_layer.log
+NCCL_DEBUG=WARN timeout 400 python3 -m pytest -q tests/gpu -p no:warnings -p no:cacheprovider --timeout 90 2>&1 | tee $OUT/gpu_tests.log | tail -30
+timeout 150 python3 bench/graphs_vs_eager.py 2>&1 | tee $OUT/graphs_vs_eager.log
 
