@@ -8,12 +8,20 @@ vLLM runs attention over the whole batch, so two stages split only the FFN excha
 FFN computes stage 0 while stage 1 is still arriving); attention does not overlap with the
 FFN as it does in our own runner's ping-pong. No vLLM import here: the link is plain torch
 and our connector, tested against our FFN ranks without vLLM installed.
+
+Between steps a daemon thread heartbeats the FFN rank. When the FFN rank is lost, steps
+fail at once with `PeerLost` (vLLM then fails the requests of that step) and the thread
+re-handshakes with fresh sockets until the FFN rank is back. A loss found while idle never
+reaches vLLM; a failed step is fatal to vLLM's engine (its /health fails and the pod restarts,
+which re-handshakes).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +30,7 @@ import torch
 from afd.config import AFDConfig, load_config
 from afd.connector import wire
 from afd.connector.attention_side import AttentionConnector
-from afd.connector.base import AttnTransfer
+from afd.connector.base import AttnTransfer, ConnectorError, PeerLost
 from afd.connector.factory import make_attention_connector
 from afd.connector.tensors import DTYPE_NAMES
 from afd.models.checkpoint import Checkpoint
@@ -61,6 +69,8 @@ class FFNLink:
         self.step_id = 0
         self._stage_rows: tuple[int, ...] = ()
         self.closed = False
+        self.lost: str | None = None  # why the FFN rank is unreachable, until a re-handshake succeeds
+        self._lock = threading.Lock()  # the connector's sockets belong to one thread at a time
 
     @classmethod
     def connect(cls, model_path: str, dtype: torch.dtype, config: AFDConfig | None = None) -> "FFNLink":
@@ -87,10 +97,21 @@ class FFNLink:
                  "attention" if plan.gate_on_attention else "ffn")
         link = cls(config, plan, connector)
         atexit.register(link.close)
+        threading.Thread(target=link._keepalive_loop, name="afd-ffn-keepalive", daemon=True).start()
         return link
 
     def exchange(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """FFN output [tokens, hidden] of crossing layer `layer` for `hidden` [tokens, hidden]."""
+        with self._lock:
+            if self.lost:
+                raise PeerLost(f"ffn rank {self.connector.ffn_rank} is unreachable: {self.lost}")
+            try:
+                return self._exchange(layer, hidden, router_logits)
+            except PeerLost as err:
+                self.lost = str(err)
+                raise
+
+    def _exchange(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         if layer == self.first_layer:
             self._begin_step(hidden.shape[0])
         elif hidden.shape[0] != sum(self._stage_rows):
@@ -115,8 +136,35 @@ class FFNLink:
         self._stage_rows = self.plan.stage_rows(tokens)
         self.connector.send_plan(wire.StepPlan(self.step_id, self._stage_rows))
 
+    def _keepalive_loop(self) -> None:
+        interval = max(0.05, self.config.heartbeat_interval_s / 2)
+        while not self.closed:
+            time.sleep(interval)
+            with self._lock:
+                if self.closed:
+                    return
+                if self.lost:
+                    self._try_reconnect()
+                    continue
+                try:
+                    self.connector.keepalive()
+                except PeerLost as err:
+                    self.lost = str(err)
+                    log.warning("afd: %s; re-handshaking until it is back", err)
+
+    def _try_reconnect(self) -> None:
+        try:
+            self.connector.reconnect(min(self.config.connect_timeout_s, 2.0))
+        except ConnectorError as err:
+            log.debug("afd: ffn rank %d not back yet: %s", self.connector.ffn_rank, err)
+            return
+        log.warning("afd: ffn rank %d is back; serving again", self.connector.ffn_rank)
+        self.lost = None
+
     def close(self, reason: str = "vllm attention shutting down") -> None:
-        if not self.closed:
+        with self._lock:
+            if self.closed:
+                return
             self.closed = True
             try:
                 self.connector.close(reason)

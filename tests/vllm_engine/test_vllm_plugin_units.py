@@ -1,0 +1,130 @@
+"""The vLLM plugin's vLLM-free parts, in the main venv: weight split, FFN link, launcher command."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from afd.config import AFDConfig
+from afd.connector.base import PeerLost
+from afd.models.loader import load_model
+from afd.roles import build_ffn
+from afd.topology import crossing_layers
+from afd.vllm_plugin import afd_architecture
+from afd.vllm_plugin.link import FFNLink
+from afd.vllm_plugin.serve import engine_env, engine_overrides, vllm_serve_argv
+from afd.vllm_plugin.weights import attention_keys
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_attention_reads_exactly_what_our_attention_role_loads(checkpoints, arch, gate_on_attention):
+    from afd.models.checkpoint import Checkpoint
+
+    path = checkpoints[arch]
+    ours = load_model(str(path), "attention", gate_on_attention)
+    keys = attention_keys(Checkpoint(path).keys(), ours.crossing, gate_on_attention)
+    assert set(keys) == set(ours.loaded_keys)
+    assert not [k for k in keys if ".experts." in k or "shared_expert" in k]
+
+
+def _ffn_group(path, stages, gate_on_attention, address):
+    base = AFDConfig(model=str(path), connector="loopback", ffn_address_template=address, stages=stages,
+                     gate_on_attention=gate_on_attention, dtype="float32", device="cpu", peer_timeout_s=5.0)
+    runner = build_ffn(base.replace(role="ffn"))
+    stop = threading.Event()
+    thread = threading.Thread(target=runner.serve, args=(stop,), daemon=True)
+    thread.start()
+    return base, stop, thread
+
+
+@pytest.mark.parametrize("stages,gate_on_attention", [(1, False), (2, False), (2, True)])
+def test_link_returns_our_models_ffn_output(checkpoints, stages, gate_on_attention):
+    """Three steps of every crossing layer through the link equal the monolithic model's FFN."""
+    path = checkpoints["qwen3_moe"]
+    base, stop, thread = _ffn_group(path, stages, gate_on_attention, f"link-{stages}-{gate_on_attention}")
+    mono = load_model(str(path), "monolithic").model
+    link = FFNLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
+    try:
+        torch.manual_seed(0)
+        for tokens in (7, 1, 4):
+            for layer in link.plan.crossing:
+                h = torch.randn(tokens, link.plan.spec.hidden_size)  # [tokens, hidden]
+                if gate_on_attention:
+                    x, logits = mono.layers[layer].gate_half(h)
+                    want, got = mono.layers[layer].expert_half(x, logits), link.exchange(layer, x, logits)
+                else:
+                    want, got = mono.layers[layer].ffn_half(h), link.exchange(layer, h)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert link.step_id == 3
+    finally:
+        link.close()
+        stop.set()
+        thread.join(timeout=5)
+
+
+def test_link_fails_fast_once_the_ffn_is_gone(checkpoints):
+    path = checkpoints["qwen3_moe"]
+    base, stop, thread = _ffn_group(path, 1, False, "link-gone")
+    link = FFNLink.connect(str(path), torch.float32, config=base.replace(role="attention", peer_timeout_s=1.0))
+    try:
+        stop.set()
+        thread.join(timeout=5)
+        with pytest.raises(PeerLost):
+            link.exchange(link.plan.crossing[0], torch.randn(2, 64))
+        with pytest.raises(PeerLost, match="unreachable"):
+            link.exchange(link.plan.crossing[0], torch.randn(2, 64))
+    finally:
+        link.close()
+
+
+def test_link_layer_order_is_checked(checkpoints):
+    path = checkpoints["qwen3_moe"]
+    base, stop, thread = _ffn_group(path, 1, False, "link-order")
+    link = FFNLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
+    try:
+        link.exchange(0, torch.randn(3, 64))
+        with pytest.raises(RuntimeError, match="planned 3"):
+            link.exchange(1, torch.randn(5, 64))
+    finally:
+        link.close()
+        stop.set()
+        thread.join(timeout=5)
+
+
+def test_vllm_serve_command_from_afd_config(checkpoints):
+    path = str(checkpoints["qwen3_moe"])
+    config = AFDConfig(model=path, http_port=8123, max_num_seqs=32, max_model_len=1024, served_model_name="tiny",
+                       attention_engine="vllm")
+    argv = vllm_serve_argv(config, "float32", ["--enforce-eager"])
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", path]
+    flags = dict(zip(argv[5::2], argv[6::2]))
+    assert flags["--port"] == "8123" and flags["--served-model-name"] == "tiny"
+    assert flags["--dtype"] == "float32" and flags["--max-num-seqs"] == "32" and flags["--max-model-len"] == "1024"
+    assert json.loads(flags["--hf-overrides"]) == {"architectures": ["AFDQwen3MoeForCausalLM"]}
+    assert argv[-1] == "--enforce-eager"
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM.*supported: Qwen3MoeForCausalLM"):
+        afd_architecture("DeepseekV2ForCausalLM")
+    with pytest.raises(ValueError, match="no config.json"):
+        engine_overrides("/nonexistent")
+
+
+def test_engine_env_keeps_our_plugin_loaded():
+    assert engine_env({"VLLM_PLUGINS": "other"})["VLLM_PLUGINS"] == "other,afd"
+    assert "VLLM_PLUGINS" not in engine_env({})  # unset: vLLM loads every installed plugin
+    assert engine_env({})["VLLM_NO_USAGE_STATS"] == "1"
+
+
+def test_attention_engine_is_a_config_choice():
+    from afd.config import ConfigError, load_config
+
+    assert load_config(env={"AFD_ATTENTION_ENGINE": "vllm"}).attention_engine == "vllm"
+    assert load_config(env={}).attention_engine == "afd"
+    with pytest.raises(ConfigError, match="attention_engine='sglang'"):
+        load_config(env={"AFD_ATTENTION_ENGINE": "sglang"})
