@@ -172,7 +172,8 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
         watcher = threading.Thread(target=supervisor.watch, name="supervisor", daemon=True)
         watcher.start()
         server = uvicorn.Server(uvicorn.Config(create_front_app(Backends(supervisor.attention_urls)),
-                                               host="127.0.0.1", port=port, log_level="warning"))
+                                               host="127.0.0.1", port=port, log_level="warning",
+                                               timeout_keep_alive=30))
         if demo:
             threading.Thread(target=_demo_request, args=(api, Path(base.model).name, server), daemon=True).start()
         try:

@@ -31,7 +31,10 @@ class Backends:
 
 def create_front_app(backends: Backends) -> FastAPI:
     app = FastAPI(title="AFD local deployment", docs_url=None, redoc_url=None)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    # Pooled connections expire before the ranks' keep-alive (30 s) closes them, so a request
+    # is never written into a connection the server is closing at that moment.
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                               limits=httpx.Limits(max_connections=None, keepalive_expiry=2.0))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -53,9 +56,9 @@ def create_front_app(backends: Backends) -> FastAPI:
             backends.in_flight[url] = backends.in_flight.get(url, 0) + 1
             try:
                 response = await client.send(upstream, stream=True)
-            except httpx.ConnectError:
+            except (httpx.ConnectError, httpx.RemoteProtocolError):
                 backends.in_flight[url] -= 1
-                continue  # that rank is down or restarting: try the next one
+                continue  # that rank is down, restarting, or closed the connection: try the next one
             return StreamingResponse(
                 _relay_body(response, backends, url),
                 status_code=response.status_code,

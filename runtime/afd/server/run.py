@@ -75,7 +75,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     engine.start()
     probe = start_probe_server(config.http_host, config.metrics_port, state.health, state.registry)
     server = uvicorn.Server(uvicorn.Config(
-        create_app(state), host=config.http_host, port=config.http_port, log_level="warning",
+        create_app(state), host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
