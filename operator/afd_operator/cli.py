@@ -39,16 +39,22 @@ def render_file(path: str, namespace: Optional[str] = None) -> str:
 
 
 def run_operator(namespaces: Sequence[str] = (), peering: Optional[str] = None,
-                 liveness: Optional[str] = None, resync_seconds: Optional[float] = None) -> None:
+                 liveness: Optional[str] = None, resync_seconds: Optional[float] = None,
+                 metrics_port: Optional[int] = None) -> None:
     """Run the operator until interrupted: all namespaces unless some are named; standalone
-    unless a peering name is given (then kopf peering elects one active operator)."""
+    unless a peering name is given (then kopf peering elects one active operator); its own
+    Prometheus metrics on `metrics_port` when given."""
     import kopf
 
     from afd_operator.handlers import OperatorMemo, build_registry
+    from afd_operator.metrics import OperatorMetrics, serve_metrics
 
+    metrics = OperatorMetrics()
+    if metrics_port is not None:
+        serve_metrics(metrics_port, metrics)
     asyncio.run(kopf.operator(
         registry=build_registry(resync_seconds),
-        memo=OperatorMemo(),
+        memo=OperatorMemo(metrics=metrics),
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         standalone=peering is None,
@@ -58,7 +64,7 @@ def run_operator(namespaces: Sequence[str] = (), peering: Optional[str] = None,
 
 
 def operator_main(argv: Optional[Sequence[str]] = None) -> int:
-    """`afd operator [--namespace NS]… [--peering NAME] [--liveness URL] [--verbose]`."""
+    """`afd operator [--namespace NS]… [--peering NAME] [--liveness URL] [--metrics-port N] [--verbose]`."""
     parser = argparse.ArgumentParser(prog="afd operator", description="Run the AFDDeployment operator.")
     parser.add_argument("-n", "--namespace", action="append", default=[],
                         help="watch only this namespace (repeatable; glob patterns allowed); default: all")
@@ -67,12 +73,21 @@ def operator_main(argv: Optional[Sequence[str]] = None) -> int:
                              "(needs kopf's peering CRDs); default: standalone")
     parser.add_argument("--liveness", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--resync-seconds", type=float, help="how often every resource is re-checked (default 10)")
+    parser.add_argument("--metrics-port", type=_port, metavar="PORT",
+                        help="serve the operator's Prometheus metrics on http://0.0.0.0:PORT/metrics; default: off")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_operator(args.namespace, args.peering, args.liveness, args.resync_seconds)
+    run_operator(args.namespace, args.peering, args.liveness, args.resync_seconds, metrics_port=args.metrics_port)
     return 0
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1-65535, found {text}")
+    return port
 
 
 def render_main(argv: Optional[Sequence[str]] = None) -> int:

@@ -24,6 +24,7 @@ import kopf
 
 from afd_operator import labels as L
 from afd_operator.kube import KubeError, KubeStore, Store
+from afd_operator.metrics import OperatorMetrics
 from afd_operator.model import API_GROUP, PLURAL
 from afd_operator.observe import pod_facts
 from afd_operator.reconcile import Outcome, reconcile
@@ -38,9 +39,10 @@ class OperatorMemo(kopf.Memo):
     """Process-wide state shared by all handlers (kopf hands out shallow copies, so the
     containers are shared). No class-level attributes: they would shadow Memo's keys."""
 
-    def __init__(self, store: Optional[Store] = None) -> None:
+    def __init__(self, store: Optional[Store] = None, metrics: Optional[OperatorMetrics] = None) -> None:
         super().__init__()
         self.store = store
+        self.metrics = metrics if metrics is not None else OperatorMetrics()
         self.locks: dict[str, asyncio.Lock] = {}
         self.last_status: dict[str, dict] = {}
         self.bodies: dict[str, dict] = {}  # uid → latest body seen on the watch
@@ -96,6 +98,7 @@ def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegis
         if type == "DELETED":
             for store in (memo.bodies, memo.last_status, memo.locks):
                 store.pop(uid, None)
+            memo.metrics.forget(body.metadata.namespace, body.metadata.name)
         else:
             memo.bodies[uid] = dict(body)
 
@@ -116,17 +119,31 @@ async def reconcile_one(memo: OperatorMemo, body: dict[str, Any], full: bool) ->
     meta = body["metadata"]
     uid = meta["uid"]
     async with memo.locks.setdefault(uid, asyncio.Lock()):
-        pods = list(memo.pods.get((meta["namespace"], meta["name"]), {}).values())
-        current = {**body, "status": memo.last_status.get(uid) or dict(body.get("status") or {})}
-        store = memo.store
-        assert store is not None, "the startup handler sets the store"
-        outcome = await asyncio.to_thread(reconcile, current, pods, store, time.time(), full)
-        if outcome.status != memo.last_status.get(uid):
-            await asyncio.to_thread(store.patch_status, meta["namespace"], meta["name"], outcome.status)
-            memo.last_status[uid] = outcome.status
-        for event in outcome.events:
-            await asyncio.to_thread(store.post_event, meta, event.type, event.reason, event.message)
-        return outcome
+        started, error, outcome = time.perf_counter(), "internal", None
+        try:
+            pods = list(memo.pods.get((meta["namespace"], meta["name"]), {}).values())
+            current = {**body, "status": memo.last_status.get(uid) or dict(body.get("status") or {})}
+            store = memo.store
+            assert store is not None, "the startup handler sets the store"
+            outcome = await asyncio.to_thread(reconcile, current, pods, store, time.time(), full)
+            if outcome.status != memo.last_status.get(uid):
+                await asyncio.to_thread(store.patch_status, meta["namespace"], meta["name"], outcome.status)
+                memo.last_status[uid] = outcome.status
+            for event in outcome.events:
+                await asyncio.to_thread(store.post_event, meta, event.type, event.reason, event.message)
+            error = "invalid_spec" if _invalid_spec(outcome.status) else None
+            return outcome
+        except KubeError:
+            error = "api"
+            raise
+        finally:
+            memo.metrics.observe(meta["namespace"], meta["name"], time.perf_counter() - started, error,
+                                 body.get("spec") or {}, outcome.status if outcome is not None else None)
+
+
+def _invalid_spec(status: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Degraded" and c.get("reason") == "InvalidSpec"
+               for c in status.get("conditions") or [])
 
 
 async def _resync_forever(memo: OperatorMemo, interval: float) -> None:

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 from afd_operator.labels import OPERATOR
 from afd_operator.model import API_VERSION
@@ -30,6 +30,8 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "PodMonitor": "podmonitors",
     "PodGroup": "podgroups",
+    "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
 }
 
 
@@ -45,6 +47,12 @@ class Store(Protocol):
     """What the reconciler needs from the cluster; fakes implement it in tests."""
 
     def apply(self, obj: dict[str, Any]) -> None: ...
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict[str, Any]]: ...
+
+    def create(self, obj: dict[str, Any]) -> None: ...
+
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None: ...
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool: ...
 
@@ -86,6 +94,25 @@ class KubeStore:
             query=[("fieldManager", OPERATOR), ("force", "true")],
             content_type="application/apply-patch+yaml",
         )
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict[str, Any]]:
+        """One object, or None when it does not exist."""
+        try:
+            return self._call("GET", object_path(api_version, kind, namespace, name), None)
+        except KubeError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def create(self, obj: dict[str, Any]) -> None:
+        """Create `obj`; KubeError 409 when it exists (unlike apply, never touches an existing one)."""
+        meta = obj["metadata"]
+        self._call("POST", object_path(obj["apiVersion"], obj["kind"], meta["namespace"]), obj)
+
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """Merge-patch one object."""
+        self._call("PATCH", object_path(api_version, kind, namespace, name), patch,
+                   content_type="application/merge-patch+json")
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch the status subresource of an AFDDeployment."""

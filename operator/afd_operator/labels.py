@@ -30,6 +30,16 @@ def podgroup_name(name: str, index: int) -> str:
     return group_name(name, index)
 
 
+def secret_name(name: str) -> str:
+    """The resource's Secret (AFD_GROUP_SECRET of every role pod, shared by all its groups)."""
+    return f"{name}-group-secret"
+
+
+def shared_labels(name: str) -> dict[str, str]:
+    """Labels of the objects shared by all groups of a resource."""
+    return {NAME: name, MANAGED_BY: OPERATOR}
+
+
 def group_labels(name: str, index: int, revision: str) -> dict[str, str]:
     return {NAME: name, GROUP: str(index), REVISION: revision, MANAGED_BY: OPERATOR}
 

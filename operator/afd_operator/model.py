@@ -13,15 +13,22 @@ import json
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from afd.topology import Topology
+from afd_operator.model_options import (
+    DisruptionBudget, GangScheduling, ImagePullSecret, Monitoring, NetworkPolicy, Placement, PodSecurity,
+    SpecModel as _Model,
+)
 
 API_GROUP = "afd.io"
 API_VERSION = "afd.io/v1alpha1"
 KIND = "AFDDeployment"
 PLURAL = "afddeployments"
+# Bump when pods of the same spec stop being able to talk to pods rendered by an older
+# operator (2: the group Secret joined the handshake digest); it enters every revision.
+POD_CONTRACT = 2
 MAX_NAME_LENGTH = 40  # "<name>-g<NNN>-attn" must stay under the 52 characters a StatefulSet may use
 
 Quantity = Union[int, float, str]
@@ -34,12 +41,6 @@ _MODEL_URI_RE = re.compile(
 
 class SpecError(ValueError):
     """An AFDDeployment spec the operator cannot act on; the message names every bad field."""
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
-    )
 
 
 class Toleration(_Model):
@@ -179,34 +180,6 @@ class RestartPolicy(_Model):
         return self
 
 
-class GangScheduling(_Model):
-    enabled: bool = False
-    scheduler: Literal["volcano", "scheduler-plugins"] = "volcano"
-    scheduler_name: Optional[str] = None
-    timeout_seconds: int = Field(default=60, ge=1)
-
-
-class Placement(_Model):
-    """Pack each group into one topology domain (a node, a rack, an NVLink domain)."""
-
-    topology_key: str
-    mode: Literal["Required", "Preferred"] = "Preferred"
-
-
-class DisruptionBudget(_Model):
-    enabled: bool = False
-    max_unavailable: int = Field(default=1, ge=0)
-
-
-class Monitoring(_Model):
-    pod_monitor: bool = False
-    interval: str = Field(default="15s", pattern=r"^[0-9]+(ms|s|m|h)$")
-
-
-class ImagePullSecret(_Model):
-    name: str
-
-
 class AFDDeploymentSpec(_Model):
     """The whole spec of one AFDDeployment: `replicas` identical AFD groups."""
 
@@ -229,6 +202,8 @@ class AFDDeploymentSpec(_Model):
     placement: Optional[Placement] = None
     pod_disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget)
     monitoring: Monitoring = Field(default_factory=Monitoring)
+    pod_security: PodSecurity = Field(default_factory=PodSecurity)
+    network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
 
     @model_validator(mode="after")
     def _check_shape(self) -> "AFDDeploymentSpec":
@@ -254,12 +229,16 @@ class AFDDeploymentSpec(_Model):
         """Hash of everything that shapes a group's pods (not replicas, rollout or restarts).
 
         Only values that differ from the defaults enter the hash, so spelling out a
-        default, or an operator upgrade adding a defaulted field, starts no rollout.
+        default, or an operator upgrade adding a defaulted field, starts no rollout. An
+        operator upgrade that changes what the pods need of each other (POD_CONTRACT) does:
+        a rank recreated from the new template must never join peers from the old one.
         """
         pod_fields = set(type(self).model_fields) - {
             "replicas", "rollout", "restart_policy", "pod_disruption_budget", "monitoring",
+            "network_policy",
         }
         data = self.model_dump(include=pod_fields, exclude_defaults=True, by_alias=True, mode="json")
+        data = {"spec": data, "podContract": POD_CONTRACT}
         digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
         return digest[:10]
 

@@ -17,7 +17,8 @@ from afd_operator.kube import Store
 from afd_operator.model import AFDDeploymentSpec, Owner, SpecError, parse_owner, parse_spec
 from afd_operator.observe import GroupMemory, GroupView, PodFacts, observe_groups, remember
 from afd_operator.plan import RECREATE, Action, Desired, Plan, plan_groups
-from afd_operator.render import optional_shared_kinds, render_group, render_shared
+from afd_operator.render import optional_shared_kinds, render_group, render_shared, unwanted_group_objects
+from afd_operator.secret import ensure_group_secret
 from afd_operator.status import (
     GroupReport, StatusInput, invalid_spec_conditions, memories_from_status, merge_conditions,
     render_status, transitions,
@@ -86,10 +87,16 @@ def reconcile(
     states = [replace(v.state, restarts=memories[v.state.index].restarts) for v in views]
     plan = plan_groups(desired_of(spec), states, now)
 
+    secret = ensure_group_secret(store, owner)  # before any pod can be created
     _apply(plan, spec, owner, views, store, full)
     reports, problems = _report(spec, views, memories, plan, now)
+    problems += [secret.problem] if secret.problem else []
     status = render_status(StatusInput(spec, owner.name, generation, reports, problems), previous, now)
     events = [_action_event(a, views) for a in plan.actions]
+    if secret.created and previous.get("groups"):
+        events.append(Event("Warning", "GroupSecretRecreated", (
+            "the group Secret was missing and has been created with a new value; ranks started "
+            "before hold the old one and cannot rejoin their group until it is restarted")))
     events += _condition_events(previous.get("conditions") or [], status["conditions"])
     return Outcome(status, events, plan.requeue_after, plan.actions)
 
@@ -115,6 +122,9 @@ def _apply(plan: Plan, spec: AFDDeploymentSpec, owner: Owner, views: list[GroupV
             if v.state.revision == spec.revision and v.state.index not in acted:
                 for obj in render_group(spec, owner, v.state.index, spec.revision):
                     store.apply(obj)
+            if v.state.revision == spec.revision:
+                for api_version, kind, name in unwanted_group_objects(spec, owner, v.state.index):
+                    store.delete(api_version, kind, owner.namespace, name)
         for api_version, kind in optional_shared_kinds(spec):
             store.delete(api_version, kind, owner.namespace, owner.name)
     for obj in render_shared(spec, owner):

@@ -14,6 +14,7 @@ import yaml
 
 from afd_operator import labels as L
 from afd_operator.model import AFDDeploymentSpec, Owner
+from afd_operator.render_network import render_network_policy
 from afd_operator.render_pod import render_pod_template
 
 VOLCANO_PODGROUP = "scheduling.volcano.sh/v1beta1"
@@ -26,6 +27,8 @@ def render_group(spec: AFDDeploymentSpec, owner: Owner, index: int, revision: st
     objects += [render_headless_service(spec, owner, index, role, revision) for role in L.ROLES]
     if spec.gang_scheduling.enabled:
         objects.append(render_pod_group(spec, owner, index, revision))
+    if spec.network_policy.enabled:
+        objects += [render_network_policy(spec, owner, index, role, revision) for role in L.ROLES]
     # FFN first: attention ranks dial FFN ranks, so the listeners should come up first.
     objects += [render_stateful_set(spec, owner, index, role, revision) for role in ("ffn", "attention")]
     return objects
@@ -204,8 +207,17 @@ def optional_shared_kinds(spec: AFDDeploymentSpec) -> list[tuple[str, str]]:
     return unwanted
 
 
+def unwanted_group_objects(spec: AFDDeploymentSpec, owner: Owner, index: int) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of the optional per-group objects the spec does NOT ask for (to prune)."""
+    unwanted = []
+    if not spec.network_policy.enabled:
+        unwanted += [("networking.k8s.io/v1", "NetworkPolicy", L.role_name(owner.name, index, role))
+                     for role in L.ROLES]
+    return unwanted
+
+
 def _shared_labels(owner: Owner) -> dict[str, str]:
-    return {L.NAME: owner.name, L.MANAGED_BY: L.OPERATOR}
+    return L.shared_labels(owner.name)
 
 
 def _meta(owner: Owner, name: str, labels: dict[str, str]) -> dict[str, Any]:

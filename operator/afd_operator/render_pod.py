@@ -12,6 +12,10 @@ from typing import Any
 
 from afd_operator import labels as L
 from afd_operator.model import AFDDeploymentSpec, Owner
+from afd_operator.render_security import (
+    container_security_context, group_secret_env, pod_security_context, scratch_env, scratch_mounts,
+    scratch_volumes,
+)
 
 CONFIG_DIR = "/etc/afd"
 CONFIG_FILE = f"{CONFIG_DIR}/afd.yaml"
@@ -58,7 +62,8 @@ def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         "AFD_GROUP_TOKEN": f"{L.group_name(owner.name, index)}-{revision}",
         "AFD_CONFIG_FILE": CONFIG_FILE,
     }
-    env = [{"name": k, "value": _text(v)} for k, v in values.items()]
+    env = [{"name": k, "value": _text(v)} for k, v in values.items()] + [group_secret_env(owner)]
+    env += scratch_env()
     return env + [{"name": e.name, "value": e.value} for e in _role(spec, role).env]
 
 
@@ -71,6 +76,7 @@ def render_pod_template(
     pod: dict[str, Any] = {
         "enableServiceLinks": False,  # dozens of *_SERVICE_HOST variables help no one here
         "terminationGracePeriodSeconds": 30,
+        "securityContext": pod_security_context(spec),
         "containers": [_container(spec, owner, index, role, revision)],
         "volumes": _volumes(spec, owner, index),
     }
@@ -121,10 +127,12 @@ def _container(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
             "periodSeconds": period,
             "failureThreshold": math.ceil(spec.probes.startup_timeout_seconds / period),
         },
+        "securityContext": container_security_context(),
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "shm", "mountPath": "/dev/shm"},
             {"name": "model", "mountPath": MODEL_DIR, "readOnly": spec.model.kind != "hf"},
+            *scratch_mounts(),
         ],
     }
     if resources:
@@ -142,13 +150,14 @@ def _download_container(spec: AFDDeploymentSpec) -> dict:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": command,
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}],
+        "env": scratch_env(),
+        "securityContext": container_security_context(),
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, *scratch_mounts()],
     }
     if spec.model.secret_ref:
         ref = spec.model.secret_ref
-        container["env"] = [
-            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
-        ]
+        container["env"].append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return container
 
 
@@ -172,6 +181,7 @@ def _volumes(spec: AFDDeploymentSpec, owner: Owner, index: int) -> list[dict]:
         # Memory-backed so NCCL and torch have room; it lives as long as the pod.
         {"name": "shm", "emptyDir": shm},
         {"name": "model", **source},
+        *scratch_volumes(),
     ]
 
 

@@ -16,7 +16,7 @@ from afd_operator import labels as L
 from afd_operator.model import AFDDeploymentSpec
 from afd_operator.observe import GroupMemory, format_time, parse_time
 
-CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "Failed")
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,20 @@ def judge(inp: StatusInput, ready: int, updated: int, available: int, existing: 
         Condition("Degraded", True, "GroupProblems", "; ".join(inp.degraded))
         if inp.degraded else Condition("Degraded", False, "AsExpected", "")
     )
-    return [ready_c, available_c, progressing_c, degraded_c]
+    return [ready_c, available_c, progressing_c, degraded_c, _failed(inp)]
+
+
+def _failed(inp: StatusInput) -> Condition:
+    """True while a group has spent its restart budget: nothing restarts it any more."""
+    failed = sorted(g.memory.index for g in inp.groups if g.phase == "Failed")
+    if not failed:
+        return Condition("Failed", False, "NoFailedGroups", "")
+    budget = inp.spec.restart_policy.max_restarts
+    return Condition(
+        "Failed", True, "RestartBudgetExhausted",
+        f"group(s) {', '.join(map(str, failed))} lost a rank after restartPolicy.maxRestarts ({budget}) "
+        "restart(s) and are left alone; the next revision (any change to the pod spec) replaces them",
+    )
 
 
 def invalid_spec_conditions(message: str) -> list[Condition]:

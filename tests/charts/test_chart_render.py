@@ -99,14 +99,14 @@ def test_rendered_flags_are_accepted_by_the_operator_cli(values, monkeypatch):
     assert peering == (values.get("operator", {}).get("peering") or None)
 
 
-def test_metrics_flag_needs_operator_support(monkeypatch):
+def test_metrics_flag_is_accepted_by_the_operator(monkeypatch):
     container = one(render_objects({"metrics": {"enabled": True}}), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert "--metrics-port=9090" in container["args"]
     assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
-    try:
-        _operator_call(container["args"], monkeypatch)
-    except SystemExit:
-        pytest.xfail("afd operator has no --metrics-port yet: metrics.enabled=true needs it (values.yaml says so)")
+    call = _operator_call(container["args"], monkeypatch)
+    assert call["kwargs"]["metrics_port"] == 9090
+    assert _operator_call(one(render_objects(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"],
+                          monkeypatch)["kwargs"]["metrics_port"] is None  # off unless metrics.enabled
 
 
 def test_monitors_scrape_the_operators_metrics_port():

@@ -25,6 +25,8 @@ RESOURCES = {
     "v1/pods": ("Pod", True, []),
     "v1/services": ("Service", True, []),
     "v1/configmaps": ("ConfigMap", True, []),
+    "v1/secrets": ("Secret", True, []),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, []),
     "v1/events": ("Event", True, []),
     "apps/v1/statefulsets": ("StatefulSet", True, []),
 }

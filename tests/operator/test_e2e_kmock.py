@@ -87,7 +87,7 @@ async def test_create_renders_owned_children_and_reports_ready(kmock, operator):
     services = sorted(s["metadata"]["name"] for s in await items(kmock, f"/api/v1/namespaces/{NS}/services"))
     assert services == ["demo", "demo-g0-attn", "demo-g0-ffn"]
     attn = await get(kmock, f"{STS}/demo-g0-attn")
-    env = {e["name"]: e["value"] for e in attn["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in attn["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["AFD_ROLE"] == "attention" and env["AFD_NUM_ATTENTION_RANKS"] == "2"
     assert env["AFD_FFN_ADDRESS_TEMPLATE"] == "demo-g0-ffn-{rank}.demo-g0-ffn.ns.svc"
 

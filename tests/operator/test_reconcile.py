@@ -6,7 +6,7 @@ from __future__ import annotations
 import yaml
 
 from afd_operator import labels as L
-from afd_operator.kube import PLURALS
+from afd_operator.kube import PLURALS, KubeError
 from afd_operator.model import parse_spec
 from afd_operator.observe import GroupMemory, PodFacts, format_time, observe_groups, pod_facts, remember
 from afd_operator.reconcile import reconcile
@@ -19,9 +19,22 @@ NOW = 1_800_000_000.0
 class FakeStore:
     def __init__(self):
         self.applied, self.deleted, self.statuses, self.events = [], [], [], []
+        self.objects, self.patches = {}, []
 
     def apply(self, obj):
         self.applied.append((obj["kind"], obj["metadata"]["name"], obj["metadata"]["labels"].get(L.REVISION)))
+
+    def get(self, api_version, kind, namespace, name):
+        return self.objects.get((kind, namespace, name))
+
+    def create(self, obj):
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key in self.objects:
+            raise KubeError(409, "exists")
+        self.objects[key] = obj
+
+    def patch(self, api_version, kind, namespace, name, patch):
+        self.patches.append((kind, name, patch))
 
     def delete(self, api_version, kind, namespace, name):
         self.deleted.append((kind, name))
@@ -111,7 +124,9 @@ class TestReconcile:
         kinds = [k for k, _, _ in store.applied]
         assert kinds == ["ConfigMap", "Service", "Service", "StatefulSet", "StatefulSet", "Service"]
         assert outcome.status["groups"][0]["phase"] == "Creating"
-        assert [c["status"] for c in outcome.status["conditions"]] == ["False", "False", "True", "False"]
+        assert [(c["type"], c["status"]) for c in outcome.status["conditions"]] == [
+            ("Ready", "False"), ("Available", "False"), ("Progressing", "True"), ("Degraded", "False"),
+            ("Failed", "False")]
         assert ("Normal", "GroupCreated") in [(t, r) for t, r, _ in
                                                [(e.type, e.reason, e.message) for e in outcome.events]]
 
@@ -168,8 +183,10 @@ def test_rbac_covers_every_kind_the_operator_writes():
     assert not any("*" in x for x in granted)
     groups = {"ConfigMap": [""], "Service": [""], "Pod": [""], "Event": [""], "StatefulSet": ["apps"],
               "PodDisruptionBudget": ["policy"], "PodMonitor": ["monitoring.coreos.com"],
-              "PodGroup": ["scheduling.volcano.sh", "scheduling.x-k8s.io"], "AFDDeployment": ["afd.io"]}
-    needed = {"Pod": ["delete", "list", "watch"], "Event": ["create"], "AFDDeployment": ["list", "watch", "patch"]}
+              "PodGroup": ["scheduling.volcano.sh", "scheduling.x-k8s.io"], "AFDDeployment": ["afd.io"],
+              "Secret": [""], "NetworkPolicy": ["networking.k8s.io"]}
+    needed = {"Pod": ["delete", "list", "watch"], "Event": ["create"], "AFDDeployment": ["list", "watch", "patch"],
+              "Secret": ["get", "create", "patch"]}
     for kind, plural in PLURALS.items():
         for group in groups[kind]:
             for verb in needed.get(kind, ["create", "patch", "delete"]):

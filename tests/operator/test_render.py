@@ -38,6 +38,10 @@ CASES = {
         gangScheduling={"enabled": True, "scheduler": "scheduler-plugins", "timeoutSeconds": 120},
         placement={"topologyKey": "kubernetes.io/hostname"},
     ),
+    "1g-2a1f-zmq-netpol-uid": make_cr(
+        name="locked", networkPolicy={"enabled": True}, podSecurity={"runAsUser": 2000, "runAsGroup": 3000,
+                                                                      "fsGroup": 4000},
+    ),
 }
 
 
@@ -72,6 +76,7 @@ def test_children_count_and_names():
     objs = _render(CASES["3g-3a2f-nccl-volcano-pdb-podmonitor"])
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
     per_group = lambda g: [("ConfigMap", f"qwen3-moe-g{g}-config"), ("PodGroup", f"qwen3-moe-g{g}"),
+                           ("NetworkPolicy", f"qwen3-moe-g{g}-attn"), ("NetworkPolicy", f"qwen3-moe-g{g}-ffn"),
                            ("Service", f"qwen3-moe-g{g}-attn"), ("Service", f"qwen3-moe-g{g}-ffn"),
                            ("StatefulSet", f"qwen3-moe-g{g}-attn"), ("StatefulSet", f"qwen3-moe-g{g}-ffn")]
     expected = [x for g in range(3) for x in per_group(g)]
@@ -176,7 +181,8 @@ def test_model_sources_become_volumes():
     spec = pod("hf://org/name@v2", secretRef={"name": "hub"})
     [init] = spec["initContainers"]
     assert init["command"] == ["hf", "download", "org/name", "--local-dir", "/models/org/name", "--revision", "v2"]
-    assert init["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "hub", "key": "HF_TOKEN"}
+    hf_token = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
+    assert hf_token["valueFrom"]["secretKeyRef"] == {"name": "hub", "key": "HF_TOKEN"}
     spec = pod("/data/ckpt")
     assert {"name": "model", "hostPath": {"path": "/data/ckpt", "type": "Directory"}} in spec["volumes"]
 
