@@ -173,11 +173,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from afd.roles import build_ffn
         from afd.server.probe_http import start_probe_server
 
-        from afd.server.ffn_metrics import FFNMetrics
+        from afd.metrics.wiring import instrument_ffn
+        from afd.runners.device import resolve_device
 
         runner = build_ffn(config)
         registry = CollectorRegistry()
-        runner.observer = FFNMetrics(registry, config.rank, runner.connector)
+        instrument_ffn(registry, config, runner, resolve_device(config))
         probe = start_probe_server(config.http_host, config.metrics_port, lambda: None, registry)
         log.info("ffn rank %d ready (health and metrics on port %d)", config.rank, config.metrics_port)
         try:

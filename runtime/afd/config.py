@@ -63,6 +63,7 @@ class AFDConfig:
     peer_timeout_s: float = 5.0
     heartbeat_interval_s: float = 1.0
     shutdown_grace_s: float = 30.0
+    profile_every: int = 16  # per-layer timings on every N-th step (0: off)
     cuda_graphs: bool = False  # decode graphs on attention, a step-graph cache on the FFN (nccl connector, CUDA)
     ffn_batch_window_s: float = 0.0  # FFN: wait up to this long for every peer's plan so their rows share a step
     attention_engine: str = "afd"  # attention role: our engine, or vLLM's OpenAI server with afd.vllm_plugin
@@ -94,7 +95,7 @@ class AFDConfig:
                 f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
                 f"all {self.num_ffn_ranks} FFN ranks would share one address"
             )
-        for name in ("max_model_len", "port_stride", "kv_cache_bytes", "ffn_batch_window_s"):
+        for name in ("max_model_len", "port_stride", "kv_cache_bytes", "profile_every", "ffn_batch_window_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
 
@@ -168,6 +169,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_PEER_TIMEOUT_S": "peer_timeout_s",
     "AFD_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "AFD_SHUTDOWN_GRACE_S": "shutdown_grace_s",
+    "AFD_PROFILE_EVERY": "profile_every",
     "AFD_CUDA_GRAPHS": "cuda_graphs",
     "AFD_FFN_BATCH_WINDOW_S": "ffn_batch_window_s",
     "AFD_ATTENTION_ENGINE": "attention_engine",

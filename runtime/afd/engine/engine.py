@@ -55,6 +55,7 @@ class Engine:
         self.link = link  # the FFN link: keepalive() between steps, recover() after a loss; None when local
         self.link_check_s = link_check_s
         self._next_link_check = 0.0
+        self.reconnects = 0
         self.error: str | None = None
         self._inbox: list[Request] = []
         self._aborts: set[str] = set()
@@ -150,6 +151,7 @@ class Engine:
             log.debug("ffn link not back yet: %s", err)
             return
         log.info("ffn link recovered; serving again")
+        self.reconnects += 1
         self.error = None
 
     def _lose_link(self, err: Exception) -> None:

@@ -20,6 +20,7 @@ from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
 from afd.graphs.buckets import decode_buckets, stage_split
 from afd.graphs.decode import DecodeGraphs
+from afd.metrics.layer_clock import NullClock
 from afd.runners.microbatch import SeqLayout, split_layout
 
 
@@ -44,18 +45,30 @@ class AttentionRunner:
         self.step_id = 0
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
         self.eager_steps = 0  # steps no graph served while graphs were on
+        self.profiled_eager_steps = 0  # of those, steps run eagerly because they were profiled
+        self.clock = NullClock()  # per-layer timings of sampled steps (afd.metrics.layer_clock)
+        self.on_layers = None  # receives (kind, layer, seconds) of each profiled step
+        self.transfer_bytes = {"send": 0, "recv": 0}
+        hidden = loaded.spec.hidden_size
+        logit_bytes = 4 * loaded.spec.num_experts if gate_on_attention else 0
+        self._bytes_per_token = (len(self.crossing) * hidden, len(self.crossing) * hidden, logit_bytes * len(self.crossing))
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         """Logits [sequences, vocab] of each sequence's last new token."""
+        self._count_bytes(layout.num_tokens, self.kv_cache.keys[0].element_size())
+        profiling = self.clock.should_profile(self.step_id + 1)
         if self.graphs is not None:
-            logits = self.graphs.run(input_ids, layout)
-            if logits is not None:
-                self.connector.wait_step()
-                return logits
+            if not profiling:
+                logits = self.graphs.run(input_ids, layout)
+                if logits is not None:
+                    self.connector.wait_step()
+                    return logits
             self.eager_steps += 1
+            self.profiled_eager_steps += profiling
+        self.clock.begin(profiling)
         parts = split_layout(layout, self.stages)
-        self._send_plan(tuple(p.num_tokens for p in parts))
+        self._send_plan(tuple(p.num_tokens for p in parts), profile=profiling)
         micro, start = [], 0
         for stage, part in enumerate(parts):
             if part.num_tokens:
@@ -66,32 +79,48 @@ class AttentionRunner:
             start += part.num_tokens
         logits = self.forward(input_ids, micro)
         self.connector.wait_step()
+        if profiling and self.on_layers is not None:
+            self.on_layers(self.clock.collect())
         return logits
+
+    def _count_bytes(self, tokens: int, element: int) -> None:
+        """Bytes this step moves, from its token count (also right for replayed graphs)."""
+        send_hidden, recv_hidden, logits = self._bytes_per_token
+        self.transfer_bytes["send"] += tokens * (send_hidden * element + logits)
+        self.transfer_bytes["recv"] += tokens * recv_hidden * element
 
     def forward(self, input_ids: torch.Tensor, micro: list) -> torch.Tensor:
         """The step's tensor work for (stage, batch, rows) micro-batches; capturable in a graph."""
         micro = [_MicroBatch(stage, batch, self.model.embed(input_ids[rows])) for stage, batch, rows in micro]
+        clock = self.clock
         for index, layer in enumerate(self.model.layers):
             for mb in micro:
                 self._collect(mb)
+                started = clock.now()
                 mb.hidden = layer.attention_half(mb.hidden, mb.batch, self.kv_cache.layer(index))
                 if index in self.crossing:
                     mb.waiting = AttnTransfer(self.step_id, index, mb.stage)
                     if self.gate_on_attention:
                         normed, router_logits = layer.gate_half(mb.hidden)
+                        clock.lap("compute", index, started)
+                        sending = clock.now()
                         self.connector.send_attn_output(normed, mb.waiting, router_logits)
                     else:
+                        clock.lap("compute", index, started)
+                        sending = clock.now()
                         self.connector.send_attn_output(mb.hidden, mb.waiting)
+                    clock.lap("send", index, sending)
                 else:
                     mb.hidden = mb.hidden + layer.ffn_half(mb.hidden)
+                    clock.lap("compute", index, started)
         for mb in micro:
             self._collect(mb)
         last = torch.cat([mb.hidden[mb.batch.last_token] for mb in micro])
         return self.model.compute_logits(last)
 
-    def _send_plan(self, stage_tokens: tuple[int, ...], mode: str = "eager") -> None:
+    def _send_plan(self, stage_tokens: tuple[int, ...], mode: str = "eager", profile: bool = False) -> None:
         self.step_id += 1
-        flags = {"warmup": mode == "warmup", "capture": mode == "capture", "replay": mode == "replay"}
+        flags = {"warmup": mode == "warmup", "capture": mode == "capture", "replay": mode == "replay", "profile": profile}
         self.connector.send_plan(wire.StepPlan(self.step_id, stage_tokens, **flags))
 
     @torch.inference_mode()
@@ -108,5 +137,7 @@ class AttentionRunner:
 
     def _collect(self, mb: _MicroBatch) -> None:
         if mb.waiting is not None:
+            waiting = self.clock.now()
             mb.hidden = mb.hidden + self.connector.recv_ffn_output(mb.waiting).to(mb.hidden.dtype)
+            self.clock.lap("recv", mb.waiting.layer, waiting)
             mb.waiting = None

@@ -20,6 +20,7 @@ from afd.connector import wire
 from afd.connector.base import FFNTransfer
 from afd.connector.ffn_side import FFNConnector, Interrupted
 from afd.models.loader import LoadedModel
+from afd.metrics.layer_clock import NullClock
 from afd.runners.handshake import check_hello
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ class FFNRunner:
         self.graphs = None  # afd.graphs.ffn.FFNGraphs when CUDA graphs are on (NCCL data plane only)
         self.batch_window_s = 0.0  # wait this long for every connected peer's plan before a step
         self.observer = None  # metrics: on_step(seconds, rows), on_peer(rank, up)
+        self.clock = NullClock()  # per-layer timings of the steps attention marks `profile`
+        self.on_layers = None  # receives (kind, layer, seconds) of each profiled step
+        self.transfer_bytes = {"send": 0, "recv": 0}
 
     def serve(self, stop: threading.Event) -> None:
         """The daemon loop; returns within one poll interval of `stop` being set, even mid-step."""
@@ -82,6 +86,9 @@ class FFNRunner:
     def run_step(self, plans: dict[bytes, wire.StepPlan]) -> None:
         """One step for every peer that sent a plan: eager, or captured/replayed as the plans say."""
         started, rows_before = time.monotonic(), self.rows_served
+        profiling = any(plan.profile for plan in plans.values())
+        self.clock.begin(profiling)
+        self._count_bytes(plans)
         if self.graphs is None:
             self._step_body(plans)
         else:
@@ -92,8 +99,18 @@ class FFNRunner:
         if failed and self.graphs is not None:
             self.graphs.clear()
         self.steps_run += 1
+        if profiling and self.on_layers is not None:
+            self.on_layers(self.clock.collect())
         if self.observer:
             self.observer.on_step(time.monotonic() - started, self.rows_served - rows_before)
+
+    def _count_bytes(self, plans: dict[bytes, wire.StepPlan]) -> None:
+        """Bytes the step moves, from its plans (also right when a graph replays it)."""
+        rows = sum(sum(plan.stage_tokens) for plan in plans.values())
+        element = 2 if self.expected.dtype in ("bfloat16", "float16") else 4
+        per_row = len(self.crossing) * self.expected.hidden_size * element
+        self.transfer_bytes["recv"] += rows * (per_row + len(self.crossing) * 4 * self.expected.router_width)
+        self.transfer_bytes["send"] += rows * per_row
 
     def _step_body(self, plans: dict[bytes, wire.StepPlan]) -> None:
         """All crossing layers × stages for the peers in `plans`; capturable with the NCCL data plane."""
@@ -106,12 +123,20 @@ class FFNRunner:
                 transfer = FFNTransfer(
                     layer, stage, peers, tuple(live[p].step_id for p in peers), tuple(live[p].stage_tokens[stage] for p in peers)
                 )
+                clock = self.clock
+                waiting = clock.now()
                 delivered, hidden, logits = self.connector.recv_attn_output(transfer)
+                clock.lap("recv", layer, waiting)
                 for peer, reason in self.connector.failed_peers.items():
                     live.pop(peer, None)
                     self._drop(peer, reason)
                 if delivered.peers:
-                    self.connector.send_ffn_output(self._compute(layer, hidden, logits), delivered)
+                    computing = clock.now()
+                    output = self._compute(layer, hidden, logits)
+                    clock.lap("compute", layer, computing)
+                    sending = clock.now()
+                    self.connector.send_ffn_output(output, delivered)
+                    clock.lap("send", layer, sending)
                     self.rows_served += hidden.shape[0]
         self.connector.end_step()
 

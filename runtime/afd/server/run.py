@@ -15,6 +15,7 @@ from afd.kv_cache import KVCache
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
+from afd.metrics.wiring import instrument_attention
 from afd.server.app import ServerState, create_app
 from afd.server.probe_http import start_probe_server
 from afd.server.serving_metrics import ServingMetrics
@@ -59,6 +60,8 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         health=lambda: engine.error,
         registry=registry,
     )
+    if hasattr(role, "keepalive"):
+        instrument_attention(registry, config, role, engine)
     return state, engine
 
 

@@ -1,0 +1,1 @@
+"""Per-layer profiling and Prometheus collectors shared by both roles."""

@@ -1,0 +1,93 @@
+"""Prometheus series fed by profiled steps and by runner/connector/graph counters.
+
+Labels stay bounded: role, rank, layer, direction, reason — never peer × layer, never
+request ids. Per-layer histograms carry few buckets (DESIGN §5 cardinality note).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LAYER_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5)
+
+
+class LayerMetrics:
+    """`afd_layer_compute_seconds{layer}` and `afd_transfer_seconds{layer,direction}` for one rank."""
+
+    def __init__(self, registry: CollectorRegistry, role: str, rank: int):
+        labels = {"role": role, "rank": str(rank)}
+        self._labels = labels
+        self.compute = Histogram("afd_layer_compute_seconds", "Compute time of one layer in a profiled step",
+                                 [*labels, "layer"], registry=registry, buckets=LAYER_BUCKETS)
+        self.transfer = Histogram("afd_transfer_seconds", "Time a layer spent sending to or waiting for the peer in a profiled step",
+                                  [*labels, "layer", "direction"], registry=registry, buckets=LAYER_BUCKETS)
+
+    def observe(self, timings: list[tuple[str, int, float]]) -> None:
+        """Per-layer sums over stages of one profiled step."""
+        totals: dict[tuple[str, int], float] = {}
+        for kind, layer, seconds in timings:
+            totals[(kind, layer)] = totals.get((kind, layer), 0.0) + seconds
+        for (kind, layer), seconds in totals.items():
+            if kind == "compute":
+                self.compute.labels(**self._labels, layer=str(layer)).observe(seconds)
+            else:
+                self.transfer.labels(**self._labels, layer=str(layer), direction=kind).observe(seconds)
+
+
+class RunnerCollector:
+    """Reads counters kept as plain ints by the runner at scrape time (nothing on the hot path)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str, rank: int, runner, link_state=None):
+        self.labels = {"role": role, "rank": str(rank)}
+        self.runner = runner
+        self.link_state = link_state  # attention: () -> (ffn rank, up, reconnects)
+        registry.register(self)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        names, values = list(self.labels), list(self.labels.values())
+        sent = CounterMetricFamily("afd_transfer_bytes", "Bytes moved between attention and FFN", labels=[*names, "direction"])
+        for direction, count in getattr(self.runner, "transfer_bytes", {}).items():
+            sent.add_metric([*values, direction], count)
+        yield sent
+        graphs = getattr(self.runner, "graphs", None)
+        replays = CounterMetricFamily("afd_graph_replays", "Steps served by replaying a CUDA graph", labels=names)
+        replays.add_metric(values, getattr(graphs, "replays", 0) if graphs is not None else 0)
+        yield replays
+        eager = CounterMetricFamily("afd_graph_eager_steps", "Steps run eagerly while graphs were on, by reason",
+                                    labels=[*names, "reason"])
+        for reason, count in _eager_reasons(self.runner).items():
+            eager.add_metric([*values, reason], count)
+        yield eager
+        memory = GaugeMetricFamily("afd_graph_memory_bytes", "Device memory held by captured graphs", labels=names)
+        memory.add_metric(values, getattr(graphs, "memory_bytes", 0) if graphs is not None else 0)
+        yield memory
+        capture = GaugeMetricFamily("afd_graph_capture_seconds", "Wall time of the last warm-up and capture", labels=names)
+        capture.add_metric(values, getattr(self.runner, "capture_seconds", 0.0))
+        yield capture
+        if self.link_state is not None:
+            ffn_rank, up, reconnects = self.link_state()
+            peer_up = GaugeMetricFamily("afd_peer_up", "1 while the peer is connected", labels=[*names, "peer"])
+            peer_up.add_metric([*values, str(ffn_rank)], 1 if up else 0)
+            yield peer_up
+            again = CounterMetricFamily("afd_peer_reconnects", "Re-handshakes after a lost peer", labels=names)
+            again.add_metric(values, reconnects)
+            yield again
+
+
+def _eager_reasons(runner) -> dict[str, int]:
+    graphs = getattr(runner, "graphs", None)
+    reasons = getattr(graphs, "eager_steps", None) if graphs is not None else None
+    if isinstance(reasons, dict):
+        return dict(reasons)
+    profiled = getattr(runner, "profiled_eager_steps", 0)
+    other = getattr(runner, "eager_steps", 0) - profiled
+    result = {}
+    if other > 0:
+        result["no_graph"] = other
+    if profiled:
+        result["profile"] = profiled
+    return result

@@ -1,0 +1,27 @@
+"""Attach the metrics of a role to its runner: layer clock, per-layer histograms, collectors."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from afd.config import AFDConfig
+from afd.metrics.layer_clock import LayerClock
+from afd.metrics.layer_metrics import LayerMetrics, RunnerCollector
+
+
+def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, engine) -> None:
+    runner = role.runner
+    runner.clock = LayerClock(role.device, config.profile_every)
+    runner.on_layers = LayerMetrics(registry, "attention", config.rank).observe
+    ffn_rank = config.topology.ffn_rank_of(config.rank)
+    RunnerCollector(registry, "attention", config.rank, runner,
+                    link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects))
+
+
+def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, runner, device) -> None:
+    from afd.server.ffn_metrics import FFNMetrics
+
+    runner.observer = FFNMetrics(registry, config.rank, runner.connector)
+    runner.clock = LayerClock(device, config.profile_every)
+    runner.on_layers = LayerMetrics(registry, "ffn", config.rank).observe
+    RunnerCollector(registry, "ffn", config.rank, runner)
