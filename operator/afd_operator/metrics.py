@@ -1,7 +1,7 @@
 """The operator's own Prometheus metrics (`afd operator --metrics-port`).
 
 Counters keep `_total`; labels are bounded by the resources that exist (namespace,
-deployment) plus small fixed sets (`reason`, `state`). Series of a deleted resource are
+deployment) plus small fixed sets (`result`, `reason`, `state`). Series of a deleted resource are
 removed, so a churn of short-lived resources does not grow the exposition forever.
 """
 
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 log = logging.getLogger(__name__)
 
 LABELS = ("namespace", "deployment")
+RESULTS = ("success", "error")
 ERROR_REASONS = ("api", "invalid_spec", "internal")
 GROUP_STATES = ("desired", "ready", "failed")
 # Reconciles are API round trips: milliseconds to tens of seconds under a slow API server.
@@ -27,8 +28,8 @@ class OperatorMetrics:
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.reconciles = Counter(
-            "afd_operator_reconcile", "Reconciles of an AFDDeployment, successful or not.",
-            LABELS, registry=self.registry)
+            "afd_operator_reconcile", "Reconciles of an AFDDeployment by result (success or error).",
+            (*LABELS, "result"), registry=self.registry)
         self.errors = Counter(
             "afd_operator_reconcile_errors",
             "Reconciles that failed: api (the Kubernetes API refused or did not answer), invalid_spec "
@@ -47,7 +48,7 @@ class OperatorMetrics:
                 spec: Mapping[str, Any], status: Optional[Mapping[str, Any]]) -> None:
         """Record one reconcile: its duration, its error reason (None: success) and, when a
         status came out of it, the group counts it reports."""
-        self.reconciles.labels(namespace, name).inc()
+        self.reconciles.labels(namespace, name, "success" if error is None else "error").inc()
         self.duration.labels(namespace, name).observe(seconds)
         if error is not None:
             self.errors.labels(namespace, name, error).inc()
@@ -63,7 +64,7 @@ class OperatorMetrics:
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop every series of a deleted AFDDeployment."""
-        for metric, extra in ((self.reconciles, [()]), (self.duration, [()]),
+        for metric, extra in ((self.reconciles, [(r,) for r in RESULTS]), (self.duration, [()]),
                               (self.errors, [(r,) for r in ERROR_REASONS]),
                               (self.groups, [(s,) for s in GROUP_STATES])):
             for values in extra:

@@ -124,6 +124,7 @@ def test_every_cel_rule_compiles():
         ("demo", {"ports": {"data": 25500}}, "ports.control, ports.data and ports.metrics"),
         ("demo", {"ports": {"http": 9090}}, "ports.http and ports.metrics"),
         ("n" * 41, {}, "metadata.name may have at most 40 characters"),
+        ("demo", {"podSecurity": {"runAsUser": 0}}, "podSecurity.runAsUser must not be 0 (root)"),
     ],
 )
 def test_cel_rules_reject_what_the_schema_cannot(name, change, message):
@@ -138,6 +139,7 @@ def test_cel_rules_reject_what_the_schema_cannot(name, change, message):
     {"attention": {"ranks": 2}, "ffn": {"ranks": 3}},
     {"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
     {"restartPolicy": {"backoffSeconds": 60, "maxBackoffSeconds": 10}},
+    {"podSecurity": {"runAsUser": 0}},
 ])
 def test_cel_and_the_operator_say_the_same_thing(change):
     """If the API server runs an older CRD, the operator's own check gives the same message."""
@@ -152,9 +154,19 @@ def test_cel_and_the_operator_say_the_same_thing(change):
     ({"afd": {"stages": 3}}, "stages"), ({"afd": {"connector": "tcp"}}, "connector"),
     ({"ffn": {"ranks": 0}}, "ranks"), ({"ports": {"http": 70000}}, "http"),
     ({"model": {"uri": "s3://x/y"}}, "uri"), ({"replicas": -1}, "replicas"),
+    ({"podSecurity": {"fsGroup": -1}}, "fsGroup"), ({"networkPolicy": {"enabled": "yes"}}, "enabled"),
+    ({"networkPolicy": {"metricsNamespaceSelector": {"matchLabels": {"a": 1}}}}, "matchLabels"),
 ])
 def test_schema_rejects_out_of_range_values(change, where):
     defaulted = apply_defaults(crd_schema(), make_cr(**change))
     with pytest.raises(jsonschema.ValidationError) as err:
         jsonschema.Draft7Validator(crd_schema()).validate(defaulted)
     assert where in "/".join(map(str, err.value.absolute_path))
+
+
+def test_security_and_network_defaults_of_the_crd():
+    """What a CR without these fields gets from the API server: non-root as the image's user,
+    no NetworkPolicy."""
+    spec = apply_defaults(crd_schema(), make_cr())["spec"]
+    assert spec["podSecurity"] == {"runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001}
+    assert spec["networkPolicy"] == {"enabled": False}

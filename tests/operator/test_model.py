@@ -85,6 +85,7 @@ class TestRevision:
     @pytest.mark.parametrize("change", [
         {"replicas": 5}, {"rollout": {"maxSurge": 2}}, {"restartPolicy": {"maxRestarts": 3}},
         {"podDisruptionBudget": {"enabled": True}}, {"monitoring": {"podMonitor": True}},
+        {"networkPolicy": {"enabled": True}},
     ])
     def test_scaling_and_policies_do_not_change_it(self, change):
         assert self.rev(**change) == self.rev()
@@ -92,6 +93,17 @@ class TestRevision:
     @pytest.mark.parametrize("change", [
         {"image": "registry.example/afd-runtime:0.2.0"}, {"afd": {"stages": 2}},
         {"attention": {"ranks": 4}}, {"model": {"uri": "pvc://models/other"}},
+        {"podSecurity": {"runAsUser": 2000}},
     ])
     def test_pod_changes_do(self, change):
         assert self.rev(**change) != self.rev()
+
+
+def test_the_pod_contract_version_enters_the_revision(monkeypatch):
+    """Pods of an older operator lack the group Secret: an upgrade must roll groups, never
+    let a recreated rank (with the Secret) meet peers without it."""
+    from afd_operator import model
+
+    before = parse_spec(make_cr()["spec"]).revision
+    monkeypatch.setattr(model, "POD_CONTRACT", model.POD_CONTRACT + 1)
+    assert parse_spec(make_cr()["spec"]).revision != before

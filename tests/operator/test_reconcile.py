@@ -192,3 +192,95 @@ def test_rbac_covers_every_kind_the_operator_writes():
             for verb in needed.get(kind, ["create", "patch", "delete"]):
                 assert (group, plural, verb) in granted, f"{verb} {group}/{plural} missing from rbac.yaml"
     assert ("afd.io", "afddeployments/status", "patch") in granted
+
+
+class TestGroupSecret:
+    """Created once with a random value, never rotated, adopted only when it is ours."""
+
+    KEY = ("Secret", "ns", "demo-group-secret")
+
+    def value(self, store):
+        import base64
+        return base64.b64decode(store.objects[self.KEY]["data"]["group-secret"]).decode()
+
+    def test_created_once_with_32_random_bytes_and_never_rotated(self):
+        store = FakeStore()
+        first = reconcile(make_cr(), [], store, NOW)
+        value = self.value(store)
+        assert len(bytes.fromhex(value)) == 32
+        secret = store.objects[self.KEY]
+        assert secret["immutable"] and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+        body = make_cr()
+        body["status"] = first.status
+        for step in range(3):
+            reconcile(body, ready_pods(first.status["updateRevision"]), store, NOW + step, full=True)
+        assert self.value(store) == value and store.patches == []
+        other = FakeStore()
+        reconcile(make_cr(), [], other, NOW)
+        assert self.value(other) != value  # random per resource, not derived from the spec
+
+    def test_its_value_never_reaches_status_or_events(self):
+        store = FakeStore()
+        outcome = reconcile(make_cr(), [], store, NOW)
+        assert self.value(store) not in repr(outcome) + repr(store.applied)
+
+    def test_a_leftover_of_an_earlier_resource_of_the_same_name_is_adopted_not_replaced(self):
+        store = FakeStore()
+        reconcile(make_cr(uid="uid-old"), [], store, NOW)
+        value = self.value(store)
+        outcome = reconcile(make_cr(uid="uid-new"), [], store, NOW + 1)
+        assert self.value(store) == value
+        [(kind, name, patch)] = store.patches
+        assert patch["metadata"]["ownerReferences"][0]["uid"] == "uid-new"
+        assert next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")["status"] == "False"
+
+    def test_a_foreign_secret_of_that_name_is_reported_and_left_alone(self):
+        store = FakeStore()
+        store.objects[self.KEY] = {"metadata": {"name": "demo-group-secret", "labels": {"app": "mine"}},
+                                   "data": {"group-secret": "c2VjcmV0"}}
+        outcome = reconcile(make_cr(), [], store, NOW)
+        degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "True" and "not made by afd-operator" in degraded["message"]
+        assert store.patches == [] and store.objects[self.KEY]["data"] == {"group-secret": "c2VjcmV0"}
+
+    def test_a_secret_deleted_under_running_groups_is_recreated_with_a_warning(self):
+        store = FakeStore()
+        body = make_cr()
+        body["status"] = status_with([(0, parse_spec(body["spec"]).revision)])
+        outcome = reconcile(body, ready_pods(parse_spec(body["spec"]).revision), store, NOW)
+        assert self.KEY in store.objects
+        [warning] = [e for e in outcome.events if e.reason == "GroupSecretRecreated"]
+        assert warning.type == "Warning" and "restarted" in warning.message
+
+
+def test_a_failed_group_sets_the_failed_condition():
+    body = make_cr(afd={"connector": "nccl"}, restartPolicy={"maxRestarts": 1, "backoffSeconds": 0})
+    revision = parse_spec(body["spec"]).revision
+    body["status"] = status_with([(0, revision)])
+    body["status"]["groups"][0]["restarts"] = 1
+    pods = ready_pods(revision)[:2]  # the FFN rank is gone again
+    store = FakeStore()
+    outcome = reconcile(body, pods, store, NOW)
+    assert [a.kind for a in outcome.actions] == ["fail"] and not [d for d in store.deleted if d[0] == "Pod"]
+    failed = next(c for c in outcome.status["conditions"] if c["type"] == "Failed")
+    assert (failed["status"], failed["reason"]) == ("True", "RestartBudgetExhausted")
+    assert "group(s) 0" in failed["message"] and "maxRestarts (1)" in failed["message"]
+    assert outcome.status["groups"][0]["phase"] == "Failed"
+    body["status"] = outcome.status  # it stays Failed, and nothing restarts it
+    again = reconcile(body, pods, store, NOW + 100)
+    assert again.actions == () and next(c for c in again.status["conditions"] if c["type"] == "Failed")["status"] == "True"
+
+
+def test_disabled_network_policies_are_pruned_and_enabled_ones_applied():
+    body = make_cr()
+    revision = parse_spec(body["spec"]).revision
+    body["status"] = status_with([(0, revision)])
+    store = FakeStore()
+    reconcile(body, ready_pods(revision), store, NOW, full=True)
+    assert {("NetworkPolicy", "demo-g0-attn"), ("NetworkPolicy", "demo-g0-ffn")} <= set(store.deleted)
+    body = make_cr(networkPolicy={"enabled": True})
+    body["status"] = status_with([(0, revision)])
+    store = FakeStore()
+    reconcile(body, ready_pods(revision), store, NOW, full=True)
+    assert [n for k, n, _ in store.applied if k == "NetworkPolicy"] == ["demo-g0-attn", "demo-g0-ffn"]
+    assert not [d for d in store.deleted if d[0] == "NetworkPolicy"]
