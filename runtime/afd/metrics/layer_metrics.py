@@ -80,6 +80,9 @@ class RunnerCollector:
 
 def _eager_reasons(runner) -> dict[str, int]:
     graphs = getattr(runner, "graphs", None)
+    if graphs is None:  # CUDA graphs off (CPU, zmq, or not configured): every step is eager
+        steps = getattr(runner, "steps_run", None)
+        return {"graphs_off": steps if steps is not None else getattr(runner, "step_id", 0)}
     reasons = getattr(graphs, "eager_steps", None) if graphs is not None else None
     if isinstance(reasons, dict):
         return dict(reasons)
