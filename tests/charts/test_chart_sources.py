@@ -170,9 +170,11 @@ def test_rbac_off_renders_no_rbac_and_uses_an_existing_service_account():
 
 @pytest.fixture
 def chart_with_dashboards(tmp_path):
-    """A copy of the chart with two fixture dashboards added to dashboards/."""
+    """A copy of the chart whose dashboards/ holds exactly two fixture dashboards."""
     chart = tmp_path / "afd-operator"
     shutil.copytree(CHART_DIR, chart)
+    for real in (chart / "dashboards").glob("*.json"):  # only the fixtures, whatever the chart ships
+        real.unlink()
     boards = {
         "afd_overview.json": {"title": "AFD overview", "panels": [{"targets": [{"expr": "rate(afd_step_duration_seconds_count[1m])"}]}]},
         "afd-layers.json": {"title": "AFD layers", "panels": []},

@@ -19,27 +19,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import build_images  # noqa: E402
-
-sys.path.pop(0)
+from imagekit import build_images, free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture(scope="module")
-def images():
-    if os.environ.get("AFD_IMAGE_TESTS") != "1":
-        pytest.skip("image builds are opt-in: set AFD_IMAGE_TESTS=1 (needs root, podman, buildah, mmdebstrap, runc)")
-    if missing := build_images.missing_tools():
-        pytest.skip(f"AFD_IMAGE_TESTS=1 but {', '.join(missing)} not installed "
-                    "(apt-get install podman buildah mmdebstrap runc)")
-    if os.geteuid() != 0:
-        pytest.skip("image builds here need root (rootless podman lacks the uid mappings)")
-    os.chdir(ROOT)
-    build_images.ensure_base()
-    return {name: build_images.build(name) for name in ("operator", "runtime")}
 
 
 def run(image: str, *args: str, entrypoint: str | None = None, options: tuple[str, ...] = (),
@@ -49,12 +31,6 @@ def run(image: str, *args: str, entrypoint: str | None = None, options: tuple[st
     if entrypoint:
         cmd += ["--entrypoint", entrypoint]
     return build_images.podman(*cmd, image, *args, check=False, capture=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
