@@ -18,10 +18,13 @@ import yaml
 
 from afd_operator.model import SpecError, parse_owner, parse_spec
 from afd_operator.render import dump_yaml, render_all
+from afd_operator.render_security import render_group_secret
+from afd_operator.secret import new_secret_value
 
 
 def render_file(path: str, namespace: Optional[str] = None) -> str:
-    """The manifests the operator would apply for the AFDDeployment(s) in `path` (`-` is stdin)."""
+    """The manifests the operator would apply for the AFDDeployment(s) in `path` (`-` is stdin),
+    with the group Secret the operator would create (a new random value each time)."""
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
     objects = []
     for body in yaml.safe_load_all(text):
@@ -34,7 +37,10 @@ def render_file(path: str, namespace: Optional[str] = None) -> str:
         meta["namespace"] = namespace or meta.get("namespace") or "default"
         meta.setdefault("uid", "00000000-0000-0000-0000-000000000000")  # the API server assigns the real one
         body["metadata"] = meta
-        objects += render_all(parse_spec(body.get("spec")), parse_owner(body))
+        owner = parse_owner(body)
+        objects += render_all(parse_spec(body.get("spec")), owner)
+        # The operator creates this once per resource; here, a fresh value on every call.
+        objects.append(render_group_secret(owner, new_secret_value()))
     return dump_yaml(objects)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import sys
 
@@ -30,6 +31,10 @@ def test_the_operator_never_imports_torch():
 def test_render_matches_the_golden_file_for_the_sample():
     text = render_file(str(ROOT / "crds/samples/gpu-nccl-dsv2-lite.yaml"), namespace="ns")
     objs = list(yaml.safe_load_all(text))
+    [secret] = [o for o in objs if o["kind"] == "Secret"]  # what the operator creates once, by itself
+    assert secret["metadata"]["name"] == "dsv2-lite-group-secret" and secret["immutable"] is True
+    assert len(bytes.fromhex(base64.b64decode(secret["data"]["group-secret"]).decode())) == 32
+    objs = [o for o in objs if o["kind"] != "Secret"]
     golden = list(yaml.safe_load_all((GOLDEN / "1g-4a2f-nccl.yaml").read_text()))
     strip = lambda o: {**o, "metadata": {k: v for k, v in o["metadata"].items() if k != "ownerReferences"}}
     assert [strip(o) for o in objs] == [strip(o) for o in golden]  # same objects; the uid is a placeholder
