@@ -229,22 +229,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(config, args.port, Path(args.state_file) if args.state_file else None, demo=not args.no_demo)
 
 
-def cmd_operator(args: argparse.Namespace) -> int:
-    from afd_operator.cli import operator_main
-
-    return operator_main(args.args)
-
-
-def cmd_render(args: argparse.Namespace) -> int:
-    from afd_operator.cli import render_main
-
-    return render_main(args.args)
-
-
 COMMANDS = {
     "up": cmd_up,
-    "operator": cmd_operator,
-    "render": cmd_render,
     "generate": cmd_generate,
     "serve": cmd_serve,
     "make-tiny-model": cmd_make_tiny_model,
@@ -257,6 +243,11 @@ def _raise_interrupt(*_) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("operator", "render"):  # their own parsers take every flag that follows
+        from afd_operator.cli import operator_main, render_main
+
+        return (operator_main if argv[0] == "operator" else render_main)(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("AFD_LOG_LEVEL", "INFO" if args.command in ("serve", "run-batch", "operator") else "WARNING"),

@@ -148,3 +148,15 @@ def _query(api: str, expr: str) -> list:
     except (httpx.HTTPError, ValueError):
         return []
     return body.get("data", {}).get("result", []) if body.get("status") == "success" else []
+
+
+def test_chart_renders_the_alerts_as_a_prometheus_rule():
+    from helm_python import Chart
+
+    rendered = Chart.load(str(CHART)).render({"alerts": {"enabled": True, "labels": {"release": "kps"}}}, name="afd", namespace="ops")
+    text = "\n---\n".join(v for k, v in rendered.items() if k.endswith(".yaml"))
+    rules = [doc for doc in yaml.safe_load_all(text) if doc and doc.get("kind") == "PrometheusRule"]
+    assert len(rules) == 1 and rules[0]["metadata"]["labels"]["release"] == "kps"
+    assert rules[0]["spec"] == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    off = Chart.load(str(CHART)).render({}, name="afd", namespace="ops")
+    assert not any("PrometheusRule" in v for k, v in off.items() if k.endswith(".yaml"))
