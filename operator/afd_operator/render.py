@@ -190,6 +190,8 @@ def render_pod_monitor(spec: AFDDeploymentSpec, owner: Owner) -> dict:
         "metadata": _meta(owner, owner.name, _shared_labels(owner)),
         "spec": {
             "selector": {"matchLabels": {L.NAME: owner.name}},
+            # become the afd_io_name / afd_io_group labels the dashboards and alerts select by
+            "podTargetLabels": [L.NAME, L.GROUP],
             "podMetricsEndpoints": [
                 {"port": "metrics", "path": "/metrics", "interval": spec.monitoring.interval}
             ],
