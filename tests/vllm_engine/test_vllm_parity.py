@@ -3,7 +3,8 @@
 vLLM lives in its own venv (`scripts/install_vllm.sh` → `.venv-vllm`, or `AFD_VLLM_PYTHON`);
 these tests skip when it is missing. Our FFN ranks run `afd serve` from this venv over zmq
 on 127.0.0.1, exactly as in a pod. Greedy tokens must equal vLLM's own monolithic output
-and transformers' for 1A1F and 2A1F, one and two stages, gate on either side.
+and transformers' for 1A1F and 2A1F, one and two stages, gate on either side, for Qwen3-MoE
+and DeepSeek-V2 (vLLM's MLA attention on the CPU).
 """
 
 from __future__ import annotations
@@ -73,38 +74,61 @@ def _finish(workdir: Path, name: str, child: subprocess.Popen, out_file: Path) -
     return json.loads(out_file.read_text())
 
 
+# Shapes vLLM's CPU kernels take: attention head_dim 32/64; MLA kv_lora_rank 512 with a 64-wide
+# rope part (head 576); its CPU router wants expert groups even for plain greedy top-k.
+OVERRIDES = {
+    "qwen3_moe": {"head_dim": 32},
+    "deepseek_v2": {"kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 32,
+                    "n_group": 1, "topk_group": 1},
+}
+
+
+class Arch:
+    """One family's checkpoint and its reference outputs, made on first use."""
+
+    def __init__(self, name: str, root: Path):
+        self.name, self.root, self._path, self._hf, self._vllm = name, root, None, None, None
+
+    @property
+    def path(self) -> Path:
+        if self._path is None:
+            from afd.tiny import make_tiny_model
+
+            self._path = make_tiny_model(self.name, self.root / self.name, seed=0, overrides=OVERRIDES[self.name])
+        return self._path
+
+    @property
+    def transformers_tokens(self) -> list[list[int]]:
+        if self._hf is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).eval()
+            self._hf = []
+            for prompt in PROMPTS:
+                out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False, pad_token_id=0)
+                self._hf.append(out[0, len(prompt):].tolist())
+        return self._hf
+
+    @property
+    def vllm_tokens(self) -> list[list[int]]:
+        if self._vllm is None:
+            job = {"model": str(self.path), "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "afd": False}
+            child, out = _start_vllm(self.root, f"{self.name}-monolithic", job, {"OMP_NUM_THREADS": "2"})
+            self._vllm = _finish(self.root, f"{self.name}-monolithic", child, out)["tokens"]
+        return self._vllm
+
+
 @pytest.fixture(scope="module")
-def vllm_checkpoint(tmp_path_factory):
-    """Tiny Qwen3-MoE with vLLM-CPU-friendly attention (head_dim 32)."""
-    from afd.tiny import make_tiny_model
-
-    return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("vllm") / "qwen3_moe", seed=0, overrides={"head_dim": 32})
+def arches(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    return {name: Arch(name, root) for name in OVERRIDES}
 
 
-@pytest.fixture(scope="module")
-def transformers_tokens(vllm_checkpoint):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(vllm_checkpoint, dtype=torch.float32).eval()
-    tokens = []
-    for prompt in PROMPTS:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
-        tokens.append(out[0, len(prompt):].tolist())
-    return tokens
-
-
-@pytest.fixture(scope="module")
-def vllm_monolithic_tokens(vllm_checkpoint, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("vllm-mono")
-    job = {"model": str(vllm_checkpoint), "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "afd": False}
-    child, out = _start_vllm(workdir, "monolithic", job, {"OMP_NUM_THREADS": "2"})
-    return _finish(workdir, "monolithic", child, out)["tokens"]
-
-
-def test_vllm_monolithic_equals_transformers(vllm_monolithic_tokens, transformers_tokens):
-    assert vllm_monolithic_tokens == transformers_tokens
+@pytest.mark.parametrize("arch", list(OVERRIDES))
+def test_vllm_monolithic_equals_transformers(arches, arch):
+    assert arches[arch].vllm_tokens == arches[arch].transformers_tokens
 
 
 def run_afd_with_vllm(checkpoint: Path, topology: str, stages: int, gate_on_attention: bool) -> list[dict]:
@@ -138,15 +162,21 @@ def run_afd_with_vllm(checkpoint: Path, topology: str, stages: int, gate_on_atte
 
 
 @pytest.mark.parametrize(
-    "topology,stages,gate",
-    [("1A1F", 1, "ffn"), ("1A1F", 2, "attention"), ("2A1F", 1, "attention"), ("2A1F", 2, "ffn")],
+    "arch,topology,stages,gate",
+    [
+        ("qwen3_moe", "1A1F", 1, "ffn"),
+        ("qwen3_moe", "1A1F", 2, "attention"),
+        ("qwen3_moe", "2A1F", 1, "attention"),
+        ("qwen3_moe", "2A1F", 2, "ffn"),
+        ("deepseek_v2", "1A1F", 2, "attention"),
+        ("deepseek_v2", "2A1F", 1, "ffn"),
+    ],
 )
-def test_vllm_attention_with_our_ffn_equals_vllm_and_transformers(
-    vllm_checkpoint, vllm_monolithic_tokens, transformers_tokens, topology, stages, gate
-):
-    merged, *ranks = run_afd_with_vllm(vllm_checkpoint, topology, stages, gate == "attention")
-    assert merged["tokens"] == vllm_monolithic_tokens
-    assert merged["tokens"] == transformers_tokens
+def test_vllm_attention_with_our_ffn_equals_vllm_and_transformers(arches, arch, topology, stages, gate):
+    model = arches[arch]
+    merged, *ranks = run_afd_with_vllm(model.path, topology, stages, gate == "attention")
+    assert merged["tokens"] == model.vllm_tokens
+    assert merged["tokens"] == model.transformers_tokens
     for result in ranks:  # the attention side never read nor built an expert weight
         assert result["read_keys"] and not [k for k in result["read_keys"] if ".experts." in k]
         assert not [p for p in result["params"] if "experts" in p]

@@ -110,8 +110,9 @@ def test_vllm_serve_command_from_afd_config(checkpoints):
 
 
 def test_unsupported_architecture_is_named():
-    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM.*supported: Qwen3MoeForCausalLM"):
-        afd_architecture("DeepseekV2ForCausalLM")
+    assert afd_architecture("DeepseekV2ForCausalLM") == "AFDDeepseekV2ForCausalLM"
+    with pytest.raises(ValueError, match="MixtralForCausalLM.*supported: Qwen3MoeForCausalLM, DeepseekV2ForCausalLM"):
+        afd_architecture("MixtralForCausalLM")
     with pytest.raises(ValueError, match="no config.json"):
         engine_overrides("/nonexistent")
 

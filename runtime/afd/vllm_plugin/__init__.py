@@ -16,6 +16,7 @@ from __future__ import annotations
 # HF architecture of the checkpoint → our attention-role architecture registered with vLLM
 ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("AFDQwen3MoeForCausalLM", "afd.vllm_plugin.qwen3_moe:AFDQwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("AFDDeepseekV2ForCausalLM", "afd.vllm_plugin.deepseek_v2:AFDDeepseekV2ForCausalLM"),
 }
 
 

@@ -34,7 +34,7 @@ def run(job: dict) -> dict:
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in job["prompts"]], params, use_tqdm=False)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
     if job.get("afd"):
-        from afd.vllm_plugin.qwen3_moe import LAST_LOAD
+        from afd.vllm_plugin.remote import LAST_LOAD
 
         result.update(LAST_LOAD)
     return result

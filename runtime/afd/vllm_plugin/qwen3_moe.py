@@ -1,82 +1,15 @@
-"""Qwen3-MoE for vLLM's attention role: vLLM's attention, KV cache and sampler; our FFN ranks.
-
-The model is vLLM's own `Qwen3MoeModel` with one change per crossing layer: the MLP is a
-`RemoteFFN` that ships the layer's rows to our FFN rank. No expert module is ever built,
-so no expert weight is allocated, and `load_weights` reads only the attention side's
-tensors from disk (vLLM's lazy iterator is left unread).
-
-Gate on the FFN: the post-attention norm runs there too, so on this side it becomes a
-plain residual add; vLLM's decoder layer then hands the un-normed residual stream to
-`RemoteFFN`, and the next layer's fused add-norm adds the FFN output back. Gate on
-attention: the norm and the router stay here and the FFN gets normed rows plus logits.
-"""
+"""Qwen3-MoE for vLLM's attention role: vLLM's `Qwen3MoeModel` with remote FFNs (see `remote`)."""
 
 from __future__ import annotations
 
-import logging
-from contextlib import contextmanager
 from functools import partial
-from typing import Iterable
 
-import torch
-from torch import nn
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models import qwen3_moe as vllm_qwen3_moe
-from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, maybe_prefix
+from vllm.model_executor.models.utils import extract_layer_index
 
-from afd.models.checkpoint import Checkpoint
 from afd.vllm_plugin.link import FFNLink
-from afd.vllm_plugin.ops import ffn_exchange, register_link
-from afd.vllm_plugin.weights import attention_keys
-
-log = logging.getLogger(__name__)
-LAST_LOAD: dict[str, list[str]] = {}  # what the latest load read and built (tests inspect it in-process)
-
-
-class RemoteFFN(nn.Module):
-    """A crossing layer's FFN on the FFN rank; with the gate on attention it keeps the router."""
-
-    def __init__(self, layer: int, link_id: int, hidden_size: int, num_experts: int, gate_on_attention: bool, prefix: str):
-        super().__init__()
-        self.layer = layer
-        self.link_id = link_id
-        self.gate = (
-            ReplicatedLinear(hidden_size, num_experts, bias=False, return_bias=False, prefix=f"{prefix}.gate")
-            if gate_on_attention else None
-        )
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = None if self.gate is None else self.gate(hidden).float()  # [tokens, experts]
-        return ffn_exchange(hidden, logits, self.layer, self.link_id)
-
-
-class ResidualAdd(nn.Module):
-    """Stands in for the fused add-RMSNorm when the norm runs on the FFN rank."""
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        total = hidden + residual
-        return total, total
-
-
-class _NoModule(nn.Module):
-    """Built instead of vLLM's MLP/MoE block while a crossing layer is constructed; holds nothing."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__()
-
-
-@contextmanager
-def _without_ffn_blocks():
-    """Make vLLM's decoder layer construct no MLP or experts (they would allocate weights)."""
-    saved = vllm_qwen3_moe.Qwen3MoeSparseMoeBlock, vllm_qwen3_moe.Qwen3MoeMLP
-    vllm_qwen3_moe.Qwen3MoeSparseMoeBlock = vllm_qwen3_moe.Qwen3MoeMLP = _NoModule
-    try:
-        yield
-    finally:
-        vllm_qwen3_moe.Qwen3MoeSparseMoeBlock, vllm_qwen3_moe.Qwen3MoeMLP = saved
+from afd.vllm_plugin.remote import AFDCausalLM, NoModule, make_remote, swapped
 
 
 class AFDQwen3MoeDecoderLayer(vllm_qwen3_moe.Qwen3MoeDecoderLayer):
@@ -87,64 +20,14 @@ class AFDQwen3MoeDecoderLayer(vllm_qwen3_moe.Qwen3MoeDecoderLayer):
         if index not in link.plan.crossing:
             super().__init__(vllm_config, prefix, **kwargs)
             return
-        with _without_ffn_blocks():
+        with swapped(vllm_qwen3_moe, Qwen3MoeSparseMoeBlock=NoModule, Qwen3MoeMLP=NoModule):
             super().__init__(vllm_config, prefix, **kwargs)
-        config = vllm_config.model_config.hf_text_config
-        gate = link.plan.gate_on_attention
-        self.mlp = RemoteFFN(index, link_id, config.hidden_size, link.plan.spec.num_experts, gate, f"{prefix}.mlp")
-        if not gate:
-            self.post_attention_layernorm = ResidualAdd()
+        make_remote(self, index, link, link_id, vllm_config.model_config.hf_text_config, prefix)
 
 
-class AFDQwen3MoeForCausalLM(nn.Module):
+class AFDQwen3MoeForCausalLM(AFDCausalLM):
     """`architectures: [AFDQwen3MoeForCausalLM]` in hf_overrides selects this attention-role model."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        model_config = vllm_config.model_config
-        config = model_config.hf_text_config
-        self.config = config
-        self.model_path = model_config.model
-        self.link = FFNLink.connect(self.model_path, model_config.dtype)
-        layer_type = partial(AFDQwen3MoeDecoderLayer, link=self.link, link_id=register_link(self.link))
-        self.model = vllm_qwen3_moe.Qwen3MoeModel(
-            vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), decoder_layer_type=layer_type
-        )
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config, prefix=maybe_prefix(prefix, "lm_head")
-        )
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Read only the attention side's tensors; vLLM's own iterator is lazy and stays unread."""
-        return load_attention_weights(self, self.model_path, self.link)
-
-
-def load_attention_weights(model: nn.Module, path: str, link: FFNLink) -> set[str]:
-    """Feed `model` the checkpoint tensors the attention side owns, one layer at a time."""
-    checkpoint = Checkpoint(path)
-    keys = attention_keys(checkpoint.keys(), link.plan.crossing, link.plan.gate_on_attention)
-    groups: dict[str, list[str]] = {}
-    for key in keys:
-        groups.setdefault(".".join(key.split(".")[:3]), []).append(key)
-
-    def tensors():
-        for group in groups.values():
-            yield from checkpoint.read(group).items()
-
-    loaded = AutoWeightsLoader(model).load_weights(tensors())
-    LAST_LOAD.update(read_keys=list(checkpoint.loaded_keys), params=[name for name, _ in model.named_parameters()])
-    log.info("afd: attention side read %d of %d checkpoint tensors", len(checkpoint.loaded_keys), len(checkpoint.keys()))
-    return loaded
+    def build_model(self, vllm_config, prefix, link, link_id):
+        layer_type = partial(AFDQwen3MoeDecoderLayer, link=link, link_id=link_id)
+        return vllm_qwen3_moe.Qwen3MoeModel(vllm_config=vllm_config, prefix=prefix, decoder_layer_type=layer_type)
