@@ -10,7 +10,7 @@ EXTRAS ?= runtime,operator,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install up test clean
+.PHONY: install up test clean images test-images chart-sync dashboards
 
 install: $(STAMP)
 
@@ -26,6 +26,18 @@ up: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+images: install  ## build the runtime and operator images with podman
+	$(PY) scripts/build_images.py all
+
+test-images: install  ## build and smoke-test the images (needs podman)
+	AFD_IMAGE_TESTS=1 $(PY) -m pytest -q tests/images
+
+chart-sync: install  ## copy crds/ and the operator RBAC into the chart
+	$(PY) scripts/sync_chart.py
+
+dashboards: install  ## regenerate the Grafana dashboards from scripts/make_dashboards.py
+	$(PY) scripts/make_dashboards.py
 
 clean:
 	rm -rf $(VENV) .afd-cache

@@ -58,7 +58,7 @@ def test_operator_image_runs_afd_operator_help_as_non_root(images):
     result = run(images["operator"], "--help")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "--liveness" in result.stdout and "--namespace" in result.stdout
-    assert run(images["operator"], "-u", entrypoint="id").stdout.startswith("uid=10001(afd)")
+    assert run(images["operator"], entrypoint="id").stdout.startswith("uid=10001(afd)")
 
 
 def test_operator_image_has_the_crd_upgrade_tool_and_no_torch(images):
