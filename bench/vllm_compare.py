@@ -110,11 +110,12 @@ def launch_vllm_attention(model: str, topology: str, stages: int, port: int, vll
     return launched
 
 
-def launch_vllm(model: str, port: int, vllm_python: str, workdir: Path) -> Launched:
+def launch_vllm(model: str, port: int, vllm_python: str, workdir: Path, omp_threads: int | None) -> Launched:
     launched = Launched(workdir)
     launched.start("vllm", [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
                             "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32",
-                            "--max-num-seqs", "64", "--max-num-batched-tokens", "8192"], {**threads(1), **VLLM_ENV})
+                            "--max-num-seqs", "64", "--max-num-batched-tokens", "8192"],
+                    {**(threads(1) if omp_threads is None else {"OMP_NUM_THREADS": str(omp_threads)}), **VLLM_ENV})
     launched.apis = [f"http://127.0.0.1:{port}/v1"]
     return launched
 
@@ -171,6 +172,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8200)
     parser.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--systems", default="afd,vllm-attention,vllm")
+    parser.add_argument("--vllm-omp-threads", type=int, help="plain vLLM's OMP_NUM_THREADS (default: every core)")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="afd-vllm-bench-"))
@@ -183,7 +185,7 @@ def main() -> int:
     launchers = {
         "afd": lambda: launch_afd_up(model, args.topology, args.stages, args.port, root),
         "vllm-attention": lambda: launch_vllm_attention(model, args.topology, args.stages, args.port, args.vllm_python, root),
-        "vllm": lambda: launch_vllm(model, args.port, args.vllm_python, root),
+        "vllm": lambda: launch_vllm(model, args.port, args.vllm_python, root, args.vllm_omp_threads),
     }
     rows = [measure(name, launchers[name], args, prompts) for name in args.systems.split(",")]
     print(f"\n{args.requests} requests, {args.clients} concurrent, {args.max_tokens} tokens each, "

@@ -152,3 +152,34 @@ def test_afd_serve_hands_a_vllm_attention_rank_to_vllm(checkpoints, monkeypatch)
     monkeypatch.setenv("AFD_NUM_ATTENTION_RANKS", "2")
     assert main(["serve", "--role", "attention"]) == 0
     assert seen["config"].rank == 1 and seen["config"].attention_engine == "vllm"
+
+
+def _wait(condition, timeout_s: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_link_heals_a_loss_while_idle(checkpoints):
+    """The FFN rank restarts between steps: the keepalive thread re-handshakes, the next step works."""
+    path = checkpoints["qwen3_moe"]
+    base, stop, thread = _ffn_group(path, 1, False, "link-heal")
+    link = FFNLink.connect(str(path), torch.float32,
+                           config=base.replace(role="attention", heartbeat_interval_s=0.1, peer_timeout_s=1.0))
+    try:
+        stop.set()
+        thread.join(timeout=5)
+        assert _wait(lambda: link.lost is not None, 5), "the keepalive did not notice the loss"
+        _, stop, thread = _ffn_group(path, 1, False, "link-heal")
+        assert _wait(lambda: link.lost is None, 15), f"not healed: {link.lost}"
+        hidden = torch.randn(3, link.plan.spec.hidden_size)
+        assert link.exchange(link.plan.crossing[0], hidden).shape == hidden.shape
+    finally:
+        link.close()
+        stop.set()
+        thread.join(timeout=5)

@@ -9,11 +9,11 @@ FFN computes stage 0 while stage 1 is still arriving); attention does not overla
 FFN as it does in our own runner's ping-pong. No vLLM import here: the link is plain torch
 and our connector, tested against our FFN ranks without vLLM installed.
 
-Between steps a daemon thread heartbeats the FFN rank. When the FFN rank is lost, steps
-fail at once with `PeerLost` (vLLM then fails the requests of that step) and the thread
-re-handshakes with fresh sockets until the FFN rank is back. A loss found while idle never
-reaches vLLM; a failed step is fatal to vLLM's engine (its /health fails and the pod restarts,
-which re-handshakes).
+Between steps a daemon thread heartbeats the FFN rank and, once it is lost, re-handshakes
+with fresh sockets until it is back: a loss while idle heals without vLLM noticing. A step
+while the FFN rank is lost raises `PeerLost` at once rather than waiting out the timeout;
+vLLM treats any model error as fatal (EngineDeadError: HTTP 500, /health 503, the server
+exits), so Kubernetes restarts the pod, which re-handshakes.
 """
 
 from __future__ import annotations
