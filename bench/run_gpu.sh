@@ -11,3 +11,4 @@ timeout 200 python3 bench/moe_layer.py 2>&1 | tee $OUT/moe_layer.log
 NCCL_DEBUG=WARN timeout 400 python3 -m pytest -q tests/gpu -p no:warnings -p no:cacheprovider --timeout 90 2>&1 | tee $OUT/gpu_tests.log | tail -30
 timeout 150 python3 bench/graphs_vs_eager.py 2>&1 | tee $OUT/graphs_vs_eager.log
 
+NCCL_DEBUG=WARN NVSHMEM_DISABLE_NVLS=1 timeout 250 python3 bench/afd_decode.py --layers 27 --batches 32,128,512 --steps 30 --profile-steps 5 --deadline 235 2>&1 | tee $OUT/afd_decode.log

@@ -1,0 +1,574 @@
+"""(b) AFD decode vs monolithic, (c) per-layer transfer latency in a step vs bare NCCL, (e) 2A1F vs 1A1F.
+
+    NCCL_DEBUG=WARN python3 bench/afd_decode.py [--layers 27] [--batches 32,128,512] [--deadline 420]
+
+Needs two GPUs. DeepSeek-V2-Lite-shaped random bf16 model (`--layers` of them, first dense),
+gate on the FFN, nccl connector, CUDA graphs on both sides, one process per rank:
+
+  ffn     GPU 1: FFN-only step times (the step's crossing layers x stages replayed in a CUDA
+          graph), then a bare NCCL ping-pong with attn-0, then it serves phases A, B, C.
+  attn-0  GPU 0: the monolithic model (same kernels, decode graphs) step times; the attention-
+          only step (the same AttentionRunner and graphs, its connector replaced by one that
+          returns zeros); the bare ping-pong; then phase A (1A1F, stages=2 = DBO), phase B
+          (1A1F, stages=1, for the profiled transfer split) and phase C (2A1F, rank 0).
+  attn-1  GPU 0: phase C, rank 1.
+
+Step times are wall clock around `runner(ids, layout).argmax(-1).tolist()` (what a serving loop
+sees), median of --steps, except the FFN-only step (CUDA events around graph replays). Every
+sequence has --context cached tokens. Per-layer transfer (c): in profiled steps of phase B the
+attention side's "recv" interval of crossing layer L spans send(hidden) + FFN compute(L) +
+send(output); the FFN's "compute" interval of the same step and layer is subtracted and the rest
+halved: one-way in-step transfer. Prints a table, writes $OUT/afd_decode.json.
+Every child has a deadline (faulthandler dumps its stacks, then it exits); the parent kills
+every child that is left when the deadline passes or as soon as one fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+_LEAKED: list = []  # NCCL pairs of finished phases, never torn down (the process exits hard)
+PHASES = {  # name: (attention ranks, stages, FFN batch window s)
+    "A": (1, 2, 0.0),
+    "B": (1, 1, 0.0),
+    "C": (2, 2, 0.05),
+}
+
+
+# ---------------------------------------------------------------- helpers (children only import torch)
+def _setup(gpu: int, deadline: float) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(5.0, deadline - time.time()), exit=True)
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent / "runtime"))
+
+
+def _model_config(layers: int) -> dict:
+    from common import V2_LITE
+
+    return {**V2_LITE, "num_hidden_layers": layers}
+
+
+def _afd_config(args, phase: str, role: str, rank: int):
+    from afd.config import AFDConfig
+
+    ranks, stages, window = PHASES[phase]
+    port = args.ports[phase]
+    return AFDConfig(
+        role=role, rank=rank, num_attention_ranks=ranks, num_ffn_ranks=1, connector="nccl", stages=stages,
+        ffn_address_template="127.0.0.1", bind_host="127.0.0.1", control_port=port, data_port=port + 1,
+        dtype="bfloat16", device="cuda", cuda_graphs=True, peer_timeout_s=60.0, connect_timeout_s=120.0,
+        ffn_batch_window_s=window, max_num_seqs=max(args.batches), profile_every=0,
+    )
+
+
+def _kv_cache(model, max_seqs: int, context: int):
+    import torch
+
+    from afd.kv_cache import KVCache
+
+    blocks = max_seqs * (-(-(context + 1) // 16)) + 8
+    kv = KVCache(model.kv_layouts(), blocks, torch.bfloat16, "cuda", block_size=16)
+    for tensor in (*kv.keys, *kv.values):
+        tensor.normal_(0, 1)  # not zeros: timings on zeros flatter
+    return kv
+
+
+def _graphs(runner_body, kv, buckets, stages, before=None):
+    from afd.graphs.decode import DecodeGraphs
+
+    graphs = DecodeGraphs(runner_body, kv, tuple(sorted(set(buckets))), stages, kv.keys[0].device, before=before)
+    graphs.capture_all()
+    return graphs
+
+
+def _time_steps(runner, kv, batch: int, steps: int, context: int, vocab: int, warm: int = 3) -> dict:
+    """Median wall-clock ms of decode steps of `batch` sequences."""
+    import torch
+
+    from afd.runners.microbatch import SeqLayout
+
+    tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
+    layout = SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)
+    ids = torch.randint(0, vocab, (batch,), device="cuda")
+    times = []
+    for _ in range(steps + warm):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner(ids, layout).argmax(-1).tolist()
+        times.append((time.perf_counter() - start) * 1e3)
+    for table in tables:
+        kv.release(table)
+    kept = times[warm:]
+    return {"ms": statistics.median(kept), "min_ms": min(kept), "max_ms": max(kept)}
+
+
+def _profile_steps(runner, kv, batch: int, count: int, context: int, vocab: int) -> list:
+    """`count` profiled (eager) steps; their (kind, layer, seconds) lists."""
+    import torch
+
+    from afd.metrics.layer_clock import LayerClock, NullClock
+    from afd.runners.microbatch import SeqLayout
+
+    tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
+    layout = SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)
+    ids = torch.randint(0, vocab, (batch,), device="cuda")
+    got = []
+    runner.clock, runner.on_layers = LayerClock("cuda", profile_every=1), got.append
+    try:
+        for _ in range(count):
+            runner(ids, layout).argmax(-1).tolist()
+    finally:
+        runner.clock, runner.on_layers = NullClock(), None
+        for table in tables:
+            kv.release(table)
+    return got
+
+
+def _pingpong(comm, rank: int, rows_list, hidden: int, trips: int = 100) -> dict:
+    """One-way µs of a bare NCCL send/recv ping-pong of rows x hidden bf16 (host loop, one sync)."""
+    import torch
+
+    out = {}
+    for rows in rows_list:
+        a = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
+        b = torch.empty_like(a)
+        for n, record in ((10, False), (trips, True)):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                if rank == 0:
+                    comm.send(a)
+                    comm.recv(b)
+                else:
+                    comm.recv(b)
+                    comm.send(a)
+            torch.cuda.synchronize()
+            if record:
+                out[rows] = (time.perf_counter() - start) / (2 * n) * 1e6
+    return out
+
+
+class _NoFFN:
+    """An attention connector with no FFN behind it: the FFN output is zeros (attention-only step)."""
+
+    def __init__(self):
+        self._sent = {}
+
+    def send_plan(self, plan) -> None:
+        pass
+
+    def send_attn_output(self, hidden, transfer, router_logits=None) -> None:
+        self._sent[(transfer.layer, transfer.stage)] = hidden
+
+    def recv_ffn_output(self, transfer):
+        import torch
+
+        return torch.zeros_like(self._sent.pop((transfer.layer, transfer.stage)))
+
+    def wait_step(self) -> None:
+        pass
+
+
+def _split(total: int, stages: int) -> tuple:
+    from afd.graphs.buckets import stage_split
+
+    return stage_split(total, stages)
+
+
+# ---------------------------------------------------------------- FFN rank (GPU 1)
+def ffn_main(args, q, events) -> None:
+    _setup(1, args.deadline_at)
+    import threading
+
+    import torch
+    from common import random_model, time_graph
+
+    from afd.connector import wire  # noqa: F401
+    from afd.connector.factory import make_ffn_connector
+    from afd.connector.ffn_side import DataContract
+    from afd.connector.nccl_lib import PairComm, new_unique_id
+    from afd.graphs.ffn import FFNGraphs
+    from afd.metrics.layer_clock import LayerClock
+    from afd.models.loader import LoadedModel
+    from afd.runners.ffn_runner import FFNRunner
+    from afd.runners.handshake import make_hello
+
+    config = _model_config(args.layers)
+    model, spec, crossing = random_model(config, "ffn")
+    loaded = LoadedModel(model, spec, crossing, "random")
+    q.put(("log", f"ffn: model ready, {len(crossing)} crossing layers, {torch.cuda.memory_allocated() / 2**30:.1f} GiB"))
+
+    # FFN-only step: every crossing layer x stage, graph-replayed, no transfers
+    with torch.inference_mode():
+        for stages in (2, 1):
+            for batch in args.batches:
+                xs = [torch.randn(rows, spec.hidden_size, dtype=torch.bfloat16, device="cuda") for rows in _split(batch, stages)]
+
+                def body(xs=xs):
+                    for layer in crossing:
+                        for x in xs:
+                            model.layers[layer].ffn_half(x)
+
+                q.put((f"ffn_only/s{stages}/{batch}", time_graph(body, 30)))
+    torch.cuda.empty_cache()
+
+    # bare NCCL ping-pong with attn-0 (FFN is pair rank 0)
+    uid = new_unique_id()
+    q.put(("uid", uid.to_hex()))
+    events["uid"].set()
+    comm = PairComm(uid, 0, torch.device("cuda"))
+    q.put(("bare_ffn_side", _pingpong(comm, 0, args.rows, spec.hidden_size)))
+    torch.cuda.synchronize()
+    comm.close()
+
+    for phase in PHASES:
+        afd = _afd_config(args, phase, "ffn", 0)
+        hello = make_hello(afd, spec, crossing, "random", "bfloat16")
+        connector = make_ffn_connector(afd, torch.device("cuda"), DataContract(spec.hidden_size, "bfloat16", 0))
+        runner = FFNRunner(loaded, connector, hello, afd.topology.attention_ranks_of(0), 0)
+        runner.batch_window_s = afd.ffn_batch_window_s
+        def close_keeping_comms(c=connector):  # no ncclCommAbort at the end of a phase (it blocked)
+            _LEAKED.extend(c.comms.values())
+            c.comms.clear()
+            type(c).close(c)
+
+        connector.close = close_keeping_comms
+        runner.graphs = FFNGraphs(torch.device("cuda"), generation=lambda c=connector: c.generation)
+        profiles = []
+        runner.clock, runner.on_layers = LayerClock("cuda", profile_every=1), profiles.append
+        stop = threading.Event()
+        ranks = PHASES[phase][0]
+
+        def watch(phase=phase, ranks=ranks, stop=stop):
+            while not all(events[f"done/{phase}/{r}"].is_set() for r in range(ranks)):
+                if time.time() > args.deadline_at:
+                    break
+                time.sleep(0.05)
+            stop.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+        events[f"serving/{phase}"].set()
+        runner.serve(stop)
+        q.put((f"ffn_phase/{phase}", {
+            "steps": runner.steps_run, "replays": runner.graphs.replays, "eager": dict(runner.graphs.eager_steps),
+            "graph_mib": runner.graphs.memory_bytes / 2**20, "profiles": profiles,
+        }))
+    q.put(("log", "ffn: done"))
+
+
+# ---------------------------------------------------------------- attention ranks (GPU 0)
+def _connect(args, phase, rank, loaded, kv):
+    import torch
+
+    from afd.connector.factory import make_attention_connector
+    from afd.runners.attention_runner import AttentionRunner
+    from afd.runners.handshake import make_hello
+
+    afd = _afd_config(args, phase, "attention", rank)
+    connector = make_attention_connector(afd, torch.device("cuda"))
+    connector.handshake(make_hello(afd, loaded.spec, loaded.crossing, "random", "bfloat16"), afd.connect_timeout_s)
+    runner = AttentionRunner(loaded, connector, kv, afd.stages, False)
+    return runner, connector
+
+
+def _capture(runner, kv, buckets):
+    import torch
+
+    with torch.inference_mode():
+        runner.graphs = _graphs(runner.forward, kv, buckets, runner.stages,
+                                before=lambda size, mode: runner._send_plan(_split(size, runner.stages), mode))
+        runner.connector.wait_step()
+    return runner.graphs
+
+
+def _close(runner, connector):
+    import torch
+
+    torch.cuda.synchronize()
+    runner.graphs = None
+    _LEAKED.append(connector.comm)  # ncclCommAbort blocked here (>90 s) on the validation run: keep the pair
+    connector.comm = None
+    connector.close("benchmark done")  # Goodbye + zmq close only
+
+
+def attn0_main(args, q, events) -> None:
+    _setup(0, args.deadline_at)
+    import torch
+    from common import random_model
+
+    from afd.connector.nccl_lib import PairComm, UniqueId
+    from afd.models.loader import LoadedModel
+    from afd.runners.attention_runner import AttentionRunner
+    from afd.runners.monolithic import MonolithicRunner
+
+    config = _model_config(args.layers)
+    vocab, top = config["vocab_size"], max(args.batches)
+
+    # monolithic on this GPU, the same kernels, decode graphs over exactly the measured batches
+    model, spec, crossing = random_model(config, "monolithic")
+    kv = _kv_cache(model, top, args.context)
+    mono = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)
+    with torch.inference_mode():
+        mono.graphs = _graphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, args.batches, 1)
+    for batch in args.batches:
+        q.put((f"mono/{batch}", _time_steps(mono, kv, batch, args.steps, args.context, vocab)))
+    q.put(("mono_replays", mono.graphs.replays))
+    del mono, model, kv
+    torch.cuda.empty_cache()
+
+    # attention share: attention-only step (no FFN behind it), same split and graphs as phase A
+    model, spec, crossing = random_model(config, "attention")
+    loaded = LoadedModel(model, spec, crossing, "random")
+    kv = _kv_cache(model, top, args.context)
+    for stages in (2, 1):
+        solo = AttentionRunner(loaded, _NoFFN(), kv, stages, False)
+        _capture(solo, kv, args.batches)
+        for batch in args.batches:
+            q.put((f"attn_only/s{stages}/{batch}", _time_steps(solo, kv, batch, args.steps, args.context, vocab)))
+        solo.graphs = None
+    torch.cuda.empty_cache()
+
+    # bare NCCL ping-pong with the FFN rank (attention is pair rank 1)
+    if not events["uid"].wait(max(1.0, args.deadline_at - time.time())):
+        raise TimeoutError("no NCCL id from the ffn rank")
+    uid = args_uid_from_queue(events)
+    comm = PairComm(UniqueId.from_hex(uid), 1, torch.device("cuda"))
+    q.put(("bare_attn_side", _pingpong(comm, 1, args.rows, spec.hidden_size)))
+    torch.cuda.synchronize()
+    comm.close()
+
+    for phase in ("A", "B"):
+        events[f"serving/{phase}"].wait(max(1.0, args.deadline_at - time.time()))
+        runner, connector = _connect(args, phase, 0, loaded, kv)
+        graphs = _capture(runner, kv, args.batches)
+        q.put((f"afd_graph_mib/{phase}", graphs.memory_bytes / 2**20))
+        for batch in args.batches:
+            q.put((f"afd/{phase}/{batch}", _time_steps(runner, kv, batch, args.steps, args.context, vocab)))
+            q.put((f"profile/{phase}/{batch}", _profile_steps(runner, kv, batch, args.profile_steps, args.context, vocab)))
+        q.put((f"attn_phase/{phase}/0", {"replays": graphs.replays, "eager_steps": runner.eager_steps,
+                                         "profiled_eager": runner.profiled_eager_steps}))
+        _close(runner, connector)
+        events[f"done/{phase}/0"].set()
+    _phase_c(args, q, events, 0, loaded, kv)
+
+
+def args_uid_from_queue(events) -> str:
+    return events["uid_box"].get(timeout=30)
+
+
+def _phase_c(args, q, events, rank, loaded, kv) -> None:
+    vocab = _model_config(args.layers)["vocab_size"]
+    halves = [batch // 2 for batch in args.batches]
+    events["serving/C"].wait(max(1.0, args.deadline_at - time.time()))
+    runner, connector = _connect(args, "C", rank, loaded, kv)
+    barrier = events["barrier"]
+    barrier.wait(timeout=120)
+    graphs = _capture(runner, kv, halves)
+    for batch, half in zip(args.batches, halves):
+        barrier.wait(timeout=120)
+        q.put((f"afd/C/{batch}/{rank}", _time_steps(runner, kv, half, args.steps, args.context, vocab)))
+    q.put((f"attn_phase/C/{rank}", {"replays": graphs.replays, "eager_steps": runner.eager_steps}))
+    barrier.wait(timeout=120)
+    _close(runner, connector)
+    events[f"done/C/{rank}"].set()
+
+
+def attn1_main(args, q, events) -> None:
+    _setup(0, args.deadline_at)
+    import torch  # noqa: F401
+    from common import random_model
+
+    from afd.models.loader import LoadedModel
+
+    config = _model_config(args.layers)
+    model, spec, crossing = random_model(config, "attention", seed=1)
+    kv = _kv_cache(model, max(args.batches) // 2, args.context)
+    events["serving/C"].wait(max(1.0, args.deadline_at - time.time()))
+    _phase_c(args, q, events, 1, LoadedModel(model, spec, crossing, "random"), kv)
+
+
+def _child(target, args, q, events, name):
+    code = 0
+    try:
+        target(args, q, events)
+    except BaseException:
+        q.put(("error", f"{name}: {traceback.format_exc()}"))
+        code = 1
+    q.close()
+    q.join_thread()  # what was put reaches the parent before the hard exit below
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no atexit/NCCL teardown that could hang
+
+
+# ---------------------------------------------------------------- report
+def _median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def transfer_split(attn_profiles, ffn_profiles) -> dict:
+    """Per-layer one-way in-step transfer µs: (attention recv(L) - FFN compute(L)) / 2, stages=1 steps."""
+    one_way, recv, compute = [], [], []
+    for attn, ffn in zip(attn_profiles, ffn_profiles):
+        a = {layer: s for kind, layer, s in attn if kind == "recv"}
+        f = {layer: s for kind, layer, s in ffn if kind == "compute"}
+        for layer in sorted(set(a) & set(f)):
+            recv.append(a[layer] * 1e6)
+            compute.append(f[layer] * 1e6)
+            one_way.append((a[layer] - f[layer]) / 2 * 1e6)
+    return {"one_way_us": _median(one_way), "attn_recv_us": _median(recv), "ffn_compute_us": _median(compute), "samples": len(one_way)}
+
+
+def report(args, r: dict) -> dict:
+    rows, hidden = [], 2048
+    print(f"\nDeepSeek-V2-Lite shape, {args.layers} layers (first dense), random bf16, context {args.context}, "
+          f"median of {args.steps} steps; AFD = 1A1F over NCCL, gate on FFN, CUDA graphs on both sides")
+    print("\n(b) decode step: AFD (stages=2, DBO) on 2 GPUs vs monolithic on 1 GPU")
+    print(f"{'batch':>5} {'mono ms':>8} {'mono tok/s/GPU':>15} {'AFD ms':>7} {'AFD tok/s/GPU':>14} {'attn-only ms':>13} "
+          f"{'ffn-only ms':>12} {'overlap eff':>12} {'AFD s=1 ms':>11}")
+    for batch in args.batches:
+        mono, afd = r.get(f"mono/{batch}", {}).get("ms"), r.get(f"afd/A/{batch}", {}).get("ms")
+        attn, ffn = r.get(f"attn_only/s2/{batch}", {}).get("ms"), r.get(f"ffn_only/s2/{batch}")
+        afd1 = r.get(f"afd/B/{batch}", {}).get("ms")
+        row = {"batch": batch, "mono_ms": mono, "afd_ms": afd, "attn_only_ms": attn, "ffn_only_ms": ffn, "afd_stages1_ms": afd1,
+               "attn_only_stages1_ms": r.get(f"attn_only/s1/{batch}", {}).get("ms"), "ffn_only_stages1_ms": r.get(f"ffn_only/s1/{batch}")}
+        row["mono_tok_s_gpu"] = batch / mono * 1e3 if mono else None
+        row["afd_tok_s_gpu"] = batch / afd * 1e3 / 2 if afd else None
+        row["overlap_eff"] = max(attn, ffn) / afd if afd and attn and ffn else None
+        rows.append(row)
+        f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        print(f"{batch:>5} {f(mono):>8} {f(row['mono_tok_s_gpu'], 0):>15} {f(afd):>7} {f(row['afd_tok_s_gpu'], 0):>14} "
+              f"{f(attn):>13} {f(ffn):>12} {f(row['overlap_eff']):>12} {f(afd1):>11}")
+
+    print("\n(c) per-layer transfer inside a step (phase B, stages=1, profiled eager steps) vs bare NCCL ping-pong, same run")
+    print(f"{'rows':>5} {'KiB':>6} {'in-step one-way us':>19} {'attn recv(L) us':>16} {'ffn compute(L) us':>18} {'bare one-way us':>16}")
+    transfers = []
+    ffn_profiles = r.get("ffn_phase/B", {}).get("profiles", [])
+    offset = 0
+    for batch in args.batches:
+        attn = r.get(f"profile/B/{batch}", [])
+        split = transfer_split(attn, ffn_profiles[offset: offset + len(attn)])
+        offset += len(attn)
+        bare = r.get("bare_attn_side", {}).get(batch)
+        transfers.append({"rows": batch, "bytes": batch * hidden * 2, **split, "bare_one_way_us": bare})
+        print(f"{batch:>5} {batch * hidden * 2 / 1024:>6.0f} {split['one_way_us']:>19.1f} {split['attn_recv_us']:>16.1f} "
+              f"{split['ffn_compute_us']:>18.1f} {bare if bare is not None else float('nan'):>16.1f}")
+    print("bare ping-pong one-way us by rows (attention side):", {k: round(v, 1) for k, v in r.get("bare_attn_side", {}).items()})
+    dbo_wait = {}
+    for batch in args.batches:
+        profs = r.get(f"profile/A/{batch}", [])
+        dbo_wait[batch] = _median([s * 1e6 for p in profs for kind, _, s in p if kind == "recv"])
+    print("phase A (stages=2) attention recv wait per layer x stage, median us:", {k: round(v, 1) for k, v in dbo_wait.items()})
+
+    print("\n(e) 2A1F (two attention ranks on GPU 0, FFN aggregates both in one step) vs 1A1F, same total batch, stages=2, graphs")
+    print(f"{'total batch':>11} {'1A1F ms':>8} {'1A1F tok/s':>11} {'2A1F ms r0/r1':>15} {'2A1F tok/s':>11} {'ratio':>6}")
+    two = []
+    for batch in args.batches:
+        one = r.get(f"afd/A/{batch}", {}).get("ms")
+        r0, r1 = r.get(f"afd/C/{batch}/0", {}).get("ms"), r.get(f"afd/C/{batch}/1", {}).get("ms")
+        step = max(r0, r1) if r0 and r1 else None
+        entry = {"batch": batch, "one_a_ms": one, "two_a_ms": [r0, r1], "one_a_tok_s": batch / one * 1e3 if one else None,
+                 "two_a_tok_s": batch / step * 1e3 if step else None}
+        entry["ratio"] = entry["two_a_tok_s"] / entry["one_a_tok_s"] if step and one else None
+        two.append(entry)
+        f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        print(f"{batch:>11} {f(one):>8} {f(entry['one_a_tok_s'], 0):>11} {f(r0) + '/' + f(r1):>15} {f(entry['two_a_tok_s'], 0):>11} {f(entry['ratio']):>6}")
+    checks = {k: v for k, v in r.items() if k.startswith(("attn_phase", "mono_replays", "afd_graph_mib"))}
+    checks.update({k: {kk: vv for kk, vv in v.items() if kk != "profiles"} for k, v in r.items() if k.startswith("ffn_phase")})
+    print("\ngraph use:", json.dumps(checks))
+    return {"args": {k: v for k, v in vars(args).items() if k not in ("ports",)}, "decode": rows, "transfer": transfers,
+            "dbo_recv_wait_us": dbo_wait, "two_a_one_f": two, "graph_use": checks, "raw": {k: v for k, v in r.items() if not k.startswith(("profile", "ffn_phase"))}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=27)
+    parser.add_argument("--batches", default="32,128,512")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--deadline", type=float, default=420.0, help="seconds until every child is killed")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.rows = sorted(set(args.batches))
+    args.deadline_at = time.time() + args.deadline
+    sys.path.insert(0, str(HERE.parent / "runtime"))
+    from afd.processes import free_port_block
+
+    args.ports = {phase: free_port_block(2) + 0 for phase in PHASES}
+    if len(set(args.ports.values())) < len(PHASES):
+        args.ports = {phase: port + 2 * i for i, (phase, port) in enumerate(args.ports.items())}
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    events = {"uid": ctx.Event(), "uid_box": ctx.Queue(), "barrier": ctx.Barrier(2)}
+    for phase, (ranks, _, _) in PHASES.items():
+        events[f"serving/{phase}"] = ctx.Event()
+        for rank in range(ranks):
+            events[f"done/{phase}/{rank}"] = ctx.Event()
+    procs = {name: ctx.Process(target=_child, args=(fn, args, q, events, name), name=name, daemon=True)
+             for name, fn in (("ffn", ffn_main), ("attn-0", attn0_main), ("attn-1", attn1_main))}
+    for p in procs.values():
+        p.start()
+    results, errors, started = {}, [], time.time()
+    try:
+        while time.time() < args.deadline_at:
+            try:
+                key, value = q.get(timeout=0.5)
+            except queue_mod.Empty:
+                key = None
+            if key == "uid":
+                events["uid_box"].put(value)
+            elif key == "log":
+                print(f"[{time.time() - started:6.1f}s] {value}", flush=True)
+            elif key == "error":
+                errors.append(value)
+                print(f"[{time.time() - started:6.1f}s] ERROR {value}", flush=True)
+                break
+            elif key is not None:
+                results[key] = value
+                if not key.startswith(("profile", "ffn_phase")):
+                    print(f"[{time.time() - started:6.1f}s] {key}: {value}", flush=True)
+            if key is None and not any(p.is_alive() for p in procs.values()):
+                break
+        else:
+            errors.append(f"deadline of {args.deadline:.0f} s passed")
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in procs.values():
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        while True:  # what the children sent before they ended
+            try:
+                key, value = q.get_nowait()
+            except (queue_mod.Empty, OSError, EOFError):
+                break
+            if key not in ("log", "uid", "error"):
+                results[key] = value
+    summary = report(args, results)
+    summary["errors"] = errors
+    summary["exit_codes"] = {name: p.exitcode for name, p in procs.items()}
+    out = Path(os.environ.get("OUT", "."))
+    (out / "afd_decode.json").write_text(json.dumps(summary, indent=2, default=str))
+    print("exit codes:", summary["exit_codes"], "errors:", len(errors), f"wall {time.time() - started:.0f} s")
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()
