@@ -7,7 +7,7 @@ from torch import nn
 
 from afd.models.attention import AttentionBatch, cached_attention
 from afd.models.base import DecoderLayer, MoECausalLM
-from afd.models.layers import GatedMLP, MoE, RMSNorm, Routing, apply_rope_pairs, rope_cos_sin, rope_inv_freq, yarn_mscale
+from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_pairs, yarn_mscale
 from afd.models.spec import ModelSpec, rope_parameters
 
 
@@ -42,7 +42,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = qk_dim**-0.5
         if self.rope["rope_type"] != "default" and self.rope.get("mscale_all_dim"):
             self.scale *= yarn_mscale(self.rope["factor"], self.rope["mscale_all_dim"]) ** 2
-        self._inv_freq: torch.Tensor | None = None  # computed on first use, never loaded
+        self.rotary = Rotary(self.rope, self.rope_dim)
         self.kv_layout = (heads, qk_dim, self.v_dim)
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
@@ -52,10 +52,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(tokens, self.heads, -1)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, heads, *]
-        if self._inv_freq is None:
-            inv_freq, self._rope_factor = rope_inv_freq(self.rope, self.rope_dim)
-            self._inv_freq = inv_freq.to(x.device)
-        cos, sin = rope_cos_sin(self._inv_freq, batch.positions, self._rope_factor)
+        cos, sin = self.rotary(batch.positions)
         q_pe = apply_rope_pairs(q_pe, cos, sin)
         k_pe = apply_rope_pairs(k_pe.view(tokens, 1, self.rope_dim), cos, sin)
         q = torch.cat((q_nope, q_pe), dim=-1)

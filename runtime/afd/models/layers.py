@@ -186,6 +186,21 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+class Rotary:
+    """cos/sin of token positions for one RoPE setting; frequencies computed once, on first use."""
+
+    def __init__(self, rope: dict, dim: int):
+        self.rope, self.dim = rope, dim
+        self._inv_freq: torch.Tensor | None = None  # never a parameter: nothing to load
+        self.factor = 1.0
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq is None:
+            inv_freq, self.factor = rope_inv_freq(self.rope, self.dim)
+            self._inv_freq = inv_freq.to(positions.device)
+        return rope_cos_sin(self._inv_freq, positions, self.factor)
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of `positions` × `inv_freq`, both scaled by the attention factor: [T, dim/2]."""
     angles = positions.float().unsqueeze(-1) * inv_freq

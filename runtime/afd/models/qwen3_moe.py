@@ -7,7 +7,7 @@ from torch import nn
 
 from afd.models.attention import AttentionBatch, cached_attention
 from afd.models.base import DecoderLayer, MoECausalLM
-from afd.models.layers import GatedMLP, MoE, RMSNorm, Routing, apply_rope_halves, rope_cos_sin, rope_inv_freq
+from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_halves
 from afd.models.spec import ModelSpec, rope_parameters
 
 
@@ -31,7 +31,7 @@ class GroupedQueryAttention(nn.Module):
         self.rope_dim = int(self.head_dim * self.rope.get("partial_rotary_factor", 1.0))
         if self.rope_dim != self.head_dim:
             raise ValueError("partial_rotary_factor < 1 is not supported for qwen3_moe")
-        self._inv_freq: torch.Tensor | None = None  # computed on first use, never loaded
+        self.rotary = Rotary(self.rope, self.head_dim)
         self.kv_layout = (self.kv_heads, self.head_dim, self.head_dim)
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
@@ -39,10 +39,7 @@ class GroupedQueryAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(tokens, self.heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(tokens, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        if self._inv_freq is None:
-            inv_freq, self._rope_factor = rope_inv_freq(self.rope, self.head_dim)
-            self._inv_freq = inv_freq.to(x.device)
-        cos, sin = rope_cos_sin(self._inv_freq, batch.positions, self._rope_factor)
+        cos, sin = self.rotary(batch.positions)
         q, k = apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin)
         out = cached_attention(q, k, v, cache_k, cache_v, batch, self.head_dim**-0.5)
         return self.o_proj(out.reshape(tokens, -1))
