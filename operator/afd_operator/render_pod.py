@@ -8,6 +8,7 @@ StatefulSet ordinal in `$HOSTNAME`, which the runtime reads itself.
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 from afd_operator import labels as L
@@ -41,6 +42,13 @@ def model_path(spec: AFDDeploymentSpec) -> str:
     return MODEL_DIR
 
 
+def _engine_env(afd, role: str) -> dict:
+    """Attention pods running vLLM: the engine switch and vLLM's extra arguments."""
+    if role != "attention" or afd.attention_engine == "afd":
+        return {}
+    return {"AFD_ATTENTION_ENGINE": afd.attention_engine, "AFD_VLLM_ARGS": shlex.join(afd.vllm_args)}
+
+
 def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, revision: str) -> list[dict]:
     """The AFD_* environment of one role pod (the rank comes from $HOSTNAME)."""
     afd, ports = spec.afd, spec.ports
@@ -58,6 +66,7 @@ def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         "AFD_MODEL": model_path(spec),
         "AFD_HTTP_PORT": ports.http,
         "AFD_METRICS_PORT": ports.metrics,
+        **_engine_env(afd, role),
         # Both roles of a group share it; a pod of another group or revision is refused.
         "AFD_GROUP_TOKEN": f"{L.group_name(owner.name, index)}-{revision}",
         "AFD_CONFIG_FILE": CONFIG_FILE,
@@ -114,7 +123,7 @@ def _container(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
     resources = _role(spec, role).resources.model_dump(exclude_defaults=True)
     container = {
         "name": role,
-        "image": spec.image,
+        "image": (spec.afd.attention_image or spec.image) if role == "attention" else spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["afd", "serve"],
         "env": render_env(spec, owner, index, role, revision),

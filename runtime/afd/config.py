@@ -67,6 +67,7 @@ class AFDConfig:
     cuda_graphs: bool = False  # decode graphs on attention, a step-graph cache on the FFN (nccl connector, CUDA)
     ffn_batch_window_s: float = 0.0  # FFN: wait up to this long for every peer's plan so their rows share a step
     attention_engine: str = "afd"  # attention role: our engine, or vLLM's OpenAI server with afd.vllm_plugin
+    vllm_args: str = ""  # extra arguments for vLLM's server (attention_engine=vllm), shell-quoted
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
@@ -173,6 +174,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_CUDA_GRAPHS": "cuda_graphs",
     "AFD_FFN_BATCH_WINDOW_S": "ffn_batch_window_s",
     "AFD_ATTENTION_ENGINE": "attention_engine",
+    "AFD_VLLM_ARGS": "vllm_args",
 }
 
 _FIELD_TYPES = {f.name: f.type for f in fields(AFDConfig)}

@@ -38,6 +38,10 @@ CASES = {
         gangScheduling={"enabled": True, "scheduler": "scheduler-plugins", "timeoutSeconds": 120},
         placement={"topologyKey": "kubernetes.io/hostname"},
     ),
+    "1g-2a1f-zmq-vllm": make_cr(
+        name="vllm", afd={"attentionEngine": "vllm", "attentionImage": "registry.example/afd-vllm:0.1.0",
+                          "vllmArgs": ["--enforce-eager", "--max-num-seqs", "32"]},
+    ),
     "1g-2a1f-zmq-netpol-uid": make_cr(
         name="locked", networkPolicy={"enabled": True}, podSecurity={"runAsUser": 2000, "runAsGroup": 3000,
                                                                       "fsGroup": 4000},
