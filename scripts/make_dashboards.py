@@ -115,8 +115,9 @@ def layers() -> dict:
 def connector() -> dict:
     return dashboard("afd-connector", "AFD / Connector and CUDA graphs", [
         panel("Peers up", [(f"afd_peer_up{sel()}", "{{role}} {{rank}} ↔ {{peer}}")]),
-        panel("Re-handshakes and rejected messages", [
+        panel("Re-handshakes, refused handshakes and rejected messages", [
             (f"sum by (role, rank) (increase(afd_peer_reconnects_total{sel()}[{RATE}]))", "reconnects {{role}} {{rank}}"),
+            (f"sum by (rank) (increase(afd_handshake_failures_total{sel()}[{RATE}]))", "refused hellos ffn {{rank}}"),
             (f"sum by (reason) (increase(afd_rejected_messages_total{sel()}[{RATE}]))", "rejected: {{reason}}")]),
         panel("Transfer bandwidth", [(f"sum by (role, direction) (rate(afd_transfer_bytes_total{sel()}[{RATE}]))", "{{role}} {{direction}}")], "Bps"),
         panel("FFN steps/s", [(f"sum by (rank) (rate(afd_ffn_steps_total{sel()}[{RATE}]))", "ffn {{rank}}")]),

@@ -21,7 +21,7 @@ def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, e
 def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, runner, device) -> None:
     from afd.server.ffn_metrics import FFNMetrics
 
-    runner.observer = FFNMetrics(registry, config.rank, runner.connector)
+    runner.observer = FFNMetrics(registry, config.rank, runner.connector, runner)
     runner.clock = LayerClock(device, config.profile_every)
     runner.on_layers = LayerMetrics(registry, "ffn", config.rank).observe
     RunnerCollector(registry, "ffn", config.rank, runner)

@@ -8,6 +8,7 @@ while the FFN computes micro-batch 0, and the other way round.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ class AttentionRunner:
         self.clock = NullClock()  # per-layer timings of sampled steps (afd.metrics.layer_clock)
         self.on_layers = None  # receives (kind, layer, seconds) of each profiled step
         self.transfer_bytes = {"send": 0, "recv": 0}
+        self.capture_seconds = 0.0  # wall time of the last warm-up and capture
         hidden = loaded.spec.hidden_size
         logit_bytes = 4 * loaded.spec.num_experts if gate_on_attention else 0
         self._bytes_per_token = (len(self.crossing) * hidden, len(self.crossing) * hidden, logit_bytes * len(self.crossing))
@@ -126,6 +128,7 @@ class AttentionRunner:
     @torch.inference_mode()
     def capture_graphs(self, max_batch: int) -> DecodeGraphs:
         """Warm up and capture decode graphs up to `max_batch` sequences (the FFN follows the plans)."""
+        started = time.monotonic()
         buckets = decode_buckets(max_batch, self.stages)
         self.graphs = DecodeGraphs(
             self.forward, self.kv_cache, buckets, self.stages, self.kv_cache.keys[0].device,
@@ -133,6 +136,7 @@ class AttentionRunner:
         )
         self.graphs.capture_all()
         self.connector.wait_step()
+        self.capture_seconds = time.monotonic() - started
         return self.graphs
 
     def _collect(self, mb: _MicroBatch) -> None:

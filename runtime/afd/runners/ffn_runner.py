@@ -53,6 +53,7 @@ class FFNRunner:
         self.clock = NullClock()  # per-layer timings of the steps attention marks `profile`
         self.on_layers = None  # receives (kind, layer, seconds) of each profiled step
         self.transfer_bytes = {"send": 0, "recv": 0}
+        self.handshake_failures = 0
 
     def serve(self, stop: threading.Event) -> None:
         """The daemon loop; returns within one poll interval of `stop` being set, even mid-step."""
@@ -175,6 +176,7 @@ class FFNRunner:
         if reason is None and peer.decode(errors="replace") != f"attn-{hello.attention_rank}":
             reason = f"identity {peer!r} does not match attention rank {hello.attention_rank}"
         if reason:
+            self.handshake_failures += 1
             log.error("refused attention peer %s: %s", peer.decode(errors="replace"), reason)
             self.connector.send_control(peer, wire.HelloReply(False, self.ffn_rank, reason))
             return

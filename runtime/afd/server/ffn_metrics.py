@@ -11,7 +11,7 @@ from afd.server.serving_metrics import _LATENCY_BUCKETS, _TOKEN_BUCKETS
 class FFNMetrics:
     """FFN-runner observer; rejected-message counts are read from the connector at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry, rank: int, connector):
+    def __init__(self, registry: CollectorRegistry, rank: int, connector, runner=None):
         labels = {"role": "ffn", "rank": str(rank)}
         self._labels = labels
         self.step_duration = Histogram("afd_step_duration_seconds", "Wall time of one FFN step", list(labels),
@@ -21,6 +21,7 @@ class FFNMetrics:
         self.steps = Counter("afd_ffn_steps", "FFN steps run", list(labels), registry=registry).labels(**labels)
         self.peer_up = Gauge("afd_peer_up", "1 while the attention peer is connected", [*labels, "peer"], registry=registry)
         self.connector = connector
+        self.runner = runner
         registry.register(self)
 
     def on_step(self, seconds: float, rows: int) -> None:
@@ -37,6 +38,10 @@ class FFNMetrics:
         for reason, count in self.connector.rejected.items():
             family.add_metric([*self._labels.values(), reason], count)
         yield family
+        refused = CounterMetricFamily("afd_handshake_failures", "Hellos refused (mismatch, foreign group, unserved rank)",
+                                      labels=list(self._labels))
+        refused.add_metric(list(self._labels.values()), self.runner.handshake_failures if self.runner else 0)
+        yield refused
 
     def describe(self):
         return []
