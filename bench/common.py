@@ -69,7 +69,7 @@ def random_model(config: dict, role: str = "monolithic", gate_on_attention: bool
     """A `role`-pruned model with random bf16 weights on the current GPU (shared experts folded in)."""
     from afd.kernels.moe import fuse_shared_experts
     from afd.models import deepseek_v2
-    from afd.models.layers import MoE, RMSNorm, Router
+    from afd.models.layers import MoE, Router
     from afd.models.spec import parse_spec
     from afd.models.split import prune_for_role
     from afd.topology import crossing_layers

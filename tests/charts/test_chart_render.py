@@ -217,7 +217,7 @@ def _schema_at(schema: dict, path: list[str]) -> dict:
 # --- NOTES.txt --------------------------------------------------------------------------------
 
 def test_notes_tell_the_user_what_to_apply_next():
-    notes = render()[f"afd-operator/templates/NOTES.txt"]
+    notes = render()["afd-operator/templates/NOTES.txt"]
     assert f"kubectl -n {NAMESPACE} rollout status deployment/{FULLNAME}" in notes
     assert "kubectl apply -n <namespace> -f gpu-nccl-dsv2-lite.yaml" in notes
     assert "crd-upgrade hook Job" in notes

@@ -8,14 +8,10 @@ skips with the reason otherwise. scripts/build_images.py does the building; see 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 

@@ -10,7 +10,6 @@ import time
 
 import msgpack
 import pytest
-import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -13,7 +13,6 @@ from afd.config import AFDConfig
 from afd.connector.base import PeerLost
 from afd.models.loader import load_model
 from afd.roles import build_ffn
-from afd.topology import crossing_layers
 from afd.vllm_plugin import afd_architecture
 from afd.vllm_plugin.link import FFNLink
 from afd.vllm_plugin.serve import engine_env, engine_overrides, vllm_serve_argv
