@@ -75,7 +75,7 @@ def live_ffn(checkpoints):
 def foreign_socket(context, port, identity):
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, identity)
-    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.LINGER, 2000)  # closing right after the send must still deliver it
     socket.connect(f"tcp://127.0.0.1:{port}")
     return socket
 
