@@ -88,10 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--state-file", help="JSON file describing the API URL and every rank, kept current")
     up.add_argument("--no-demo", action="store_true", help="do not send the demo request once ready")
 
-    operator = commands.add_parser("operator", help="run the kopf operator (see 'afd operator --help')", add_help=False)
-    operator.add_argument("args", nargs=argparse.REMAINDER)
-    render = commands.add_parser("render", help="render an AFDDeployment to manifests offline", add_help=False)
-    render.add_argument("args", nargs=argparse.REMAINDER)
+    # listed for --help only: main() hands `operator` and `render` to afd_operator's own parsers
+    commands.add_parser("operator", help="run the kopf operator (see 'afd operator --help')", add_help=False)
+    commands.add_parser("render", help="render an AFDDeployment to manifests offline", add_help=False)
 
     batch = commands.add_parser("run-batch", help=argparse.SUPPRESS)
     batch.add_argument("--input", required=True)
@@ -250,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         return (operator_main if argv[0] == "operator" else render_main)(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("AFD_LOG_LEVEL", "INFO" if args.command in ("serve", "run-batch", "operator") else "WARNING"),
+        level=os.environ.get("AFD_LOG_LEVEL", "INFO" if args.command in ("serve", "run-batch") else "WARNING"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command in ("generate", "up"):

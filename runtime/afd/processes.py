@@ -127,9 +127,14 @@ def free_port_block(count: int, host: str = "127.0.0.1") -> int:
     top = max(low - count, 2048)
     for _ in range(500):
         base = random.randrange(1024 if top <= 10000 else 10000, top)
-        if all(_is_free(host, base + i) for i in range(count)):
+        block = set(range(base, base + count))
+        if not block & _handed_out and all(_is_free(host, port) for port in block):
+            _handed_out.update(block)  # a later block never overlaps one not bound yet
             return base
     raise RuntimeError(f"no block of {count} free ports found on {host}")
+
+
+_handed_out: set[int] = set()
 
 
 def _ephemeral_range() -> tuple[int, int]:

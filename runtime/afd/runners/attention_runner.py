@@ -52,8 +52,8 @@ class AttentionRunner:
         self.transfer_bytes = {"send": 0, "recv": 0}
         self.capture_seconds = 0.0  # wall time of the last warm-up and capture
         hidden = loaded.spec.hidden_size
-        logit_bytes = 4 * loaded.spec.num_experts if gate_on_attention else 0
-        self._bytes_per_token = (len(self.crossing) * hidden, len(self.crossing) * hidden, logit_bytes * len(self.crossing))
+        self._hidden_per_token = len(self.crossing) * hidden  # elements each way, per token and step
+        self._logit_bytes_per_token = len(self.crossing) * 4 * loaded.spec.num_experts if gate_on_attention else 0
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
@@ -87,9 +87,9 @@ class AttentionRunner:
 
     def _count_bytes(self, tokens: int, element: int) -> None:
         """Bytes this step moves, from its token count (also right for replayed graphs)."""
-        send_hidden, recv_hidden, logits = self._bytes_per_token
-        self.transfer_bytes["send"] += tokens * (send_hidden * element + logits)
-        self.transfer_bytes["recv"] += tokens * recv_hidden * element
+        hidden_bytes = tokens * self._hidden_per_token * element
+        self.transfer_bytes["send"] += hidden_bytes + tokens * self._logit_bytes_per_token
+        self.transfer_bytes["recv"] += hidden_bytes
 
     def forward(self, input_ids: torch.Tensor, micro: list) -> torch.Tensor:
         """The step's tensor work for (stage, batch, rows) micro-batches; capturable in a graph."""

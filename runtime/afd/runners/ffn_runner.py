@@ -19,6 +19,7 @@ import torch
 from afd.connector import wire
 from afd.connector.base import FFNTransfer
 from afd.connector.ffn_side import FFNConnector, Interrupted
+from afd.connector.tensors import DTYPES
 from afd.models.loader import LoadedModel
 from afd.metrics.layer_clock import NullClock
 from afd.runners.handshake import check_hello
@@ -108,7 +109,7 @@ class FFNRunner:
     def _count_bytes(self, plans: dict[bytes, wire.StepPlan]) -> None:
         """Bytes the step moves, from its plans (also right when a graph replays it)."""
         rows = sum(sum(plan.stage_tokens) for plan in plans.values())
-        element = 2 if self.expected.dtype in ("bfloat16", "float16") else 4
+        element = DTYPES[self.expected.dtype].itemsize
         per_row = len(self.crossing) * self.expected.hidden_size * element
         self.transfer_bytes["recv"] += rows * (per_row + len(self.crossing) * 4 * self.expected.router_width)
         self.transfer_bytes["send"] += rows * per_row
