@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("AFD_LOG_LEVEL", "INFO" if args.command in ("serve", "run-batch") else "WARNING"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
     if args.command in ("generate", "up"):
         signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up children on `kill` as on Ctrl-C
     try:

@@ -66,6 +66,7 @@ class AFDConfig:
     profile_every: int = 16  # per-layer timings on every N-th step (0: off)
     cuda_graphs: bool = False  # decode graphs on attention, a step-graph cache on the FFN (nccl connector, CUDA)
     ffn_batch_window_s: float = 0.0  # FFN: wait up to this long for every peer's plan so their rows share a step
+    dbo_min_tokens: int = 0  # stages=2: steps of fewer tokens run as one micro-batch (the FFN reads its weights once)
     attention_engine: str = "afd"  # attention role: our engine, or vLLM's OpenAI server with afd.vllm_plugin
     vllm_args: str = ""  # extra arguments for vLLM's server (attention_engine=vllm), shell-quoted
 
@@ -96,7 +97,7 @@ class AFDConfig:
                 f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
                 f"all {self.num_ffn_ranks} FFN ranks would share one address"
             )
-        for name in ("max_model_len", "port_stride", "kv_cache_bytes", "profile_every", "ffn_batch_window_s"):
+        for name in ("max_model_len", "port_stride", "kv_cache_bytes", "profile_every", "ffn_batch_window_s", "dbo_min_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
 
@@ -173,6 +174,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_PROFILE_EVERY": "profile_every",
     "AFD_CUDA_GRAPHS": "cuda_graphs",
     "AFD_FFN_BATCH_WINDOW_S": "ffn_batch_window_s",
+    "AFD_DBO_MIN_TOKENS": "dbo_min_tokens",
     "AFD_ATTENTION_ENGINE": "attention_engine",
     "AFD_VLLM_ARGS": "vllm_args",
 }

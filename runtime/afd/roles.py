@@ -30,6 +30,10 @@ def build_ffn(config: AFDConfig) -> FFNRunner:
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
     loaded = load_model(config.model, "ffn", config.gate_on_attention, torch_dtype(dtype), device)
+    if device.type == "cuda":
+        from afd.kernels.moe import warm_up
+
+        log.info("ffn rank %d: MoE kernels warmed up for %d token counts", config.rank, warm_up(loaded.model))
     expected = make_hello(config, loaded.spec, loaded.crossing, loaded.fingerprint, dtype)
     contract = DataContract(loaded.spec.hidden_size, dtype, expected.router_width)
     connector = make_ffn_connector(config, device, contract)
@@ -102,6 +106,7 @@ def build_attention(config: AFDConfig, cache_tokens: int) -> AttentionRole:
         connector.transport.close()
         raise
     runner = AttentionRunner(loaded, connector, kv_cache, config.stages, config.gate_on_attention)
+    runner.dbo_min_tokens = config.dbo_min_tokens
     if graphs_usable(config, device, dtype):
         try:  # warm-up and capture drive the FFN through their plans; Ready only after this
             graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks))

@@ -1,6 +1,8 @@
 """GPU path on the device machine: kernels, NCCL AFD parity with the monolith, graphs. Skips without CUDA."""
 
 import json
+import signal
+import time
 
 import pytest
 import torch
@@ -13,22 +15,40 @@ GPU_TOKENS = 32
 
 
 @pytest.mark.parametrize("kernel", ["triton", "grouped"])
-@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
-def test_moe_kernels_equal_the_reference(kernel, tokens, monkeypatch):
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300, 2100])
+@pytest.mark.parametrize("num_shared", [0, 2])
+def test_moe_kernels_equal_the_reference(kernel, tokens, num_shared, monkeypatch):
     from afd.kernels import moe
+    from afd.kernels.moe import add_shared
     from afd.models.layers import Experts
 
     monkeypatch.setenv("AFD_MOE_KERNEL", kernel)
     torch.manual_seed(tokens)
-    experts = Experts(16, 256, 128).cuda()
+    routed = 16
+    experts = Experts(routed + num_shared, 256, 128).cuda()
     experts.gate_up.data.normal_(0, 0.05)
     experts.down.data.normal_(0, 0.05)
     x = torch.randn(tokens, 256, device="cuda")
-    ids = torch.stack([torch.randperm(16, device="cuda")[:4] for _ in range(tokens)])
+    ids = torch.stack([torch.randperm(routed, device="cuda")[:4] for _ in range(tokens)])
     weights = torch.rand(tokens, 4, device="cuda")
-    reference = experts.double()(x.double(), weights.double(), ids)  # float64 per-expert path
-    out = moe.experts_cuda(x.bfloat16(), weights.bfloat16(), ids, experts.gate_up.bfloat16(), experts.down.bfloat16())
+    all_weights, all_ids = add_shared(weights.double(), ids, routed, num_shared)
+    reference = experts.double()(x.double(), all_weights, all_ids)  # float64 per-expert path
+    out = moe.experts_cuda(x.bfloat16(), weights.bfloat16(), ids, experts.gate_up.bfloat16(), experts.down.bfloat16(), num_shared)
     assert float((out.double() - reference).norm() / reference.norm()) < 1e-2
+
+
+def test_triton_moe_is_deterministic():
+    """The alignment's atomics reorder rows inside an expert's run; the output bits must not change."""
+    from afd.kernels.moe import experts_triton
+
+    torch.manual_seed(0)
+    gate_up = torch.randn(66, 2 * 128, 256, device="cuda", dtype=torch.bfloat16) * 0.05
+    down = torch.randn(66, 256, 128, device="cuda", dtype=torch.bfloat16) * 0.05
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    weights, ids = torch.rand(512, 64, device="cuda").topk(6, dim=-1)
+    first = experts_triton(x, weights.bfloat16(), ids, gate_up, down, 2)
+    for _ in range(5):
+        assert torch.equal(experts_triton(x, weights.bfloat16(), ids, gate_up, down, 2), first)
 
 
 def test_paged_decode_kernel_equals_sdpa():
@@ -103,8 +123,12 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn"):
         try:
             processes.wait(names, watch=["ffn-0"], timeout_s=600)
         except BaseException:  # pytest-timeout's failure is a BaseException
+            for name in ["ffn-0", *names]:  # every thread's stack into the child's log (afd.cli's faulthandler)
+                if processes.children[name].poll() is None:
+                    processes.children[name].send_signal(signal.SIGUSR1)
+            time.sleep(2)
             for name in ["ffn-0", *names]:  # the NCCL warnings are in the children's logs
-                print(f"--- {name} ---\n" + processes.log_path(name).read_text(errors="replace")[-3000:])
+                print(f"--- {name} ---\n" + processes.log_path(name).read_text(errors="replace")[-6000:])
             raise
         outputs = [json.loads((processes.workdir / f"a{rank}.out").read_text()) for rank in range(len(blocks))]
     tokens = [None] * len(PROMPTS)
@@ -118,8 +142,7 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn"):
 @pytest.mark.parametrize("topology, stages, graphs, gate", [
     ("1A1F", 1, False, "ffn"), ("1A1F", 2, False, "ffn"), ("1A1F", 1, True, "ffn"),
     ("1A1F", 2, True, "ffn"), ("2A1F", 2, True, "ffn"),
-    pytest.param("1A1F", 2, True, "attention", marks=pytest.mark.xfail(
-        run=False, reason="gate on attention over NCCL hung before its first step on the H200 run of 2026-11-30; cause not found")),
+    ("1A1F", 1, False, "attention"), ("1A1F", 2, True, "attention"),
 ])
 def test_bf16_afd_over_nccl_equals_bf16_monolithic(topology, stages, graphs, gate, checkpoints):
     reference, _ = monolithic(checkpoints["deepseek_v2"], torch.bfloat16, graphs=graphs)

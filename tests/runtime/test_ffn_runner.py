@@ -143,3 +143,23 @@ def test_shutdown_while_blocked_on_a_receive_returns_quickly(group):
     with pytest.raises(PeerLost, match="shutting down"):
         role.connector.recv_ffn_output(AttnTransfer(1, 0, 0))
     assert not [t for t in threading.enumerate() if t.name.startswith("ffn-")]
+
+
+def test_plans_sent_ahead_each_run_one_step_in_order(checkpoints):
+    """An attention rank may queue several plans before its rows (graph warm-up and capture do):
+    every plan runs its own step, in order, one per peer per step; a dropped peer's plans go."""
+    config = AFDConfig(num_attention_ranks=2, num_ffn_ranks=1, connector="loopback", model=str(checkpoints["qwen3_moe"]),
+                       ffn_address_template=f"ffn-test-{next(_counter)}", role="ffn")
+    runner = build_ffn(config)
+    try:
+        runner.peers.update({b"attn-0": 0, b"attn-1": 1})
+        for step, rows in ((1, 2), (2, 3), (3, 4)):
+            runner._on_control(b"attn-0", wire.StepPlan(step, (rows,)))
+        runner._on_control(b"attn-1", wire.StepPlan(7, (1,)))
+        first = runner._next_plans()
+        assert {peer: plan.step_id for peer, plan in first.items()} == {b"attn-0": 1, b"attn-1": 7}
+        assert [plan.step_id for plan in runner._next_plans().values()] == [2]
+        runner._drop(b"attn-0", "test")
+        assert runner._next_plans() == {}
+    finally:
+        runner.connector.close()

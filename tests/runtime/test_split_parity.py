@@ -48,3 +48,25 @@ def test_fewer_prompts_than_attention_ranks(checkpoints, hf_reference):
     tokens, _ = hf_reference("qwen3_moe")
     result = generate_in_threads(loopback_config(checkpoints["qwen3_moe"], "4A2F", 2, "ffn", tag="idle-"), PROMPTS[:1], NEW_TOKENS, ignore_eos=True)
     assert result.tokens == tokens[:1]
+
+
+def test_small_steps_under_dbo_min_tokens_run_as_one_micro_batch(checkpoints, hf_reference):
+    """stages=2 with a threshold above every step: the same tokens, and no plan ever fills stage 1."""
+    from afd.runners import attention_runner
+
+    tokens, _ = hf_reference("qwen3_moe")
+    plans = []
+    original = attention_runner.AttentionRunner._send_plan
+
+    def recording(self, stage_tokens, mode="eager", profile=False):
+        plans.append(stage_tokens)
+        return original(self, stage_tokens, mode, profile)
+
+    config = loopback_config(checkpoints["qwen3_moe"], "1A1F", 2, "ffn", tag="dbo-min-").replace(dbo_min_tokens=10_000)
+    attention_runner.AttentionRunner._send_plan = recording
+    try:
+        result = generate_in_threads(config, PROMPTS, NEW_TOKENS, ignore_eos=True)
+    finally:
+        attention_runner.AttentionRunner._send_plan = original
+    assert result.tokens == tokens
+    assert plans and all(len(p) == 2 and p[1] == 0 for p in plans)

@@ -64,10 +64,14 @@ class FFNConnector:
         return {}
 
     def drop_peer(self, peer: bytes, reason: str) -> None:
-        """Forget `peer` and its stashed rows; tell it why so it fails fast."""
+        """Forget `peer` and tell it why, so it fails fast."""
+        self.forget_peer(peer)
+        self.send_control(peer, wire.Goodbye(reason))
+
+    def forget_peer(self, peer: bytes, graceful: bool = False) -> None:
+        """Forget `peer` and its stashed rows (`graceful`: it said Goodbye; else it is being dropped)."""
         self._peers.discard(peer)
         self._stash = {key: value for key, value in self._stash.items() if key[0] != peer}
-        self.send_control(peer, wire.Goodbye(reason))
 
     # -- control plane ---------------------------------------------------------
     def poll_control(self, timeout_s: float) -> list[tuple[bytes, object]]:

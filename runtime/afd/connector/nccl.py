@@ -4,7 +4,9 @@ Each attention rank shares a two-rank communicator with its FFN rank; the FFN cr
 the unique id and ships it in the HelloReply, so no extra rendezvous port or global
 world is needed, and a pair is rebuilt by re-handshaking. No header travels with the
 tensors: both sides walk the same crossing layers × stages and every row count comes
-from the step plan (DESIGN §3), so NCCL's in-order delivery pairs the messages.
+from the step plan (DESIGN §3), so NCCL's in-order delivery pairs the messages. With the
+gate on attention, hidden rows and router logits travel packed as one message, so every
+transfer is exactly one message each way whichever side runs the gate.
 
 Deadlock freedom with ping-pong: a send is not issued on its own but grouped with the
 next receive of the same side (`ncclGroupStart/End`). Attention's "send layer L, stage
@@ -27,7 +29,7 @@ from afd.connector.attention_side import AttentionConnector
 from afd.connector.base import AttnTransfer, FFNTransfer, HandshakeError, PeerLost
 from afd.connector.ffn_side import DataContract, FFNConnector
 from afd.connector.nccl_lib import Group, NcclError, PairComm, UniqueId, new_unique_id
-from afd.connector.tensors import DTYPES
+from afd.connector.tensors import DTYPES, pack_rows, unpack_rows
 from afd.connector.wire import Hello, HelloReply
 
 log = logging.getLogger(__name__)
@@ -59,16 +61,16 @@ class NcclAttentionConnector(AttentionConnector):
 
     def handshake(self, hello: Hello, timeout_s: float) -> HelloReply:
         reply = super().handshake(hello, timeout_s)
+        if self.comm is not None:  # a re-handshake after the FFN came back: its old end is gone
+            self.comm.abort(wait_s=1.0)
         if not reply.nccl_id:
             raise HandshakeError(f"ffn rank {self.ffn_rank} offered no NCCL communicator (is it running with connector=nccl?)")
         self.comm = PairComm(UniqueId.from_hex(reply.nccl_id), ATTENTION_RANK_IN_PAIR, torch.device(self.device))
         return reply
 
     def send_attn_output(self, hidden: torch.Tensor, transfer: AttnTransfer, router_logits: torch.Tensor | None = None) -> None:
-        """Queue [tokens, hidden] (and float32 [tokens, experts]); they leave with the next receive."""
-        self._pending.append(hidden.contiguous())
-        if router_logits is not None:
-            self._pending.append(router_logits.float().contiguous())
+        """Queue [tokens, hidden] (packed with float32 [tokens, experts] logits); it leaves with the next receive."""
+        self._pending.append(hidden.contiguous() if router_logits is None else pack_rows(hidden, router_logits))
         self._shapes[(transfer.layer, transfer.stage)] = (hidden.shape[0], hidden.shape[1], hidden.dtype)
 
     def recv_ffn_output(self, transfer: AttnTransfer) -> torch.Tensor:
@@ -98,8 +100,10 @@ class NcclAttentionConnector(AttentionConnector):
         try:
             super().close(reason)
         finally:
-            if self.comm is not None:
-                self.comm.abort()
+            # every step ended with wait_step (a stuck one aborted the pair there): nothing is in flight
+            if self.comm is not None and not self.comm.close():
+                log.warning("NCCL teardown of the pair with ffn rank %d still running; carrying on", self.ffn_rank)
+            self.comm = None
 
 
 class NcclFFNConnector(FFNConnector):
@@ -148,20 +152,21 @@ class NcclFFNConnector(FFNConnector):
         """Every peer's rows received straight into one [sum(rows), hidden] buffer, in peer order."""
         self.failed_peers = {}
         comms = [self._comm(peer) for peer in transfer.peers]
-        total = sum(transfer.rows)
-        hidden = torch.empty(total, self.contract.hidden_size, dtype=self.dtype, device=self.device)
-        logits = None
-        if self.contract.logit_cols:
-            logits = torch.empty(total, self.contract.logit_cols, dtype=torch.float32, device=self.device)
+        total, cols = sum(transfer.rows), self.contract.logit_cols
+        if cols:  # hidden and logits travel packed in one message per peer (`pack_rows`)
+            buffer = torch.empty(total, self.contract.hidden_size * self.dtype.itemsize + 4 * cols, dtype=torch.uint8, device=self.device)
+        else:
+            buffer = torch.empty(total, self.contract.hidden_size, dtype=self.dtype, device=self.device)
         with Group():
             self._issue_pending()
             start = 0
             for comm, rows in zip(comms, transfer.rows):
-                comm.recv(hidden[start : start + rows])
-                if logits is not None:
-                    comm.recv(logits[start : start + rows])
+                comm.recv(buffer[start : start + rows])
                 start += rows
-        return transfer, hidden, logits
+        if cols:
+            hidden, logits = unpack_rows(buffer, self.contract.hidden_size, self.dtype, cols)
+            return transfer, hidden, logits
+        return transfer, buffer, None
 
     def send_ffn_output(self, output: torch.Tensor, transfer: FFNTransfer) -> None:
         """Queue each peer's rows; they leave with the next receive or at the end of the step."""
@@ -190,14 +195,16 @@ class NcclFFNConnector(FFNConnector):
             self._forget(peer)
         return peers
 
-    def drop_peer(self, peer: bytes, reason: str) -> None:
-        super().drop_peer(peer, reason)
-        self._forget(peer)
+    def forget_peer(self, peer: bytes, graceful: bool = False) -> None:
+        super().forget_peer(peer, graceful)
+        self._forget(peer, graceful)
 
-    def _forget(self, peer: bytes) -> None:
+    def _forget(self, peer: bytes, graceful: bool = False) -> None:
         comm = self.comms.pop(peer, None)
         if comm is not None:
-            comm.abort()
+            teardown = comm.close if graceful else comm.abort  # Goodbye between steps: nothing in flight
+            if not teardown(wait_s=1.0):  # other peers wait on this loop: do not hold it long
+                log.warning("NCCL teardown of the pair with %s still running; carrying on", peer.decode(errors="replace"))
             self.generation += 1
         self._inits.pop(peer, None)
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import threading
 
 import torch
 
 NCCL_UINT8 = 1
+ABORT_WAIT_S = 5.0
 
 
 class NcclError(RuntimeError):
@@ -154,13 +156,24 @@ class PairComm:
         count = tensor.numel() * tensor.element_size()
         library().check(fn(ctypes.c_void_p(tensor.data_ptr()), count, NCCL_UINT8, self.peer, self._comm, ctypes.c_void_p(stream)), what)
 
-    def abort(self) -> None:
-        """Tear down at once, unblocking any transfer still waiting on the peer."""
-        if self._comm is not None:
-            library().lib.ncclCommAbort(self._comm)
-            self._comm = None
+    def abort(self, wait_s: float = ABORT_WAIT_S) -> bool:
+        """Tear down, unblocking any transfer still waiting on the peer; True when done in `wait_s`.
 
-    def close(self) -> None:
-        if self._comm is not None:
-            library().lib.ncclCommDestroy(self._comm)
-            self._comm = None
+        `ncclCommAbort` was seen to block for over 90 s while the peer still held its end,
+        so it runs on a daemon thread and the caller waits at most `wait_s`: a shutdown or
+        a re-handshake is never held up by a peer that does not answer.
+        """
+        return self._release(library().lib.ncclCommAbort, wait_s)
+
+    def close(self, wait_s: float = ABORT_WAIT_S) -> bool:
+        """Graceful teardown (`ncclCommDestroy`) for a link with no transfer in flight; bounded like `abort`."""
+        return self._release(library().lib.ncclCommDestroy, wait_s)
+
+    def _release(self, teardown, wait_s: float) -> bool:
+        if self._comm is None:
+            return True
+        comm, self._comm = self._comm, None
+        worker = threading.Thread(target=teardown, args=(comm,), name="nccl-teardown", daemon=True)
+        worker.start()
+        worker.join(wait_s)
+        return not worker.is_alive()

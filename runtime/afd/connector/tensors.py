@@ -30,3 +30,16 @@ def from_frame(frame: bytes, rows: int, cols: int, dtype_name: str, device: torc
         return torch.empty(rows, cols, dtype=dtype, device=device)
     data = torch.frombuffer(bytearray(frame), dtype=torch.uint8).view(dtype).view(rows, cols)
     return data.to(device)
+
+
+def pack_rows(hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[T, H] hidden and [T, E] float32 logits as one [T, bytes] uint8 tensor: one message per transfer."""
+    return torch.cat((hidden.contiguous().view(torch.uint8), logits.float().contiguous().view(torch.uint8)), dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, hidden_size: int, dtype: torch.dtype, logit_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_rows`: views (no copy) of the hidden rows and the float32 logits."""
+    split = hidden_size * dtype.itemsize
+    if packed.shape[1] != split + 4 * logit_cols or split % 4:
+        raise ProtocolError(f"packed rows of {packed.shape[1]} bytes do not hold {hidden_size} x {dtype} + {logit_cols} x float32")
+    return packed[:, :split].view(dtype), packed[:, split:].view(torch.float32)

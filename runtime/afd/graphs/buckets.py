@@ -38,10 +38,17 @@ def capture_order(buckets: Iterable[int]) -> list[int]:
     return sorted(buckets, reverse=True)
 
 
-def stage_split(padded: int, stages: int) -> tuple[int, ...]:
-    """Per-stage token counts of a padded decode batch (one token per sequence)."""
+def stage_split(padded: int, stages: int, min_split: int = 0) -> tuple[int, ...]:
+    """Per-stage token counts of a padded decode batch (one token per sequence).
+
+    With two stages, a batch under `min_split` tokens stays whole in stage 0 (the
+    second stage is empty): splitting pays only when the FFN's compute, not its weight
+    reads, dominates, since each stage reads the touched expert weights again.
+    """
     if stages == 1:
         return (padded,)
+    if padded < min_split:
+        return (padded, 0)
     return (padded - padded // 2, padded // 2)
 
 

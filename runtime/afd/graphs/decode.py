@@ -31,8 +31,9 @@ class DecodeGraphs:
     """One captured decode step per bucket; `run` replays the right one or returns None."""
 
     def __init__(self, body: Body, kv_cache: KVCache, buckets: tuple[int, ...], stages: int, device: torch.device,
-                 before: Callable[[int, str], None] | None = None):
+                 before: Callable[[int, str], None] | None = None, min_split: int = 0):
         self.body, self.kv_cache, self.buckets, self.stages = body, kv_cache, buckets, stages
+        self.min_split = min_split  # buckets under this many tokens run as one micro-batch (see stage_split)
         self.device, self.before = device, before or (lambda size, mode: None)
         self.pool = make_pool(device)
         largest, width = max(buckets), kv_cache.num_blocks + 1
@@ -74,7 +75,9 @@ class DecodeGraphs:
 
     def _micro(self, size: int) -> list:
         micro, start = [], 0
-        for stage, rows in enumerate(stage_split(size, self.stages)):
+        for stage, rows in enumerate(stage_split(size, self.stages, self.min_split)):
+            if not rows:
+                continue
             part = slice(start, start + rows)
             batch = AttentionBatch.for_decode(
                 self.meta[1, part], self.meta[2, part], self.tables[part], self.seq_lens[part], self.kv_cache.block_size

@@ -1,7 +1,8 @@
 """Routed (and fused shared) experts on CUDA without a host synchronisation.
 
 Two implementations of one function, `experts(x, weights, ids, gate_up, down)`:
-`triton` (two fused kernels, `moe_triton`) and `grouped` (`torch._grouped_mm` with a
+`triton` (alignment + two fused GEMM kernels, `moe_triton`, with block sizes from a
+table tuned per shape and device by `bench/moe_tune.py`) and `grouped` (`torch._grouped_mm` with a
 gather and a reordering pass). Both are capturable in CUDA graphs: every shape follows
 from the token count, never from the routing. `AFD_MOE_KERNEL` picks one
 (auto|triton|grouped); auto prefers Triton when it imports.
@@ -12,7 +13,10 @@ with weight 1 (`fuse_shared_experts`), so one kernel pair does the whole MoE lay
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,42 +33,34 @@ def kernel_choice() -> str:
     return choice
 
 
-def tile_config(num_pairs: int, num_experts: int) -> dict:
-    """Triton block sizes for `num_pairs` token→expert pairs (pure; a function of shapes only)."""
-    per_expert = num_pairs / max(num_experts, 1)
-    if per_expert <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 64, 64, 4, 4
-    elif per_expert <= 48:
-        block_m, block_n, block_k, warps, stages = 32, 64, 64, 4, 4
-    else:
-        block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 4
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+DEFAULT_CONFIGS = {  # tokens → settings; used where no tuned table fits the shapes and device
+    1: {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+        "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}},
+    256: {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+          "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}},
+    1024: {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+           "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}},
+}
+CONFIG_DIR = Path(__file__).with_name("configs")
 
 
-def align_pairs(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs sorted by expert, each expert's run padded to a multiple of `block_m`.
+def config_name(num_experts: int, hidden: int, inter: int, device_name: str) -> str:
+    """File name of a tuned table (written by `bench/moe_tune.py`)."""
+    return f"E={num_experts},H={hidden},I={inter},device={device_name.replace(' ', '_')}.json"
 
-    Returns (`pairs` [max_rows] int32: the pair index in each padded row, `P` for padding;
-    `tile_expert` [max_rows / block_m] int32: each tile's expert, -1 past the used rows).
-    `max_rows` is the worst case for P pairs, so no shape depends on the routing.
-    """
-    num_pairs = flat_ids.numel()
-    device = flat_ids.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # bincount without its host sync
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    order = torch.argsort(flat_ids, stable=True)  # [P] pair indices grouped by expert
-    sorted_ids = flat_ids[order]
-    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_ids]
-    dest = (padded_end - padded)[sorted_ids] + rank
-    max_rows = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
-    pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
-    pairs[dest] = order.to(torch.int32)
-    tile_start = torch.arange(0, max_rows, block_m, device=device)
-    tile_expert = torch.searchsorted(padded_end, tile_start, right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
-    return pairs, tile_expert
+
+@functools.lru_cache(maxsize=None)
+def config_table(num_experts: int, hidden: int, inter: int, device_name: str) -> dict[int, dict]:
+    """The tuned table for these shapes on this device, else the defaults."""
+    path = CONFIG_DIR / config_name(num_experts, hidden, inter, device_name)
+    if not path.is_file():
+        return DEFAULT_CONFIGS
+    return {int(tokens): cfg for tokens, cfg in json.loads(path.read_text())["configs"].items()}
+
+
+def pick_config(table: dict[int, dict], tokens: int) -> dict:
+    """The entry tuned for the nearest token count (pure)."""
+    return table[min(table, key=lambda key: (abs(key - tokens), key))]
 
 
 def add_shared(weights: torch.Tensor, ids: torch.Tensor, num_routed: int, num_shared: int):
@@ -77,20 +73,24 @@ def add_shared(weights: torch.Tensor, ids: torch.Tensor, num_routed: int, num_sh
     return torch.cat((weights, shared_w), 1), torch.cat((ids, shared_ids), 1)
 
 
-def experts_triton(x, weights, ids, gate_up, down) -> torch.Tensor:
-    """[T, H] output of the experts in `ids` ([T, k]) weighted by `weights` ([T, k])."""
+def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0) -> torch.Tensor:
+    """[T, H]: experts `ids` ([T, k]) weighted by `weights` ([T, k]), plus the last
+    `num_shared` experts of `gate_up`/`down` at weight 1 for every token."""
     from afd.kernels import moe_triton
 
     tokens, top_k = ids.shape
-    num_experts, inter = gate_up.shape[0], down.shape[2]
-    num_pairs = tokens * top_k
-    cfg = tile_config(num_pairs, num_experts)
-    pairs, tile_expert = align_pairs(ids.reshape(-1), num_experts, cfg["BLOCK_M"])
+    num_experts, hidden, inter = down.shape
+    slots = top_k + num_shared
+    num_pairs = tokens * slots
+    cfg = pick_config(config_table(num_experts, hidden, inter, torch.cuda.get_device_name(x.device)), tokens)
+    block_m = cfg["BLOCK_M"]
+    pairs, tile_expert = moe_triton.align(ids, num_shared, num_experts, block_m)
     act = torch.empty(pairs.shape[0], inter, dtype=x.dtype, device=x.device)  # [padded rows, I]
-    moe_triton.launch_gate_up(x.contiguous(), gate_up, act, pairs, tile_expert, num_pairs, top_k, cfg)
-    out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)  # [T*k, H] in token order
-    moe_triton.launch_down(act, down, out, pairs, tile_expert, weights.reshape(-1).contiguous(), num_pairs, cfg)
-    return out.view(tokens, top_k, -1).sum(dim=1)
+    moe_triton.launch_gate_up(x.contiguous(), gate_up, act, pairs, tile_expert, num_pairs, slots, block_m, cfg["gate_up"])
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T*(k+S), H] in pair order
+    moe_triton.launch_down(act, down, out, pairs, tile_expert, weights.contiguous(), num_pairs, top_k, slots,
+                           block_m, cfg["down"])
+    return out.view(tokens, slots, hidden).sum(dim=1)
 
 
 def experts_grouped(x, weights, ids, gate_up, down) -> torch.Tensor:
@@ -108,9 +108,11 @@ def experts_grouped(x, weights, ids, gate_up, down) -> torch.Tensor:
     return torch.bmm(weights.unsqueeze(1).to(out.dtype), unsorted).squeeze(1)  # [T, H]
 
 
-def experts_cuda(x, weights, ids, gate_up, down) -> torch.Tensor:
+def experts_cuda(x, weights, ids, gate_up, down, num_shared: int = 0) -> torch.Tensor:
+    """The MoE output with the kernel `AFD_MOE_KERNEL` picks; the last `num_shared` experts are shared."""
     if kernel_choice() == "triton":
-        return experts_triton(x, weights, ids, gate_up, down)
+        return experts_triton(x, weights, ids, gate_up, down, num_shared)
+    weights, ids = add_shared(weights, ids, gate_up.shape[0] - num_shared, num_shared)
     return experts_grouped(x, weights, ids, gate_up, down)
 
 
@@ -132,3 +134,28 @@ def fuse_shared_experts(moe) -> None:
         experts.down = torch.nn.Parameter(torch.cat((experts.down, down.contiguous())), requires_grad=False)
     experts.num_shared = count
     moe.shared_experts = None
+
+
+def warm_up(model: torch.nn.Module) -> int:
+    """Compile and load the MoE kernels of every tuned token count before serving.
+
+    A kernel's first launch compiles it (seconds, longer than a peer waits for a step)
+    and loads its module, which may wait for kernels already running: with NCCL
+    transfers in flight that could stall both ends. Returns the number of sizes run.
+    """
+    from afd.models.layers import MoE
+
+    moe = next((m for m in model.modules() if isinstance(m, MoE) and m.experts is not None), None)
+    if moe is None or not moe.experts.gate_up.is_cuda or moe.experts.gate_up.dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    experts = moe.experts
+    num_experts, hidden, inter = experts.down.shape
+    device = experts.down.device
+    sizes = sorted(config_table(num_experts, hidden, inter, torch.cuda.get_device_name(device)))
+    with torch.inference_mode():
+        for tokens in sizes:
+            x = torch.zeros(tokens, hidden, dtype=experts.down.dtype, device=device)
+            logits = torch.randn(tokens, moe.routing.num_experts, device=device)
+            moe.from_logits(x, logits)
+    torch.cuda.synchronize(device)
+    return len(sizes)

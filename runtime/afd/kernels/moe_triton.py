@@ -1,24 +1,118 @@
-"""Fused MoE in two Triton kernels: gather + gate/up GEMM + SiLU·mul, then down GEMM + weight.
+"""Fused MoE in Triton: a three-kernel alignment, then two GEMM kernels.
 
-Token→expert pairs are laid out by `align_pairs` so that every tile of `block_m` rows
-belongs to one expert (each expert's rows padded to a tile multiple). Kernel 1 gathers
-token rows straight from `x` (no gathered copy), multiplies by the expert's gate and
-up weights and writes SiLU(gate)·up; kernel 2 multiplies by the down weights, scales
-by the routing weight and writes each pair's row in token order, so the final sum over
-a token's k pairs is a plain deterministic reduction. No host synchronisation: grid
-sizes come from the worst case, and tiles past the used rows exit at once.
+A *pair* is one (token, slot): slots 0..k-1 are the token's routed experts, slots
+k..k+S-1 its S shared experts (folded in as experts every token visits with weight 1),
+so pair p = token·(k+S) + slot and nothing is concatenated on the host side.
+
+`align` lays the pairs out so that every tile of `block_m` rows belongs to one expert,
+each expert's run padded to a tile multiple: count (a histogram per block, atomics
+across blocks), offsets (one program: padded prefix sum, the expert of every tile,
+padding rows marked), scatter (an atomic cursor per routed expert; shared experts'
+rows are in token order). That is four launches where a sort took about twenty.
+The order of pairs inside an expert's run depends on the atomics, but each row's
+result does not: a GEMM row depends only on its own input row.
+
+`gate_up` gathers token rows straight from `x`, multiplies by the expert's gate and up
+weights and writes SiLU(gate)·up; `down` multiplies by the down weights, scales by
+the routing weight and writes each pair's row at its pair index (token order), so
+the final sum over a token's pairs is a plain deterministic reduction. No host
+synchronisation anywhere: grid sizes come from the worst case and unused tiles exit.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
+def _pair_expert(ids_ptr, p, ok, top_k, slots, num_routed):
+    """Expert of pair `p`: its routed id for slots < k, else the shared expert of that slot."""
+    token = p // slots
+    slot = p % slots
+    routed = slot < top_k
+    expert = tl.load(ids_ptr + token * top_k + slot, mask=ok & routed, other=0).to(tl.int32)
+    return tl.where(routed, expert, num_routed + slot - top_k)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # one compiled variant whatever the token count
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, slots, num_routed, num_experts,
+                  BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < num_pairs
+    expert = tl.where(ok, _pair_expert(ids_ptr, p, ok, top_k, slots, num_routed), NUM_BINS - 1)
+    hist = tl.histogram(expert, NUM_BINS)  # the spare last bin takes the lanes past the end
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(counts_ptr + bins, hist, mask=(bins < num_experts) & (hist > 0))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
+def _offsets_kernel(counts_ptr, starts_ptr, tile_expert_ptr, pairs_ptr, num_experts, num_pairs, max_tiles,
+                    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
+    experts = tl.arange(0, NUM_BINS)
+    valid = experts < num_experts
+    counts = tl.load(counts_ptr + experts, mask=valid, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + experts, ends - padded, mask=valid)
+    ends = tl.where(valid, ends, 1 << 30)
+    for first in tl.range(0, max_tiles, CHUNK):
+        tiles = first + tl.arange(0, CHUNK)
+        owner = tl.sum((ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + tiles, tl.where(owner < num_experts, owner, -1), mask=tiles < max_tiles)
+    for first in tl.range(0, max_tiles * BLOCK_M, 1024):  # every row starts as padding (pair index num_pairs)
+        rows = first + tl.arange(0, 1024)
+        tl.store(pairs_ptr + rows, tl.full((1024,), 0, tl.int32) + num_pairs, mask=rows < max_tiles * BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _scatter_kernel(ids_ptr, starts_ptr, cursor_ptr, pairs_ptr, num_pairs, top_k, slots, num_routed,
+                    BLOCK: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < num_pairs
+    expert = _pair_expert(ids_ptr, p, ok, top_k, slots, num_routed)
+    routed = (p % slots) < top_k
+    taken = tl.atomic_add(cursor_ptr + expert, tl.full((BLOCK,), 1, tl.int32), mask=ok & routed)
+    rank = tl.where(routed, taken, p // slots)  # a shared expert has exactly one pair per token
+    dest = tl.load(starts_ptr + expert, mask=ok, other=0) + rank
+    tl.store(pairs_ptr + dest, p.to(tl.int32), mask=ok)
+
+
+def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the padded layout in the worst case (each expert wastes up to block_m - 1)."""
+    return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+
+
+def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`pairs` [max_rows] int32: pair index per padded row, `num_pairs` for padding;
+    `tile_expert` [max_rows / block_m] int32: each tile's expert, -1 past the used rows)."""
+    tokens, top_k = ids.shape
+    slots = top_k + num_shared
+    num_pairs, num_routed = tokens * slots, num_experts - num_shared
+    rows = max_rows(num_pairs, num_experts, block_m)
+    device = ids.device
+    counters = torch.zeros(2, num_experts, dtype=torch.int32, device=device)  # counts, cursors
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    pairs = torch.empty(rows, dtype=torch.int32, device=device)
+    tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_experts + 1)
+    block = 1024
+    ids = ids.contiguous()
+    _count_kernel[(triton.cdiv(num_pairs, block),)](
+        ids, counters[0], num_pairs, top_k, slots, num_routed, num_experts, BLOCK=block, NUM_BINS=bins, num_warps=4)
+    _offsets_kernel[(1,)](
+        counters[0], starts, tile_expert, pairs, num_experts, num_pairs, rows // block_m,
+        BLOCK_M=block_m, NUM_BINS=bins, CHUNK=max(16, 4096 // bins), num_warps=4)
+    _scatter_kernel[(triton.cdiv(num_pairs, block),)](
+        ids, starts, counters[1], pairs, num_pairs, top_k, slots, num_routed, BLOCK=block, num_warps=4)
+    return pairs, tile_expert
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr, pairs_ptr, tile_expert_ptr,
-    num_pairs, top_k, hidden, inter,
+    num_pairs, slots, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     tile, col = tl.program_id(0), tl.program_id(1)
@@ -28,7 +122,7 @@ def _gate_up_kernel(
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pairs_ptr + rows)  # [BM] pair index, num_pairs = padding
     valid = pairs < num_pairs
-    tokens = (pairs // top_k).to(tl.int64)
+    tokens = (pairs // slots).to(tl.int64)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -52,10 +146,10 @@ def _gate_up_kernel(
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr, pair_weight_ptr,
-    num_pairs, hidden, inter,
+    act_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr,
+    num_pairs, top_k, slots, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     tile, col = tl.program_id(0), tl.program_id(1)
@@ -78,30 +172,31 @@ def _down_kernel(
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    weight = tl.load(pair_weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    slot = pairs % slots
+    routed = valid & (slot < top_k)
+    weight = tl.load(weights_ptr + (pairs // slots) * top_k + slot, mask=routed, other=1.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * hidden + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-def launch_gate_up(x, w_gate_up, act, pairs, tile_expert, num_pairs: int, top_k: int, cfg: dict) -> None:
+def _launch_options(cfg: dict) -> dict:
+    return dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def launch_gate_up(x, w_gate_up, act, pairs, tile_expert, num_pairs: int, slots: int, block_m: int, cfg: dict) -> None:
     """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every padded row."""
     inter, hidden = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
     grid = (tile_expert.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]))
     _gate_up_kernel[grid](
-        x, w_gate_up, act, pairs, tile_expert, num_pairs, top_k, hidden, inter,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+        x, w_gate_up, act, pairs, tile_expert, num_pairs, slots, hidden, inter, BLOCK_M=block_m, **_launch_options(cfg))
 
 
-def launch_down(act, w_down, out, pairs, tile_expert, pair_weights, num_pairs: int, cfg: dict) -> None:
-    """out[pair, H] = weight[pair] * act[row of pair] @ down[e]ᵀ for every real pair."""
+def launch_down(act, w_down, out, pairs, tile_expert, weights, num_pairs: int, top_k: int, slots: int,
+                block_m: int, cfg: dict) -> None:
+    """out[pair, H] = weight(pair) * act[row of pair] @ down[e]ᵀ for every real pair (weight 1: shared)."""
     hidden, inter = w_down.shape[1], w_down.shape[2]
     grid = (tile_expert.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]))
     _down_kernel[grid](
-        act, w_down, out, pairs, tile_expert, pair_weights, num_pairs, hidden, inter,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
+        act, w_down, out, pairs, tile_expert, weights, num_pairs, top_k, slots, hidden, inter,
+        BLOCK_M=block_m, **_launch_options(cfg))

@@ -103,10 +103,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            from afd.kernels.moe import add_shared, experts_cuda  # sync-free, capturable
+            from afd.kernels.moe import experts_cuda  # sync-free, capturable
 
-            weights, ids = add_shared(weights, ids, self.num_experts, self.num_shared)
-            return experts_cuda(x, weights, ids, self.gate_up, self.down)
+            return experts_cuda(x, weights, ids, self.gate_up, self.down, self.num_shared)
         top_k = ids.shape[1]
         flat_ids = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat_ids, stable=True)
@@ -197,7 +196,9 @@ class Rotary:
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq is None:
             inv_freq, self.factor = rope_inv_freq(self.rope, self.dim)
-            self._inv_freq = inv_freq.to(positions.device)
+            if positions.is_cuda:  # pinned and asynchronous: the host must not wait on the stream mid-step
+                inv_freq = inv_freq.pin_memory()
+            self._inv_freq = inv_freq.to(positions.device, non_blocking=True)
         return rope_cos_sin(self._inv_freq, positions, self.factor)
 
 

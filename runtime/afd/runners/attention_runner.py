@@ -42,6 +42,7 @@ class AttentionRunner:
         self.connector = connector
         self.kv_cache = kv_cache
         self.stages = stages
+        self.dbo_min_tokens = 0  # with two stages, steps of fewer tokens run as one micro-batch
         self.gate_on_attention = gate_on_attention
         self.step_id = 0
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
@@ -69,7 +70,7 @@ class AttentionRunner:
             self.eager_steps += 1
             self.profiled_eager_steps += profiling
         self.clock.begin(profiling)
-        parts = split_layout(layout, self.stages)
+        parts = split_layout(layout, self.stages, self.dbo_min_tokens)
         self._send_plan(tuple(p.num_tokens for p in parts), profile=profiling)
         micro, start = [], 0
         for stage, part in enumerate(parts):
@@ -130,9 +131,10 @@ class AttentionRunner:
         """Warm up and capture decode graphs up to `max_batch` sequences (the FFN follows the plans)."""
         started = time.monotonic()
         buckets = decode_buckets(max_batch, self.stages)
+        split = self.dbo_min_tokens
         self.graphs = DecodeGraphs(
             self.forward, self.kv_cache, buckets, self.stages, self.kv_cache.keys[0].device,
-            before=lambda size, mode: self._send_plan(stage_split(size, self.stages), mode),
+            before=lambda size, mode: self._send_plan(stage_split(size, self.stages, split), mode), min_split=split,
         )
         self.graphs.capture_all()
         self.connector.wait_step()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 import torch
 
@@ -46,6 +47,7 @@ class FFNRunner:
         self.served_ranks = served_ranks
         self.ffn_rank = ffn_rank
         self.peers: dict[bytes, int] = {}  # identity → attention rank
+        self.queued: dict[bytes, deque[wire.StepPlan]] = {}  # plans received, not yet run, per peer
         self.steps_run = 0
         self.rows_served = 0
         self.graphs = None  # afd.graphs.ffn.FFNGraphs when CUDA graphs are on (NCCL data plane only)
@@ -61,9 +63,10 @@ class FFNRunner:
         self.connector.interrupt = stop
         try:
             while not stop.is_set():
-                plans: dict[bytes, wire.StepPlan] = {}
-                for peer, message in self.connector.poll_control(POLL_INTERVAL_S):
-                    self._on_control(peer, message, plans)
+                waiting = 0.0 if any(self.queued.values()) else POLL_INTERVAL_S
+                for peer, message in self.connector.poll_control(waiting):
+                    self._on_control(peer, message)
+                plans = self._next_plans()
                 if plans and self.batch_window_s:
                     self._gather_more(plans)
                 if plans:
@@ -78,12 +81,21 @@ class FFNRunner:
                 self.connector.send_control(peer, wire.Goodbye("ffn rank shutting down"))
             self.connector.close()
 
+    def _next_plans(self) -> dict[bytes, wire.StepPlan]:
+        """The oldest queued plan of every peer that has one: a peer's plans run one step each, in order."""
+        return {peer: queue.popleft() for peer, queue in self.queued.items() if queue}
+
     def _gather_more(self, plans: dict[bytes, wire.StepPlan]) -> None:
         """Hold the step up to `batch_window_s` so every connected peer's rows share it."""
         deadline = time.monotonic() + self.batch_window_s
         while len(plans) < len(self.peers) and (left := deadline - time.monotonic()) > 0:
             for peer, message in self.connector.poll_control(left):
-                self._on_control(peer, message, plans)
+                self._on_control(peer, message)
+            for peer, plan in self._next_plans().items():
+                if peer in plans:
+                    self.queued[peer].appendleft(plan)  # not this step's: back to the head of its queue
+                else:
+                    plans[peer] = plan
 
     def run_step(self, plans: dict[bytes, wire.StepPlan]) -> None:
         """One step for every peer that sent a plan: eager, or captured/replayed as the plans say."""
@@ -148,20 +160,22 @@ class FFNRunner:
             return layer.expert_half(hidden, router_logits)
         return layer.ffn_half(hidden)
 
-    def _on_control(self, peer: bytes, message: object, plans: dict[bytes, wire.StepPlan]) -> None:
+    def _on_control(self, peer: bytes, message: object) -> None:
         if isinstance(message, wire.Hello):
             self._on_hello(peer, message)
         elif isinstance(message, wire.StepPlan):
             problem = self._check_plan(peer, message)
             if problem:
                 self._drop(peer, problem)
-            else:
-                plans[peer] = message
+            else:  # a peer may run ahead by several plans (graph warm-up and capture): none is lost
+                self.queued.setdefault(peer, deque()).append(message)
         elif isinstance(message, wire.Heartbeat):
             if peer in self.peers:
                 self.connector.send_control(peer, message)
         elif isinstance(message, wire.Goodbye):
             rank = self.peers.pop(peer, None)
+            self.queued.pop(peer, None)
+            self.connector.forget_peer(peer, graceful=True)  # its pair's NCCL end goes too, as the peer closes its own
             if rank is not None:
                 log.info("attention peer %s left: %s", peer.decode(errors="replace"), message.reason)
                 self._notify_peer(rank, False)
@@ -182,6 +196,7 @@ class FFNRunner:
             self.connector.send_control(peer, wire.HelloReply(False, self.ffn_rank, reason))
             return
         self.peers[peer] = hello.attention_rank
+        self.queued.pop(peer, None)  # plans of an earlier link are void
         extra = self.connector.accept_peer(peer)
         self._notify_peer(hello.attention_rank, True)
         log.info("attention rank %d connected", hello.attention_rank)
@@ -200,6 +215,7 @@ class FFNRunner:
 
     def _drop(self, peer: bytes, reason: str) -> None:
         rank = self.peers.pop(peer, None)
+        self.queued.pop(peer, None)
         if rank is not None:
             self._notify_peer(rank, False)
         log.warning("dropping attention peer %s: %s", rank if rank is not None else peer, reason)

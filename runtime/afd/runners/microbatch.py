@@ -39,9 +39,10 @@ def split_point(new_lens: Sequence[int]) -> int:
     return best
 
 
-def split_layout(layout: SeqLayout, stages: int) -> list[SeqLayout]:
-    """`stages` micro-batches (some possibly empty) covering `layout` in order."""
+def split_layout(layout: SeqLayout, stages: int, min_split: int = 0) -> list[SeqLayout]:
+    """`stages` micro-batches (some possibly empty) covering `layout` in order; a step of
+    fewer than `min_split` tokens stays whole in the first."""
     if stages == 1:
         return [layout]
-    cut = split_point(layout.new_lens)
+    cut = split_point(layout.new_lens) if layout.num_tokens >= min_split else len(layout.new_lens)
     return [layout.part(0, cut), layout.part(cut, len(layout.new_lens))]

@@ -1,0 +1,54 @@
+"""The MoE kernels' tuned tables and the packed gate-on-attention rows: pure logic, no GPU."""
+
+import json
+
+import pytest
+import torch
+
+from afd.connector.tensors import pack_rows, unpack_rows
+from afd.connector.wire import ProtocolError
+from afd.kernels.moe import CONFIG_DIR, DEFAULT_CONFIGS, config_name, config_table, pick_config
+
+KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+
+
+def test_pick_config_takes_the_nearest_token_count():
+    table = {1: "a", 64: "b", 1024: "c"}
+    assert [pick_config(table, t) for t in (1, 2, 32, 33, 64, 500, 545, 5000)] == ["a", "a", "a", "b", "b", "b", "c", "c"]
+
+
+def test_an_unknown_device_gets_the_defaults():
+    assert config_table(66, 2048, 1408, "Some GPU") is DEFAULT_CONFIGS
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_committed_table_is_complete(path):
+    document = json.loads(path.read_text())
+    experts, hidden, inter = (int(part.split("=")[1]) for part in path.stem.split(",")[:3])
+    assert config_name(experts, hidden, inter, document["device"]) == path.name
+    table = config_table(experts, hidden, inter, document["device"])
+    assert table is not DEFAULT_CONFIGS and 1 in table
+    for tokens, entry in table.items():
+        assert entry["BLOCK_M"] in (16, 32, 64, 128), tokens
+        assert set(entry["gate_up"]) == KERNEL_KEYS and set(entry["down"]) == KERNEL_KEYS, tokens
+
+
+def test_defaults_are_complete():
+    for entry in DEFAULT_CONFIGS.values():
+        assert set(entry["gate_up"]) == KERNEL_KEYS and set(entry["down"]) == KERNEL_KEYS
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_packed_rows_round_trip(dtype):
+    hidden = torch.randn(5, 6).to(dtype)
+    logits = torch.randn(5, 3)
+    packed = pack_rows(hidden, logits)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 6 * dtype.itemsize + 12)
+    got_hidden, got_logits = unpack_rows(packed, 6, dtype, 3)
+    assert torch.equal(got_hidden, hidden) and torch.equal(got_logits, logits)
+
+
+def test_packed_rows_of_the_wrong_width_are_refused():
+    packed = pack_rows(torch.randn(2, 4).bfloat16(), torch.randn(2, 3))
+    with pytest.raises(ProtocolError, match="packed rows"):
+        unpack_rows(packed, 4, torch.bfloat16, 4)
