@@ -7,8 +7,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; from afd.connector import nccl_lib; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', nccl_lib.version(), 'gpus', torch.cuda.device_count())"
 
 NCCL_DEBUG=WARN timeout 120 python3 bench/nccl_smoke.py 2>&1 | tee $OUT/nccl_smoke.log
+# bench/moe_tune.py (re)writes the MoE block-size table for a new GPU or shape; run it before moe_layer.py there
 timeout 200 python3 bench/moe_layer.py 2>&1 | tee $OUT/moe_layer.log
 NCCL_DEBUG=WARN timeout 400 python3 -m pytest -q tests/gpu -p no:warnings -p no:cacheprovider --timeout 90 2>&1 | tee $OUT/gpu_tests.log | tail -30
 timeout 150 python3 bench/graphs_vs_eager.py 2>&1 | tee $OUT/graphs_vs_eager.log
 
-NCCL_DEBUG=WARN NVSHMEM_DISABLE_NVLS=1 timeout 250 python3 bench/afd_decode.py --layers 27 --batches 32,128,512 --steps 30 --profile-steps 5 --deadline 235 2>&1 | tee $OUT/afd_decode.log
+NCCL_DEBUG=WARN NVSHMEM_DISABLE_NVLS=1 timeout 300 python3 bench/afd_decode.py --layers 27 --batches 32,128,192,256,384,512 --steps 30 --profile-steps 5 --deadline 285 2>&1 | tee $OUT/afd_decode.log

@@ -125,6 +125,7 @@ class AFDSettings(_Model):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_num_seqs: int = Field(default=64, ge=1)
     max_model_len: int = Field(default=0, ge=0)
+    dbo_min_tokens: int = Field(default=0, ge=0)
     attention_engine: Literal["afd", "vllm"] = "afd"
     attention_image: Optional[str] = None
     vllm_args: list[str] = Field(default_factory=list)

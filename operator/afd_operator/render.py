@@ -81,6 +81,8 @@ def render_config_map(spec: AFDDeploymentSpec, owner: Owner, index: int, revisio
     """Runtime settings beyond the env contract, in `afd.config` field names, plus the rank map."""
     afd = spec.afd
     runtime = {"dtype": afd.dtype, "max_num_seqs": afd.max_num_seqs, "max_model_len": afd.max_model_len}
+    if afd.dbo_min_tokens:  # only when set: existing groups' config (and revision) stay as they were
+        runtime["dbo_min_tokens"] = afd.dbo_min_tokens
     topology = spec.topology
     rank_map = {
         "topology": str(topology),

@@ -18,8 +18,6 @@ NEWEST = kubernetes_validate.utils.latest_version()
 # Kinds from other projects' CRDs: kubernetes-validate has no schema for them.
 FOREIGN_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("scheduling.volcano.sh/v1beta1", "PodGroup"),
                  ("scheduling.x-k8s.io/v1alpha1", "PodGroup")}
-# AFD_* variables the pods get that afd.config does not read (yet): see the closing note.
-PENDING_ENV = {"AFD_CUDA_GRAPHS"}
 
 
 def _sample(name):
@@ -156,7 +154,7 @@ def test_pods_configure_the_runtime_through_afd_config(case, tmp_path):
     config_maps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
     for sts, container in _pods(body):
         env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-        unknown = {k for k in env if k.startswith("AFD_")} - set(afd_config.ENV_VARS) - PENDING_ENV
+        unknown = {k for k in env if k.startswith("AFD_")} - set(afd_config.ENV_VARS)
         assert unknown == {"AFD_CONFIG_FILE"}
         group = sts["metadata"]["labels"][L.GROUP]
         config_file = tmp_path / f"g{group}.yaml"
@@ -170,6 +168,7 @@ def test_pods_configure_the_runtime_through_afd_config(case, tmp_path):
             ffn = f"{body['metadata']['name']}-g{group}-ffn"
             assert cfg.ffn_host(1) == f"{ffn}-1.{ffn}.ns.svc"  # the FFN pod's DNS via its headless Service
             assert cfg.dtype == spec.afd.dtype and cfg.max_num_seqs == spec.afd.max_num_seqs
+            assert cfg.dbo_min_tokens == spec.afd.dbo_min_tokens
             assert cfg.group_token.startswith(f"{body['metadata']['name']}-g{group}-")
 
 

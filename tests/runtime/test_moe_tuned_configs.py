@@ -24,7 +24,7 @@ def test_an_unknown_device_gets_the_defaults():
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
 def test_every_committed_table_is_complete(path):
     document = json.loads(path.read_text())
-    experts, hidden, inter = (int(part.split("=")[1]) for part in path.stem.split(",")[:3])
+    experts, hidden, inter = (int(part[1:]) for part in path.stem.split("_")[:3])
     assert config_name(experts, hidden, inter, document["device"]) == path.name
     table = config_table(experts, hidden, inter, document["device"])
     assert table is not DEFAULT_CONFIGS and 1 in table

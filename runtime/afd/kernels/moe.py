@@ -46,7 +46,7 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 
 def config_name(num_experts: int, hidden: int, inter: int, device_name: str) -> str:
     """File name of a tuned table (written by `bench/moe_tune.py`)."""
-    return f"E={num_experts},H={hidden},I={inter},device={device_name.replace(' ', '_')}.json"
+    return f"E{num_experts}_H{hidden}_I{inter}_{device_name.replace(' ', '_')}.json"
 
 
 @functools.lru_cache(maxsize=None)
