@@ -37,10 +37,11 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PHASES = {  # name: (attention ranks, stages, FFN batch window s)
-    "A": (1, 2, 0.0),
-    "B": (1, 1, 0.0),
-    "C": (2, 2, 0.05),
+PHASES = {  # name: (attention ranks, stages, FFN batch window s, DBO from this many tokens)
+    "A": (1, 2, 0.0, 0),
+    "B": (1, 1, 0.0, 0),
+    "C": (2, 2, 0.05, 0),
+    "D": (1, 2, 0.0, 192),  # AFD_DBO_MIN_TOKENS=192: one micro-batch below 192 tokens, DBO from there
 }
 
 
@@ -63,7 +64,7 @@ def _model_config(layers: int) -> dict:
 def _afd_config(args, phase: str, role: str, rank: int):
     from afd.config import AFDConfig
 
-    ranks, stages, window = PHASES[phase]
+    ranks, stages, window, _ = PHASES[phase]
     port = args.ports[phase]
     return AFDConfig(
         role=role, rank=rank, num_attention_ranks=ranks, num_ffn_ranks=1, connector="nccl", stages=stages,
@@ -85,10 +86,11 @@ def _kv_cache(model, max_seqs: int, context: int):
     return kv
 
 
-def _graphs(runner_body, kv, buckets, stages, before=None):
+def _graphs(runner_body, kv, buckets, stages, before=None, min_split=0):
     from afd.graphs.decode import DecodeGraphs
 
-    graphs = DecodeGraphs(runner_body, kv, tuple(sorted(set(buckets))), stages, kv.keys[0].device, before=before)
+    graphs = DecodeGraphs(runner_body, kv, tuple(sorted(set(buckets))), stages, kv.keys[0].device, before=before,
+                          min_split=min_split)
     graphs.capture_all()
     return graphs
 
@@ -181,10 +183,10 @@ class _NoFFN:
         pass
 
 
-def _split(total: int, stages: int) -> tuple:
+def _split(total: int, stages: int, min_split: int = 0) -> tuple:
     from afd.graphs.buckets import stage_split
 
-    return stage_split(total, stages)
+    return stage_split(total, stages, min_split)
 
 
 # ---------------------------------------------------------------- FFN rank (GPU 1)
@@ -284,8 +286,9 @@ def _capture(runner, kv, buckets):
     import torch
 
     with torch.inference_mode():
-        runner.graphs = _graphs(runner.forward, kv, buckets, runner.stages,
-                                before=lambda size, mode: runner._send_plan(_split(size, runner.stages), mode))
+        split = runner.dbo_min_tokens
+        runner.graphs = _graphs(runner.forward, kv, buckets, runner.stages, min_split=split,
+                                before=lambda size, mode: runner._send_plan(_split(size, runner.stages, split), mode))
         runner.connector.wait_step()
     return runner.graphs
 
@@ -348,18 +351,25 @@ def attn0_main(args, q, events) -> None:
     comm.close()
 
     for phase in ("A", "B"):
-        events[f"serving/{phase}"].wait(max(1.0, args.deadline_at - time.time()))
-        runner, connector = _connect(args, phase, 0, loaded, kv)
-        graphs = _capture(runner, kv, args.batches)
-        q.put((f"afd_graph_mib/{phase}", graphs.memory_bytes / 2**20))
-        for batch in args.batches:
-            q.put((f"afd/{phase}/{batch}", _time_steps(runner, kv, batch, args.steps, args.context, vocab)))
-            q.put((f"profile/{phase}/{batch}", _profile_steps(runner, kv, batch, args.profile_steps, args.context, vocab)))
-        q.put((f"attn_phase/{phase}/0", {"replays": graphs.replays, "eager_steps": runner.eager_steps,
-                                         "profiled_eager": runner.profiled_eager_steps}))
-        _close(runner, connector, q, f"{phase}/0")
-        events[f"done/{phase}/0"].set()
+        _single_rank_phase(args, q, events, phase, loaded, kv, vocab)
     _phase_c(args, q, events, 0, loaded, kv)
+    _single_rank_phase(args, q, events, "D", loaded, kv, vocab)
+
+
+def _single_rank_phase(args, q, events, phase, loaded, kv, vocab) -> None:
+    """1A1F: capture, time and profile every batch, then close the link."""
+    events[f"serving/{phase}"].wait(max(1.0, args.deadline_at - time.time()))
+    runner, connector = _connect(args, phase, 0, loaded, kv)
+    runner.dbo_min_tokens = PHASES[phase][3]
+    graphs = _capture(runner, kv, args.batches)
+    q.put((f"afd_graph_mib/{phase}", graphs.memory_bytes / 2**20))
+    for batch in args.batches:
+        q.put((f"afd/{phase}/{batch}", _time_steps(runner, kv, batch, args.steps, args.context, vocab)))
+        q.put((f"profile/{phase}/{batch}", _profile_steps(runner, kv, batch, args.profile_steps, args.context, vocab)))
+    q.put((f"attn_phase/{phase}/0", {"replays": graphs.replays, "eager_steps": runner.eager_steps,
+                                     "profiled_eager": runner.profiled_eager_steps}))
+    _close(runner, connector, q, f"{phase}/0")
+    events[f"done/{phase}/0"].set()
 
 
 def args_uid_from_queue(events) -> str:
@@ -435,12 +445,13 @@ def report(args, r: dict) -> dict:
           f"median of {args.steps} steps; AFD = 1A1F over NCCL, gate on FFN, CUDA graphs on both sides")
     print("\n(b) decode step: AFD (stages=2, DBO) on 2 GPUs vs monolithic on 1 GPU")
     print(f"{'batch':>5} {'mono ms':>8} {'mono tok/s/GPU':>15} {'AFD ms':>7} {'AFD tok/s/GPU':>14} {'attn-only ms':>13} "
-          f"{'ffn-only ms':>12} {'overlap eff':>12} {'AFD s=1 ms':>11}")
+          f"{'ffn-only ms':>12} {'overlap eff':>12} {'AFD s=1 ms':>11} {'AFD min192 ms':>14}")
     for batch in args.batches:
         mono, afd = r.get(f"mono/{batch}", {}).get("ms"), r.get(f"afd/A/{batch}", {}).get("ms")
         attn, ffn = r.get(f"attn_only/s2/{batch}", {}).get("ms"), r.get(f"ffn_only/s2/{batch}")
         afd1 = r.get(f"afd/B/{batch}", {}).get("ms")
-        row = {"batch": batch, "mono_ms": mono, "afd_ms": afd, "attn_only_ms": attn, "ffn_only_ms": ffn, "afd_stages1_ms": afd1,
+        auto = r.get(f"afd/D/{batch}", {}).get("ms")
+        row = {"batch": batch, "mono_ms": mono, "afd_ms": afd, "attn_only_ms": attn, "ffn_only_ms": ffn, "afd_stages1_ms": afd1, "afd_dbo_min_ms": auto,
                "attn_only_stages1_ms": r.get(f"attn_only/s1/{batch}", {}).get("ms"), "ffn_only_stages1_ms": r.get(f"ffn_only/s1/{batch}")}
         row["mono_tok_s_gpu"] = batch / mono * 1e3 if mono else None
         row["afd_tok_s_gpu"] = batch / afd * 1e3 / 2 if afd else None
@@ -448,7 +459,7 @@ def report(args, r: dict) -> dict:
         rows.append(row)
         f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
         print(f"{batch:>5} {f(mono):>8} {f(row['mono_tok_s_gpu'], 0):>15} {f(afd):>7} {f(row['afd_tok_s_gpu'], 0):>14} "
-              f"{f(attn):>13} {f(ffn):>12} {f(row['overlap_eff']):>12} {f(afd1):>11}")
+              f"{f(attn):>13} {f(ffn):>12} {f(row['overlap_eff']):>12} {f(afd1):>11} {f(auto):>14}")
 
     print("\n(c) per-layer transfer inside a step (phase B, stages=1, profiled eager steps) vs bare NCCL ping-pong, same run")
     print(f"{'rows':>5} {'KiB':>6} {'in-step one-way us':>19} {'attn recv(L) us':>16} {'ffn compute(L) us':>18} {'bare one-way us':>16}")
@@ -512,7 +523,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     events = {"uid": ctx.Event(), "uid_box": ctx.Queue(), "barrier": ctx.Barrier(2)}
-    for phase, (ranks, _, _) in PHASES.items():
+    for phase, (ranks, *_) in PHASES.items():
         events[f"serving/{phase}"] = ctx.Event()
         for rank in range(ranks):
             events[f"done/{phase}/{rank}"] = ctx.Event()

@@ -97,7 +97,7 @@ def test_graph_replay_equals_eager_output(checkpoints):
     assert max_relative_error(graphed.last_logits, eager.last_logits) < 2e-2
 
 
-def afd_nccl(path, topology, stages, graphs, gate="ffn"):
+def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
     """Greedy tokens from real processes: FFN rank(s) on GPU 1, attention ranks on GPU 0, NCCL data plane."""
     from afd.batch import split_prompts
     from afd.config import AFDConfig, config_to_env
@@ -107,7 +107,7 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn"):
     base = AFDConfig(
         num_attention_ranks=int(topology[0]), num_ffn_ranks=1, stages=stages, model=str(path), dtype="bfloat16",
         device="cuda", cuda_graphs=graphs, max_num_seqs=8, gate_on_attention=gate == "attention",
-        ffn_batch_window_s=0.002 if topology == "2A1F" else 0.0, peer_timeout_s=60.0,
+        ffn_batch_window_s=0.002 if topology == "2A1F" else 0.0, peer_timeout_s=60.0, dbo_min_tokens=dbo_min_tokens,
     )
     config = local_zmq_config(base).replace(connector="nccl")
     blocks = split_prompts(len(PROMPTS), config.num_attention_ranks)
@@ -147,3 +147,10 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn"):
 def test_bf16_afd_over_nccl_equals_bf16_monolithic(topology, stages, graphs, gate, checkpoints):
     reference, _ = monolithic(checkpoints["deepseek_v2"], torch.bfloat16, graphs=graphs)
     assert afd_nccl(checkpoints["deepseek_v2"], topology, stages, graphs, gate) == reference.tokens
+
+
+@two_gpus
+def test_steps_under_dbo_min_tokens_replay_one_micro_batch_graphs(checkpoints):
+    """stages=2 with AFD_DBO_MIN_TOKENS above every batch: graphs whose second stage is empty, same tokens."""
+    reference, _ = monolithic(checkpoints["deepseek_v2"], torch.bfloat16, graphs=True)
+    assert afd_nccl(checkpoints["deepseek_v2"], "1A1F", 2, True, dbo_min_tokens=1000) == reference.tokens
