@@ -40,7 +40,9 @@ class GraphPool:
     def capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.handle):
+        # thread_local: NCCL pairs are created and torn down on helper threads (afd.connector.nccl),
+        # whose allocations must not invalidate a capture running on this one
+        with torch.cuda.graph(graph, pool=self.handle, capture_error_mode="thread_local"):
             fn()
         torch.cuda.synchronize(self.device)
         self.memory_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
