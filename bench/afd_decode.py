@@ -187,10 +187,10 @@ class _NoFFN:
         pass
 
 
-def _split(total: int, stages: int, min_split: int = 0) -> tuple:
+def _split(total: int, stages: int) -> tuple:
     from afd.graphs.buckets import stage_split
 
-    return stage_split(total, stages, min_split)
+    return stage_split(total, stages)
 
 
 # ---------------------------------------------------------------- FFN rank (GPU 1)
@@ -290,9 +290,8 @@ def _capture(runner, kv, buckets):
     import torch
 
     with torch.inference_mode():
-        split = runner.dbo_min_tokens
-        runner.graphs = _graphs(runner.forward, kv, buckets, runner.stages, min_split=split,
-                                before=lambda size, mode: runner._send_plan(_split(size, runner.stages, split), mode))
+        runner.graphs = _graphs(runner.forward, kv, buckets, runner.stages, min_split=runner.dbo_min_tokens,
+                                before=runner._send_plan)
         runner.connector.wait_step()
     return runner.graphs
 

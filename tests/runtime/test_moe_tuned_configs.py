@@ -52,3 +52,19 @@ def test_packed_rows_of_the_wrong_width_are_refused():
     packed = pack_rows(torch.randn(2, 4).bfloat16(), torch.randn(2, 3))
     with pytest.raises(ProtocolError, match="packed rows"):
         unpack_rows(packed, 4, torch.bfloat16, 4)
+
+
+def test_a_devices_table_comes_from_its_name_looked_up_once(monkeypatch):
+    from afd.kernels import moe
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: asked.append(index) or "NVIDIA H200")
+    moe._device_name.cache_clear()
+    try:
+        device = torch.device("cuda", 3)  # never touched: only its index is read
+        tuned = moe.config_table(66, 2048, 1408, "NVIDIA H200")
+        assert moe.device_table(device, 66, 2048, 1408) is tuned is not DEFAULT_CONFIGS
+        assert moe.device_table(device, 1, 2, 3) is DEFAULT_CONFIGS
+        assert asked == [3]
+    finally:
+        moe._device_name.cache_clear()

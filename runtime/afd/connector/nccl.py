@@ -29,7 +29,7 @@ from afd.connector.attention_side import AttentionConnector
 from afd.connector.base import AttnTransfer, FFNTransfer, HandshakeError, PeerLost
 from afd.connector.ffn_side import DataContract, FFNConnector
 from afd.connector.nccl_lib import Group, NcclError, PairComm, UniqueId, new_unique_id
-from afd.connector.tensors import DTYPES, pack_rows, unpack_rows
+from afd.connector.tensors import DTYPES, pack_rows, packed_width, unpack_rows
 from afd.connector.wire import Hello, HelloReply
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,8 @@ class NcclFFNConnector(FFNConnector):
         comms = [self._comm(peer) for peer in transfer.peers]
         total, cols = sum(transfer.rows), self.contract.logit_cols
         if cols:  # hidden and logits travel packed in one message per peer (`pack_rows`)
-            buffer = torch.empty(total, self.contract.hidden_size * self.dtype.itemsize + 4 * cols, dtype=torch.uint8, device=self.device)
+            width = packed_width(self.contract.hidden_size, self.dtype, cols)
+            buffer = torch.empty(total, width, dtype=torch.uint8, device=self.device)
         else:
             buffer = torch.empty(total, self.contract.hidden_size, dtype=self.dtype, device=self.device)
         with Group():

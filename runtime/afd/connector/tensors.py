@@ -37,9 +37,14 @@ def pack_rows(hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return torch.cat((hidden.contiguous().view(torch.uint8), logits.float().contiguous().view(torch.uint8)), dim=1)
 
 
+def packed_width(hidden_size: int, dtype: torch.dtype, logit_cols: int) -> int:
+    """Bytes per row of `pack_rows`: the hidden row, then the float32 logits."""
+    return hidden_size * dtype.itemsize + 4 * logit_cols
+
+
 def unpack_rows(packed: torch.Tensor, hidden_size: int, dtype: torch.dtype, logit_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `pack_rows`: views (no copy) of the hidden rows and the float32 logits."""
     split = hidden_size * dtype.itemsize
-    if packed.shape[1] != split + 4 * logit_cols or split % 4:
+    if packed.shape[1] != packed_width(hidden_size, dtype, logit_cols) or split % 4:
         raise ProtocolError(f"packed rows of {packed.shape[1]} bytes do not hold {hidden_size} x {dtype} + {logit_cols} x float32")
     return packed[:, :split].view(dtype), packed[:, split:].view(torch.float32)

@@ -6,8 +6,9 @@ and block tables, all sized for the largest bucket and sliced per bucket. A step
 sequences pads to bucket B; padding rows attend only to themselves and write their
 keys into the KV cache's scratch block, so they touch no real sequence.
 
-`before(B, mode)` runs on the host ahead of each warm-up, capture and replay (the
-attention role sends its step plan there; nothing host-side is ever captured).
+`before(stage_tokens, mode)` runs on the host ahead of each warm-up, capture and replay of
+bucket B, with B's per-stage token counts (the attention role sends its step plan there;
+nothing host-side is ever captured).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ class DecodeGraphs:
     """One captured decode step per bucket; `run` replays the right one or returns None."""
 
     def __init__(self, body: Body, kv_cache: KVCache, buckets: tuple[int, ...], stages: int, device: torch.device,
-                 before: Callable[[int, str], None] | None = None, min_split: int = 0):
+                 before: Callable[[tuple[int, ...], str], None] | None = None, min_split: int = 0):
         self.body, self.kv_cache, self.buckets, self.stages = body, kv_cache, buckets, stages
         self.min_split = min_split  # buckets under this many tokens run as one micro-batch (see stage_split)
-        self.device, self.before = device, before or (lambda size, mode: None)
+        self.device, self.before = device, before or (lambda stage_tokens, mode: None)
         self.pool = make_pool(device)
         largest, width = max(buckets), kv_cache.num_blocks + 1
         self.meta = torch.zeros(3, largest, dtype=torch.long, device=device)  # ids, positions, write rows
@@ -52,9 +53,9 @@ class DecodeGraphs:
         """Warm up, then capture every bucket, largest first; each capture is replayed once."""
         for size in capture_order(self.buckets):
             self._fill_padding(size)
-            self.before(size, "warmup")
+            self.before(self._stage_tokens(size), "warmup")
             self.body(self.meta[0, :size], self._micro(size))
-            self.before(size, "capture")
+            self.before(self._stage_tokens(size), "capture")
             self.graphs[size] = self.pool.capture(lambda size=size: self._record(size))
             self.graphs[size].replay()  # the capture only recorded: this runs the step for real
         log.info("captured decode graphs for batch sizes %s (%.1f MiB)", list(self.buckets), self.memory_bytes / 2**20)
@@ -68,14 +69,17 @@ class DecodeGraphs:
         if size is None or size not in self.graphs:
             return None
         self._fill(input_ids, layout, size)
-        self.before(size, "replay")
+        self.before(self._stage_tokens(size), "replay")
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size][: len(layout.new_lens)]
 
+    def _stage_tokens(self, size: int) -> tuple[int, ...]:
+        return stage_split(size, self.stages, self.min_split)
+
     def _micro(self, size: int) -> list:
         micro, start = [], 0
-        for stage, rows in enumerate(stage_split(size, self.stages, self.min_split)):
+        for stage, rows in enumerate(self._stage_tokens(size)):
             if not rows:
                 continue
             part = slice(start, start + rows)

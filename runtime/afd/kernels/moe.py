@@ -58,6 +58,16 @@ def config_table(num_experts: int, hidden: int, inter: int, device_name: str) ->
     return {int(tokens): cfg for tokens, cfg in json.loads(path.read_text())["configs"].items()}
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_table(device: torch.device, num_experts: int, hidden: int, inter: int) -> dict[int, dict]:
+    """`config_table` for the GPU `device` is on."""
+    return config_table(num_experts, hidden, inter, _device_name(device.index))
+
+
 def pick_config(table: dict[int, dict], tokens: int) -> dict:
     """The entry tuned for the nearest token count (pure)."""
     return table[min(table, key=lambda key: (abs(key - tokens), key))]
@@ -82,7 +92,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0) -> torch
     num_experts, hidden, inter = down.shape
     slots = top_k + num_shared
     num_pairs = tokens * slots
-    cfg = pick_config(config_table(num_experts, hidden, inter, torch.cuda.get_device_name(x.device)), tokens)
+    cfg = pick_config(device_table(x.device, num_experts, hidden, inter), tokens)
     block_m = cfg["BLOCK_M"]
     pairs, tile_expert = moe_triton.align(ids, num_shared, num_experts, block_m)
     act = torch.empty(pairs.shape[0], inter, dtype=x.dtype, device=x.device)  # [padded rows, I]
@@ -151,7 +161,7 @@ def warm_up(model: torch.nn.Module) -> int:
     experts = moe.experts
     num_experts, hidden, inter = experts.down.shape
     device = experts.down.device
-    sizes = sorted(config_table(num_experts, hidden, inter, torch.cuda.get_device_name(device)))
+    sizes = sorted(device_table(device, num_experts, hidden, inter))
     with torch.inference_mode():
         for tokens in sizes:
             x = torch.zeros(tokens, hidden, dtype=experts.down.dtype, device=device)

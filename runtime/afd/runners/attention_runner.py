@@ -19,7 +19,7 @@ from afd.connector.base import AttnTransfer
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
-from afd.graphs.buckets import decode_buckets, stage_split
+from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs
 from afd.metrics.layer_clock import NullClock
 from afd.runners.microbatch import SeqLayout, split_layout
@@ -131,10 +131,9 @@ class AttentionRunner:
         """Warm up and capture decode graphs up to `max_batch` sequences (the FFN follows the plans)."""
         started = time.monotonic()
         buckets = decode_buckets(max_batch, self.stages)
-        split = self.dbo_min_tokens
         self.graphs = DecodeGraphs(
             self.forward, self.kv_cache, buckets, self.stages, self.kv_cache.keys[0].device,
-            before=lambda size, mode: self._send_plan(stage_split(size, self.stages, split), mode), min_split=split,
+            before=self._send_plan, min_split=self.dbo_min_tokens,
         )
         self.graphs.capture_all()
         self.connector.wait_step()

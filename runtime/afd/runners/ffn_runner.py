@@ -91,11 +91,9 @@ class FFNRunner:
         while len(plans) < len(self.peers) and (left := deadline - time.monotonic()) > 0:
             for peer, message in self.connector.poll_control(left):
                 self._on_control(peer, message)
-            for peer, plan in self._next_plans().items():
-                if peer in plans:
-                    self.queued[peer].appendleft(plan)  # not this step's: back to the head of its queue
-                else:
-                    plans[peer] = plan
+            for peer, queue in self.queued.items():
+                if queue and peer not in plans:  # a peer already in the step keeps its next plan queued
+                    plans[peer] = queue.popleft()
 
     def run_step(self, plans: dict[bytes, wire.StepPlan]) -> None:
         """One step for every peer that sent a plan: eager, or captured/replayed as the plans say."""
