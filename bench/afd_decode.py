@@ -248,7 +248,7 @@ def ffn_main(args, q, events) -> None:
         connector = make_ffn_connector(afd, torch.device("cuda"), DataContract(spec.hidden_size, "bfloat16", 0))
         runner = FFNRunner(loaded, connector, hello, afd.topology.attention_ranks_of(0), 0)
         runner.batch_window_s = afd.ffn_batch_window_s
-        runner.graphs = FFNGraphs(torch.device("cuda"), generation=lambda c=connector: c.generation)
+        runner.graphs = FFNGraphs(torch.device("cuda"))
         profiles = []
         runner.clock, runner.on_layers = LayerClock("cuda", profile_every=1), profiles.append
         stop = threading.Event()

@@ -7,6 +7,7 @@ attention rank with its KV cache. Both read the whole configuration from `AFDCon
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from afd.config import AFDConfig
 from afd.connector.attention_side import AttentionConnector
 from afd.connector.factory import make_attention_connector, make_ffn_connector
 from afd.connector.ffn_side import DataContract
+from afd.connector.identity import identity_key
 from afd.kv_cache import KVCache
 from afd.models.loader import LoadedModel, load_model
 from afd.runners.attention_runner import AttentionRunner
@@ -39,12 +41,12 @@ def build_ffn(config: AFDConfig) -> FFNRunner:
     connector = make_ffn_connector(config, device, contract)
     served = config.topology.attention_ranks_of(config.rank)
     log.info("ffn rank %d serves attention ranks %s on layers %s", config.rank, list(served), list(loaded.crossing))
-    runner = FFNRunner(loaded, connector, expected, served, config.rank)
+    runner = FFNRunner(loaded, connector, expected, served, config.rank, identity_key(config.group_token, config.group_secret))
     runner.batch_window_s = config.ffn_batch_window_s
     if graphs_usable(config, device, dtype):
         from afd.graphs.ffn import FFNGraphs
 
-        runner.graphs = FFNGraphs(device, generation=lambda: connector.generation)
+        runner.graphs = FFNGraphs(device)
     return runner
 
 
@@ -75,6 +77,9 @@ class AttentionRole:
     device: torch.device
 
     reconnect_timeout_s: float = 5.0
+    recover_attempts: int = 0
+    recover_failures: int = 0  # afd_peer_reconnect_failures_total
+    graph_buckets: tuple[int, ...] | None = None  # decode graphs to capture again after a recovery
 
     def close(self, reason: str = "shutdown") -> None:
         if self.runner.graphs is not None:  # release graphs first, then the connector (DESIGN §3)
@@ -87,10 +92,29 @@ class AttentionRole:
         self.connector.keepalive()
 
     def recover(self) -> None:
-        """Re-handshake with a returned FFN rank (fresh sockets; the KV cache stays)."""
-        self.connector.reconnect(self.reconnect_timeout_s)
-        if self.runner.graphs is not None:  # the FFN's graph cache died with it: warm up and capture again
-            self.runner.capture_graphs(max(self.runner.graphs.buckets))
+        """Re-handshake with a returned FFN rank on a new connection; the KV cache stays.
+
+        With NCCL the lost pair is aborted and a new one built; the decode graphs replayed
+        the old pair, so they are released and captured again, which also re-warms the
+        FFN's graph cache (its plans drive the FFN's captures). Logged at INFO and counted.
+        """
+        self.recover_attempts += 1
+        ffn_rank, started = self.connector.ffn_rank, time.monotonic()
+        log.info("re-handshaking with ffn rank %d (attempt %d)", ffn_rank, self.recover_attempts)
+        buckets = self.graph_buckets
+        try:
+            self.connector.abandon()  # stuck transfers end and the stream drains before the graphs go
+            self.runner.graphs = None
+            self.connector.reconnect(self.reconnect_timeout_s)
+            if buckets is not None:
+                self.runner.capture_graphs(max(buckets))
+        except Exception as err:
+            self.recover_failures += 1
+            log.info("re-handshake with ffn rank %d failed (attempt %d, %d failed so far): %s",
+                     ffn_rank, self.recover_attempts, self.recover_failures, err)
+            raise
+        log.info("ffn rank %d linked again in %.1f s%s", ffn_rank, time.monotonic() - started,
+                 f" (decode graphs for {list(buckets)} captured again)" if buckets else "")
 
 
 def build_attention(config: AFDConfig, cache_tokens: int) -> AttentionRole:
@@ -115,4 +139,6 @@ def build_attention(config: AFDConfig, cache_tokens: int) -> AttentionRole:
             raise
         log.info("attention rank %d: decode graphs for %s sequences, %.1f MiB",
                  config.rank, list(graphs.buckets), graphs.memory_bytes / 2**20)
-    return AttentionRole(loaded, kv_cache, connector, runner, device)
+    role = AttentionRole(loaded, kv_cache, connector, runner, device)
+    role.graph_buckets = runner.graphs.buckets if runner.graphs is not None else None
+    return role

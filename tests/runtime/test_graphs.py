@@ -26,6 +26,7 @@ def plan(tokens, warmup=False, capture=False, replay=False):
 def test_step_mode_replays_only_when_every_plan_says_so():
     assert ffn_step_mode([(False, False, True)], True) == ("replay", "")
     assert ffn_step_mode([(False, False, True)], False) == ("eager", "no_graph")
+    assert ffn_step_mode([(False, False, True)], False, may_capture=True) == ("capture", "")
     assert ffn_step_mode([(False, False, True), (False, False, False)], True) == ("eager", "mixed_plans")
     assert ffn_step_mode([(False, True, False)], False) == ("capture", "")
     assert ffn_step_mode([(False, False, False)], True) == ("eager", "plan_eager")
@@ -44,7 +45,20 @@ def test_a_plan_that_says_eager_is_never_served_from_a_graph():
 def test_graph_keys_name_every_peer_and_its_stage_counts():
     assert ffn_graph_key({b"b": (2, 2), b"a": (4, 0)}) == ffn_graph_key({b"a": (4, 0), b"b": (2, 2)})
     assert ffn_graph_key({b"a": (4, 0)}) != ffn_graph_key({b"a": (0, 4)})
-    assert ffn_graph_key({b"a": (4,)}, generation=1) != ffn_graph_key({b"a": (4,)}, generation=2)
+    assert ffn_graph_key({b"a": (4,)}) != ffn_graph_key({b"a2": (4,)})  # a new connection: a new key
+
+
+def test_a_new_set_of_peers_is_captured_and_a_lost_peers_graphs_are_dropped():
+    """One rank of 2A1F leaves: the other's steps (a key never seen) get a graph at once."""
+    graphs, calls = FFNGraphs(torch.device("cpu")), []
+    body = lambda: calls.append("body")  # noqa: E731
+    assert graphs.run({b"a": plan((4,), capture=True), b"b": plan((2,), capture=True)}, body) == "capture"
+    assert graphs.run({b"b": plan((2,), replay=True)}, body) == "capture"  # b alone: new key, captured
+    assert graphs.run({b"b": plan((2,), replay=True)}, body) == "replay"
+    graphs.forget(b"a")
+    assert list(graphs.graphs) == [ffn_graph_key({b"b": (2,)})]
+    full = FFNGraphs(torch.device("cpu"), max_graphs=0)
+    assert full.run({b"b": plan((2,), replay=True)}, body) == "eager" and full.eager_steps == {"no_graph": 1}
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])

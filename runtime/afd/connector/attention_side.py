@@ -61,6 +61,17 @@ class AttentionConnector:
 
     def keepalive(self) -> None:
         """Between steps: heartbeat when due; `PeerLost` if the FFN went silent or said goodbye."""
+        self.tick()
+        silent = time.monotonic() - self._last_heard
+        if silent > self.peer_timeout_s:
+            raise PeerLost(f"ffn rank {self.ffn_rank} has not answered a heartbeat for {silent:.1f} s")
+
+    def tick(self) -> None:
+        """Heartbeat when due and take what the FFN sent; `PeerLost` on a Goodbye or a closed connection.
+
+        Also called while a step waits on the GPU (NCCL), so a waiting rank still
+        heartbeats and the FFN can tell it from a dead one.
+        """
         now = time.monotonic()
         if now - self._last_beat >= self.heartbeat_interval_s:
             self._beats += 1
@@ -68,18 +79,20 @@ class AttentionConnector:
             self._last_beat = now
         while (received := self.transport.recv(0)) is not None:
             self._on_message(*received)
-        silent = time.monotonic() - self._last_heard
-        if silent > self.peer_timeout_s:
-            raise PeerLost(f"ffn rank {self.ffn_rank} has not answered a heartbeat for {silent:.1f} s")
 
     def reconnect(self, timeout_s: float) -> wire.HelloReply:
-        """Rebuild the link with fresh sockets and repeat the handshake (after the FFN came back)."""
+        """Rebuild the link on a new connection (fresh sockets, fresh identity) and repeat the handshake."""
         if self.reopen is None or self._hello is None:
             raise ConnectorError(f"this connector cannot reconnect to ffn rank {self.ffn_rank} in-process")
+        self.abandon()
         self.transport.close()
         self.transport = self.reopen()
         self._stash.clear()
+        self._last_beat = time.monotonic()
         return self.handshake(self._hello, timeout_s)
+
+    def abandon(self) -> None:
+        """Drop what the lost link still holds (nothing for host transports; NCCL aborts its pair)."""
 
     def send_attn_output(
         self, hidden: torch.Tensor, transfer: AttnTransfer, router_logits: torch.Tensor | None = None
@@ -123,6 +136,8 @@ class AttentionConnector:
             self.transport.close()
 
     def _on_message(self, plane: str, frames: list[bytes]) -> None:
+        if plane == "down":
+            raise PeerLost(f"ffn rank {self.ffn_rank} is gone: {frames[0].decode(errors='replace')}")
         self._last_heard = time.monotonic()
         if plane == "control":
             message = self._decode_control(frames)

@@ -10,15 +10,17 @@ from afd.config import AFDConfig
 from afd.connector.attention_side import AttentionConnector
 from afd.connector.base import ConnectorError
 from afd.connector.ffn_side import DataContract, FFNConnector
+from afd.connector.identity import identity_key, new_identity
 
 # name → (module, attention-side factory, FFN-side factory)
 _REGISTRY = {
     "loopback": ("afd.connector.factory", "_loopback_peer", "_loopback_server"),
     "zmq": ("afd.connector.factory", "_zmq_peer", "_zmq_server"),
 }
-# connectors whose data plane is not a frame transport: name → (module, attention factory, FFN factory)
+# connectors whose data plane is not a frame transport (control plane on zmq):
+# name → (module, attention connector class, FFN factory)
 _CONNECTORS = {
-    "nccl": ("afd.connector.nccl", "make_attention_connector", "make_ffn_connector"),
+    "nccl": ("afd.connector.nccl", "NcclAttentionConnector", "make_ffn_connector"),
 }
 
 
@@ -62,20 +64,27 @@ def _zmq_server(config: AFDConfig):
     return ZmqServer(config.bind_host, config.ffn_ports(config.rank), config.max_message_bytes)
 
 
-def peer_identity(attention_rank: int) -> bytes:
-    return f"attn-{attention_rank}".encode()
+def peer_identity(config: AFDConfig) -> bytes:
+    """A fresh identity for one connection of attention rank `config.rank` (`afd.connector.identity`)."""
+    return new_identity(config.rank, identity_key(config.group_token, config.group_secret))
 
 
 def make_attention_connector(config: AFDConfig, device: torch.device | str) -> AttentionConnector:
-    """The connector of attention rank `config.rank` to the FFN rank that serves it."""
+    """The connector of attention rank `config.rank` to the FFN rank that serves it.
+
+    Every connection, the first and each one `reconnect` opens, has its own identity.
+    """
     ffn_rank = config.topology.ffn_rank_of(config.rank)
     if config.connector in _CONNECTORS:
-        return _resolve(config.connector, 1)(config, ffn_rank, peer_identity(config.rank), device)
-    open_transport = _resolve(config.connector, 1)
-    transport = open_transport(config, ffn_rank, peer_identity(config.rank))
-    connector = AttentionConnector(transport, ffn_rank, device, config.peer_timeout_s)
+        open_transport = _zmq_peer  # connectors of their own keep the control plane on zmq
+        connector = _resolve(config.connector, 1)(open_transport(config, ffn_rank, peer_identity(config)), ffn_rank, device,
+                                                   config.peer_timeout_s)
+    else:
+        open_transport = _resolve(config.connector, 1)
+        connector = AttentionConnector(open_transport(config, ffn_rank, peer_identity(config)), ffn_rank, device,
+                                       config.peer_timeout_s)
     connector.heartbeat_interval_s = config.heartbeat_interval_s
-    connector.reopen = lambda: open_transport(config, ffn_rank, peer_identity(config.rank))
+    connector.reopen = lambda: open_transport(config, ffn_rank, peer_identity(config))
     return connector
 
 

@@ -19,6 +19,7 @@ import torch
 
 from afd.connector import wire
 from afd.connector.base import FFNTransfer
+from afd.connector.identity import show
 from afd.connector.tensors import from_frame, to_frame
 from afd.connector.transport import ServerTransport
 
@@ -53,12 +54,14 @@ class FFNConnector:
         self._stash: dict[tuple[bytes, int, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._peers: set[bytes] = set()
         self._bad_peers: dict[bytes, str] = {}
+        self._heard: dict[bytes, float] = {}  # peer → when it last sent anything
         self.interrupt = threading.Event()  # set by the runner's shutdown; unblocks receives
 
     # -- peers -----------------------------------------------------------------
     def accept_peer(self, peer: bytes) -> dict:
         """Admit `peer`; returns extra HelloReply fields (none for host transports)."""
         self._peers.add(peer)
+        self._heard[peer] = time.monotonic()
         self._bad_peers.pop(peer, None)
         self._stash = {key: value for key, value in self._stash.items() if key[0] != peer}  # a returning peer starts clean
         return {}
@@ -71,7 +74,21 @@ class FFNConnector:
     def forget_peer(self, peer: bytes, graceful: bool = False) -> None:
         """Forget `peer` and its stashed rows (`graceful`: it said Goodbye; else it is being dropped)."""
         self._peers.discard(peer)
+        self._heard.pop(peer, None)
         self._stash = {key: value for key, value in self._stash.items() if key[0] != peer}
+
+    def peer_problem(self, peer: bytes, silent_after_s: float | None = None) -> str | None:
+        """Why `peer` is gone (its connection closed, or it is silent for `silent_after_s`), or None.
+
+        The probe is a heartbeat the peer ignores: with ROUTER_MANDATORY a send to a
+        connection the peer's process closed fails at once.
+        """
+        if not self.send_control(peer, wire.Heartbeat(0)):
+            return "its connection closed (process gone?)"
+        silent = time.monotonic() - self._heard.get(peer, time.monotonic())
+        if silent_after_s is not None and silent > silent_after_s:
+            return f"silent for {silent:.1f} s"
+        return None
 
     # -- control plane ---------------------------------------------------------
     def poll_control(self, timeout_s: float) -> list[tuple[bytes, object]]:
@@ -132,14 +149,14 @@ class FFNConnector:
         for peer, step, piece in zip(transfer.peers, transfer.steps, output.split(list(transfer.rows))):
             header = wire.DataHeader(step, transfer.layer, transfer.stage, piece.shape[0], piece.shape[1], self.contract.dtype)
             if not self.transport.send("data", peer, [wire.encode(header), to_frame(piece)]):
-                log.warning("peer %s vanished before its output of layer %d", peer.decode(errors="replace"), transfer.layer)
+                log.warning("peer %s vanished before its output of layer %d", show(peer), transfer.layer)
 
     def end_step(self) -> None:
         """Flush what the step still holds (a no-op: host sends leave at once)."""
 
-    def wait_step(self, peers: tuple[bytes, ...]) -> tuple[bytes, ...]:
-        """Block until the step's transfers are done; returns the peers that failed it (none here)."""
-        return ()
+    def wait_step(self, peers: tuple[bytes, ...]) -> dict[bytes, str]:
+        """Block until the step's transfers are done; returns the peers that failed it, with why (none here)."""
+        return {}
 
     def close(self) -> None:
         self.transport.close()
@@ -151,6 +168,8 @@ class FFNConnector:
         if received is None:
             return False
         plane, peer, frames = received
+        if peer in self._heard:
+            self._heard[peer] = time.monotonic()
         if plane == "control":
             self._control.append((peer, self._decode_control(frames)))
             return True
@@ -191,6 +210,6 @@ class FFNConnector:
 
     def _reject(self, peer: bytes, reason: str) -> None:
         self.rejected[reason.split(":")[0][:40]] += 1
-        log.warning("rejected a data message from %s: %s", peer.decode(errors="replace"), reason)
+        log.warning("rejected a data message from %s: %s", show(peer), reason)
         if peer in self._peers:
             self._bad_peers[peer] = f"sent an invalid data message: {reason}"

@@ -26,8 +26,9 @@ import torch
 
 from afd.config import AFDConfig
 from afd.connector.attention_side import AttentionConnector
-from afd.connector.base import AttnTransfer, FFNTransfer, HandshakeError, PeerLost
+from afd.connector.base import AttnTransfer, ConnectorError, FFNTransfer, HandshakeError, PeerLost
 from afd.connector.ffn_side import DataContract, FFNConnector
+from afd.connector.identity import show
 from afd.connector.nccl_lib import Group, NcclError, PairComm, UniqueId, new_unique_id
 from afd.connector.tensors import DTYPES, pack_rows, packed_width, unpack_rows
 from afd.connector.wire import Hello, HelloReply
@@ -61,11 +62,11 @@ class NcclAttentionConnector(AttentionConnector):
 
     def handshake(self, hello: Hello, timeout_s: float) -> HelloReply:
         reply = super().handshake(hello, timeout_s)
-        if self.comm is not None:  # a re-handshake after the FFN came back: its old end is gone
-            self.comm.abort(wait_s=1.0)
+        self.abandon()  # the pair of an earlier link, if any: its FFN end is gone
         if not reply.nccl_id:
             raise HandshakeError(f"ffn rank {self.ffn_rank} offered no NCCL communicator (is it running with connector=nccl?)")
-        self.comm = PairComm(UniqueId.from_hex(reply.nccl_id), ATTENTION_RANK_IN_PAIR, torch.device(self.device))
+        self.comm = join_pair(UniqueId.from_hex(reply.nccl_id), ATTENTION_RANK_IN_PAIR, torch.device(self.device),
+                              timeout_s, f"ffn rank {self.ffn_rank}")
         return reply
 
     def send_attn_output(self, hidden: torch.Tensor, transfer: AttnTransfer, router_logits: torch.Tensor | None = None) -> None:
@@ -76,6 +77,8 @@ class NcclAttentionConnector(AttentionConnector):
     def recv_ffn_output(self, transfer: AttnTransfer) -> torch.Tensor:
         rows, cols, dtype = self._shapes.pop((transfer.layer, transfer.stage))
         out = torch.empty(rows, cols, dtype=dtype, device=self.device)  # [tokens, hidden]
+        if self.comm is None:
+            raise PeerLost(f"ffn rank {self.ffn_rank}: no NCCL pair (the link was lost)")
         with Group():
             for tensor in self._pending:
                 self.comm.send(tensor)
@@ -84,30 +87,74 @@ class NcclAttentionConnector(AttentionConnector):
         return out
 
     def wait_step(self) -> None:
-        """Wait for the step on the GPU, at most the peer timeout; a stuck step aborts the pair."""
+        """Wait for the step on the GPU, heartbeating meanwhile; a lost FFN aborts the pair at once.
+
+        The FFN is lost when its connection closes or it says Goodbye (`tick` raises), or
+        when the step outlasts the peer timeout: every in-flight request then ends within it.
+        """
         event = torch.cuda.Event()
         event.record()
-        if not wait_event(event, time.monotonic() + self.peer_timeout_s, self._check_goodbye):
-            self.comm.abort()
+        try:
+            done = wait_event(event, time.monotonic() + self.peer_timeout_s, self.tick)
+        except PeerLost:
+            self.abandon()
+            raise
+        if not done:
+            self.abandon()
             raise PeerLost(f"ffn rank {self.ffn_rank}: the step's NCCL transfers did not finish within {self.peer_timeout_s:.0f} s")
 
-    def _check_goodbye(self) -> None:
-        received = self.transport.recv(0.0)
-        if received is not None and received[0] == "control":
-            self._on_message(*received)  # raises PeerLost on Goodbye
+    def abandon(self) -> None:
+        """Abort the pair (stuck transfers end at once) and wait, bounded, until the stream has drained."""
+        self._pending.clear()
+        self._shapes.clear()
+        if self.comm is None:
+            return
+        comm, self.comm = self.comm, None
+        comm.abort(wait_s=0.0)  # NCCL raises its abort flag first; the rest of the teardown goes on behind
+        with torch.cuda.device(torch.device(self.device)):
+            event = torch.cuda.Event()
+            event.record()
+        if not wait_event(event, time.monotonic() + self.peer_timeout_s):
+            raise ConnectorError(f"the GPU stream is still blocked {self.peer_timeout_s:.0f} s after aborting "
+                                 f"the NCCL pair with ffn rank {self.ffn_rank}; restart this rank")
 
     def close(self, reason: str = "shutdown") -> None:
         try:
             super().close(reason)
         finally:
             # every step ended with wait_step (a stuck one aborted the pair there): nothing is in flight
-            if self.comm is not None and not self.comm.close():
-                log.warning("NCCL teardown of the pair with ffn rank %d still running; carrying on", self.ffn_rank)
+            if self.comm is not None:
+                started = time.monotonic()
+                if self.comm.close():
+                    log.info("NCCL pair with ffn rank %d destroyed in %.2f s", self.ffn_rank, time.monotonic() - started)
+                else:
+                    log.warning("NCCL teardown of the pair with ffn rank %d still running after %.1f s; carrying on",
+                                self.ffn_rank, time.monotonic() - started)
             self.comm = None
+
+
+def join_pair(uid: UniqueId, rank: int, device: torch.device, timeout_s: float, peer: str) -> PairComm:
+    """Create this end of a pair, waiting at most `timeout_s` for the other end to join."""
+    box: dict = {}
+
+    def init() -> None:
+        try:
+            box["comm"] = PairComm(uid, rank, device)
+        except NcclError as err:
+            box["error"] = str(err)
+
+    thread = threading.Thread(target=init, name="nccl-init", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "comm" not in box:
+        raise HandshakeError(f"NCCL pair with {peer} not built: {box.get('error', f'its end did not join within {timeout_s:.0f} s')}")
+    return box["comm"]
 
 
 class NcclFFNConnector(FFNConnector):
     """FFN end: one pair communicator per attention peer, created when its Hello is accepted."""
+
+    PROBE_AFTER_S = 0.2  # a step waiting longer than this probes its peers (who is gone?) every as often
 
     def __init__(self, transport, device, peer_timeout_s: float, contract: DataContract):
         super().__init__(transport, device, peer_timeout_s, contract)
@@ -115,7 +162,6 @@ class NcclFFNConnector(FFNConnector):
         self._inits: dict[bytes, tuple[str, threading.Thread, dict]] = {}
         self._pending: list[tuple[bytes, torch.Tensor]] = []
         self.dtype = DTYPES[contract.dtype]
-        self.generation = 0  # bumped whenever a communicator changes: captured graphs are stale then
         self.failed_peers: dict[bytes, str] = {}
 
     def accept_peer(self, peer: bytes) -> dict:
@@ -126,7 +172,7 @@ class NcclFFNConnector(FFNConnector):
         self._forget(peer)
         uid = new_unique_id()
         box: dict = {}
-        thread = threading.Thread(target=self._init_comm, args=(uid, box), name=f"nccl-init-{peer.decode(errors='replace')}", daemon=True)
+        thread = threading.Thread(target=self._init_comm, args=(uid, box), name=f"nccl-init-{show(peer)}", daemon=True)
         thread.start()
         self._inits[peer] = (uid.to_hex(), thread, box)
         return {"nccl_id": uid.to_hex()}
@@ -143,9 +189,8 @@ class NcclFFNConnector(FFNConnector):
         uid, thread, box = self._inits[peer]
         thread.join(self.peer_timeout_s)
         if "comm" not in box:
-            raise PeerLost(f"no NCCL communicator with {peer.decode(errors='replace')}: {box.get('error', 'init timed out')}")
+            raise PeerLost(f"no NCCL communicator with {show(peer)}: {box.get('error', 'init timed out')}")
         self.comms[peer] = box["comm"]
-        self.generation += 1
         return box["comm"]
 
     def recv_attn_output(self, transfer: FFNTransfer):
@@ -184,17 +229,42 @@ class NcclFFNConnector(FFNConnector):
             self.comms[peer].send(piece)
         self._pending.clear()
 
-    def wait_step(self, peers: tuple[bytes, ...]) -> tuple[bytes, ...]:
-        """Wait for the step on the GPU; on timeout abort every pair in it and return those peers."""
+    def wait_step(self, peers: tuple[bytes, ...]) -> dict[bytes, str]:
+        """Wait for the step on the GPU; returns the peers lost meanwhile, with why.
+
+        A peer whose connection closes, or that stops heartbeating, while the step waits
+        has its pair aborted at once: the transfers with it end, the others complete, so
+        the ranks still alive lose nothing. Past the peer timeout every pair is aborted.
+        """
         event = torch.cuda.Event()
         event.record()
-        if wait_event(event, time.monotonic() + self.peer_timeout_s):
-            return ()
-        log.error("NCCL step with %s did not finish within %.0f s; aborting their communicators",
-                  [p.decode(errors="replace") for p in peers], self.peer_timeout_s)
-        for peer in peers:
-            self._forget(peer)
-        return peers
+        started = time.monotonic()
+        failed: dict[bytes, str] = {}
+        next_probe = [started + self.PROBE_AFTER_S]
+
+        def probe() -> None:
+            now = time.monotonic()
+            if now < next_probe[0]:
+                return
+            next_probe[0] = now + self.PROBE_AFTER_S
+            while self._pump(0.0):
+                pass  # heartbeats of the peers still alive; control messages wait for the loop
+            for peer in peers:
+                if peer not in failed and (reason := self.peer_problem(peer, 0.6 * self.peer_timeout_s)):
+                    log.info("aborting the NCCL pair with %s mid-step: %s", show(peer), reason)
+                    failed[peer] = reason
+                    self._forget(peer)
+
+        if not wait_event(event, started + self.peer_timeout_s, probe):
+            stuck = [p for p in peers if p not in failed]
+            log.error("NCCL step with %s did not finish within %.0f s; aborting their communicators",
+                      [show(p) for p in stuck], self.peer_timeout_s)
+            for peer in stuck:
+                failed[peer] = f"the step's transfers did not finish within {self.peer_timeout_s:.0f} s"
+                self._forget(peer)
+            if not wait_event(event, time.monotonic() + self.peer_timeout_s):
+                log.error("the GPU stream is still blocked after aborting every pair of the step")
+        return failed
 
     def forget_peer(self, peer: bytes, graceful: bool = False) -> None:
         super().forget_peer(peer, graceful)
@@ -203,23 +273,17 @@ class NcclFFNConnector(FFNConnector):
     def _forget(self, peer: bytes, graceful: bool = False) -> None:
         comm = self.comms.pop(peer, None)
         if comm is not None:
-            teardown = comm.close if graceful else comm.abort  # Goodbye between steps: nothing in flight
-            if not teardown(wait_s=1.0):  # other peers wait on this loop: do not hold it long
-                log.warning("NCCL teardown of the pair with %s still running; carrying on", peer.decode(errors="replace"))
-            self.generation += 1
+            if graceful:  # Goodbye between steps: nothing in flight, destroy (bounded, other peers wait on this loop)
+                if not comm.close(wait_s=1.0):
+                    log.info("NCCL teardown of the pair with %s still running; carrying on", show(peer))
+            else:  # lost: raise the abort flag so stuck transfers end, and carry on at once
+                comm.abort(wait_s=0.0)
         self._inits.pop(peer, None)
 
     def close(self) -> None:
         for peer in list(self.comms):
             self._forget(peer)
         super().close()
-
-
-def make_attention_connector(config: AFDConfig, ffn_rank: int, identity: bytes, device) -> NcclAttentionConnector:
-    from afd.connector.zmq_transport import ZmqPeer
-
-    transport = ZmqPeer(config.ffn_host(ffn_rank), config.ffn_ports(ffn_rank), identity)
-    return NcclAttentionConnector(transport, ffn_rank, device, config.peer_timeout_s)
 
 
 def make_ffn_connector(config: AFDConfig, device, contract: DataContract) -> NcclFFNConnector:

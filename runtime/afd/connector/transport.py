@@ -24,7 +24,11 @@ class PeerTransport(ABC):
 
     @abstractmethod
     def recv(self, timeout_s: float) -> tuple[str, list[bytes]] | None:
-        """The next (plane, frames) from the FFN, or None after `timeout_s`."""
+        """The next (plane, frames) from the FFN, or None after `timeout_s`.
+
+        The plane is `control`, `data`, or `down` (the FFN's end of the connection closed;
+        the one frame says how) for transports that can see that.
+        """
 
     @abstractmethod
     def close(self) -> None: ...

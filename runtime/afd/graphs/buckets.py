@@ -57,20 +57,29 @@ def is_decode(new_lens: Sequence[int]) -> bool:
     return len(new_lens) > 0 and all(n == 1 for n in new_lens)
 
 
-def ffn_graph_key(stage_tokens: Mapping[bytes, Sequence[int]], generation: int = 0) -> tuple:
-    """Key of an FFN step graph: every peer's per-stage token counts (and the link generation)."""
-    return (generation, tuple(sorted((peer, tuple(tokens)) for peer, tokens in stage_tokens.items())))
+def ffn_graph_key(stage_tokens: Mapping[bytes, Sequence[int]]) -> tuple:
+    """Key of an FFN step graph: every peer's per-stage token counts.
+
+    Peers are connection identities, and each connection has its own NCCL pair, so a
+    key never outlives the pairs its graph replays (the graphs of a lost peer are dropped).
+    """
+    return tuple(sorted((peer, tuple(tokens)) for peer, tokens in stage_tokens.items()))
 
 
-def ffn_step_mode(flags: Sequence[tuple[bool, bool, bool]], key_captured: bool) -> tuple[str, str]:
+def ffn_step_mode(flags: Sequence[tuple[bool, bool, bool]], key_captured: bool, may_capture: bool = False) -> tuple[str, str]:
     """(mode, reason) of an FFN step from each plan's (warmup, capture, replay) flags.
 
-    `replay` only when every plan says replay and the key is captured; `capture` when
-    every plan says capture; anything else is `eager`, even if a graph for the key
-    exists (a plan that says eager is never served from a graph: afd-plugin bug #261).
+    `replay` when every plan says replay and the key is captured; when every plan says
+    replay and the key is not captured yet, `capture` if `may_capture` (the set of
+    peers in a step changed, e.g. one left: the others keep graph speed), else eager;
+    `capture` when every plan says capture; anything else is `eager`, even if a graph
+    for the key exists (a plan that says eager is never served from a graph:
+    afd-plugin bug #261).
     """
     if flags and all(replay for _, _, replay in flags):
-        return ("replay", "") if key_captured else ("eager", "no_graph")
+        if key_captured:
+            return "replay", ""
+        return ("capture", "") if may_capture else ("eager", "no_graph")
     if flags and all(capture for _, capture, _ in flags):
         return "capture", ""
     if flags and all(warmup for warmup, _, _ in flags):

@@ -41,7 +41,7 @@ class RunnerCollector:
     def __init__(self, registry: CollectorRegistry, role: str, rank: int, runner, link_state=None):
         self.labels = {"role": role, "rank": str(rank)}
         self.runner = runner
-        self.link_state = link_state  # attention: () -> (ffn rank, up, reconnects)
+        self.link_state = link_state  # attention: () -> (ffn rank, up, reconnects, failed reconnects)
         registry.register(self)
 
     def describe(self):
@@ -69,13 +69,17 @@ class RunnerCollector:
         capture.add_metric(values, getattr(self.runner, "capture_seconds", 0.0))
         yield capture
         if self.link_state is not None:
-            ffn_rank, up, reconnects = self.link_state()
+            ffn_rank, up, reconnects, failures = self.link_state()
             peer_up = GaugeMetricFamily("afd_peer_up", "1 while the peer is connected", labels=[*names, "peer"])
             peer_up.add_metric([*values, str(ffn_rank)], 1 if up else 0)
             yield peer_up
             again = CounterMetricFamily("afd_peer_reconnects", "Re-handshakes after a lost peer", labels=names)
             again.add_metric(values, reconnects)
             yield again
+            failed = CounterMetricFamily("afd_peer_reconnect_failures", "Re-handshake attempts that failed (the peer not back yet, "
+                                         "or refused)", labels=names)
+            failed.add_metric(values, failures)
+            yield failed
 
 
 def _eager_reasons(runner) -> dict[str, int]:

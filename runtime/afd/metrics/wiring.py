@@ -15,7 +15,7 @@ def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, e
     runner.on_layers = LayerMetrics(registry, "attention", config.rank).observe
     ffn_rank = config.topology.ffn_rank_of(config.rank)
     RunnerCollector(registry, "attention", config.rank, runner,
-                    link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects))
+                    link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, getattr(role, "recover_failures", 0)))
 
 
 def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, runner, device) -> None:

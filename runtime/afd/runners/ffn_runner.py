@@ -20,6 +20,7 @@ import torch
 from afd.connector import wire
 from afd.connector.base import FFNTransfer
 from afd.connector.ffn_side import FFNConnector, Interrupted
+from afd.connector.identity import check_identity, identity_key, show
 from afd.connector.tensors import DTYPES
 from afd.models.loader import LoadedModel
 from afd.metrics.layer_clock import NullClock
@@ -27,6 +28,8 @@ from afd.runners.handshake import check_hello
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.1
+PROBE_INTERVAL_S = 1.0  # how often idle peers are probed (a peer whose process died is dropped)
+MAX_RETIRED = 4096  # connection identities remembered as used, so a replayed Hello is refused
 
 
 class FFNRunner:
@@ -39,6 +42,7 @@ class FFNRunner:
         expected_hello: wire.Hello,
         served_ranks: tuple[int, ...],
         ffn_rank: int,
+        identity_key: bytes = identity_key("", ""),
     ):
         self.layers = loaded.model.layers
         self.crossing = loaded.crossing
@@ -46,7 +50,10 @@ class FFNRunner:
         self.expected = expected_hello
         self.served_ranks = served_ranks
         self.ffn_rank = ffn_rank
-        self.peers: dict[bytes, int] = {}  # identity → attention rank
+        self.identity_key = identity_key  # proves a connection identity was made by the group (afd.connector.identity)
+        self.peers: dict[bytes, int] = {}  # connection identity → attention rank
+        self.replies: dict[bytes, wire.HelloReply] = {}  # what each live connection was answered: a repeated Hello gets it again
+        self.retired: dict[bytes, None] = {}  # identities of closed connections, oldest first
         self.queued: dict[bytes, deque[wire.StepPlan]] = {}  # plans received, not yet run, per peer
         self.steps_run = 0
         self.rows_served = 0
@@ -61,8 +68,12 @@ class FFNRunner:
     def serve(self, stop: threading.Event) -> None:
         """The daemon loop; returns within one poll interval of `stop` being set, even mid-step."""
         self.connector.interrupt = stop
+        next_probe = time.monotonic() + PROBE_INTERVAL_S
         try:
             while not stop.is_set():
+                if time.monotonic() >= next_probe:
+                    next_probe = time.monotonic() + PROBE_INTERVAL_S
+                    self._probe_peers()
                 waiting = 0.0 if any(self.queued.values()) else POLL_INTERVAL_S
                 for peer, message in self.connector.poll_control(waiting):
                     self._on_control(peer, message)
@@ -105,11 +116,8 @@ class FFNRunner:
             self._step_body(plans)
         else:
             self.graphs.run(plans, lambda: self._step_body(plans))
-        failed = self.connector.wait_step(tuple(plans))
-        for peer in failed:
-            self._drop(peer, "the step's transfers did not finish in time")
-        if failed and self.graphs is not None:
-            self.graphs.clear()
+        for peer, reason in self.connector.wait_step(tuple(plans)).items():
+            self._drop(peer, reason)
         self.steps_run += 1
         if profiling and self.on_layers is not None:
             self.on_layers(self.clock.collect())
@@ -171,34 +179,41 @@ class FFNRunner:
             if peer in self.peers:
                 self.connector.send_control(peer, message)
         elif isinstance(message, wire.Goodbye):
-            rank = self.peers.pop(peer, None)
-            self.queued.pop(peer, None)
+            rank = self._forget(peer)
             self.connector.forget_peer(peer, graceful=True)  # its pair's NCCL end goes too, as the peer closes its own
             if rank is not None:
-                log.info("attention peer %s left: %s", peer.decode(errors="replace"), message.reason)
-                self._notify_peer(rank, False)
+                log.info("attention peer attn-%d left: %s (connection %s)", rank, message.reason, show(peer))
         elif isinstance(message, wire.ProtocolVersionError):
             self.connector.send_control(peer, wire.HelloReply(False, self.ffn_rank, str(message)))
-            log.warning("refused %s: %s", peer.decode(errors="replace"), message)
+            log.warning("refused %s: %s", show(peer), message)
         elif isinstance(message, wire.ProtocolError):
             self.connector.rejected["control"] += 1
-            log.warning("rejected a control message from %s: %s", peer.decode(errors="replace"), message)
+            log.warning("rejected a control message from %s: %s", show(peer), message)
 
     def _on_hello(self, peer: bytes, hello: wire.Hello) -> None:
+        if peer in self.replies:  # the same connection asking again (Hellos queued while this rank was down)
+            self.connector.send_control(peer, self.replies[peer])
+            return
         reason = check_hello(hello, self.expected, self.served_ranks)
-        if reason is None and peer.decode(errors="replace") != f"attn-{hello.attention_rank}":
-            reason = f"identity {peer!r} does not match attention rank {hello.attention_rank}"
+        if reason is None:
+            reason = check_identity(peer, hello.attention_rank, self.identity_key)
+        if reason is None and peer in self.retired:
+            reason = f"connection identity {show(peer)} was closed before (a replayed Hello?)"
         if reason:
             self.handshake_failures += 1
-            log.error("refused attention peer %s: %s", peer.decode(errors="replace"), reason)
+            log.error("refused attention peer %s: %s", show(peer), reason)
             self.connector.send_control(peer, wire.HelloReply(False, self.ffn_rank, reason))
             return
+        for old, rank in list(self.peers.items()):
+            if rank == hello.attention_rank:  # the rank restarted or re-handshakes: its earlier connection is void
+                self._drop(old, f"attention rank {rank} reconnected as {show(peer)}")
         self.peers[peer] = hello.attention_rank
-        self.queued.pop(peer, None)  # plans of an earlier link are void
+        self.queued.pop(peer, None)
         extra = self.connector.accept_peer(peer)
         self._notify_peer(hello.attention_rank, True)
-        log.info("attention rank %d connected", hello.attention_rank)
-        self.connector.send_control(peer, wire.HelloReply(True, self.ffn_rank, **extra))
+        log.info("attention rank %d connected (connection %s)", hello.attention_rank, show(peer))
+        self.replies[peer] = wire.HelloReply(True, self.ffn_rank, **extra)
+        self.connector.send_control(peer, self.replies[peer])
 
     def _check_plan(self, peer: bytes, plan: wire.StepPlan) -> str | None:
         if peer not in self.peers:
@@ -211,10 +226,31 @@ class FFNRunner:
         if self.observer:
             self.observer.on_peer(rank, up)
 
+    def _probe_peers(self) -> None:
+        """Drop the peers whose connection closed (a killed process) even when they have no step running."""
+        for peer in list(self.peers):
+            if (reason := self.connector.peer_problem(peer)) is not None:
+                self._drop(peer, reason)
+
     def _drop(self, peer: bytes, reason: str) -> None:
+        """Forget `peer` and tell it why (a connection never handshaken is logged once)."""
+        known = peer in self.peers or peer not in self.retired
+        rank = self._forget(peer)
+        if known:
+            who = f"attn-{rank} (connection {show(peer)})" if rank is not None else show(peer)
+            log.warning("dropping attention peer %s: %s", who, reason)
+        self.connector.drop_peer(peer, reason)
+
+    def _forget(self, peer: bytes) -> int | None:
+        """Everything this runner holds for `peer` goes; returns its rank if it was connected."""
         rank = self.peers.pop(peer, None)
         self.queued.pop(peer, None)
+        self.replies.pop(peer, None)
+        if self.graphs is not None:
+            self.graphs.forget(peer)
+        self.retired[peer] = None
+        while len(self.retired) > MAX_RETIRED:
+            del self.retired[next(iter(self.retired))]
         if rank is not None:
             self._notify_peer(rank, False)
-        log.warning("dropping attention peer %s: %s", rank if rank is not None else peer, reason)
-        self.connector.drop_peer(peer, reason)
+        return rank
