@@ -35,6 +35,7 @@ from afd.connector.wire import Hello, HelloReply
 
 log = logging.getLogger(__name__)
 FFN_RANK_IN_PAIR, ATTENTION_RANK_IN_PAIR = 0, 1
+PAIR_JOIN_TIMEOUT_S = 30.0  # a first NCCL init in a fresh process (CUDA context, bootstrap) takes seconds
 
 
 def wait_event(event: torch.cuda.Event, deadline: float, check=None) -> bool:
@@ -66,7 +67,7 @@ class NcclAttentionConnector(AttentionConnector):
         if not reply.nccl_id:
             raise HandshakeError(f"ffn rank {self.ffn_rank} offered no NCCL communicator (is it running with connector=nccl?)")
         self.comm = join_pair(UniqueId.from_hex(reply.nccl_id), ATTENTION_RANK_IN_PAIR, torch.device(self.device),
-                              timeout_s, f"ffn rank {self.ffn_rank}")
+                              max(timeout_s, PAIR_JOIN_TIMEOUT_S), f"ffn rank {self.ffn_rank}")
         return reply
 
     def send_attn_output(self, hidden: torch.Tensor, transfer: AttnTransfer, router_logits: torch.Tensor | None = None) -> None:

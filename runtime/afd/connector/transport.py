@@ -78,6 +78,7 @@ def _copy(frames: Frames) -> list[bytes]:
 class LoopbackPeer(PeerTransport):
     def __init__(self, address: str, identity: bytes):
         self._hub, self._identity = _hub(address), identity
+        self.identity = identity
 
     def send(self, plane: str, frames: Frames) -> None:
         self._hub.inbox.put((plane, self._identity, _copy(frames)))

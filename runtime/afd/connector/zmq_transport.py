@@ -20,6 +20,7 @@ from afd.connector.transport import PLANES, Frames, PeerTransport, ServerTranspo
 
 class ZmqPeer(PeerTransport):
     def __init__(self, host: str, ports: tuple[int, int], identity: bytes):
+        self.identity = identity
         self._context = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}
         self._poller = zmq.Poller()

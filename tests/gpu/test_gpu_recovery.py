@@ -1,0 +1,256 @@
+"""Rank loss on the NCCL data plane (issue 20), as `afd serve` processes on two GPUs.
+
+FFN rank on GPU 1, attention ranks (HTTP servers) on GPU 0, NCCL pairs, CUDA graphs, two
+stages. `kill -9` of a rank while streams run; then a new process with the same
+environment. Asserted: every cut stream ends with an explicit error event within 5 s (no
+short answer), /health says 503 while the FFN is down, the same processes serve again
+with the same greedy text, and in 2A1F the surviving attention rank keeps streaming.
+Figures go to stdout and, when AFD_GPU_RESULTS names a file, as JSON lines there.
+Skipped without two GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs need two CUDA GPUs")
+STREAM_TOKENS = 3000
+GREEDY = {"prompt": "Hello there", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+
+class Group:
+    """One AFD group of `afd serve` processes: FFN rank 0 on GPU 1, attention ranks on GPU 0."""
+
+    def __init__(self, checkpoint, attention_ranks: int, processes):
+        from afd.config import AFDConfig, config_to_env
+        from afd.processes import free_port_block
+
+        base = free_port_block(3 + 2 * attention_ranks)
+        config = AFDConfig(
+            num_attention_ranks=attention_ranks, num_ffn_ranks=1, connector="nccl", stages=2, model=str(checkpoint),
+            dtype="bfloat16", device="cuda", cuda_graphs=True, max_num_seqs=16, peer_timeout_s=5.0,
+            ffn_batch_window_s=0.002 if attention_ranks > 1 else 0.0, ffn_address_template="127.0.0.1",
+            bind_host="127.0.0.1", http_host="127.0.0.1", control_port=base, data_port=base + 1,
+        )
+        self.env = config_to_env(config)
+        self.ffn_metrics = base + 2
+        self.http = [base + 3 + 2 * rank for rank in range(attention_ranks)]
+        self.processes = processes
+
+    def start_ffn(self):
+        env = {**self.env, "AFD_ROLE": "ffn", "AFD_RANK": "0", "AFD_METRICS_PORT": str(self.ffn_metrics), "CUDA_VISIBLE_DEVICES": "1"}
+        return self.processes.start("ffn-0", ["serve"], env)
+
+    def start_attention(self, rank: int):
+        env = {**self.env, "AFD_ROLE": "attention", "AFD_RANK": str(rank), "AFD_HTTP_PORT": str(self.http[rank]),
+               "AFD_METRICS_PORT": str(self.http[rank] + 1), "CUDA_VISIBLE_DEVICES": "0"}
+        return self.processes.start(f"attn-{rank}", ["serve"], env)
+
+    def url(self, rank: int) -> str:
+        return f"http://127.0.0.1:{self.http[rank]}"
+
+    def kill(self, name: str) -> float:
+        self.processes.children[name].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        self.processes.children[name].wait(10)
+        return killed_at
+
+    def healthy(self, rank: int) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.url(rank)}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, ranks, timeout_s: float) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if all(self.healthy(rank) for rank in ranks):
+                return time.monotonic() - started
+            for name, child in self.processes.children.items():
+                assert child.poll() is None, f"{name} exited:\n{self.log(name)}"
+            time.sleep(0.1)
+        raise AssertionError(f"ranks {list(ranks)} not healthy within {timeout_s:.0f} s:\n" +
+                             "\n".join(f"--- {n} ---\n{self.log(n)}" for n in self.processes.children))
+
+    def greedy(self, rank: int) -> str:
+        import httpx
+
+        reply = httpx.post(f"{self.url(rank)}/v1/completions", json={"model": self.model(rank), **GREEDY}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+
+    def model(self, rank: int) -> str:
+        import httpx
+
+        return httpx.get(f"{self.url(rank)}/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def metric(self, port: int, name: str) -> float:
+        import httpx
+
+        lines = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith(name + "{") or line.startswith(name + " "))
+
+    def log(self, name: str) -> str:
+        return self.processes.log_path(name).read_text(errors="replace")[-5000:]
+
+
+class Stream(threading.Thread):
+    """One streaming completion of STREAM_TOKENS greedy tokens; keeps every chunk's arrival time."""
+
+    def __init__(self, url: str, model: str):
+        super().__init__(daemon=True)
+        self.url, self.model = url, model
+        self.times: list[float] = []
+        self.finish = self.error = None
+        self.ended = 0.0
+
+    def run(self) -> None:
+        import httpx
+
+        body = {"model": self.model, "prompt": "Hello", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]["message"]
+                        break
+                    for choice in chunk["choices"]:
+                        self.times.append(time.monotonic())
+                        self.finish = choice["finish_reason"] or self.finish
+        except Exception as err:  # a dropped connection is a failure too, recorded
+            self.error = f"{type(err).__name__}: {err}"
+        self.ended = time.monotonic()
+
+
+def start_streams(group: Group, rank: int, count: int) -> list[Stream]:
+    streams = [Stream(group.url(rank), group.model(rank)) for _ in range(count)]
+    for stream in streams:
+        stream.start()
+    deadline = time.monotonic() + 30
+    while not all(len(s.times) > 20 for s in streams) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(s.times for s in streams), "the streams did not start"
+    return streams
+
+
+def report(name: str, figures: dict) -> None:
+    print(f"\n{name}: " + json.dumps(figures))
+    if path := os.environ.get("AFD_GPU_RESULTS"):
+        with open(path, "a") as out:
+            out.write(json.dumps({"test": name, **figures}) + "\n")
+
+
+@pytest.fixture
+def processes(request):
+    """The group's children; their logs are appended to AFD_GPU_LOGS (one file) when it is set."""
+    from afd.processes import LocalProcesses
+
+    with LocalProcesses() as children:
+        yield children
+    if path := os.environ.get("AFD_GPU_LOGS"):
+        with open(path, "a") as out:
+            for log in sorted(children.workdir.glob("*.log")):
+                out.write(f"===== {request.node.name} {log.name}\n{log.read_text(errors='replace')[-30000:]}\n")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("attention_ranks", [1, 2], ids=["1A1F", "2A1F"])
+def test_ffn_killed_mid_stream_comes_back_without_restarting_attention(attention_ranks, checkpoints, processes):
+    import httpx
+
+    group = Group(checkpoints["deepseek_v2"], attention_ranks, processes)
+    ranks = range(attention_ranks)
+    group.start_ffn()
+    attention = [group.start_attention(rank) for rank in ranks]
+    group.wait_healthy(ranks, 300)
+    before = [group.greedy(rank) for rank in ranks]
+    streams = [s for rank in ranks for s in start_streams(group, rank, 16 // attention_ranks)]
+
+    killed_at = group.kill("ffn-0")
+    for stream in streams:
+        stream.join(60)
+    cut = [s for s in streams if s.ended > killed_at]
+    finished_before = [s for s in streams if s.ended <= killed_at]
+    assert cut, "every stream finished before the kill: nothing was tested"
+    for s in cut:  # an explicit error, never a short answer passed off as complete
+        assert s.error and s.finish is None and len(s.times) < STREAM_TOKENS, (s.error, s.finish, len(s.times))
+    assert all(s.finish == "length" and len(s.times) == STREAM_TOKENS for s in finished_before)
+    last_end = max(s.ended for s in cut) - killed_at
+    assert last_end <= 5.0, f"the last in-flight stream ended {last_end:.2f} s after the kill"
+    assert not any(group.healthy(rank) for rank in ranks)
+    down = httpx.post(f"{group.url(0)}/v1/completions", json={"model": group.model(0), **GREEDY}, timeout=30)
+    assert down.status_code == 503
+
+    restarted_at = time.monotonic()
+    group.start_ffn()
+    recovered_in = group.wait_healthy(ranks, 90)
+    assert recovered_in < 60
+    assert [child.poll() for child in attention] == [None] * attention_ranks  # the same attention processes
+    assert [group.greedy(rank) for rank in ranks] == before
+    reconnects = [group.metric(group.http[rank] + 1, "afd_peer_reconnects_total") for rank in ranks]
+    assert all(count >= 1 for count in reconnects)
+    assert all("re-handshaking with ffn rank 0" in group.log(f"attn-{rank}") for rank in ranks)
+    report(f"ffn_killed_{attention_ranks}A1F", {
+        "streams": len(streams), "cut": len(cut), "first_stream_end_s": round(min(s.ended for s in cut) - killed_at, 3),
+        "last_stream_end_s": round(last_end, 3), "serving_again_after_ffn_start_s": round(recovered_in, 2),
+        "serving_again_after_kill_s": round(time.monotonic() - killed_at, 2), "reconnects": reconnects,
+        "reconnect_failures": [group.metric(group.http[rank] + 1, "afd_peer_reconnect_failures_total") for rank in ranks],
+    })
+
+
+def _rate(times: list[float], start: float, end: float) -> float:
+    """Tokens per second of one stream between `start` and `end`."""
+    return sum(start <= t < end for t in times) / max(end - start, 1e-9)
+
+
+@pytest.mark.timeout(400)
+def test_attention_rank_killed_in_2a1f_the_other_keeps_serving_and_it_rejoins(checkpoints, processes):
+    group = Group(checkpoints["deepseek_v2"], 2, processes)
+    group.start_ffn()
+    group.start_attention(0)
+    group.start_attention(1)
+    group.wait_healthy([0, 1], 300)
+    before = [group.greedy(0), group.greedy(1)]
+    survivors = start_streams(group, 0, 4)
+    start_streams(group, 1, 4)
+    time.sleep(1.0)
+
+    killed_at = group.kill("attn-1")
+    for stream in survivors:
+        stream.join(90)
+    for s in survivors:  # the other rank's streams complete, whole
+        assert s.error is None and s.finish == "length" and len(s.times) == STREAM_TOKENS, (s.error, s.finish, len(s.times))
+    gaps = [b - a for s in survivors for a, b in zip(s.times, s.times[1:]) if b > killed_at - 0.5]
+    stall = max(gaps, default=0.0)
+    assert stall < 2.0, f"the surviving rank stalled {stall:.2f} s after the kill"
+    ends = min(s.times[-1] for s in survivors)
+    rate_before = sum(_rate(s.times, killed_at - 1.0, killed_at) for s in survivors)
+    rate_after = sum(_rate(s.times, killed_at + 1.0, min(ends, killed_at + 3.0)) for s in survivors) if ends > killed_at + 1.5 else None
+    assert group.processes.children["ffn-0"].poll() is None
+    assert group.healthy(0)
+
+    restarted_at = time.monotonic()
+    group.start_attention(1)
+    rejoined_in = group.wait_healthy([0, 1], 120)
+    assert [group.greedy(0), group.greedy(1)] == before
+    report("attention_killed_2A1F", {
+        "surviving_streams": len(survivors), "max_token_gap_after_kill_s": round(stall, 3),
+        "surviving_tokens_per_s_before": round(rate_before, 1),
+        "surviving_tokens_per_s_after": None if rate_after is None else round(rate_after, 1),
+        "restarted_rank_healthy_after_s": round(rejoined_in, 2),
+        "ffn_log_drop": [line for line in group.log("ffn-0").splitlines() if "attn-1" in line and ("abort" in line or "dropping" in line)][-3:],
+    })
+    assert time.monotonic() - restarted_at < 120
