@@ -371,6 +371,7 @@ def _single_rank_phase(args, q, events, phase, loaded, kv, vocab) -> None:
         q.put((f"profile/{phase}/{batch}", _profile_steps(runner, kv, batch, args.profile_steps, args.context, vocab)))
     q.put((f"attn_phase/{phase}/0", {"replays": graphs.replays, "eager_steps": runner.eager_steps,
                                      "profiled_eager": runner.profiled_eager_steps}))
+    del graphs  # ncclCommDestroy waits until every graph holding the pair's transfers is gone
     _close(runner, connector, q, f"{phase}/0")
     events[f"done/{phase}/0"].set()
 
@@ -392,6 +393,7 @@ def _phase_c(args, q, events, rank, loaded, kv) -> None:
         q.put((f"afd/C/{batch}/{rank}", _time_steps(runner, kv, half, args.steps, args.context, vocab)))
     q.put((f"attn_phase/C/{rank}", {"replays": graphs.replays, "eager_steps": runner.eager_steps}))
     barrier.wait(timeout=120)
+    del graphs  # ncclCommDestroy waits until every graph holding the pair's transfers is gone
     _close(runner, connector, q, f"C/{rank}")
     events[f"done/C/{rank}"].set()
 

@@ -43,8 +43,7 @@ def _timed(fn, comm_handle) -> float:
 def worker(rank: int, queues, barrier, results) -> None:
     from afd.connector.nccl_lib import Group, PairComm, UniqueId, library, new_unique_id
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
+    device = _device(rank)
     lib = library().lib
     x = torch.ones(4096, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
@@ -122,11 +121,22 @@ def stuck(lib, device, queues, results) -> None:
                                     round(time.monotonic() - started, 3) if not thread.is_alive() else float("inf")}))
 
 
+def _device(rank: int, name: str = "") -> torch.device:
+    """GPU `rank`; with one GPU, GPU 0 for both ends, each process its own NCCL host (socket transport)."""
+    if torch.cuda.device_count() > 1:
+        index = rank
+    else:
+        index = 0
+        os.environ["NCCL_HOSTID"] = f"teardown-{rank}{name}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _short_lived_peer(queue) -> None:
     from afd.connector.nccl_lib import PairComm, UniqueId
 
-    torch.cuda.set_device(1)
-    PairComm(UniqueId.from_hex(queue.get()), 1, torch.device("cuda", 1))
+    PairComm(UniqueId.from_hex(queue.get()), 1, _device(1, "peer"))
     os._exit(0)
 
 
@@ -145,7 +155,8 @@ def main() -> None:
     while not results.empty():
         case, rank, seconds = results.get()
         table.setdefault(case, {})[f"end{rank}"] = seconds
-    print(json.dumps({"nccl": nccl_lib.version(), "teardown_s": table}, indent=1))
+    transport = "p2p between two GPUs" if torch.cuda.device_count() > 1 else "sockets on one GPU (NCCL_HOSTID per process)"
+    print(json.dumps({"nccl": nccl_lib.version(), "transport": transport, "teardown_s": table}, indent=1))
 
 
 if __name__ == "__main__":

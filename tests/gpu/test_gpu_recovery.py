@@ -20,7 +20,11 @@ import time
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs need two CUDA GPUs")
+# AFD_GPU_SHARE_ONE=1: every rank on GPU 0, NCCL told each process is its own host (NCCL_HOSTID), so the
+# pairs run over NCCL's socket transport on loopback; for a machine with one GPU (NCCL refuses two ranks of
+# a communicator on one device otherwise). The default needs two GPUs and uses P2P between them.
+SHARE_ONE = os.environ.get("AFD_GPU_SHARE_ONE") == "1"
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < (1 if SHARE_ONE else 2), reason="NCCL pairs need two CUDA GPUs")
 STREAM_TOKENS = 3000
 GREEDY = {"prompt": "Hello there", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
@@ -45,12 +49,12 @@ class Group:
         self.processes = processes
 
     def start_ffn(self):
-        env = {**self.env, "AFD_ROLE": "ffn", "AFD_RANK": "0", "AFD_METRICS_PORT": str(self.ffn_metrics), "CUDA_VISIBLE_DEVICES": "1"}
+        env = {**self.env, "AFD_ROLE": "ffn", "AFD_RANK": "0", "AFD_METRICS_PORT": str(self.ffn_metrics), **gpu_env("ffn-0", 1)}
         return self.processes.start("ffn-0", ["serve"], env)
 
     def start_attention(self, rank: int):
         env = {**self.env, "AFD_ROLE": "attention", "AFD_RANK": str(rank), "AFD_HTTP_PORT": str(self.http[rank]),
-               "AFD_METRICS_PORT": str(self.http[rank] + 1), "CUDA_VISIBLE_DEVICES": "0"}
+               "AFD_METRICS_PORT": str(self.http[rank] + 1), **gpu_env(f"attn-{rank}", 0)}
         return self.processes.start(f"attn-{rank}", ["serve"], env)
 
     def url(self, rank: int) -> str:
@@ -101,6 +105,12 @@ class Group:
 
     def log(self, name: str) -> str:
         return self.processes.log_path(name).read_text(errors="replace")[-5000:]
+
+
+def gpu_env(name: str, gpu: int) -> dict[str, str]:
+    if SHARE_ONE:
+        return {"CUDA_VISIBLE_DEVICES": "0", "NCCL_HOSTID": f"afd-test-{name}", "NCCL_SOCKET_IFNAME": "lo"}
+    return {"CUDA_VISIBLE_DEVICES": str(gpu)}
 
 
 class Stream(threading.Thread):

@@ -158,6 +158,10 @@ class FFNConnector:
         """Block until the step's transfers are done; returns the peers that failed it, with why (none here)."""
         return {}
 
+    def fail_step(self, peers: tuple[bytes, ...], error: str) -> dict[bytes, str]:
+        """A transfer of the step raised: the peers to drop, with why (host transports: every peer of it)."""
+        return {peer: f"a transfer of the step failed: {error}" for peer in peers}
+
     def close(self) -> None:
         self.transport.close()
 

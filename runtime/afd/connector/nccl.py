@@ -80,10 +80,14 @@ class NcclAttentionConnector(AttentionConnector):
         out = torch.empty(rows, cols, dtype=dtype, device=self.device)  # [tokens, hidden]
         if self.comm is None:
             raise PeerLost(f"ffn rank {self.ffn_rank}: no NCCL pair (the link was lost)")
-        with Group():
-            for tensor in self._pending:
-                self.comm.send(tensor)
-            self.comm.recv(out)
+        try:
+            with Group():
+                for tensor in self._pending:
+                    self.comm.send(tensor)
+                self.comm.recv(out)
+        except NcclError as err:  # NCCL saw the FFN go (its network transport notices a closed socket)
+            self.abandon()
+            raise PeerLost(f"ffn rank {self.ffn_rank}: {err}") from None
         self._pending.clear()
         return out
 
@@ -266,6 +270,26 @@ class NcclFFNConnector(FFNConnector):
             if not wait_event(event, time.monotonic() + self.peer_timeout_s):
                 log.error("the GPU stream is still blocked after aborting every pair of the step")
         return failed
+
+    def fail_step(self, peers: tuple[bytes, ...], error: str) -> dict[bytes, str]:
+        """A transfer of the step failed outright: abort the pairs of the peers that are gone (probed
+        for up to half a second), or of every peer of the step when none can be told apart."""
+        self._pending.clear()
+        lost: dict[bytes, str] = {}
+        deadline = time.monotonic() + 0.5
+        while not lost and time.monotonic() < deadline:
+            lost = {peer: f"{why} ({error})" for peer in peers if (why := self.peer_problem(peer))}
+            if not lost:
+                time.sleep(0.05)
+        lost = lost or {peer: f"a transfer of the step failed: {error}" for peer in peers}
+        for peer in lost:
+            log.info("aborting the NCCL pair with %s: %s", show(peer), lost[peer])
+            self._forget(peer)
+        event = torch.cuda.Event()
+        event.record()
+        if not wait_event(event, time.monotonic() + self.peer_timeout_s):
+            log.error("the GPU stream is still blocked after aborting the failed step's pairs")
+        return lost
 
     def forget_peer(self, peer: bytes, graceful: bool = False) -> None:
         super().forget_peer(peer, graceful)

@@ -18,7 +18,7 @@ from collections import deque
 import torch
 
 from afd.connector import wire
-from afd.connector.base import FFNTransfer
+from afd.connector.base import ConnectorError, FFNTransfer
 from afd.connector.ffn_side import FFNConnector, Interrupted
 from afd.connector.identity import check_identity, identity_key, show
 from afd.connector.tensors import DTYPES
@@ -112,11 +112,15 @@ class FFNRunner:
         profiling = any(plan.profile for plan in plans.values())
         self.clock.begin(profiling)
         self._count_bytes(plans)
-        if self.graphs is None:
-            self._step_body(plans)
-        else:
-            self.graphs.run(plans, lambda: self._step_body(plans))
-        for peer, reason in self.connector.wait_step(tuple(plans)).items():
+        try:
+            if self.graphs is None:
+                self._step_body(plans)
+            else:
+                self.graphs.run(plans, lambda: self._step_body(plans))
+            failed = self.connector.wait_step(tuple(plans))
+        except ConnectorError as err:  # a transfer failed outright (NCCL saw a peer exit): drop who is gone, serve on
+            failed = self.connector.fail_step(tuple(plans), str(err))
+        for peer, reason in failed.items():
             self._drop(peer, reason)
         self.steps_run += 1
         if profiling and self.on_layers is not None:
