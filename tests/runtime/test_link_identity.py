@@ -193,3 +193,25 @@ def test_a_retired_identity_is_refused_and_a_new_connection_replaces_the_old(che
         assert "was closed before" in caplog.text
     finally:
         runner.connector.close()
+
+
+def test_a_transfer_that_fails_outright_drops_only_the_lost_peer(checkpoints):
+    """NCCL's network transport may report a peer's exit as an error mid-step: the FFN drops the
+    peers its connector names and keeps serving the others (it used to leave its serve loop)."""
+    from afd.connector.base import ConnectorError
+
+    config = AFDConfig(num_attention_ranks=2, num_ffn_ranks=1, connector="loopback", model=str(checkpoints["qwen3_moe"]),
+                       ffn_address_template="fail-step-test", role="ffn")
+    runner = build_ffn(config)
+    try:
+        runner.peers.update({b"a0": 0, b"a1": 1})
+
+        def broken(transfer):
+            raise ConnectorError("ncclSend failed: remote process exited")
+
+        runner.connector.recv_attn_output = broken
+        runner.connector.fail_step = lambda peers, error: {b"a1": f"its connection closed ({error})"}
+        runner.run_step({b"a0": wire.StepPlan(1, (2,)), b"a1": wire.StepPlan(1, (2,))})
+        assert runner.peers == {b"a0": 0} and runner.steps_run == 1
+    finally:
+        runner.connector.close()

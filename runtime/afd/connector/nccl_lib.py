@@ -13,6 +13,7 @@ import ctypes
 import glob
 import os
 import threading
+import time
 
 import torch
 
@@ -184,3 +185,17 @@ class PairComm:
         worker.start()
         worker.join(wait_s)
         return not worker.is_alive()
+
+
+def wait_event(event: torch.cuda.Event, deadline: float, check=None) -> bool:
+    """Poll `event` until done (True) or `deadline` passes (False); `check()` may raise."""
+    polls = 0
+    while not event.query():
+        polls += 1
+        if polls % 256 == 0:
+            if time.monotonic() > deadline:
+                return False
+            if check is not None:
+                check()
+        time.sleep(0)
+    return True
