@@ -17,8 +17,8 @@ def test_every_setting_has_an_env_variable_and_help():
     assert set(SETTING_HELP) == names, "add a line for each new setting to afd/config_help.py"
 
 
-def test_configuration_reference_is_current():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_config_docs.py"), "--check"],
+def test_generated_docs_are_current():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_docs.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
