@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON line")
     generate.add_argument("--with-logits", action="store_true", help="add each prompt's last-step logits to the JSON")
 
-    serve = commands.add_parser("serve", help="run one role process; configuration from AFD_* env (DESIGN §2)")
+    serve = commands.add_parser("serve", help="run one role process; configuration from AFD_* env (docs/configuration.md)")
     serve.add_argument("--config", help="YAML/JSON settings file (overridden by env, then flags)")
     serve.add_argument("--role")
     serve.add_argument("--rank", type=int)

@@ -77,7 +77,7 @@ class AttentionRole:
     reconnect_timeout_s: float = 5.0
 
     def close(self, reason: str = "shutdown") -> None:
-        if self.runner.graphs is not None:  # release graphs first, then the connector (DESIGN §3)
+        if self.runner.graphs is not None:  # release graphs first, then the connector (docs/architecture.md)
             torch.cuda.synchronize(self.device)
             self.runner.graphs = None
         self.connector.close(reason)
