@@ -42,7 +42,7 @@ class Group:
                 if (s + 1) % profile_every == 0:
                     self._layers("attention", rank, attention, wait)
             for rank in range(self.topology.num_ffn):
-                self._add("ffn", rank, step, m)
+                self._add("ffn", rank, step, m * self.layers)  # the FFN counts rows once per crossing layer
                 if (s + 1) % profile_every == 0:
                     self._layers("ffn", rank, ffn, 0.0)
             self.clock += step
@@ -95,6 +95,7 @@ def test_the_fit_recovers_the_costs_and_predicts_the_current_topology():
     model = result["model"]
     assert model["attention"]["slope_s_per_token"] == pytest.approx(1e-4, rel=1e-3)
     assert model["ffn"]["intercept_s"] == pytest.approx(1e-3, rel=1e-3)
+    assert model["ffn"]["slope_s_per_token"] == pytest.approx(2e-5, rel=1e-3)
     assert result["current"] == "2A1F" and result["prediction_error"] < 0.01
 
 

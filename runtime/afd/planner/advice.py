@@ -82,6 +82,8 @@ def plan(scrapes: list[list[RankSample]], bounds: Bounds = Bounds()) -> dict:
         raise TooFewMetrics("no window where an attention rank and its FFN rank both ran profiled steps: "
                             "send traffic (profiling samples every AFD_PROFILE_EVERY-th step) and scrape again")
     model = fit_model(pairs, ffn_windows, stages)
+    step_errors = sorted(abs(model.step_seconds(a.tokens_per_step, f.tokens_per_step) - a.step_s) / a.step_s
+                         for a, f in pairs)
     latest = rank_windows(scrapes[-2:])[0]
     attention_now = [w for (role, _), w in latest.items() if role == "attention"]
     measured = sum(w.generated_per_step * w.steps / w.seconds for w in attention_now)
@@ -96,9 +98,13 @@ def plan(scrapes: list[list[RankSample]], bounds: Bounds = Bounds()) -> dict:
         "prediction_error": round(abs(predicted - measured) / measured, 4) if measured else None,
         "concurrency": round(concurrency, 2),
         "windows": len(scrapes) - 1,
+        "fit_step_error_median": round(step_errors[len(step_errors) // 2], 4),
         "model": _describe(model),
     }
-    return result | _recommend(model, topology, concurrency, bounds)
+    advice = _recommend(model, topology, concurrency, bounds)
+    if advice.get("recommended") == str(topology):  # the current topology: its prediction at the measured rows
+        advice["recommended_tokens_per_s"] = result["predicted_tokens_per_s"]
+    return result | advice
 
 
 def _ffn_rows(latest: dict, topology: Topology, attention_rank: int, fallback: float) -> float:

@@ -32,15 +32,19 @@ class Line:
         return max(0.0, self.intercept + self.slope * x)
 
     @classmethod
-    def fit(cls, points: list[tuple[float, float]]) -> "Line":
+    def fit(cls, points: list[tuple[float, float]], weights: list[float] | None = None) -> "Line":
+        """Weighted least squares (weights: how many steps each point averages), slope never negative."""
         if not points:
             raise ValueError("a line needs at least one point")
+        weights = weights or [1.0] * len(points)
+        total = sum(weights)
         xs, ys = [p[0] for p in points], [p[1] for p in points]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        mean_x = sum(w * x for w, x in zip(weights, xs)) / total
+        mean_y = sum(w * y for w, y in zip(weights, ys)) / total
         if min(xs) <= 0 or max(xs) < MIN_SPREAD * min(xs):
             return cls(mean_y, 0.0, False)
-        var = sum((x - mean_x) ** 2 for x in xs)
-        slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / var)  # cost never falls with load
+        var = sum(w * (x - mean_x) ** 2 for w, x in zip(weights, xs))
+        slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, xs, ys)) / var)
         return cls(mean_y - slope * mean_x, slope, True)
 
 
@@ -79,17 +83,22 @@ class CostModel:
 
 
 def fit_model(pairs: list[tuple[RankWindow, RankWindow]], ffn_windows: list[RankWindow], stages: int) -> CostModel:
-    """Fit from (attention window, its FFN rank's window over the same time) pairs."""
+    """Fit from (attention window, its FFN rank's window over the same time) pairs.
+
+    Token counts are per step: an attention rank's tokens, and the FFN's rows per crossing layer
+    (one FFN step may serve several attention ranks' rows, or one rank's alone).
+    """
     if not pairs or not ffn_windows:
         raise ValueError("no window with profiled steps on both roles: send traffic and wait for profiled steps")
-    ffn = Line.fit([(w.tokens_per_step, w.compute_s) for w in ffn_windows])
-    attention = Line.fit([(a.tokens_per_step, a.compute_s) for a, _ in pairs])
-    send = Line.fit([(a.tokens_per_step, a.send_s) for a, _ in pairs])
+    ffn = Line.fit([(w.tokens_per_step, w.compute_s) for w in ffn_windows], [w.profiled_steps for w in ffn_windows])
+    weights = [a.profiled_steps for a, _ in pairs]
+    attention = Line.fit([(a.tokens_per_step, a.compute_s) for a, _ in pairs], weights)
+    send = Line.fit([(a.tokens_per_step, a.send_s) for a, _ in pairs], weights)
     wire_points, host_points = [], []
     for a, f in pairs:
         exposed = f.compute_s if stages == 1 else max(0.0, f.compute_s - a.compute_s)
-        wire = max(0.0, a.wait_s - exposed)
-        wire_points.append((a.tokens_per_step, wire))
+        wire_points.append((a.tokens_per_step, max(0.0, a.wait_s - exposed)))
         host_points.append((a.tokens_per_step, max(0.0, a.step_s - a.compute_s - a.send_s - a.wait_s)))
-    generated = sum(a.generated_per_step for a, _ in pairs) / max(sum(a.tokens_per_step for a, _ in pairs), 1e-9)
-    return CostModel(Line.fit(host_points), attention, send, Line.fit(wire_points), ffn, stages, min(1.0, generated))
+    generated = sum(a.generated_per_step * a.steps for a, _ in pairs) / max(sum(a.tokens_per_step * a.steps for a, _ in pairs), 1e-9)
+    return CostModel(Line.fit(host_points, [a.steps for a, _ in pairs]), attention, send, Line.fit(wire_points, weights),
+                     ffn, stages, min(1.0, generated))

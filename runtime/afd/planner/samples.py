@@ -55,7 +55,7 @@ class RankWindow:
     rank: int
     seconds: float
     steps: float
-    tokens_per_step: float  # attention: tokens computed per engine step; FFN: rows per FFN step
+    tokens_per_step: float  # attention: tokens computed per engine step; FFN: rows per crossing layer per step
     step_s: float  # wall time of a step
     compute_s: float  # compute of a profiled step, summed over layers
     wait_s: float  # attention: waiting for FFN outputs in a profiled step (0 on the FFN)
@@ -74,12 +74,15 @@ def window(before: RankSample, after: RankSample) -> RankWindow | None:
     profiled = max((count for (_, _, count) in per_layer.values()), default=0.0)
     if steps <= 0 or profiled <= 0:
         return None
+    tokens = delta.get("afd_step_tokens_sum", 0.0) / max(delta.get("afd_step_tokens_count", 0.0), 1.0)
+    if after.role == "ffn":  # the FFN counts each row once per crossing layer
+        tokens /= max(1, len({layer for (kind, layer) in per_layer if kind == "compute"}))
     return RankWindow(
         role=after.role,
         rank=after.rank,
         seconds=after.at - before.at,
         steps=steps,
-        tokens_per_step=delta.get("afd_step_tokens_sum", 0.0) / max(delta.get("afd_step_tokens_count", 0.0), 1.0),
+        tokens_per_step=tokens,
         step_s=delta.get("afd_step_duration_seconds_sum", 0.0) / steps,
         compute_s=_total(per_layer, "compute"),
         wait_s=_total(per_layer, "recv") if after.role == "attention" else 0.0,
