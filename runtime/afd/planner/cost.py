@@ -92,13 +92,18 @@ def fit_model(pairs: list[tuple[RankWindow, RankWindow]], ffn_windows: list[Rank
         raise ValueError("no window with profiled steps on both roles: send traffic and wait for profiled steps")
     ffn = Line.fit([(w.tokens_per_step, w.compute_s) for w in ffn_windows], [w.profiled_steps for w in ffn_windows])
     weights = [a.profiled_steps for a, _ in pairs]
-    attention = Line.fit([(a.tokens_per_step, a.compute_s) for a, _ in pairs], weights)
-    send = Line.fit([(a.tokens_per_step, a.send_s) for a, _ in pairs], weights)
-    wire_points, host_points = [], []
+    attention_points, send_points, wire_points, host_points = [], [], [], []
     for a, f in pairs:
+        # profiled steps run slower than the others (they time every layer): when their parts add up
+        # to more than the window's mean step, scale them down to it
+        parts = a.compute_s + a.send_s + a.wait_s
+        scale = min(1.0, a.step_s / parts) if parts > 0 else 1.0
         exposed = f.compute_s if stages == 1 else max(0.0, f.compute_s - a.compute_s)
-        wire_points.append((a.tokens_per_step, max(0.0, a.wait_s - exposed)))
-        host_points.append((a.tokens_per_step, max(0.0, a.step_s - a.compute_s - a.send_s - a.wait_s)))
+        attention_points.append((a.tokens_per_step, a.compute_s * scale))
+        send_points.append((a.tokens_per_step, a.send_s * scale))
+        wire_points.append((a.tokens_per_step, max(0.0, a.wait_s - exposed) * scale))
+        host_points.append((a.tokens_per_step, max(0.0, a.step_s - parts * scale)))
+    attention, send = Line.fit(attention_points, weights), Line.fit(send_points, weights)
     generated = sum(a.generated_per_step * a.steps for a, _ in pairs) / max(sum(a.tokens_per_step * a.steps for a, _ in pairs), 1e-9)
     return CostModel(Line.fit(host_points, [a.steps for a, _ in pairs]), attention, send, Line.fit(wire_points, weights),
                      ffn, stages, min(1.0, generated))
