@@ -116,7 +116,7 @@ class CudaGraphs(_Model):
 
 
 class AFDSettings(_Model):
-    """The runtime knobs of DESIGN §2 that the whole group shares."""
+    """The runtime knobs of docs/configuration.md that the whole group shares."""
 
     connector: Literal["zmq", "nccl"] = "zmq"
     stages: Literal[1, 2] = 1

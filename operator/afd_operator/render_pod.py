@@ -1,6 +1,6 @@
 """Render the pod template of one role of one group. Pure.
 
-The pod contract (DESIGN §2): the whole runtime configuration arrives as `AFD_*`
+The pod contract (docs/configuration.md): the whole runtime configuration arrives as `AFD_*`
 environment variables plus the group's ConfigMap mounted at /etc/afd; the rank is the
 StatefulSet ordinal in `$HOSTNAME`, which the runtime reads itself.
 """

@@ -1,4 +1,4 @@
-"""The `afd` command line: generate, serve, up, make-tiny-model (and internal run-batch)."""
+"""The `afd` command line: generate, serve, up, plan, make-tiny-model (and internal run-batch)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON line")
     generate.add_argument("--with-logits", action="store_true", help="add each prompt's last-step logits to the JSON")
 
-    serve = commands.add_parser("serve", help="run one role process; configuration from AFD_* env (DESIGN §2)")
+    serve = commands.add_parser("serve", help="run one role process; configuration from AFD_* env (docs/configuration.md)")
     serve.add_argument("--config", help="YAML/JSON settings file (overridden by env, then flags)")
     serve.add_argument("--role")
     serve.add_argument("--rank", type=int)
@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible URL")
     up.add_argument("--state-file", help="JSON file describing the API URL and every rank, kept current")
     up.add_argument("--no-demo", action="store_true", help="do not send the demo request once ready")
+
+    from afd.planner.command import add_parser as add_plan_parser
+
+    add_plan_parser(commands)
 
     # listed for --help only: main() hands `operator` and `render` to afd_operator's own parsers
     commands.add_parser("operator", help="run the kopf operator (see 'afd operator --help')", add_help=False)
@@ -229,8 +233,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(config, args.port, Path(args.state_file) if args.state_file else None, demo=not args.no_demo)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from afd.planner.command import cmd_plan as run
+
+    return run(args)
+
+
 COMMANDS = {
     "up": cmd_up,
+    "plan": cmd_plan,
     "generate": cmd_generate,
     "serve": cmd_serve,
     "make-tiny-model": cmd_make_tiny_model,

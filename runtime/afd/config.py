@@ -1,7 +1,7 @@
 """The runtime configuration of one role process, read once at the process edge.
 
 Sources, later ones winning: defaults < a YAML/JSON file (`AFD_CONFIG_FILE` or
-`--config`) < `AFD_*` environment variables (DESIGN §2) < CLI flags. The result is a
+`--config`) < `AFD_*` environment variables (docs/configuration.md) < CLI flags. The result is a
 frozen, validated `AFDConfig`; errors name the source and the bad value. Torch-free.
 """
 
@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class AFDConfig:
-    """Everything a role process needs to know; see DESIGN §2 for the env names."""
+    """Everything a role process needs to know; see docs/configuration.md for the env names."""
 
     role: str = "attention"
     rank: int = 0
@@ -139,7 +139,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "str": str,
 }
 
-# Environment variable → field. Names beyond DESIGN §2 keep the AFD_ prefix.
+# Environment variable → field (docs/configuration.md is generated from this table).
 ENV_VARS: dict[str, str] = {
     "AFD_ROLE": "role",
     "AFD_RANK": "rank",

@@ -1,5 +1,8 @@
 """Paged KV cache: per layer, one [blocks × block_size, heads, dim] pair of tensors.
 
+A layout whose values live in its keys (MLA's latent cache) stores one tensor; its
+value tensor is a view of the keys' first columns.
+
 Sequences own lists of blocks (their block tables); memory is reserved per block,
 not per maximum length, so the cache holds as many tokens as its budget allows.
 """
@@ -9,6 +12,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from afd.models.spec import KVLayout
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -22,7 +27,7 @@ class KVCache:
 
     def __init__(
         self,
-        layouts: Sequence[tuple[int, int, int]],
+        layouts: Sequence[KVLayout | tuple[int, int, int]],
         num_blocks: int,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -33,8 +38,13 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks  # one extra block, never allocated: padded graph rows write here
         rows = (num_blocks + 1) * block_size
-        self.keys = [torch.zeros(rows, heads, k_dim, dtype=dtype, device=device) for heads, k_dim, _ in layouts]
-        self.values = [torch.zeros(rows, heads, v_dim, dtype=dtype, device=device) for heads, _, v_dim in layouts]
+        self.layouts = [KVLayout.of(layout) for layout in layouts]
+        self.keys = [torch.zeros(rows, lay.heads, lay.key_dim, dtype=dtype, device=device) for lay in self.layouts]
+        self.values = [
+            keys[:, :, : lay.value_dim] if lay.values_in_keys
+            else torch.zeros(rows, lay.heads, lay.value_dim, dtype=dtype, device=device)
+            for keys, lay in zip(self.keys, self.layouts)
+        ]
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @classmethod
@@ -77,7 +87,17 @@ class KVCache:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the cache holds (value views of keys counted once)."""
+        tensors = self.keys + [v for v, lay in zip(self.values, self.layouts) if not lay.values_in_keys]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     @staticmethod
-    def bytes_per_token(layouts: Sequence[tuple[int, int, int]], dtype: torch.dtype) -> int:
+    def bytes_per_token(layouts: Sequence[KVLayout | tuple[int, int, int]], dtype: torch.dtype) -> int:
         element = torch.empty(0, dtype=dtype).element_size()
-        return sum(heads * (k_dim + v_dim) for heads, k_dim, v_dim in layouts) * element
+        return sum(KVLayout.of(layout).elements_per_token for layout in layouts) * element

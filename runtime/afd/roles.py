@@ -82,7 +82,7 @@ class AttentionRole:
     graph_buckets: tuple[int, ...] | None = None  # decode graphs to capture again after a recovery
 
     def close(self, reason: str = "shutdown") -> None:
-        if self.runner.graphs is not None:  # release graphs first, then the connector (DESIGN §3)
+        if self.runner.graphs is not None:  # release graphs first, then the connector (docs/architecture.md)
             torch.cuda.synchronize(self.device)
             self.runner.graphs = None
         self.connector.close(reason)
@@ -123,6 +123,9 @@ def build_attention(config: AFDConfig, cache_tokens: int) -> AttentionRole:
     dtype = resolve_dtype(config, device)
     loaded = load_model(config.model, "attention", config.gate_on_attention, torch_dtype(dtype), device)
     kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), cache_tokens, torch_dtype(dtype), device)
+    log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token",
+             config.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
+             KVCache.bytes_per_token(kv_cache.layouts, torch_dtype(dtype)))
     connector = make_attention_connector(config, device)
     try:
         connector.handshake(make_hello(config, loaded.spec, loaded.crossing, loaded.fingerprint, dtype), config.connect_timeout_s)

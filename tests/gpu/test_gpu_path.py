@@ -68,6 +68,19 @@ def test_paged_decode_kernel_equals_sdpa():
     assert torch.allclose(out.cpu(), reference, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_decode_kernel_equals_the_reference(dtype):
+    from afd.kernels.decode_attention import paged_latent_decode_attention
+    from tests.runtime.test_mla_cache import _expanded_reference, _latent_decode_case
+
+    q, cache, tables, lens, block_size, latent = _latent_decode_case(heads=16, latent=512, rope=64)
+    want = _expanded_reference(q, cache, tables, lens, block_size, latent, 0.07)
+    got = paged_latent_decode_attention(q.to("cuda", dtype), cache.to("cuda", dtype), latent, tables.cuda(), lens.cuda(),
+                                        block_size, 0.07)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert float((got.float().cpu() - want).norm() / want.norm()) < tolerance
+
+
 def monolithic(path, dtype, graphs=False):
     from afd.generation import greedy_generate
     from afd.kv_cache import KVCache

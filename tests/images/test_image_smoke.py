@@ -94,7 +94,7 @@ def test_runtime_image_prints_afd_help_as_non_root(images):
 
 def test_runtime_image_serves_both_roles_from_afd_env_through_a_published_port(images, tiny_model):
     """Like one AFD group of the operator: an FFN pod and an attention pod, each `afd serve` with only
-    AFD_* env (DESIGN §2), read-only root; here both in one podman pod, the API on a published port."""
+    AFD_* env (docs/configuration.md), read-only root; here both in one podman pod, the API on a published port."""
     pod, port = f"afd-smoke-{uuid.uuid4().hex[:8]}", free_port()
     env = {"AFD_NUM_ATTENTION_RANKS": "1", "AFD_NUM_FFN_RANKS": "1", "AFD_RANK": "0", "AFD_MODEL": "/models/tiny",
            "AFD_CONNECTOR": "zmq", "AFD_FFN_ADDRESS_TEMPLATE": "127.0.0.1", "AFD_DEVICE": "cpu",

@@ -18,7 +18,7 @@ _HELLO_RETRY_S = 1.0
 
 
 class AttentionConnector:
-    """Talks to the FFN rank serving this attention rank (DESIGN §3 role-shaped API)."""
+    """Talks to the FFN rank serving this attention rank (the role-shaped API of docs/architecture.md)."""
 
     def __init__(self, transport: PeerTransport, ffn_rank: int, device: torch.device | str, peer_timeout_s: float):
         self.transport = transport

@@ -4,7 +4,7 @@ Each attention rank shares a two-rank communicator with its FFN rank; the FFN cr
 the unique id and ships it in the HelloReply, so no extra rendezvous port or global
 world is needed, and a pair is rebuilt by re-handshaking. No header travels with the
 tensors: both sides walk the same crossing layers × stages and every row count comes
-from the step plan (DESIGN §3), so NCCL's in-order delivery pairs the messages. With the
+from the step plan (docs/architecture.md), so NCCL's in-order delivery pairs the messages. With the
 gate on attention, hidden rows and router logits travel packed as one message, so every
 transfer is exactly one message each way whichever side runs the gate.
 

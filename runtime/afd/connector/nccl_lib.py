@@ -1,7 +1,7 @@
 """A minimal ctypes binding of NCCL's point-to-point API, issued on torch's current stream.
 
 Why not torch.distributed: it needs one world of every rank fixed at start-up (a dead
-peer takes the world down, DESIGN §4 wants pairs that can be rebuilt alone), and its
+peer takes the world down, while recovery needs pairs that can be rebuilt alone), and its
 process groups run on internal streams. A two-rank communicator per attention↔FFN pair,
 created from an id that travels in the zmq handshake, issues `ncclSend`/`ncclRecv` on the
 caller's stream, so the transfers sit inside CUDA graphs like any kernel.

@@ -1,7 +1,7 @@
 """Prometheus series fed by profiled steps and by runner/connector/graph counters.
 
 Labels stay bounded: role, rank, layer, direction, reason — never peer × layer, never
-request ids. Per-layer histograms carry few buckets (DESIGN §5 cardinality note).
+request ids. Per-layer histograms carry few buckets (docs/metrics.md).
 """
 
 from __future__ import annotations

@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from afd.config import AFDConfig
 from afd.metrics.layer_clock import LayerClock
 from afd.metrics.layer_metrics import LayerMetrics, RunnerCollector
 
 
+def export_group_info(registry: CollectorRegistry, config: AFDConfig) -> None:
+    """`afd_group_info{topology,stages,gate,connector}` 1: the shape `afd plan` needs besides the series."""
+    Gauge("afd_group_info", "The group this rank belongs to", ["role", "rank", "topology", "stages", "gate", "connector"],
+          registry=registry).labels(role=config.role, rank=str(config.rank), topology=str(config.topology),
+                                    stages=str(config.stages), gate="attention" if config.gate_on_attention else "ffn",
+                                    connector=config.connector).set(1)
+
+
 def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, engine) -> None:
+    export_group_info(registry, config)
     runner = role.runner
     runner.clock = LayerClock(role.device, config.profile_every)
     runner.on_layers = LayerMetrics(registry, "attention", config.rank).observe
     ffn_rank = config.topology.ffn_rank_of(config.rank)
+    Gauge("afd_kv_cache_capacity_tokens", "Tokens the KV cache holds", ["role", "rank"], registry=registry).labels(
+        role="attention", rank=str(config.rank)).set(role.kv_cache.capacity_tokens)
     RunnerCollector(registry, "attention", config.rank, runner,
                     link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, getattr(role, "recover_failures", 0)))
 
 
 def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, runner, device) -> None:
     from afd.server.ffn_metrics import FFNMetrics
+
+    export_group_info(registry, config)
 
     runner.observer = FFNMetrics(registry, config.rank, runner.connector, runner)
     runner.clock = LayerClock(device, config.profile_every)

@@ -109,19 +109,23 @@ class AttentionBatch:
 def cached_attention(
     q: torch.Tensor,  # [T, Hq, Dk]
     k: torch.Tensor,  # [T, Hkv, Dk]
-    v: torch.Tensor,  # [T, Hkv, Dv]
+    v: torch.Tensor | None,  # [T, Hkv, Dv]; None: the values are the keys' first Dv columns
     cache_k: torch.Tensor,  # [cache rows, Hkv, Dk]
-    cache_v: torch.Tensor,  # [cache rows, Hkv, Dv]
+    cache_v: torch.Tensor,  # [cache rows, Hkv, Dv] (a view of cache_k when v is None)
     batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:
     """Store k/v in their cache rows, then attend each query to its sequence's keys: [T, Hq, Dv]."""
     cache_k[batch.write_index] = k.to(cache_k.dtype)
-    cache_v[batch.write_index] = v.to(cache_v.dtype)
+    if v is not None:
+        cache_v[batch.write_index] = v.to(cache_v.dtype)
     if batch.block_table is not None:  # decode: one query per sequence, keys through block tables
         if q.is_cuda and _paged_kernel_available():
-            from afd.kernels.decode_attention import paged_decode_attention
+            from afd.kernels.decode_attention import paged_decode_attention, paged_latent_decode_attention
 
+            if v is None:  # one shared latent row per token: every head reads it once per block
+                return paged_latent_decode_attention(q, cache_k, cache_v.shape[-1], batch.block_table, batch.seq_lens,
+                                                     batch.block_size, scale)
             return paged_decode_attention(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale)
         return _paged_decode_reference(q, cache_k, cache_v, batch, scale)
     keys = cache_k[batch.key_index].transpose(1, 2)  # [B, Hkv, L, Dk]

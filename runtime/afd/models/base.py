@@ -13,7 +13,7 @@ from torch import nn
 
 from afd.models.attention import AttentionBatch
 from afd.models.layers import MoE, RMSNorm
-from afd.models.spec import ModelSpec
+from afd.models.spec import KVLayout, ModelSpec
 
 
 class DecoderLayer(nn.Module):
@@ -70,8 +70,8 @@ class MoECausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h)).float()  # [B, vocab]
 
-    def kv_layouts(self) -> list[tuple[int, int, int]]:
-        """(kv heads, key dim, value dim) of each layer's cache."""
+    def kv_layouts(self) -> list[KVLayout]:
+        """What each layer caches per token."""
         return [layer.self_attn.kv_layout for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache) -> torch.Tensor:

@@ -8,14 +8,17 @@ from torch import nn
 from afd.models.attention import AttentionBatch, cached_attention
 from afd.models.base import DecoderLayer, MoECausalLM
 from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_pairs, yarn_mscale
-from afd.models.spec import ModelSpec, rope_parameters
+from afd.models.spec import KVLayout, ModelSpec, rope_parameters
 
 
 class MultiHeadLatentAttention(nn.Module):
     """MLA: queries (optionally low-rank), one compressed KV latent plus a shared rotary key.
 
-    The cache holds the expanded per-head keys and values, which keeps the kernel
-    shared with GQA; caching the latent instead is a memory optimisation for later.
+    The cache holds one [normed latent ‖ rotary key] row per token (KVLayout with
+    `values_in_keys`), ~9x less than expanded per-head keys and values at DeepSeek-V2-Lite
+    shapes. Attention runs in the latent space: the key up-projection is absorbed into
+    the query (q·W_uk c = (W_ukᵀq)·c) and the value up-projection applied to the
+    attention-weighted latent (Σ p W_uv c = W_uv Σ p c), for prefill and decode alike.
     """
 
     def __init__(self, config: dict):
@@ -43,21 +46,27 @@ class MultiHeadLatentAttention(nn.Module):
         if self.rope["rope_type"] != "default" and self.rope.get("mscale_all_dim"):
             self.scale *= yarn_mscale(self.rope["factor"], self.rope["mscale_all_dim"]) ** 2
         self.rotary = Rotary(self.rope, self.rope_dim)
-        self.kv_layout = (heads, qk_dim, self.v_dim)
+        self.kv_layout = KVLayout(1, self.kv_lora_rank + self.rope_dim, self.kv_lora_rank, values_in_keys=True)
+
+    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of kv_b_proj per head: key [heads, nope, latent] and value [heads, v, latent]."""
+        weight = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(tokens, self.heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(tokens, self.heads, -1)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, heads, *]
         cos, sin = self.rotary(batch.positions)
-        q_pe = apply_rope_pairs(q_pe, cos, sin)
-        k_pe = apply_rope_pairs(k_pe.view(tokens, 1, self.rope_dim), cos, sin)
-        q = torch.cat((q_nope, q_pe), dim=-1)
-        k = torch.cat((k_nope, k_pe.expand(tokens, self.heads, self.rope_dim)), dim=-1)
-        out = cached_attention(q, k, v, cache_k, cache_v, batch, self.scale)  # [T, heads, v_dim]
+        q_pe = apply_rope_pairs(q_pe, cos, sin)  # [T, heads, rope]
+        k_pe = apply_rope_pairs(k_pe.view(tokens, 1, self.rope_dim), cos, sin)  # [T, 1, rope]
+        key_up, value_up = self.up_projections()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), key_up).transpose(0, 1)  # [T, heads, latent]
+        query = torch.cat((q_latent, q_pe), dim=-1)  # [T, heads, latent + rope]
+        key = torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_pe), dim=-1)  # [T, 1, latent + rope]
+        out = cached_attention(query, key, None, cache_k, cache_v, batch, self.scale)  # [T, heads, latent]
+        out = torch.bmm(out.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)  # [T, heads, v]
         return self.o_proj(out.reshape(tokens, -1))
 
 

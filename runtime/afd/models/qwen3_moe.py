@@ -8,7 +8,7 @@ from torch import nn
 from afd.models.attention import AttentionBatch, cached_attention
 from afd.models.base import DecoderLayer, MoECausalLM
 from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_halves
-from afd.models.spec import ModelSpec, rope_parameters
+from afd.models.spec import KVLayout, ModelSpec, rope_parameters
 
 
 class GroupedQueryAttention(nn.Module):
@@ -32,7 +32,7 @@ class GroupedQueryAttention(nn.Module):
         if self.rope_dim != self.head_dim:
             raise ValueError("partial_rotary_factor < 1 is not supported for qwen3_moe")
         self.rotary = Rotary(self.rope, self.head_dim)
-        self.kv_layout = (self.kv_heads, self.head_dim, self.head_dim)
+        self.kv_layout = KVLayout(self.kv_heads, self.head_dim, self.head_dim)
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
         tokens = x.shape[0]

@@ -10,6 +10,29 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """What one layer caches per token: `heads` rows of `key_dim` keys and `value_dim` values.
+
+    With `values_in_keys` the values are the first `value_dim` columns of each key row and
+    are stored once (MLA's latent cache: one [latent ‖ rotary key] row per token serves as
+    the key and, its latent part, as the value).
+    """
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    values_in_keys: bool = False
+
+    @classmethod
+    def of(cls, layout: "KVLayout | tuple") -> "KVLayout":
+        return layout if isinstance(layout, KVLayout) else cls(*layout)
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.heads * (self.key_dim + (0 if self.values_in_keys else self.value_dim))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What both roles must agree on before any tensor moves."""
 
@@ -23,16 +46,16 @@ class ModelSpec:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
-    kv_layout: tuple[int, int, int]  # (cached heads, key dim, value dim) of every layer
+    kv_layout: KVLayout  # what every layer caches per token
 
 
-def kv_layout(config: dict) -> tuple[int, int, int]:
-    """What each layer caches per token; MLA caches the expanded per-head keys and values."""
+def kv_layout(config: dict) -> KVLayout:
+    """What each layer caches per token; MLA caches its latent and rotary key, not per-head K/V."""
     if config.get("model_type") == "deepseek_v2":
-        heads = config["num_attention_heads"]
-        return heads, config["qk_nope_head_dim"] + config["qk_rope_head_dim"], config["v_head_dim"]
+        latent = config["kv_lora_rank"]
+        return KVLayout(1, latent + config["qk_rope_head_dim"], latent, values_in_keys=True)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config["num_key_value_heads"], head_dim, head_dim
+    return KVLayout(config["num_key_value_heads"], head_dim, head_dim)
 
 
 def moe_layer_mask(config: dict) -> tuple[bool, ...]:

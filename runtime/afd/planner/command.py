@@ -1,0 +1,59 @@
+"""`afd plan`: scrape a running group, fit its cost model, recommend an attention:FFN ratio."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from afd.config import ConfigError
+
+
+def add_parser(commands) -> None:
+    plan = commands.add_parser("plan", help="recommend an attention:FFN ratio from a running group's metrics")
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--scrape", nargs="+", metavar="URL", help="every rank's /metrics URL (one group)")
+    source.add_argument("--state-file", help="the JSON state file of `afd up --state-file`")
+    plan.add_argument("--samples", type=int, default=4, help="scrapes to take (windows = samples - 1)")
+    plan.add_argument("--interval", type=float, default=10.0, help="seconds between scrapes")
+    plan.add_argument("--min-attention-per-ffn", type=float, default=1.0)
+    plan.add_argument("--max-attention-per-ffn", type=float, default=8.0)
+    plan.add_argument("--max-gpus", type=int, default=16, help="largest group to consider")
+    plan.add_argument("--min-gain", type=float, default=0.10, help="recommend a change only above this gain per GPU")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from afd.planner.advice import Bounds, TooFewMetrics, plan
+    from afd.planner.collect import ScrapeError, scrape_series, urls_from_state_file
+
+    if args.samples < 2:
+        raise ConfigError(f"--samples {args.samples}: need at least 2 (one window)")
+    if args.interval <= 0:
+        raise ConfigError(f"--interval {args.interval}: must be positive")
+    try:
+        bounds = Bounds(args.min_attention_per_ffn, args.max_attention_per_ffn, args.max_gpus, args.min_gain)
+        urls = args.scrape or urls_from_state_file(args.state_file)
+        progress = (lambda _: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+        result = plan(scrape_series(urls, args.samples, args.interval, progress), bounds)
+    except (ValueError, ScrapeError) as err:
+        kind = "too few metrics" if isinstance(err, TooFewMetrics) else "cannot plan"
+        raise ConfigError(f"{kind}: {err}") from None
+    print(json.dumps(result) if args.json else render_table(result))
+    return 0
+
+
+def render_table(result: dict) -> str:
+    lines = [
+        f"current      {result['current']} (stages {result['stages']}), {result['concurrency']:.0f} decoding sequences",
+        f"measured     {result['measured_tokens_per_s']:.1f} tokens/s",
+        f"predicted    {result['predicted_tokens_per_s']:.1f} tokens/s (model error {result['prediction_error']:.1%})",
+        f"recommended  {result['recommended'] or '-'}"
+        + (f" ({result['recommended_tokens_per_s']:.1f} tokens/s)" if result.get("recommended_tokens_per_s") else ""),
+        f"why          {result['why']}",
+    ]
+    if result.get("per_gpu"):
+        lines.append("tokens/s per GPU at the same load per GPU:")
+        ranked = sorted(result["per_gpu"].items(), key=lambda item: -item[1])[:8]
+        lines += [f"  {topology:>6}  {value:10.1f}" for topology, value in ranked]
+    return "\n".join(lines)
