@@ -24,6 +24,14 @@ def wait_for(predicate, timeout_s, what):
     pytest.fail(f"timed out waiting for {what}")
 
 
+def answers_200(url: str) -> bool:
+    """True once `url` answers 200; a server still starting refuses connections meanwhile."""
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def read_state(path):
     try:
         return json.loads(path.read_text())
@@ -50,7 +58,7 @@ def test_afd_up_serves_restarts_and_stops(tmp_path):
         assert roles == [("attention", 0), ("attention", 1), ("ffn", 0)]
         ffn = next(r for r in state["ranks"] if r["role"] == "ffn")
         assert ffn["control"].startswith("tcp://127.0.0.1:") and ffn["data"].startswith("tcp://127.0.0.1:")
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, 30, "the front door")
+        wait_for(lambda: answers_200(f"http://127.0.0.1:{port}/health"), 30, "the front door")
         client = openai.OpenAI(base_url=state["api"], api_key="unused")
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
