@@ -161,9 +161,9 @@ class Probes(_Model):
 class Rollout(_Model):
     """Rollouts replace whole groups; both bounds count groups, never pods."""
 
-    max_surge: int = Field(default=0, ge=0)
-    max_unavailable: int = Field(default=1, ge=0)
-    partition: int = Field(default=0, ge=0)
+    max_surge: int = Field(default=0, ge=0, le=100)
+    max_unavailable: int = Field(default=1, ge=0, le=100)
+    partition: int = Field(default=0, ge=0, le=100)
 
     @model_validator(mode="after")
     def _check_progress(self) -> "Rollout":
@@ -176,9 +176,9 @@ class RestartPolicy(_Model):
     """What the operator does when a rank of a group is lost."""
 
     type: Optional[Literal["RecreateGroupOnRankFailure", "None"]] = None
-    backoff_seconds: int = Field(default=30, ge=0)
-    max_backoff_seconds: int = Field(default=600, ge=0)
-    max_restarts: Optional[int] = Field(default=None, ge=0)
+    backoff_seconds: int = Field(default=30, ge=0, le=86400)
+    max_backoff_seconds: int = Field(default=600, ge=0, le=86400)
+    max_restarts: Optional[int] = Field(default=None, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _check_backoff(self) -> "RestartPolicy":
