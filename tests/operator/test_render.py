@@ -221,3 +221,25 @@ def test_gang_scheduling_and_placement():
     assert template["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
     term = template["spec"]["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
     assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == {L.NAME: "canary", L.GROUP: "1"}
+
+
+def _millicpu(quantity) -> int:
+    text = str(quantity)
+    return int(text[:-1]) if text.endswith("m") else int(float(text) * 1000)
+
+
+def _pod_cpu_request(pod) -> int:
+    """The scheduler's view: max(sum of containers, largest init container)."""
+    def request(c):
+        return _millicpu(c.get("resources", {}).get("requests", {}).get("cpu", "0"))
+
+    return max([sum(request(c) for c in pod["containers"])] + [request(c) for c in pod.get("initContainers", [])])
+
+
+def test_the_cpu_sample_fits_a_2_cpu_node():
+    """Issue 22: the sample asked for 3 CPUs. Its pods plus the operator's (100m) must fit 2 CPUs,
+    with room for the node's own daemons."""
+    objs = _render(_sample("cpu-zmq-tiny.yaml"))
+    total = sum(sts["spec"]["replicas"] * _pod_cpu_request(sts["spec"]["template"]["spec"])
+                for sts in objs if sts["kind"] == "StatefulSet")
+    assert total + 100 <= 1700, f"{total}m"
