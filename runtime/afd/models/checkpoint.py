@@ -48,7 +48,12 @@ class Checkpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not self.path.is_dir():
+        try:
+            is_dir = self.path.is_dir()
+        except PermissionError:
+            raise CheckpointError(f"checkpoint {self.path}: permission denied on a folder above it (this "
+                                  f"process runs as uid {os.getuid()})") from None
+        if not is_dir:
             raise CheckpointError(f"checkpoint {self.path}: no such folder")
         config_file = self.path / "config.json"
         if not config_file.is_file():
