@@ -30,7 +30,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from op_testkit import CEL_REFUSED, CRD_PATH, ROOT, SAMPLES, SCHEMA_REFUSED, apply_defaults, crd_schema, make_cr
+from op_testkit import (
+    CEL_REFUSED, CRD_PATH, ROOT, SAMPLES, SCHEMA_REFUSED, apply_defaults, crd_schema, make_cr, walk_validations,
+)
 from real_cluster import ApiError, Cluster, eventually, kubeconfig_or_skip
 
 pytestmark = pytest.mark.timeout(300)
@@ -76,13 +78,8 @@ def test_the_crd_applies_server_side_and_is_established(cluster):
     assert (names["kind"], names["shortNames"]) == ("AFDDeployment", ["afd"])
     version = established["spec"]["versions"][0]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
-    assert len(_rules(version["schema"]["openAPIV3Schema"])) == 7
-
-
-def _rules(schema):
-    from check_crd import walk_validations
-
-    return list(walk_validations(schema))
+    stored_rules = [rule["rule"] for _, rule in walk_validations(version["schema"]["openAPIV3Schema"])]
+    assert stored_rules == [rule["rule"] for _, rule in walk_validations(crd_schema())] and len(stored_rules) == 8
 
 
 def _variant(change):
