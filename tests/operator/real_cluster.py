@@ -55,6 +55,14 @@ class ApiError(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
+def _api_error(status: int, body: Any, reason: Any) -> ApiError:
+    try:
+        details = json.loads(body)
+    except (TypeError, ValueError):
+        details = {}
+    return ApiError(status, details.get("reason", str(reason)), details.get("message", str(body)))
+
+
 def kubeconfig_or_skip() -> Path:
     """The kit's kubeconfig from AFD_KUBECONFIG, or pytest.skip with the reason."""
     import pytest
@@ -104,11 +112,9 @@ class Cluster:
             response = self.api.call_api(*request)
             response.read()
         except ApiException as err:
-            try:
-                status = json.loads(err.body)
-            except (TypeError, ValueError):
-                status = {}
-            raise ApiError(err.status, status.get("reason", str(err.reason)), status.get("message", str(err.body))) from None
+            raise _api_error(err.status, err.body, err.reason) from None
+        if response.status >= 400:  # call_api returns error responses as well
+            raise _api_error(response.status, response.data, response.reason)
         return json.loads(response.data or b"null")
 
     # --- verbs ---------------------------------------------------------------------------
