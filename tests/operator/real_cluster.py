@@ -168,7 +168,7 @@ class Cluster:
     def wait_established(self, name: str, timeout: float = 30) -> dict[str, Any]:
         def established():
             crd = self.get("CustomResourceDefinition", name)
-            conditions = {c["type"]: c["status"] for c in ((crd or {}).get("status") or {}).get("conditions", [])}
+            conditions = {c["type"]: c["status"] for c in ((crd or {}).get("status") or {}).get("conditions") or []}
             return crd if conditions.get("Established") == "True" else None
 
         return eventually(established, timeout, f"CRD {name} Established")

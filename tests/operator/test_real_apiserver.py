@@ -208,13 +208,18 @@ class HelmRelease:
                 if self.cluster.get(o["kind"], o["metadata"]["name"], o["metadata"].get("namespace"))]
 
 
-def test_helm_install_creates_the_operator_and_uninstall_removes_it(cluster, crd):
+def test_helm_install_creates_the_crd_and_the_operator_and_uninstall_removes_it(cluster, crd):
     release = HelmRelease(cluster, "afd-install", cluster.new_namespace("afd-system"))
     kinds = sorted(f"{o['kind']}" for o in release.objects)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    # A first install: no CRD yet (deleting it also deletes every AFDDeployment).
+    cluster.delete("CustomResourceDefinition", CRD_NAME)
+    eventually(lambda: cluster.get("CustomResourceDefinition", CRD_NAME) is None, 60, "the CRD to go")
     started = time.monotonic()
     release.install()
     installed = time.monotonic() - started
+    created = cluster.wait_established(CRD_NAME)
+    assert created["metadata"]["uid"] != crd["metadata"]["uid"]  # the install made it afresh
     assert len(release.present()) == len(release.objects) == 4
     deployment = cluster.get("Deployment", "afd-install-afd-operator", release.namespace)
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "afd-install-afd-operator"
