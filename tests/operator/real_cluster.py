@@ -13,6 +13,7 @@ not KUBECONFIG, so a developer's own cluster is never written to by accident.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import os
 import time
@@ -23,6 +24,12 @@ from typing import Any, Callable, Iterable, Optional
 import yaml
 
 ENV = "AFD_KUBECONFIG"
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "afd-operator"
+# Helm's InstallOrder, for the kinds this chart renders (helm/pkg/release/util/kind_sorter.go).
+INSTALL_ORDER = ["Namespace", "ServiceAccount", "Secret", "ConfigMap", "ClusterRole", "ClusterRoleBinding",
+                 "Role", "RoleBinding", "Service", "Deployment", "Job"]
+HOOK = "helm.sh/hook"
 FIELD_MANAGER = "afd-tests"
 
 # kind → (API path prefix, plural, namespaced) for every kind the tests touch.
@@ -201,6 +208,57 @@ class Cluster:
         review = self.call("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
                            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
         return review["status"]["userInfo"]["username"]
+
+
+class HelmRelease:
+    """`helm install` / `helm uninstall` of the chart, emulated honestly.
+
+    helm-python-sdk renders the templates (it has no install). Like Helm on a first install,
+    the chart's crds/ are created first (only if absent) and waited for; then the rendered
+    objects are applied in Helm's install order with Helm's ownership annotations. Uninstall
+    deletes them in reverse order and, like Helm, keeps the CRD. Not done: the chart's
+    pre-install hook Job (it re-applies the CRDs on upgrades) needs a kubelet to complete, so
+    the install renders with crds.upgradeJob.enabled=false (tests check the hook objects with
+    a dry run); no Helm release Secret is written.
+    """
+
+    def __init__(self, cluster: Cluster, name: str, namespace: str, values: dict | None = None) -> None:
+        import helm_python
+
+        self.cluster, self.name, self.namespace = cluster, name, namespace
+        values = {**copy.deepcopy(values or {}), "crds": {"upgradeJob": {"enabled": False}}}
+        chart = helm_python.Chart.load(str(CHART))
+        try:
+            rendered = chart.render(values, name=name, namespace=namespace)
+        finally:
+            chart.close()
+        docs = [d for n, text in sorted(rendered.items()) if not n.endswith("NOTES.txt")
+                for d in yaml.safe_load_all(text) if d]
+        assert not [d for d in docs if HOOK in (d["metadata"].get("annotations") or {})]
+        self.objects = sorted(docs, key=lambda d: INSTALL_ORDER.index(d["kind"]))
+
+    def install(self) -> None:
+        for path in sorted((CHART / "crds").glob("*.yaml")):  # Helm: crds/ first, then wait for them
+            crd = yaml.safe_load(path.read_text())
+            if self.cluster.get("CustomResourceDefinition", crd["metadata"]["name"]) is None:
+                self.cluster.apply(crd)
+            self.cluster.wait_established(crd["metadata"]["name"])
+        if self.cluster.get("Namespace", self.namespace) is None:  # --create-namespace
+            self.cluster.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}})
+        for obj in self.objects:
+            obj = copy.deepcopy(obj)
+            obj["metadata"].setdefault("annotations", {}).update({
+                "meta.helm.sh/release-name": self.name, "meta.helm.sh/release-namespace": self.namespace})
+            self.cluster.apply(obj)
+
+    def uninstall(self) -> None:
+        for obj in reversed(self.objects):
+            meta = obj["metadata"]
+            self.cluster.delete(obj["kind"], meta["name"], meta.get("namespace"))
+
+    def present(self) -> list[str]:
+        return [f"{o['kind']}/{o['metadata']['name']}" for o in self.objects
+                if self.cluster.get(o["kind"], o["metadata"]["name"], o["metadata"].get("namespace"))]
 
 
 def eventually(probe: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:

@@ -7,13 +7,8 @@ resources, defaulting, server-side apply, RBAC, the StatefulSet and garbage coll
 They need the kit's control plane (../shared/tools/kube-local/up.sh) and AFD_KUBECONFIG
 pointing at its kubeconfig; without it they skip (see real_cluster.py).
 
-`helm install` is emulated, honestly: helm-python-sdk renders the templates (it has no
-install), the chart's crds/ are applied first as Helm does on a first install, then the
-rendered objects in Helm's install order with Helm's ownership annotations; uninstall deletes
-them in reverse order and, like Helm, keeps the CRD. The chart's pre-install hook Job (which
-re-applies the CRDs on upgrades) needs a kubelet to complete, so the install renders with
-crds.upgradeJob.enabled=false and the hook's objects are only checked to be accepted
-(dry run). No Helm release Secret is written.
+`helm install` is emulated (helm-python-sdk renders; it cannot install): see HelmRelease in
+real_cluster.py for what is and is not done as Helm would.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -33,16 +27,12 @@ import yaml
 from op_testkit import (
     CEL_REFUSED, CRD_PATH, ROOT, SAMPLES, SCHEMA_REFUSED, apply_defaults, crd_schema, make_cr, walk_validations,
 )
-from real_cluster import ApiError, Cluster, eventually, kubeconfig_or_skip
+from real_cluster import HOOK, INSTALL_ORDER, ApiError, Cluster, HelmRelease, eventually, kubeconfig_or_skip
 
 pytestmark = pytest.mark.timeout(300)
 
 CHART = ROOT / "charts" / "afd-operator"
 CRD_NAME = "afddeployments.afd.io"
-# Helm's InstallOrder, for the kinds this chart renders (helm/pkg/release/util/kind_sorter.go).
-INSTALL_ORDER = ["Namespace", "ServiceAccount", "Secret", "ConfigMap", "ClusterRole", "ClusterRoleBinding",
-                 "Role", "RoleBinding", "Service", "Deployment", "Job"]
-HOOK = "helm.sh/hook"
 
 
 @pytest.fixture(scope="module")
@@ -164,48 +154,6 @@ def test_unknown_fields_are_refused_with_strict_field_validation(cluster, namesp
 
 
 # --- the chart -------------------------------------------------------------------------------
-
-
-class HelmRelease:
-    """`helm install` / `helm uninstall` of the chart, emulated as the module docstring says."""
-
-    def __init__(self, cluster: Cluster, name: str, namespace: str, values: dict | None = None) -> None:
-        import helm_python
-
-        self.cluster, self.name, self.namespace = cluster, name, namespace
-        values = {**copy.deepcopy(values or {}), "crds": {"upgradeJob": {"enabled": False}}}
-        chart = helm_python.Chart.load(str(CHART))
-        try:
-            rendered = chart.render(values, name=name, namespace=namespace)
-        finally:
-            chart.close()
-        docs = [d for n, text in sorted(rendered.items()) if not n.endswith("NOTES.txt")
-                for d in yaml.safe_load_all(text) if d]
-        assert not [d for d in docs if HOOK in (d["metadata"].get("annotations") or {})]
-        self.objects = sorted(docs, key=lambda d: INSTALL_ORDER.index(d["kind"]))
-
-    def install(self) -> None:
-        for path in sorted((CHART / "crds").glob("*.yaml")):  # Helm: crds/ first, then wait for them
-            crd = yaml.safe_load(path.read_text())
-            if self.cluster.get("CustomResourceDefinition", crd["metadata"]["name"]) is None:
-                self.cluster.apply(crd)
-            self.cluster.wait_established(crd["metadata"]["name"])
-        if self.cluster.get("Namespace", self.namespace) is None:  # --create-namespace
-            self.cluster.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}})
-        for obj in self.objects:
-            obj = copy.deepcopy(obj)
-            obj["metadata"].setdefault("annotations", {}).update({
-                "meta.helm.sh/release-name": self.name, "meta.helm.sh/release-namespace": self.namespace})
-            self.cluster.apply(obj)
-
-    def uninstall(self) -> None:
-        for obj in reversed(self.objects):
-            meta = obj["metadata"]
-            self.cluster.delete(obj["kind"], meta["name"], meta.get("namespace"))
-
-    def present(self) -> list[str]:
-        return [f"{o['kind']}/{o['metadata']['name']}" for o in self.objects
-                if self.cluster.get(o["kind"], o["metadata"]["name"], o["metadata"].get("namespace"))]
 
 
 def test_helm_install_creates_the_crd_and_the_operator_and_uninstall_removes_it(cluster, crd):
