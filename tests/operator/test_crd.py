@@ -81,6 +81,30 @@ def _model_of(annotation):
     return None
 
 
+def _bound_problems(model: type[BaseModel], schema: dict, path: str):
+    """Integer fields whose minimum/maximum differ between the CRD and the typed model."""
+    props = schema.get("properties") or {}
+    for field in model.model_fields.values():
+        sub = props.get(field.alias)
+        if sub is None:
+            continue
+        sub_model = _model_of(field.annotation)
+        if sub_model is not None:
+            yield from _bound_problems(sub_model, sub.get("items", sub), f"{path}.{field.alias}")
+        elif sub.get("type") == "integer" and "enum" not in sub:
+            bounds = {"Ge": next((m.ge for m in field.metadata if hasattr(m, "ge")), None),
+                      "Le": next((m.le for m in field.metadata if hasattr(m, "le")), None)}
+            crd = (sub.get("minimum"), sub.get("maximum"))
+            if crd != (bounds.get("Ge"), bounds.get("Le")):
+                yield f"{path}.{field.alias}: CRD {crd}, model {(bounds.get('Ge'), bounds.get('Le'))}"
+
+
+def test_typed_model_and_crd_schema_have_the_same_integer_bounds():
+    """The CRD's maxima bound CEL cost estimates; the operator's own check must agree."""
+    spec_schema = crd_schema()["properties"]["spec"]
+    assert list(_bound_problems(AFDDeploymentSpec, spec_schema, "spec")) == []
+
+
 def test_typed_model_and_crd_schema_have_the_same_fields():
     spec_schema = crd_schema()["properties"]["spec"]
     assert list(_model_problems(AFDDeploymentSpec, spec_schema, "spec")) == []

@@ -283,6 +283,9 @@ def test_the_operator_reconciles_a_sample_into_owned_children(cluster, deploymen
     assert sorted(s["metadata"]["name"] for s in services) == ["tiny-cpu", "tiny-cpu-g0-attn", "tiny-cpu-g0-ffn"]
     config_maps = _children(cluster, namespace, "ConfigMap")
     assert config_maps
+    attention = next(s for s in sts if s["metadata"]["name"] == "tiny-cpu-g0-attn")
+    env = {e["name"]: e.get("value") for e in attention["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["AFD_SERVED_MODEL_NAME"] == "afd-test/tiny-qwen3-moe"  # the hub id, not "models"
     owned = sts + services + config_maps + _children(cluster, namespace, "Secret")
     for obj in owned:
         [ref] = obj["metadata"]["ownerReferences"]
