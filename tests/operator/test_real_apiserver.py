@@ -146,6 +146,14 @@ def test_the_api_server_refuses_what_the_schema_refuses(cluster, namespace, chan
     assert err.value.status == 422 and where in err.value.message, err.value.message
 
 
+def test_missing_required_fields_are_all_refused(cluster, namespace):
+    body = _cr(namespace)
+    body["spec"] = {"replicas": 1}
+    with pytest.raises(ApiError) as err:
+        cluster.create(body)
+    assert "spec.image: Required value" in err.value.message and "spec.model: Required value" in err.value.message
+
+
 def test_unknown_fields_are_refused_with_strict_field_validation(cluster, namespace):
     """What the operator's typed model says as "Extra inputs are not permitted"."""
     with pytest.raises(ApiError) as err:
