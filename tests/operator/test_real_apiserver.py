@@ -48,10 +48,22 @@ def crd(cluster):
 
 
 @pytest.fixture
-def namespace(cluster, crd):
-    name = cluster.new_namespace("afd-test")
-    yield name
-    cluster.delete("Namespace", name)
+def new_namespace(cluster):
+    """Make namespaces (name prefix → name) that are deleted after the test, passed or not."""
+    made = []
+
+    def make(prefix):
+        made.append(cluster.new_namespace(prefix))
+        return made[-1]
+
+    yield make
+    for name in made:
+        cluster.delete("Namespace", name)
+
+
+@pytest.fixture
+def namespace(crd, new_namespace):
+    return new_namespace("afd-test")
 
 
 # --- the CRD ---------------------------------------------------------------------------------
@@ -164,8 +176,8 @@ def test_unknown_fields_are_refused_with_strict_field_validation(cluster, namesp
 # --- the chart -------------------------------------------------------------------------------
 
 
-def test_helm_install_creates_the_crd_and_the_operator_and_uninstall_removes_it(cluster, crd):
-    release = HelmRelease(cluster, "afd-install", cluster.new_namespace("afd-system"))
+def test_helm_install_creates_the_crd_and_the_operator_and_uninstall_removes_it(cluster, crd, new_namespace):
+    release = HelmRelease(cluster, "afd-install", new_namespace("afd-system"))
     kinds = sorted(f"{o['kind']}" for o in release.objects)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
     # A first install: no CRD yet (deleting it also deletes every AFDDeployment).
@@ -192,15 +204,14 @@ def test_helm_install_creates_the_crd_and_the_operator_and_uninstall_removes_it(
     eventually(lambda: not cluster.list("Pod", release.namespace), 60, "the GC to remove the operator's Pod")
     print(f"install {installed:.2f}s, uninstall (with GC) {time.monotonic() - started:.2f}s")
     assert cluster.get("CustomResourceDefinition", CRD_NAME) is not None  # Helm never deletes crds/
-    cluster.delete("Namespace", release.namespace)
 
 
-def test_the_crd_upgrade_hook_objects_are_accepted(cluster, crd):
+def test_the_crd_upgrade_hook_objects_are_accepted(cluster, crd, new_namespace):
     """The pre-install/pre-upgrade hook (ServiceAccount, ClusterRole, binding, ConfigMap with the
     CRDs, Job): accepted by the API server (dry run; its Job needs a kubelet to run)."""
     import helm_python
 
-    namespace = cluster.new_namespace("afd-hook")
+    namespace = new_namespace("afd-hook")
     chart = helm_python.Chart.load(str(CHART))
     try:
         rendered = chart.render(None, name="afd", namespace=namespace)
@@ -212,7 +223,6 @@ def test_the_crd_upgrade_hook_objects_are_accepted(cluster, crd):
                                                  "ServiceAccount"]
     for hook in sorted(hooks, key=lambda d: INSTALL_ORDER.index(d["kind"])):
         cluster.apply(hook, dry_run=True)
-    cluster.delete("Namespace", namespace)
 
 
 # --- the operator, under its own ServiceAccount ---------------------------------------------
@@ -223,25 +233,26 @@ def operator(cluster, crd, tmp_path_factory):
     """The chart installed, and `afd operator` run with a token of the chart's ServiceAccount
     (TokenRequest API), not the admin's credentials. Yields (cluster as the operator, log path)."""
     release = HelmRelease(cluster, "afd", cluster.new_namespace("afd-system"))
-    release.install()
-    tmp = tmp_path_factory.mktemp("operator")
-    kubeconfig = cluster.token_kubeconfig("afd-afd-operator", release.namespace, tmp / "kubeconfig")
-    as_operator = Cluster(kubeconfig)
-    log = tmp / "operator.log"
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "afd_operator", "run", "--resync-seconds", "2"],
-                                   env=env, stdout=out, stderr=subprocess.STDOUT)
+    process = None
     try:
-        yield as_operator, log
+        release.install()
+        tmp = tmp_path_factory.mktemp("operator")
+        kubeconfig = cluster.token_kubeconfig("afd-afd-operator", release.namespace, tmp / "kubeconfig")
+        log = tmp / "operator.log"
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+        with open(log, "w") as out:
+            process = subprocess.Popen([sys.executable, "-m", "afd_operator", "run", "--resync-seconds", "2"],
+                                       env=env, stdout=out, stderr=subprocess.STDOUT)
+        yield Cluster(kubeconfig), log
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        print(f"operator log: {log}")
+        if process is not None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            print(f"operator log: {log}")
         release.uninstall()
         cluster.delete("Namespace", release.namespace)
 
@@ -264,11 +275,12 @@ def operator_namespace(as_operator: Cluster) -> str:
 def deployment(cluster, operator):
     """The CPU sample, created by the admin in its own namespace for the operator to reconcile."""
     namespace = cluster.new_namespace("afd-app")
-    body = yaml.safe_load(SAMPLES[0].read_text())
-    body["metadata"]["namespace"] = namespace
-    created = cluster.create(body)
-    yield namespace, created
-    cluster.delete("Namespace", namespace)
+    try:
+        body = yaml.safe_load(SAMPLES[0].read_text())
+        body["metadata"]["namespace"] = namespace
+        yield namespace, cluster.create(body)
+    finally:
+        cluster.delete("Namespace", namespace)
 
 
 def _children(cluster, namespace, kind, name="tiny-cpu"):
