@@ -162,7 +162,9 @@ async def _resync_forever(memo: OperatorMemo, interval: float) -> None:
             try:
                 await reconcile_one(memo, body, full=False)
             except KubeError as err:  # the next round retries
-                log.warning("resync of %s/%s failed: %s", body["metadata"].get("namespace"),
-                            body["metadata"].get("name"), err)
+                # 404: deleted while this round ran (its DELETED event comes next), not a fault.
+                level = logging.INFO if err.status == 404 else logging.WARNING
+                log.log(level, "resync of %s/%s failed: %s", body["metadata"].get("namespace"),
+                        body["metadata"].get("name"), err)
             except Exception:  # one broken resource must not stop the others' resyncs
                 log.exception("resync of %s failed", uid)

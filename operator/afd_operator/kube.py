@@ -154,8 +154,8 @@ class KubeStore:
             raise KubeError(err.status or 0, f"{method} {path}: {_reason(err)}") from None
         except OSError as err:  # urllib3 wraps connection failures in OSError subclasses
             raise KubeError(0, f"{method} {path}: no answer from the API server ({err})") from None
-        if response.status >= 400:
-            raise KubeError(response.status, f"{method} {path}: HTTP {response.status}")
+        if response.status >= 400:  # the client returns error responses too: say what the server said
+            raise KubeError(response.status, f"{method} {path}: {_status_text(response.status, response.data)}")
         return json.loads(response.data or b"null")
 
 
@@ -177,6 +177,15 @@ def render_event(owner: dict[str, Any], type: str, reason: str, message: str, no
         "lastTimestamp": stamp,
         "count": 1,
     }
+
+
+def _status_text(status: int, data: Any) -> str:
+    """`HTTP 403 Forbidden: <the API server's message>` from a Status body, else `HTTP 403`."""
+    try:
+        body = json.loads(data)
+        return f"HTTP {status} {body.get('reason', '')}: {body.get('message', '')}"
+    except (TypeError, ValueError, AttributeError):
+        return f"HTTP {status}"
 
 
 def _reason(err: Any) -> str:

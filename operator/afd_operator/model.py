@@ -104,6 +104,16 @@ class ModelSource(_Model):
         return "pvc" if match["claim"] else "hf" if match["repo"] else "host"
 
     @property
+    def default_served_name(self) -> str:
+        """The model id to serve when the spec names none: the hub id, else the last path
+        element (the claim name for a bare pvc://claim)."""
+        parts = self.parts
+        if parts["repo"]:
+            return parts["repo"]
+        tail = (parts["sub"] if parts["claim"] else parts["path"]) or ""
+        return tail.rstrip("/").rsplit("/", 1)[-1] or parts["claim"] or "model"
+
+    @property
     def parts(self) -> dict[str, Optional[str]]:
         """The named pieces of the URI: claim/sub, repo/rev or path."""
         match = _MODEL_URI_RE.match(self.uri)
@@ -161,9 +171,9 @@ class Probes(_Model):
 class Rollout(_Model):
     """Rollouts replace whole groups; both bounds count groups, never pods."""
 
-    max_surge: int = Field(default=0, ge=0)
-    max_unavailable: int = Field(default=1, ge=0)
-    partition: int = Field(default=0, ge=0)
+    max_surge: int = Field(default=0, ge=0, le=100)
+    max_unavailable: int = Field(default=1, ge=0, le=100)
+    partition: int = Field(default=0, ge=0, le=100)
 
     @model_validator(mode="after")
     def _check_progress(self) -> "Rollout":
@@ -176,9 +186,9 @@ class RestartPolicy(_Model):
     """What the operator does when a rank of a group is lost."""
 
     type: Optional[Literal["RecreateGroupOnRankFailure", "None"]] = None
-    backoff_seconds: int = Field(default=30, ge=0)
-    max_backoff_seconds: int = Field(default=600, ge=0)
-    max_restarts: Optional[int] = Field(default=None, ge=0)
+    backoff_seconds: int = Field(default=30, ge=0, le=86400)
+    max_backoff_seconds: int = Field(default=600, ge=0, le=86400)
+    max_restarts: Optional[int] = Field(default=None, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _check_backoff(self) -> "RestartPolicy":
@@ -201,6 +211,7 @@ class AFDDeploymentSpec(_Model):
     priority_class_name: Optional[str] = None
     shm_size_limit: Optional[str] = None
     model: ModelSource
+    served_model_name: Optional[str] = Field(default=None, min_length=1, max_length=256)
     attention: RoleSpec = Field(default_factory=RoleSpec)
     ffn: RoleSpec = Field(default_factory=RoleSpec)
     afd: AFDSettings = Field(default_factory=AFDSettings)

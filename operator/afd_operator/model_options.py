@@ -11,6 +11,7 @@ from pydantic.alias_generators import to_camel
 
 # The runtime image's user (images/runtime/Dockerfile: `useradd --uid 10001`).
 DEFAULT_UID = 10001
+MAX_ID = 2**31 - 1  # the largest uid/gid Kubernetes accepts
 
 
 class SpecModel(BaseModel):
@@ -56,9 +57,9 @@ class PodSecurity(SpecModel):
     """Who the role pods run as. They always run non-root, with a read-only root filesystem,
     no privilege escalation, no capabilities and the runtime's default seccomp profile."""
 
-    run_as_user: int = Field(default=DEFAULT_UID, ge=0)
-    run_as_group: int = Field(default=DEFAULT_UID, ge=0)
-    fs_group: int = Field(default=DEFAULT_UID, ge=0)
+    run_as_user: int = Field(default=DEFAULT_UID, ge=0, le=MAX_ID)
+    run_as_group: int = Field(default=DEFAULT_UID, ge=0, le=MAX_ID)
+    fs_group: int = Field(default=DEFAULT_UID, ge=0, le=MAX_ID)
 
     @model_validator(mode="after")
     def _check_non_root(self) -> "PodSecurity":

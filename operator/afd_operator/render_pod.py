@@ -64,6 +64,8 @@ def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         "AFD_GATE_ON_ATTENTION": afd.compute_gate_on_attention,
         "AFD_CUDA_GRAPHS": afd.cuda_graphs.enabled,
         "AFD_MODEL": model_path(spec),
+        # Not the basename of the mount (always "models"): the name clients ask for.
+        "AFD_SERVED_MODEL_NAME": spec.served_model_name or spec.model.default_served_name,
         "AFD_HTTP_PORT": ports.http,
         "AFD_METRICS_PORT": ports.metrics,
         **_engine_env(afd, role),

@@ -125,4 +125,13 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _make_world_readable(out)
     return out
+
+
+def _make_world_readable(folder: Path) -> None:
+    """0644 files in a 0755 folder: `save_pretrained` writes the weights through a private
+    (0600) temporary file, which non-root role pods (uid 10001) could not read from a host path."""
+    folder.chmod(0o755)
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)

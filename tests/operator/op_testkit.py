@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import check_crd  # noqa: E402  (scripts/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "afd.io_afddeployments.yaml"
@@ -39,59 +43,39 @@ def make_cr(name: str = "demo", namespace: str = "ns", uid: str = "uid-demo", **
     }
 
 
-def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Default a value the way the API server does for a structural schema: missing
-    properties get their `default`, recursively, also inside defaulted values."""
-    value = copy.deepcopy(value)
-    if schema.get("type") == "object" and isinstance(value, dict):
-        for key, sub in (schema.get("properties") or {}).items():
-            if key not in value and "default" in sub:
-                value[key] = copy.deepcopy(sub["default"])
-            if key in value:
-                value[key] = apply_defaults(sub, value[key])
-        extra = schema.get("additionalProperties")
-        if isinstance(extra, dict):
-            for key in value:
-                value[key] = apply_defaults(extra, value[key])
-    elif schema.get("type") == "array" and isinstance(value, list):
-        value = [apply_defaults(schema.get("items", {}), v) for v in value]
-    return value
+# One definition of defaulting and CEL evaluation, shared with the CI guard (scripts/check_crd.py).
+apply_defaults = check_crd.apply_defaults
+walk_validations = check_crd.walk_validations
+cel_failures = check_crd.cel_failures
+evaluate_cel = check_crd.evaluate
 
 
-def walk_validations(schema: dict[str, Any], path: str = ""):
-    """Yield (path, rule dict) for every x-kubernetes-validations rule in the schema."""
-    for rule in schema.get("x-kubernetes-validations") or []:
-        yield path, rule
-    for key, sub in (schema.get("properties") or {}).items():
-        yield from walk_validations(sub, f"{path}.{key}")
-    if isinstance(schema.get("items"), dict):
-        yield from walk_validations(schema["items"], f"{path}[]")
+# Custom resources the CRD refuses: (metadata.name, spec change, words of the refusal). Each is
+# refused offline (jsonschema + cel-python, tests/operator/test_crd.py) and by a real API server
+# (tests/operator/test_real_apiserver.py).
+CEL_REFUSED = [
+    ("demo", {"attention": {"ranks": 2}, "ffn": {"ranks": 3}},
+     "ffn.ranks (3) must not exceed attention.ranks (2)"),
+    ("demo", {"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
+     "rollout.maxSurge and rollout.maxUnavailable must not both be 0"),
+    ("demo", {"restartPolicy": {"backoffSeconds": 60, "maxBackoffSeconds": 10}},
+     "restartPolicy.maxBackoffSeconds (10) must not be below restartPolicy.backoffSeconds (60)"),
+    ("demo", {"ports": {"data": 25500}}, "ports.control, ports.data and ports.metrics"),
+    ("demo", {"ports": {"http": 9090}}, "ports.http and ports.metrics"),
+    ("n" * 41, {}, "metadata.name may have at most 40 characters"),
+    ("demo", {"podSecurity": {"runAsUser": 0}}, "podSecurity.runAsUser must not be 0 (root)"),
+    ("demo", {"afd": {"attentionEngine": "vllm", "connector": "nccl"}},
+     "afd.attentionEngine=vllm needs afd.connector=zmq"),
+]
 
-
-def cel_failures(schema: dict[str, Any], obj: Any) -> list[str]:
-    """Evaluate every CEL rule of `schema` on `obj` (already defaulted) with cel-python;
-    return the messages of the rules that fail, as the API server would report them."""
-    import celpy
-
-    env = celpy.Environment()
-    failures = []
-
-    def visit(node_schema: dict[str, Any], node: Any) -> None:
-        for rule in node_schema.get("x-kubernetes-validations") or []:
-            activation = {"self": celpy.json_to_cel(node)}
-            if not bool(env.program(env.compile(rule["rule"])).evaluate(activation)):
-                if "messageExpression" in rule:
-                    message = str(env.program(env.compile(rule["messageExpression"])).evaluate(activation))
-                else:
-                    message = rule.get("message", rule["rule"])
-                failures.append(message)
-        if isinstance(node, dict):
-            for key, sub in (node_schema.get("properties") or {}).items():
-                if key in node:
-                    visit(sub, node[key])
-        if isinstance(node, list) and isinstance(node_schema.get("items"), dict):
-            for item in node:
-                visit(node_schema["items"], item)
-
-    visit(schema, obj)
-    return failures
+# Refused by the OpenAPI schema alone: (spec change, the field named in the refusal).
+SCHEMA_REFUSED = [
+    ({"afd": {"stages": 3}}, "stages"), ({"afd": {"connector": "tcp"}}, "connector"),
+    ({"ffn": {"ranks": 0}}, "ranks"), ({"ports": {"http": 70000}}, "http"),
+    ({"model": {"uri": "s3://x/y"}}, "uri"), ({"replicas": -1}, "replicas"),
+    ({"podSecurity": {"fsGroup": -1}}, "fsGroup"), ({"networkPolicy": {"enabled": "yes"}}, "enabled"),
+    ({"networkPolicy": {"metricsNamespaceSelector": {"matchLabels": {"a": 1}}}}, "matchLabels"),
+    ({"restartPolicy": {"maxBackoffSeconds": 86401}}, "maxBackoffSeconds"),
+    ({"rollout": {"maxSurge": 101}}, "maxSurge"),
+    ({"podSecurity": {"runAsUser": 2**31}}, "runAsUser"),
+]

@@ -170,6 +170,7 @@ def test_pods_configure_the_runtime_through_afd_config(case, tmp_path):
             assert cfg.dtype == spec.afd.dtype and cfg.max_num_seqs == spec.afd.max_num_seqs
             assert cfg.dbo_min_tokens == spec.afd.dbo_min_tokens
             assert cfg.group_token.startswith(f"{body['metadata']['name']}-g{group}-")
+            assert cfg.served_model_name == (spec.served_model_name or spec.model.default_served_name)
 
 
 def test_model_sources_become_volumes():
@@ -190,6 +191,25 @@ def test_model_sources_become_volumes():
     assert {"name": "model", "hostPath": {"path": "/data/ckpt", "type": "Directory"}} in spec["volumes"]
 
 
+@pytest.mark.parametrize("change, served", [
+    ({"model": {"uri": "pvc://models/DeepSeek-V2-Lite"}}, "DeepSeek-V2-Lite"),
+    ({"model": {"uri": "pvc://tiny"}}, "tiny"),
+    ({"model": {"uri": "hf://Qwen/Qwen3-30B-A3B@main"}}, "Qwen/Qwen3-30B-A3B"),
+    ({"model": {"uri": "/data/ckpt/"}}, "ckpt"),
+    ({"model": {"uri": "pvc://models/x"}, "servedModelName": "deepseek-ai/DeepSeek-V2-Lite"},
+     "deepseek-ai/DeepSeek-V2-Lite"),
+])
+def test_the_served_model_name_is_the_models_name_not_the_mount(change, served):
+    """Clients ask for the model by name; the mount's basename ("models") is no name (issue 22)."""
+    for _, container in _pods(make_cr(**change)):
+        assert {"name": "AFD_SERVED_MODEL_NAME", "value": served} in container["env"]
+
+
+def test_naming_the_served_model_starts_a_rollout():
+    named = parse_spec(make_cr(servedModelName="tiny")["spec"])
+    assert named.revision != parse_spec(make_cr()["spec"]).revision
+
+
 def test_gang_scheduling_and_placement():
     body = CASES["2g-3a2f-zmq-coscheduling-hostpath"]
     objs = _render(body)
@@ -201,3 +221,25 @@ def test_gang_scheduling_and_placement():
     assert template["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
     term = template["spec"]["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
     assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == {L.NAME: "canary", L.GROUP: "1"}
+
+
+def _millicpu(quantity) -> int:
+    text = str(quantity)
+    return int(text[:-1]) if text.endswith("m") else int(float(text) * 1000)
+
+
+def _pod_cpu_request(pod) -> int:
+    """The scheduler's view: max(sum of containers, largest init container)."""
+    def request(c):
+        return _millicpu(c.get("resources", {}).get("requests", {}).get("cpu", "0"))
+
+    return max([sum(request(c) for c in pod["containers"])] + [request(c) for c in pod.get("initContainers", [])])
+
+
+def test_the_cpu_sample_fits_a_2_cpu_node():
+    """Issue 22: the sample asked for 3 CPUs. Its pods plus the operator's (100m) must fit 2 CPUs,
+    with room for the node's own daemons."""
+    objs = _render(_sample("cpu-zmq-tiny.yaml"))
+    total = sum(sts["spec"]["replicas"] * _pod_cpu_request(sts["spec"]["template"]["spec"])
+                for sts in objs if sts["kind"] == "StatefulSet")
+    assert total + 100 <= 1700, f"{total}m"

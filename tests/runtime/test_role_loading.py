@@ -1,6 +1,12 @@
 """Each role reads only its own tensors from disk; together they read the checkpoint exactly once."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +90,44 @@ def test_bad_checkpoint_folders(tmp_path, setup, message):
 def test_missing_folder():
     with pytest.raises(CheckpointError, match="no such folder"):
         Checkpoint("/nonexistent/model")
+
+
+def test_tiny_checkpoints_are_world_readable(checkpoints):
+    """Issue 22: non-root role pods (uid 10001) read a host-path model written by root."""
+    folder = checkpoints["qwen3_moe"]
+    assert folder.stat().st_mode & 0o777 == 0o755
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+def test_an_unreadable_weight_file_says_permission_denied(checkpoints):
+    """Not safetensors' "No such file or directory" for a file that is there."""
+    scratch = Path(tempfile.mkdtemp(prefix="afd-perm-"))  # pytest's tmp_path is 0700: no other uid gets in
+    try:
+        folder = scratch / "ckpt"
+        shutil.copytree(checkpoints["qwen3_moe"], folder)
+        scratch.chmod(0o755)
+        (folder / "model.safetensors").chmod(0o600 if os.geteuid() == 0 else 0o000)
+        message = _checkpoint_error_as_another_user(folder)
+    finally:
+        shutil.rmtree(scratch)
+    assert "model.safetensors: permission denied (mode 0" in message, message
+    assert "No such file" not in message and "chmod" in message
+
+
+def _checkpoint_error_as_another_user(folder: Path) -> str:
+    """The CheckpointError message of opening `folder` as a user who may not read its weights
+    (this user when not root; else uid 65534 through setpriv, since root reads anything)."""
+    if os.geteuid() != 0:
+        with pytest.raises(CheckpointError) as err:
+            Checkpoint(folder)
+        return str(err.value)
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv to drop privileges")
+    code = f"from afd.models.checkpoint import Checkpoint\nCheckpoint({str(folder)!r})"
+    result = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+                            capture_output=True, text=True, timeout=120)
+    if "CheckpointError" not in result.stderr:
+        pytest.skip(f"uid 65534 cannot run the package from this checkout: {result.stderr[-300:]}")
+    return result.stderr.strip().splitlines()[-1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -22,16 +23,42 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be served; the message says what is wrong."""
 
 
+def _check_readable(file: Path) -> None:
+    """CheckpointError naming the real cause when `file` cannot be opened (e.g. permission
+    denied: a 0600 file of another user, as a non-root pod sees a root-written host path)."""
+    try:
+        with open(file, "rb"):
+            pass
+    except PermissionError:
+        try:
+            st = file.stat()
+            owner = f"mode {st.st_mode & 0o777:04o}, owner uid {st.st_uid}"
+        except OSError:
+            owner = "its folder is not readable"
+        raise CheckpointError(
+            f"checkpoint {file}: permission denied ({owner}; this process runs as uid {os.getuid()}); "
+            "make the checkpoint readable by it, e.g. chmod -R a+rX on the model folder"
+        ) from None
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {file}: cannot open it ({err.strerror})") from None
+
+
 class Checkpoint:
     """One checkpoint folder: its config and a name → file index of its tensors."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not self.path.is_dir():
+        try:
+            is_dir = self.path.is_dir()
+        except PermissionError:
+            raise CheckpointError(f"checkpoint {self.path}: permission denied on a folder above it (this "
+                                  f"process runs as uid {os.getuid()})") from None
+        if not is_dir:
             raise CheckpointError(f"checkpoint {self.path}: no such folder")
         config_file = self.path / "config.json"
         if not config_file.is_file():
             raise CheckpointError(f"checkpoint {self.path}: no config.json (expected a Hugging Face model folder)")
+        _check_readable(config_file)
         try:
             self.config: dict = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:
@@ -53,6 +80,7 @@ class Checkpoint:
 
         index: dict[str, Path] = {}
         for file in self.files:
+            _check_readable(file)  # safetensors words a permission error as "No such file"
             try:
                 with safe_open(str(file), framework="pt") as handle:
                     for key in handle.keys():
