@@ -29,6 +29,9 @@ PLURAL = "afddeployments"
 # Bump when pods of the same spec stop being able to talk to pods rendered by an older
 # operator (2: the group Secret joined the handshake digest); it enters every revision.
 POD_CONTRACT = 2
+SHUTDOWN_GRACE_ENV = "AFD_SHUTDOWN_GRACE_S"
+DEFAULT_SHUTDOWN_GRACE_S = 30.0  # afd.config.AFDConfig.shutdown_grace_s
+MAX_SHUTDOWN_GRACE_S = 3600.0
 MAX_NAME_LENGTH = 40  # "<name>-g<NNN>-attn" must stay under the 52 characters a StatefulSet may use
 
 Quantity = Union[int, float, str]
@@ -232,7 +235,23 @@ class AFDDeploymentSpec(_Model):
             raise ValueError(
                 f"ffn.ranks ({self.ffn.ranks}) must not exceed attention.ranks ({self.attention.ranks})"
             )
+        self.shutdown_grace_seconds  # noqa: B018 (a bad value is a spec error, not a render error)
         return self
+
+    @property
+    def shutdown_grace_seconds(self) -> float:
+        """The attention runtime's `AFD_SHUTDOWN_GRACE_S` (from `attention.env`, else its default):
+        in-flight requests finish within it after SIGTERM; the pods' grace period must cover it."""
+        raw = next((e.value for e in reversed(self.attention.env) if e.name == SHUTDOWN_GRACE_ENV), None)
+        if raw is None:
+            return DEFAULT_SHUTDOWN_GRACE_S
+        try:
+            grace = float(raw)
+        except ValueError:
+            raise ValueError(f"attention.env {SHUTDOWN_GRACE_ENV}={raw!r}: not a number of seconds") from None
+        if not 0 <= grace <= MAX_SHUTDOWN_GRACE_S:
+            raise ValueError(f"attention.env {SHUTDOWN_GRACE_ENV}={raw!r}: must be in 0..{MAX_SHUTDOWN_GRACE_S:g} seconds")
+        return grace
 
     @property
     def topology(self) -> Topology:

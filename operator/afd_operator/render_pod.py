@@ -24,6 +24,13 @@ MODEL_DIR = "/models"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 DEFAULT_SCHEDULERS = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
+# Disruptions (README, "Failure handling"). A pod being stopped first stays in service this
+# long, unready, so that every proxy has dropped it from the client Service before it stops accepting.
+DRAIN_SECONDS = 5
+STOP_MARGIN_SECONDS = 10  # after the grace: the engine stops, the FFN link says goodbye
+# Readiness follows the FFN link (the runtime answers 503 as soon as it is lost): probed every
+# second, one failure is enough. The probe server is its own thread, so 2 s never times out a live pod.
+READINESS = {"periodSeconds": 1, "failureThreshold": 1, "successThreshold": 1, "timeoutSeconds": 2}
 
 
 def ffn_address_template(owner: Owner, index: int) -> str:
@@ -86,7 +93,7 @@ def render_pod_template(
     metadata: dict[str, Any] = {"labels": L.role_labels(owner.name, index, role, revision)}
     pod: dict[str, Any] = {
         "enableServiceLinks": False,  # dozens of *_SERVICE_HOST variables help no one here
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec, role),
         "securityContext": pod_security_context(spec),
         "containers": [_container(spec, owner, index, role, revision)],
         "volumes": _volumes(spec, owner, index),
@@ -113,15 +120,51 @@ def render_pod_template(
     return {"metadata": metadata, "spec": pod}
 
 
+def termination_grace_seconds(spec: AFDDeploymentSpec, role: str) -> int:
+    """Attention: the drain, then in-flight requests finish, then the engine stops. The FFN
+    serves its attention ranks through all of that (its drain waits for them to leave), so
+    it gets as long again as a margin to stop itself."""
+    attention = DRAIN_SECONDS + math.ceil(spec.shutdown_grace_seconds) + STOP_MARGIN_SECONDS
+    return attention if role == "attention" else attention + STOP_MARGIN_SECONDS
+
+
+def _probes(spec: AFDDeploymentSpec, role: str) -> dict:
+    """Probes and the preStop drain of a role container."""
+    period = spec.probes.period_seconds
+    startup = {"periodSeconds": period, "failureThreshold": math.ceil(spec.probes.startup_timeout_seconds / period)}
+    if role == "attention" and spec.afd.attention_engine != "afd":
+        # vLLM's own server: /health on the API port, no drain endpoint; the kubelet sleeps instead.
+        health = {"path": "/health", "port": "http"}
+        return {
+            "readinessProbe": {"httpGet": health, "periodSeconds": period, "failureThreshold": 3},
+            "startupProbe": {"httpGet": health, **startup},
+            "lifecycle": {"preStop": {"sleep": {"seconds": DRAIN_SECONDS}}},
+        }
+    # Our probe server (afd.server.probe_http) on the metrics port: /health is readiness (after
+    # warm-up; 503 as soon as the FFN link is lost), /live fails only when the engine is dead.
+    health = {"path": "/health", "port": "metrics"}
+    if role == "attention":
+        drain = DRAIN_SECONDS  # unready at once, serving on while the endpoint removal spreads
+        probes = {
+            "readinessProbe": {"httpGet": health, **READINESS},
+            "livenessProbe": {"httpGet": {"path": "/live", "port": "metrics"}, "periodSeconds": period,
+                              "failureThreshold": 3, "timeoutSeconds": 5},
+        }
+    else:
+        drain = termination_grace_seconds(spec, "attention")  # returns early once its attention ranks left
+        probes = {"readinessProbe": {"httpGet": health, "periodSeconds": period, "failureThreshold": 3}}
+    # Loading weights and capturing graphs takes minutes: hold the other probes off until then.
+    probes["startupProbe"] = {"httpGet": health, **startup}
+    probes["lifecycle"] = {"preStop": {"httpGet": {"path": f"/drain?seconds={drain}", "port": "metrics"}}}
+    return probes
+
+
 def _container(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, revision: str) -> dict:
     ports = spec.ports
     if role == "attention":
         container_ports = [("http", ports.http), ("metrics", ports.metrics)]
-        health = {"path": "/health", "port": "http"}
     else:
         container_ports = [("control", ports.control), ("data", ports.data), ("metrics", ports.metrics)]
-        health = {"path": "/health", "port": "metrics"}
-    period = spec.probes.period_seconds
     resources = _role(spec, role).resources.model_dump(exclude_defaults=True)
     container = {
         "name": role,
@@ -130,14 +173,7 @@ def _container(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         "command": ["afd", "serve"],
         "env": render_env(spec, owner, index, role, revision),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in container_ports],
-        # Ready means warmed up and serving (the runtime's /health says so only after warm-up).
-        "readinessProbe": {"httpGet": health, "periodSeconds": period, "failureThreshold": 3},
-        # Loading weights and capturing graphs takes minutes: hold other probes off until then.
-        "startupProbe": {
-            "httpGet": health,
-            "periodSeconds": period,
-            "failureThreshold": math.ceil(spec.probes.startup_timeout_seconds / period),
-        },
+        **_probes(spec, role),
         "securityContext": container_security_context(),
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},

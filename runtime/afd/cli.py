@@ -179,7 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from prometheus_client import CollectorRegistry
 
         from afd.roles import build_ffn
-        from afd.server.probe_http import start_probe_server
+        from afd.server.probe_http import Probes, start_probe_server
 
         from afd.metrics.wiring import instrument_ffn
         from afd.runners.device import resolve_device
@@ -187,7 +187,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runner = build_ffn(config)
         registry = CollectorRegistry()
         instrument_ffn(registry, config, runner, resolve_device(config))
-        probe = start_probe_server(config.http_host, config.metrics_port, lambda: None, registry)
+        # preStop drain: serve on until every attention rank has said goodbye (or the hook's time is up)
+        probes = Probes(lambda: None, drained=lambda: not runner.peers)
+        probe = start_probe_server(config.http_host, config.metrics_port, probes, registry)
         log.info("ffn rank %d ready (health and metrics on port %d)", config.rank, config.metrics_port)
         try:
             runner.serve(stop)

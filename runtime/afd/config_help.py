@@ -21,7 +21,7 @@ SETTING_HELP: dict[str, str] = {
     "device": "`auto`, `cpu` or `cuda`.",
     "http_host": "Address of the OpenAI-compatible API (attention ranks).",
     "http_port": "Port of the OpenAI-compatible API (attention ranks).",
-    "metrics_port": "Port of `/metrics` and `/health` (both roles; the probes use it).",
+    "metrics_port": "Port of `/metrics`, `/health` (readiness), `/live` and `/drain` (preStop) (both roles; the probes use it).",
     "max_num_seqs": "Most sequences in one engine step; also the largest decode graph.",
     "max_model_len": "Longest prompt + output in tokens (0: the model's `max_position_embeddings`).",
     "max_num_batched_tokens": "Most tokens (prefill + decode) in one engine step.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from urllib.parse import parse_qs
 
 import kubernetes_validate
 import pytest
@@ -10,8 +11,9 @@ import yaml
 
 from afd import config as afd_config
 from afd_operator import labels as L
-from afd_operator.model import parse_owner, parse_spec
+from afd_operator.model import DEFAULT_SHUTDOWN_GRACE_S, SpecError, parse_owner, parse_spec
 from afd_operator.render import dump_yaml, render_all, render_group
+from afd_operator.render_pod import DRAIN_SECONDS, termination_grace_seconds
 from op_testkit import GOLDEN, ROOT, make_cr
 
 NEWEST = kubernetes_validate.utils.latest_version()
@@ -132,17 +134,69 @@ def _pods(body):
             yield obj, obj["spec"]["template"]["spec"]["containers"][0]
 
 
+def _engine(case) -> str:
+    return CASES[case]["spec"].get("afd", {}).get("attentionEngine", "afd")
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_probes_use_the_runtime_health_ports(case):
     for sts, container in _pods(CASES[case]):
         role = sts["metadata"]["labels"][L.ROLE]
-        port = {"attention": "http", "ffn": "metrics"}[role]
+        port = "http" if role == "attention" and _engine(case) == "vllm" else "metrics"
         assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
         assert container["startupProbe"]["httpGet"] == {"path": "/health", "port": port}
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
         assert port in {p["name"] for p in container["ports"]}
-        assert "livenessProbe" not in container  # /health fails while a peer is lost: not a reason to kill
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if _engine(c) == "afd"))
+def test_a_degraded_attention_rank_is_unready_within_a_second_but_stays_alive(case):
+    """Issue 22: readiness follows the FFN link (probed every second, one failure is enough);
+    liveness is another endpoint, so a rank waiting for its FFN is never restarted."""
+    for sts, container in _pods(CASES[case]):
+        if sts["metadata"]["labels"][L.ROLE] != "attention":
+            assert "livenessProbe" not in container
+            continue
+        ready, live = container["readinessProbe"], container["livenessProbe"]
+        assert ready["periodSeconds"] == 1 and ready["failureThreshold"] == 1
+        assert live["httpGet"] == {"path": "/live", "port": "metrics"}
+        assert live["httpGet"]["path"] != ready["httpGet"]["path"]
+        assert live["periodSeconds"] * live["failureThreshold"] >= 15  # tolerant: a stuck engine, not a blip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pods_drain_before_they_stop(case):
+    """preStop: the pod leaves the Service (readiness 503) and serves on; the grace period covers
+    the drain plus the runtime's shutdown grace; the FFN outlives its attention ranks."""
+    graces = {}
+    for sts, container in _pods(CASES[case]):
+        role = sts["metadata"]["labels"][L.ROLE]
+        pre_stop = container["lifecycle"]["preStop"]
+        grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        graces[role] = grace
+        if role == "attention" and _engine(case) == "vllm":
+            assert pre_stop == {"sleep": {"seconds": DRAIN_SECONDS}}
+            drain = DRAIN_SECONDS
+        else:
+            assert pre_stop["httpGet"]["port"] == "metrics"
+            path, _, query = pre_stop["httpGet"]["path"].partition("?")
+            assert path == "/drain"
+            drain = float(parse_qs(query)["seconds"][0])
+            assert drain >= DRAIN_SECONDS
+        assert grace >= drain
+        if role == "attention":
+            assert grace >= drain + afd_config.AFDConfig().shutdown_grace_s
+    assert graces["ffn"] > graces["attention"]
+
+
+def test_the_grace_period_follows_the_attention_shutdown_grace():
+    spec = parse_spec(make_cr(attention={"env": [{"name": "AFD_SHUTDOWN_GRACE_S", "value": "120"}]})["spec"])
+    assert termination_grace_seconds(spec, "attention") >= DRAIN_SECONDS + 120
+    assert termination_grace_seconds(parse_spec(make_cr()["spec"]), "attention") < DRAIN_SECONDS + 120
+    assert DEFAULT_SHUTDOWN_GRACE_S == afd_config.AFDConfig().shutdown_grace_s  # the operator knows the default
+    with pytest.raises(SpecError, match="AFD_SHUTDOWN_GRACE_S='soon': not a number"):
+        parse_spec(make_cr(attention={"env": [{"name": "AFD_SHUTDOWN_GRACE_S", "value": "soon"}]})["spec"])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

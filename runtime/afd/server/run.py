@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -17,7 +18,7 @@ from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.metrics.wiring import instrument_attention
 from afd.server.app import ServerState, create_app
-from afd.server.probe_http import start_probe_server
+from afd.server.probe_http import Probes, start_probe_server
 from afd.server.serving_metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,28 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
     return state, engine
 
 
+def attention_probes(engine: Engine, listening: Callable[[], bool], stop: threading.Event) -> Probes:
+    """Readiness follows the FFN link at once; liveness fails only when the engine thread is dead.
+
+    A rank whose FFN is gone is unready (it answers 503) but alive: it re-handshakes when
+    the FFN returns, so the kubelet must not restart it. The preStop drain waits its full
+    time: the point is to keep serving while the endpoint removal reaches every proxy.
+    """
+
+    def ready() -> str | None:
+        if stop.is_set():
+            return "shutting down"
+        if not listening():
+            return "the HTTP server is not listening yet"
+        return engine.error
+
+    def live() -> str | None:
+        # engine._thread: read here rather than through a new Engine property, to keep engine/ untouched
+        return None if engine._thread.is_alive() else "the engine thread has stopped"
+
+    return Probes(ready, live)
+
+
 def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     import uvicorn
 
@@ -76,11 +99,12 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     role = build_attention(config, cache_tokens_for(config, spec))
     state, engine = build_server(config, role)
     engine.start()
-    probe = start_probe_server(config.http_host, config.metrics_port, state.health, state.registry)
     server = uvicorn.Server(uvicorn.Config(
         create_app(state), host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
+    probes = attention_probes(engine, lambda: server.started, stop)
+    probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     log.info("attention rank %d serving on http://%s:%d/v1", config.rank, config.http_host, config.http_port)
     try:
