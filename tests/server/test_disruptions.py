@@ -1,0 +1,118 @@
+"""Issue 22: readiness follows the FFN link at once, liveness does not, and the preStop drain
+turns the pod unready while it keeps serving. The probe server here is the one `afd serve`
+starts on the metrics port, wired by `attention_probes` exactly as there."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from afd.server.probe_http import Probes, drain_seconds, start_probe_server
+from afd.server.run import attention_probes
+from tests.server.conftest import LiveServer, _free_port
+
+
+def _probe_server(probes: Probes):
+    server = start_probe_server("127.0.0.1", _free_port(), probes, CollectorRegistry())
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _wait_for_status(url: str, status: int, timeout_s: float, step_s: float = 0.02) -> float | None:
+    """Seconds until `url` answers `status`, or None if it did not within `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if httpx.get(url, timeout=2).status_code == status:
+            return time.monotonic() - started
+        time.sleep(step_s)
+    return None
+
+
+@pytest.fixture
+def live_with_probes(checkpoints):
+    live = LiveServer(checkpoints["qwen3_moe"])
+    stop = threading.Event()
+    probe, probe_url = _probe_server(attention_probes(live.engine, lambda: live.server.started, stop))
+    yield live, probe_url, stop
+    probe.shutdown()
+    live.close()
+
+
+def test_readiness_turns_503_within_a_second_of_losing_the_ffn_while_liveness_stays_200(live_with_probes):
+    live, probe_url, _ = live_with_probes
+    body = {"model": live.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    assert httpx.get(f"{probe_url}/health").status_code == 200
+    assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 200
+    live.ffn_stop.set()  # the FFN rank stops (a deleted pod): it says goodbye on the way out
+    live.ffn_thread.join(5)
+    unready_after = _wait_for_status(f"{probe_url}/health", 503, timeout_s=5)
+    assert unready_after is not None, "readiness still 200 five seconds after the FFN left"
+    assert unready_after < 1.0, f"readiness took {unready_after:.2f} s to turn 503"
+    assert "ffn rank 0" in httpx.get(f"{probe_url}/health").json()["reason"]
+    # Alive the whole time: the kubelet must not restart a rank that waits to re-handshake.
+    for _ in range(10):
+        assert httpx.get(f"{probe_url}/live").status_code == 200
+        time.sleep(0.05)
+
+
+def test_liveness_fails_only_when_the_engine_thread_is_dead(live_with_probes):
+    live, probe_url, _ = live_with_probes
+    assert httpx.get(f"{probe_url}/live").json() == {"status": "ok"}
+    live.engine.stop()
+    dead = httpx.get(f"{probe_url}/live")
+    assert dead.status_code == 503 and dead.json()["reason"] == "the engine thread has stopped"
+
+
+def test_the_prestop_drain_turns_readiness_503_and_the_server_keeps_serving(live_with_probes):
+    live, probe_url, _ = live_with_probes
+    body = {"model": live.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    answer: dict = {}
+    hook = threading.Thread(target=lambda: answer.update(r=httpx.get(f"{probe_url}/drain?seconds=1.5", timeout=10)))
+    started = time.monotonic()
+    hook.start()  # what the kubelet does first when the pod is deleted
+    assert _wait_for_status(f"{probe_url}/health", 503, timeout_s=0.5) is not None
+    assert httpx.get(f"{probe_url}/health").json()["reason"].startswith("draining")
+    assert hook.is_alive()  # the hook holds SIGTERM back for the drain's whole time...
+    served = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
+    assert served.status_code == 200  # ...while requests still routed here are served
+    assert httpx.get(f"{probe_url}/live").status_code == 200
+    hook.join(10)
+    assert answer["r"].status_code == 200 and answer["r"].json()["status"] == "drained"
+    assert 1.4 <= time.monotonic() - started < 5
+    assert httpx.get(f"{probe_url}/health").status_code == 503  # and stays unready until the stop
+
+
+def test_readiness_is_503_once_the_stop_is_signalled(live_with_probes):
+    _, probe_url, stop = live_with_probes
+    stop.set()  # SIGTERM
+    assert httpx.get(f"{probe_url}/health").json()["reason"] == "shutting down"
+
+
+def test_an_ffn_drain_ends_as_soon_as_its_attention_ranks_have_left():
+    peers = {"attn-0": 0}
+    server, url = _probe_server(Probes(lambda: None, drained=lambda: not peers))
+    try:
+        threading.Timer(0.3, peers.clear).start()  # the attention rank says goodbye
+        started = time.monotonic()
+        response = httpx.get(f"{url}/drain?seconds=30", timeout=10)
+        assert response.status_code == 200 and 0.25 <= time.monotonic() - started < 2
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("query, message", [
+    ("", "needs ?seconds=N"), ("seconds=soon", "is not a number"), ("seconds=-1", "must be in 0..3600"),
+])
+def test_a_bad_drain_request_is_refused_with_the_reason(query, message):
+    with pytest.raises(ValueError, match=message):
+        drain_seconds(query)
+    server, url = _probe_server(Probes(lambda: None))
+    try:
+        response = httpx.get(f"{url}/drain?{query}")
+        assert response.status_code == 400 and message in response.json()["error"]
+        assert httpx.get(f"{url}/health").status_code == 200  # a refused drain changes nothing
+    finally:
+        server.shutdown()
