@@ -138,6 +138,36 @@ def test_every_sample_is_accepted_and_defaulted_like_the_offline_defaulting(clus
     assert stored["spec"]["restartPolicy"]["maxBackoffSeconds"] == 600
 
 
+@pytest.mark.parametrize("afd", [{}, {"attentionEngine": "vllm", "attentionImage": "registry.example/afd-vllm:0.1.0"}],
+                         ids=["afd-engine", "vllm-engine"])
+def test_the_rendered_probes_and_prestop_drain_are_kept_by_the_api_server(cluster, namespace, afd):
+    """Issue 22: 1 s readiness, /live liveness, the preStop drain (httpGet, or the kubelet's sleep
+    for vLLM) and the grace period: a server that did not know a field would drop it silently."""
+    from afd_operator.model import parse_owner, parse_spec
+    from afd_operator.render import render_group
+
+    body = make_cr(name="drain", namespace=namespace, afd=afd)
+    for sts in (o for o in render_group(parse_spec(body["spec"]), parse_owner(body), 0, "r1") if o["kind"] == "StatefulSet"):
+        sts["metadata"].pop("ownerReferences")  # the owner does not exist: no garbage collection in a dry run
+        stored = cluster.create(sts, dry_run=True)["spec"]["template"]["spec"]
+        rendered = sts["spec"]["template"]["spec"]
+        assert stored["terminationGracePeriodSeconds"] == rendered["terminationGracePeriodSeconds"]
+        for key in ("lifecycle", "readinessProbe", "livenessProbe", "startupProbe"):
+            want = rendered["containers"][0].get(key)
+            got = stored["containers"][0].get(key)
+            if want is None:
+                assert got is None, key
+                continue
+            assert _subset(want, got), f"{sts['metadata']['name']} {key}: rendered {want}, stored {got}"
+
+
+def _subset(want, got) -> bool:
+    """`want` is in `got` (the API server adds defaults such as scheme: HTTP)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and all(k in got and _subset(v, got[k]) for k, v in want.items())
+    return want == got
+
+
 def _cr(namespace, name="demo", **change):
     body = make_cr(name=name, namespace=namespace, **change)
     del body["metadata"]["uid"], body["metadata"]["generation"]  # the API server sets these
