@@ -4,17 +4,26 @@ starts on the metrics port, wired by `attention_probes` exactly as there."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from afd.processes import free_port_block
 from afd.server.probe_http import Probes, drain_seconds, start_probe_server
 from afd.server.run import attention_probes
+from tests.runtime.test_generate_cli import processes_with_marker
 from tests.server.conftest import LiveServer, _free_port
+from tests.server.test_faults import stream
+from tests.server.test_up import wait_for
 
 
 def _probe_server(probes: Probes):
@@ -52,6 +61,7 @@ def test_readiness_turns_503_within_a_second_of_losing_the_ffn_while_liveness_st
     unready_after = _wait_for_status(f"{probe_url}/health", 503, timeout_s=5)
     assert unready_after is not None, "readiness still 200 five seconds after the FFN left"
     assert unready_after < 1.0, f"readiness took {unready_after:.2f} s to turn 503"
+    print(f"in-process: readiness 503 {unready_after:.2f} s after the FFN stopped")
     assert "ffn rank 0" in httpx.get(f"{probe_url}/health").json()["reason"]
     # Alive the whole time: the kubelet must not restart a rank that waits to re-handshake.
     for _ in range(10):
@@ -117,3 +127,91 @@ def test_a_bad_drain_request_is_refused_with_the_reason(query, message):
         assert httpx.get(f"{url}/health").status_code == 200  # a refused drain changes nothing
     finally:
         server.shutdown()
+
+
+# --- real processes: `afd serve` as the kubelet drives it ---------------------------------------
+
+def _serve_group(checkpoint, tmp_path, marker):
+    """One FFN and one attention `afd serve` process on 127.0.0.1; their URLs."""
+    base = free_port_block(5)
+    env = {**os.environ, "AFD_TEST_MARKER": marker, "AFD_MODEL": str(checkpoint), "AFD_BIND_HOST": "127.0.0.1",
+           "AFD_CONTROL_PORT": str(base), "AFD_DATA_PORT": str(base + 1), "AFD_HTTP_HOST": "127.0.0.1",
+           "OMP_NUM_THREADS": "1"}
+    ffn = subprocess.Popen([sys.executable, "-m", "afd", "serve"], env={**env, "AFD_ROLE": "ffn", "AFD_METRICS_PORT": str(base + 2)},
+                           stderr=open(tmp_path / "ffn.log", "w"))
+    attention = subprocess.Popen([sys.executable, "-m", "afd", "serve"], stderr=open(tmp_path / "attention.log", "w"),
+                                 env={**env, "AFD_ROLE": "attention", "AFD_HTTP_PORT": str(base + 3),
+                                      "AFD_METRICS_PORT": str(base + 4)})
+    urls = {"api": f"http://127.0.0.1:{base + 3}/v1", "probe": f"http://127.0.0.1:{base + 4}",
+            "ffn_probe": f"http://127.0.0.1:{base + 2}"}
+    return ffn, attention, urls
+
+
+def _ready(probe_url):
+    try:
+        return httpx.get(f"{probe_url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _stop_all(marker, *children):
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+    assert wait_for(lambda: processes_with_marker(marker) == [] or None, 10, "no process left")
+
+
+@pytest.mark.timeout(300)
+def test_a_served_rank_is_unready_within_a_second_when_its_ffn_pod_stops(checkpoints, tmp_path):
+    marker = uuid.uuid4().hex
+    ffn, attention, urls = _serve_group(checkpoints["qwen3_moe"], tmp_path, marker)
+    try:
+        wait_for(lambda: _ready(urls["probe"]), 120, "the attention rank to be ready")
+        ffn.send_signal(signal.SIGTERM)  # the FFN pod is deleted: it says goodbye and exits
+        assert ffn.wait(timeout=15) == 0
+        unready_after = _wait_for_status(f"{urls['probe']}/health", 503, timeout_s=5)
+        assert unready_after is not None and unready_after < 1.0, unready_after
+        print(f"afd serve: readiness 503 {unready_after:.2f} s after the FFN process exited")
+        assert httpx.get(f"{urls['probe']}/live").status_code == 200
+        assert attention.poll() is None  # waiting to re-handshake, not exiting
+    finally:
+        _stop_all(marker, attention, ffn)
+
+
+@pytest.mark.timeout(300)
+def test_a_group_stopped_as_in_a_rollout_finishes_every_request(checkpoints, tmp_path):
+    """The kubelet's order for every pod of the group at once: preStop /drain, then SIGTERM. The
+    attention rank serves on while draining; the FFN's drain holds it up until its attention rank
+    has said goodbye, so the in-flight stream ends normally."""
+    marker = uuid.uuid4().hex
+    ffn, attention, urls = _serve_group(checkpoints["qwen3_moe"], tmp_path, marker)
+    try:
+        wait_for(lambda: _ready(urls["probe"]), 120, "the attention rank to be ready")
+        model = httpx.get(f"{urls['api']}/models").json()["data"][0]["id"]
+        results: dict = {}
+        worker = threading.Thread(target=stream, args=(urls["api"], model, 300, results, "in-flight"))
+        worker.start()
+        time.sleep(0.5)
+        hooks: dict = {}
+        ffn_hook = threading.Thread(target=lambda: hooks.update(ffn=httpx.get(f"{urls['ffn_probe']}/drain?seconds=60", timeout=90)))
+        ffn_hook.start()
+        started = time.monotonic()
+        attention_hook = threading.Thread(target=lambda: hooks.update(attention=httpx.get(f"{urls['probe']}/drain?seconds=1", timeout=10)))
+        attention_hook.start()
+        assert _wait_for_status(f"{urls['probe']}/health", 503, timeout_s=0.5) is not None
+        late = httpx.post(f"{urls['api']}/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert late.status_code == 200  # a request a stale proxy still routes here is served
+        attention_hook.join(10)
+        attention.send_signal(signal.SIGTERM)  # the hook returned: the kubelet stops the container
+        worker.join(60)
+        assert attention.wait(timeout=40) == 0
+        finish, tokens, error, _ = results["in-flight"]
+        assert error is None and finish == "length" and tokens == 300
+        ffn_hook.join(30)
+        assert hooks["ffn"].status_code == 200  # ended by the goodbye, far before its 60 s
+        print(f"ffn drain ended after {hooks['ffn'].json()['waited_s']} s (bound 60 s)")
+        assert time.monotonic() - started < 45
+        ffn.send_signal(signal.SIGTERM)
+        assert ffn.wait(timeout=10) == 0
+    finally:
+        _stop_all(marker, attention, ffn)
