@@ -187,8 +187,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runner = build_ffn(config)
         registry = CollectorRegistry()
         instrument_ffn(registry, config, runner, resolve_device(config))
-        # preStop drain: serve on until every attention rank has said goodbye (or the hook's time is up)
-        probes = Probes(lambda: None, drained=lambda: not runner.peers)
+        # preStop drain: tell the attention ranks, serve on until they have finished (or the hook's time is up)
+        probes = Probes(lambda: None, drained=runner.drained, on_drain=runner.request_drain)
         probe = start_probe_server(config.http_host, config.metrics_port, probes, registry)
         log.info("ffn rank %d ready (health and metrics on port %d)", config.rank, config.metrics_port)
         try:

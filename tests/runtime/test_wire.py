@@ -11,6 +11,7 @@ MESSAGES = [
     wire.StepPlan(7, (3, 0), warmup=True, replay=True),
     wire.Heartbeat(4),
     wire.Goodbye("bye"),
+    wire.Draining("pod deleted"),
     wire.DataHeader(1, 2, 1, 5, 64, "bfloat16", 8),
 ]
 

@@ -45,7 +45,8 @@ def _wait_for_status(url: str, status: int, timeout_s: float, step_s: float = 0.
 def live_with_probes(checkpoints):
     live = LiveServer(checkpoints["qwen3_moe"])
     stop = threading.Event()
-    probe, probe_url = _probe_server(attention_probes(live.engine, lambda: live.server.started, stop))
+    probes = attention_probes(live.engine, lambda: live.server.started, stop, lambda: live.role.connector.ffn_draining)
+    probe, probe_url = _probe_server(probes)
     yield live, probe_url, stop
     probe.shutdown()
     live.close()
@@ -213,5 +214,57 @@ def test_a_group_stopped_as_in_a_rollout_finishes_every_request(checkpoints, tmp
         assert time.monotonic() - started < 45
         ffn.send_signal(signal.SIGTERM)
         assert ffn.wait(timeout=10) == 0
+    finally:
+        _stop_all(marker, attention, ffn)
+
+
+def test_an_ffn_about_to_stop_makes_its_attention_rank_unready_while_it_still_serves(live_with_probes, monkeypatch):
+    """wire.Draining: the FFN pod's preStop tells its attention ranks, which leave the Service
+    at once but finish (and still serve) requests; the FFN's drain ends once they are quiet."""
+    from afd.runners import ffn_runner
+
+    monkeypatch.setattr(ffn_runner, "DRAIN_NOTICE_S", 0.5)
+    live, probe_url, _ = live_with_probes
+    body = {"model": live.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 200
+    assert not live.ffn.drained()
+    live.ffn.request_drain()  # what the FFN pod's /drain does first
+    unready_after = _wait_for_status(f"{probe_url}/health", 503, timeout_s=5)
+    assert unready_after is not None and unready_after < 1.0, unready_after
+    assert "ffn rank 0 is about to stop" in httpx.get(f"{probe_url}/health").json()["reason"]
+    assert httpx.get(f"{probe_url}/live").status_code == 200
+    assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 200  # still served
+    assert wait_for(lambda: live.ffn.drained() or None, 5, "the FFN drain to end once its peer is quiet")
+
+
+@pytest.mark.timeout(300)
+def test_an_ffn_pod_deleted_alone_lets_its_attention_rank_finish_first(checkpoints, tmp_path):
+    """The kubelet deletes only the FFN pod: its preStop /drain turns the attention rank unready
+    within a second, the in-flight stream still finishes, and only then does the FFN stop."""
+    marker = uuid.uuid4().hex
+    ffn, attention, urls = _serve_group(checkpoints["qwen3_moe"], tmp_path, marker)
+    try:
+        wait_for(lambda: _ready(urls["probe"]), 120, "the attention rank to be ready")
+        model = httpx.get(f"{urls['api']}/models").json()["data"][0]["id"]
+        results: dict = {}
+        worker = threading.Thread(target=stream, args=(urls["api"], model, 300, results, "in-flight"))
+        worker.start()
+        time.sleep(0.5)
+        hook: dict = {}
+        drain = threading.Thread(target=lambda: hook.update(r=httpx.get(f"{urls['ffn_probe']}/drain?seconds=60", timeout=90)))
+        drain.start()
+        unready_after = _wait_for_status(f"{urls['probe']}/health", 503, timeout_s=5)
+        assert unready_after is not None and unready_after < 1.0, unready_after
+        print(f"attention unready {unready_after:.2f} s after the FFN pod's drain began")
+        assert httpx.get(f"{urls['probe']}/live").status_code == 200
+        worker.join(60)
+        finish, tokens, error, _ = results["in-flight"]
+        assert error is None and finish == "length" and tokens == 300
+        drain.join(60)
+        assert hook["r"].status_code == 200 and hook["r"].json()["waited_s"] < 30
+        print(f"ffn drain ended after {hook['r'].json()['waited_s']} s (stream done, peer quiet)")
+        ffn.send_signal(signal.SIGTERM)
+        assert ffn.wait(timeout=15) == 0
+        assert attention.poll() is None and httpx.get(f"{urls['probe']}/live").status_code == 200
     finally:
         _stop_all(marker, attention, ffn)

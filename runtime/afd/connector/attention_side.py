@@ -32,6 +32,7 @@ class AttentionConnector:
         self._hello: wire.Hello | None = None
         self._beats = 0
         self._last_beat = self._last_heard = time.monotonic()
+        self.ffn_draining: str | None = None  # the FFN rank said it is about to stop (wire.Draining)
 
     def handshake(self, hello: wire.Hello, timeout_s: float) -> wire.HelloReply:
         """Send Hello until the FFN answers; raise `HandshakeError` on refusal or silence."""
@@ -48,6 +49,7 @@ class AttentionConnector:
                     if not reply.accepted:
                         raise HandshakeError(f"ffn rank {self.ffn_rank} refused the connection: {reply.reason}")
                     self._hello, self._last_heard = hello, time.monotonic()
+                    self.ffn_draining = None
                     return reply
         raise HandshakeError(f"ffn rank {self.ffn_rank} did not answer the handshake within {timeout_s:.0f} s")
 
@@ -143,6 +145,10 @@ class AttentionConnector:
             message = self._decode_control(frames)
             if isinstance(message, wire.Goodbye):
                 raise PeerLost(f"ffn rank {self.ffn_rank} closed the link: {message.reason}")
+            if isinstance(message, wire.Draining) and self.ffn_draining is None:
+                log.warning("ffn rank %d is about to stop (%s): unready, finishing the running requests",
+                            self.ffn_rank, message.reason)
+                self.ffn_draining = f"ffn rank {self.ffn_rank} is about to stop: {message.reason}"
             return
         header = wire.decode(frames[0])
         if not isinstance(header, wire.DataHeader) or len(frames) != 2:

@@ -80,6 +80,16 @@ class Goodbye:
 
 
 @dataclass(frozen=True)
+class Draining:
+    """FFN → attention: this rank is about to stop (its pod is being deleted). The attention rank
+    turns unready, so the Service stops sending it requests, and finishes those it runs; the FFN
+    stops once they are done. An older attention rank ignores it (an unknown type is logged)."""
+
+    TYPE: ClassVar[str] = "draining"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class DataHeader:
     """First frame of every data-plane message: which tensor follows and its shape."""
 
@@ -93,7 +103,7 @@ class DataHeader:
     logit_cols: int = 0
 
 
-MESSAGES = {cls.TYPE: cls for cls in (Hello, HelloReply, StepPlan, Heartbeat, Goodbye, DataHeader)}
+MESSAGES = {cls.TYPE: cls for cls in (Hello, HelloReply, StepPlan, Heartbeat, Goodbye, Draining, DataHeader)}
 _SCALARS = {"int": int, "str": str, "bool": bool}
 
 

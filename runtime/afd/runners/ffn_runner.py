@@ -29,6 +29,8 @@ from afd.runners.handshake import check_hello
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.1
 PROBE_INTERVAL_S = 1.0  # how often idle peers are probed (a peer whose process died is dropped)
+DRAIN_NOTICE_S = 5.0  # after the notice, attention pods need this long to leave every proxy's endpoints
+DRAIN_QUIET_S = 1.0  # then no step for this long: the requests they were running have finished
 MAX_RETIRED = 4096  # connection identities remembered as used, so a replayed Hello is refused
 
 
@@ -64,6 +66,9 @@ class FFNRunner:
         self.on_layers = None  # receives (kind, layer, seconds) of each profiled step
         self.transfer_bytes = {"send": 0, "recv": 0}
         self.handshake_failures = 0
+        self.drain_started: float | None = None  # monotonic time of request_drain()
+        self.last_plan_at = 0.0
+        self._told_draining: set[bytes] = set()
 
     def serve(self, stop: threading.Event) -> None:
         """The daemon loop; returns within one poll interval of `stop` being set, even mid-step."""
@@ -71,6 +76,8 @@ class FFNRunner:
         next_probe = time.monotonic() + PROBE_INTERVAL_S
         try:
             while not stop.is_set():
+                if self.drain_started is not None:
+                    self._tell_draining()
                 if time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + PROBE_INTERVAL_S
                     self._probe_peers()
@@ -91,6 +98,27 @@ class FFNRunner:
             for peer in list(self.peers):
                 self.connector.send_control(peer, wire.Goodbye("ffn rank shutting down"))
             self.connector.close()
+
+    def request_drain(self) -> None:
+        """Any thread (the preStop hook): tell every attention peer this rank is about to stop."""
+        if self.drain_started is None:
+            self.drain_started = time.monotonic()
+
+    def drained(self) -> bool:
+        """Nothing left to serve: no peer is connected, or since the notice had time to take
+        effect no peer has sent a step for a while (their running requests are done)."""
+        if not self.peers:
+            return True
+        if self.drain_started is None:
+            return False
+        now = time.monotonic()
+        return now - self.drain_started >= DRAIN_NOTICE_S and now - self.last_plan_at >= DRAIN_QUIET_S
+
+    def _tell_draining(self) -> None:
+        for peer in [p for p in self.peers if p not in self._told_draining]:
+            self.connector.send_control(peer, wire.Draining("ffn rank shutting down"))
+            self._told_draining.add(peer)
+            log.info("told attention peer attn-%d that this rank is about to stop", self.peers[peer])
 
     def _next_plans(self) -> dict[bytes, wire.StepPlan]:
         """The oldest queued plan of every peer that has one: a peer's plans run one step each, in order."""
@@ -178,6 +206,7 @@ class FFNRunner:
             if problem:
                 self._drop(peer, problem)
             else:  # a peer may run ahead by several plans (graph warm-up and capture): none is lost
+                self.last_plan_at = time.monotonic()
                 self.queued.setdefault(peer, deque()).append(message)
         elif isinstance(message, wire.Heartbeat):
             if peer in self.peers:

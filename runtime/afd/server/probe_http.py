@@ -36,10 +36,12 @@ MAX_DRAIN_S = 3600.0
 class Probes:
     """What the probe endpoints answer: readiness, liveness, and the drain before a stop."""
 
-    def __init__(self, ready: Reason, live: Reason = lambda: None, drained: Callable[[], bool] = lambda: False):
+    def __init__(self, ready: Reason, live: Reason = lambda: None, drained: Callable[[], bool] = lambda: False,
+                 on_drain: Callable[[], None] = lambda: None):
         self._ready = ready
         self._live = live
         self._drained = drained  # True once a drain need not wait any longer (e.g. no peer left)
+        self._on_drain = on_drain  # called when a drain begins
         self.draining = threading.Event()
 
     def readiness(self) -> str | None:
@@ -53,6 +55,7 @@ class Probes:
     def drain(self, seconds: float) -> float:
         """Turn unready now, keep serving; return after `seconds` or once drained. Seconds waited."""
         self.draining.set()
+        self._on_drain()
         started = time.monotonic()
         deadline = started + seconds
         while time.monotonic() < deadline and not self._drained():

@@ -66,12 +66,15 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
     return state, engine
 
 
-def attention_probes(engine: Engine, listening: Callable[[], bool], stop: threading.Event) -> Probes:
+def attention_probes(engine: Engine, listening: Callable[[], bool], stop: threading.Event,
+                     ffn_draining: Callable[[], str | None] = lambda: None) -> Probes:
     """Readiness follows the FFN link at once; liveness fails only when the engine thread is dead.
 
     A rank whose FFN is gone is unready (it answers 503) but alive: it re-handshakes when
-    the FFN returns, so the kubelet must not restart it. The preStop drain waits its full
-    time: the point is to keep serving while the endpoint removal reaches every proxy.
+    the FFN returns, so the kubelet must not restart it. An FFN rank about to stop says so
+    (wire.Draining): the rank turns unready and finishes what it runs while the FFN waits.
+    The preStop drain waits its full time: the point is to keep serving while the endpoint
+    removal reaches every proxy.
     """
 
     def ready() -> str | None:
@@ -79,7 +82,7 @@ def attention_probes(engine: Engine, listening: Callable[[], bool], stop: thread
             return "shutting down"
         if not listening():
             return "the HTTP server is not listening yet"
-        return engine.error
+        return engine.error or ffn_draining()
 
     def live() -> str | None:
         # engine._thread: read here rather than through a new Engine property, to keep engine/ untouched
@@ -103,7 +106,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         create_app(state), host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
-    probes = attention_probes(engine, lambda: server.started, stop)
+    probes = attention_probes(engine, lambda: server.started, stop, lambda: role.connector.ffn_draining)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     log.info("attention rank %d serving on http://%s:%d/v1", config.rank, config.http_host, config.http_port)
