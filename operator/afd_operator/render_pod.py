@@ -122,8 +122,8 @@ def render_pod_template(
 
 def termination_grace_seconds(spec: AFDDeploymentSpec, role: str) -> int:
     """Attention: the drain, then in-flight requests finish, then the engine stops. The FFN
-    serves its attention ranks through all of that (its drain waits for them to leave), so
-    it gets as long again as a margin to stop itself."""
+    serves its attention ranks through all of that (its drain tells them to finish and waits
+    until they have left or gone quiet), so it gets that long plus a margin to stop itself."""
     attention = DRAIN_SECONDS + math.ceil(spec.shutdown_grace_seconds) + STOP_MARGIN_SECONDS
     return attention if role == "attention" else attention + STOP_MARGIN_SECONDS
 
