@@ -126,11 +126,10 @@ class Engine:
     def _loop(self) -> None:
         try:
             self._serve()
-        except BaseException as err:  # noqa: BLE001 — report any death, then let it end the thread
+        except BaseException as err:  # noqa: BLE001 — whatever ends the thread is reported, not lost
             self.dead = f"the engine thread died: {type(err).__name__}: {err}"
             log.critical("%s", self.dead, exc_info=True)
             self._fail_all(self.dead)
-            raise
 
     def _serve(self) -> None:
         while True:

@@ -171,12 +171,11 @@ _NEUTRAL: dict[str, tuple] = {
     "skip_special_tokens": (True,),
 }
 _WHY = {
-    "logit_bias": "logit_bias is not supported",
-    "response_format": "structured output (response_format) is not supported; only {'type': 'text'}",
+    "response_format": "structured output is not supported; only {'type': 'text'}",
     "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
-    "best_of": "best_of is not supported (only 1)",
-    "suffix": "suffix (insertion) is not supported",
+    "best_of": "only 1 is supported",
+    "suffix": "insertion is not supported",
 }
 
 
@@ -189,8 +188,8 @@ def refuse_unsupported(extra: Mapping[str, Any]) -> None:
             continue
         shown = short(name, 40)
         if name in _NEUTRAL:
-            why = _WHY.get(name, f"{shown}={short(json.dumps(value), 60)} is not supported")
-            raise InvalidRequest(f"{why}; leave it out", name)
+            why = _WHY.get(name, f"{short(json.dumps(value), 60)} is not supported")
+            raise InvalidRequest(f"{name}: {why}; leave it out", name)
         raise InvalidRequest(f"unknown field {shown!r}: this server does not implement it; leave it out", shown)
 
 
