@@ -259,6 +259,7 @@ async def _complete(http: Request, outputs: list[_Outputs]) -> list[list[Request
     finally:
         gone.cancel()
         work.cancel()
+        work.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody awaits it any more
         for output in outputs:
             output.abort()  # the engine drops them at its next step
 

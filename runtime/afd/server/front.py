@@ -24,6 +24,7 @@ from afd.server.http_body import BodyTooLarge, client_gone, read_body
 from afd.server.protocol import error_response
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host"}
+_OWN_HEADERS = _HOP_HEADERS | {"date", "server"}  # the front door's uvicorn writes its own
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
                 return StreamingResponse(
                     _relay_body(response, backends, url),
                     status_code=response.status_code,
-                    headers={k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS},
+                    headers={k: v for k, v in response.headers.items() if k.lower() not in _OWN_HEADERS},
                 )
             metrics.count(503)
             return error_response(503, "no attention rank is reachable")

@@ -116,5 +116,11 @@ _KINDS = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_re
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    message, param = _encodable(message), None if param is None else _encodable(param)
     body = {"error": {"message": message, "type": _KINDS.get(status, "server_error"), "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
+
+
+def _encodable(text: str) -> str:
+    """`text` with anything UTF-8 cannot carry (a lone surrogate from the request) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

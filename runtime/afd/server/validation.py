@@ -76,7 +76,8 @@ def check_json_tree(body: Any, max_depth: int) -> None:
             raise InvalidRequest(f"{path or 'the body'} is nested too deeply (at most {max_depth} levels)", path or None)
         if isinstance(value, dict):
             for key, item in value.items():
-                check_text(f"{path}.{short(key, 40)}" if path else short(key, 40), key)
+                shown = short(key.encode("utf-8", "backslashreplace").decode("utf-8"), 40)
+                check_text(f"{path}.{shown}" if path else shown, key)
                 stack.append((item, f"{path}.{key}" if path else key, depth + 1))
         else:
             stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
