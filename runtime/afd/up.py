@@ -190,6 +190,8 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
         finally:
             supervisor.stop()
             progress("stopping every rank")
+            # Attention ranks first: they say Goodbye to a live FFN rank instead of chasing a lost one.
+            processes.stop(*(rank.name for rank in ranks if rank.role == "attention"))
     return 0
 
 

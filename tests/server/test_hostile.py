@@ -349,6 +349,6 @@ def test_sigterm_stops_afd_up_promptly_with_a_request_in_flight(up):
     took = time.monotonic() - started
     client.join(10)
     assert up.process.returncode == 0, up.process.stderr.read()[-2000:]
-    assert took < 15, f"afd up took {took:.1f} s to stop"
+    assert took < 25, f"afd up took {took:.1f} s to stop"  # 5 s relay grace + 5 s rank grace + exits
     assert wait_for(lambda: processes_with_marker(up.marker) == [] or None, 15, "every process to stop") is not None
     assert "status" in results  # the client got an answer or a closed connection, not silence

@@ -126,7 +126,12 @@ async def _send(client, upstream, gone: asyncio.Future, backends: Backends, url:
     """The rank's response (headers read), "skip", an error Response, or None if the client left first."""
     backends.in_flight[url] = backends.in_flight.get(url, 0) + 1
     send = asyncio.ensure_future(client.send(upstream, stream=True))
-    await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # shutdown cut this relay: close the rank's connection too
+        send.cancel()
+        backends.in_flight[url] -= 1
+        raise
     if not send.done():
         send.cancel()
         backends.in_flight[url] -= 1
