@@ -26,7 +26,7 @@ from afd.engine.request import InvalidRequest, RequestOutput
 from afd.engine.tokenizer import chat_prompt_ids
 from afd.server import validation
 from afd.server.formatting import chat_chunk, chat_response, completion_chunk, completion_response
-from afd.server.http_body import BodyTooLarge, client_gone, read_body
+from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.liveness import LoopWatch
 from afd.server.protocol import ChatRequest, CompletionRequest, error_response, parse_request
 from afd.server.validation import Limits
@@ -127,6 +127,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
         return error_response(413, str(err))
+
+    @app.exception_handler(BodyTimeout)
+    async def _too_slow(_: Request, err: BodyTimeout) -> JSONResponse:
+        return error_response(408, str(err))
 
     @app.exception_handler(ModelNotFound)
     async def _not_found(_: Request, err: ModelNotFound) -> JSONResponse:

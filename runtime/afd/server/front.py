@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from afd.server.front_metrics import FrontMetrics
-from afd.server.http_body import BodyTooLarge, client_gone, read_body
+from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.protocol import error_response
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host"}
@@ -61,6 +61,11 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
     async def _too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
         metrics.count(413)
         return error_response(413, str(err))
+
+    @app.exception_handler(BodyTimeout)
+    async def _too_slow(_: Request, err: BodyTimeout) -> JSONResponse:
+        metrics.count(408)
+        return error_response(408, str(err))
 
     @app.get("/health")
     async def health() -> JSONResponse:
