@@ -203,7 +203,10 @@ class Engine:
             logits = self.step(input_ids, layout)
         except Exception as err:  # a lost FFN peer, or a bug: fail loudly, never hang
             log.exception("step failed")
-            self._lose_link(err)
+            if self.link is None:  # nothing to recover: only this step's requests fail
+                self._fail(batch, f"the step failed: {type(err).__name__}: {err}")
+                return
+            self._lose_link(err)  # the link re-handshakes before the next step
             self._fail_all(f"the step failed: {err}")
             return
         try:
