@@ -95,8 +95,12 @@ class Engine:
         request.detokenizer = IncrementalDetokenizer(self.tokenizer)
         request.stop_checker = StopChecker(params.stop)
         with self._wake:
-            self._inbox.append(request)
-            self._wake.notify()
+            closed = self.dead or ("the server is shutting down" if self._stopped else None)
+            if not closed:
+                self._inbox.append(request)
+                self._wake.notify()
+        if closed:  # nobody would ever take it: answer at once instead of leaving the caller waiting
+            on_output(RequestOutput(request.request_id, "", [], [], finished=True, finish_reason="error", error=closed))
         return request
 
     def abort(self, request_id: str) -> None:

@@ -49,6 +49,8 @@ class _Common(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidRequest(f"{name} is not supported; leave it at 0", name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
 
     def sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int, limits: Limits) -> SamplingParams:
         return SamplingParams(
@@ -73,6 +75,11 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+
+    def check(self) -> None:
+        super().check()
+        if self.echo and self.logprobs is not None:  # OpenAI would add the prompt's logprobs; we have none
+            raise InvalidRequest("echo with logprobs (prompt logprobs) is not supported", "echo")
 
 
 class ChatMessage(BaseModel):
