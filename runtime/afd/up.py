@@ -174,13 +174,14 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
         progress(f"starting {base.topology} ({len(ranks)} processes; logs in {processes.workdir})")
         supervisor.start_all()
         supervisor.wait_healthy(start_timeout_s)
-        supervisor.write_state()
         watcher = threading.Thread(target=supervisor.watch, name="supervisor", daemon=True)
         watcher.start()
         app = create_front_app(Backends(supervisor.attention_urls, supervisor.metrics_urls), front)
         # SIGTERM: stop taking requests, give in-flight relays a short grace, then cut them (never hang).
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=30,
                                                timeout_graceful_shutdown=max(1, round(front.shutdown_grace_s))))
+        # The state file names the API URL: write it once that URL answers, so its readers can use it at once.
+        threading.Thread(target=_when_serving, args=(server, supervisor.write_state), daemon=True).start()
         if demo:
             threading.Thread(target=_demo_request, args=(api, Path(base.model).name, server), daemon=True).start()
         try:
@@ -193,6 +194,14 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
             # Attention ranks first: they say Goodbye to a live FFN rank instead of chasing a lost one.
             processes.stop(*(rank.name for rank in ranks if rank.role == "attention"))
     return 0
+
+
+def _when_serving(server, action) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    action()
 
 
 def _demo_request(api: str, model: str, server) -> None:
