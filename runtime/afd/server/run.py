@@ -19,6 +19,7 @@ from afd.metrics.wiring import instrument_attention
 from afd.server.app import ServerState, create_app
 from afd.server.probe_http import start_probe_server
 from afd.server.serving_metrics import ServingMetrics
+from afd.server.validation import Limits
 
 log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -39,6 +40,7 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
     """Engine + app state around a connected attention role."""
     spec = role.loaded.spec
     registry = CollectorRegistry()
+    metrics = ServingMetrics(registry, config.rank)
     engine = Engine(
         role.runner,
         role.kv_cache,
@@ -48,17 +50,19 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         max_model_len_for(config, spec),
         config.max_num_batched_tokens,
         role.device,
-        observer=ServingMetrics(registry, config.rank),
+        observer=metrics,
         link=role if hasattr(role, "keepalive") else None,
     )
+    metrics.track(engine)
     state = ServerState(
         engine=engine,
         tokenizer=engine.tokenizer,
         model_name=config.served_model_name or os.path.basename(os.path.normpath(config.model)),
         max_model_len=engine.max_model_len,
         vocab_size=spec.vocab_size,
-        health=lambda: engine.error,
+        health=lambda: engine.problem,
         registry=registry,
+        limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
     )
     if hasattr(role, "keepalive"):
         instrument_attention(registry, config, role, engine)
@@ -76,12 +80,13 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     role = build_attention(config, cache_tokens_for(config, spec))
     state, engine = build_server(config, role)
     engine.start()
-    probe = start_probe_server(config.http_host, config.metrics_port, state.health, state.registry)
+    probe = start_probe_server(config.http_host, config.metrics_port, state.problem, state.registry)
     server = uvicorn.Server(uvicorn.Config(
         create_app(state), host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
+    threading.Thread(target=_exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
     log.info("attention rank %d serving on http://%s:%d/v1", config.rank, config.http_host, config.http_port)
     try:
         server.run()
@@ -90,5 +95,16 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         probe.shutdown()
         engine.stop()  # fails whatever the grace period did not finish
         role.close("attention rank shutting down")
+    if engine.dead:
+        log.error("attention rank %d exits because %s (a supervisor or the kubelet restarts it)", config.rank, engine.dead)
+        return 1
     log.info("attention rank %d stopped", config.rank)
     return 0
+
+
+def _exit_if_engine_dies(engine: Engine, server, stop: threading.Event) -> None:
+    """A dead engine thread cannot come back: stop serving so the process exits and is restarted."""
+    while not stop.wait(0.5):
+        if engine.dead:
+            server.should_exit = True
+            return
