@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible URL")
     up.add_argument("--state-file", help="JSON file describing the API URL and every rank, kept current")
     up.add_argument("--no-demo", action="store_true", help="do not send the demo request once ready")
+    up.add_argument("--max-request-bytes", type=int, help="larger request bodies get 413 (default 16 MiB; AFD_MAX_REQUEST_BYTES)")
+    up.add_argument("--max-prompts", type=int, help="prompts per /v1/completions request (default 128; AFD_MAX_PROMPTS)")
+    up.add_argument("--max-prompt-chars", type=int,
+                    help="characters of a prompt before tokenization (default 32 per context token; AFD_MAX_PROMPT_CHARS)")
+    up.add_argument("--read-timeout", type=float, default=600.0,
+                    help="seconds the front door waits for a rank to send something (default 600)")
 
     from afd.planner.command import add_parser as add_plan_parser
 
@@ -216,23 +222,32 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from afd.config import AFDConfig, values_from_topology
+    from afd.config import AFDConfig, values_from_env, values_from_topology
     from afd.models.checkpoint import Checkpoint
+    from afd.server.front import FrontSettings
     from afd.up import ensure_tiny_model, run_up
 
     if args.gate not in ("ffn", "attention"):
         raise ConfigError(f"--gate {args.gate!r}: must be ffn or attention")
     model = Path(args.model).resolve() if args.model else ensure_tiny_model()
     Checkpoint(model)  # a clear error now rather than in every rank's log
+    flags = {"max_request_bytes": args.max_request_bytes, "max_prompts": args.max_prompts,
+             "max_prompt_chars": args.max_prompt_chars}
+    limits = {k: v for k, v in values_from_env(os.environ).items() if k in flags}  # AFD_MAX_* as for `afd serve`
+    limits.update({k: v for k, v in flags.items() if v is not None})
     config = AFDConfig(
         **values_from_topology(args.topology, "--topology"),
+        **limits,
         stages=args.stages,
         gate_on_attention=args.gate == "attention",
         model=str(model),
         ffn_address_template="127.0.0.1",
         port_stride=2,
     )
-    return run_up(config, args.port, Path(args.state_file) if args.state_file else None, demo=not args.no_demo)
+    if args.read_timeout <= 0:
+        raise ConfigError(f"--read-timeout {args.read_timeout}: must be positive")
+    front = FrontSettings(max_request_bytes=config.max_request_bytes, read_timeout_s=args.read_timeout)
+    return run_up(config, args.port, Path(args.state_file) if args.state_file else None, demo=not args.no_demo, front=front)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

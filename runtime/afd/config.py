@@ -57,6 +57,9 @@ class AFDConfig:
     max_num_batched_tokens: int = 8192
     kv_cache_bytes: int = 0
     served_model_name: str = ""
+    max_request_bytes: int = 16 << 20  # API request bodies over this get 413
+    max_prompts: int = 128  # prompts in one /v1/completions request
+    max_prompt_chars: int = 0  # characters of a prompt before tokenization (0: 32 per context token)
     group_token: str = ""
     group_secret: str = field(default="", repr=False)  # from the operator's Secret; never logged, never sent
     connect_timeout_s: float = 60.0
@@ -89,7 +92,7 @@ class AFDConfig:
             if not 1 <= port <= 65535:
                 raise ConfigError(f"{name}={port}: must be a TCP port in 1..65535")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_message_bytes", "connect_timeout_s", "peer_timeout_s",
-                     "heartbeat_interval_s", "shutdown_grace_s"):
+                     "heartbeat_interval_s", "shutdown_grace_s", "max_request_bytes", "max_prompts"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
         if self.num_ffn_ranks > 1 and "{rank}" not in self.ffn_address_template and not self.port_stride:
@@ -97,7 +100,8 @@ class AFDConfig:
                 f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
                 f"all {self.num_ffn_ranks} FFN ranks would share one address"
             )
-        for name in ("max_model_len", "port_stride", "kv_cache_bytes", "profile_every", "ffn_batch_window_s", "dbo_min_tokens"):
+        for name in ("max_model_len", "port_stride", "kv_cache_bytes", "profile_every", "ffn_batch_window_s", "dbo_min_tokens",
+                     "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
 
@@ -165,6 +169,9 @@ ENV_VARS: dict[str, str] = {
     "AFD_MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
     "AFD_KV_CACHE_BYTES": "kv_cache_bytes",
     "AFD_SERVED_MODEL_NAME": "served_model_name",
+    "AFD_MAX_REQUEST_BYTES": "max_request_bytes",
+    "AFD_MAX_PROMPTS": "max_prompts",
+    "AFD_MAX_PROMPT_CHARS": "max_prompt_chars",
     "AFD_GROUP_TOKEN": "group_token",
     "AFD_GROUP_SECRET": "group_secret",
     "AFD_CONNECT_TIMEOUT_S": "connect_timeout_s",

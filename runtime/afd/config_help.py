@@ -39,4 +39,7 @@ SETTING_HELP: dict[str, str] = {
     "dbo_min_tokens": "With 2 stages, steps of fewer tokens run as one micro-batch (the FFN then reads its weights once).",
     "attention_engine": "`afd` (our engine) or `vllm` (vLLM's OpenAI server with `afd.vllm_plugin`).",
     "vllm_args": "Extra arguments for vLLM's server when `attention_engine` is `vllm`, shell-quoted.",
+    "max_request_bytes": "Largest API request body; larger ones get 413 (refused from Content-Length or as it arrives).",
+    "max_prompts": "Most prompts in one `/v1/completions` request; more get 400.",
+    "max_prompt_chars": "Most characters of one prompt (or of all chat messages) before tokenization (0: 32 per context token).",
 }

@@ -98,8 +98,9 @@ class LocalProcesses:
                 raise ChildFailed(f"{', '.join(sorted(pending))} did not finish within {timeout_s:.0f} s")
             time.sleep(0.05)
 
-    def stop(self, name: str) -> None:
-        self._terminate([self.children[name]])
+    def stop(self, *names: str) -> None:
+        """Stop these children together (SIGTERM, then SIGKILL after the grace period)."""
+        self._terminate([self.children[name] for name in names])
 
     def stop_all(self) -> None:
         self._terminate(list(self.children.values()))

@@ -100,6 +100,9 @@ class Supervisor:
     def attention_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{r.config.http_port}" for r in self.ranks.values() if r.role == "attention"]
 
+    def metrics_urls(self) -> dict[str, str]:
+        return {name: f"http://127.0.0.1:{r.config.metrics_port}/metrics" for name, r in self.ranks.items()}
+
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         pending = set(self.attention_urls())
@@ -156,24 +159,29 @@ class Supervisor:
         self._stop.set()
 
 
-def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = True, start_timeout_s: float = 600) -> int:
+def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = True, start_timeout_s: float = 600,
+           front: "FrontSettings | None" = None) -> int:
     import uvicorn
 
-    from afd.server.front import Backends, create_front_app
+    from afd.server.front import Backends, FrontSettings, create_front_app
+
+    front = front or FrontSettings(max_request_bytes=base.max_request_bytes)
 
     ranks = plan_ranks(base)
     api = f"http://127.0.0.1:{port}/v1"
-    with LocalProcesses() as processes:
+    with LocalProcesses(grace_s=front.shutdown_grace_s) as processes:
         supervisor = Supervisor(ranks, processes, state_file, api)
         progress(f"starting {base.topology} ({len(ranks)} processes; logs in {processes.workdir})")
         supervisor.start_all()
         supervisor.wait_healthy(start_timeout_s)
-        supervisor.write_state()
         watcher = threading.Thread(target=supervisor.watch, name="supervisor", daemon=True)
         watcher.start()
-        server = uvicorn.Server(uvicorn.Config(create_front_app(Backends(supervisor.attention_urls)),
-                                               host="127.0.0.1", port=port, log_level="warning",
-                                               timeout_keep_alive=30))
+        app = create_front_app(Backends(supervisor.attention_urls, supervisor.metrics_urls), front)
+        # SIGTERM: stop taking requests, give in-flight relays a short grace, then cut them (never hang).
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=30,
+                                               timeout_graceful_shutdown=max(1, round(front.shutdown_grace_s))))
+        # The state file names the API URL: write it once that URL answers, so its readers can use it at once.
+        threading.Thread(target=_when_serving, args=(server, supervisor.write_state), daemon=True).start()
         if demo:
             threading.Thread(target=_demo_request, args=(api, Path(base.model).name, server), daemon=True).start()
         try:
@@ -183,7 +191,17 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
         finally:
             supervisor.stop()
             progress("stopping every rank")
+            # Attention ranks first: they say Goodbye to a live FFN rank instead of chasing a lost one.
+            processes.stop(*(rank.name for rank in ranks if rank.role == "attention"))
     return 0
+
+
+def _when_serving(server, action) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    action()
 
 
 def _demo_request(api: str, model: str, server) -> None:

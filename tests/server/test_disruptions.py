@@ -45,7 +45,7 @@ def _wait_for_status(url: str, status: int, timeout_s: float, step_s: float = 0.
 def live_with_probes(checkpoints):
     live = LiveServer(checkpoints["qwen3_moe"])
     stop = threading.Event()
-    probes = attention_probes(live.engine, lambda: live.server.started, stop, lambda: live.role.connector.ffn_draining)
+    probes = attention_probes(live.state, lambda: live.server.started, stop, lambda: live.role.connector.ffn_draining)
     probe, probe_url = _probe_server(probes)
     yield live, probe_url, stop
     probe.shutdown()
@@ -70,12 +70,26 @@ def test_readiness_turns_503_within_a_second_of_losing_the_ffn_while_liveness_st
         time.sleep(0.05)
 
 
-def test_liveness_fails_only_when_the_engine_thread_is_dead(live_with_probes):
+def test_liveness_fails_when_the_engine_thread_dies(live_with_probes, monkeypatch):
     live, probe_url, _ = live_with_probes
     assert httpx.get(f"{probe_url}/live").json() == {"status": "ok"}
-    live.engine.stop()
+
+    def die():
+        raise SystemExit("simulated death of the engine thread")
+
+    monkeypatch.setattr(live.engine.scheduler, "schedule", die)
+    body = {"model": live.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=10).status_code == 503
+    live.engine._thread.join(5)
     dead = httpx.get(f"{probe_url}/live")
-    assert dead.status_code == 503 and dead.json()["reason"] == "the engine thread has stopped"
+    assert dead.status_code == 503 and "engine thread died" in dead.json()["reason"]
+
+
+def test_liveness_fails_when_the_api_event_loop_stalls(live_with_probes, monkeypatch):
+    live, probe_url, _ = live_with_probes
+    monkeypatch.setattr(live.state.loop_watch, "last", time.monotonic() - 60)  # as if blocked for a minute
+    stalled = httpx.get(f"{probe_url}/live")
+    assert stalled.status_code == 503 and "event loop" in stalled.json()["reason"]
 
 
 def test_the_prestop_drain_turns_readiness_503_and_the_server_keeps_serving(live_with_probes):

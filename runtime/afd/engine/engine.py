@@ -4,7 +4,9 @@ Callers (the HTTP server) submit requests from any thread and get `RequestOutput
 deltas through a callback. The step function is the attention runner (remote FFN)
 or the monolithic model; the engine does not know which. If a step fails because
 an FFN peer is gone, every request in flight ends with an explicit error and the
-engine reports itself unhealthy; nothing is silently cut short.
+engine reports itself unhealthy; nothing is silently cut short. Any other exception
+(in sampling, detokenizing, a callback) fails only the requests it touched and the
+loop goes on; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class Engine:
         self.link_check_s = link_check_s
         self._next_link_check = 0.0
         self.reconnects = 0
-        self.error: str | None = None
+        self.error: str | None = None  # the FFN link is down (recoverable)
+        self.dead: str | None = None  # the engine thread ended unexpectedly (not recoverable)
         self._inbox: list[Request] = []
         self._aborts: set[str] = set()
         self._wake = threading.Condition()
@@ -92,8 +95,12 @@ class Engine:
         request.detokenizer = IncrementalDetokenizer(self.tokenizer)
         request.stop_checker = StopChecker(params.stop)
         with self._wake:
-            self._inbox.append(request)
-            self._wake.notify()
+            closed = self.dead or ("the server is shutting down" if self._stopped else None)
+            if not closed:
+                self._inbox.append(request)
+                self._wake.notify()
+        if closed:  # nobody would ever take it: answer at once instead of leaving the caller waiting
+            on_output(RequestOutput(request.request_id, "", [], [], finished=True, finish_reason="error", error=closed))
         return request
 
     def abort(self, request_id: str) -> None:
@@ -101,6 +108,15 @@ class Engine:
         with self._wake:
             self._aborts.add(request_id)
             self._wake.notify()
+
+    @property
+    def problem(self) -> str | None:
+        """Why this engine cannot serve now, or None (any thread)."""
+        if self.dead:
+            return self.dead
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopped:
+            return "the engine thread is not running"
+        return self.error
 
     @property
     def num_running(self) -> int:
@@ -112,6 +128,14 @@ class Engine:
 
     # -- engine thread ---------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as err:  # noqa: BLE001 — whatever ends the thread is reported, not lost
+            self.dead = f"the engine thread died: {type(err).__name__}: {err}"
+            log.critical("%s", self.dead, exc_info=True)
+            self._fail_all(self.dead)
+
+    def _serve(self) -> None:
         while True:
             with self._wake:
                 while not (self._stopped or self._inbox or self._aborts or self.scheduler.running or self.scheduler.waiting):
@@ -129,10 +153,15 @@ class Engine:
             if self.error is not None:
                 self._fail_all(f"the server cannot take requests: {self.error}")
                 continue
-            batch = self.scheduler.schedule()
-            if batch:
-                self._run(batch)
-            elif self.scheduler.waiting and not self.scheduler.running:
+            try:
+                batch = self.scheduler.schedule()
+                if batch:
+                    self._run(batch)
+            except Exception as err:  # a bug outside the step: fail what is in flight, keep serving
+                log.exception("engine iteration failed")
+                self._fail_all(f"internal error in the engine: {type(err).__name__}: {err}")
+                continue
+            if not batch and self.scheduler.waiting and not self.scheduler.running:
                 time.sleep(0.001)  # cannot happen with worst-case reservation; never spin hot
         self._fail_all("the server is shutting down")
 
@@ -178,14 +207,26 @@ class Engine:
             logits = self.step(input_ids, layout)
         except Exception as err:  # a lost FFN peer, or a bug: fail loudly, never hang
             log.exception("step failed")
-            self._lose_link(err)
+            if self.link is None:  # nothing to recover: only this step's requests fail
+                self._fail(batch, f"the step failed: {type(err).__name__}: {err}")
+                return
+            self._lose_link(err)  # the link re-handshakes before the next step
             self._fail_all(f"the step failed: {err}")
             return
-        tokens, logprobs = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+        try:
+            tokens, logprobs = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+        except Exception as err:  # only this step's requests fail; the engine and the link stay up
+            log.exception("sampling failed")
+            self._fail(batch, f"sampling failed: {type(err).__name__}: {err}")
+            return
         now = time.monotonic()
         for request, new, token, token_logprobs in zip(batch, pending, tokens, logprobs):
             request.cached_tokens += len(new)
-            self._advance(request, token, token_logprobs, now)
+            try:
+                self._advance(request, token, token_logprobs, now)
+            except Exception as err:
+                log.exception("request %s failed after sampling", request.request_id)
+                self._fail([request], f"internal error: {type(err).__name__}: {err}")
         if self.observer:
             self.observer.on_step(self, len(input_ids), time.monotonic() - started)
 
@@ -221,7 +262,18 @@ class Engine:
         )
 
     def _fail_all(self, message: str) -> None:
-        for request in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._inbox):
+        with self._wake:
+            inbox, self._inbox = self._inbox, []
+        self._fail(list(self.scheduler.running) + list(self.scheduler.waiting) + inbox, message)
+
+    def _fail(self, requests: list[Request], message: str) -> None:
+        """End `requests` with an error output each; a failing callback does not stop the rest."""
+        for request in requests:
             self.scheduler.finish(request)
-            request.on_output(RequestOutput(request.request_id, "", [], [], finished=True, finish_reason="error", error=message))
-        self._inbox.clear()
+            if self.observer:
+                self.observer.on_error()
+            try:
+                request.on_output(RequestOutput(request.request_id, "", [], [], finished=True, finish_reason="error",
+                                                error=message))
+            except Exception:
+                log.exception("could not deliver the error of %s", request.request_id)

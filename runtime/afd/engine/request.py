@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 MAX_LOGPROBS = 20
-_ids = itertools.count()
 
 
 class InvalidRequest(ValueError):
@@ -81,7 +80,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     on_output: Callable[[RequestOutput], None]
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    # Unique across processes: responses behind one Service carry ids no other rank reuses.
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)

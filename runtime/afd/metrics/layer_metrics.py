@@ -50,7 +50,7 @@ class RunnerCollector:
     def collect(self):
         names, values = list(self.labels), list(self.labels.values())
         sent = CounterMetricFamily("afd_transfer_bytes", "Bytes moved between attention and FFN", labels=[*names, "direction"])
-        for direction, count in getattr(self.runner, "transfer_bytes", {}).items():
+        for direction, count in {"send": 0, "recv": 0, **getattr(self.runner, "transfer_bytes", {})}.items():
             sent.add_metric([*values, direction], count)
         yield sent
         graphs = getattr(self.runner, "graphs", None)
@@ -82,6 +82,11 @@ class RunnerCollector:
             yield failed
 
 
+# Every reason a runner can report, exported at 0 until it happens (dashboards show 0, not "No data").
+FFN_EAGER_REASONS = ("no_graph", "warmup", "plan_eager", "mixed_plans")
+ATTENTION_EAGER_REASONS = ("no_graph", "profile")
+
+
 def _eager_reasons(runner) -> dict[str, int]:
     graphs = getattr(runner, "graphs", None)
     if graphs is None:  # CUDA graphs off (CPU, zmq, or not configured): every step is eager
@@ -89,12 +94,7 @@ def _eager_reasons(runner) -> dict[str, int]:
         return {"graphs_off": steps if steps is not None else getattr(runner, "step_id", 0)}
     reasons = getattr(graphs, "eager_steps", None) if graphs is not None else None
     if isinstance(reasons, dict):
-        return dict(reasons)
+        return {**dict.fromkeys(FFN_EAGER_REASONS, 0), **reasons}
     profiled = getattr(runner, "profiled_eager_steps", 0)
     other = getattr(runner, "eager_steps", 0) - profiled
-    result = {}
-    if other > 0:
-        result["no_graph"] = other
-    if profiled:
-        result["profile"] = profiled
-    return result
+    return {"no_graph": max(other, 0), "profile": profiled}

@@ -35,6 +35,8 @@ def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, runner, devic
     export_group_info(registry, config)
 
     runner.observer = FFNMetrics(registry, config.rank, runner.connector, runner)
+    for attention_rank in config.topology.attention_ranks_of(config.rank):
+        runner.observer.on_peer(attention_rank, False)  # every served peer exported (0) before it connects
     runner.clock = LayerClock(device, config.profile_every)
     runner.on_layers = LayerMetrics(registry, "ffn", config.rank).observe
     RunnerCollector(registry, "ffn", config.rank, runner)

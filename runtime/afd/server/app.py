@@ -1,11 +1,19 @@
-"""The OpenAI-compatible API of one attention rank, as a FastAPI app around the engine."""
+"""The OpenAI-compatible API of one attention rank, as a FastAPI app around the engine.
+
+Every body is read under a size limit, parsed and checked (`protocol`, `validation`) and
+tokenized on a small worker pool, never on the event loop; a request whose client goes
+away is aborted in the engine at its next step.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -16,15 +24,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest, RequestOutput
 from afd.engine.tokenizer import chat_prompt_ids
+from afd.server import validation
 from afd.server.formatting import chat_chunk, chat_response, completion_chunk, completion_response
-from afd.server.protocol import ChatRequest, CompletionRequest, error_response
+from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
+from afd.server.liveness import LoopWatch
+from afd.server.protocol import ChatRequest, CompletionRequest, error_response, parse_request
+from afd.server.validation import Limits
 
-
+log = logging.getLogger(__name__)
 _ID_PREFIX = {"text_completion": "cmpl", "chat.completion.chunk": "chatcmpl"}
 
 
 class Unavailable(Exception):
-    """HTTP 503: an FFN peer is down or warm-up is not finished."""
+    """HTTP 503: an FFN peer is down, warm-up is not finished, or the request failed in the engine."""
 
 
 class ModelNotFound(Exception):
@@ -38,36 +50,31 @@ class ServerState:
     model_name: str
     max_model_len: int
     vocab_size: int
-    health: Callable[[], str | None]  # None when healthy, else the reason
+    health: Callable[[], str | None]  # None when the engine is healthy, else the reason
     registry: CollectorRegistry
+    limits: Limits = field(default_factory=Limits)
+    loop_watch: LoopWatch = field(default_factory=LoopWatch)
+    # Parsing and tokenizing run here: off the event loop, and at most two at a time.
+    workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="api-cpu"))
+
+    def problem(self) -> str | None:
+        """Why this rank cannot serve (engine, FFN link or event loop), or None."""
+        return self.health() or self.loop_watch.problem()
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="AFD attention rank", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        watch = asyncio.create_task(state.loop_watch.run())  # the probes see a stalled or stopped loop
+        yield
+        watch.cancel()
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        return error_response(400, f"{where + ': ' if where else ''}{first['msg']}", where or None)
-
-    @app.exception_handler(InvalidRequest)
-    async def _bad_request(_: Request, err: InvalidRequest) -> JSONResponse:
-        return error_response(400, str(err), err.param)
-
-    @app.exception_handler(ModelNotFound)
-    async def _not_found(_: Request, err: ModelNotFound) -> JSONResponse:
-        return error_response(404, str(err), "model")
-
-    @app.exception_handler(Unavailable)
-    async def _unavailable(_: Request, err: Unavailable) -> JSONResponse:
-        return error_response(503, str(err))
+    app = FastAPI(title="AFD attention rank", docs_url=None, redoc_url=None, lifespan=lifespan)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        reason = state.health()
+        reason = state.problem()
         if reason:
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -82,61 +89,106 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request):
-        _check_model_and_health(state, body.model)
-        prompts = _completion_prompts(state, body.prompt)
-        if body.stream and len(prompts) > 1:
-            raise InvalidRequest("streaming supports one prompt per request", "prompt")
-        params = [body.sampling(_max_tokens(state, p, body.max_tokens), body.logprobs) for p in prompts]
-        echo = [state.tokenizer.decode(p) if body.echo else "" for p in prompts]
-        if body.stream:
+    async def completions(http: Request):
+        body = await _off_loop(state, _prepare_completion, state, await _json_body(state, http))
+        request, prompts, params, echo = body
+        if request.stream:
             outputs = _Outputs(state, prompts[0], params[0])
             make = lambda rid, out, first: completion_chunk(state, rid, out, echo[0] if first else "")  # noqa: E731
-            return _sse(state, outputs, make, body.include_usage, "text_completion")
-        results = [await _collect(http, _Outputs(state, p, sp)) for p, sp in zip(prompts, params)]
-        return JSONResponse(completion_response(state, results, echo))
+            return _sse(state, outputs, make, request.include_usage, "text_completion")
+        results = await _complete(http, _submit_all(state, prompts, params))
+        return JSONResponse(completion_response(state, results, echo)) if results is not None else Response(status_code=499)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, http: Request):
-        _check_model_and_health(state, body.model)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prompt = chat_prompt_ids(state.tokenizer, messages)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling(_max_tokens(state, prompt, max_tokens), logprobs)
+    async def chat(http: Request):
+        request, prompt, params = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
         outputs = _Outputs(state, prompt, params)
-        if body.stream:
+        if request.stream:
             make = lambda rid, out, first: chat_chunk(state, rid, out, first)  # noqa: E731
-            return _sse(state, outputs, make, body.include_usage, "chat.completion.chunk")
-        return JSONResponse(chat_response(state, outputs.request.request_id, await _collect(http, outputs)))
+            return _sse(state, outputs, make, request.include_usage, "chat.completion.chunk")
+        results = await _complete(http, [outputs])
+        if results is None:
+            return Response(status_code=499)
+        return JSONResponse(chat_response(state, outputs.request.request_id, results[0]))
 
     return app
 
 
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+        return error_response(400, str(first["msg"]))
+
+    @app.exception_handler(InvalidRequest)
+    async def _bad_request(_: Request, err: InvalidRequest) -> JSONResponse:
+        return error_response(400, str(err), err.param)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
+        return error_response(413, str(err))
+
+    @app.exception_handler(BodyTimeout)
+    async def _too_slow(_: Request, err: BodyTimeout) -> JSONResponse:
+        return error_response(408, str(err))
+
+    @app.exception_handler(ModelNotFound)
+    async def _not_found(_: Request, err: ModelNotFound) -> JSONResponse:
+        return error_response(404, str(err), "model")
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(_: Request, err: Unavailable) -> JSONResponse:
+        return error_response(503, str(err))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, err: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error_response(500, f"internal error: {type(err).__name__}")
+
+
+async def _off_loop(state: ServerState, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(state.workers, fn, *args)
+
+
+async def _json_body(state: ServerState, http: Request) -> dict:
+    raw = await read_body(http, state.limits.max_request_bytes)
+    return await _off_loop(state, validation.parse_json_body, raw, state.limits.max_json_depth)
+
+
+def _prepare_completion(state: ServerState, body: dict):
+    """(request, prompt ids, sampling params, echo texts), or InvalidRequest. Runs on a worker."""
+    request = parse_request(CompletionRequest, body)
+    _check_model_and_health(state, request.model)
+    prompts = validation.completion_prompts(request.prompt, state.limits, state.vocab_size, state.max_model_len)
+    if request.stream and len(prompts) > 1:
+        raise InvalidRequest("streaming supports one prompt per request", "prompt")
+    ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    params = [request.sampling(_max_tokens(state, p, request.max_tokens), request.logprobs, state.vocab_size, state.limits)
+              for p in ids]
+    echo = [state.tokenizer.decode(p) if request.echo else "" for p in ids]
+    return request, ids, params, echo
+
+
+def _prepare_chat(state: ServerState, body: dict):
+    """(request, prompt ids, sampling params), or InvalidRequest. Runs on a worker."""
+    request = parse_request(ChatRequest, body)
+    _check_model_and_health(state, request.model)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
+    messages = validation.chat_messages([m.model_dump(exclude_none=True) for m in request.messages], state.limits)
+    prompt = chat_prompt_ids(state.tokenizer, messages)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    params = request.sampling(_max_tokens(state, prompt, max_tokens), logprobs, state.vocab_size, state.limits)
+    return request, prompt, params
+
+
 def _check_model_and_health(state: ServerState, model: str) -> None:
     if model != state.model_name:
-        raise ModelNotFound(f"the model {model!r} does not exist; this server serves {state.model_name!r}")
-    reason = state.health()
+        raise ModelNotFound(f"the model {validation.short(model)!r} does not exist; this server serves {state.model_name!r}")
+    reason = state.problem()
     if reason:
         raise Unavailable(f"the server cannot take requests: {reason}")
-
-
-def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    if not prompts:
-        raise InvalidRequest("prompt is empty", "prompt")
-    ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    for tokens in ids:
-        if any(t < 0 or t >= state.vocab_size for t in tokens):
-            raise InvalidRequest(f"prompt token ids must be in 0..{state.vocab_size - 1}", "prompt")
-    return ids
 
 
 def _max_tokens(state: ServerState, prompt: list[int], requested: int | None) -> int:
@@ -175,28 +227,45 @@ class _Outputs:
         first, self.first = self.first, False
         return self.request.request_id, output, first
 
+    async def collect(self) -> list[RequestOutput]:
+        collected = []
+        async for _, output, _ in self:
+            if output.error:
+                raise Unavailable(f"the request failed: {output.error}")
+            collected.append(output)
+        return collected
+
     def abort(self) -> None:
         if not self.finished:
             self.engine.abort(self.request.request_id)
 
 
-async def _collect(http: Request, outputs: _Outputs) -> list[RequestOutput]:
-    """Every output of a non-streaming request; aborts it if the client goes away."""
-    collected: list[RequestOutput] = []
+def _submit_all(state: ServerState, prompts: list[list[int]], params) -> list[_Outputs]:
+    """Every prompt queued at once (they batch together); none left behind if one is refused."""
+    outputs: list[_Outputs] = []
     try:
-        while not outputs.finished:
-            try:
-                _, output, _ = await asyncio.wait_for(outputs.__anext__(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return collected
-                continue
-            if output.error:
-                raise Unavailable(f"the request failed: {output.error}")
-            collected.append(output)
+        for prompt, sampling in zip(prompts, params):
+            outputs.append(_Outputs(state, prompt, sampling))
+    except BaseException:
+        for submitted in outputs:
+            submitted.abort()
+        raise
+    return outputs
+
+
+async def _complete(http: Request, outputs: list[_Outputs]) -> list[list[RequestOutput]] | None:
+    """Every output of a non-streaming request, or None when the client left first (all aborted)."""
+    gone = asyncio.ensure_future(client_gone(http))
+    work = asyncio.ensure_future(asyncio.gather(*(o.collect() for o in outputs)))
+    try:
+        await asyncio.wait({gone, work}, return_when=asyncio.FIRST_COMPLETED)
+        return work.result() if work.done() else None
     finally:
-        outputs.abort()
-    return collected
+        gone.cancel()
+        work.cancel()
+        work.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody awaits it any more
+        for output in outputs:
+            output.abort()  # the engine drops them at its next step
 
 
 def _sse(state: ServerState, outputs: _Outputs, make_chunk, include_usage: bool, kind: str) -> StreamingResponse:

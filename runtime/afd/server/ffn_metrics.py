@@ -35,7 +35,7 @@ class FFNMetrics:
     def collect(self):
         family = CounterMetricFamily("afd_rejected_messages", "Messages rejected by the FFN connector",
                                      labels=[*self._labels, "reason"])
-        for reason, count in self.connector.rejected.items():
+        for reason, count in {"control": 0, **self.connector.rejected}.items():  # 0 from the start, not "No data"
             family.add_metric([*self._labels.values(), reason], count)
         yield family
         refused = CounterMetricFamily("afd_handshake_failures", "Hellos refused (mismatch, foreign group, unserved rank)",

@@ -36,10 +36,13 @@ def _completion_logprobs(tokenizer, entries: list[TokenLogprobs], offset: int) -
 
 
 def _top_by_text(tokenizer, top: list[tuple[int, float]]) -> dict[str, float]:
-    """OpenAI keys alternatives by text; when two tokens decode alike, keep the likelier."""
+    """OpenAI keys alternatives by text. When a token decodes like a likelier one (partial UTF-8
+    bytes all decode to U+FFFD), it is keyed `token_id:<id>` (vLLM's spelling), so a request
+    for N alternatives gets exactly N entries."""
     result: dict[str, float] = {}
     for token_id, logprob in top:
-        result.setdefault(_token_text(tokenizer, token_id), logprob)
+        text = _token_text(tokenizer, token_id)
+        result[f"token_id:{token_id}" if text in result else text] = logprob
     return result
 
 

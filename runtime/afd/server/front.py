@@ -2,69 +2,116 @@
 
 Each request goes to the healthy attention rank with the fewest requests in flight;
 responses (streamed or not) are relayed as they come. A rank that refuses the
-connection is skipped; with none left the client gets an OpenAI-style 503.
+connection, or answers 503 (not serving), is skipped; with none left the client gets an
+OpenAI-style 503. Bodies are bounded, every call to a rank has a read timeout, and a
+client that leaves closes its relay, which the rank sees and aborts at its next step.
+`/metrics` answers the front door's series and every rank's, merged.
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
 from typing import Callable
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from afd.server.front_metrics import FrontMetrics
+from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.protocol import error_response
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host"}
+_OWN_HEADERS = _HOP_HEADERS | {"date", "server"}  # the front door's uvicorn writes its own
+
+
+@dataclass(frozen=True)
+class FrontSettings:
+    """Limits of the front door (`afd up` flags)."""
+
+    max_request_bytes: int = 16 << 20
+    read_timeout_s: float = 600.0  # longest silence from a rank: a whole non-streamed generation, or between chunks
+    probe_timeout_s: float = 2.0  # /health and /metrics of each rank
+    shutdown_grace_s: float = 5.0  # SIGTERM: in-flight relays get this long, then are cut
 
 
 class Backends:
-    """Attention rank URLs and their in-flight counts."""
+    """Attention rank URLs and their in-flight counts; every rank's metrics URL by name."""
 
-    def __init__(self, urls: Callable[[], list[str]]):
+    def __init__(self, urls: Callable[[], list[str]], metrics_urls: Callable[[], dict[str, str]] = dict):
         self.urls = urls
+        self.metrics_urls = metrics_urls
         self.in_flight: dict[str, int] = {}
 
     def order(self) -> list[str]:
         return sorted(self.urls(), key=lambda url: self.in_flight.get(url, 0))
 
 
-def create_front_app(backends: Backends) -> FastAPI:
+def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings()) -> FastAPI:
     app = FastAPI(title="AFD local deployment", docs_url=None, redoc_url=None)
     # Pooled connections expire before the ranks' keep-alive (30 s) closes them, so a request
     # is never written into a connection the server is closing at that moment.
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+    client = httpx.AsyncClient(timeout=httpx.Timeout(settings.read_timeout_s, connect=5.0),
                                limits=httpx.Limits(max_connections=None, keepalive_expiry=2.0))
+    metrics = FrontMetrics(lambda: sum(backends.in_flight.values()), backends.metrics_urls())
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
+        metrics.count(413)
+        return error_response(413, str(err))
+
+    @app.exception_handler(BodyTimeout)
+    async def _too_slow(_: Request, err: BodyTimeout) -> JSONResponse:
+        metrics.count(408)
+        return error_response(408, str(err))
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        states = {}
-        for url in backends.urls():
-            try:
-                states[url] = (await client.get(f"{url}/health")).status_code == 200
-            except httpx.HTTPError:
-                states[url] = False
+        urls = backends.urls()
+        answers = await asyncio.gather(*(_get(client, f"{url}/health", settings.probe_timeout_s) for url in urls))
+        states = {url: answer is not None and answer.status_code == 200 for url, answer in zip(urls, answers)}
         ok = bool(states) and any(states.values())
         return JSONResponse({"status": "ok" if ok else "unavailable", "attention_ranks": states}, status_code=200 if ok else 503)
 
+    @app.get("/metrics")
+    async def merged_metrics() -> Response:
+        targets = backends.metrics_urls()
+        answers = await asyncio.gather(*(_get(client, url, settings.probe_timeout_s) for url in targets.values()))
+        texts = {name: a.text if a is not None and a.status_code == 200 else None for name, a in zip(targets, answers)}
+        return Response(metrics.exposition(texts), media_type=CONTENT_TYPE_LATEST)
+
     @app.api_route("/v1/{path:path}", methods=["GET", "POST"])
     async def relay(path: str, request: Request) -> Response:
-        body = await request.body()
+        body = await read_body(request, settings.max_request_bytes)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        for url in backends.order():
-            upstream = client.build_request(request.method, f"{url}/v1/{path}", content=body, headers=headers)
-            backends.in_flight[url] = backends.in_flight.get(url, 0) + 1
-            try:
-                response = await client.send(upstream, stream=True)
-            except (httpx.ConnectError, httpx.RemoteProtocolError):
-                backends.in_flight[url] -= 1
-                continue  # that rank is down, restarting, or closed the connection: try the next one
-            return StreamingResponse(
-                _relay_body(response, backends, url),
-                status_code=response.status_code,
-                headers={k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS},
-            )
-        return error_response(503, "no attention rank is reachable")
+        gone = asyncio.ensure_future(client_gone(request))
+        try:
+            urls = backends.order()
+            for index, url in enumerate(urls):
+                upstream = client.build_request(request.method, f"{url}/v1/{path}", content=body, headers=headers)
+                response = await _send(client, upstream, gone, backends, url)
+                if response is None:  # the client left: the cancelled send closed the rank's connection
+                    metrics.count(None)
+                    return Response(status_code=499)
+                if isinstance(response, Response):
+                    metrics.count(response.status_code)
+                    return response
+                if response == "skip" or (response.status_code == 503 and index + 1 < len(urls)):
+                    if not isinstance(response, str):
+                        await _done(response, backends, url)
+                    continue  # that rank is down, restarting, not serving, or closed the connection
+                metrics.count(response.status_code)
+                return StreamingResponse(
+                    _relay_body(response, backends, url),
+                    status_code=response.status_code,
+                    headers={k: v for k, v in response.headers.items() if k.lower() not in _OWN_HEADERS},
+                )
+            metrics.count(503)
+            return error_response(503, "no attention rank is reachable")
+        finally:
+            gone.cancel()  # from here on StreamingResponse itself watches for the client leaving
 
     @app.on_event("shutdown")
     async def _close() -> None:
@@ -73,10 +120,47 @@ def create_front_app(backends: Backends) -> FastAPI:
     return app
 
 
+async def _get(client: httpx.AsyncClient, url: str, timeout_s: float) -> httpx.Response | None:
+    try:
+        return await client.get(url, timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+
+
+async def _send(client, upstream, gone: asyncio.Future, backends: Backends, url: str):
+    """The rank's response (headers read), "skip", an error Response, or None if the client left first."""
+    backends.in_flight[url] = backends.in_flight.get(url, 0) + 1
+    send = asyncio.ensure_future(client.send(upstream, stream=True))
+    try:
+        await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # shutdown cut this relay: close the rank's connection too
+        send.cancel()
+        backends.in_flight[url] -= 1
+        raise
+    if not send.done():
+        send.cancel()
+        backends.in_flight[url] -= 1
+        return None
+    try:
+        return send.result()
+    except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
+        backends.in_flight[url] -= 1
+        return error_response(504, f"the attention rank sent nothing for {client.timeout.read:.0f} s (the front door's read timeout)")
+    except httpx.TransportError:  # refused, reset, closed, or no connection within the connect timeout
+        backends.in_flight[url] -= 1
+        return "skip"
+
+
+async def _done(response: httpx.Response, backends: Backends, url: str) -> None:
+    backends.in_flight[url] -= 1
+    await response.aclose()
+
+
 async def _relay_body(response: httpx.Response, backends: Backends, url: str):
     try:
         async for chunk in response.aiter_raw():
             yield chunk
+    except httpx.TimeoutException:
+        pass  # the rank went silent past the read timeout: end the relay, the client sees a cut stream
     finally:
-        backends.in_flight[url] -= 1
-        await response.aclose()
+        await _done(response, backends, url)

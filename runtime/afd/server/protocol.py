@@ -1,83 +1,134 @@
-"""OpenAI request bodies (what we accept, typed) and error bodies (what clients parse)."""
+"""OpenAI request bodies (what we accept, typed) and error bodies (what clients parse).
+
+The models check types (strict: no "3" for 3, no NaN or Infinity); `validation` checks
+ranges, strings and counts, and refuses undeclared fields that ask for something this
+server does not do.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from afd.engine.request import InvalidRequest, SamplingParams
+from afd.server import validation
+from afd.server.validation import Limits
 
-Number = StrictFloat | StrictInt
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
+    # Undeclared fields land in `model_extra`, where `validation.refuse_unsupported` judges them.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
-    model: StrictStr
-    stream: StrictBool = False
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: StrictInt | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: StrictBool = False
-    n: StrictInt = 1
-    presence_penalty: Number = 0
-    frequency_penalty: Number = 0
-    stream_options: dict[str, Any] | None = None
+    model: str
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream_options: StreamOptions | None = None
 
-    def check_unsupported(self) -> None:
+    def check(self) -> None:
+        """Ranges and unsupported fields; 400 naming the field."""
+        validation.check_bounds(self.__dict__)
+        validation.refuse_unsupported(self.model_extra or {})
         if self.n != 1:
             raise InvalidRequest(f"n={self.n}: only n=1 is supported", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidRequest(f"{name} is not supported; leave it at 0", name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        self.check_unsupported()
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+    def sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int, limits: Limits) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=-1 if self.top_k in (None, 0) else self.top_k,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k in (None, 0) else min(self.top_k, vocab_size),
             seed=self.seed,
-            stop=stop,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop=validation.stop_strings(self.stop, limits),
+            stop_token_ids=validation.stop_token_ids(self.stop_token_ids, vocab_size, limits),
             ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
+            logprobs=None if logprobs is None else min(logprobs, vocab_size),
         )
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
-    echo: StrictBool = False
+    prompt: Any
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def check(self) -> None:
+        super().check()
+        if self.echo and self.logprobs is not None:  # OpenAI would add the prompt's logprobs; we have none
+            raise InvalidRequest("echo with logprobs (prompt logprobs) is not supported", "echo")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[dict[str, Any]] | None = None
+    content: Any = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[Any] | None = None
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def parse_request(model: type[BaseModel], body: dict):
+    """`body` as `model`, with type errors turned into a 400 naming the field."""
+    try:
+        request = model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = field_path(first["loc"])
+        raise InvalidRequest(f"{where + ': ' if where else ''}{first['msg']}", where or None) from None
+    request.check()
+    return request
+
+
+def field_path(loc) -> str:
+    """pydantic's location tuple as `messages[0].content`."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return validation.short(path, 80)
+
+
+_KINDS = {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          503: "service_unavailable"}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kinds = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
-    body = {"error": {"message": message, "type": kinds.get(status, "server_error"), "param": param, "code": status}}
+    message, param = _encodable(message), None if param is None else _encodable(param)
+    body = {"error": {"message": message, "type": _KINDS.get(status, "server_error"), "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
+
+
+def _encodable(text: str) -> str:
+    """`text` with anything UTF-8 cannot carry (a lone surrogate from the request) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

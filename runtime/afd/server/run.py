@@ -20,6 +20,7 @@ from afd.metrics.wiring import instrument_attention
 from afd.server.app import ServerState, create_app
 from afd.server.probe_http import Probes, start_probe_server
 from afd.server.serving_metrics import ServingMetrics
+from afd.server.validation import Limits
 
 log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -40,6 +41,7 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
     """Engine + app state around a connected attention role."""
     spec = role.loaded.spec
     registry = CollectorRegistry()
+    metrics = ServingMetrics(registry, config.rank)
     engine = Engine(
         role.runner,
         role.kv_cache,
@@ -49,26 +51,28 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         max_model_len_for(config, spec),
         config.max_num_batched_tokens,
         role.device,
-        observer=ServingMetrics(registry, config.rank),
+        observer=metrics,
         link=role if hasattr(role, "keepalive") else None,
     )
+    metrics.track(engine)
     state = ServerState(
         engine=engine,
         tokenizer=engine.tokenizer,
         model_name=config.served_model_name or os.path.basename(os.path.normpath(config.model)),
         max_model_len=engine.max_model_len,
         vocab_size=spec.vocab_size,
-        health=lambda: engine.error,
+        health=lambda: engine.problem,
         registry=registry,
+        limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
     )
     if hasattr(role, "keepalive"):
         instrument_attention(registry, config, role, engine)
     return state, engine
 
 
-def attention_probes(engine: Engine, listening: Callable[[], bool], stop: threading.Event,
+def attention_probes(state: ServerState, listening: Callable[[], bool], stop: threading.Event,
                      ffn_draining: Callable[[], str | None] = lambda: None) -> Probes:
-    """Readiness follows the FFN link at once; liveness fails only when the engine thread is dead.
+    """Readiness follows the FFN link at once; liveness fails only when the rank cannot serve at all.
 
     A rank whose FFN is gone is unready (it answers 503) but alive: it re-handshakes when
     the FFN returns, so the kubelet must not restart it. An FFN rank about to stop says so
@@ -76,17 +80,20 @@ def attention_probes(engine: Engine, listening: Callable[[], bool], stop: thread
     The preStop drain waits its full time: the point is to keep serving while the endpoint
     removal reaches every proxy.
     """
+    engine = state.engine
 
     def ready() -> str | None:
         if stop.is_set():
             return "shutting down"
         if not listening():
             return "the HTTP server is not listening yet"
-        return engine.error or ffn_draining()
+        return state.problem() or ffn_draining()
 
     def live() -> str | None:
-        # engine._thread: read here rather than through a new Engine property, to keep engine/ untouched
-        return None if engine._thread.is_alive() else "the engine thread has stopped"
+        problem = engine.problem  # the engine's death, or the FFN link (engine.error): only the first is fatal
+        if problem is not None and problem == engine.error:
+            problem = None
+        return problem or state.loop_watch.problem()
 
     return Probes(ready, live)
 
@@ -106,9 +113,10 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         create_app(state), host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
-    probes = attention_probes(engine, lambda: server.started, stop, lambda: role.connector.ffn_draining)
+    probes = attention_probes(state, lambda: server.started, stop, lambda: role.connector.ffn_draining)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
+    threading.Thread(target=_exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
     log.info("attention rank %d serving on http://%s:%d/v1", config.rank, config.http_host, config.http_port)
     try:
         server.run()
@@ -117,5 +125,16 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         probe.shutdown()
         engine.stop()  # fails whatever the grace period did not finish
         role.close("attention rank shutting down")
+    if engine.dead:
+        log.error("attention rank %d exits because %s (a supervisor or the kubelet restarts it)", config.rank, engine.dead)
+        return 1
     log.info("attention rank %d stopped", config.rank)
     return 0
+
+
+def _exit_if_engine_dies(engine: Engine, server, stop: threading.Event) -> None:
+    """A dead engine thread cannot come back: stop serving so the process exits and is restarted."""
+    while not stop.wait(0.5):
+        if engine.dead:
+            server.should_exit = True
+            return

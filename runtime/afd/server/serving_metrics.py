@@ -9,7 +9,12 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class ServingMetrics:
-    """Engine observer feeding Prometheus; labels are only role and rank."""
+    """Engine observer feeding Prometheus; labels are only role and rank.
+
+    The running, waiting and KV-cache gauges are read from the engine at scrape time
+    (`track`), so they are current after every admission, finish and abort, not only
+    after a step.
+    """
 
     def __init__(self, registry: CollectorRegistry, rank: int):
         labels = {"role": "attention", "rank": str(rank)}
@@ -37,9 +42,15 @@ class ServingMetrics:
             self.itl.observe(now - request.last_token_at)
         self.generation_tokens.inc()
 
+    def track(self, engine) -> None:
+        """Read the gauges from `engine` whenever Prometheus scrapes."""
+        self.running.set_function(lambda: engine.num_running)
+        self.waiting.set_function(lambda: engine.num_waiting)
+        self.kv_usage.set_function(lambda: engine.kv_cache.usage)
+
     def on_step(self, engine, tokens: int, seconds: float) -> None:
         self.step_duration.observe(seconds)
         self.step_tokens.observe(tokens)
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        self.kv_usage.set(engine.kv_cache.usage)
+
+    def on_error(self) -> None:
+        self.request_errors.inc()
