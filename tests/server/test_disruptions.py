@@ -87,7 +87,7 @@ def test_liveness_fails_when_the_engine_thread_dies(live_with_probes, monkeypatc
 
 def test_liveness_fails_when_the_api_event_loop_stalls(live_with_probes, monkeypatch):
     live, probe_url, _ = live_with_probes
-    monkeypatch.setattr(live.state.loop_watch, "last", time.monotonic() - 60)  # as if blocked for a minute
+    monkeypatch.setattr(live.state.loop_watch, "problem", lambda: "the HTTP event loop has not run for 60 s (blocked or stopped)")
     stalled = httpx.get(f"{probe_url}/live")
     assert stalled.status_code == 503 and "event loop" in stalled.json()["reason"]
 
