@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 class FFNGraphs:
     def __init__(self, device: torch.device, max_graphs: int = 64):
+        self.device = device
         self.pool = make_pool(device)
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, object] = {}
@@ -58,6 +59,14 @@ class FFNGraphs:
     def forget(self, peer: bytes) -> None:
         """Drop the graphs that replay transfers with `peer` (its pair is gone)."""
         self.graphs = {key: graph for key, graph in self.graphs.items() if all(p != peer for p, _ in key)}
+        if not self.graphs:
+            self._new_pool()
 
     def clear(self) -> None:
         self.graphs.clear()
+        self._new_pool()
+
+    def _new_pool(self) -> None:
+        # once its last graph is gone a CUDA graph pool is dead: torch refuses (an internal assert
+        # that kills the process) to capture into it again, so later captures get a fresh pool
+        self.pool = make_pool(self.device)
