@@ -72,7 +72,8 @@ def plan(scrapes: list[list[RankSample]], bounds: Bounds = Bounds()) -> dict:
         raise TooFewMetrics("need at least two scrapes (a window) of every rank")
     topology, stages = topology_of(scrapes)
     pairs, ffn_windows = [], []
-    for found in rank_windows(scrapes):
+    windows = rank_windows(scrapes)
+    for found in windows:
         ffn_windows += [w for (role, _), w in found.items() if role == "ffn"]
         for (role, rank), w in found.items():
             ffn = found.get(("ffn", topology.ffn_rank_of(rank))) if role == "attention" else None
@@ -84,7 +85,7 @@ def plan(scrapes: list[list[RankSample]], bounds: Bounds = Bounds()) -> dict:
     model = fit_model(pairs, ffn_windows, stages)
     step_errors = sorted(abs(model.step_seconds(a.tokens_per_step, f.tokens_per_step) - a.step_s) / a.step_s
                          for a, f in pairs)
-    latest = rank_windows(scrapes[-2:])[0]
+    latest = windows[-1]
     attention_now = [w for (role, _), w in latest.items() if role == "attention"]
     measured = sum(w.generated_per_step * w.steps / w.seconds for w in attention_now)
     predicted = sum(w.generated_per_step / model.step_seconds(
@@ -113,12 +114,12 @@ def _ffn_rows(latest: dict, topology: Topology, attention_rank: int, fallback: f
 
 
 def _recommend(model: CostModel, current: Topology, concurrency: float, bounds: Bounds) -> dict:
+    if concurrency <= 0:
+        return {"recommended": None, "why": "no decoding sequences in the last window: nothing to plan for"}
     gpus = current.num_attention + current.num_ffn
     per_gpu_load = concurrency / gpus
     busy = model.busy(current, concurrency)
     shares = f"attention computes {busy['attention']:.0%} of a step, the FFN {busy['ffn']:.0%}, the host {busy['host']:.0%}"
-    if concurrency <= 0:
-        return {"recommended": None, "why": "no decoding sequences in the last window: nothing to plan for"}
     if not model.can_extrapolate:
         return {"recommended": None, "per_gpu": {}, "why": (
             f"{shares}; every window saw about the same batch, so how the costs grow with the batch is unknown: "
@@ -128,16 +129,16 @@ def _recommend(model: CostModel, current: Topology, concurrency: float, bounds: 
         size = topology.num_attention + topology.num_ffn
         per_gpu[str(topology)] = round(model.tokens_per_s(topology, per_gpu_load * size) / size, 2)
     now = per_gpu.get(str(current)) or model.tokens_per_s(current, concurrency) / gpus
-    best = max(per_gpu, key=per_gpu.get)
-    if per_gpu[best] < now * (1 + bounds.min_gain):
-        best, why = str(current), f"{shares}; no topology within the bounds is {bounds.min_gain:.0%} better per GPU"
+    chosen = Topology.parse(max(per_gpu, key=per_gpu.get))
+    if per_gpu[str(chosen)] < now * (1 + bounds.min_gain):
+        chosen, why = current, f"{shares}; no topology within the bounds is {bounds.min_gain:.0%} better per GPU"
     else:
-        side = "attention" if Topology.parse(best).num_attention / Topology.parse(best).num_ffn > \
-            current.num_attention / current.num_ffn else "FFN"
-        why = (f"{shares}; more {side} ranks per group balance the two sides: {best} predicts "
-               f"{per_gpu[best] / now - 1:+.0%} tokens/s per GPU at the same load per GPU")
-    return {"recommended": best, "recommended_tokens_per_s": round(per_gpu.get(best, now) *
-            (Topology.parse(best).num_attention + Topology.parse(best).num_ffn), 2), "per_gpu": per_gpu, "why": why}
+        side = "attention" if chosen.num_attention / chosen.num_ffn > current.num_attention / current.num_ffn else "FFN"
+        why = (f"{shares}; more {side} ranks per group balance the two sides: {chosen} predicts "
+               f"{per_gpu[str(chosen)] / now - 1:+.0%} tokens/s per GPU at the same load per GPU")
+    size = chosen.num_attention + chosen.num_ffn
+    return {"recommended": str(chosen), "recommended_tokens_per_s": round(per_gpu.get(str(chosen), now) * size, 2),
+            "per_gpu": per_gpu, "why": why}
 
 
 def _describe(model: CostModel) -> dict:
