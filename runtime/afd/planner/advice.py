@@ -108,9 +108,12 @@ def plan(scrapes: list[list[RankSample]], bounds: Bounds = Bounds()) -> dict:
     return result | advice
 
 
-def _ffn_rows(latest: dict, topology: Topology, attention_rank: int, fallback: float) -> float:
-    ffn = latest.get(("ffn", topology.ffn_rank_of(attention_rank)))
-    return ffn.tokens_per_step if ffn is not None else fallback * len(topology.attention_ranks_of(0))
+def _ffn_rows(latest: dict, topology: Topology, attention_rank: int, tokens: float) -> float:
+    """Rows per step of the rank's FFN in the latest window; without a profiled FFN step there,
+    what its attention ranks would send at `tokens` each."""
+    ffn_rank = topology.ffn_rank_of(attention_rank)
+    ffn = latest.get(("ffn", ffn_rank))
+    return ffn.tokens_per_step if ffn is not None else tokens * len(topology.attention_ranks_of(ffn_rank))
 
 
 def _recommend(model: CostModel, current: Topology, concurrency: float, bounds: Bounds) -> dict:
