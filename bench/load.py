@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import statistics
@@ -69,6 +70,25 @@ async def run_load(api, model, clients, seconds):
     return latencies, failures, counter[0]
 
 
+@contextlib.contextmanager
+def running_up(topology: str, port: int, log: str | None = None):
+    """`afd up` of `topology` on `port` until the block ends; yields (its state file's content, the model id)."""
+    state_file = Path(tempfile.mkdtemp()) / "state.json"
+    stderr = open(log, "w") if log else subprocess.DEVNULL
+    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", topology, "--port", str(port),
+                           "--state-file", str(state_file), "--no-demo"], stderr=stderr)
+    try:
+        while not state_file.exists():
+            if up.poll() is not None:
+                raise SystemExit("afd up did not start")
+            time.sleep(0.5)
+        state = json.loads(state_file.read_text())
+        yield state, httpx.get(f"{state['api']}/models").json()["data"][0]["id"]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
@@ -76,26 +96,14 @@ def main() -> int:
     parser.add_argument("--topology", default="2A1F")
     parser.add_argument("--port", type=int, default=8125)
     args = parser.parse_args()
-    state_file = Path(tempfile.mkdtemp()) / "state.json"
-    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", args.topology, "--port", str(args.port),
-                           "--state-file", str(state_file), "--no-demo"], stderr=subprocess.DEVNULL)
-    try:
-        while not state_file.exists():
-            if up.poll() is not None:
-                raise SystemExit("afd up did not start")
-            time.sleep(0.5)
-        state = json.loads(state_file.read_text())
+    with running_up(args.topology, args.port) as (state, model):
         pids = [rank["pid"] for rank in state["ranks"]]
-        model = httpx.get(f"{state['api']}/models").json()["data"][0]["id"]
         asyncio.run(run_load(state["api"], model, args.clients, 5))  # warm-up: allocator and caches settle
         rss_start = rss_bytes(pids)
         started = time.monotonic()
         latencies, failures, tokens = asyncio.run(run_load(state["api"], model, args.clients, args.seconds))
         elapsed = time.monotonic() - started
         rss_end = rss_bytes(pids)
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(timeout=60)
     latencies.sort()
     growth = rss_end / rss_start - 1
     print(f"load: {args.clients} clients x {args.seconds:.0f} s against afd up {args.topology}")

@@ -10,10 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from load import client_loop  # noqa: E402
+from load import client_loop, running_up  # noqa: E402
 
 
 async def phase(api: str, model: str, clients: int, seconds: float, urls: list[str], scrapes: list) -> None:
@@ -53,24 +50,12 @@ def main() -> int:
     from afd.planner.advice import plan
     from afd.planner.command import render_table
 
-    state_file = Path(tempfile.mkdtemp()) / "state.json"
-    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", args.topology, "--port", str(args.port),
-                           "--state-file", str(state_file), "--no-demo"], stderr=open(args.log, "w") if args.log else subprocess.DEVNULL)
-    try:
-        while not state_file.exists():
-            if up.poll() is not None:
-                raise SystemExit("afd up did not start")
-            time.sleep(0.5)
-        state = json.loads(state_file.read_text())
+    with running_up(args.topology, args.port, args.log) as (state, model):
         urls = [rank["metrics"] for rank in state["ranks"]]
-        model = httpx.get(f"{state['api']}/models").json()["data"][0]["id"]
         scrapes: list = []
         for clients in (int(c) for c in args.phases.split(",")):
             asyncio.run(phase(state["api"], model, clients, args.seconds, urls, scrapes))
             print(f"phase of {clients} clients done", file=sys.stderr, flush=True)
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(timeout=60)
     if args.dump:
         Path(args.dump).write_text(json.dumps([[vars(s) for s in scrape] for scrape in scrapes]))
     result = plan(scrapes)
