@@ -193,6 +193,17 @@ def test_a_served_rank_is_unready_within_a_second_when_its_ffn_pod_stops(checkpo
         _stop_all(marker, attention, ffn)
 
 
+def _start_in_flight_stream(urls: dict) -> tuple[str, threading.Thread, dict]:
+    """Once the attention rank is ready, a 300-token stream in flight: (model, its thread, its results)."""
+    wait_for(lambda: _ready(urls["probe"]), 120, "the attention rank to be ready")
+    model = httpx.get(f"{urls['api']}/models").json()["data"][0]["id"]
+    results: dict = {}
+    worker = threading.Thread(target=stream, args=(urls["api"], model, 300, results, "in-flight"))
+    worker.start()
+    time.sleep(0.5)
+    return model, worker, results
+
+
 @pytest.mark.timeout(300)
 def test_a_group_stopped_as_in_a_rollout_finishes_every_request(checkpoints, tmp_path):
     """The kubelet's order for every pod of the group at once: preStop /drain, then SIGTERM. The
@@ -201,12 +212,7 @@ def test_a_group_stopped_as_in_a_rollout_finishes_every_request(checkpoints, tmp
     marker = uuid.uuid4().hex
     ffn, attention, urls = _serve_group(checkpoints["qwen3_moe"], tmp_path, marker)
     try:
-        wait_for(lambda: _ready(urls["probe"]), 120, "the attention rank to be ready")
-        model = httpx.get(f"{urls['api']}/models").json()["data"][0]["id"]
-        results: dict = {}
-        worker = threading.Thread(target=stream, args=(urls["api"], model, 300, results, "in-flight"))
-        worker.start()
-        time.sleep(0.5)
+        model, worker, results = _start_in_flight_stream(urls)
         hooks: dict = {}
         ffn_hook = threading.Thread(target=lambda: hooks.update(ffn=httpx.get(f"{urls['ffn_probe']}/drain?seconds=60", timeout=90)))
         ffn_hook.start()
@@ -258,12 +264,7 @@ def test_an_ffn_pod_deleted_alone_lets_its_attention_rank_finish_first(checkpoin
     marker = uuid.uuid4().hex
     ffn, attention, urls = _serve_group(checkpoints["qwen3_moe"], tmp_path, marker)
     try:
-        wait_for(lambda: _ready(urls["probe"]), 120, "the attention rank to be ready")
-        model = httpx.get(f"{urls['api']}/models").json()["data"][0]["id"]
-        results: dict = {}
-        worker = threading.Thread(target=stream, args=(urls["api"], model, 300, results, "in-flight"))
-        worker.start()
-        time.sleep(0.5)
+        model, worker, results = _start_in_flight_stream(urls)
         hook: dict = {}
         drain = threading.Thread(target=lambda: hook.update(r=httpx.get(f"{urls['ffn_probe']}/drain?seconds=60", timeout=90)))
         drain.start()
