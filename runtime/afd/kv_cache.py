@@ -27,7 +27,7 @@ class KVCache:
 
     def __init__(
         self,
-        layouts: Sequence[KVLayout | tuple[int, int, int]],
+        layouts: Sequence[KVLayout],
         num_blocks: int,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -38,7 +38,7 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks  # one extra block, never allocated: padded graph rows write here
         rows = (num_blocks + 1) * block_size
-        self.layouts = [KVLayout.of(layout) for layout in layouts]
+        self.layouts = list(layouts)
         self.keys = [torch.zeros(rows, lay.heads, lay.key_dim, dtype=dtype, device=device) for lay in self.layouts]
         self.values = [
             keys[:, :, : lay.value_dim] if lay.values_in_keys
@@ -98,6 +98,6 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @staticmethod
-    def bytes_per_token(layouts: Sequence[KVLayout | tuple[int, int, int]], dtype: torch.dtype) -> int:
+    def bytes_per_token(layouts: Sequence[KVLayout], dtype: torch.dtype) -> int:
         element = torch.empty(0, dtype=dtype).element_size()
-        return sum(KVLayout.of(layout).elements_per_token for layout in layouts) * element
+        return sum(layout.elements_per_token for layout in layouts) * element

@@ -5,6 +5,7 @@ import torch
 from afd.engine.request import Request, SamplingParams
 from afd.engine.scheduler import Scheduler
 from afd.kv_cache import KVCache
+from afd.models.spec import KVLayout
 
 
 def make(prompt_len, max_tokens=8):
@@ -12,7 +13,7 @@ def make(prompt_len, max_tokens=8):
 
 
 def scheduler(blocks=8, max_num_seqs=4, budget=64):
-    cache = KVCache([(1, 2, 2)], blocks, torch.float32, "cpu", block_size=4)
+    cache = KVCache([KVLayout(1, 2, 2)], blocks, torch.float32, "cpu", block_size=4)
     return Scheduler(cache, max_num_seqs, budget, max_model_len=64)
 
 

@@ -23,10 +23,6 @@ class KVLayout:
     value_dim: int
     values_in_keys: bool = False
 
-    @classmethod
-    def of(cls, layout: "KVLayout | tuple") -> "KVLayout":
-        return layout if isinstance(layout, KVLayout) else cls(*layout)
-
     @property
     def elements_per_token(self) -> int:
         return self.heads * (self.key_dim + (0 if self.values_in_keys else self.value_dim))
