@@ -71,7 +71,7 @@ def window(before: RankSample, after: RankSample) -> RankWindow | None:
     delta = {key: after.values[key] - before.values.get(key, 0.0) for key in after.values}
     steps = delta.get("afd_step_duration_seconds_count", 0.0)
     per_layer = _per_layer_means(delta)
-    profiled = max((count for (_, _, count) in per_layer.values()), default=0.0)
+    profiled = max((count for (_, count) in per_layer.values()), default=0.0)
     if steps <= 0 or profiled <= 0:
         return None
     tokens = delta.get("afd_step_tokens_sum", 0.0) / max(delta.get("afd_step_tokens_count", 0.0), 1.0)
@@ -92,8 +92,8 @@ def window(before: RankSample, after: RankSample) -> RankWindow | None:
     )
 
 
-def _per_layer_means(delta: dict[str, float]) -> dict[tuple[str, str], tuple[float, float, float]]:
-    """(kind, layer) → (mean seconds per profiled step, sum, count); kind is compute, send or recv."""
+def _per_layer_means(delta: dict[str, float]) -> dict[tuple[str, str], tuple[float, float]]:
+    """(kind, layer) → (mean seconds per profiled step, profiled steps); kind is compute, send or recv."""
     out = {}
     for key, total in delta.items():
         if "|" not in key or not key.split("|")[0].endswith("_sum"):
@@ -102,9 +102,9 @@ def _per_layer_means(delta: dict[str, float]) -> dict[tuple[str, str], tuple[flo
         count = delta.get(f"{name[: -len('_sum')]}_count|{layer}|{direction}", 0.0)
         if count > 0:
             kind = "compute" if name.startswith("afd_layer_compute") else direction
-            out[(kind, layer)] = (total / count, total, count)
+            out[(kind, layer)] = (total / count, count)
     return out
 
 
 def _total(per_layer: dict, kind: str) -> float:
-    return sum(mean for (which, _), (mean, _, _) in per_layer.items() if which == kind)
+    return sum(mean for (which, _), (mean, _) in per_layer.items() if which == kind)
