@@ -63,7 +63,11 @@ def containers_conf() -> Path:
 def podman(*args: str, check: bool = True, capture: bool = False, timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run podman with this machine's containers.conf (see `containers_conf`)."""
     env = {**os.environ, "CONTAINERS_CONF": str(containers_conf())}
-    return subprocess.run(["podman", *args], check=check, text=True, timeout=timeout, capture_output=capture, env=env)
+    result = subprocess.run(["podman", *args], text=True, timeout=timeout, capture_output=capture, env=env)
+    if check and result.returncode:
+        detail = f": {result.stderr.strip()[-2000:]}" if capture and result.stderr else ""
+        raise RuntimeError(f"`podman {' '.join(args)}` exited {result.returncode}{detail}")
+    return result
 
 
 def missing_tools() -> list[str]:
