@@ -97,7 +97,7 @@ class Ratio(SpecModel):
     sample_interval_seconds: int = Field(default=30, ge=5, le=3600)
     samples: int = Field(default=6, ge=2, le=100)
     min_available: int = Field(default=1, ge=0, le=100)
-    prometheus_url: Optional[str] = Field(default=None, alias="prometheusURL", pattern=r"^https?://\S+$")
+    prometheus_url: Optional[str] = Field(default=None, alias="prometheusURL", max_length=2048, pattern=r"^https?://\S+$")
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "Ratio":

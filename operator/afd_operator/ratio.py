@@ -14,6 +14,7 @@ groups Ready. Scrapes of another topology than the group's current one are never
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -104,7 +105,7 @@ def decide(spec: AFDDeploymentSpec, topology: Topology, scrapes: Mapping[int, Sc
     if carried and applied_topology(spec, {"ratio": carried}) is None:
         carried = {k: v for k, v in carried.items() if k == "lastChangeTime"}  # the spec's ranks rule again
     latest = max((s.at for group in scrapes.values() for scrape in group for s in scrape), default=None)
-    fresh = latest is not None and latest > (parse_time(previous.get("lastSampleTime")) or 0.0)
+    fresh = latest is not None and math.floor(latest) > (parse_time(previous.get("lastSampleTime")) or 0.0)
     if not fresh and previous.get("mode") == ratio.mode and previous.get("current") == str(topology):
         return RatioOutcome(dict(previous) | {"mode": ratio.mode})  # nothing new to judge
 
