@@ -1,13 +1,22 @@
 """`afd plan`'s cost model and recommendation on synthetic metric streams (pure), and the command."""
 
+import json
+import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
 
 import pytest
 
 from afd.planner.advice import Bounds, TooFewMetrics, plan
 from afd.planner.cost import Line
 from afd.planner.samples import parse_exposition
+from afd.planner.prometheus import PrometheusError, scrape_at, scrape_history, selector
+from afd.planner.simulate import FakePrometheus
 from afd.planner.simulate import SimulatedGroup as Group
 from afd.topology import Topology
 
@@ -92,3 +101,96 @@ def test_afd_plan_command_refuses_bad_input_with_one_line():
     assert few.returncode == 1 and "--samples 1" in few.stderr
     both = run("--scrape", "x", "--state-file", "y")
     assert both.returncode == 2 and "not allowed with" in both.stderr
+
+
+def _recorded(fake: FakePrometheus, now: float, **labels) -> None:
+    """Four snapshots of a simulated 2A1F group, 10 s apart, ending at `now`."""
+    group = Group("2A1F")
+    for index, load in enumerate([8, 16, 32, 64]):
+        group.run(load)
+        fake.record(now - 10 * (3 - index), group.exposition(), **labels)
+
+
+def test_plan_reads_one_group_from_prometheus():
+    fake, now = FakePrometheus(), 1_800_000_000.0
+    _recorded(fake, now, afd_io_name="demo", afd_io_group="0", namespace="ns")
+    other = Group("4A1F")
+    other.run(32)
+    fake.record(now, other.exposition(), afd_io_name="demo", afd_io_group="1", namespace="ns")
+    server = fake.serve()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        scrapes = scrape_history(url, selector("demo", 0, "ns"), 4, 10.0, now)
+        result = plan(scrapes)
+        assert result["current"] == "2A1F" and result["windows"] == 3 and result["fit_step_error_median"] < 0.01
+        assert result["model"]["ffn"]["slope_s_per_token"] == pytest.approx(2e-5, rel=1e-3)  # group 1 kept out
+        with pytest.raises(PrometheusError, match="query refused|HTTP 400"):
+            scrape_at(url + "/nothing", selector("demo", 0), now)
+    finally:
+        server.shutdown()
+    with pytest.raises(PrometheusError, match="127.0.0.1:1"):
+        scrape_at("http://127.0.0.1:1", selector("demo", 0), now)
+
+
+def test_afd_plan_prometheus_needs_a_deployment():
+    run = subprocess.run([sys.executable, "-m", "afd", "plan", "--prometheus", "http://127.0.0.1:1"],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "--prometheus needs --deployment" in run.stderr
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None,
+                    reason="no prometheus binary on PATH (Debian: apt-get install -y prometheus)")
+def test_afd_plan_against_a_real_prometheus(tmp_path):
+    """A real Prometheus scrapes a tiny exporter of a simulated group every second; `afd plan
+    --prometheus` plans from what it stored."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    group, loads = Group("2A1F"), [16, 32, 64, 48]
+
+    class Exporter(BaseHTTPRequestHandler):
+        served = 0
+
+        def do_GET(self):  # noqa: N802
+            group.run(loads[Exporter.served % len(loads)])  # the load changes at every scrape
+            Exporter.served += 1
+            body = group.exposition().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    exporter = HTTPServer(("127.0.0.1", 0), Exporter)
+    threading.Thread(target=exporter.serve_forever, daemon=True).start()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: afd\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{exporter.server_port}']\n"
+        "        labels: {afd_io_name: demo, afd_io_group: '0', namespace: ns}\n")
+    server = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        query = urllib.parse.urlencode({"query": 'afd_step_tokens_count{role="attention",rank="0"}'})
+        deadline, stored = time.monotonic() + 60, 0.0
+        while stored < 900 and time.monotonic() < deadline:  # nine scrapes of 100 steps
+            time.sleep(1)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=2) as reply:
+                    stored = max([float(r["value"][1]) for r in json.loads(reply.read())["data"]["result"]] + [0.0])
+            except OSError:
+                continue
+        run = subprocess.run([sys.executable, "-m", "afd", "plan", "--prometheus", f"http://127.0.0.1:{port}",
+                              "--deployment", "demo", "--namespace", "ns", "--samples", "4", "--interval", "2",
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        result = json.loads(run.stdout)
+        assert result["current"] == "2A1F" and result["windows"] == 3 and result["predicted_tokens_per_s"] > 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        exporter.shutdown()

@@ -1,9 +1,17 @@
-"""Synthetic metric streams of an AFD group with known costs: what the planner and the
-operator's ratio loop are tested against (the recovered costs must be the known ones)."""
+"""Synthetic metric streams of an AFD group with known costs, and a fake Prometheus over them:
+what the planner and the operator's ratio loop are tested against (the recovered costs must be
+the known ones)."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from afd.planner.samples import RankSample, parse_exposition
 from afd.topology import Topology
@@ -80,3 +88,56 @@ class SimulatedGroup:
             self.run(load)
             out.append(parse_exposition(self.exposition(), self.clock))
         return out
+
+
+class FakePrometheus:
+    """Prometheus's `/api/v1/query` over recorded expositions (instant vectors, 5-minute
+    lookback, `=` and `=~` matchers): what a Prometheus scraping the group would answer."""
+
+    LOOKBACK_S = 300.0
+
+    def __init__(self) -> None:
+        self.records: list[tuple[float, dict[str, str], str]] = []  # (time, target labels, exposition)
+
+    def record(self, at: float, text: str, **target_labels: str) -> None:
+        self.records.append((at, target_labels, text))
+
+    def answer(self, params: dict[str, str]) -> dict:
+        at = float(params["time"])
+        matchers = re.findall(r'(\w+)(=~|=)"((?:[^"\\]|\\.)*)"', params["query"])
+        latest: dict[tuple, tuple[float, dict, str]] = {}
+        for when, target, text in self.records:
+            key = tuple(sorted(target.items()))
+            if at - self.LOOKBACK_S <= when <= at and when >= latest.get(key, (float("-inf"),))[0]:
+                latest[key] = (when, target, text)
+        result = []
+        for when, target, text in latest.values():
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    labels = {"__name__": sample.name, **sample.labels, **target}
+                    if all(re.fullmatch(v, labels.get(k, "")) if op == "=~" else labels.get(k, "") == v
+                           for k, op, v in matchers):
+                        result.append({"metric": labels, "value": [when, repr(float(sample.value))]})
+        return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+    def serve(self):
+        """Serve on 127.0.0.1 in a daemon thread; returns the server (`server_port`, `shutdown()`)."""
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                url = urllib.parse.urlparse(self.path)
+                params = dict(urllib.parse.parse_qsl(url.query))
+                ok = url.path == "/api/v1/query" and "query" in params and "time" in params
+                body = json.dumps(fake.answer(params) if ok else {"status": "error", "error": "bad query"}).encode()
+                self.send_response(200 if ok else 400)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
