@@ -6,8 +6,8 @@ recommend. Advise reports it in `status.ratio` and an Event. Auto also records i
 `status.ratio.appliedTopology`, which `effective_spec` puts in place of the spec's ranks, so
 the revision changes and the ordinary group rollout moves the groups, one safe step at a time.
 
-Hysteresis: the planner recommends a change only above `minGainPercent`; Auto acts on a
-recommendation seen in `CONFIRMATIONS` consecutive evaluations, at most once per
+Hysteresis: the planner recommends a change only above `minGainPercent`; a recommendation
+is announced, and Auto acts on it, once seen in `CONFIRMATIONS` consecutive evaluations, at most once per
 `cooldownSeconds`, never during a rollout, and only when the rollout can keep `minAvailable`
 groups Ready. Scrapes of another topology than the group's current one are never used.
 """
@@ -85,13 +85,18 @@ def effective_spec(spec: AFDDeploymentSpec, status: Mapping[str, Any]) -> AFDDep
     })
 
 
-def max_unavailable(ratio: Ratio, replicas: int, rollout_max_unavailable: int, max_surge: int) -> int:
-    """The rollout's unavailability budget under Auto: never below `minAvailable` Ready groups,
-    unless that would stall the rollout (no surge), where the spec's budget stands."""
-    if ratio.mode != "Auto":
-        return rollout_max_unavailable
+def safe_unavailable(ratio: Ratio, replicas: int, rollout_max_unavailable: int, max_surge: int) -> Optional[int]:
+    """The rollout's unavailability budget that keeps `minAvailable` groups Ready; None when no
+    rollout could progress within it (no budget left and no surge)."""
     clamped = min(rollout_max_unavailable, max(0, replicas - ratio.min_available))
-    return clamped if clamped > 0 or max_surge > 0 else rollout_max_unavailable
+    return clamped if clamped > 0 or max_surge > 0 else None
+
+
+def max_unavailable(ratio: Ratio, replicas: int, rollout_max_unavailable: int, max_surge: int) -> int:
+    """The planner's budget: under Auto the safe one; where that would stall every rollout (Auto
+    then makes no change), the spec's, so that the user's own rollouts still progress."""
+    safe = safe_unavailable(ratio, replicas, rollout_max_unavailable, max_surge) if ratio.mode == "Auto" else None
+    return rollout_max_unavailable if safe is None else safe
 
 
 def decide(spec: AFDDeploymentSpec, topology: Topology, scrapes: Mapping[int, Scrapes],
@@ -122,7 +127,7 @@ def decide(spec: AFDDeploymentSpec, topology: Topology, scrapes: Mapping[int, Sc
     }
     events: list[tuple[str, str, str]] = []
     change = recommended is not None and recommended != str(topology)
-    if change and recommended != previous.get("recommended"):
+    if change and streak == CONFIRMATIONS:  # announced once confirmed: a noisy stream does not flood Events
         events.append(("Normal", "RatioRecommended",
                        f"{recommended} instead of {topology}: {gain:+.0%} tokens/s per GPU predicted; {why}"))
     if change and ratio.mode == "Auto":
@@ -182,8 +187,8 @@ def _hold(ratio: Ratio, streak: int, status: Mapping[str, Any], fleet: Fleet, no
         return f"cool-down, {ratio.cooldown_seconds - (now - last):.0f}s left"
     if not fleet.settled:
         return "a rollout is in progress"
-    if fleet.ready < ratio.min_available or (
-            fleet.max_surge == 0 and min(fleet.max_unavailable, fleet.replicas - ratio.min_available) <= 0):
+    if fleet.ready < ratio.min_available or safe_unavailable(
+            ratio, fleet.replicas, fleet.max_unavailable, fleet.max_surge) is None:
         return (f"replacing a group would leave fewer than ratio.minAvailable ({ratio.min_available}) Ready: "
                 "allow rollout.maxSurge >= 1 or lower ratio.minAvailable")
     return ""

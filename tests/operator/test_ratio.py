@@ -169,6 +169,7 @@ class TestAuto:
         cluster = attention_bound(noise=0.05, replicas=2, rollout={"maxSurge": 1},
                           ratio=ratio("Auto", cooldownSeconds=0)).run(40)
         assert len(cluster.changes()) == 1 and len(cluster.events("RatioChanged")) == 1
+        assert len(cluster.events("RatioRecommended")) == 1
 
     def test_a_recommendation_must_be_confirmed(self):
         cluster = attention_bound(ratio=ratio("Auto"), rollout={"maxSurge": 1})
@@ -229,3 +230,15 @@ def test_without_new_samples_nothing_is_re_evaluated():
                 "lastSampleTime": "2027-01-15T08:00:00Z"}
     outcome = decide(spec, Topology(2, 1), {}, previous, Fleet(1, 1, True, 1, 0), T0)
     assert outcome.status == previous and outcome.events == []
+
+
+def test_near_the_threshold_noise_changes_the_topology_at_most_once_per_cool_down():
+    """2A1F with these costs: 5A1F predicts about +16 %, just above minGainPercent 15, so noise
+    flips the recommendation on and off."""
+    cluster = Cluster(ATTENTION_BOUND, noise=0.1, replicas=2, rollout={"maxSurge": 1},
+                      ratio=ratio("Auto", cooldownSeconds=900)).run(80)
+    times = [when for when, _ in cluster.changes()]
+    assert all(later - earlier >= 900 for earlier, later in zip(times, times[1:]))
+    assert len(cluster.events("RatioChanged")) == len(times) <= 3
+    shapes = ["2A1F"] + [topology for _, topology in cluster.changes()]
+    assert len(set(shapes)) == len(shapes)  # never back to an earlier shape

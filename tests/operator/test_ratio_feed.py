@@ -85,3 +85,20 @@ def test_reads_prometheus_when_the_spec_names_one():
         server.shutdown()
     assert {(s.role, s.rank) for s in kept[0][0]} == {("attention", 0), ("attention", 1), ("ffn", 0)}
     assert kept[0][0][0].info["topology"] == "2A1F"
+
+
+def test_the_handler_feeds_the_scrapes_to_the_reconcile():
+    import asyncio
+
+    from afd_operator.handlers import OperatorMemo, reconcile_one
+    from op_testkit import FakeStore
+
+    body = make_cr(ratio={"mode": "Advise"})
+    ranks, store = Ranks(), FakeStore()
+    memo = OperatorMemo(store=store)
+    memo.feed = RatioFeed(ranks.get)
+    memo.pods[("ns", "demo")] = {p.name: p for p in pods_of(body)}
+    outcome = asyncio.run(reconcile_one(memo, body, full=False))
+    assert len(ranks.asked) == 3
+    assert "too few metrics: need at least two scrapes" in outcome.status["ratio"]["reason"]
+    assert store.statuses[-1]["ratio"] == outcome.status["ratio"]
