@@ -27,6 +27,8 @@ from afd_operator.model_options import Ratio
 from afd_operator.observe import format_time, parse_time
 
 CONFIRMATIONS = 2  # consecutive evaluations that must agree before Auto acts
+# Written as null when they do not apply: the status is merge-patched, and only null removes a key.
+OPTIONAL = ("recommended", "predictedGainPercent", "lastSampleTime", "appliedTopology", "basedOn", "lastChangeTime")
 
 Scrapes = list[list[RankSample]]
 
@@ -117,7 +119,7 @@ def decide(spec: AFDDeploymentSpec, topology: Topology, scrapes: Mapping[int, Sc
     advice = {index: _advise(_of_topology(group, topology), bounds_of(ratio)) for index, group in sorted(scrapes.items())}
     recommended, gain, why = _combine(advice, topology)
     streak = int(previous.get("streak", 0)) + 1 if recommended and recommended == previous.get("recommended") else 1
-    status: dict[str, Any] = {
+    status: dict[str, Any] = dict.fromkeys(OPTIONAL) | {
         "mode": ratio.mode, "current": str(topology), "reason": why, "streak": streak if recommended else 0,
         "lastEvaluationTime": format_time(now),
         "groups": [_group_status(index, result) for index, result in advice.items()],

@@ -98,8 +98,8 @@ def reconcile(
     status = render_status(StatusInput(spec, owner.name, generation, reports, problems), previous, now)
     events = [_action_event(a, views) for a in plan.actions]
     ratio = decide(asked, spec.topology, scrapes or {}, previous.get("ratio") or {}, _fleet(spec, status), now)
-    if ratio.status is not None:
-        status["ratio"] = ratio.status
+    if ratio.status is not None or previous.get("ratio"):
+        status["ratio"] = ratio.status  # None: merge-patched as null, which removes it
     events += [Event(*e) for e in ratio.events]
     if secret.created and previous.get("groups"):
         events.append(Event("Warning", "GroupSecretRecreated", (

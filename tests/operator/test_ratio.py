@@ -137,13 +137,13 @@ class TestAdvise:
 
     def test_too_few_samples_give_no_recommendation_and_say_why(self):
         cluster = attention_bound(ratio=ratio("Advise")).run(3)  # Ready after tick 2: one scrape
-        assert "recommended" not in cluster.ratio
+        assert cluster.ratio["recommended"] is None
         assert "too few metrics: need at least two scrapes" in cluster.ratio["reason"]
         assert cluster.events("RatioRecommended") == []
 
     def test_one_steady_load_gives_no_recommendation(self):
         cluster = attention_bound(ratio=ratio("Advise")).run(8, loads=(16,))
-        assert "recommended" not in cluster.ratio and "same batch" in cluster.ratio["reason"]
+        assert cluster.ratio["recommended"] is None and "same batch" in cluster.ratio["reason"]
 
     def test_bounds_are_respected(self):
         cluster = attention_bound(ratio=ratio("Advise", maxAttentionPerFFN=2)).run(8)
@@ -151,7 +151,7 @@ class TestAdvise:
 
     def test_off_writes_no_ratio_status(self):
         cluster = Cluster(ATTENTION_BOUND).run(6)
-        assert "ratio" not in cluster.status
+        assert cluster.status.get("ratio") is None
         assert not any(event.reason.startswith("Ratio") for event in cluster.posted)
 
 
@@ -173,9 +173,9 @@ class TestAuto:
 
     def test_a_recommendation_must_be_confirmed(self):
         cluster = attention_bound(ratio=ratio("Auto"), rollout={"maxSurge": 1})
-        while "recommended" not in cluster.ratio:
+        while cluster.ratio.get("recommended") is None:
             cluster.tick()
-        assert "appliedTopology" not in cluster.ratio and f"1 of {CONFIRMATIONS}" in cluster.ratio["reason"]
+        assert cluster.ratio["appliedTopology"] is None and f"1 of {CONFIRMATIONS}" in cluster.ratio["reason"]
 
     def test_cool_down_spaces_the_changes(self):
         cluster = attention_bound(rollout={"maxSurge": 1}, ratio=ratio("Auto", cooldownSeconds=1800))
@@ -242,3 +242,13 @@ def test_near_the_threshold_noise_changes_the_topology_at_most_once_per_cool_dow
     assert len(cluster.events("RatioChanged")) == len(times) <= 3
     shapes = ["2A1F"] + [topology for _, topology in cluster.changes()]
     assert len(set(shapes)) == len(shapes)  # never back to an earlier shape
+
+
+def test_what_no_longer_applies_is_written_as_null_for_the_merge_patch():
+    cluster = attention_bound(ratio=ratio("Advise")).run(8)
+    assert cluster.ratio["recommended"] == "5A1F"
+    cluster.body["spec"]["ratio"]["mode"] = "Off"
+    cluster.tick()
+    assert "ratio" in cluster.status and cluster.status["ratio"] is None  # null removes status.ratio
+    cluster.tick()
+    assert "ratio" not in cluster.status
