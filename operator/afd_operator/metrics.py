@@ -89,7 +89,7 @@ class OperatorMetrics:
                 _remove(self.ratio, namespace, name, which)
             else:
                 self.ratio.labels(namespace, name, which).set(value)
-        if "predictedGainPercent" in ratio:
+        if ratio.get("predictedGainPercent") is not None:  # null: written to remove it
             self.gain.labels(namespace, name).set(ratio["predictedGainPercent"] / 100)
         else:
             _remove(self.gain, namespace, name)

@@ -65,7 +65,8 @@ def test_the_ratio_series_follow_status_ratio_and_go_with_it():
     assert samples[("afd_operator_ratio_predicted_gain_ratio", key)] == 0.22
     busy = {dict(labels)["side"]: v for (name, labels), v in samples.items() if name == "afd_operator_ratio_busy_ratio"}
     assert busy == {"attention": 0.7, "ffn": 0.1}  # group 1 has no fit: no series
-    metrics.observe("ns", "demo", 0.01, None, {}, {"readyReplicas": 1, "ratio": {"current": "4A1F"}})
+    metrics.observe("ns", "demo", 0.01, None, {}, {"readyReplicas": 1, "ratio": {
+        "current": "4A1F", "recommended": None, "predictedGainPercent": None}})
     left = [s for f in text_string_to_metric_families(_scrape(metrics)) for s in f.samples if s.name.startswith("afd_operator_ratio")]
     assert [(s.labels["topology"], s.value) for s in left] == [("current", 4)]
 

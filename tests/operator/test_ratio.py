@@ -252,3 +252,12 @@ def test_what_no_longer_applies_is_written_as_null_for_the_merge_patch():
     assert "ratio" in cluster.status and cluster.status["ratio"] is None  # null removes status.ratio
     cluster.tick()
     assert "ratio" not in cluster.status
+
+
+def test_autos_groups_are_the_groups_the_same_ranks_written_by_hand_give():
+    spec = parse_spec(make_cr(ratio={"mode": "Auto"})["spec"])
+    status = {"ratio": {"appliedTopology": "4A1F", "basedOn": "2A1F"}}
+    by_hand = parse_spec(make_cr(attention={"ranks": 4}, ratio={"mode": "Auto"})["spec"])
+    assert effective_spec(spec, status).revision == by_hand.revision != spec.revision
+    outside = {"ratio": {"appliedTopology": "12A1F", "basedOn": "2A1F"}}  # beyond maxAttentionPerFFN 8
+    assert effective_spec(spec, outside) is spec

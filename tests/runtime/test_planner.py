@@ -42,6 +42,8 @@ def test_attention_bound_group_is_told_to_add_attention_ranks():
     ratio = Topology.parse(result["recommended"])
     assert ratio.num_attention / ratio.num_ffn > 1, result["why"]
     assert "attention computes" in result["why"] and result["per_gpu"][result["recommended"]] > result["per_gpu"]["1A1F"]
+    gain = result["per_gpu"][result["recommended"]] / result["per_gpu"]["1A1F"] - 1
+    assert result["predicted_gain"] == pytest.approx(gain, abs=1e-3) and result["busy"]["attention"] > 0.5
 
 
 def test_ffn_bound_group_is_told_to_lower_the_ratio():

@@ -63,7 +63,8 @@ def render_table(result: dict) -> str:
         f"measured     {result['measured_tokens_per_s']:.1f} tokens/s",
         f"predicted    {result['predicted_tokens_per_s']:.1f} tokens/s (model error {result['prediction_error']:.1%})",
         f"recommended  {result['recommended'] or '-'}"
-        + (f" ({result['recommended_tokens_per_s']:.1f} tokens/s)" if result.get("recommended_tokens_per_s") else ""),
+        + (f" ({result['recommended_tokens_per_s']:.1f} tokens/s)" if result.get("recommended_tokens_per_s") else "")
+        + (f", {result['predicted_gain']:+.0%} per GPU" if result.get("predicted_gain") else ""),
         f"why          {result['why']}",
     ]
     if result.get("per_gpu"):
