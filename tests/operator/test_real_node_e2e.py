@@ -118,7 +118,8 @@ def _under_load(url: str, disruption, seconds_after: float = 5.0) -> Load:
 def test_a_new_user_from_helm_install_to_answers_under_disruptions(tmp_path_factory):
     cluster = node_cluster_or_skip()
     steps = Steps()
-    steps.run("build images (make images) and import them into the node", build_and_import_images)
+    if os.environ.get("AFD_E2E_REUSE_IMAGES") != "1":  # =1: the images of the last run are still in the node
+        steps.run("build images (make images) and import them into the node", build_and_import_images)
     model_dir = steps.run("afd make-tiny-model on the host (hostPath)", tiny_model_on_the_host,
                           tmp_path_factory.mktemp("e2e-model") / "tiny")
     release = HelmRelease(cluster, "afd", cluster.new_namespace("afd-system"),
@@ -157,6 +158,9 @@ def test_a_new_user_from_helm_install_to_answers_under_disruptions(tmp_path_fact
         steps.run("helm uninstall; the operator pod goes", eventually,
                   lambda: not cluster.list("Pod", release.namespace) and "no pod left", 120, "the operator pod gone", 1)
     finally:
+        for event in cluster.list("Event", namespace):
+            if event.get("type") == "Warning":
+                print(f"[e2e] warning event: {event['involvedObject']['name']}: {event['reason']}: {event['message'][:300]}")
         release.uninstall()  # idempotent: what is already gone is skipped
         cluster.delete("Namespace", namespace)
         cluster.delete("Namespace", release.namespace)
