@@ -83,6 +83,7 @@ def _sample(namespace: str, model_dir, replicas: int) -> dict:
     spec = body["spec"]
     spec.update(replicas=replicas, image=RUNTIME_IMAGE, imagePullPolicy="Never", servedModelName=SERVED)
     spec["model"] = {"uri": str(model_dir)}
+    spec["ratio"] = {"mode": "Advise", "sampleIntervalSeconds": 5}  # the operator scrapes the ranks in the cluster
     for role in ("attention", "ffn"):  # two groups of three pods fit a 2-CPU node
         spec[role]["resources"]["requests"]["cpu"] = "250m"
     return body
@@ -142,6 +143,8 @@ def test_a_new_user_from_helm_install_to_answers_under_disruptions(tmp_path_fact
 
         steps.run("load while group 1's FFN pod is deleted", _under_load, url, delete_ffn_pod, 20.0)
         steps.run("group 1 back; Ready 2/2", _wait_ready, cluster, namespace, 2)
+        steps.run("spec.ratio Advise: status.ratio from the ranks' live metrics", eventually,
+                  lambda: _ratio_seen(cluster, namespace), 120, "status.ratio with busy figures per group", 2)
 
         revision = cluster.get("AFDDeployment", NAME, namespace)["status"]["updateRevision"]
 
@@ -168,6 +171,18 @@ def test_a_new_user_from_helm_install_to_answers_under_disruptions(tmp_path_fact
         if report := os.environ.get("AFD_E2E_REPORT"):
             with open(report, "w") as out:
                 out.write(steps.table() + "\n")
+
+
+def _ratio_seen(cluster: Cluster, namespace: str):
+    """What the operator concluded from scraping the ranks in the cluster: a sample time and, per
+    group, busy figures (once the cost model fits) or the reason it cannot fit yet."""
+    ratio = ((cluster.get("AFDDeployment", NAME, namespace) or {}).get("status") or {}).get("ratio") or {}
+    groups = ratio.get("groups") or []
+    if ratio.get("mode") != "Advise" or not ratio.get("lastSampleTime") or sorted(g["index"] for g in groups) != [0, 1]:
+        return None
+    said = "; ".join(f"g{g['index']} attention {g['attentionBusyPercent']}% / FFN {g['ffnBusyPercent']}% busy"
+                     if "attentionBusyPercent" in g else f"g{g['index']}: {g.get('message', '')[:80]}" for g in groups)
+    return f"{said}; recommended {ratio.get('recommended') or '-'}"
 
 
 def _operator_ready(cluster: Cluster, namespace: str):
