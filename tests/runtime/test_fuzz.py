@@ -97,9 +97,9 @@ def test_live_sockets_survive_garbage(live_ffn, control, data, identity):
 def test_valid_peers_are_served_after_the_garbage(live_ffn, hf_reference):
     config, runner, _ = live_ffn
     time.sleep(0.5)  # let the loop drain what the fuzzer sent
-    rejected = sum(runner.connector.rejected.values())
+    rejected = sum(runner.link.rejected.values())
     assert rejected > 0  # garbage was seen, counted, and survived
-    assert len(runner.connector._stash) == 0 and not runner.peers  # nothing kept for strangers
+    assert len(runner.executor.plane._stash) == 0 and not runner.link.peers  # nothing kept for strangers
     role = build_attention(config.replace(role="attention", rank=0), 512)
     try:
         result = greedy_generate(role.runner, role.kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True)

@@ -26,17 +26,19 @@ def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, e
     Gauge("afd_kv_cache_capacity_tokens", "Tokens the KV cache holds", ["role", "rank"], registry=registry).labels(
         role="attention", rank=str(config.rank)).set(role.kv_cache.capacity_tokens)
     RunnerCollector(registry, "attention", config.rank, runner,
-                    link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, getattr(role, "recover_failures", 0)))
+                    link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, role.link.recover_failures))
 
 
-def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, runner, device) -> None:
+def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, worker, device) -> None:
     from afd.server.ffn_metrics import FFNMetrics
 
     export_group_info(registry, config)
-
-    runner.observer = FFNMetrics(registry, config.rank, runner.connector, runner)
+    executor = worker.executor
+    metrics = FFNMetrics(registry, config.rank, worker.link)
     for attention_rank in config.topology.attention_ranks_of(config.rank):
-        runner.observer.on_peer(attention_rank, False)  # every served peer exported (0) before it connects
-    runner.clock = LayerClock(device, config.profile_every)
-    runner.on_layers = LayerMetrics(registry, "ffn", config.rank).observe
-    RunnerCollector(registry, "ffn", config.rank, runner)
+        metrics.on_peer(attention_rank, False)  # every served peer exported (0) before it connects
+    worker.link.watch_peers(metrics.on_peer)
+    executor.observer = metrics
+    executor.clock = LayerClock(device, config.profile_every)
+    executor.on_layers = LayerMetrics(registry, "ffn", config.rank).observe
+    RunnerCollector(registry, "ffn", config.rank, executor)

@@ -9,9 +9,9 @@ from afd.server.serving_metrics import _LATENCY_BUCKETS, _TOKEN_BUCKETS
 
 
 class FFNMetrics:
-    """FFN-runner observer; rejected-message counts are read from the connector at scrape time."""
+    """FFN step observer; rejected messages and refused Hellos are read from the link at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry, rank: int, connector, runner=None):
+    def __init__(self, registry: CollectorRegistry, rank: int, link):
         labels = {"role": "ffn", "rank": str(rank)}
         self._labels = labels
         self.step_duration = Histogram("afd_step_duration_seconds", "Wall time of one FFN step", list(labels),
@@ -20,8 +20,7 @@ class FFNMetrics:
                                      list(labels), registry=registry, buckets=_TOKEN_BUCKETS).labels(**labels)
         self.steps = Counter("afd_ffn_steps", "FFN steps run", list(labels), registry=registry).labels(**labels)
         self.peer_up = Gauge("afd_peer_up", "1 while the attention peer is connected", [*labels, "peer"], registry=registry)
-        self.connector = connector
-        self.runner = runner
+        self.link = link
         registry.register(self)
 
     def on_step(self, seconds: float, rows: int) -> None:
@@ -33,14 +32,14 @@ class FFNMetrics:
         self.peer_up.labels(**self._labels, peer=str(attention_rank)).set(1 if up else 0)
 
     def collect(self):
-        family = CounterMetricFamily("afd_rejected_messages", "Messages rejected by the FFN connector",
+        family = CounterMetricFamily("afd_rejected_messages", "Messages rejected by the FFN link",
                                      labels=[*self._labels, "reason"])
-        for reason, count in {"control": 0, **self.connector.rejected}.items():  # 0 from the start, not "No data"
+        for reason, count in {"control": 0, **self.link.rejected}.items():  # 0 from the start, not "No data"
             family.add_metric([*self._labels.values(), reason], count)
         yield family
         refused = CounterMetricFamily("afd_handshake_failures", "Hellos refused (mismatch, foreign group, unserved rank)",
                                       labels=list(self._labels))
-        refused.add_metric(list(self._labels.values()), self.runner.handshake_failures if self.runner else 0)
+        refused.add_metric(list(self._labels.values()), self.link.handshake_failures)
         yield refused
 
     def describe(self):
