@@ -68,13 +68,13 @@ def _model_config(layers: int) -> dict:
 def _afd_config(args, phase: str, role: str, rank: int):
     from afd.config import AFDConfig
 
-    ranks, stages, window, _ = PHASES[phase]
+    ranks, stages, window, dbo_min_tokens = PHASES[phase]
     port = args.ports[phase]
     return AFDConfig(
         role=role, rank=rank, num_attention_ranks=ranks, num_ffn_ranks=1, connector="nccl", stages=stages,
         ffn_address_template="127.0.0.1", bind_host="127.0.0.1", control_port=port, data_port=port + 1,
         dtype="bfloat16", device="cuda", cuda_graphs=True, peer_timeout_s=60.0, connect_timeout_s=120.0,
-        ffn_batch_window_s=window, max_num_seqs=max(args.batches), profile_every=0,
+        ffn_batch_window_s=window, max_num_seqs=max(args.batches), profile_every=0, dbo_min_tokens=dbo_min_tokens,
     )
 
 
@@ -142,32 +142,8 @@ def _profile_steps(runner, kv, batch: int, count: int, context: int, vocab: int)
     return got
 
 
-def _pingpong(comm, rank: int, rows_list, hidden: int, trips: int = 100) -> dict:
-    """One-way µs of a bare NCCL send/recv ping-pong of rows x hidden bf16 (host loop, one sync)."""
-    import torch
-
-    out = {}
-    for rows in rows_list:
-        a = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
-        b = torch.empty_like(a)
-        for n, record in ((10, False), (trips, True)):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(n):
-                if rank == 0:
-                    comm.send(a)
-                    comm.recv(b)
-                else:
-                    comm.recv(b)
-                    comm.send(a)
-            torch.cuda.synchronize()
-            if record:
-                out[rows] = (time.perf_counter() - start) / (2 * n) * 1e6
-    return out
-
-
 class _NoFFN:
-    """An attention connector with no FFN behind it: the FFN output is zeros (attention-only step)."""
+    """An attention link with no FFN behind it: the FFN output is zeros (attention-only step)."""
 
     def __init__(self):
         self._sent = {}
@@ -175,10 +151,10 @@ class _NoFFN:
     def send_plan(self, plan) -> None:
         pass
 
-    def send_attn_output(self, hidden, transfer, router_logits=None) -> None:
+    def send(self, hidden, transfer, router_logits=None) -> None:
         self._sent[(transfer.layer, transfer.stage)] = hidden
 
-    def recv_ffn_output(self, transfer):
+    def recv(self, transfer):
         import torch
 
         return torch.zeros_like(self._sent.pop((transfer.layer, transfer.stage)))
@@ -201,20 +177,17 @@ def ffn_main(args, q, events) -> None:
     import torch
     from common import random_model, time_graph
 
-    from afd.connector import wire  # noqa: F401
-    from afd.connector.factory import make_ffn_connector
-    from afd.connector.ffn_side import DataContract
+    from common import nccl_pingpong
+
     from afd.connector.nccl_lib import PairComm, new_unique_id
-    from afd.graphs.ffn import FFNGraphs
     from afd.metrics.layer_clock import LayerClock
     from afd.models.loader import LoadedModel
-    from afd.runners.ffn_runner import FFNRunner
-    from afd.runners.handshake import make_hello
+    from afd.roles import Share, assemble_ffn
 
     config = _model_config(args.layers)
     model, spec, crossing = random_model(config, "ffn")
     loaded = LoadedModel(model, spec, crossing, "random")
-    from afd.kernels.moe import warm_up
+    from afd.models.moe_prep import warm_up
 
     warm_up(model)  # as build_ffn does: every tuned MoE kernel compiled and loaded before any transfer
     q.put(("log", f"ffn: model ready, {len(crossing)} crossing layers, {torch.cuda.memory_allocated() / 2**30:.1f} GiB"))
@@ -238,19 +211,14 @@ def ffn_main(args, q, events) -> None:
     q.put(("uid", uid.to_hex()))
     events["uid"].set()
     comm = PairComm(uid, 0, torch.device("cuda"))
-    q.put(("bare_ffn_side", _pingpong(comm, 0, args.rows, spec.hidden_size)))
+    q.put(("bare_ffn_side", nccl_pingpong(comm, 0, args.rows, spec.hidden_size)))
     torch.cuda.synchronize()
     comm.close()
 
     for phase in PHASES:
-        afd = _afd_config(args, phase, "ffn", 0)
-        hello = make_hello(afd, spec, crossing, "random", "bfloat16")
-        connector = make_ffn_connector(afd, torch.device("cuda"), DataContract(spec.hidden_size, "bfloat16", 0))
-        runner = FFNRunner(loaded, connector, hello, afd.topology.attention_ranks_of(0), 0)
-        runner.batch_window_s = afd.ffn_batch_window_s
-        runner.graphs = FFNGraphs(torch.device("cuda"))
-        profiles = []
-        runner.clock, runner.on_layers = LayerClock("cuda", profile_every=1), profiles.append
+        worker = assemble_ffn(_afd_config(args, phase, "ffn", 0), Share(loaded, torch.device("cuda"), "bfloat16"))
+        executor, profiles = worker.executor, []
+        executor.clock, executor.on_layers = LayerClock("cuda", profile_every=1), profiles.append
         stop = threading.Event()
         ranks = PHASES[phase][0]
 
@@ -263,47 +231,38 @@ def ffn_main(args, q, events) -> None:
 
         threading.Thread(target=watch, daemon=True).start()
         events[f"serving/{phase}"].set()
-        runner.serve(stop)
+        graphs = executor.graphs
+        worker.serve(stop)
         q.put((f"ffn_phase/{phase}", {
-            "steps": runner.steps_run, "replays": runner.graphs.replays, "eager": dict(runner.graphs.eager_steps),
-            "graph_mib": runner.graphs.memory_bytes / 2**20, "profiles": profiles,
+            "steps": worker.steps_run, "replays": graphs.replays, "eager": dict(graphs.eager_steps),
+            "graph_mib": graphs.memory_bytes / 2**20, "profiles": profiles,
         }))
     q.put(("log", "ffn: done"))
 
 
 # ---------------------------------------------------------------- attention ranks (GPU 0)
 def _connect(args, phase, rank, loaded, kv):
+    """A handshaken attention role around `loaded` and `kv`; its decode graphs are captured by `_capture`."""
     import torch
 
-    from afd.connector.factory import make_attention_connector
-    from afd.runners.attention_runner import AttentionRunner
-    from afd.runners.handshake import make_hello
+    from afd.roles import Share, assemble_attention
 
-    afd = _afd_config(args, phase, "attention", rank)
-    connector = make_attention_connector(afd, torch.device("cuda"))
-    connector.handshake(make_hello(afd, loaded.spec, loaded.crossing, "random", "bfloat16"), afd.connect_timeout_s)
-    runner = AttentionRunner(loaded, connector, kv, afd.stages, False)
-    return runner, connector
+    afd = _afd_config(args, phase, "attention", rank).replace(cuda_graphs=False)  # the buckets measured, not the defaults
+    return assemble_attention(afd, Share(loaded, torch.device("cuda"), "bfloat16"), kv)
 
 
 def _capture(runner, kv, buckets):
-    import torch
-
-    with torch.inference_mode():
-        runner.graphs = _graphs(runner.forward, kv, buckets, runner.stages, min_split=runner.dbo_min_tokens,
-                                before=runner._send_plan)
-        runner.connector.wait_step()
-    return runner.graphs
+    return runner.capture_graphs(buckets=buckets)
 
 
-def _close(runner, connector, q, label):
+def _close(role, q, label):
     """Release the graphs, then close the link for real (Goodbye, then ncclCommDestroy); report its time."""
     import torch
 
     torch.cuda.synchronize()
-    runner.graphs = None
+    role.runner.graphs = None
     started = time.monotonic()
-    connector.close("benchmark done")
+    role.link.close("benchmark done")
     q.put((f"close_s/{label}", time.monotonic() - started))
 
 
@@ -312,9 +271,11 @@ def attn0_main(args, q, events) -> None:
     import torch
     from common import random_model
 
+    from common import nccl_pingpong
+
     from afd.connector.nccl_lib import PairComm, UniqueId
     from afd.models.loader import LoadedModel
-    from afd.runners.attention_runner import AttentionRunner
+    from afd.runners.attention_runner import AttentionRunner, StepOptions
     from afd.runners.monolithic import MonolithicRunner
 
     config = _model_config(args.layers)
@@ -337,7 +298,7 @@ def attn0_main(args, q, events) -> None:
     loaded = LoadedModel(model, spec, crossing, "random")
     kv = _kv_cache(model, top, args.context)
     for stages in (2, 1):
-        solo = AttentionRunner(loaded, _NoFFN(), kv, stages, False)
+        solo = AttentionRunner(loaded, _NoFFN(), kv, StepOptions(stages))
         _capture(solo, kv, args.batches)
         for batch in args.batches:
             q.put((f"attn_only/s{stages}/{batch}", _time_steps(solo, kv, batch, args.steps, args.context, vocab)))
@@ -349,7 +310,7 @@ def attn0_main(args, q, events) -> None:
         raise TimeoutError("no NCCL id from the ffn rank")
     uid = args_uid_from_queue(events)
     comm = PairComm(UniqueId.from_hex(uid), 1, torch.device("cuda"))
-    q.put(("bare_attn_side", _pingpong(comm, 1, args.rows, spec.hidden_size)))
+    q.put(("bare_attn_side", nccl_pingpong(comm, 1, args.rows, spec.hidden_size)))
     torch.cuda.synchronize()
     comm.close()
 
@@ -362,8 +323,8 @@ def attn0_main(args, q, events) -> None:
 def _single_rank_phase(args, q, events, phase, loaded, kv, vocab) -> None:
     """1A1F: capture, time and profile every batch, then close the link."""
     events[f"serving/{phase}"].wait(max(1.0, args.deadline_at - time.time()))
-    runner, connector = _connect(args, phase, 0, loaded, kv)
-    runner.dbo_min_tokens = PHASES[phase][3]
+    role = _connect(args, phase, 0, loaded, kv)
+    runner = role.runner
     graphs = _capture(runner, kv, args.batches)
     q.put((f"afd_graph_mib/{phase}", graphs.memory_bytes / 2**20))
     for batch in args.batches:
@@ -372,7 +333,7 @@ def _single_rank_phase(args, q, events, phase, loaded, kv, vocab) -> None:
     q.put((f"attn_phase/{phase}/0", {"replays": graphs.replays, "eager_steps": runner.eager_steps,
                                      "profiled_eager": runner.profiled_eager_steps}))
     del graphs  # ncclCommDestroy waits until every graph holding the pair's transfers is gone
-    _close(runner, connector, q, f"{phase}/0")
+    _close(role, q, f"{phase}/0")
     events[f"done/{phase}/0"].set()
 
 
@@ -380,21 +341,28 @@ def args_uid_from_queue(events) -> str:
     return events["uid_box"].get(timeout=30)
 
 
+def _rank_share(batch: int, rank: int) -> int:
+    """Sequences of a total `batch` on attention rank `rank` of two (contiguous blocks, as `afd.topology`)."""
+    return (batch + 1) // 2 if rank == 0 else batch // 2
+
+
 def _phase_c(args, q, events, rank, loaded, kv) -> None:
     vocab = _model_config(args.layers)["vocab_size"]
-    halves = [batch // 2 for batch in args.batches]
+    shares = [_rank_share(batch, rank) for batch in args.batches]  # rank 0 takes the odd sequence
     events["serving/C"].wait(max(1.0, args.deadline_at - time.time()))
-    runner, connector = _connect(args, "C", rank, loaded, kv)
+    role = _connect(args, "C", rank, loaded, kv)
+    runner = role.runner
     barrier = events["barrier"]
     barrier.wait(timeout=120)
-    graphs = _capture(runner, kv, halves)
-    for batch, half in zip(args.batches, halves):
+    graphs = _capture(runner, kv, [share for share in shares if share] or [1])
+    for batch, share in zip(args.batches, shares):
         barrier.wait(timeout=120)
-        q.put((f"afd/C/{batch}/{rank}", _time_steps(runner, kv, half, args.steps, args.context, vocab)))
+        if share:  # a rank with no sequence of a batch of 1 has no step to time
+            q.put((f"afd/C/{batch}/{rank}", _time_steps(runner, kv, share, args.steps, args.context, vocab)))
     q.put((f"attn_phase/C/{rank}", {"replays": graphs.replays, "eager_steps": runner.eager_steps}))
     barrier.wait(timeout=120)
     del graphs  # ncclCommDestroy waits until every graph holding the pair's transfers is gone
-    _close(runner, connector, q, f"C/{rank}")
+    _close(role, q, f"C/{rank}")
     events[f"done/C/{rank}"].set()
 
 

@@ -37,7 +37,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     from afd.models.loader import LoadedModel
-    from afd.runners.attention_runner import AttentionRunner
+    from afd.runners.attention_runner import AttentionRunner, StepOptions
     from afd.runners.monolithic import MonolithicRunner
 
     config = _model_config(args.layers)
@@ -62,7 +62,7 @@ def main() -> None:
         loaded = LoadedModel(model, spec, crossing, "random")
         kv = _kv_cache(model, max(batches), context)
         for stages in (1, 2):
-            solo = AttentionRunner(loaded, _NoFFN(), kv, stages, False)
+            solo = AttentionRunner(loaded, _NoFFN(), kv, StepOptions(stages))
             _capture(solo, kv, batches)
             for batch in batches:
                 result[batch][f"afd_s{stages}"] = _time_steps(solo, kv, batch, args.steps, context, vocab)["ms"]

@@ -47,7 +47,7 @@ def load_share(config: AFDConfig) -> Share:
     dtype = resolve_dtype(config, device)
     loaded = load_model(config.model, config.role, config.gate_on_attention, torch_dtype(dtype), device)
     if config.role == "ffn" and device.type == "cuda":
-        from afd.kernels.moe import warm_up
+        from afd.models.moe_prep import warm_up
 
         log.info("ffn rank %d: MoE kernels warmed up for %d token counts", config.rank, warm_up(loaded.model))
     return Share(loaded, device, dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -137,10 +138,11 @@ class AttentionRunner:
         self.link.send_plan(wire.StepPlan(self.step_id, stage_tokens, **flags))
 
     @torch.inference_mode()
-    def capture_graphs(self, max_batch: int) -> DecodeGraphs:
-        """Warm up and capture decode graphs up to `max_batch` sequences (the FFN follows the plans)."""
+    def capture_graphs(self, max_batch: int = 0, buckets: Sequence[int] = ()) -> DecodeGraphs:
+        """Warm up and capture decode graphs up to `max_batch` sequences, or of exactly `buckets`
+        (the FFN follows the plans)."""
         started = time.monotonic()
-        buckets = decode_buckets(max_batch, self.stages)
+        buckets = tuple(sorted(set(buckets))) or decode_buckets(max_batch, self.stages)
         self.graphs = DecodeGraphs(
             self.forward, self.kv_cache, buckets, self.stages, self.kv_cache.keys[0].device,
             before=self._send_plan, min_split=self.dbo_min_tokens,
@@ -159,7 +161,7 @@ class AttentionRunner:
     def on_link_back(self) -> None:
         """Capture the decode graphs again; this also re-warms the FFN's graph cache (its plans drive it)."""
         if self._lost_buckets is not None:
-            self.capture_graphs(max(self._lost_buckets))
+            self.capture_graphs(buckets=self._lost_buckets)
             self._lost_buckets = None
 
     def _collect(self, mb: _MicroBatch) -> None:
