@@ -408,7 +408,7 @@ def main() -> None:
     args.rows = sorted(set(args.batches))
     args.deadline_at = time.time() + args.deadline
     sys.path.insert(0, str(HERE.parent / "runtime"))
-    from afd.processes import free_port_block
+    from afd.local.children import free_port_block
 
     args.ports = {phase: free_port_block(2) + 0 for phase in PHASES}
     if len(set(args.ports.values())) < len(PHASES):

@@ -84,7 +84,7 @@ def _prometheus_config(state: dict, path: Path) -> None:
 def test_every_dashboard_query_and_alert_runs_against_a_live_deployment(tmp_path):
     import zmq
 
-    from afd.processes import free_port_block
+    from afd.local.children import free_port_block
     from tests.server.test_up import read_state, wait_for
 
     up_port, prom_port = free_port_block(1), free_port_block(1)

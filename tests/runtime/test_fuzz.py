@@ -18,7 +18,7 @@ from afd.config import AFDConfig
 from afd.connector import wire
 from afd.connector.tensors import from_frame
 from afd.generation import greedy_generate
-from afd.processes import free_port_block
+from afd.local.children import free_port_block
 from afd.roles import build_attention, build_ffn
 from tests.conftest import NEW_TOKENS, PROMPTS
 

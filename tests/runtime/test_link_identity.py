@@ -17,7 +17,7 @@ from afd.connector.base import AttnTransfer
 from afd.connector.identity import check_identity, identity_key, new_identity, show
 from afd.generation import greedy_generate
 from afd.models.loader import load_model
-from afd.processes import free_port_block
+from afd.local.children import free_port_block
 from afd.roles import build_attention, build_ffn
 from afd.runners.handshake import make_hello
 from tests.conftest import NEW_TOKENS, PROMPTS

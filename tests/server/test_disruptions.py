@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from afd.processes import free_port_block
+from afd.local.children import free_port_block
 from afd.server.probe_http import Probes, drain_seconds, start_probe_server
 from afd.server.run import attention_probes
 from tests.runtime.test_generate_cli import processes_with_marker

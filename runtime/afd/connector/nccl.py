@@ -36,7 +36,7 @@ from afd.connector.base import AttnTransfer, ConnectorError, HandshakeError, Pee
 from afd.connector.nccl_lib import Group, NcclError, PairComm, UniqueId, wait_event
 from afd.connector.plane import AttentionPlane, PlaneOptions
 from afd.connector.tensors import pack_rows
-from afd.connector.wire import Hello, HelloReply
+from afd.connector.wire import HelloReply
 
 log = logging.getLogger(__name__)
 ATTENTION_RANK_IN_PAIR = 1  # the FFN end is rank 0 (afd.connector.nccl_ffn)

@@ -30,7 +30,7 @@ def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, e
 
 
 def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, worker, device) -> None:
-    from afd.server.ffn_metrics import FFNMetrics
+    from afd.metrics.ffn_metrics import FFNMetrics
 
     export_group_info(registry, config)
     executor = worker.executor
