@@ -180,7 +180,7 @@ def ffn_main(args, q, events) -> None:
     from common import nccl_pingpong
 
     from afd.connector.nccl_lib import PairComm, new_unique_id
-    from afd.metrics.layer_clock import LayerClock
+    from afd.metrics.layer_clock import LayerClock, StepInstruments
     from afd.models.loader import LoadedModel
     from afd.roles import Share, assemble_ffn
 
@@ -216,9 +216,10 @@ def ffn_main(args, q, events) -> None:
     comm.close()
 
     for phase in PHASES:
-        worker = assemble_ffn(_afd_config(args, phase, "ffn", 0), Share(loaded, torch.device("cuda"), "bfloat16"))
-        executor, profiles = worker.executor, []
-        executor.clock, executor.on_layers = LayerClock("cuda", profile_every=1), profiles.append
+        profiles = []
+        worker = assemble_ffn(_afd_config(args, phase, "ffn", 0), Share(loaded, torch.device("cuda"), "bfloat16"),
+                              StepInstruments(LayerClock("cuda", profile_every=1), profiles.append))
+        executor = worker.executor
         stop = threading.Event()
         ranks = PHASES[phase][0]
 

@@ -19,6 +19,7 @@ from afd.connector.ffn_link import FFNLink
 from afd.connector.identity import identity_key
 from afd.connector.plane import DataContract, PlaneOptions
 from afd.kv_cache import KVCache
+from afd.metrics.layer_clock import StepInstruments
 from afd.models.loader import LoadedModel, load_model
 from afd.runners.attention_runner import AttentionRunner, StepOptions
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
@@ -53,7 +54,7 @@ def load_share(config: AFDConfig) -> Share:
     return Share(loaded, device, dtype)
 
 
-def assemble_ffn(config: AFDConfig, share: Share) -> FFNWorker:
+def assemble_ffn(config: AFDConfig, share: Share, instruments: StepInstruments = StepInstruments()) -> FFNWorker:
     """FFN rank `config.rank` around its loaded share: listening for its attention peers."""
     expected = share.hello(config)
     transport = registry.transport(config.connector)
@@ -68,11 +69,11 @@ def assemble_ffn(config: AFDConfig, share: Share) -> FFNWorker:
         from afd.graphs.ffn import FFNGraphs
 
         graphs = FFNGraphs(share.device)
-    return FFNWorker(link, FFNStepExecutor(share.loaded, plane, expected, graphs), config.ffn_batch_window_s)
+    return FFNWorker(link, FFNStepExecutor(share.loaded, plane, expected, graphs, instruments), config.ffn_batch_window_s)
 
 
-def build_ffn(config: AFDConfig) -> FFNWorker:
-    return assemble_ffn(config, load_share(config))
+def build_ffn(config: AFDConfig, instruments: StepInstruments = StepInstruments()) -> FFNWorker:
+    return assemble_ffn(config, load_share(config), instruments)
 
 
 def graphs_usable(config: AFDConfig, device: torch.device, dtype: str) -> bool:

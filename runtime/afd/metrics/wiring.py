@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Gauge
 
 from afd.config import AFDConfig
-from afd.metrics.layer_clock import LayerClock
+from afd.metrics.layer_clock import LayerClock, StepInstruments
 from afd.metrics.layer_metrics import LayerMetrics, RunnerCollector
 
 
@@ -29,16 +29,21 @@ def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, e
                     link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, role.link.recover_failures))
 
 
-def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, worker, device) -> None:
-    from afd.metrics.ffn_metrics import FFNMetrics
+def ffn_instruments(registry: CollectorRegistry, config: AFDConfig, device) -> StepInstruments:
+    """The step series of an FFN rank, to build its executor with."""
+    from afd.metrics.ffn_metrics import FFNStepMetrics
 
     export_group_info(registry, config)
-    executor = worker.executor
-    metrics = FFNMetrics(registry, config.rank, worker.link)
+    return StepInstruments(LayerClock(device, config.profile_every), LayerMetrics(registry, "ffn", config.rank).observe,
+                           FFNStepMetrics(registry, config.rank).on_step)
+
+
+def watch_ffn(registry: CollectorRegistry, config: AFDConfig, worker) -> None:
+    """The series read from a built FFN worker: its peers, refusals and rejections, its counters."""
+    from afd.metrics.ffn_metrics import FFNLinkMetrics
+
+    metrics = FFNLinkMetrics(registry, config.rank, worker.link)
     for attention_rank in config.topology.attention_ranks_of(config.rank):
         metrics.on_peer(attention_rank, False)  # every served peer exported (0) before it connects
     worker.link.watch_peers(metrics.on_peer)
-    executor.observer = metrics
-    executor.clock = LayerClock(device, config.profile_every)
-    executor.on_layers = LayerMetrics(registry, "ffn", config.rank).observe
-    RunnerCollector(registry, "ffn", config.rank, executor)
+    RunnerCollector(registry, "ffn", config.rank, worker.executor)

@@ -19,7 +19,7 @@ from afd.connector import wire
 from afd.connector.base import ConnectorError, FFNTransfer
 from afd.connector.plane import FFNPlane, PeerWatch
 from afd.connector.tensors import DTYPES
-from afd.metrics.layer_clock import NullClock
+from afd.metrics.layer_clock import StepInstruments
 from afd.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 class FFNStepExecutor:
     """Runs steps on one FFN rank's share of the model, over its data plane."""
 
-    def __init__(self, loaded: LoadedModel, plane: FFNPlane, expected: wire.Hello, graphs=None):
+    def __init__(self, loaded: LoadedModel, plane: FFNPlane, expected: wire.Hello, graphs=None,
+                 instruments: StepInstruments = StepInstruments()):
         self.layers = loaded.model.layers
         self.crossing = loaded.crossing
         self.plane = plane
@@ -37,9 +38,8 @@ class FFNStepExecutor:
         self.steps_run = 0
         self.rows_served = 0
         self.transfer_bytes = {"send": 0, "recv": 0}
-        self.clock = NullClock()  # per-layer timings of the steps attention marks `profile`
-        self.on_layers = None  # receives (kind, layer, seconds) of each profiled step
-        self.observer = None  # metrics: on_step(seconds, rows)
+        self.clock = instruments.clock  # per-layer timings of the steps attention marks `profile`
+        self.instruments = instruments
 
     def run_step(self, plans: dict[bytes, wire.StepPlan], watch: PeerWatch,
                  stop: Callable[[], bool] = lambda: False) -> dict[bytes, str]:
@@ -58,10 +58,10 @@ class FFNStepExecutor:
         except ConnectorError as err:  # a transfer failed outright (NCCL saw a peer exit): drop who is gone, serve on
             failed.update(self.plane.fail_step(tuple(plans), str(err), watch))
         self.steps_run += 1
-        if profiling and self.on_layers is not None:
-            self.on_layers(self.clock.collect())
-        if self.observer:
-            self.observer.on_step(time.monotonic() - started, self.rows_served - rows_before)
+        if profiling and self.instruments.on_layers is not None:
+            self.instruments.on_layers(self.clock.collect())
+        if self.instruments.on_step is not None:
+            self.instruments.on_step(time.monotonic() - started, self.rows_served - rows_before)
         return failed
 
     def forget(self, peer: bytes) -> None:
