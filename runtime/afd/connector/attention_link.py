@@ -185,11 +185,19 @@ class AttentionLink:
         try:
             return self.plane.recv(transfer)
         except PeerLost as err:
-            raise PeerLost(f"ffn rank {self.ffn_rank}: {err}") from None
+            raise self._named(err) from None
+
+    def _named(self, err: PeerLost) -> PeerLost:
+        """`err` naming the FFN rank (the data plane does not know it)."""
+        text = str(err)
+        return err if text.startswith(f"ffn rank {self.ffn_rank}") else PeerLost(f"ffn rank {self.ffn_rank}: {text}")
 
     def wait_step(self) -> None:
-        """Return once the step's transfers are done, heartbeating meanwhile."""
-        self.plane.finish_step(self.tick)
+        """Return once the step's transfers are done, heartbeating meanwhile; `PeerLost` when the FFN is lost."""
+        try:
+            self.plane.finish_step(self.tick)
+        except PeerLost as err:
+            raise self._named(err) from None
 
     # -- receive ---------------------------------------------------------------
     def _pump(self, timeout_s: float) -> bool:

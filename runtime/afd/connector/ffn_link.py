@@ -225,9 +225,9 @@ class FFNLink:
         self.queued.pop(peer, None)
         self.replies.pop(peer, None)
         self._heard.pop(peer, None)
-        self.plane.forget(peer, graceful)
-        for on_gone in self._gone_watchers:
+        for on_gone in self._gone_watchers:  # graphs replaying its transfers go before its NCCL pair
             on_gone(peer)
+        self.plane.forget(peer, graceful)
         self.retired[peer] = None
         while len(self.retired) > MAX_RETIRED:
             del self.retired[next(iter(self.retired))]

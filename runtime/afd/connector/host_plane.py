@@ -162,8 +162,11 @@ class HostFFNPlane(FFNPlane):
             if not self.transport.send("data", peer, [wire.encode(header), to_frame(piece)]):
                 log.warning("peer %s vanished before its output of layer %d", show(peer), transfer.layer)
 
+    def flush(self) -> None:
+        pass  # every send left at once
+
     def finish_step(self, peers: tuple[bytes, ...], watch: PeerWatch) -> dict[bytes, str]:
-        return {}  # host sends leave at once; receive failures came back in `recv`
+        return {}  # host transfers are done; receive failures came back in `recv`
 
     def fail_step(self, peers: tuple[bytes, ...], error: str, watch: PeerWatch) -> dict[bytes, str]:
         return {peer: f"a transfer of the step failed: {error}" for peer in peers}

@@ -87,6 +87,10 @@ class NcclFFNPlane(FFNPlane):
         for peer, piece in zip(transfer.peers, output.split(list(transfer.rows))):
             self._pending.append((peer, piece))
 
+    def flush(self) -> None:
+        if self._pending:
+            with Group():
+                self._issue_pending()
 
     def _issue_pending(self) -> None:
         for peer, piece in self._pending:
@@ -94,15 +98,12 @@ class NcclFFNPlane(FFNPlane):
         self._pending.clear()
 
     def finish_step(self, peers: tuple[bytes, ...], watch: PeerWatch) -> dict[bytes, str]:
-        """Send what the step still holds, wait for it on the GPU; returns the peers lost meanwhile, with why.
+        """Wait for the step on the GPU; returns the peers lost meanwhile, with why.
 
         A peer whose connection closes, or that stops heartbeating, while the step waits
         has its pair aborted at once: the transfers with it end, the others complete, so
         the ranks still alive lose nothing. Past the peer timeout every pair is aborted.
         """
-        if self._pending:
-            with Group():
-                self._issue_pending()
         event = torch.cuda.Event()
         event.record()
         started = time.monotonic()

@@ -113,8 +113,12 @@ class FFNPlane(ABC):
         """Split [sum(rows), hidden] back into each peer's rows and return them."""
 
     @abstractmethod
+    def flush(self) -> None:
+        """Issue what `send` still holds: the last call of a step's body, so a captured step replays it."""
+
+    @abstractmethod
     def finish_step(self, peers: tuple[bytes, ...], watch: PeerWatch) -> dict[bytes, str]:
-        """Flush and wait for the step; returns the peers that failed it, with why."""
+        """Wait for the step's transfers; returns the peers that failed it, with why."""
 
     @abstractmethod
     def fail_step(self, peers: tuple[bytes, ...], error: str, watch: PeerWatch) -> dict[bytes, str]:

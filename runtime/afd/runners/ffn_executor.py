@@ -106,6 +106,7 @@ class FFNStepExecutor:
                     self.plane.send(output, received.transfer)
                     clock.lap("send", layer, sending)
                     self.rows_served += received.hidden.shape[0]
+        self.plane.flush()
 
     def _compute(self, layer_index: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         layer = self.layers[layer_index]
