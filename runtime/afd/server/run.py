@@ -18,6 +18,7 @@ from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.metrics.wiring import instrument_attention
 from afd.server.app import ServerState, create_app
+from afd.server.failover import Failover, FailoverSettings
 from afd.server.probe_http import Probes, start_probe_server
 from afd.server.serving_metrics import ServingMetrics
 from afd.server.validation import Limits
@@ -108,11 +109,14 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     role = build_attention(config, cache_tokens_for(config, spec))
     state, engine = build_server(config, role)
     engine.start()
+    ready: list[Probes] = []  # the probes come after the server they watch
+    app = Failover(create_app(state), lambda: bool(ready) and ready[0].readiness() is not None, FailoverSettings(config.failover_url))
     server = uvicorn.Server(uvicorn.Config(
-        create_app(state), host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
+        app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
     probes = attention_probes(state, lambda: server.started, stop, lambda: role.link.ffn_draining)
+    ready.append(probes)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     threading.Thread(target=_exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
