@@ -84,7 +84,7 @@ def _prometheus_config(state: dict, path: Path) -> None:
 def test_every_dashboard_query_and_alert_runs_against_a_live_deployment(tmp_path):
     import zmq
 
-    from afd.processes import free_port_block
+    from afd.local.children import free_port_block
     from tests.server.test_up import read_state, wait_for
 
     up_port, prom_port = free_port_block(1), free_port_block(1)
@@ -166,7 +166,7 @@ def test_chart_renders_the_alerts_as_a_prometheus_rule():
 def test_every_operator_dashboard_query_runs_against_the_operators_metrics(tmp_path):
     """A real Prometheus scrapes the operator's /metrics after a reconcile that wrote status.ratio;
     every query of the operator dashboard (the spec.ratio panels included) returns data."""
-    from afd.processes import free_port_block
+    from afd.local.children import free_port_block
     from afd_operator.metrics import OperatorMetrics, serve_metrics
 
     metrics = OperatorMetrics()

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from afd.processes import free_port_block
+from afd.local.children import free_port_block
 from afd.server.probe_http import Probes, drain_seconds, start_probe_server
 from afd.server.run import attention_probes
 from tests.runtime.test_generate_cli import processes_with_marker
@@ -45,7 +45,7 @@ def _wait_for_status(url: str, status: int, timeout_s: float, step_s: float = 0.
 def live_with_probes(checkpoints):
     live = LiveServer(checkpoints["qwen3_moe"])
     stop = threading.Event()
-    probes = attention_probes(live.state, lambda: live.server.started, stop, lambda: live.role.connector.ffn_draining)
+    probes = attention_probes(live.state, lambda: live.server.started, stop, lambda: live.role.link.ffn_draining)
     probe, probe_url = _probe_server(probes)
     yield live, probe_url, stop
     probe.shutdown()
@@ -241,9 +241,9 @@ def test_a_group_stopped_as_in_a_rollout_finishes_every_request(checkpoints, tmp
 def test_an_ffn_about_to_stop_makes_its_attention_rank_unready_while_it_still_serves(live_with_probes, monkeypatch):
     """wire.Draining: the FFN pod's preStop tells its attention ranks, which leave the Service
     at once but finish (and still serve) requests; the FFN's drain ends once they are quiet."""
-    from afd.runners import ffn_runner
+    from afd.connector import ffn_link
 
-    monkeypatch.setattr(ffn_runner, "DRAIN_NOTICE_S", 0.5)
+    monkeypatch.setattr(ffn_link, "DRAIN_NOTICE_S", 0.5)
     live, probe_url, _ = live_with_probes
     body = {"model": live.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 200

@@ -53,7 +53,7 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         config.max_num_batched_tokens,
         role.device,
         observer=metrics,
-        link=role if hasattr(role, "keepalive") else None,
+        link=role.link,
     )
     metrics.track(engine)
     state = ServerState(
@@ -66,8 +66,7 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         registry=registry,
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
     )
-    if hasattr(role, "keepalive"):
-        instrument_attention(registry, config, role, engine)
+    instrument_attention(registry, config, role, engine)
     return state, engine
 
 
@@ -116,7 +115,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
-    probes = attention_probes(state, lambda: server.started, stop, lambda: role.connector.ffn_draining)
+    probes = attention_probes(state, lambda: server.started, stop, lambda: role.link.ffn_draining)
     ready.append(probes)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
