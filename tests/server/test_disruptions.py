@@ -257,6 +257,28 @@ def test_an_ffn_about_to_stop_makes_its_attention_rank_unready_while_it_still_se
     assert wait_for(lambda: live.ffn.drained() or None, 5, "the FFN drain to end once its peer is quiet")
 
 
+def test_an_idle_attention_rank_leaves_a_draining_ffn_so_its_drain_ends_without_guessing(live_with_probes, monkeypatch):
+    """Quiet time misjudges a starved CPU (a step gap of over a second mid-request): the attention
+    rank itself says goodbye once it runs nothing, and the draining FFN does not take it back."""
+    from afd.connector import ffn_link
+
+    monkeypatch.setattr(ffn_link, "DRAIN_NOTICE_S", 600.0)  # only the goodbye can end this drain
+    live, probe_url, _ = live_with_probes
+    body = {"model": live.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 200
+    live.ffn.request_drain()
+    started = time.monotonic()
+    assert wait_for(lambda: live.ffn.drained() or None, 10, "the idle attention rank to leave the draining FFN")
+    left_after = time.monotonic() - started
+    assert 1.5 < left_after < 8, left_after  # it stayed for the notice (endpoint removal), then left
+    assert not live.ffn.link.peers
+    time.sleep(1.5)  # it keeps trying to re-handshake; the draining FFN refuses
+    assert not live.ffn.link.peers
+    assert httpx.get(f"{probe_url}/health").status_code == 503
+    assert httpx.get(f"{probe_url}/live").status_code == 200
+    print(f"the idle attention rank left the draining FFN after {left_after:.1f} s")
+
+
 @pytest.mark.timeout(300)
 def test_an_ffn_pod_deleted_alone_lets_its_attention_rank_finish_first(checkpoints, tmp_path):
     """The kubelet deletes only the FFN pod: its preStop /drain turns the attention rank unready

@@ -23,6 +23,7 @@ from afd.connector.transport import PeerTransport
 
 log = logging.getLogger(__name__)
 _HELLO_RETRY_S = 1.0
+LEAVE_AFTER_NOTICE_S = 2.0  # after an FFN's drain notice, time for this rank to leave every proxy's endpoints
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class AttentionLink:
         self.plane = plane
         self.step_id = -1
         self.ffn_draining: str | None = None  # the FFN rank said it is about to stop (wire.Draining)
+        self._draining_since = 0.0
         self.recover_attempts = self.recover_failures = 0  # afd_peer_reconnect_failures_total
         self._hello: wire.Hello | None = None
         self._listeners: list[LinkListener] = []
@@ -168,6 +170,17 @@ class AttentionLink:
             raise
         log.info("ffn rank %d linked again in %.1f s", self.ffn_rank, time.monotonic() - started)
 
+    def leave_if_done(self, idle: bool) -> bool:
+        """Once the FFN's drain notice has had time to take this rank out of the Service, and this
+        rank runs nothing, say goodbye: the FFN's drain then ends at once instead of guessing from
+        quiet time. True when it left; the caller treats the link as lost and re-handshakes with
+        the FFN's successor (the draining FFN refuses to take this rank back)."""
+        if self.ffn_draining is None or not idle or time.monotonic() - self._draining_since < LEAVE_AFTER_NOTICE_S:
+            return False
+        self.transport.send("control", [wire.encode(wire.Goodbye("attention rank done: its ffn rank is draining"))])
+        log.info("left ffn rank %d: it is draining and this rank has finished its requests", self.ffn_rank)
+        return True
+
     def close(self, reason: str = "shutdown") -> None:
         try:
             self.transport.send("control", [wire.encode(wire.Goodbye(reason))])
@@ -219,6 +232,7 @@ class AttentionLink:
             log.warning("ffn rank %d is about to stop (%s): unready, finishing the running requests",
                         self.ffn_rank, message.reason)
             self.ffn_draining = f"ffn rank {self.ffn_rank} is about to stop: {message.reason}"
+            self._draining_since = time.monotonic()
         return True
 
     def _decode_control(self, frames: list[bytes]):

@@ -22,7 +22,7 @@ from afd.runners.handshake import check_hello
 
 log = logging.getLogger(__name__)
 DRAIN_NOTICE_S = 5.0  # after the notice, attention pods need this long to leave every proxy's endpoints
-DRAIN_QUIET_S = 1.0  # then no step for this long: the requests they were running have finished
+DRAIN_QUIET_S = 3.0  # or no step for this long (peers that never leave): their requests have finished
 MAX_RETIRED = 4096  # connection identities remembered as used, so a replayed Hello is refused
 
 
@@ -112,8 +112,9 @@ class FFNLink:
             log.info("told attention peer attn-%d that this rank is about to stop", self.peers[peer])
 
     def drained(self) -> bool:
-        """Nothing left to serve: no peer is connected, or since the notice had time to take
-        effect no peer has sent a step for a while (their running requests are done)."""
+        """Nothing left to serve: every peer has left (an attention rank leaves once it has finished
+        what it ran after the notice), or since the notice had time to take effect no peer has
+        sent a step for a while."""
         if not self.peers:
             return True
         if self.drain_started is None:
@@ -194,6 +195,8 @@ class FFNLink:
             reason = check_identity(peer, hello.attention_rank, self.identity_key)
         if reason is None and peer in self.retired:
             reason = f"connection identity {show(peer)} was closed before (a replayed Hello?)"
+        if reason is None and self.drain_started is not None:  # a peer that left after the notice must not come back
+            reason = f"ffn rank {self.ffn_rank} is about to stop (draining)"
         if reason:
             self.handshake_failures += 1
             log.error("refused attention peer %s: %s", show(peer), reason)
