@@ -35,8 +35,12 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> list[Request]:
-        """Requests to run this step, running ones first; admitted ones get their blocks."""
-        batch = list(self.running)
+        """Requests to run this step, running ones first; admitted ones get their blocks.
+
+        A running request whose last token is already in a launched step (`final_scheduled`)
+        keeps its seat and blocks until that step's result is in, but is not scheduled again.
+        """
+        batch = [r for r in self.running if not r.final_scheduled]
         budget = self.max_num_batched_tokens - len(batch)
         while self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting[0]
@@ -45,7 +49,7 @@ class Scheduler:
                 break  # a long prompt runs alone rather than never
             if not self.kv_cache.can_allocate(self.reserved_tokens(head)):
                 break
-            head.blocks = self.kv_cache.allocate(self.reserved_tokens(head))
+            head.blocks = tuple(self.kv_cache.allocate(self.reserved_tokens(head)))
             self.waiting.popleft()
             self.running.append(head)
             batch.append(head)
@@ -60,4 +64,4 @@ class Scheduler:
             self.waiting.remove(request)
         if request.blocks:
             self.kv_cache.release(request.blocks)
-            request.blocks = []
+            request.blocks = ()
