@@ -117,12 +117,14 @@ class AttentionRole:
                  f" (decode graphs for {list(buckets)} captured again)" if buckets else "")
 
 
-def build_attention(config: AFDConfig, cache_tokens: int) -> AttentionRole:
-    """Attention rank `config.rank`: its weights, a KV cache of `cache_tokens`, a handshaken FFN link."""
+def build_attention(config: AFDConfig, cache_tokens) -> AttentionRole:
+    """Attention rank `config.rank`: its weights, a KV cache of `cache_tokens` (an int, or a callable
+    that sizes it from the loaded model and the free device memory), a handshaken FFN link."""
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
     loaded = load_model(config.model, "attention", config.gate_on_attention, torch_dtype(dtype), device)
-    kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), cache_tokens, torch_dtype(dtype), device)
+    tokens = cache_tokens(loaded) if callable(cache_tokens) else cache_tokens
+    kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch_dtype(dtype), device)
     log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token",
              config.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
              KVCache.bytes_per_token(kv_cache.layouts, torch_dtype(dtype)))
