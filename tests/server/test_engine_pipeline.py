@@ -22,12 +22,12 @@ def parts(checkpoints):
     return loaded, load_tokenizer(str(checkpoints["qwen3_moe"]))
 
 
-def run_engine(parts, requests, pipeline: bool, eos=()):
+def run_engine(parts, requests, pipeline: bool, eos=(), budget=8192):
     """Submit every (prompt, params) at once; the outputs of each, in order."""
     loaded, tokenizer = parts
     cache = KVCache.for_tokens(loaded.model.kv_layouts(), 4096, torch.float32, "cpu")
     engine = Engine(MonolithicRunner(loaded, cache), cache, tokenizer, eos, max_num_seqs=8, max_model_len=256,
-                    pipeline=pipeline).start()
+                    max_num_batched_tokens=budget, pipeline=pipeline).start()
     outputs = [[] for _ in requests]
     done = threading.Semaphore(0)
 
@@ -83,3 +83,11 @@ def test_early_stops_and_seeded_sampling_match_step_by_step(parts):
     assert [outs[-1][2] for outs in pipelined] == ["stop", "stop", "stop", "length", "length"]
     assert tokens_of(pipelined)[0] == free[:4] and tokens_of(pipelined)[1] == free[:5]
     assert stop_text not in "".join(text for _, text, *_ in pipelined[2])
+
+
+def test_chunked_prefill_gives_the_same_tokens(parts):
+    """With a 6-token step budget, prompts of up to 14 tokens are fed in chunks next to running decodes."""
+    prompts = [list(range(3 + i, 3 + i + 4 + 2 * i)) for i in range(6)]
+    requests = [(p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, seed=1)) for p in prompts]
+    chunked = run_engine(parts, requests, True, budget=6)
+    assert chunked == run_engine(parts, requests, False, budget=6) == run_engine(parts, requests, True)

@@ -40,7 +40,7 @@ Step = Callable[[torch.Tensor, SeqLayout], torch.Tensor]
 class _Launched:
     """A step whose sampled tokens are not read on the host yet."""
 
-    batch: list[Request]
+    batch: list[Request]  # the requests that sample in this step, in the sampled tensor's row order
     sampled: Sampled
     finals: list[Request]  # requests whose last token this step samples
     tokens: int
@@ -252,7 +252,7 @@ class Engine:
         from that step's device tensor, so the host never waits for it here.
         """
         step_id, prev = self._step_id + 1, self._prev_tokens
-        ids, positions, rows, tables, context, new_lens, params, generators, finals = [], [], [], [], [], [], [], [], []
+        ids, positions, rows, tables, context, new_lens, params, generators, finals, emit = [], [], [], [], [], [], [], [], [], []
         for row, request in enumerate(batch):
             if request.sample_step >= 0:
                 if request.sample_step != self._step_id:
@@ -262,17 +262,19 @@ class Engine:
                 ids.append(0)
                 new = 1
             else:
-                new_ids = request.prompt_ids[request.cached_tokens:]
-                ids.extend(new_ids)
-                new = len(new_ids)
+                new = request.chunk
+                ids.extend(request.prompt_ids[request.cached_tokens: request.cached_tokens + new])
             tables.append(request.blocks)
             context.append(request.cached_tokens)
             new_lens.append(new)
+            request.cached_tokens += new
+            if request.cached_tokens < len(request.prompt_ids):
+                continue  # a prompt chunk that is not the last one: nothing to sample
+            emit.append(row)
             params.append(request.params)
             generators.append(request.generator)
-            request.cached_tokens += new
             request.scheduled_outputs += 1
-            request.sample_step, request.sample_row = step_id, row
+            request.sample_step, request.sample_row = step_id, len(emit) - 1
             if (request.scheduled_outputs >= request.params.max_tokens
                     or len(request.prompt_ids) + request.scheduled_outputs >= self.max_model_len):
                 request.final_scheduled = True
@@ -296,6 +298,9 @@ class Engine:
             self._lose_link(err)  # the link re-handshakes before the next step
             self._fail_all(f"the step failed: {err}")
             return None
+        sampling = batch
+        if len(emit) < len(batch):  # rows of unfinished prompt chunks sample nothing
+            logits, sampling = logits[torch.tensor(emit, device=logits.device)], [batch[i] for i in emit]
         try:
             sampled = sample(logits, params, generators).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up
@@ -304,7 +309,7 @@ class Engine:
             self._fail(batch, f"sampling failed: {type(err).__name__}: {err}")
             return None
         self._step_id, self._prev_tokens = step_id, sampled.tokens
-        return _Launched(batch, sampled, finals, len(ids), started)
+        return _Launched(sampling, sampled, finals, len(ids), started)
 
     def _drain(self) -> None:
         """Wait for the launched step's tokens and hand them to the output side."""

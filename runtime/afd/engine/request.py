@@ -96,6 +96,7 @@ class Request:
     last_token_at: float | None = None
     detokenizer: object = None
     stop_checker: object = None
+    chunk: int = 0  # prompt tokens the scheduler gave this step (chunked prefill)
     scheduled_outputs: int = 0  # tokens sampled or being sampled in a launched step
     final_scheduled: bool = False  # its last token is in a launched step: not scheduled again
     sample_step: int = -1  # the step whose sampled tokens hold this request's next input, and its row there
