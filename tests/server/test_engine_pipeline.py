@@ -22,12 +22,14 @@ def parts(checkpoints):
     return loaded, load_tokenizer(str(checkpoints["qwen3_moe"]))
 
 
-def run_engine(parts, requests, pipeline: bool, eos=(), budget=8192):
-    """Submit every (prompt, params) at once; the outputs of each, in order."""
+def run_engine(parts, requests, pipeline: bool, eos=(), budget=8192, runner=None):
+    """Submit every (prompt, params) at once; the outputs of each, in order (on `runner`, else a CPU monolith)."""
     loaded, tokenizer = parts
-    cache = KVCache.for_tokens(loaded.model.kv_layouts(), 4096, torch.float32, "cpu")
-    engine = Engine(MonolithicRunner(loaded, cache), cache, tokenizer, eos, max_num_seqs=8, max_model_len=256,
-                    max_num_batched_tokens=budget, pipeline=pipeline).start()
+    if runner is None:
+        runner = MonolithicRunner(loaded, KVCache.for_tokens(loaded.model.kv_layouts(), 4096, torch.float32, "cpu"))
+    cache = runner.kv_cache
+    engine = Engine(runner, cache, tokenizer, eos, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=budget,
+                    device=cache.keys[0].device, pipeline=pipeline).start()
     outputs = [[] for _ in requests]
     done = threading.Semaphore(0)
 

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
+from afd.engine.inputs import build_inputs
 from afd.engine.outputs import OutputProcessor
 from afd.engine.sampler import Sampled, sample
 from afd.engine.scheduler import Scheduler
@@ -246,46 +247,10 @@ class Engine:
                 log.info("aborted %s", request.request_id)
 
     def _launch(self, batch: list[Request]) -> _Launched | None:
-        """Build the step's inputs in one pass over `batch`, run it, start sampling; None if it failed.
-
-        A decoding request's input is the token it sampled in the previous step: it is read
-        from that step's device tensor, so the host never waits for it here.
-        """
-        step_id, prev = self._step_id + 1, self._prev_tokens
-        ids, positions, rows, tables, context, new_lens, params, generators, finals, emit = [], [], [], [], [], [], [], [], [], []
-        for row, request in enumerate(batch):
-            if request.sample_step >= 0:
-                if request.sample_step != self._step_id:
-                    raise RuntimeError(f"request {request.request_id} missed step {self._step_id}: its next input is lost")
-                positions.append(len(ids))
-                rows.append(request.sample_row)
-                ids.append(0)
-                new = 1
-            else:
-                new = request.chunk
-                ids.extend(request.prompt_ids[request.cached_tokens: request.cached_tokens + new])
-            tables.append(request.blocks)
-            context.append(request.cached_tokens)
-            new_lens.append(new)
-            request.cached_tokens += new
-            if request.cached_tokens < len(request.prompt_ids):
-                continue  # a prompt chunk that is not the last one: nothing to sample
-            emit.append(row)
-            params.append(request.params)
-            generators.append(request.generator)
-            request.scheduled_outputs += 1
-            request.sample_step, request.sample_row = step_id, len(emit) - 1
-            if (request.scheduled_outputs >= request.params.max_tokens
-                    or len(request.prompt_ids) + request.scheduled_outputs >= self.max_model_len):
-                request.final_scheduled = True
-                finals.append(request)
-        if len(positions) == len(ids) == len(prev) and rows == list(range(len(prev))):
-            input_ids = prev  # steady decoding: last step's tokens are this step's inputs as they are
-        else:
-            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-            if positions:
-                input_ids[torch.tensor(positions, device=self.device)] = prev[torch.tensor(rows, device=self.device)]
-        layout = SeqLayout(tuple(tables), tuple(context), tuple(new_lens))
+        """Build the step's inputs (one pass over `batch`), run it, start sampling; None if it failed."""
+        step_id = self._step_id + 1
+        inputs = build_inputs(batch, step_id, self._prev_tokens, self.max_model_len, self.device)
+        input_ids, layout, emit = inputs.input_ids, inputs.layout, inputs.emit
         started = time.monotonic()
         try:
             logits = self.step(input_ids, layout)
@@ -302,14 +267,14 @@ class Engine:
         if len(emit) < len(batch):  # rows of unfinished prompt chunks sample nothing
             logits, sampling = logits[torch.tensor(emit, device=logits.device)], [batch[i] for i in emit]
         try:
-            sampled = sample(logits, params, generators).to_host()
+            sampled = sample(logits, inputs.params, inputs.generators).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up
             log.exception("sampling failed")
             self._drain()
             self._fail(batch, f"sampling failed: {type(err).__name__}: {err}")
             return None
         self._step_id, self._prev_tokens = step_id, sampled.tokens
-        return _Launched(sampling, sampled, finals, len(ids), started)
+        return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, started)
 
     def _drain(self) -> None:
         """Wait for the launched step's tokens and hand them to the output side."""
