@@ -46,7 +46,8 @@ def rank_envs(mode: str, args, model: str) -> dict[str, dict[str, str]]:
     gpu = args.device == "cuda"
     ports = free_port_block(128)  # API +0/+1; FFN control/data +2+2f/+3+2f; FFN metrics +64+f; attention a>0 +96+2a
     common = {"AFD_MODEL": model, "AFD_DEVICE": args.device, "AFD_CUDA_GRAPHS": str(gpu).lower(),
-              "AFD_MAX_NUM_SEQS": str(max(args.levels)), "AFD_CEILING_BATCHES": ",".join(map(str, args.levels)),
+              "AFD_MAX_NUM_SEQS": str(max(args.levels)), "AFD_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
+              "AFD_CEILING_BATCHES": ",".join(map(str, args.levels)),
               "AFD_HTTP_HOST": "127.0.0.1", "AFD_HTTP_PORT": str(ports), "AFD_METRICS_PORT": str(ports + 1),
               "AFD_MAX_MODEL_LEN": str(max(args.prompt_tokens) + args.output_tokens + 16)}
     if mode == "monolithic":
@@ -169,7 +170,9 @@ def main() -> int:
     parser.add_argument("--levels", default="1,16,64,256,512", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt-tokens", default="128,1024", type=lambda s: tuple(int(x) for x in s.split(",")))
     parser.add_argument("--output-tokens", type=int, default=256)
-    parser.add_argument("--requests-per-stream", type=int, default=1)
+    parser.add_argument("--requests-per-stream", type=int, default=1,
+                        help="more than 1: new prompts keep arriving while the others decode (chunked prefill)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the step's token budget (chunked prefill)")
     parser.add_argument("--start-timeout", type=float, default=600)
     args = parser.parse_args()
     model = args.model
