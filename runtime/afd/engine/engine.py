@@ -160,7 +160,8 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        """Running requests not yet answered in full (one stopped by the output side is freed a step later)."""
+        return sum(not r.done for r in list(self.scheduler.running))
 
     @property
     def num_waiting(self) -> int:
