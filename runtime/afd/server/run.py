@@ -143,18 +143,19 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     threading.Thread(target=_exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
-    log.info("attention rank %d serving on http://%s:%d/v1", config.rank, config.http_host, config.http_port)
+    log.info("%s rank %d serving on http://%s:%d/v1", config.role, config.rank, config.http_host, config.http_port)
     try:
         server.run()
     finally:
-        log.info("attention rank %d stopping: %d running, %d waiting requests", config.rank, engine.num_running, engine.num_waiting)
+        log.info("%s rank %d stopping: %d running, %d waiting requests", config.role, config.rank, engine.num_running,
+                 engine.num_waiting)
         probe.shutdown()
         engine.stop()  # fails whatever the grace period did not finish
-        role.close("attention rank shutting down")
+        role.close(f"{config.role} rank shutting down")
     if engine.dead:
-        log.error("attention rank %d exits because %s (a supervisor or the kubelet restarts it)", config.rank, engine.dead)
+        log.error("%s rank %d exits because %s (a supervisor or the kubelet restarts it)", config.role, config.rank, engine.dead)
         return 1
-    log.info("attention rank %d stopped", config.rank)
+    log.info("%s rank %d stopped", config.role, config.rank)
     return 0
 
 
