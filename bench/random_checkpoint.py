@@ -54,7 +54,9 @@ def write_v2_lite(out: Path, layers: int, device: str = "cuda", seed: int = 0) -
             value = torch.empty(param.shape, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=generator)
         groups.setdefault(group, {})[name] = value
     for index, (group, tensors) in enumerate(groups.items()):
-        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(partial / f"model-{index:05d}.safetensors"))
+        file = partial / f"model-{index:05d}.safetensors"
+        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(file))
+        file.chmod(0o644)  # readable by ranks running as another user
     (partial / "config.json").write_text(json.dumps(config, indent=2))
     for file in tiny.iterdir():
         if "token" in file.name or file.name.endswith(".jinja"):

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
-from afd.engine.inputs import build_inputs
+from afd.engine.inputs import build_inputs, to_device
 from afd.engine.outputs import OutputProcessor
 from afd.engine.sampler import Sampled, sample
 from afd.engine.scheduler import Scheduler
@@ -266,7 +266,7 @@ class Engine:
             return None
         sampling = batch
         if len(emit) < len(batch):  # rows of unfinished prompt chunks sample nothing
-            logits, sampling = logits[torch.tensor(emit, device=logits.device)], [batch[i] for i in emit]
+            logits, sampling = logits[to_device(emit, logits.device)], [batch[i] for i in emit]
         try:
             sampled = sample(logits, inputs.params, inputs.generators).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up

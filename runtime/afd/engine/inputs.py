@@ -61,8 +61,15 @@ def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, 
     if len(positions) == len(ids) == len(prev_tokens) and rows == list(range(len(prev_tokens))):
         input_ids = prev_tokens  # steady decoding: last step's tokens are this step's inputs as they are
     else:
-        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        input_ids = to_device(ids, device)
         if positions:
-            input_ids[torch.tensor(positions, device=device)] = prev_tokens[torch.tensor(rows, device=device)]
+            input_ids[to_device(positions, device)] = prev_tokens[to_device(rows, device)]
     layout = SeqLayout(tuple(tables), tuple(context), tuple(new_lens))
     return StepInputs(input_ids, layout, emit, params, generators, finals, len(ids))
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor on `device`; to a GPU through pinned memory, so the host does not wait for the stream."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)

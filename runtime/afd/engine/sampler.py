@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.engine.inputs import to_device
 from afd.engine.request import SamplingParams, TokenLogprobs
 
 
@@ -74,12 +75,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def _draw(logits, chosen, params, rows, generators, device, vocab) -> torch.Tensor:
     """`chosen` with the non-greedy `rows` drawn from their temperature/top-k/top-p distributions."""
-    index = torch.tensor(rows, device=device)
-    scores = logits[index] / torch.tensor([max(p.temperature, 1e-6) for p in params], device=device).unsqueeze(1)
+    index = to_device(rows, device)
+    scores = logits[index] / to_device([max(p.temperature, 1e-6) for p in params], device, logits.dtype).unsqueeze(1)
     if any(0 < p.top_k < vocab for p in params):
-        scores = _mask_top_k(scores, torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device))
+        scores = _mask_top_k(scores, to_device([p.top_k if p.top_k > 0 else vocab for p in params], device))
     if any(p.top_p < 1 for p in params):
-        scores = _mask_top_p(scores, torch.tensor([p.top_p for p in params], device=device))
+        scores = _mask_top_p(scores, to_device([p.top_p for p in params], device, logits.dtype))
     probs = scores.softmax(dim=-1)
     seeded = [(j, generators[i]) for j, i in enumerate(rows) if generators[i] is not None]
     drawn = torch.multinomial(probs, 1).squeeze(1)
