@@ -32,7 +32,6 @@ import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import statistics
 import sys
 import time
 import traceback
@@ -68,123 +67,14 @@ def _model_config(layers: int) -> dict:
 def _afd_config(args, phase: str, role: str, rank: int):
     from afd.config import AFDConfig
 
-    ranks, stages, window, _ = PHASES[phase]
+    ranks, stages, window, dbo_min_tokens = PHASES[phase]
     port = args.ports[phase]
     return AFDConfig(
         role=role, rank=rank, num_attention_ranks=ranks, num_ffn_ranks=1, connector="nccl", stages=stages,
         ffn_address_template="127.0.0.1", bind_host="127.0.0.1", control_port=port, data_port=port + 1,
         dtype="bfloat16", device="cuda", cuda_graphs=True, peer_timeout_s=60.0, connect_timeout_s=120.0,
-        ffn_batch_window_s=window, max_num_seqs=max(args.batches), profile_every=0,
+        ffn_batch_window_s=window, max_num_seqs=max(args.batches), profile_every=0, dbo_min_tokens=dbo_min_tokens,
     )
-
-
-def _kv_cache(model, max_seqs: int, context: int):
-    import torch
-
-    from afd.kv_cache import KVCache
-
-    blocks = max_seqs * (-(-(context + 1) // 16)) + 8
-    kv = KVCache(model.kv_layouts(), blocks, torch.bfloat16, "cuda", block_size=16)
-    for tensor in (*kv.keys, *kv.values):
-        tensor.normal_(0, 1)  # not zeros: timings on zeros flatter
-    return kv
-
-
-def _graphs(runner_body, kv, buckets, stages, before=None, min_split=0):
-    from afd.graphs.decode import DecodeGraphs
-
-    graphs = DecodeGraphs(runner_body, kv, tuple(sorted(set(buckets))), stages, kv.keys[0].device, before=before,
-                          min_split=min_split)
-    graphs.capture_all()
-    return graphs
-
-
-def _time_steps(runner, kv, batch: int, steps: int, context: int, vocab: int, warm: int = 3) -> dict:
-    """Median wall-clock ms of decode steps of `batch` sequences."""
-    import torch
-
-    from afd.runners.microbatch import SeqLayout
-
-    tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
-    layout = SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)
-    ids = torch.randint(0, vocab, (batch,), device="cuda")
-    times = []
-    for _ in range(steps + warm):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        runner(ids, layout).argmax(-1).tolist()
-        times.append((time.perf_counter() - start) * 1e3)
-    for table in tables:
-        kv.release(table)
-    kept = times[warm:]
-    return {"ms": statistics.median(kept), "min_ms": min(kept), "max_ms": max(kept)}
-
-
-def _profile_steps(runner, kv, batch: int, count: int, context: int, vocab: int) -> list:
-    """`count` profiled (eager) steps; their (kind, layer, seconds) lists."""
-    import torch
-
-    from afd.metrics.layer_clock import LayerClock, NullClock
-    from afd.runners.microbatch import SeqLayout
-
-    tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
-    layout = SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)
-    ids = torch.randint(0, vocab, (batch,), device="cuda")
-    got = []
-    runner.clock, runner.on_layers = LayerClock("cuda", profile_every=1), got.append
-    try:
-        for _ in range(count):
-            runner(ids, layout).argmax(-1).tolist()
-    finally:
-        runner.clock, runner.on_layers = NullClock(), None
-        for table in tables:
-            kv.release(table)
-    return got
-
-
-def _pingpong(comm, rank: int, rows_list, hidden: int, trips: int = 100) -> dict:
-    """One-way µs of a bare NCCL send/recv ping-pong of rows x hidden bf16 (host loop, one sync)."""
-    import torch
-
-    out = {}
-    for rows in rows_list:
-        a = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
-        b = torch.empty_like(a)
-        for n, record in ((10, False), (trips, True)):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(n):
-                if rank == 0:
-                    comm.send(a)
-                    comm.recv(b)
-                else:
-                    comm.recv(b)
-                    comm.send(a)
-            torch.cuda.synchronize()
-            if record:
-                out[rows] = (time.perf_counter() - start) / (2 * n) * 1e6
-    return out
-
-
-class _NoFFN:
-    """An attention connector with no FFN behind it: the FFN output is zeros (attention-only step)."""
-
-    def __init__(self):
-        self._sent = {}
-
-    def send_plan(self, plan) -> None:
-        pass
-
-    def send_attn_output(self, hidden, transfer, router_logits=None) -> None:
-        self._sent[(transfer.layer, transfer.stage)] = hidden
-
-    def recv_ffn_output(self, transfer):
-        import torch
-
-        return torch.zeros_like(self._sent.pop((transfer.layer, transfer.stage)))
-
-    def wait_step(self) -> None:
-        pass
 
 
 def _split(total: int, stages: int) -> tuple:
@@ -201,20 +91,17 @@ def ffn_main(args, q, events) -> None:
     import torch
     from common import random_model, time_graph
 
-    from afd.connector import wire  # noqa: F401
-    from afd.connector.factory import make_ffn_connector
-    from afd.connector.ffn_side import DataContract
+    from common import nccl_pingpong
+
     from afd.connector.nccl_lib import PairComm, new_unique_id
-    from afd.graphs.ffn import FFNGraphs
-    from afd.metrics.layer_clock import LayerClock
+    from afd.metrics.layer_clock import LayerClock, StepInstruments
     from afd.models.loader import LoadedModel
-    from afd.runners.ffn_runner import FFNRunner
-    from afd.runners.handshake import make_hello
+    from afd.roles import Share, assemble_ffn
 
     config = _model_config(args.layers)
     model, spec, crossing = random_model(config, "ffn")
     loaded = LoadedModel(model, spec, crossing, "random")
-    from afd.kernels.moe import warm_up
+    from afd.models.moe_prep import warm_up
 
     warm_up(model)  # as build_ffn does: every tuned MoE kernel compiled and loaded before any transfer
     q.put(("log", f"ffn: model ready, {len(crossing)} crossing layers, {torch.cuda.memory_allocated() / 2**30:.1f} GiB"))
@@ -238,19 +125,15 @@ def ffn_main(args, q, events) -> None:
     q.put(("uid", uid.to_hex()))
     events["uid"].set()
     comm = PairComm(uid, 0, torch.device("cuda"))
-    q.put(("bare_ffn_side", _pingpong(comm, 0, args.rows, spec.hidden_size)))
+    q.put(("bare_ffn_side", nccl_pingpong(comm, 0, args.rows, spec.hidden_size)))
     torch.cuda.synchronize()
     comm.close()
 
     for phase in PHASES:
-        afd = _afd_config(args, phase, "ffn", 0)
-        hello = make_hello(afd, spec, crossing, "random", "bfloat16")
-        connector = make_ffn_connector(afd, torch.device("cuda"), DataContract(spec.hidden_size, "bfloat16", 0))
-        runner = FFNRunner(loaded, connector, hello, afd.topology.attention_ranks_of(0), 0)
-        runner.batch_window_s = afd.ffn_batch_window_s
-        runner.graphs = FFNGraphs(torch.device("cuda"))
         profiles = []
-        runner.clock, runner.on_layers = LayerClock("cuda", profile_every=1), profiles.append
+        worker = assemble_ffn(_afd_config(args, phase, "ffn", 0), Share(loaded, torch.device("cuda"), "bfloat16"),
+                              StepInstruments(LayerClock("cuda", profile_every=1), profiles.append))
+        executor = worker.executor
         stop = threading.Event()
         ranks = PHASES[phase][0]
 
@@ -263,153 +146,13 @@ def ffn_main(args, q, events) -> None:
 
         threading.Thread(target=watch, daemon=True).start()
         events[f"serving/{phase}"].set()
-        runner.serve(stop)
+        graphs = executor.graphs
+        worker.serve(stop)
         q.put((f"ffn_phase/{phase}", {
-            "steps": runner.steps_run, "replays": runner.graphs.replays, "eager": dict(runner.graphs.eager_steps),
-            "graph_mib": runner.graphs.memory_bytes / 2**20, "profiles": profiles,
+            "steps": worker.steps_run, "replays": graphs.replays, "eager": dict(graphs.eager_steps),
+            "graph_mib": graphs.memory_bytes / 2**20, "profiles": profiles,
         }))
     q.put(("log", "ffn: done"))
-
-
-# ---------------------------------------------------------------- attention ranks (GPU 0)
-def _connect(args, phase, rank, loaded, kv):
-    import torch
-
-    from afd.connector.factory import make_attention_connector
-    from afd.runners.attention_runner import AttentionRunner
-    from afd.runners.handshake import make_hello
-
-    afd = _afd_config(args, phase, "attention", rank)
-    connector = make_attention_connector(afd, torch.device("cuda"))
-    connector.handshake(make_hello(afd, loaded.spec, loaded.crossing, "random", "bfloat16"), afd.connect_timeout_s)
-    runner = AttentionRunner(loaded, connector, kv, afd.stages, False)
-    return runner, connector
-
-
-def _capture(runner, kv, buckets):
-    import torch
-
-    with torch.inference_mode():
-        runner.graphs = _graphs(runner.forward, kv, buckets, runner.stages, min_split=runner.dbo_min_tokens,
-                                before=runner._send_plan)
-        runner.connector.wait_step()
-    return runner.graphs
-
-
-def _close(runner, connector, q, label):
-    """Release the graphs, then close the link for real (Goodbye, then ncclCommDestroy); report its time."""
-    import torch
-
-    torch.cuda.synchronize()
-    runner.graphs = None
-    started = time.monotonic()
-    connector.close("benchmark done")
-    q.put((f"close_s/{label}", time.monotonic() - started))
-
-
-def attn0_main(args, q, events) -> None:
-    _setup(0, args.deadline_at)
-    import torch
-    from common import random_model
-
-    from afd.connector.nccl_lib import PairComm, UniqueId
-    from afd.models.loader import LoadedModel
-    from afd.runners.attention_runner import AttentionRunner
-    from afd.runners.monolithic import MonolithicRunner
-
-    config = _model_config(args.layers)
-    vocab, top = config["vocab_size"], max(args.batches)
-
-    # monolithic on this GPU, the same kernels, decode graphs over exactly the measured batches
-    model, spec, crossing = random_model(config, "monolithic")
-    kv = _kv_cache(model, top, args.context)
-    mono = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)
-    with torch.inference_mode():
-        mono.graphs = _graphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, args.batches, 1)
-    for batch in args.batches:
-        q.put((f"mono/{batch}", _time_steps(mono, kv, batch, args.steps, args.context, vocab)))
-    q.put(("mono_replays", mono.graphs.replays))
-    del mono, model, kv
-    torch.cuda.empty_cache()
-
-    # attention share: attention-only step (no FFN behind it), same split and graphs as phase A
-    model, spec, crossing = random_model(config, "attention")
-    loaded = LoadedModel(model, spec, crossing, "random")
-    kv = _kv_cache(model, top, args.context)
-    for stages in (2, 1):
-        solo = AttentionRunner(loaded, _NoFFN(), kv, stages, False)
-        _capture(solo, kv, args.batches)
-        for batch in args.batches:
-            q.put((f"attn_only/s{stages}/{batch}", _time_steps(solo, kv, batch, args.steps, args.context, vocab)))
-        solo.graphs = None
-    torch.cuda.empty_cache()
-
-    # bare NCCL ping-pong with the FFN rank (attention is pair rank 1)
-    if not events["uid"].wait(max(1.0, args.deadline_at - time.time())):
-        raise TimeoutError("no NCCL id from the ffn rank")
-    uid = args_uid_from_queue(events)
-    comm = PairComm(UniqueId.from_hex(uid), 1, torch.device("cuda"))
-    q.put(("bare_attn_side", _pingpong(comm, 1, args.rows, spec.hidden_size)))
-    torch.cuda.synchronize()
-    comm.close()
-
-    for phase in ("A", "B"):
-        _single_rank_phase(args, q, events, phase, loaded, kv, vocab)
-    _phase_c(args, q, events, 0, loaded, kv)
-    _single_rank_phase(args, q, events, "D", loaded, kv, vocab)
-
-
-def _single_rank_phase(args, q, events, phase, loaded, kv, vocab) -> None:
-    """1A1F: capture, time and profile every batch, then close the link."""
-    events[f"serving/{phase}"].wait(max(1.0, args.deadline_at - time.time()))
-    runner, connector = _connect(args, phase, 0, loaded, kv)
-    runner.dbo_min_tokens = PHASES[phase][3]
-    graphs = _capture(runner, kv, args.batches)
-    q.put((f"afd_graph_mib/{phase}", graphs.memory_bytes / 2**20))
-    for batch in args.batches:
-        q.put((f"afd/{phase}/{batch}", _time_steps(runner, kv, batch, args.steps, args.context, vocab)))
-        q.put((f"profile/{phase}/{batch}", _profile_steps(runner, kv, batch, args.profile_steps, args.context, vocab)))
-    q.put((f"attn_phase/{phase}/0", {"replays": graphs.replays, "eager_steps": runner.eager_steps,
-                                     "profiled_eager": runner.profiled_eager_steps}))
-    del graphs  # ncclCommDestroy waits until every graph holding the pair's transfers is gone
-    _close(runner, connector, q, f"{phase}/0")
-    events[f"done/{phase}/0"].set()
-
-
-def args_uid_from_queue(events) -> str:
-    return events["uid_box"].get(timeout=30)
-
-
-def _phase_c(args, q, events, rank, loaded, kv) -> None:
-    vocab = _model_config(args.layers)["vocab_size"]
-    halves = [batch // 2 for batch in args.batches]
-    events["serving/C"].wait(max(1.0, args.deadline_at - time.time()))
-    runner, connector = _connect(args, "C", rank, loaded, kv)
-    barrier = events["barrier"]
-    barrier.wait(timeout=120)
-    graphs = _capture(runner, kv, halves)
-    for batch, half in zip(args.batches, halves):
-        barrier.wait(timeout=120)
-        q.put((f"afd/C/{batch}/{rank}", _time_steps(runner, kv, half, args.steps, args.context, vocab)))
-    q.put((f"attn_phase/C/{rank}", {"replays": graphs.replays, "eager_steps": runner.eager_steps}))
-    barrier.wait(timeout=120)
-    del graphs  # ncclCommDestroy waits until every graph holding the pair's transfers is gone
-    _close(runner, connector, q, f"C/{rank}")
-    events[f"done/C/{rank}"].set()
-
-
-def attn1_main(args, q, events) -> None:
-    _setup(0, args.deadline_at)
-    import torch  # noqa: F401
-    from common import random_model
-
-    from afd.models.loader import LoadedModel
-
-    config = _model_config(args.layers)
-    model, spec, crossing = random_model(config, "attention", seed=1)
-    kv = _kv_cache(model, max(args.batches) // 2, args.context)
-    events["serving/C"].wait(max(1.0, args.deadline_at - time.time()))
-    _phase_c(args, q, events, 1, LoadedModel(model, spec, crossing, "random"), kv)
 
 
 def _child(target, args, q, events, name):
@@ -440,7 +183,7 @@ def main() -> None:
     args.rows = sorted(set(args.batches))
     args.deadline_at = time.time() + args.deadline
     sys.path.insert(0, str(HERE.parent / "runtime"))
-    from afd.processes import free_port_block
+    from afd.local.children import free_port_block
 
     args.ports = {phase: free_port_block(2) + 0 for phase in PHASES}
     if len(set(args.ports.values())) < len(PHASES):
@@ -452,6 +195,8 @@ def main() -> None:
         events[f"serving/{phase}"] = ctx.Event()
         for rank in range(ranks):
             events[f"done/{phase}/{rank}"] = ctx.Event()
+    from afd_decode_attention import attn0_main, attn1_main
+
     procs = {name: ctx.Process(target=_child, args=(fn, args, q, events, name), name=name, daemon=True)
              for name, fn in (("ffn", ffn_main), ("attn-0", attn0_main), ("attn-1", attn1_main))}
     for p in procs.values():

@@ -18,7 +18,8 @@ import argparse
 import torch
 from torch import nn
 
-from afd_decode import _NoFFN, _capture, _graphs, _kv_cache, _model_config, _time_steps
+from afd_decode import _model_config
+from decode_steps import NoFFN, capture_decode_graphs, kv_cache_for, time_steps
 from common import random_model, write_json
 
 
@@ -37,7 +38,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     from afd.models.loader import LoadedModel
-    from afd.runners.attention_runner import AttentionRunner
+    from afd.runners.attention_runner import AttentionRunner, StepOptions
     from afd.runners.monolithic import MonolithicRunner
 
     config = _model_config(args.layers)
@@ -45,27 +46,27 @@ def main() -> None:
     for context in (int(c) for c in args.contexts.split(",")):
         result = {b: {"batch": b, "context": context} for b in batches}
         model, spec, crossing = random_model(config, "monolithic")
-        kv = _kv_cache(model, max(batches), context)
+        kv = kv_cache_for(model, max(batches), context)
         for label in ("mono", "mono_attn"):
             if label == "mono_attn":
                 for layer in model.layers:
                     layer.mlp = _ZeroFFN()
             runner = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)
             with torch.inference_mode():
-                runner.graphs = _graphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, batches, 1)
+                runner.graphs = capture_decode_graphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, batches, 1)
             for batch in batches:
-                result[batch][label] = _time_steps(runner, kv, batch, args.steps, context, vocab)["ms"]
+                result[batch][label] = time_steps(runner, kv, batch, args.steps, context, vocab)["ms"]
             runner.graphs = None
         del model, kv, runner
         torch.cuda.empty_cache()
         model, spec, crossing = random_model(config, "attention")
         loaded = LoadedModel(model, spec, crossing, "random")
-        kv = _kv_cache(model, max(batches), context)
+        kv = kv_cache_for(model, max(batches), context)
         for stages in (1, 2):
-            solo = AttentionRunner(loaded, _NoFFN(), kv, stages, False)
-            _capture(solo, kv, batches)
+            solo = AttentionRunner(loaded, NoFFN(), kv, StepOptions(stages))
+            solo.capture_graphs(buckets=batches)
             for batch in batches:
-                result[batch][f"afd_s{stages}"] = _time_steps(solo, kv, batch, args.steps, context, vocab)["ms"]
+                result[batch][f"afd_s{stages}"] = time_steps(solo, kv, batch, args.steps, context, vocab)["ms"]
             solo.graphs = None
         del model, kv, solo, loaded
         torch.cuda.empty_cache()

@@ -6,6 +6,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,34 +68,40 @@ def ceilings() -> dict:
 
 def random_model(config: dict, role: str = "monolithic", gate_on_attention: bool = False, seed: int = 0):
     """A `role`-pruned model with random bf16 weights on the current GPU (shared experts folded in)."""
-    from afd.kernels.moe import fuse_shared_experts
-    from afd.models import deepseek_v2
-    from afd.models.layers import MoE, Router
-    from afd.models.spec import parse_spec
-    from afd.models.split import prune_for_role
-    from afd.topology import crossing_layers
+    from afd.models.loader import build_share, finish_share
 
-    spec = parse_spec(config)
-    with torch.device("meta"):
-        model = deepseek_v2.build(config, spec)
-    crossing = crossing_layers(spec.moe_layers, gate_on_attention)
-    prune_for_role(model, role, crossing, gate_on_attention)
-    model.to_empty(device="cuda").to(torch.bfloat16)
+    model, spec, crossing = build_share(config, role, gate_on_attention, torch.bfloat16, "cuda")
     generator = torch.Generator(device="cuda").manual_seed(seed)
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, Router):
-                module.float()
         for name, param in model.named_parameters():
             if "layernorm" in name or name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
                 param.normal_(0, 0.02, generator=generator)
-        for module in model.modules():
-            if isinstance(module, MoE):
-                fuse_shared_experts(module)
-    model.eval().requires_grad_(False)
+    finish_share(model, torch.bfloat16, "cuda")
     return model, spec, crossing
+
+
+def nccl_pingpong(comm, rank: int, rows_list, hidden: int, trips: int = 100, warm: int = 10) -> dict:
+    """One-way µs of a bare NCCL send/recv ping-pong of rows x hidden bf16 per row count (host loop, one sync)."""
+    out = {}
+    for rows in rows_list:
+        a = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
+        b = torch.empty_like(a)
+        for n, record in ((warm, False), (trips, True)):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                if rank == 0:
+                    comm.send(a)
+                    comm.recv(b)
+                else:
+                    comm.recv(b)
+                    comm.send(a)
+            torch.cuda.synchronize()
+            if record:
+                out[rows] = (time.perf_counter() - start) / (2 * n) * 1e6
+    return out
 
 
 def write_json(name: str, data) -> None:

@@ -9,33 +9,19 @@ serving loop sees), median of STEPS steps.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 from common import V2_LITE, random_model, write_json
+from decode_steps import time_steps
 
 from afd.kv_cache import KVCache
 from afd.models.loader import LoadedModel
-from afd.runners.microbatch import SeqLayout
 from afd.runners.monolithic import MonolithicRunner
 
 BATCHES, CONTEXT, STEPS = (1, 4, 16, 32, 64), 128, 20
 
 
 def step_ms(runner, kv_cache, batch: int) -> float:
-    tables = [tuple(kv_cache.allocate(CONTEXT + 1)) for _ in range(batch)]
-    layout = SeqLayout(tuple(tables), (CONTEXT,) * batch, (1,) * batch)
-    ids = torch.randint(0, V2_LITE["vocab_size"], (batch,), device="cuda")
-    times = []
-    for _ in range(STEPS + 3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        runner(ids, layout).argmax(-1).tolist()
-        times.append((time.perf_counter() - start) * 1e3)
-    for table in tables:
-        kv_cache.release(table)
-    return statistics.median(times[3:])
+    return time_steps(runner, kv_cache, batch, STEPS, CONTEXT, V2_LITE["vocab_size"])["ms"]
 
 
 def main() -> None:

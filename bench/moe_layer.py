@@ -14,7 +14,7 @@ import os
 import torch
 from common import V2_LITE, ceilings, time_graph, write_json
 
-from afd.kernels.moe import fuse_shared_experts
+from afd.models.moe_prep import fuse_shared_experts
 from afd.models.layers import MoE, Routing
 
 TOKENS = (1, 16, 64, 256, 1024, 4096)

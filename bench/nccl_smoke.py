@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -17,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 
 def worker(rank: int, queue, threaded: bool) -> None:
+    from common import nccl_pingpong
+
     from afd.connector.nccl_lib import Group, PairComm, UniqueId, new_unique_id
 
     torch.cuda.set_device(rank)
@@ -50,20 +51,9 @@ def worker(rank: int, queue, threaded: bool) -> None:
     graph.replay()
     torch.cuda.synchronize()
     print(f"rank {rank}: captured exchange got {y[0, 0].item()}", flush=True)
-    for rows in (16, 256, 1024):
-        a, b = x[:rows].contiguous(), torch.empty_like(x[:rows])
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(200):
-            if rank == 0:
-                comm.send(a)
-                comm.recv(b)
-            else:
-                comm.recv(b)
-                comm.send(a)
-        torch.cuda.synchronize()
+    for rows, one_way_us in nccl_pingpong(comm, rank, (16, 256, 1024), 2048, trips=200, warm=0).items():
         if rank == 0:
-            print(f"ping-pong {rows}x2048 bf16 ({a.numel() * 2 / 2**10:.0f} KiB): {(time.perf_counter() - start) / 400 * 1e6:.1f} us one way", flush=True)
+            print(f"ping-pong {rows}x2048 bf16 ({rows * 2048 * 2 / 2**10:.0f} KiB): {one_way_us:.1f} us one way", flush=True)
     comm.close()
 
 

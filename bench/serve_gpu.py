@@ -37,7 +37,7 @@ from common import write_json  # noqa: E402  (also puts runtime/ on the path)
 from random_checkpoint import write_v2_lite  # noqa: E402
 from serve import one_request, percentile  # noqa: E402
 
-from afd.processes import LocalProcesses, free_port_block, threads_per_rank  # noqa: E402
+from afd.local.children import LocalProcesses, free_port_block, threads_per_rank  # noqa: E402
 from afd.topology import Topology  # noqa: E402
 
 

@@ -92,8 +92,8 @@ def launch_afd_up(model: str, topology: str, stages: int, port: int, workdir: Pa
 
 def launch_vllm_attention(model: str, topology: str, stages: int, port: int, vllm_python: str, workdir: Path) -> Launched:
     from afd.config import AFDConfig, config_to_env, values_from_topology
-    from afd.local_processes import local_zmq_config
-    from afd.processes import free_port_block
+    from afd.local.group_processes import local_zmq_config
+    from afd.local.children import free_port_block
 
     config = local_zmq_config(AFDConfig(model=model, stages=stages, dtype="float32", device="cpu", http_host="127.0.0.1",
                                         attention_engine="vllm", **values_from_topology(topology)))

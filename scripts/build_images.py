@@ -13,7 +13,7 @@ with the host's CA bundle (mounted into the build) and the host's local wheel fo
 (/opt/wheels, where the CPU torch wheel lies). The build context is a clean copy of the files
 the images need, never the whole checkout (.venv alone is gigabytes).
 
-Needs, as root: Debian's podman, buildah, mmdebstrap (and runc: crun fails on cgroups here).
+Needs, as root: Debian's podman, mmdebstrap (and runc: crun fails on cgroups here); catatonit for podman pods.
 Builds are cached by podman's layer cache; the base image is made once per machine.
 """
 
@@ -72,7 +72,7 @@ def podman(*args: str, check: bool = True, capture: bool = False, timeout: float
 
 def missing_tools() -> list[str]:
     """Tools this script needs that are not on PATH (empty when it can run)."""
-    return [tool for tool in ("podman", "buildah", "mmdebstrap", "runc") if shutil.which(tool) is None]
+    return [tool for tool in ("podman", "mmdebstrap", "runc") if shutil.which(tool) is None]
 
 
 def image_exists(tag: str) -> bool:
@@ -102,11 +102,15 @@ def make_context(dest: Path) -> Path:
     return dest
 
 
-def build(name: str, base: str = BASE_TAG, tag: str | None = None) -> str:
-    """Build images/<name>/Dockerfile on `base`; returns the image tag."""
+def build(name: str, base: str = BASE_TAG, tag: str | None = None, network: str | None = None) -> str:
+    """Build images/<name>/Dockerfile on `base`; returns the image tag. `network`: podman build's
+    --network for the RUN steps (e.g. `host` where podman's default 10.88.0.0/16 collides with a
+    cluster's pod range, or gives the build no DNS)."""
     tag = tag or image_tag(name)
     args = ["build", "--pull=never", "--layers", "-f", f"images/{name}/Dockerfile", "-t", tag,
             "--build-arg", f"BASE_IMAGE={base}"]
+    if network:
+        args.append(f"--network={network}")
     if HOST_CA.exists():  # pip behind this network's TLS proxy needs the host's CA bundle
         args += ["-v", f"{HOST_CA}:/etc/ssl/certs/afd-host-ca.crt:ro",
                  "--build-arg", "PIP_CERT=/etc/ssl/certs/afd-host-ca.crt"]
@@ -129,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=["base", "build", "all"])
     parser.add_argument("name", nargs="?", choices=["runtime", "operator"])
     parser.add_argument("--force-base", action="store_true", help="remake the base image")
+    parser.add_argument("--network", help="network of the build's RUN steps (podman build --network), e.g. host")
     args = parser.parse_args(argv)
     if missing := missing_tools():
-        print(f"missing: {', '.join(missing)} (apt-get install podman buildah mmdebstrap runc)", file=sys.stderr)
+        print(f"missing: {', '.join(missing)} (apt-get install podman mmdebstrap runc)", file=sys.stderr)
         return 2
     os.chdir(ROOT)
     start = time.monotonic()
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("build needs runtime or operator")
     for name in names:
         step = time.monotonic()
-        print(f"built {build(name)} ({time.monotonic() - step:.0f}s)")
+        print(f"built {build(name, network=args.network)} ({time.monotonic() - step:.0f}s)")
     return 0
 
 

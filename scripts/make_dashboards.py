@@ -138,6 +138,13 @@ def operator() -> dict:
         panel("Reconcile duration p99", [
             (f"histogram_quantile(0.99, sum by (le) (rate(afd_operator_reconcile_duration_seconds_bucket{where}[{RATE}])))", "p99")], "s"),
         panel("Groups ready / desired", [(f"sum by (deployment, state) (afd_operator_groups{where})", "{{deployment}} {{state}}")]),
+        panel("spec.ratio: attention-busy vs FFN-busy share of a step, per group", [
+            (f"max by (deployment, group, side) (afd_operator_ratio_busy_ratio{where})", "{{deployment}} g{{group}} {{side}}")],
+              "percentunit"),
+        panel("spec.ratio: attention ranks per FFN rank, current vs recommended", [
+            (f"max by (deployment, topology) (afd_operator_ratio_attention_per_ffn{where})", "{{deployment}} {{topology}}")]),
+        panel("spec.ratio: predicted tokens/s per GPU gain of the recommendation", [
+            (f"max by (deployment) (afd_operator_ratio_predicted_gain_ratio{where})", "{{deployment}}")], "percentunit", width=24),
     ], variables)
 
 

@@ -27,6 +27,7 @@ from afd_operator.kube import KubeError, KubeStore, Store
 from afd_operator.metrics import OperatorMetrics
 from afd_operator.model import API_GROUP, PLURAL
 from afd_operator.observe import pod_facts
+from afd_operator.ratio_feed import RatioFeed
 from afd_operator.reconcile import Outcome, reconcile
 
 VERSION = "v1alpha1"
@@ -48,6 +49,7 @@ class OperatorMemo(kopf.Memo):
         self.bodies: dict[str, dict] = {}  # uid → latest body seen on the watch
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, owner) → name → PodFacts
         self.wakeup: Optional[asyncio.Event] = None
+        self.feed = RatioFeed()  # spec.ratio's metric scrapes
 
 
 def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegistry:
@@ -98,6 +100,7 @@ def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegis
         if type == "DELETED":
             for store in (memo.bodies, memo.last_status, memo.locks):
                 store.pop(uid, None)
+            memo.feed.forget(uid)
             memo.metrics.forget(body.metadata.namespace, body.metadata.name)
         else:
             memo.bodies[uid] = dict(body)
@@ -125,7 +128,8 @@ async def reconcile_one(memo: OperatorMemo, body: dict[str, Any], full: bool) ->
             current = {**body, "status": memo.last_status.get(uid) or dict(body.get("status") or {})}
             store = memo.store
             assert store is not None, "the startup handler sets the store"
-            outcome = await asyncio.to_thread(reconcile, current, pods, store, time.time(), full)
+            scrapes = await asyncio.to_thread(memo.feed.collect, current, pods, time.time())
+            outcome = await asyncio.to_thread(reconcile, current, pods, store, time.time(), full, scrapes)
             if outcome.status != memo.last_status.get(uid):
                 await asyncio.to_thread(store.patch_status, meta["namespace"], meta["name"], outcome.status)
                 memo.last_status[uid] = outcome.status

@@ -1,7 +1,7 @@
 """The operator's own Prometheus metrics (`afd operator --metrics-port`).
 
 Counters keep `_total`; labels are bounded by the resources that exist (namespace,
-deployment) plus small fixed sets (`result`, `reason`, `state`). Series of a deleted resource are
+deployment, group) plus small fixed sets (`result`, `reason`, `state`, `side`, `topology`). Series of a deleted resource are
 removed, so a churn of short-lived resources does not grow the exposition forever.
 """
 
@@ -12,12 +12,16 @@ from typing import Any, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from afd.topology import Topology, TopologyError
+
 log = logging.getLogger(__name__)
 
 LABELS = ("namespace", "deployment")
 RESULTS = ("success", "error")
 ERROR_REASONS = ("api", "invalid_spec", "internal")
 GROUP_STATES = ("desired", "ready", "failed")
+RATIO_TOPOLOGIES = ("current", "recommended")
+SIDES = ("attention", "ffn")
 # Reconciles are API round trips: milliseconds to tens of seconds under a slow API server.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -43,6 +47,19 @@ class OperatorMetrics:
             "AFD groups of an AFDDeployment: desired (spec.replicas), ready (every rank Ready), "
             "failed (restart budget spent).",
             (*LABELS, "state"), registry=self.registry)
+        self.ratio = Gauge(
+            "afd_operator_ratio_attention_per_ffn",
+            "spec.ratio: attention ranks per FFN rank of the groups now (current) and of the recommendation "
+            "(recommended; absent when there is none).", (*LABELS, "topology"), registry=self.registry)
+        self.gain = Gauge(
+            "afd_operator_ratio_predicted_gain_ratio",
+            "spec.ratio: predicted tokens/s per GPU of the recommended topology over the current one, minus 1.",
+            LABELS, registry=self.registry)
+        self.busy = Gauge(
+            "afd_operator_ratio_busy_ratio",
+            "spec.ratio: share of a decode step each side computes, per group, from the fitted cost model.",
+            (*LABELS, "group", "side"), registry=self.registry)
+        self._busy_groups: dict[tuple[str, str], set[str]] = {}
 
     def observe(self, namespace: str, name: str, seconds: float, error: Optional[str],
                 spec: Mapping[str, Any], status: Optional[Mapping[str, Any]]) -> None:
@@ -61,6 +78,29 @@ class OperatorMetrics:
             self.groups.labels(namespace, name, "ready").set(status["readyReplicas"])
             failed = sum(1 for g in status.get("groups") or [] if g.get("phase") == "Failed")
             self.groups.labels(namespace, name, "failed").set(failed)
+        self._observe_ratio(namespace, name, status.get("ratio"))
+
+    def _observe_ratio(self, namespace: str, name: str, ratio: Optional[Mapping[str, Any]]) -> None:
+        """status.ratio → the ratio gauges; series that no longer apply are removed."""
+        ratio = ratio or {}
+        for which in RATIO_TOPOLOGIES:
+            value = _per_ffn(ratio.get(which))
+            if value is None:
+                _remove(self.ratio, namespace, name, which)
+            else:
+                self.ratio.labels(namespace, name, which).set(value)
+        if ratio.get("predictedGainPercent") is not None:  # null: written to remove it
+            self.gain.labels(namespace, name).set(ratio["predictedGainPercent"] / 100)
+        else:
+            _remove(self.gain, namespace, name)
+        groups = {str(g["index"]): g for g in ratio.get("groups") or [] if "attentionBusyPercent" in g}
+        for gone in self._busy_groups.get((namespace, name), set()) - set(groups):
+            for side in SIDES:
+                _remove(self.busy, namespace, name, gone, side)
+        for index, g in groups.items():
+            self.busy.labels(namespace, name, index, "attention").set(g["attentionBusyPercent"] / 100)
+            self.busy.labels(namespace, name, index, "ffn").set(g["ffnBusyPercent"] / 100)
+        self._busy_groups[(namespace, name)] = set(groups)
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop every series of a deleted AFDDeployment."""
@@ -68,10 +108,24 @@ class OperatorMetrics:
                               (self.errors, [(r,) for r in ERROR_REASONS]),
                               (self.groups, [(s,) for s in GROUP_STATES])):
             for values in extra:
-                try:
-                    metric.remove(namespace, name, *values)
-                except KeyError:
-                    pass
+                _remove(metric, namespace, name, *values)
+        self._observe_ratio(namespace, name, None)
+        self._busy_groups.pop((namespace, name), None)
+
+
+def _remove(metric: Any, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
+
+
+def _per_ffn(topology: Optional[str]) -> Optional[float]:
+    try:
+        shape = Topology.parse(topology) if topology else None
+    except TopologyError:
+        return None
+    return shape.num_attention / shape.num_ffn if shape else None
 
 
 def serve_metrics(port: int, metrics: OperatorMetrics, address: str = "0.0.0.0") -> Any:

@@ -18,7 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from afd.topology import Topology
 from afd_operator.model_options import (
-    DisruptionBudget, GangScheduling, ImagePullSecret, Monitoring, NetworkPolicy, Placement, PodSecurity,
+    DisruptionBudget, GangScheduling, ImagePullSecret, Monitoring, NetworkPolicy, Placement, PodSecurity, Ratio,
     SpecModel as _Model,
 )
 
@@ -228,6 +228,7 @@ class AFDDeploymentSpec(_Model):
     monitoring: Monitoring = Field(default_factory=Monitoring)
     pod_security: PodSecurity = Field(default_factory=PodSecurity)
     network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
+    ratio: Ratio = Field(default_factory=Ratio)
 
     @model_validator(mode="after")
     def _check_shape(self) -> "AFDDeploymentSpec":
@@ -275,7 +276,7 @@ class AFDDeploymentSpec(_Model):
         """
         pod_fields = set(type(self).model_fields) - {
             "replicas", "rollout", "restart_policy", "pod_disruption_budget", "monitoring",
-            "network_policy",
+            "network_policy", "ratio",
         }
         data = self.model_dump(include=pod_fields, exclude_defaults=True, by_alias=True, mode="json")
         data = {"spec": data, "podContract": POD_CONTRACT}

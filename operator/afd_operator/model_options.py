@@ -78,3 +78,29 @@ class NetworkPolicy(SpecModel):
 
     enabled: bool = False
     metrics_namespace_selector: Optional[LabelSelector] = None
+
+
+RATIO_ORDER_MESSAGE = "ratio.minAttentionPerFFN must not exceed ratio.maxAttentionPerFFN"
+
+
+class Ratio(SpecModel):
+    """Choosing the attention:FFN ratio from the groups' metrics (docs/ratio.md). Off: nothing;
+    Advise: the recommendation goes to status and an Event; Auto: groups also move to it
+    through the group rollout, above `minGainPercent`, at most once per `cooldownSeconds`."""
+
+    mode: Literal["Off", "Advise", "Auto"] = "Off"
+    min_attention_per_ffn: float = Field(default=1.0, ge=1, le=256, alias="minAttentionPerFFN")
+    max_attention_per_ffn: float = Field(default=8.0, ge=1, le=256, alias="maxAttentionPerFFN")
+    max_ranks_per_group: int = Field(default=16, ge=2, le=256)
+    min_gain_percent: int = Field(default=15, ge=0, le=1000)
+    cooldown_seconds: int = Field(default=3600, ge=0, le=604800)
+    sample_interval_seconds: int = Field(default=30, ge=5, le=3600)
+    samples: int = Field(default=6, ge=2, le=100)
+    min_available: int = Field(default=1, ge=0, le=100)
+    prometheus_url: Optional[str] = Field(default=None, alias="prometheusURL", max_length=2048, pattern=r"^https?://\S+$")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "Ratio":
+        if self.min_attention_per_ffn > self.max_attention_per_ffn:
+            raise ValueError(f"{RATIO_ORDER_MESSAGE} ({self.min_attention_per_ffn:g} > {self.max_attention_per_ffn:g})")
+        return self

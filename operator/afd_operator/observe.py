@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Optional
 
+from afd.topology import Topology
 from afd_operator.labels import GROUP, NAME, REVISION, ROLE
 from afd_operator.plan import GroupState
 
@@ -29,6 +30,7 @@ class PodFacts:
     restarts: int
     created: Optional[float]  # epoch seconds
     deleting: bool = False
+    ip: str = ""  # where its /metrics is scraped for spec.ratio
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class GroupMemory:
     ready_since: Optional[float] = None
     restart_baseline: int = 0  # container restarts already counted when the group became Ready
     failed: bool = False
+    topology: Optional[str] = None  # the shape it was created with (ratio changes roll out group by group)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ def pod_facts(body: Mapping[str, Any]) -> Optional[PodFacts]:
         restarts=restarts,
         created=parse_time(meta.get("creationTimestamp")),
         deleting=bool(meta.get("deletionTimestamp")),
+        ip=status.get("podIP") or "",
     )
 
 
@@ -101,6 +105,9 @@ def observe_groups(
 
 
 def _observe_one(memory: GroupMemory, pods: list[PodFacts], attention: int, ffn: int) -> GroupView:
+    if memory.topology:  # judged by its own shape, not by the one a rollout moves towards
+        shape = Topology.parse(memory.topology)
+        attention, ffn = shape.num_attention, shape.num_ffn
     current = [p for p in pods if not p.deleting]
     ready_attention = sum(p.ready and p.role == "attention" for p in current)
     ready_ffn = sum(p.ready and p.role == "ffn" for p in current)

@@ -17,6 +17,7 @@ from afd_operator.kube import Store
 from afd_operator.model import AFDDeploymentSpec, Owner, SpecError, parse_owner, parse_spec
 from afd_operator.observe import GroupMemory, GroupView, PodFacts, observe_groups, remember
 from afd_operator.plan import RECREATE, Action, Desired, Plan, plan_groups
+from afd_operator.ratio import Fleet, Scrapes, decide, effective_spec, max_unavailable
 from afd_operator.render import optional_shared_kinds, render_group, render_shared, unwanted_group_objects
 from afd_operator.secret import ensure_group_secret
 from afd_operator.status import (
@@ -58,7 +59,7 @@ def desired_of(spec: AFDDeploymentSpec) -> Desired:
         replicas=spec.replicas,
         revision=spec.revision,
         max_surge=spec.rollout.max_surge,
-        max_unavailable=spec.rollout.max_unavailable,
+        max_unavailable=max_unavailable(spec.ratio, spec.replicas, spec.rollout.max_unavailable, spec.rollout.max_surge),
         partition=spec.rollout.partition,
         restart_type=spec.restart_type,
         backoff_seconds=r.backoff_seconds,
@@ -68,22 +69,25 @@ def desired_of(spec: AFDDeploymentSpec) -> Desired:
 
 
 def reconcile(
-    body: Mapping[str, Any], pods: Iterable[PodFacts], store: Store, now: float, full: bool = False
+    body: Mapping[str, Any], pods: Iterable[PodFacts], store: Store, now: float, full: bool = False,
+    scrapes: Optional[Mapping[int, Scrapes]] = None,
 ) -> Outcome:
     """One reconcile step. `full` re-applies every current-revision group (after a spec
-    change or an operator restart) and prunes optional objects the spec no longer wants."""
+    change or an operator restart) and prunes optional objects the spec no longer wants.
+    `scrapes`: recent metric scrapes per group, for spec.ratio (oldest first)."""
     previous = body.get("status") or {}
     generation = body.get("metadata", {}).get("generation")
     try:
         owner = parse_owner(body)
-        spec = parse_spec(body.get("spec"))
+        asked = parse_spec(body.get("spec"))
     except SpecError as err:
         return _invalid(str(err), previous, generation, now)
+    spec = effective_spec(asked, previous)  # the ranks spec.ratio Auto chose, if any
 
     views = observe_groups(memories_from_status(previous), pods, spec.attention.ranks, spec.ffn.ranks)
     reset_after = float(spec.restart_policy.max_backoff_seconds)
     recovers = spec.restart_type != RECREATE
-    memories = {v.state.index: remember(v, now, reset_after, recovers) for v in views}
+    memories = {v.state.index: _shaped(remember(v, now, reset_after, recovers), spec) for v in views}
     states = [replace(v.state, restarts=memories[v.state.index].restarts) for v in views]
     plan = plan_groups(desired_of(spec), states, now)
 
@@ -93,6 +97,10 @@ def reconcile(
     problems += [secret.problem] if secret.problem else []
     status = render_status(StatusInput(spec, owner.name, generation, reports, problems), previous, now)
     events = [_action_event(a, views) for a in plan.actions]
+    ratio = decide(asked, spec.topology, scrapes or {}, previous.get("ratio") or {}, _fleet(spec, status), now)
+    if ratio.status is not None or previous.get("ratio"):
+        status["ratio"] = ratio.status  # None: merge-patched as null, which removes it
+    events += [Event(*e) for e in ratio.events]
     if secret.created and previous.get("groups"):
         events.append(Event("Warning", "GroupSecretRecreated", (
             "the group Secret was missing and has been created with a new value; ranks started "
@@ -131,6 +139,19 @@ def _apply(plan: Plan, spec: AFDDeploymentSpec, owner: Owner, views: list[GroupV
         store.apply(obj)
 
 
+def _shaped(memory: GroupMemory, spec: AFDDeploymentSpec) -> GroupMemory:
+    """A group at the update revision has the spec's shape; older ones keep theirs."""
+    if memory.revision == spec.revision and memory.topology != str(spec.topology):
+        return replace(memory, topology=str(spec.topology))
+    return memory
+
+
+def _fleet(spec: AFDDeploymentSpec, status: Mapping[str, Any]) -> Fleet:
+    settled = status["replicas"] == status["updatedReplicas"] == status["availableReplicas"] == spec.replicas
+    return Fleet(spec.replicas, status["availableReplicas"], settled, spec.rollout.max_surge,
+                 spec.rollout.max_unavailable)
+
+
 def _rank_pods(spec: AFDDeploymentSpec, owner: Owner, index: int) -> list[str]:
     """Pod names of every rank of a group (pods not yet in the index are deleted too)."""
     return [
@@ -151,7 +172,7 @@ def _report(spec: AFDDeploymentSpec, views: list[GroupView], memories: dict[int,
         if action is not None and action.kind == "delete":
             continue
         if action is not None and action.kind == "replace":
-            memory, phase, ready = GroupMemory(v.state.index, spec.revision), "Replacing", False
+            memory, phase, ready = GroupMemory(v.state.index, spec.revision, topology=str(spec.topology)), "Replacing", False
         elif action is not None and action.kind == "restart":
             memory = replace(memory, restarts=memory.restarts + 1, last_restart=now, ready_since=None)
             phase, ready = "Restarting", False
@@ -171,7 +192,8 @@ def _report(spec: AFDDeploymentSpec, views: list[GroupView], memories: dict[int,
         reports.append(GroupReport(memory, phase, ready, v.ready_attention, v.ready_ffn, message))
     for action in plan.actions:
         if action.kind == "create":
-            reports.append(GroupReport(GroupMemory(action.index, spec.revision), "Creating", False))
+            reports.append(GroupReport(GroupMemory(action.index, spec.revision, topology=str(spec.topology)),
+                                       "Creating", False))
     return reports, problems
 
 

@@ -49,10 +49,14 @@ def model_path(spec: AFDDeploymentSpec) -> str:
     return MODEL_DIR
 
 
-def _engine_env(afd, role: str) -> dict:
-    """Attention pods running vLLM: the engine switch and vLLM's extra arguments."""
-    if role != "attention" or afd.attention_engine == "afd":
+def _engine_env(spec: AFDDeploymentSpec, owner: Owner, role: str) -> dict:
+    """Attention pods: with our engine, where requests they cannot serve go on (the client
+    Service, so another group answers them); with vLLM, the engine switch and its arguments."""
+    afd = spec.afd
+    if role != "attention":
         return {}
+    if afd.attention_engine == "afd":
+        return {"AFD_FAILOVER_URL": f"http://{owner.name}.{owner.namespace}.svc:{spec.ports.http}"}
     return {"AFD_ATTENTION_ENGINE": afd.attention_engine, "AFD_VLLM_ARGS": shlex.join(afd.vllm_args)}
 
 
@@ -75,7 +79,7 @@ def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         "AFD_SERVED_MODEL_NAME": spec.served_model_name or spec.model.default_served_name,
         "AFD_HTTP_PORT": ports.http,
         "AFD_METRICS_PORT": ports.metrics,
-        **_engine_env(afd, role),
+        **_engine_env(spec, owner, role),
         # Both roles of a group share it; a pod of another group or revision is refused.
         "AFD_GROUP_TOKEN": f"{L.group_name(owner.name, index)}-{revision}",
         "AFD_CONFIG_FILE": CONFIG_FILE,

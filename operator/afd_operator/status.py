@@ -60,6 +60,7 @@ def memories_from_status(status: Mapping[str, Any]) -> list[GroupMemory]:
             ready_since=parse_time(g.get("readySince")),
             restart_baseline=int(g.get("restartBaseline", 0)),
             failed=g.get("phase") == "Failed",
+            topology=g.get("topology"),
         ))
     return result
 
@@ -185,6 +186,6 @@ def _group_status(g: GroupReport) -> dict[str, Any]:
         "restartBaseline": m.restart_baseline,
     }
     optional = {"lastRestartTime": format_time(m.last_restart), "readySince": format_time(m.ready_since),
-                "message": g.message}
+                "message": g.message, "topology": m.topology}
     entry.update({k: v for k, v in optional.items() if v})
     return entry

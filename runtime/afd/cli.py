@@ -30,7 +30,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from afd.connector.wire import ProtocolError
     from afd.models.checkpoint import CheckpointError
     from afd.models.spec import UnsupportedModelError
-    from afd.processes import ChildFailed
+    from afd.local.children import ChildFailed
 
     return (ConfigError, TopologyError, CheckpointError, UnsupportedModelError, ConnectorError, ProtocolError,
             ChildFailed, RuntimeError)
@@ -147,12 +147,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                      args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
     elif config.connector == "loopback":
-        from afd.local_threads import generate_in_threads
+        from afd.local.group_threads import generate_in_threads
 
         result = generate_in_threads(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
     else:
-        from afd.local_processes import generate_in_processes
+        from afd.local.group_processes import generate_in_processes
 
         ffn_model = str(Path(args.ffn_model).resolve()) if args.ffn_model else None
         tokens, logits = generate_in_processes(config, args.prompt_ids, args.max_tokens, args.ignore_eos, ffn_model)
@@ -164,7 +164,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from afd.batch import run_attention_batch
+    from afd.local.offline_batch import run_attention_batch
 
     job = json.loads(Path(args.input).read_text())
     config = load_config()
@@ -191,27 +191,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     if config.role == "ffn":
-        from prometheus_client import CollectorRegistry
+        from afd.server.ffn_run import serve_ffn
 
-        from afd.roles import build_ffn
-        from afd.server.probe_http import Probes, start_probe_server
-
-        from afd.metrics.wiring import instrument_ffn
-        from afd.runners.device import resolve_device
-
-        runner = build_ffn(config)
-        registry = CollectorRegistry()
-        instrument_ffn(registry, config, runner, resolve_device(config))
-        # preStop drain: tell the attention ranks, serve on until they have finished (or the hook's time is up)
-        probes = Probes(lambda: None, drained=runner.drained, on_drain=runner.request_drain)
-        probe = start_probe_server(config.http_host, config.metrics_port, probes, registry)
-        log.info("ffn rank %d ready (health and metrics on port %d)", config.rank, config.metrics_port)
-        try:
-            runner.serve(stop)
-        finally:
-            probe.shutdown()
-        log.info("ffn rank %d stopped after %d steps", config.rank, runner.steps_run)
-        return 0
+        return serve_ffn(config, stop)
     from afd.server.run import serve_attention
 
     return serve_attention(config, stop)

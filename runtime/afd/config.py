@@ -57,6 +57,7 @@ class AFDConfig:
     max_num_batched_tokens: int = 8192
     kv_cache_bytes: int = 0
     served_model_name: str = ""
+    failover_url: str = ""  # attention: where a request this rank cannot serve goes on (the client Service)
     max_request_bytes: int = 16 << 20  # API request bodies over this get 413
     max_prompts: int = 128  # prompts in one /v1/completions request
     max_prompt_chars: int = 0  # characters of a prompt before tokenization (0: 32 per context token)
@@ -176,6 +177,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
     "AFD_KV_CACHE_BYTES": "kv_cache_bytes",
     "AFD_SERVED_MODEL_NAME": "served_model_name",
+    "AFD_FAILOVER_URL": "failover_url",
     "AFD_MAX_REQUEST_BYTES": "max_request_bytes",
     "AFD_MAX_PROMPTS": "max_prompts",
     "AFD_MAX_PROMPT_CHARS": "max_prompt_chars",

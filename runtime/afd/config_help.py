@@ -27,6 +27,8 @@ SETTING_HELP: dict[str, str] = {
     "max_num_batched_tokens": "Most tokens (prefill + decode) in one engine step.",
     "kv_cache_bytes": "KV-cache budget of an attention rank in bytes (0: sized from the device, see `gpu_memory_utilization`; 1 GiB on CPU). Capacity in tokens is logged at start and exported as `afd_kv_cache_capacity_tokens`.",
     "served_model_name": "Model id the API answers to (default: the checkpoint folder's name).",
+    "failover_url": ("Attention: base URL (the client Service) where a request this rank answers with 503 before "
+                     "its first token is sent on, e.g. while its FFN is lost; empty: no failover. The operator sets it."),
     "group_token": "Identifies the AFD group; a peer of another group is refused at the handshake.",
     "group_secret": "Shared secret of the group (from the operator's Secret); proves a peer in the handshake, never sent or logged.",
     "connect_timeout_s": "How long an attention rank waits for its FFN rank at start-up and on reconnect.",

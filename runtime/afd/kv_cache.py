@@ -51,12 +51,6 @@ class KVCache:
     def for_tokens(cls, layouts, num_tokens: int, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
         return cls(layouts, -(-num_tokens // block_size), dtype, device, block_size)
 
-    @classmethod
-    def for_budget(cls, layouts, budget_bytes: int, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
-        """As many blocks as fit in `budget_bytes`."""
-        per_block = cls.bytes_per_token(layouts, dtype) * block_size
-        return cls(layouts, budget_bytes // per_block - 1, dtype, device, block_size)  # less the scratch block
-
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
 

@@ -31,7 +31,7 @@ class MonolithicRole:
     kv_cache: KVCache
     runner: MonolithicRunner
     device: torch.device
-    connector = None  # nothing to drain or reconnect
+    link = None  # no FFN peer: nothing to drain or reconnect
 
     def close(self, reason: str = "shutdown") -> None:
         if self.runner.graphs is not None:

@@ -1,53 +1,79 @@
-"""Assemble a role from its config: load its share of the model, open its connector.
+"""A role from its config in two parts: `load_share` reads the weights, `assemble_*` wires the rest.
 
-`build_ffn` gives a ready FFN daemon; `build_attention` gives a connected, handshaken
-attention rank with its KV cache. Both read the whole configuration from `AFDConfig`.
+`build_ffn` gives a ready FFN worker; `build_attention` a connected, handshaken attention
+rank with its KV cache. Both read the whole configuration from `AFDConfig`; the benchmarks
+assemble roles around a share they loaded once.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 from afd.config import AFDConfig
-from afd.connector.attention_side import AttentionConnector
-from afd.connector.factory import make_attention_connector, make_ffn_connector
-from afd.connector.ffn_side import DataContract
+from afd.connector import registry
+from afd.connector.attention_link import AttentionLink
+from afd.connector.ffn_link import FFNLink
 from afd.connector.identity import identity_key
+from afd.connector.plane import DataContract, PlaneOptions
 from afd.kv_cache import KVCache
+from afd.metrics.layer_clock import StepInstruments
 from afd.models.loader import LoadedModel, load_model
-from afd.runners.attention_runner import AttentionRunner
+from afd.runners.attention_runner import AttentionRunner, StepOptions
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
-from afd.runners.ffn_runner import FFNRunner
+from afd.runners.ffn_executor import FFNStepExecutor
+from afd.runners.ffn_worker import FFNWorker
 from afd.runners.handshake import make_hello
 
 log = logging.getLogger(__name__)
 
 
-def build_ffn(config: AFDConfig) -> FFNRunner:
-    """FFN rank `config.rank`: FFN weights only, listening for its attention peers."""
+@dataclass(frozen=True)
+class Share:
+    """One role's loaded share of the model, on its device, in its dtype."""
+
+    loaded: LoadedModel
+    device: torch.device
+    dtype: str  # a name of afd.connector.tensors.DTYPES
+
+    def hello(self, config: AFDConfig):
+        return make_hello(config, self.loaded.spec, self.loaded.crossing, self.loaded.fingerprint, self.dtype)
+
+
+def load_share(config: AFDConfig) -> Share:
+    """The weights of `config.role` on its device (the FFN's MoE kernels warmed up on a GPU)."""
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
-    loaded = load_model(config.model, "ffn", config.gate_on_attention, torch_dtype(dtype), device)
-    if device.type == "cuda":
-        from afd.kernels.moe import warm_up
+    loaded = load_model(config.model, config.role, config.gate_on_attention, torch_dtype(dtype), device)
+    if config.role == "ffn" and device.type == "cuda":
+        from afd.models.moe_prep import warm_up
 
         log.info("ffn rank %d: MoE kernels warmed up for %d token counts", config.rank, warm_up(loaded.model))
-    expected = make_hello(config, loaded.spec, loaded.crossing, loaded.fingerprint, dtype)
-    contract = DataContract(loaded.spec.hidden_size, dtype, expected.router_width)
-    connector = make_ffn_connector(config, device, contract)
+    return Share(loaded, device, dtype)
+
+
+def assemble_ffn(config: AFDConfig, share: Share, instruments: StepInstruments = StepInstruments()) -> FFNWorker:
+    """FFN rank `config.rank` around its loaded share: listening for its attention peers."""
+    expected = share.hello(config)
+    transport = registry.transport(config.connector)
+    server = transport.open_server(config)
+    contract = DataContract(share.loaded.spec.hidden_size, share.dtype, expected.router_width)
+    plane = transport.ffn_plane(PlaneOptions(share.device, config.peer_timeout_s), contract, server)
     served = config.topology.attention_ranks_of(config.rank)
-    log.info("ffn rank %d serves attention ranks %s on layers %s", config.rank, list(served), list(loaded.crossing))
-    runner = FFNRunner(loaded, connector, expected, served, config.rank, identity_key(config.group_token, config.group_secret))
-    runner.batch_window_s = config.ffn_batch_window_s
-    if graphs_usable(config, device, dtype):
+    log.info("ffn rank %d serves attention ranks %s on layers %s", config.rank, list(served), list(share.loaded.crossing))
+    link = FFNLink(server, plane, expected, served, config.rank, identity_key(config.group_token, config.group_secret))
+    graphs = None
+    if graphs_usable(config, share.device, share.dtype):
         from afd.graphs.ffn import FFNGraphs
 
-        runner.graphs = FFNGraphs(device)
-    return runner
+        graphs = FFNGraphs(share.device)
+    return FFNWorker(link, FFNStepExecutor(share.loaded, plane, expected, graphs, instruments), config.ffn_batch_window_s)
+
+
+def build_ffn(config: AFDConfig, instruments: StepInstruments = StepInstruments()) -> FFNWorker:
+    return assemble_ffn(config, load_share(config), instruments)
 
 
 def graphs_usable(config: AFDConfig, device: torch.device, dtype: str) -> bool:
@@ -66,84 +92,48 @@ def graphs_usable(config: AFDConfig, device: torch.device, dtype: str) -> bool:
     return not problems
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionRole:
-    """A connected attention rank: model share, KV cache, runner and its connector."""
+    """A connected attention rank: model share, KV cache, runner and its link."""
 
     loaded: LoadedModel
     kv_cache: KVCache
-    connector: AttentionConnector
+    link: AttentionLink
     runner: AttentionRunner
     device: torch.device
 
-    reconnect_timeout_s: float = 5.0
-    recover_attempts: int = 0
-    recover_failures: int = 0  # afd_peer_reconnect_failures_total
-    graph_buckets: tuple[int, ...] | None = None  # decode graphs to capture again after a recovery
-
     def close(self, reason: str = "shutdown") -> None:
-        if self.runner.graphs is not None:  # release graphs first, then the connector (docs/architecture.md)
+        if self.runner.graphs is not None:  # release graphs first, then the link (docs/architecture.md)
             torch.cuda.synchronize(self.device)
             self.runner.graphs = None
-        self.connector.close(reason)
+        self.link.close(reason)
 
-    def keepalive(self) -> None:
-        """Heartbeat the FFN rank between steps; raises `PeerLost` when it is gone."""
-        self.connector.keepalive()
 
-    def recover(self) -> None:
-        """Re-handshake with a returned FFN rank on a new connection; the KV cache stays.
-
-        With NCCL the lost pair is aborted and a new one built; the decode graphs replayed
-        the old pair, so they are released and captured again, which also re-warms the
-        FFN's graph cache (its plans drive the FFN's captures). Logged at INFO and counted.
-        """
-        self.recover_attempts += 1
-        ffn_rank, started = self.connector.ffn_rank, time.monotonic()
-        log.info("re-handshaking with ffn rank %d (attempt %d)", ffn_rank, self.recover_attempts)
-        buckets = self.graph_buckets
-        try:
-            self.connector.abandon()  # stuck transfers end and the stream drains before the graphs go
-            self.runner.graphs = None
-            self.connector.reconnect(self.reconnect_timeout_s)
-            if buckets is not None:
-                self.runner.capture_graphs(max(buckets))
-        except Exception as err:
-            self.recover_failures += 1
-            log.info("re-handshake with ffn rank %d failed (attempt %d, %d failed so far): %s",
-                     ffn_rank, self.recover_attempts, self.recover_failures, err)
+def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache) -> AttentionRole:
+    """Attention rank `config.rank` around its share and KV cache: handshaken, decode graphs captured."""
+    link = AttentionLink.connect(config, share.hello(config), share.device)
+    runner = AttentionRunner(share.loaded, link, kv_cache,
+                             StepOptions(config.stages, config.gate_on_attention, config.dbo_min_tokens))
+    link.listen(runner)
+    if graphs_usable(config, share.device, share.dtype):
+        try:  # warm-up and capture drive the FFN through their plans; Ready only after this
+            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks))
+        except Exception:
+            link.close("graph capture failed")
             raise
-        log.info("ffn rank %d linked again in %.1f s%s", ffn_rank, time.monotonic() - started,
-                 f" (decode graphs for {list(buckets)} captured again)" if buckets else "")
+        log.info("attention rank %d: decode graphs for %s sequences, %.1f MiB",
+                 config.rank, list(graphs.buckets), graphs.memory_bytes / 2**20)
+    return AttentionRole(share.loaded, kv_cache, link, runner, share.device)
 
 
 def build_attention(config: AFDConfig, cache_tokens) -> AttentionRole:
     """Attention rank `config.rank`: its weights, a KV cache of `cache_tokens` (an int, or a callable
     that sizes it from the loaded model and the free device memory), a handshaken FFN link."""
-    device = resolve_device(config)
-    dtype = resolve_dtype(config, device)
-    loaded = load_model(config.model, "attention", config.gate_on_attention, torch_dtype(dtype), device)
-    tokens = cache_tokens(loaded) if callable(cache_tokens) else cache_tokens
-    kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch_dtype(dtype), device)
+    share = load_share(config)
+    dtype = torch_dtype(share.dtype)
+    tokens = cache_tokens(share.loaded) if callable(cache_tokens) else cache_tokens
+    kv_cache = KVCache.for_tokens(share.loaded.model.kv_layouts(), tokens, dtype, share.device)
     log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token",
              config.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
-             KVCache.bytes_per_token(kv_cache.layouts, torch_dtype(dtype)))
-    connector = make_attention_connector(config, device)
-    try:
-        connector.handshake(make_hello(config, loaded.spec, loaded.crossing, loaded.fingerprint, dtype), config.connect_timeout_s)
-    except Exception:
-        connector.transport.close()
-        raise
-    runner = AttentionRunner(loaded, connector, kv_cache, config.stages, config.gate_on_attention)
-    runner.dbo_min_tokens = config.dbo_min_tokens
-    if graphs_usable(config, device, dtype):
-        try:  # warm-up and capture drive the FFN through their plans; Ready only after this
-            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks))
-        except Exception:
-            connector.close("graph capture failed")
-            raise
-        log.info("attention rank %d: decode graphs for %s sequences, %.1f MiB",
-                 config.rank, list(graphs.buckets), graphs.memory_bytes / 2**20)
-    role = AttentionRole(loaded, kv_cache, connector, runner, device)
-    role.graph_buckets = runner.graphs.buckets if runner.graphs is not None else None
-    return role
+             KVCache.bytes_per_token(kv_cache.layouts, dtype))
+    return assemble_attention(config, share, kv_cache)

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 
 from afd.config import AFDConfig, config_to_env
-from afd.local_processes import local_zmq_config
-from afd.processes import LocalProcesses, free_port_block, threads_per_rank
+from afd.local.group_processes import local_zmq_config
+from afd.local.children import LocalProcesses, free_port_block, threads_per_rank
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE = Path(os.environ.get("AFD_CACHE_DIR", Path.home() / ".cache" / "afd"))

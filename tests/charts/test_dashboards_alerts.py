@@ -84,7 +84,7 @@ def _prometheus_config(state: dict, path: Path) -> None:
 def test_every_dashboard_query_and_alert_runs_against_a_live_deployment(tmp_path):
     import zmq
 
-    from afd.processes import free_port_block
+    from afd.local.children import free_port_block
     from tests.server.test_up import read_state, wait_for
 
     up_port, prom_port = free_port_block(1), free_port_block(1)
@@ -160,3 +160,40 @@ def test_chart_renders_the_alerts_as_a_prometheus_rule():
     assert rules[0]["spec"] == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
     off = Chart.load(str(CHART)).render({}, name="afd", namespace="ops")
     assert not any("PrometheusRule" in v for k, v in off.items() if k.endswith(".yaml"))
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing (Debian package prometheus; .ci/run installs it)")
+def test_every_operator_dashboard_query_runs_against_the_operators_metrics(tmp_path):
+    """A real Prometheus scrapes the operator's /metrics after a reconcile that wrote status.ratio;
+    every query of the operator dashboard (the spec.ratio panels included) returns data."""
+    from afd.local.children import free_port_block
+    from afd_operator.metrics import OperatorMetrics, serve_metrics
+
+    metrics = OperatorMetrics()
+    ratio = {"current": "2A1F", "recommended": "4A1F", "predictedGainPercent": 22,
+             "groups": [{"index": 0, "attentionBusyPercent": 70, "ffnBusyPercent": 12}]}
+    metrics.observe("ns", "demo", 0.02, "api", {"replicas": 1}, None)
+    metrics.observe("ns", "demo", 0.02, None, {"replicas": 1}, {"readyReplicas": 1, "ratio": ratio})
+    exporter, prom_port = serve_metrics(0, metrics, address="127.0.0.1"), free_port_block(1)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [
+        {"job_name": "operator", "static_configs": [{"targets": [f"127.0.0.1:{exporter.server_port}"],
+                                                     "labels": {"namespace": "ns"}}]}]}))
+    prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        api = f"http://127.0.0.1:{prom_port}/api/v1/query"
+        started = time.monotonic()
+        while time.monotonic() - started < 10 or not _query(api, "afd_operator_reconcile_total"):
+            assert time.monotonic() - started < 60, "prometheus did not scrape the operator"
+            time.sleep(1)  # the rate() panels need a few scrapes of moving counters
+            metrics.observe("ns", "demo", 0.02, None, {"replicas": 1}, {"readyReplicas": 1, "ratio": ratio})
+        empty = [title for title, expr in queries(dashboards()["afd-operator"]) if not _query(api, expr)]
+        assert not empty, f"operator dashboard panels without data: {empty}"
+        shares = {row["metric"]["side"]: float(row["value"][1])
+                  for row in _query(api, "afd_operator_ratio_busy_ratio")}
+        assert shares == {"attention": 0.7, "ffn": 0.12}
+    finally:
+        prometheus.send_signal(signal.SIGTERM)
+        prometheus.wait(timeout=30)
+        exporter.shutdown()

@@ -112,10 +112,10 @@ def test_graph_replay_equals_eager_output(checkpoints):
 
 def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
     """Greedy tokens from real processes: FFN rank(s) on GPU 1, attention ranks on GPU 0, NCCL data plane."""
-    from afd.batch import split_prompts
+    from afd.local.offline_batch import split_prompts
     from afd.config import AFDConfig, config_to_env
-    from afd.local_processes import local_zmq_config
-    from afd.processes import LocalProcesses
+    from afd.local.group_processes import local_zmq_config
+    from afd.local.children import LocalProcesses
 
     base = AFDConfig(
         num_attention_ranks=int(topology[0]), num_ffn_ranks=1, stages=stages, model=str(path), dtype="bfloat16",

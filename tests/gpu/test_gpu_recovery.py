@@ -34,7 +34,7 @@ class Group:
 
     def __init__(self, checkpoint, attention_ranks: int, processes):
         from afd.config import AFDConfig, config_to_env
-        from afd.processes import free_port_block
+        from afd.local.children import free_port_block
 
         base = free_port_block(3 + 2 * attention_ranks)
         config = AFDConfig(
@@ -166,7 +166,7 @@ def report(name: str, figures: dict) -> None:
 @pytest.fixture
 def processes(request):
     """The group's children; their logs are appended to AFD_GPU_LOGS (one file) when it is set."""
-    from afd.processes import LocalProcesses
+    from afd.local.children import LocalProcesses
 
     with LocalProcesses() as children:
         yield children

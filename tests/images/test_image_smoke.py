@@ -1,7 +1,7 @@
 """Build both images with podman and smoke-test them (opt-in: AFD_IMAGE_TESTS=1).
 
 Slow (a cold build is about 3 minutes here, a warm one about 1) and needs root with Debian's
-podman, buildah, mmdebstrap and runc, so it runs only when AFD_IMAGE_TESTS=1 (CI sets it); it
+podman, mmdebstrap and runc (catatonit for its pod), so it runs only when AFD_IMAGE_TESTS=1 (CI sets it); it
 skips with the reason otherwise. scripts/build_images.py does the building; see its docstring.
 """
 

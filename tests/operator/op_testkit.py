@@ -9,6 +9,9 @@ from typing import Any
 
 import yaml
 
+from afd_operator import labels as L
+from afd_operator.kube import KubeError
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import check_crd  # noqa: E402  (scripts/ is not a package)
 
@@ -43,6 +46,39 @@ def make_cr(name: str = "demo", namespace: str = "ns", uid: str = "uid-demo", **
     }
 
 
+class FakeStore:
+    """A `Store` that records what the reconciler did."""
+
+    def __init__(self):
+        self.applied, self.deleted, self.statuses, self.events = [], [], [], []
+        self.objects, self.patches = {}, []
+
+    def apply(self, obj):
+        self.applied.append((obj["kind"], obj["metadata"]["name"], obj["metadata"]["labels"].get(L.REVISION)))
+
+    def get(self, api_version, kind, namespace, name):
+        return self.objects.get((kind, namespace, name))
+
+    def create(self, obj):
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key in self.objects:
+            raise KubeError(409, "exists")
+        self.objects[key] = obj
+
+    def patch(self, api_version, kind, namespace, name, patch):
+        self.patches.append((kind, name, patch))
+
+    def delete(self, api_version, kind, namespace, name):
+        self.deleted.append((kind, name))
+        return True
+
+    def patch_status(self, namespace, name, status):
+        self.statuses.append(status)
+
+    def post_event(self, owner, type, reason, message):
+        self.events.append((type, reason, message))
+
+
 # One definition of defaulting and CEL evaluation, shared with the CI guard (scripts/check_crd.py).
 apply_defaults = check_crd.apply_defaults
 walk_validations = check_crd.walk_validations
@@ -66,6 +102,8 @@ CEL_REFUSED = [
     ("demo", {"podSecurity": {"runAsUser": 0}}, "podSecurity.runAsUser must not be 0 (root)"),
     ("demo", {"afd": {"attentionEngine": "vllm", "connector": "nccl"}},
      "afd.attentionEngine=vllm needs afd.connector=zmq"),
+    ("demo", {"ratio": {"minAttentionPerFFN": 4, "maxAttentionPerFFN": 2}},
+     "ratio.minAttentionPerFFN must not exceed ratio.maxAttentionPerFFN"),
 ]
 
 # Refused by the OpenAPI schema alone: (spec change, the field named in the refusal).
@@ -78,4 +116,6 @@ SCHEMA_REFUSED = [
     ({"restartPolicy": {"maxBackoffSeconds": 86401}}, "maxBackoffSeconds"),
     ({"rollout": {"maxSurge": 101}}, "maxSurge"),
     ({"podSecurity": {"runAsUser": 2**31}}, "runAsUser"),
+    ({"ratio": {"mode": "On"}}, "mode"), ({"ratio": {"maxAttentionPerFFN": 0.5}}, "maxAttentionPerFFN"),
+    ({"ratio": {"cooldownSeconds": 604801}}, "cooldownSeconds"), ({"ratio": {"prometheusURL": "ftp://x"}}, "prometheusURL"),
 ]

@@ -152,6 +152,7 @@ def test_cel_rules_reject_what_the_schema_cannot(name, change, message):
     {"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
     {"restartPolicy": {"backoffSeconds": 60, "maxBackoffSeconds": 10}},
     {"podSecurity": {"runAsUser": 0}},
+    {"ratio": {"minAttentionPerFFN": 4, "maxAttentionPerFFN": 2}},
 ])
 def test_cel_and_the_operator_say_the_same_thing(change):
     """If the API server runs an older CRD, the operator's own check gives the same message."""

@@ -52,6 +52,25 @@ def test_the_endpoint_serves_the_reconcile_and_group_series():
     assert "process_cpu_seconds_total" in text or "python_info" in text  # the process collectors too
 
 
+def test_the_ratio_series_follow_status_ratio_and_go_with_it():
+    metrics = OperatorMetrics()
+    ratio = {"current": "2A1F", "recommended": "4A1F", "predictedGainPercent": 22,
+             "groups": [{"index": 0, "attentionBusyPercent": 70, "ffnBusyPercent": 10}, {"index": 1, "message": "few"}]}
+    metrics.observe("ns", "demo", 0.01, None, {}, {"readyReplicas": 1, "ratio": ratio})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(_scrape(metrics)) for s in f.samples if s.name.startswith("afd_operator_ratio")}
+    key = (("deployment", "demo"), ("namespace", "ns"))
+    assert samples[("afd_operator_ratio_attention_per_ffn", key + (("topology", "current"),))] == 2
+    assert samples[("afd_operator_ratio_attention_per_ffn", key + (("topology", "recommended"),))] == 4
+    assert samples[("afd_operator_ratio_predicted_gain_ratio", key)] == 0.22
+    busy = {dict(labels)["side"]: v for (name, labels), v in samples.items() if name == "afd_operator_ratio_busy_ratio"}
+    assert busy == {"attention": 0.7, "ffn": 0.1}  # group 1 has no fit: no series
+    metrics.observe("ns", "demo", 0.01, None, {}, {"readyReplicas": 1, "ratio": {
+        "current": "4A1F", "recommended": None, "predictedGainPercent": None}})
+    left = [s for f in text_string_to_metric_families(_scrape(metrics)) for s in f.samples if s.name.startswith("afd_operator_ratio")]
+    assert [(s.labels["topology"], s.value) for s in left] == [("current", 4)]
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
 def test_the_exposition_passes_promtool():
     metrics = OperatorMetrics()

@@ -82,7 +82,7 @@ def test_the_crd_applies_server_side_and_is_established(cluster):
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     stored_rules = [rule["rule"] for _, rule in walk_validations(version["schema"]["openAPIV3Schema"])]
     assert sorted(stored_rules) == sorted(rule["rule"] for _, rule in walk_validations(crd_schema()))
-    assert len(stored_rules) == 8
+    assert len(stored_rules) == 9  # 8, and spec.ratio's bounds
 
 
 def _variant(change):

@@ -6,45 +6,14 @@ from __future__ import annotations
 import yaml
 
 from afd_operator import labels as L
-from afd_operator.kube import PLURALS, KubeError
+from afd_operator.kube import PLURALS
 from afd_operator.model import parse_spec
 from afd_operator.observe import GroupMemory, PodFacts, format_time, observe_groups, pod_facts, remember
 from afd_operator.reconcile import reconcile
 from afd_operator.status import merge_conditions, Condition
-from op_testkit import ROOT, make_cr
+from op_testkit import ROOT, FakeStore, make_cr
 
 NOW = 1_800_000_000.0
-
-
-class FakeStore:
-    def __init__(self):
-        self.applied, self.deleted, self.statuses, self.events = [], [], [], []
-        self.objects, self.patches = {}, []
-
-    def apply(self, obj):
-        self.applied.append((obj["kind"], obj["metadata"]["name"], obj["metadata"]["labels"].get(L.REVISION)))
-
-    def get(self, api_version, kind, namespace, name):
-        return self.objects.get((kind, namespace, name))
-
-    def create(self, obj):
-        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        if key in self.objects:
-            raise KubeError(409, "exists")
-        self.objects[key] = obj
-
-    def patch(self, api_version, kind, namespace, name, patch):
-        self.patches.append((kind, name, patch))
-
-    def delete(self, api_version, kind, namespace, name):
-        self.deleted.append((kind, name))
-        return True
-
-    def patch_status(self, namespace, name, status):
-        self.statuses.append(status)
-
-    def post_event(self, owner, type, reason, message):
-        self.events.append((type, reason, message))
 
 
 def pod(name, group=0, role="attention", revision="r1", ready=True, phase="Running", restarts=0, created=NOW - 100):

@@ -12,7 +12,7 @@ import torch
 from afd.config import AFDConfig
 from afd.connector import wire
 from afd.connector.base import AttnTransfer, HandshakeError, PeerLost
-from afd.connector.factory import make_attention_connector
+from afd.connector.attention_link import AttentionLink
 from afd.generation import greedy_generate
 from afd.roles import build_attention, build_ffn
 from afd.runners.handshake import make_hello
@@ -64,10 +64,9 @@ def attention_hello(base, rank=0, **changes):
 def test_handshake_refuses_mismatches_on_both_sides(group, changes, reason, caplog):
     base, *_ = group
     config, hello = attention_hello(base, **changes)
-    connector = make_attention_connector(config, "cpu")
-    with caplog.at_level(logging.ERROR, logger="afd.runners.ffn_runner"):
+    with caplog.at_level(logging.ERROR, logger="afd.connector.ffn_link"):
         with pytest.raises(HandshakeError, match="refused the connection: " + reason.replace("[", r"\[").replace("]", r"\]")):
-            connector.handshake(hello, timeout_s=5)
+            AttentionLink.connect(config, hello, "cpu")
     assert any(reason in record.getMessage() for record in caplog.records)
 
 
@@ -81,7 +80,7 @@ def test_handshake_refuses_a_rank_it_does_not_serve(checkpoints):
     try:
         config, hello = attention_hello(base, rank=0, attention_rank=1)
         with pytest.raises(HandshakeError, match="not served by this ffn rank"):
-            make_attention_connector(config, "cpu").handshake(hello, timeout_s=5)
+            AttentionLink.connect(config, hello, "cpu")
     finally:
         stop.set()
         thread.join(5)
@@ -90,11 +89,11 @@ def test_handshake_refuses_a_rank_it_does_not_serve(checkpoints):
 def test_other_protocol_version_is_refused_with_a_reply(group):
     base, *_ = group
     config, _ = attention_hello(base)
-    connector = make_attention_connector(config, "cpu")
-    connector.transport.send("control", [msgpack.packb({"v": 2, "t": "hello"})])
+    link = AttentionLink.open(config, "cpu")
+    link.transport.send("control", [msgpack.packb({"v": 2, "t": "hello"})])
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        received = connector.transport.recv(0.5)
+        received = link.transport.recv(0.5)
         if received:
             reply = wire.decode(received[1][0])
             assert isinstance(reply, wire.HelloReply) and not reply.accepted
@@ -120,20 +119,20 @@ def test_bad_data_drops_only_the_sender(group, hf_reference):
     base, runner, *_ = group
     good = build_attention(base.replace(role="attention", rank=0), 512)
     bad = build_attention(base.replace(role="attention", rank=1), 256)
-    bad.connector.send_plan(wire.StepPlan(1, (2,)))
-    bad.connector.send_attn_output(torch.zeros(2, 7), AttnTransfer(1, 0, 0))  # wrong width
+    bad.link.send_plan(wire.StepPlan(1, (2,)))
+    bad.link.send(torch.zeros(2, 7), AttnTransfer(1, 0, 0))  # wrong width
     with pytest.raises(PeerLost, match="invalid data message"):
-        bad.connector.recv_ffn_output(AttnTransfer(1, 0, 0))
+        bad.link.recv(AttnTransfer(1, 0, 0))
     result = greedy_generate(good.runner, good.kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True)
     assert result.tokens == hf_reference("qwen3_moe")[0]
-    assert sum(runner.connector.rejected.values()) == 1
+    assert sum(runner.link.rejected.values()) == 1
     good.close()
 
 
 def test_shutdown_while_blocked_on_a_receive_returns_quickly(group):
     base, runner, stop, thread = group
     role = build_attention(base.replace(role="attention", rank=0), 256)
-    role.connector.send_plan(wire.StepPlan(1, (3,)))  # promise rows that never come
+    role.link.send_plan(wire.StepPlan(1, (3,)))  # promise rows that never come
     time.sleep(0.3)  # the FFN is now waiting for layer 0 rows
     started = time.monotonic()
     stop.set()
@@ -141,7 +140,7 @@ def test_shutdown_while_blocked_on_a_receive_returns_quickly(group):
     assert not thread.is_alive()
     assert time.monotonic() - started < 5
     with pytest.raises(PeerLost, match="shutting down"):
-        role.connector.recv_ffn_output(AttnTransfer(1, 0, 0))
+        role.link.recv(AttnTransfer(1, 0, 0))
     assert not [t for t in threading.enumerate() if t.name.startswith("ffn-")]
 
 
@@ -152,14 +151,15 @@ def test_plans_sent_ahead_each_run_one_step_in_order(checkpoints):
                        ffn_address_template=f"ffn-test-{next(_counter)}", role="ffn")
     runner = build_ffn(config)
     try:
-        runner.peers.update({b"attn-0": 0, b"attn-1": 1})
+        link = runner.link
+        link.peers.update({b"attn-0": 0, b"attn-1": 1})
         for step, rows in ((1, 2), (2, 3), (3, 4)):
-            runner._on_control(b"attn-0", wire.StepPlan(step, (rows,)))
-        runner._on_control(b"attn-1", wire.StepPlan(7, (1,)))
-        first = runner._next_plans()
+            link.handle(b"attn-0", wire.StepPlan(step, (rows,)))
+        link.handle(b"attn-1", wire.StepPlan(7, (1,)))
+        first = link.next_plans()
         assert {peer: plan.step_id for peer, plan in first.items()} == {b"attn-0": 1, b"attn-1": 7}
-        assert [plan.step_id for plan in runner._next_plans().values()] == [2]
-        runner._drop(b"attn-0", "test")
-        assert runner._next_plans() == {}
+        assert [plan.step_id for plan in link.next_plans().values()] == [2]
+        link.drop(b"attn-0", "test")
+        assert link.next_plans() == {}
     finally:
-        runner.connector.close()
+        runner.link.close()

@@ -18,7 +18,7 @@ from afd.config import AFDConfig
 from afd.connector import wire
 from afd.connector.tensors import from_frame
 from afd.generation import greedy_generate
-from afd.processes import free_port_block
+from afd.local.children import free_port_block
 from afd.roles import build_attention, build_ffn
 from tests.conftest import NEW_TOKENS, PROMPTS
 
@@ -66,7 +66,7 @@ def live_ffn(checkpoints):
     thread = threading.Thread(target=runner.serve, args=(stop,), daemon=True)
     thread.start()
     context = zmq.Context()
-    yield config, runner, context
+    yield config, runner, context, thread
     stop.set()
     thread.join(5)
     context.destroy(linger=0)
@@ -83,23 +83,25 @@ def foreign_socket(context, port, identity):
 frames = st.lists(st.binary(max_size=128), min_size=1, max_size=4)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(control=frames, data=frames, identity=st.sampled_from([b"attn-0", b"attn-1", b"intruder", b"\x00\xff"]))
-def test_live_sockets_survive_garbage(live_ffn, control, data, identity):
-    config, runner, context = live_ffn
+def test_garbage_is_rejected_counted_and_valid_peers_are_served_after_it(live_ffn, hf_reference):
+    """Fuzzed frames from strangers on both sockets: the loop survives, counts them, keeps nothing
+    for them, and then serves a real attention rank exactly."""
+    config, runner, context, thread = live_ffn
     control_port, data_port = config.ffn_ports(0)
-    for port, message in ((control_port, control), (data_port, data)):
-        socket = foreign_socket(context, port, identity)
-        socket.send_multipart(message)
-        socket.close()
 
+    @settings(max_examples=150, deadline=None)
+    @given(control=frames, data=frames, identity=st.sampled_from([b"attn-0", b"attn-1", b"intruder", b"\x00\xff"]))
+    def send_garbage(control, data, identity):
+        for port, message in ((control_port, control), (data_port, data)):
+            socket = foreign_socket(context, port, identity)
+            socket.send_multipart(message)
+            socket.close()
 
-def test_valid_peers_are_served_after_the_garbage(live_ffn, hf_reference):
-    config, runner, _ = live_ffn
+    send_garbage()
     time.sleep(0.5)  # let the loop drain what the fuzzer sent
-    rejected = sum(runner.connector.rejected.values())
-    assert rejected > 0  # garbage was seen, counted, and survived
-    assert len(runner.connector._stash) == 0 and not runner.peers  # nothing kept for strangers
+    assert thread.is_alive()
+    assert sum(runner.link.rejected.values()) > 0  # garbage was seen, counted, and survived
+    assert len(runner.executor.plane._stash) == 0 and not runner.link.peers  # nothing kept for strangers
     role = build_attention(config.replace(role="attention", rank=0), 512)
     try:
         result = greedy_generate(role.runner, role.kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True)
@@ -109,7 +111,7 @@ def test_valid_peers_are_served_after_the_garbage(live_ffn, hf_reference):
 
 
 def test_a_foreign_group_cannot_join(live_ffn):
-    config, runner, _ = live_ffn
+    config, *_ = live_ffn
     from afd.connector.base import HandshakeError
 
     with pytest.raises(HandshakeError, match="group token differs"):

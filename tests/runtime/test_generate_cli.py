@@ -134,7 +134,7 @@ def test_children_die_with_a_killed_parent(checkpoints):
 
 
 def test_ffn_serve_exits_cleanly_on_sigterm(checkpoints):
-    from afd.processes import free_port_block
+    from afd.local.children import free_port_block
 
     port = free_port_block(2)
     env = {**os.environ, "AFD_ROLE": "ffn", "AFD_MODEL": str(checkpoints["qwen3_moe"]), "AFD_BIND_HOST": "127.0.0.1",

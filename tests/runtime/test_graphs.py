@@ -15,7 +15,7 @@ def test_buckets_cover_the_largest_batch_and_pad_up():
     assert bucket_for(3, decode_buckets(64)) == 4
     assert bucket_for(65, decode_buckets(64)) is None  # beyond the largest: eager
     assert capture_order([1, 8, 4]) == [8, 4, 1]
-    assert stage_split(7, 2) == (4, 3) and stage_split(8, 1) == (8,)
+    assert stage_split(7, 2) == (3, 4) and stage_split(8, 1) == (8,)
     assert stage_split(8, 2, min_split=16) == (8, 0) and stage_split(16, 2, min_split=16) == (8, 8)
 
 

@@ -11,13 +11,13 @@ import torch
 import zmq
 
 from afd.config import AFDConfig
-from afd.connector import attention_side, wire
+from afd.connector import attention_link, wire
+from afd.connector.attention_link import AttentionLink
 from afd.connector.base import AttnTransfer
-from afd.connector.factory import make_attention_connector
 from afd.connector.identity import check_identity, identity_key, new_identity, show
 from afd.generation import greedy_generate
 from afd.models.loader import load_model
-from afd.processes import free_port_block
+from afd.local.children import free_port_block
 from afd.roles import build_attention, build_ffn
 from afd.runners.handshake import make_hello
 from tests.conftest import NEW_TOKENS, PROMPTS
@@ -112,14 +112,14 @@ def test_a_route_takeover_attempt_leaves_serving_untouched(zmq_config, caplog):
         reference = greedy_generate(role.runner, role.kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True).tokens
         forged_hello = make_hello(zmq_config.replace(group_secret="a guess"), role.loaded.spec, role.loaded.crossing,
                                   role.loaded.fingerprint, "float32")
-        intruder = Intruder(zmq_config, forged_hello, role.connector.transport.identity)
+        intruder = Intruder(zmq_config, forged_hello, role.link.identity)
         step_times = []
 
         def timed_step(input_ids, layout):
             started = time.monotonic()
             logits = role.runner(input_ids, layout)
             step_times.append(time.monotonic() - started)
-            role.connector.keepalive()  # heartbeats answered all along: the control plane does not stall either
+            role.link.keepalive()  # heartbeats answered all along: the control plane does not stall either
             return logits
 
         with caplog.at_level(logging.INFO):
@@ -131,8 +131,8 @@ def test_a_route_takeover_attempt_leaves_serving_untouched(zmq_config, caplog):
         assert attacked == [reference] * 3
         assert max(step_times) < 1.0, f"a step stalled {max(step_times):.2f} s"  # the takeover stalled 5.5 s before
         assert intruder.received and intruder.accepted() == []
-        assert list(runner.peers) == [role.connector.transport.identity]
-        assert runner.handshake_failures > 0
+        assert list(runner.link.peers) == [role.link.identity]
+        assert runner.link.handshake_failures > 0
         assert "\x00" not in caplog.text and "attn-0\\x00\\x01" in caplog.text
         assert "does not carry this group's secret" in caplog.text or "group token differs" in caplog.text
     finally:
@@ -145,30 +145,30 @@ def test_a_route_takeover_attempt_leaves_serving_untouched(zmq_config, caplog):
 def test_hellos_queued_while_the_ffn_was_down_make_one_connection(zmq_config, monkeypatch, caplog):
     """The attention rank starts first and repeats its Hello; when the FFN comes up every queued
     Hello arrives at once: one connection, one log line, the same reply to each repeat."""
-    monkeypatch.setattr(attention_side, "_HELLO_RETRY_S", 0.05)
+    monkeypatch.setattr(attention_link, "_HELLO_RETRY_S", 0.05)
     config = zmq_config.replace(role="attention")
     loaded = load_model(config.model, "attention")
-    connector = make_attention_connector(config, "cpu")
+    link = AttentionLink.open(config, "cpu")
     hello = make_hello(config, loaded.spec, loaded.crossing, loaded.fingerprint, "float32")
     replies = []
-    handshake = threading.Thread(target=lambda: replies.append(connector.handshake(hello, 20)), daemon=True)
+    handshake = threading.Thread(target=lambda: replies.append(link.handshake(hello, 20)), daemon=True)
     handshake.start()
     time.sleep(1.0)  # ~20 Hellos wait in the socket for an FFN that is not there yet
-    with caplog.at_level(logging.INFO, logger="afd.runners.ffn_runner"):
+    with caplog.at_level(logging.INFO, logger="afd.connector.ffn_link"):
         runner, stop, thread = serve_ffn(zmq_config)
         try:
             handshake.join(20)
             assert replies and replies[0].accepted
-            connector.send_plan(wire.StepPlan(1, (3,)))
+            link.send_plan(wire.StepPlan(1, (3,)))
             transfer = AttnTransfer(1, loaded.crossing[0], 0)
-            connector.send_attn_output(torch.randn(3, loaded.spec.hidden_size), transfer)
-            assert connector.recv_ffn_output(transfer).shape == (3, loaded.spec.hidden_size)
+            link.send(torch.randn(3, loaded.spec.hidden_size), transfer)
+            assert link.recv(transfer).shape == (3, loaded.spec.hidden_size)
             time.sleep(0.5)  # every queued Hello has been answered by now
             connected = [r for r in caplog.records if "attention rank 0 connected" in r.getMessage()]
             assert len(connected) == 1, [r.getMessage() for r in connected]
-            assert list(runner.peers) == [connector.transport.identity] and runner.handshake_failures == 0
+            assert list(runner.link.peers) == [link.identity] and runner.link.handshake_failures == 0
         finally:
-            connector.close()
+            link.close()
             stop.set()
             thread.join(5)
 
@@ -182,36 +182,38 @@ def test_a_retired_identity_is_refused_and_a_new_connection_replaces_the_old(che
     hello = make_hello(config.replace(role="attention"), loaded.spec, loaded.crossing, loaded.fingerprint, "float32")
     try:
         first, second = new_identity(0, key), new_identity(0, key)
-        runner._on_control(first, hello)
-        runner._on_control(first, hello)  # a repeat: answered again, not a second connection
-        assert list(runner.peers) == [first] and runner.handshake_failures == 0
-        runner._on_control(second, hello)  # the rank restarted: its old connection goes
-        assert list(runner.peers) == [second]
+        link = runner.link
+        link.handle(first, hello)
+        link.handle(first, hello)  # a repeat: answered again, not a second connection
+        assert list(link.peers) == [first] and link.handshake_failures == 0
+        link.handle(second, hello)  # the rank restarted: its old connection goes
+        assert list(link.peers) == [second]
         with caplog.at_level(logging.ERROR):
-            runner._on_control(first, hello)  # a replay of the closed connection's Hello
-        assert list(runner.peers) == [second] and runner.handshake_failures == 1
+            link.handle(first, hello)  # a replay of the closed connection's Hello
+        assert list(link.peers) == [second] and link.handshake_failures == 1
         assert "was closed before" in caplog.text
     finally:
-        runner.connector.close()
+        runner.link.close()
 
 
 def test_a_transfer_that_fails_outright_drops_only_the_lost_peer(checkpoints):
     """NCCL's network transport may report a peer's exit as an error mid-step: the FFN drops the
-    peers its connector names and keeps serving the others (it used to leave its serve loop)."""
+    peers its data plane names and keeps serving the others (it used to leave its serve loop)."""
     from afd.connector.base import ConnectorError
 
     config = AFDConfig(num_attention_ranks=2, num_ffn_ranks=1, connector="loopback", model=str(checkpoints["qwen3_moe"]),
                        ffn_address_template="fail-step-test", role="ffn")
     runner = build_ffn(config)
     try:
-        runner.peers.update({b"a0": 0, b"a1": 1})
+        runner.link.peers.update({b"a0": 0, b"a1": 1})
 
-        def broken(transfer):
+        def broken(transfer, watch, stop):
             raise ConnectorError("ncclSend failed: remote process exited")
 
-        runner.connector.recv_attn_output = broken
-        runner.connector.fail_step = lambda peers, error: {b"a1": f"its connection closed ({error})"}
+        plane = runner.executor.plane
+        plane.recv = broken
+        plane.fail_step = lambda peers, error, watch: {b"a1": f"its connection closed ({error})"}
         runner.run_step({b"a0": wire.StepPlan(1, (2,)), b"a1": wire.StepPlan(1, (2,))})
-        assert runner.peers == {b"a0": 0} and runner.steps_run == 1
+        assert runner.link.peers == {b"a0": 0} and runner.steps_run == 1
     finally:
-        runner.connector.close()
+        runner.link.close()

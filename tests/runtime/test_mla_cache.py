@@ -32,11 +32,11 @@ def test_latent_cache_stores_one_tensor_per_layer_and_values_are_its_view():
     assert cache.capacity_tokens == 12
 
 
-def test_budget_sizes_the_latent_cache_by_its_real_bytes():
+def test_the_latent_cache_is_sized_by_its_real_bytes():
     layouts = [KVLayout(1, 576, 512, values_in_keys=True)] * 27
-    cache = KVCache.for_budget(layouts, 64 * 2**20, torch.bfloat16, "meta", block_size=16)
-    assert cache.nbytes <= 64 * 2**20
-    assert cache.capacity_tokens == (64 * 2**20 // (31_104 * 16) - 1) * 16
+    assert KVCache.bytes_per_token(layouts, torch.bfloat16) == 31_104  # 27 layers x 576 x 2 bytes, no value tensor
+    cache = KVCache.for_tokens(layouts, 1000, torch.bfloat16, "meta", block_size=16)
+    assert cache.capacity_tokens == 1008 and cache.nbytes == (63 + 1) * 16 * 31_104  # plus the scratch block
 
 
 def _latent_decode_case(seed: int = 0, heads: int = 4, latent: int = 32, rope: int = 8):

@@ -1,87 +1,24 @@
 """`afd plan`'s cost model and recommendation on synthetic metric streams (pure), and the command."""
 
 import json
-import random
+import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
 
 import pytest
 
 from afd.planner.advice import Bounds, TooFewMetrics, plan
 from afd.planner.cost import Line
 from afd.planner.samples import parse_exposition
+from afd.planner.prometheus import PrometheusError, scrape_at, scrape_history, selector
+from afd.planner.simulate import FakePrometheus
+from afd.planner.simulate import SimulatedGroup as Group
 from afd.topology import Topology
-
-
-class Group:
-    """A simulated group whose per-step costs follow known lines; emits cumulative /metrics text."""
-
-    def __init__(self, topology: str, stages: int = 1, attention=(2e-3, 1e-4), ffn=(1e-3, 2e-5), host=(4e-3, 2e-5),
-                 wire=(5e-4, 1e-6), layers: int = 4, noise: float = 0.0, seed: int = 0):
-        self.topology, self.stages, self.layers, self.noise = Topology.parse(topology), stages, layers, noise
-        self.lines = {"attention": attention, "ffn": ffn, "host": host, "wire": wire}
-        self.totals: dict[tuple, float] = {}
-        self.clock = 0.0
-        self.random = random.Random(seed)
-
-    def cost(self, term: str, tokens: float) -> float:
-        intercept, slope = self.lines[term]
-        return (intercept + slope * tokens) * (1 + self.random.uniform(-self.noise, self.noise))
-
-    def run(self, concurrency: float, steps: int = 100, profile_every: int = 4) -> None:
-        n = concurrency / self.topology.num_attention
-        m = concurrency / self.topology.num_ffn
-        step = 0.0
-        for s in range(steps):
-            attention, ffn = self.cost("attention", n), self.cost("ffn", m)
-            exposed = ffn if self.stages == 1 else max(0.0, ffn - attention)
-            wait = exposed + self.cost("wire", n)
-            step = self.cost("host", n) + attention + wait
-            for rank in range(self.topology.num_attention):
-                self._add("attention", rank, step, n, generated=n)
-                if (s + 1) % profile_every == 0:
-                    self._layers("attention", rank, attention, wait)
-            for rank in range(self.topology.num_ffn):
-                self._add("ffn", rank, step, m * self.layers)  # the FFN counts rows once per crossing layer
-                if (s + 1) % profile_every == 0:
-                    self._layers("ffn", rank, ffn, 0.0)
-            self.clock += step
-
-    def _add(self, role, rank, seconds, tokens, generated=0.0):
-        for key, value in (("afd_step_duration_seconds_sum", seconds), ("afd_step_duration_seconds_count", 1),
-                           ("afd_step_tokens_sum", tokens), ("afd_step_tokens_count", 1),
-                           ("afd_generation_tokens_total", generated)):
-            if role == "attention" or key != "afd_generation_tokens_total":
-                self.totals[(key, role, rank, None, None)] = self.totals.get((key, role, rank, None, None), 0) + value
-
-    def _layers(self, role, rank, compute, wait):
-        for layer in range(self.layers):
-            for name, direction, value in (("afd_layer_compute_seconds", None, compute), ("afd_transfer_seconds", "recv", wait)):
-                for suffix, amount in (("_sum", value / self.layers), ("_count", 1)):
-                    key = (name + suffix, role, rank, layer, direction)
-                    self.totals[key] = self.totals.get(key, 0) + amount
-
-    def exposition(self) -> str:
-        lines = []
-        for rank_role in [("attention", r) for r in range(self.topology.num_attention)] + \
-                         [("ffn", r) for r in range(self.topology.num_ffn)]:
-            lines.append(f'afd_group_info{{role="{rank_role[0]}",rank="{rank_role[1]}",topology="{self.topology}",'
-                         f'stages="{self.stages}"}} 1')
-        for (name, role, rank, layer, direction), value in sorted(self.totals.items(), key=str):
-            labels = f'role="{role}",rank="{rank}"'
-            if layer is not None:
-                labels += f',layer="{layer}"'
-            if direction is not None:
-                labels += f',direction="{direction}"'
-            lines.append(f"{name}{{{labels}}} {value}")
-        return "\n".join(lines) + "\n"
-
-    def scrapes(self, loads: list[float]) -> list:
-        out = [parse_exposition(self.exposition(), self.clock)]
-        for load in loads:
-            self.run(load)
-            out.append(parse_exposition(self.exposition(), self.clock))
-        return out
 
 
 def test_a_line_needs_two_loads_to_have_a_slope():
@@ -105,6 +42,8 @@ def test_attention_bound_group_is_told_to_add_attention_ranks():
     ratio = Topology.parse(result["recommended"])
     assert ratio.num_attention / ratio.num_ffn > 1, result["why"]
     assert "attention computes" in result["why"] and result["per_gpu"][result["recommended"]] > result["per_gpu"]["1A1F"]
+    gain = result["per_gpu"][result["recommended"]] / result["per_gpu"]["1A1F"] - 1
+    assert result["predicted_gain"] == pytest.approx(gain, abs=1e-3) and result["busy"]["attention"] > 0.5
 
 
 def test_ffn_bound_group_is_told_to_lower_the_ratio():
@@ -164,3 +103,96 @@ def test_afd_plan_command_refuses_bad_input_with_one_line():
     assert few.returncode == 1 and "--samples 1" in few.stderr
     both = run("--scrape", "x", "--state-file", "y")
     assert both.returncode == 2 and "not allowed with" in both.stderr
+
+
+def _recorded(fake: FakePrometheus, now: float, **labels) -> None:
+    """Four snapshots of a simulated 2A1F group, 10 s apart, ending at `now`."""
+    group = Group("2A1F")
+    for index, load in enumerate([8, 16, 32, 64]):
+        group.run(load)
+        fake.record(now - 10 * (3 - index), group.exposition(), **labels)
+
+
+def test_plan_reads_one_group_from_prometheus():
+    fake, now = FakePrometheus(), 1_800_000_000.0
+    _recorded(fake, now, afd_io_name="demo", afd_io_group="0", namespace="ns")
+    other = Group("4A1F")
+    other.run(32)
+    fake.record(now, other.exposition(), afd_io_name="demo", afd_io_group="1", namespace="ns")
+    server = fake.serve()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        scrapes = scrape_history(url, selector("demo", 0, "ns"), 4, 10.0, now)
+        result = plan(scrapes)
+        assert result["current"] == "2A1F" and result["windows"] == 3 and result["fit_step_error_median"] < 0.01
+        assert result["model"]["ffn"]["slope_s_per_token"] == pytest.approx(2e-5, rel=1e-3)  # group 1 kept out
+        with pytest.raises(PrometheusError, match="query refused|HTTP 400"):
+            scrape_at(url + "/nothing", selector("demo", 0), now)
+    finally:
+        server.shutdown()
+    with pytest.raises(PrometheusError, match="127.0.0.1:1"):
+        scrape_at("http://127.0.0.1:1", selector("demo", 0), now)
+
+
+def test_afd_plan_prometheus_needs_a_deployment():
+    run = subprocess.run([sys.executable, "-m", "afd", "plan", "--prometheus", "http://127.0.0.1:1"],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "--prometheus needs --deployment" in run.stderr
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None,
+                    reason="no prometheus binary on PATH (Debian: apt-get install -y prometheus)")
+def test_afd_plan_against_a_real_prometheus(tmp_path):
+    """A real Prometheus scrapes a tiny exporter of a simulated group every second; `afd plan
+    --prometheus` plans from what it stored."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    group, loads = Group("2A1F"), [16, 32, 64, 48]
+
+    class Exporter(BaseHTTPRequestHandler):
+        served = 0
+
+        def do_GET(self):  # noqa: N802
+            group.run(loads[Exporter.served % len(loads)])  # the load changes at every scrape
+            Exporter.served += 1
+            body = group.exposition().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    exporter = HTTPServer(("127.0.0.1", 0), Exporter)
+    threading.Thread(target=exporter.serve_forever, daemon=True).start()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: afd\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{exporter.server_port}']\n"
+        "        labels: {afd_io_name: demo, afd_io_group: '0', namespace: ns}\n")
+    server = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        query = urllib.parse.urlencode({"query": 'afd_step_tokens_count{role="attention",rank="0"}'})
+        deadline, stored = time.monotonic() + 60, 0.0
+        while stored < 900 and time.monotonic() < deadline:  # nine scrapes of 100 steps
+            time.sleep(1)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=2) as reply:
+                    stored = max([float(r["value"][1]) for r in json.loads(reply.read())["data"]["result"]] + [0.0])
+            except OSError:
+                continue
+        run = subprocess.run([sys.executable, "-m", "afd", "plan", "--prometheus", f"http://127.0.0.1:{port}",
+                              "--deployment", "demo", "--namespace", "ns", "--samples", "4", "--interval", "2",
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        result = json.loads(run.stdout)
+        assert result["current"] == "2A1F" and result["windows"] == 3 and result["predicted_tokens_per_s"] > 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        exporter.shutdown()

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from afd.config import AFDConfig
-from afd.local_threads import generate_in_threads
+from afd.local.group_threads import generate_in_threads
 from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error
 
 TOPOLOGIES = ["1A1F", "2A1F", "2A2F", "4A2F", "3A2F"]

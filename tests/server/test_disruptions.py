@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from afd.processes import free_port_block
+from afd.local.children import free_port_block
 from afd.server.probe_http import Probes, drain_seconds, start_probe_server
 from afd.server.run import attention_probes
 from tests.runtime.test_generate_cli import processes_with_marker
@@ -45,7 +45,7 @@ def _wait_for_status(url: str, status: int, timeout_s: float, step_s: float = 0.
 def live_with_probes(checkpoints):
     live = LiveServer(checkpoints["qwen3_moe"])
     stop = threading.Event()
-    probes = attention_probes(live.state, lambda: live.server.started, stop, lambda: live.role.connector.ffn_draining)
+    probes = attention_probes(live.state, lambda: live.server.started, stop, lambda: live.role.link.ffn_draining)
     probe, probe_url = _probe_server(probes)
     yield live, probe_url, stop
     probe.shutdown()
@@ -241,9 +241,9 @@ def test_a_group_stopped_as_in_a_rollout_finishes_every_request(checkpoints, tmp
 def test_an_ffn_about_to_stop_makes_its_attention_rank_unready_while_it_still_serves(live_with_probes, monkeypatch):
     """wire.Draining: the FFN pod's preStop tells its attention ranks, which leave the Service
     at once but finish (and still serve) requests; the FFN's drain ends once they are quiet."""
-    from afd.runners import ffn_runner
+    from afd.connector import ffn_link
 
-    monkeypatch.setattr(ffn_runner, "DRAIN_NOTICE_S", 0.5)
+    monkeypatch.setattr(ffn_link, "DRAIN_NOTICE_S", 0.5)
     live, probe_url, _ = live_with_probes
     body = {"model": live.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 200
@@ -255,6 +255,28 @@ def test_an_ffn_about_to_stop_makes_its_attention_rank_unready_while_it_still_se
     assert httpx.get(f"{probe_url}/live").status_code == 200
     assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 200  # still served
     assert wait_for(lambda: live.ffn.drained() or None, 5, "the FFN drain to end once its peer is quiet")
+
+
+def test_an_idle_attention_rank_leaves_a_draining_ffn_so_its_drain_ends_without_guessing(live_with_probes, monkeypatch):
+    """Quiet time misjudges a starved CPU (a step gap of over a second mid-request): the attention
+    rank itself says goodbye once it runs nothing, and the draining FFN does not take it back."""
+    from afd.connector import ffn_link
+
+    monkeypatch.setattr(ffn_link, "DRAIN_NOTICE_S", 600.0)  # only the goodbye can end this drain
+    live, probe_url, _ = live_with_probes
+    body = {"model": live.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 200
+    live.ffn.request_drain()
+    started = time.monotonic()
+    assert wait_for(lambda: live.ffn.drained() or None, 10, "the idle attention rank to leave the draining FFN")
+    left_after = time.monotonic() - started
+    assert 1.5 < left_after < 8, left_after  # it stayed for the notice (endpoint removal), then left
+    assert not live.ffn.link.peers
+    time.sleep(1.5)  # it keeps trying to re-handshake; the draining FFN refuses
+    assert not live.ffn.link.peers
+    assert httpx.get(f"{probe_url}/health").status_code == 503
+    assert httpx.get(f"{probe_url}/live").status_code == 200
+    print(f"the idle attention rank left the draining FFN after {left_after:.1f} s")
 
 
 @pytest.mark.timeout(300)

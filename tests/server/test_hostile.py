@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from afd.processes import free_port_block
+from afd.local.children import free_port_block
 from tests.runtime.test_generate_cli import processes_with_marker
 from tests.server.test_up import read_state, wait_for
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from afd.processes import free_port_block
+from afd.local.children import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -49,9 +49,8 @@ def test_ffn_restart_is_recovered_without_restarting_attention(checkpoints):
 def test_idle_attention_notices_a_silent_ffn_through_heartbeats(checkpoints):
     live = LiveServer(checkpoints["qwen3_moe"])
     try:
-        live.ffn.connector.interrupt.set()  # freeze the FFN loop without a goodbye: it stops answering
-        live.ffn_stop.set()
-        live.ffn.connector.send_control = lambda *a, **k: True  # and it says nothing on the way out
+        live.ffn.link.send_control = lambda *a, **k: True  # it says nothing on the way out
+        live.ffn_stop.set()  # and its loop stops: it stops answering
         live.ffn_thread.join(5)
         started = time.monotonic()
         assert wait_until(lambda: httpx.get(f"{live.url}/health").status_code == 503, 15)

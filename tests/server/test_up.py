@@ -43,7 +43,7 @@ def read_state(path):
 def test_afd_up_serves_restarts_and_stops(tmp_path):
     import openai
 
-    from afd.processes import free_port_block
+    from afd.local.children import free_port_block
 
     marker = uuid.uuid4().hex
     port = free_port_block(1)

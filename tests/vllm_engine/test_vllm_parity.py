@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from afd.batch import split_prompts
+from afd.local.offline_batch import split_prompts
 from afd.config import AFDConfig, config_to_env
-from afd.local_processes import local_zmq_config
-from afd.processes import LocalProcesses, free_port_block
+from afd.local.group_processes import local_zmq_config
+from afd.local.children import LocalProcesses, free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43]]

@@ -1,4 +1,4 @@
-"""The `nccl` connector: control plane over zmq, data plane over NCCL pair communicators.
+"""The `nccl` data plane: control plane over zmq, tensors over NCCL pair communicators.
 
 Each attention rank shares a two-rank communicator with its FFN rank; the FFN creates
 the unique id and ships it in the HelloReply, so no extra rendezvous port or global
@@ -20,7 +20,8 @@ before tearing down, so transfers stuck on the dead peer end and the stream drai
 milliseconds; every new connection builds a new pair. A graceful close destroys the pair,
 and `ncclCommDestroy` waits for the other end's destroy and for every CUDA graph holding the
 pair's transfers, so graphs are released first (`bench/nccl_teardown.py` measures this).
-This module is the attention end; the FFN end is `afd.connector.nccl_ffn`.
+This module is the attention end; the FFN end is `afd.connector.nccl_ffn`; the registry entry
+`afd.connector.transports.nccl`.
 """
 
 from __future__ import annotations
@@ -31,74 +32,79 @@ import time
 
 import torch
 
-from afd.connector.attention_side import AttentionConnector
 from afd.connector.base import AttnTransfer, ConnectorError, HandshakeError, PeerLost
 from afd.connector.nccl_lib import Group, NcclError, PairComm, UniqueId, wait_event
+from afd.connector.plane import AttentionPlane, PlaneOptions
 from afd.connector.tensors import pack_rows
-from afd.connector.wire import Hello, HelloReply
+from afd.connector.wire import HelloReply
 
 log = logging.getLogger(__name__)
 ATTENTION_RANK_IN_PAIR = 1  # the FFN end is rank 0 (afd.connector.nccl_ffn)
 PAIR_JOIN_TIMEOUT_S = 30.0  # a first NCCL init in a fresh process (CUDA context, bootstrap) takes seconds
 
 
-class NcclAttentionConnector(AttentionConnector):
+class NcclAttentionPlane(AttentionPlane):
     """Attention end: hidden rows (and router logits) out, FFN rows back, on the GPU."""
 
-    def __init__(self, transport, ffn_rank: int, device, peer_timeout_s: float):
-        super().__init__(transport, ffn_rank, device, peer_timeout_s)
+    def __init__(self, options: PlaneOptions):
+        self.options = options
         self.comm: PairComm | None = None
         self._pending: list[torch.Tensor] = []
         self._shapes: dict[tuple[int, int], tuple[int, int, torch.dtype]] = {}
 
-    def handshake(self, hello: Hello, timeout_s: float) -> HelloReply:
-        reply = super().handshake(hello, timeout_s)
-        self.abandon()  # the pair of an earlier link, if any: its FFN end is gone
+    def bind(self, transport, reply: HelloReply, pump, timeout_s: float) -> None:
+        self.abort()  # the pair of an earlier connection, if any: its FFN end is gone
         if not reply.nccl_id:
-            raise HandshakeError(f"ffn rank {self.ffn_rank} offered no NCCL communicator (is it running with connector=nccl?)")
-        self.comm = join_pair(UniqueId.from_hex(reply.nccl_id), ATTENTION_RANK_IN_PAIR, torch.device(self.device),
-                              max(timeout_s, PAIR_JOIN_TIMEOUT_S), f"ffn rank {self.ffn_rank}")
-        return reply
+            raise HandshakeError(f"ffn rank {reply.ffn_rank} offered no NCCL communicator (is it running with connector=nccl?)")
+        self.comm = join_pair(UniqueId.from_hex(reply.nccl_id), ATTENTION_RANK_IN_PAIR, torch.device(self.options.device),
+                              max(timeout_s, PAIR_JOIN_TIMEOUT_S), f"ffn rank {reply.ffn_rank}")
 
-    def send_attn_output(self, hidden: torch.Tensor, transfer: AttnTransfer, router_logits: torch.Tensor | None = None) -> None:
+    def begin_step(self, step_id: int) -> None:
+        pass  # nothing is keyed by step: NCCL delivers in order
+
+    def accept(self, frames: list[bytes]) -> None:
+        raise PeerLost("the ffn rank sent host data frames, but the data plane is nccl")
+
+    def send(self, hidden: torch.Tensor, transfer: AttnTransfer, router_logits: torch.Tensor | None) -> None:
         """Queue [tokens, hidden] (packed with float32 [tokens, experts] logits); it leaves with the next receive."""
         self._pending.append(hidden.contiguous() if router_logits is None else pack_rows(hidden, router_logits))
         self._shapes[(transfer.layer, transfer.stage)] = (hidden.shape[0], hidden.shape[1], hidden.dtype)
 
-    def recv_ffn_output(self, transfer: AttnTransfer) -> torch.Tensor:
+    def recv(self, transfer: AttnTransfer) -> torch.Tensor:
         rows, cols, dtype = self._shapes.pop((transfer.layer, transfer.stage))
-        out = torch.empty(rows, cols, dtype=dtype, device=self.device)  # [tokens, hidden]
+        out = torch.empty(rows, cols, dtype=dtype, device=self.options.device)  # [tokens, hidden]
         if self.comm is None:
-            raise PeerLost(f"ffn rank {self.ffn_rank}: no NCCL pair (the link was lost)")
+            raise PeerLost("no NCCL pair (the link was lost)")
         try:
             with Group():
                 for tensor in self._pending:
                     self.comm.send(tensor)
                 self.comm.recv(out)
         except NcclError as err:  # NCCL saw the FFN go (its network transport notices a closed socket)
-            self.abandon()
-            raise PeerLost(f"ffn rank {self.ffn_rank}: {err}") from None
+            self.abort()
+            raise PeerLost(str(err)) from None
         self._pending.clear()
         return out
 
-    def wait_step(self) -> None:
+    def finish_step(self, tick) -> None:
         """Wait for the step on the GPU, heartbeating meanwhile; a lost FFN aborts the pair at once.
 
         The FFN is lost when its connection closes or it says Goodbye (`tick` raises), or
         when the step outlasts the peer timeout: every in-flight request then ends within it.
         """
+        timeout_s = self.options.peer_timeout_s
         event = torch.cuda.Event()
         event.record()
         try:
-            done = wait_event(event, time.monotonic() + self.peer_timeout_s, self.tick)
+            done = wait_event(event, time.monotonic() + timeout_s, tick)
         except PeerLost:
-            self.abandon()
+            self.abort()
             raise
         if not done:
-            self.abandon()
-            raise PeerLost(f"ffn rank {self.ffn_rank}: the step's NCCL transfers did not finish within {self.peer_timeout_s:.0f} s")
+            self.abort()
+            raise PeerLost(f"the step's NCCL transfers did not finish within {timeout_s:.0f} s")
 
-    def abandon(self) -> None:
+    def abort(self) -> None:
         """Abort the pair (stuck transfers end at once) and wait, bounded, until the stream has drained."""
         self._pending.clear()
         self._shapes.clear()
@@ -106,26 +112,22 @@ class NcclAttentionConnector(AttentionConnector):
             return
         comm, self.comm = self.comm, None
         comm.abort(wait_s=0.0)  # NCCL raises its abort flag first; the rest of the teardown goes on behind
-        with torch.cuda.device(torch.device(self.device)):
+        with torch.cuda.device(torch.device(self.options.device)):
             event = torch.cuda.Event()
             event.record()
-        if not wait_event(event, time.monotonic() + self.peer_timeout_s):
-            raise ConnectorError(f"the GPU stream is still blocked {self.peer_timeout_s:.0f} s after aborting "
-                                 f"the NCCL pair with ffn rank {self.ffn_rank}; restart this rank")
+        if not wait_event(event, time.monotonic() + self.options.peer_timeout_s):
+            raise ConnectorError(f"the GPU stream is still blocked {self.options.peer_timeout_s:.0f} s after aborting "
+                                 "the NCCL pair; restart this rank")
 
-    def close(self, reason: str = "shutdown") -> None:
-        try:
-            super().close(reason)
-        finally:
-            # every step ended with wait_step (a stuck one aborted the pair there): nothing is in flight
-            if self.comm is not None:
-                started = time.monotonic()
-                if self.comm.close():
-                    log.info("NCCL pair with ffn rank %d destroyed in %.2f s", self.ffn_rank, time.monotonic() - started)
-                else:
-                    log.warning("NCCL teardown of the pair with ffn rank %d still running after %.1f s; carrying on",
-                                self.ffn_rank, time.monotonic() - started)
-            self.comm = None
+    def close(self) -> None:
+        """Destroy the pair: every step ended with `finish_step` (a stuck one aborted it), nothing is in flight."""
+        if self.comm is not None:
+            started = time.monotonic()
+            if self.comm.close():
+                log.info("NCCL pair destroyed in %.2f s", time.monotonic() - started)
+            else:
+                log.warning("NCCL pair teardown still running after %.1f s; carrying on", time.monotonic() - started)
+        self.comm = None
 
 
 def join_pair(uid: UniqueId, rank: int, device: torch.device, timeout_s: float, peer: str) -> PairComm:
@@ -144,7 +146,3 @@ def join_pair(uid: UniqueId, rank: int, device: torch.device, timeout_s: float, 
     if "comm" not in box:
         raise HandshakeError(f"NCCL pair with {peer} not built: {box.get('error', f'its end did not join within {timeout_s:.0f} s')}")
     return box["comm"]
-
-
-# the FFN end lives in its own module; the connector registry finds both sides here
-from afd.connector.nccl_ffn import NcclFFNConnector, make_ffn_connector  # noqa: E402,F401

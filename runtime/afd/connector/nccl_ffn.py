@@ -8,10 +8,9 @@ import time
 
 import torch
 
-from afd.config import AFDConfig
 from afd.connector.base import FFNTransfer, PeerLost
-from afd.connector.ffn_side import DataContract, FFNConnector
 from afd.connector.identity import show
+from afd.connector.plane import DataContract, FFNPlane, PeerWatch, PlaneOptions, Received
 from afd.connector.nccl_lib import Group, NcclError, PairComm, UniqueId, new_unique_id, wait_event
 from afd.connector.tensors import DTYPES, packed_width, unpack_rows
 
@@ -19,21 +18,20 @@ log = logging.getLogger(__name__)
 FFN_RANK_IN_PAIR = 0
 
 
-class NcclFFNConnector(FFNConnector):
+class NcclFFNPlane(FFNPlane):
     """FFN end: one pair communicator per attention peer, created when its Hello is accepted."""
 
     PROBE_AFTER_S = 0.2  # a step waiting longer than this probes its peers (who is gone?) every as often
 
-    def __init__(self, transport, device, peer_timeout_s: float, contract: DataContract):
-        super().__init__(transport, device, peer_timeout_s, contract)
+    def __init__(self, options: PlaneOptions, contract: DataContract, transport=None):
+        self.options, self.contract = options, contract
+        self.device, self.peer_timeout_s = options.device, options.peer_timeout_s
         self.comms: dict[bytes, PairComm] = {}
         self._inits: dict[bytes, tuple[str, threading.Thread, dict]] = {}
         self._pending: list[tuple[bytes, torch.Tensor]] = []
         self.dtype = DTYPES[contract.dtype]
-        self.failed_peers: dict[bytes, str] = {}
 
-    def accept_peer(self, peer: bytes) -> dict:
-        super().accept_peer(peer)
+    def admit(self, peer: bytes) -> dict:
         pending = self._inits.get(peer)
         if pending is not None and pending[1].is_alive():
             return {"nccl_id": pending[0]}  # a repeated Hello of the same handshake
@@ -61,9 +59,11 @@ class NcclFFNConnector(FFNConnector):
         self.comms[peer] = box["comm"]
         return box["comm"]
 
-    def recv_attn_output(self, transfer: FFNTransfer):
+    def accept(self, peer: bytes, frames: list[bytes]) -> str | None:
+        return "host data frames, but the data plane is nccl"
+
+    def recv(self, transfer: FFNTransfer, watch: PeerWatch, stop) -> Received:
         """Every peer's rows received straight into one [sum(rows), hidden] buffer, in peer order."""
-        self.failed_peers = {}
         comms = [self._comm(peer) for peer in transfer.peers]
         total, cols = sum(transfer.rows), self.contract.logit_cols
         if cols:  # hidden and logits travel packed in one message per peer (`pack_rows`)
@@ -79,15 +79,15 @@ class NcclFFNConnector(FFNConnector):
                 start += rows
         if cols:
             hidden, logits = unpack_rows(buffer, self.contract.hidden_size, self.dtype, cols)
-            return transfer, hidden, logits
-        return transfer, buffer, None
+            return Received(transfer, hidden, logits, {})
+        return Received(transfer, buffer, None, {})
 
-    def send_ffn_output(self, output: torch.Tensor, transfer: FFNTransfer) -> None:
+    def send(self, output: torch.Tensor, transfer: FFNTransfer) -> None:
         """Queue each peer's rows; they leave with the next receive or at the end of the step."""
         for peer, piece in zip(transfer.peers, output.split(list(transfer.rows))):
             self._pending.append((peer, piece))
 
-    def end_step(self) -> None:
+    def flush(self) -> None:
         if self._pending:
             with Group():
                 self._issue_pending()
@@ -97,7 +97,7 @@ class NcclFFNConnector(FFNConnector):
             self.comms[peer].send(piece)
         self._pending.clear()
 
-    def wait_step(self, peers: tuple[bytes, ...]) -> dict[bytes, str]:
+    def finish_step(self, peers: tuple[bytes, ...], watch: PeerWatch) -> dict[bytes, str]:
         """Wait for the step on the GPU; returns the peers lost meanwhile, with why.
 
         A peer whose connection closes, or that stops heartbeating, while the step waits
@@ -115,10 +115,10 @@ class NcclFFNConnector(FFNConnector):
             if now < next_probe[0]:
                 return
             next_probe[0] = now + self.PROBE_AFTER_S
-            while self._pump(0.0):
+            while watch.pump(0.0):
                 pass  # heartbeats of the peers still alive; control messages wait for the loop
             for peer in peers:
-                if peer not in failed and (reason := self.peer_problem(peer, 0.6 * self.peer_timeout_s)):
+                if peer not in failed and (reason := watch.peer_problem(peer, 0.6 * self.peer_timeout_s)):
                     log.info("aborting the NCCL pair with %s mid-step: %s", show(peer), reason)
                     failed[peer] = reason
                     self._forget(peer)
@@ -134,14 +134,14 @@ class NcclFFNConnector(FFNConnector):
                 log.error("the GPU stream is still blocked after aborting every pair of the step")
         return failed
 
-    def fail_step(self, peers: tuple[bytes, ...], error: str) -> dict[bytes, str]:
+    def fail_step(self, peers: tuple[bytes, ...], error: str, watch: PeerWatch) -> dict[bytes, str]:
         """A transfer of the step failed outright: abort the pairs of the peers that are gone (probed
         for up to half a second), or of every peer of the step when none can be told apart."""
         self._pending.clear()
         lost: dict[bytes, str] = {}
         deadline = time.monotonic() + 0.5
         while not lost and time.monotonic() < deadline:
-            lost = {peer: f"{why} ({error})" for peer in peers if (why := self.peer_problem(peer))}
+            lost = {peer: f"{why} ({error})" for peer in peers if (why := watch.peer_problem(peer))}
             if not lost:
                 time.sleep(0.05)
         lost = lost or {peer: f"a transfer of the step failed: {error}" for peer in peers}
@@ -154,8 +154,7 @@ class NcclFFNConnector(FFNConnector):
             log.error("the GPU stream is still blocked after aborting the failed step's pairs")
         return lost
 
-    def forget_peer(self, peer: bytes, graceful: bool = False) -> None:
-        super().forget_peer(peer, graceful)
+    def forget(self, peer: bytes, graceful: bool) -> None:
         self._forget(peer, graceful)
 
     def _forget(self, peer: bytes, graceful: bool = False) -> None:
@@ -171,11 +170,4 @@ class NcclFFNConnector(FFNConnector):
     def close(self) -> None:
         for peer in list(self.comms):
             self._forget(peer)
-        super().close()
 
-
-def make_ffn_connector(config: AFDConfig, device, contract: DataContract) -> NcclFFNConnector:
-    from afd.connector.zmq_transport import ZmqServer
-
-    transport = ZmqServer(config.bind_host, config.ffn_ports(config.rank), config.max_message_bytes)
-    return NcclFFNConnector(transport, device, config.peer_timeout_s, contract)

@@ -223,6 +223,9 @@ class Engine:
         if self.error is None:
             try:
                 self.link.keepalive()
+                leave = getattr(self.link, "leave_if_done", None)
+                if leave is not None and leave(self._idle()):
+                    self.error = f"the ffn rank is stopping ({self.link.ffn_draining}); waiting for it to come back"
             except Exception as err:
                 self._lose_link(err)
             return
@@ -234,6 +237,10 @@ class Engine:
         log.info("ffn link recovered; serving again")
         self.reconnects += 1
         self.error = None
+
+    def _idle(self) -> bool:
+        with self._wake:
+            return not (self._inbox or self.scheduler.running or self.scheduler.waiting)
 
     def _lose_link(self, err: Exception) -> None:
         if self.error is None:

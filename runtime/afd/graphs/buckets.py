@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
+from afd.stages import stage_rows
+
 
 def decode_buckets(max_batch: int, stages: int = 1) -> tuple[int, ...]:
     """Padded batch sizes to capture, ascending, the last one >= `max_batch`."""
@@ -39,17 +41,8 @@ def capture_order(buckets: Iterable[int]) -> list[int]:
 
 
 def stage_split(padded: int, stages: int, min_split: int = 0) -> tuple[int, ...]:
-    """Per-stage token counts of a padded decode batch (one token per sequence).
-
-    With two stages, a batch under `min_split` tokens stays whole in stage 0 (the
-    second stage is empty): splitting pays only when the FFN's compute, not its weight
-    reads, dominates, since each stage reads the touched expert weights again.
-    """
-    if stages == 1:
-        return (padded,)
-    if padded < min_split:
-        return (padded, 0)
-    return (padded - padded // 2, padded // 2)
+    """Per-stage token counts of a padded decode batch (one token per sequence; `afd.stages`)."""
+    return stage_rows(padded, stages, min_split)
 
 
 def is_decode(new_lens: Sequence[int]) -> bool:

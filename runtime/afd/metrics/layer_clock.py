@@ -9,6 +9,8 @@ waits for the device. Unprofiled steps pay one attribute check per mark.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -69,3 +71,12 @@ class NullClock(LayerClock):
 
     def __init__(self):
         super().__init__("cpu", profile_every=0, capacity=0)
+
+
+@dataclass(frozen=True)
+class StepInstruments:
+    """What a runner reports to, fixed at construction: per-layer timings of profiled steps, each step."""
+
+    clock: LayerClock | NullClock = field(default_factory=lambda: NullClock())
+    on_layers: Callable[[list], None] | None = None  # (kind, layer, seconds) of each profiled step
+    on_step: Callable[[float, int], None] | None = None  # (seconds, rows) of every step

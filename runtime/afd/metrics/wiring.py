@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Gauge
 
 from afd.config import AFDConfig
-from afd.metrics.layer_clock import LayerClock
+from afd.metrics.layer_clock import LayerClock, StepInstruments
 from afd.metrics.layer_metrics import LayerMetrics, RunnerCollector
 
 
@@ -24,17 +24,24 @@ def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, e
     runner.on_layers = LayerMetrics(registry, "attention", config.rank).observe
     ffn_rank = config.topology.ffn_rank_of(config.rank)
     RunnerCollector(registry, "attention", config.rank, runner,
-                    link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, getattr(role, "recover_failures", 0)))
+                    link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, role.link.recover_failures))
 
 
-def instrument_ffn(registry: CollectorRegistry, config: AFDConfig, runner, device) -> None:
-    from afd.server.ffn_metrics import FFNMetrics
+def ffn_instruments(registry: CollectorRegistry, config: AFDConfig, device) -> StepInstruments:
+    """The step series of an FFN rank, to build its executor with."""
+    from afd.metrics.ffn_metrics import FFNStepMetrics
 
     export_group_info(registry, config)
+    return StepInstruments(LayerClock(device, config.profile_every), LayerMetrics(registry, "ffn", config.rank).observe,
+                           FFNStepMetrics(registry, config.rank).on_step)
 
-    runner.observer = FFNMetrics(registry, config.rank, runner.connector, runner)
+
+def watch_ffn(registry: CollectorRegistry, config: AFDConfig, worker) -> None:
+    """The series read from a built FFN worker: its peers, refusals and rejections, its counters."""
+    from afd.metrics.ffn_metrics import FFNLinkMetrics
+
+    metrics = FFNLinkMetrics(registry, config.rank, worker.link)
     for attention_rank in config.topology.attention_ranks_of(config.rank):
-        runner.observer.on_peer(attention_rank, False)  # every served peer exported (0) before it connects
-    runner.clock = LayerClock(device, config.profile_every)
-    runner.on_layers = LayerMetrics(registry, "ffn", config.rank).observe
-    RunnerCollector(registry, "ffn", config.rank, runner)
+        metrics.on_peer(attention_rank, False)  # every served peer exported (0) before it connects
+    worker.link.watch_peers(metrics.on_peer)
+    RunnerCollector(registry, "ffn", config.rank, worker.executor)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd.kernels.moe import experts_cuda  # sync-free, capturable
+
 
 class RMSNorm(nn.Module):
     """RMS norm computed in float32, scaled in the input dtype (as the HF families do)."""
@@ -97,14 +99,12 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts = num_experts
-        self.num_shared = 0  # shared experts folded in after loading (afd.kernels.moe.fuse_shared_experts)
+        self.num_shared = 0  # shared experts folded in after loading (afd.models.moe_prep.fuse_shared_experts)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            from afd.kernels.moe import experts_cuda  # sync-free, capturable
-
             return experts_cuda(x, weights, ids, self.gate_up, self.down, self.num_shared)
         top_k = ids.shape[1]
         flat_ids = ids.reshape(-1)  # [T*k]

@@ -39,9 +39,17 @@ def load_model(
 ) -> LoadedModel:
     """Build `role`'s part of the model on `device` from the checkpoint at `path`."""
     checkpoint = Checkpoint(path)
-    spec = parse_spec(checkpoint.config)
+    model, spec, crossing = build_share(checkpoint.config, role, gate_on_attention, dtype, device)
+    _load_weights(model, checkpoint)
+    finish_share(model, dtype, device)
+    return LoadedModel(model, spec, crossing, checkpoint.fingerprint(), list(checkpoint.loaded_keys))
+
+
+def build_share(config: dict, role: str, gate_on_attention: bool, dtype: torch.dtype, device: str | torch.device):
+    """(model, spec, crossing layers): `role`'s part of the model from its `config.json`, weights not yet set."""
+    spec = parse_spec(config)
     with torch.device("meta"):
-        model = FAMILIES[spec.arch](checkpoint.config, spec)
+        model = FAMILIES[spec.arch](config, spec)
     crossing = crossing_layers(spec.moe_layers, gate_on_attention)
     prune_for_role(model, role, crossing, gate_on_attention)
     model.to_empty(device=device)
@@ -49,15 +57,18 @@ def load_model(
     for module in model.modules():
         if isinstance(module, Router) and module.fp32_logits:
             module.float()  # DeepSeek keeps its gate in float32
-    _load_weights(model, checkpoint)
+    return model, spec, crossing
+
+
+def finish_share(model: MoECausalLM, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Once the weights are set: inference mode, and on a GPU in bf16/fp16 one kernel pair per MoE layer."""
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        from afd.kernels.moe import fuse_shared_experts
+        from afd.models.moe_prep import fuse_shared_experts
 
         for module in model.modules():
             if isinstance(module, MoE):
-                fuse_shared_experts(module)  # one kernel pair per MoE layer
-    return LoadedModel(model, spec, crossing, checkpoint.fingerprint(), list(checkpoint.loaded_keys))
+                fuse_shared_experts(module)
 
 
 def _load_weights(model: MoECausalLM, checkpoint: Checkpoint) -> None:

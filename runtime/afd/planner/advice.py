@@ -123,8 +123,9 @@ def _recommend(model: CostModel, current: Topology, concurrency: float, bounds: 
     per_gpu_load = concurrency / gpus
     busy = model.busy(current, concurrency)
     shares = f"attention computes {busy['attention']:.0%} of a step, the FFN {busy['ffn']:.0%}, the host {busy['host']:.0%}"
+    busy = {side: round(share, 4) for side, share in busy.items()}
     if not model.can_extrapolate:
-        return {"recommended": None, "per_gpu": {}, "why": (
+        return {"recommended": None, "per_gpu": {}, "busy": busy, "why": (
             f"{shares}; every window saw about the same batch, so how the costs grow with the batch is unknown: "
             "scrape while the load changes (e.g. more or fewer concurrent requests) to get a recommendation")}
     per_gpu = {}
@@ -140,8 +141,9 @@ def _recommend(model: CostModel, current: Topology, concurrency: float, bounds: 
         why = (f"{shares}; more {side} ranks per group balance the two sides: {chosen} predicts "
                f"{per_gpu[str(chosen)] / now - 1:+.0%} tokens/s per GPU at the same load per GPU")
     size = chosen.num_attention + chosen.num_ffn
+    gain = per_gpu[str(chosen)] / now - 1 if chosen != current else 0.0
     return {"recommended": str(chosen), "recommended_tokens_per_s": round(per_gpu.get(str(chosen), now) * size, 2),
-            "per_gpu": per_gpu, "why": why}
+            "predicted_gain": round(gain, 4), "per_gpu": per_gpu, "busy": busy, "why": why}
 
 
 def _describe(model: CostModel) -> dict:

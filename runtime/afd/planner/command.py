@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from afd.config import ConfigError
 
@@ -14,8 +15,13 @@ def add_parser(commands) -> None:
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--scrape", nargs="+", metavar="URL", help="every rank's /metrics URL (one group)")
     source.add_argument("--state-file", help="the JSON state file of `afd up --state-file`")
+    source.add_argument("--prometheus", metavar="URL", help="a Prometheus that scrapes the group (PodMonitor labels)")
+    plan.add_argument("--deployment", help="with --prometheus: the AFDDeployment (label afd_io_name)")
+    plan.add_argument("--group", type=int, default=0, help="with --prometheus: the group (label afd_io_group)")
+    plan.add_argument("--namespace", help="with --prometheus: the namespace (label namespace)")
     plan.add_argument("--samples", type=int, default=4, help="scrapes to take (windows = samples - 1)")
-    plan.add_argument("--interval", type=float, default=10.0, help="seconds between scrapes")
+    plan.add_argument("--interval", type=float, default=10.0,
+                      help="seconds between scrapes (with --prometheus: between the past instants queried)")
     plan.add_argument("--min-attention-per-ffn", type=float, default=1.0)
     plan.add_argument("--max-attention-per-ffn", type=float, default=8.0)
     plan.add_argument("--max-gpus", type=int, default=16, help="largest group to consider")
@@ -26,17 +32,25 @@ def add_parser(commands) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     from afd.planner.advice import Bounds, TooFewMetrics, plan
     from afd.planner.collect import ScrapeError, scrape_series, urls_from_state_file
+    from afd.planner.prometheus import PrometheusError, scrape_history, selector
 
     if args.samples < 2:
         raise ConfigError(f"--samples {args.samples}: need at least 2 (one window)")
     if args.interval <= 0:
         raise ConfigError(f"--interval {args.interval}: must be positive")
+    if args.prometheus and not args.deployment:
+        raise ConfigError("--prometheus needs --deployment NAME (the AFDDeployment whose group to plan)")
     try:
         bounds = Bounds(args.min_attention_per_ffn, args.max_attention_per_ffn, args.max_gpus, args.min_gain)
-        urls = args.scrape or urls_from_state_file(args.state_file)
-        progress = (lambda _: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
-        result = plan(scrape_series(urls, args.samples, args.interval, progress), bounds)
-    except (ValueError, ScrapeError) as err:
+        if args.prometheus:
+            labels = selector(args.deployment, args.group, args.namespace)
+            scrapes = scrape_history(args.prometheus, labels, args.samples, args.interval, time.time())
+        else:
+            urls = args.scrape or urls_from_state_file(args.state_file)
+            progress = (lambda _: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+            scrapes = scrape_series(urls, args.samples, args.interval, progress)
+        result = plan(scrapes, bounds)
+    except (ValueError, ScrapeError, PrometheusError) as err:
         kind = "too few metrics" if isinstance(err, TooFewMetrics) else "cannot plan"
         raise ConfigError(f"{kind}: {err}") from None
     print(json.dumps(result) if args.json else render_table(result))
@@ -49,7 +63,8 @@ def render_table(result: dict) -> str:
         f"measured     {result['measured_tokens_per_s']:.1f} tokens/s",
         f"predicted    {result['predicted_tokens_per_s']:.1f} tokens/s (model error {result['prediction_error']:.1%})",
         f"recommended  {result['recommended'] or '-'}"
-        + (f" ({result['recommended_tokens_per_s']:.1f} tokens/s)" if result.get("recommended_tokens_per_s") else ""),
+        + (f" ({result['recommended_tokens_per_s']:.1f} tokens/s)" if result.get("recommended_tokens_per_s") else "")
+        + (f", {result['predicted_gain']:+.0%} per GPU" if result.get("predicted_gain") else ""),
         f"why          {result['why']}",
     ]
     if result.get("per_gpu"):

@@ -1,1 +1,1 @@
-"""Role runners: the FFN daemon loop and the attention-side forward with remote FFNs."""
+"""Role runners: the attention-side forward with remote FFNs, the FFN worker loop and its step executor."""

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from afd.connector import wire
-from afd.connector.attention_side import AttentionConnector
+from afd.connector.attention_link import AttentionLink
 from afd.connector.base import AttnTransfer
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
@@ -23,6 +24,15 @@ from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs
 from afd.metrics.layer_clock import NullClock
 from afd.runners.microbatch import SeqLayout, split_layout
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a step runs on attention: its stages, where the gate runs, the smallest step split in two."""
+
+    stages: int = 1
+    gate_on_attention: bool = False
+    dbo_min_tokens: int = 0  # with two stages, steps of fewer tokens run as one micro-batch
 
 
 @dataclass
@@ -36,14 +46,14 @@ class _MicroBatch:
 class AttentionRunner:
     """Runs one attention rank's share of every step; callable as a generation stepper."""
 
-    def __init__(self, loaded: LoadedModel, connector: AttentionConnector, kv_cache: KVCache, stages: int, gate_on_attention: bool):
+    def __init__(self, loaded: LoadedModel, link: AttentionLink, kv_cache: KVCache, options: StepOptions):
         self.model = loaded.model
         self.crossing = frozenset(loaded.crossing)
-        self.connector = connector
+        self.link = link
         self.kv_cache = kv_cache
-        self.stages = stages
-        self.dbo_min_tokens = 0  # with two stages, steps of fewer tokens run as one micro-batch
-        self.gate_on_attention = gate_on_attention
+        self.stages = options.stages
+        self.dbo_min_tokens = options.dbo_min_tokens
+        self.gate_on_attention = gate_on_attention = options.gate_on_attention
         self.step_id = 0
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
         self.eager_steps = 0  # steps no graph served while graphs were on
@@ -52,6 +62,7 @@ class AttentionRunner:
         self.on_layers = None  # receives (kind, layer, seconds) of each profiled step
         self.transfer_bytes = {"send": 0, "recv": 0}
         self.capture_seconds = 0.0  # wall time of the last warm-up and capture
+        self._lost_buckets: tuple[int, ...] | None = None  # decode graphs to capture again once relinked
         hidden = loaded.spec.hidden_size
         self._hidden_per_token = len(self.crossing) * hidden  # elements each way, per token and step
         self._logit_bytes_per_token = len(self.crossing) * 4 * loaded.spec.num_experts if gate_on_attention else 0
@@ -65,7 +76,7 @@ class AttentionRunner:
             if not profiling:
                 logits = self.graphs.run(input_ids, layout)
                 if logits is not None:
-                    self.connector.wait_step()
+                    self.link.wait_step()
                     return logits
             self.eager_steps += 1
             self.profiled_eager_steps += profiling
@@ -81,7 +92,7 @@ class AttentionRunner:
                 micro.append((stage, batch, slice(start, start + part.num_tokens)))
             start += part.num_tokens
         logits = self.forward(input_ids, micro)
-        self.connector.wait_step()
+        self.link.wait_step()
         if profiling and self.on_layers is not None:
             self.on_layers(self.clock.collect())
         return logits
@@ -107,11 +118,11 @@ class AttentionRunner:
                         normed, router_logits = layer.gate_half(mb.hidden)
                         clock.lap("compute", index, started)
                         sending = clock.now()
-                        self.connector.send_attn_output(normed, mb.waiting, router_logits)
+                        self.link.send(normed, mb.waiting, router_logits)
                     else:
                         clock.lap("compute", index, started)
                         sending = clock.now()
-                        self.connector.send_attn_output(mb.hidden, mb.waiting)
+                        self.link.send(mb.hidden, mb.waiting)
                     clock.lap("send", index, sending)
                 else:
                     mb.hidden = mb.hidden + layer.ffn_half(mb.hidden)
@@ -124,25 +135,38 @@ class AttentionRunner:
     def _send_plan(self, stage_tokens: tuple[int, ...], mode: str = "eager", profile: bool = False) -> None:
         self.step_id += 1
         flags = {"warmup": mode == "warmup", "capture": mode == "capture", "replay": mode == "replay", "profile": profile}
-        self.connector.send_plan(wire.StepPlan(self.step_id, stage_tokens, **flags))
+        self.link.send_plan(wire.StepPlan(self.step_id, stage_tokens, **flags))
 
     @torch.inference_mode()
-    def capture_graphs(self, max_batch: int) -> DecodeGraphs:
-        """Warm up and capture decode graphs up to `max_batch` sequences (the FFN follows the plans)."""
+    def capture_graphs(self, max_batch: int = 0, buckets: Sequence[int] = ()) -> DecodeGraphs:
+        """Warm up and capture decode graphs up to `max_batch` sequences, or of exactly `buckets`
+        (the FFN follows the plans)."""
         started = time.monotonic()
-        buckets = decode_buckets(max_batch, self.stages)
+        buckets = tuple(sorted(set(buckets))) or decode_buckets(max_batch, self.stages)
         self.graphs = DecodeGraphs(
             self.forward, self.kv_cache, buckets, self.stages, self.kv_cache.keys[0].device,
             before=self._send_plan, min_split=self.dbo_min_tokens,
         )
         self.graphs.capture_all()
-        self.connector.wait_step()
+        self.link.wait_step()
         self.capture_seconds = time.monotonic() - started
         return self.graphs
+
+    def on_link_lost(self) -> None:
+        """The decode graphs replayed the lost connection's transfers: release them."""
+        if self.graphs is not None:
+            self._lost_buckets = self.graphs.buckets
+        self.graphs = None
+
+    def on_link_back(self) -> None:
+        """Capture the decode graphs again; this also re-warms the FFN's graph cache (its plans drive it)."""
+        if self._lost_buckets is not None:
+            self.capture_graphs(buckets=self._lost_buckets)
+            self._lost_buckets = None
 
     def _collect(self, mb: _MicroBatch) -> None:
         if mb.waiting is not None:
             waiting = self.clock.now()
-            mb.hidden = mb.hidden + self.connector.recv_ffn_output(mb.waiting).to(mb.hidden.dtype)
+            mb.hidden = mb.hidden + self.link.recv(mb.waiting).to(mb.hidden.dtype)
             self.clock.lap("recv", mb.waiting.layer, waiting)
             mb.waiting = None

@@ -19,6 +19,7 @@ from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.metrics.wiring import instrument_attention
 from afd.server.app import ServerState, create_app
+from afd.server.failover import Failover, FailoverSettings
 from afd.server.probe_http import Probes, start_probe_server
 from afd.server.serving_metrics import ServingMetrics
 from afd.server.validation import Limits
@@ -55,7 +56,7 @@ def max_model_len_for(config: AFDConfig, spec) -> int:
 
 
 def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
-    """Engine + app state around a connected attention role."""
+    """Engine + app state around a connected attention role (or a monolithic one)."""
     spec = role.loaded.spec
     registry = CollectorRegistry()
     metrics = ServingMetrics(registry, config.rank, config.role)
@@ -69,7 +70,7 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         config.max_num_batched_tokens,
         role.device,
         observer=metrics,
-        link=role if hasattr(role, "keepalive") else None,
+        link=role.link,
     )
     metrics.track(engine)
     state = ServerState(
@@ -82,7 +83,7 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         registry=registry,
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
     )
-    if hasattr(role, "keepalive"):
+    if role.link is not None:  # a monolithic rank has no FFN link and no split step to time
         instrument_attention(registry, config, role, engine)
     return state, engine
 
@@ -135,11 +136,14 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
 
         export_ceiling(state.registry, config, role)
     engine.start()
+    ready: list[Probes] = []  # the probes come after the server they watch
+    app = Failover(create_app(state), lambda: bool(ready) and ready[0].readiness() is not None, FailoverSettings(config.failover_url))
     server = uvicorn.Server(uvicorn.Config(
-        create_app(state), host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
+        app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
-    probes = attention_probes(state, lambda: server.started, stop, lambda: getattr(role.connector, "ffn_draining", None))
+    probes = attention_probes(state, lambda: server.started, stop, lambda: getattr(role.link, "ffn_draining", None))
+    ready.append(probes)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     threading.Thread(target=_exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()

@@ -6,11 +6,12 @@ exchange then ships the layer's rows stage by stage and waits for the FFN's answ
 
 vLLM runs attention over the whole batch, so two stages split only the FFN exchange (the
 FFN computes stage 0 while stage 1 is still arriving); attention does not overlap with the
-FFN as it does in our own runner's ping-pong. No vLLM import here: the link is plain torch
-and our connector, tested against our FFN ranks without vLLM installed.
+FFN as it does in our own runner's ping-pong. Stages split as everywhere (`afd.stages`,
+`dboMinTokens` included). No vLLM import here: this is plain torch over our
+`AttentionLink`, tested against our FFN ranks without vLLM installed.
 
-Between steps a daemon thread heartbeats the FFN rank and, once it is lost, re-handshakes
-with fresh sockets until it is back: a loss while idle heals without vLLM noticing. A step
+Between steps a daemon thread calls the link's `keepalive` and, once it is lost, its
+`recover` (fresh sockets) until it is back: a loss while idle heals without vLLM noticing. A step
 while the FFN rank is lost raises `PeerLost` at once rather than waiting out the timeout;
 vLLM treats any model error as fatal (EngineDeadError: HTTP 500, /health 503, the server
 exits), so Kubernetes restarts the pod, which re-handshakes.
@@ -29,16 +30,17 @@ import torch
 
 from afd.config import AFDConfig, load_config
 from afd.connector import wire
-from afd.connector.attention_side import AttentionConnector
+from afd.connector.attention_link import AttentionLink, LinkOptions
 from afd.connector.base import AttnTransfer, ConnectorError, PeerLost
-from afd.connector.factory import make_attention_connector
 from afd.connector.tensors import DTYPE_NAMES
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import ModelSpec, parse_spec
 from afd.runners.handshake import make_hello
+from afd.stages import stage_rows
 from afd.topology import crossing_layers
 
 log = logging.getLogger(__name__)
+RECONNECT_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -49,32 +51,30 @@ class LinkPlan:
     crossing: tuple[int, ...]
     gate_on_attention: bool
     stages: int
+    dbo_min_tokens: int = 0
 
     def stage_rows(self, tokens: int) -> tuple[int, ...]:
         """Rows of each stage for a step of `tokens` rows (the FFN computes per row, any cut is exact)."""
-        if self.stages == 1:
-            return (tokens,)
-        first = (tokens + 1) // 2
-        return (first, tokens - first)
+        return stage_rows(tokens, self.stages, self.dbo_min_tokens)
 
 
 class FFNLink:
-    """Handshaken connection of attention rank `config.rank` to its FFN rank, one step at a time."""
+    """Attention rank `config.rank`'s link to its FFN rank, one vLLM step (model call) at a time."""
 
-    def __init__(self, config: AFDConfig, plan: LinkPlan, connector: AttentionConnector):
+    def __init__(self, config: AFDConfig, plan: LinkPlan, link: AttentionLink):
         self.config = config
         self.plan = plan
-        self.connector = connector
+        self.link = link
         self.first_layer = plan.crossing[0] if plan.crossing else -1
         self.step_id = 0
         self._stage_rows: tuple[int, ...] = ()
         self.closed = False
         self.lost: str | None = None  # why the FFN rank is unreachable, until a re-handshake succeeds
-        self._lock = threading.Lock()  # the connector's sockets belong to one thread at a time
+        self._lock = threading.Lock()  # the link's sockets belong to one thread at a time
 
     @classmethod
     def connect(cls, model_path: str, dtype: torch.dtype, config: AFDConfig | None = None) -> "FFNLink":
-        """Read the checkpoint's facts, open the connector and handshake (raises `HandshakeError`)."""
+        """Read the checkpoint's facts, connect and handshake (raises `HandshakeError`)."""
         config = config or load_config(cli={"role": "attention"})
         if config.role != "attention":
             raise ValueError(f"AFD_ROLE={config.role}: the vLLM plugin runs attention ranks only")
@@ -83,28 +83,24 @@ class FFNLink:
                              "(the FFN ranks fingerprint the same files); download it first")
         checkpoint = Checkpoint(model_path)
         spec = parse_spec(checkpoint.config)
-        plan = LinkPlan(spec, crossing_layers(spec.moe_layers, config.gate_on_attention), config.gate_on_attention, config.stages)
-        dtype_name = DTYPE_NAMES[dtype]
-        connector = make_attention_connector(config, "cpu")
-        hello = make_hello(config, spec, plan.crossing, checkpoint.fingerprint(), dtype_name)
-        try:
-            connector.handshake(hello, config.connect_timeout_s)
-        except Exception:
-            connector.transport.close()
-            raise
+        plan = LinkPlan(spec, crossing_layers(spec.moe_layers, config.gate_on_attention), config.gate_on_attention,
+                        config.stages, config.dbo_min_tokens)
+        hello = make_hello(config, spec, plan.crossing, checkpoint.fingerprint(), DTYPE_NAMES[dtype])
+        options = LinkOptions.of(config, reconnect_timeout_s=min(config.connect_timeout_s, RECONNECT_TIMEOUT_S))
+        link = AttentionLink.connect(config, hello, "cpu", options)
         log.info("afd: attention rank %d linked to ffn rank %d (%s, layers %s, %d stage(s), gate on %s)",
-                 config.rank, connector.ffn_rank, config.topology, list(plan.crossing), plan.stages,
+                 config.rank, link.ffn_rank, config.topology, list(plan.crossing), plan.stages,
                  "attention" if plan.gate_on_attention else "ffn")
-        link = cls(config, plan, connector)
-        atexit.register(link.close)
-        threading.Thread(target=link._keepalive_loop, name="afd-ffn-keepalive", daemon=True).start()
-        return link
+        step_link = cls(config, plan, link)
+        atexit.register(step_link.close)
+        threading.Thread(target=step_link._keepalive_loop, name="afd-ffn-keepalive", daemon=True).start()
+        return step_link
 
     def exchange(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """FFN output [tokens, hidden] of crossing layer `layer` for `hidden` [tokens, hidden]."""
         with self._lock:
             if self.lost:
-                raise PeerLost(f"ffn rank {self.connector.ffn_rank} is unreachable: {self.lost}")
+                raise PeerLost(f"ffn rank {self.link.ffn_rank} is unreachable: {self.lost}")
             try:
                 return self._exchange(layer, hidden, router_logits)
             except PeerLost as err:
@@ -113,7 +109,9 @@ class FFNLink:
 
     def _exchange(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         if layer == self.first_layer:
-            self._begin_step(hidden.shape[0])
+            self.step_id += 1
+            self._stage_rows = self.plan.stage_rows(hidden.shape[0])
+            self.link.send_plan(wire.StepPlan(self.step_id, self._stage_rows))
         elif hidden.shape[0] != sum(self._stage_rows):
             raise RuntimeError(f"layer {layer}: {hidden.shape[0]} rows, but step {self.step_id} planned "
                                f"{sum(self._stage_rows)} (layers must cross in order, starting at {self.first_layer})")
@@ -122,19 +120,13 @@ class FFNLink:
             if rows:
                 transfer = AttnTransfer(self.step_id, layer, stage)
                 part = slice(start, start + rows)
-                logits = None if router_logits is None else router_logits[part]
-                self.connector.send_attn_output(hidden[part], transfer, logits)
+                self.link.send(hidden[part], transfer, None if router_logits is None else router_logits[part])
                 transfers.append(transfer)
             start += rows
-        outputs = [self.connector.recv_ffn_output(t).to(device=hidden.device, dtype=hidden.dtype) for t in transfers]
+        outputs = [self.link.recv(t).to(device=hidden.device, dtype=hidden.dtype) for t in transfers]
         if len(outputs) == 1:
             return outputs[0]
         return torch.cat(outputs) if outputs else torch.empty_like(hidden)
-
-    def _begin_step(self, tokens: int) -> None:
-        self.step_id += 1
-        self._stage_rows = self.plan.stage_rows(tokens)
-        self.connector.send_plan(wire.StepPlan(self.step_id, self._stage_rows))
 
     def _keepalive_loop(self) -> None:
         interval = max(0.05, self.config.heartbeat_interval_s / 2)
@@ -144,21 +136,21 @@ class FFNLink:
                 if self.closed:
                     return
                 if self.lost:
-                    self._try_reconnect()
+                    self._try_recover()
                     continue
                 try:
-                    self.connector.keepalive()
+                    self.link.keepalive()
                 except PeerLost as err:
                     self.lost = str(err)
                     log.warning("afd: %s; re-handshaking until it is back", err)
 
-    def _try_reconnect(self) -> None:
+    def _try_recover(self) -> None:
         try:
-            self.connector.reconnect(min(self.config.connect_timeout_s, 2.0))
+            self.link.recover()
         except ConnectorError as err:
-            log.debug("afd: ffn rank %d not back yet: %s", self.connector.ffn_rank, err)
+            log.debug("afd: ffn rank %d not back yet: %s", self.link.ffn_rank, err)
             return
-        log.warning("afd: ffn rank %d is back; serving again", self.connector.ffn_rank)
+        log.warning("afd: ffn rank %d is back; serving again", self.link.ffn_rank)
         self.lost = None
 
     def close(self, reason: str = "vllm attention shutting down") -> None:
@@ -167,6 +159,6 @@ class FFNLink:
                 return
             self.closed = True
             try:
-                self.connector.close(reason)
+                self.link.close(reason)
             except Exception as err:  # at exit the peer may be gone already
                 log.debug("afd: closing the ffn link: %s", err)

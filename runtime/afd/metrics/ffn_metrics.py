@@ -1,4 +1,4 @@
-"""Metrics of an FFN rank: steps, rows served, peers, rejected messages."""
+"""Metrics of an FFN rank: steps and rows served (fed by the executor), peers and rejections (read from the link)."""
 
 from __future__ import annotations
 
@@ -8,39 +8,49 @@ from prometheus_client.core import CounterMetricFamily
 from afd.server.serving_metrics import _LATENCY_BUCKETS, _TOKEN_BUCKETS
 
 
-class FFNMetrics:
-    """FFN-runner observer; rejected-message counts are read from the connector at scrape time."""
+def _labels(rank: int) -> dict[str, str]:
+    return {"role": "ffn", "rank": str(rank)}
 
-    def __init__(self, registry: CollectorRegistry, rank: int, connector, runner=None):
-        labels = {"role": "ffn", "rank": str(rank)}
-        self._labels = labels
+
+class FFNStepMetrics:
+    """Each step's duration and rows; made before the executor, which reports to `on_step`."""
+
+    def __init__(self, registry: CollectorRegistry, rank: int):
+        labels = _labels(rank)
         self.step_duration = Histogram("afd_step_duration_seconds", "Wall time of one FFN step", list(labels),
                                        registry=registry, buckets=_LATENCY_BUCKETS).labels(**labels)
         self.step_tokens = Histogram("afd_step_tokens", "Rows served in one FFN step (all peers, all layers' batch)",
                                      list(labels), registry=registry, buckets=_TOKEN_BUCKETS).labels(**labels)
         self.steps = Counter("afd_ffn_steps", "FFN steps run", list(labels), registry=registry).labels(**labels)
-        self.peer_up = Gauge("afd_peer_up", "1 while the attention peer is connected", [*labels, "peer"], registry=registry)
-        self.connector = connector
-        self.runner = runner
-        registry.register(self)
 
     def on_step(self, seconds: float, rows: int) -> None:
         self.step_duration.observe(seconds)
         self.step_tokens.observe(rows)
         self.steps.inc()
 
+
+class FFNLinkMetrics:
+    """Peers up, rejected messages and refused Hellos of a built FFN link (read at scrape time)."""
+
+    def __init__(self, registry: CollectorRegistry, rank: int, link):
+        self._labels = _labels(rank)
+        self.peer_up = Gauge("afd_peer_up", "1 while the attention peer is connected", [*self._labels, "peer"],
+                             registry=registry)
+        self.link = link
+        registry.register(self)
+
     def on_peer(self, attention_rank: int, up: bool) -> None:
         self.peer_up.labels(**self._labels, peer=str(attention_rank)).set(1 if up else 0)
 
     def collect(self):
-        family = CounterMetricFamily("afd_rejected_messages", "Messages rejected by the FFN connector",
+        family = CounterMetricFamily("afd_rejected_messages", "Messages rejected by the FFN link",
                                      labels=[*self._labels, "reason"])
-        for reason, count in {"control": 0, **self.connector.rejected}.items():  # 0 from the start, not "No data"
+        for reason, count in {"control": 0, **self.link.rejected}.items():  # 0 from the start, not "No data"
             family.add_metric([*self._labels.values(), reason], count)
         yield family
         refused = CounterMetricFamily("afd_handshake_failures", "Hellos refused (mismatch, foreign group, unserved rank)",
                                       labels=list(self._labels))
-        refused.add_metric(list(self._labels.values()), self.runner.handshake_failures if self.runner else 0)
+        refused.add_metric(list(self._labels.values()), self.link.handshake_failures)
         yield refused
 
     def describe(self):

@@ -10,9 +10,9 @@ import json
 import logging
 from typing import Sequence
 
-from afd.batch import split_prompts
+from afd.local.offline_batch import split_prompts
 from afd.config import AFDConfig, config_to_env
-from afd.processes import LocalProcesses, free_port_block, threads_per_rank
+from afd.local.children import LocalProcesses, free_port_block, threads_per_rank
 
 log = logging.getLogger(__name__)
 

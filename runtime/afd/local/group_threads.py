@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from afd.batch import run_attention_batch, split_prompts
+from afd.local.offline_batch import run_attention_batch, split_prompts
 from afd.config import AFDConfig
 from afd.generation import GenerationResult
 from afd.roles import build_ffn

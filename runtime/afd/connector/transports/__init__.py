@@ -1,0 +1,1 @@
+"""One module per transport, each exporting `TRANSPORT` (`afd.connector.registry`)."""

@@ -1,0 +1,71 @@
+"""The FFN worker loop: the link hands over plans, the step executor runs them (vLLM v1's worker).
+
+Block on the control plane; take the plans that are ready (peers that sent none are not
+waited for, so an idle attention rank never stalls a busy one); run the step; drop the
+peers it reports failed. No scheduler, no KV cache, no sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from afd.connector.ffn_link import FFNLink
+from afd.connector.plane import Interrupted
+from afd.runners.ffn_executor import FFNStepExecutor
+
+log = logging.getLogger(__name__)
+POLL_INTERVAL_S = 0.1
+PROBE_INTERVAL_S = 1.0  # how often idle peers are probed (a peer whose process died is dropped)
+
+
+class FFNWorker:
+    """Serves the attention ranks of one FFN rank until `stop` is set."""
+
+    def __init__(self, link: FFNLink, executor: FFNStepExecutor, batch_window_s: float = 0.0):
+        self.link, self.executor = link, executor
+        self.batch_window_s = batch_window_s  # wait this long for every connected peer's plan before a step
+        link.watch_gone(executor.forget)
+
+    def serve(self, stop: threading.Event) -> None:
+        """The daemon loop; returns within one poll interval of `stop` being set, even mid-step."""
+        link = self.link
+        next_probe = time.monotonic() + PROBE_INTERVAL_S
+        try:
+            while not stop.is_set():
+                link.tell_draining()
+                if time.monotonic() >= next_probe:
+                    next_probe = time.monotonic() + PROBE_INTERVAL_S
+                    link.probe()
+                link.poll(0.0 if link.has_plans() else POLL_INTERVAL_S)
+                plans = link.next_plans()
+                if plans and self.batch_window_s:
+                    link.gather_more(plans, self.batch_window_s)
+                if plans:
+                    self.run_step(plans, stop)
+        except Interrupted:
+            log.info("ffn rank %d interrupted mid-step by shutdown", link.ffn_rank)
+        finally:
+            self.executor.close()
+            link.close()
+
+    def run_step(self, plans, stop: threading.Event | None = None) -> None:
+        """One step; the peers that failed it are dropped, the others serve on."""
+        with torch.inference_mode():
+            failed = self.executor.run_step(plans, self.link, stop.is_set if stop else lambda: False)
+        for peer, reason in failed.items():
+            self.link.drop(peer, reason)
+
+    # the preStop drain and the counters, for the probes and the logs
+    def request_drain(self) -> None:
+        self.link.request_drain()
+
+    def drained(self) -> bool:
+        return self.link.drained()
+
+    @property
+    def steps_run(self) -> int:
+        return self.executor.steps_run

@@ -1,0 +1,159 @@
+"""Failover of an attention rank that cannot serve: its requests go on to another group.
+
+Behind one client Service, a connection is balanced once, when it opens: a client on a
+keep-alive connection keeps reaching a rank after the rank has left the Service's endpoints
+(kube-proxy's conntrack keeps established connections where they were). So, as ASGI
+middleware around the rank's API:
+
+- while the rank is not ready (draining, FFN link lost, FFN about to stop) every response
+  carries `Connection: close`: the client's next request opens a new connection, which the
+  Service sends to a ready rank;
+- an API request this rank answers with 503 before sending anything else (it cannot serve
+  now, or the request failed before its first token: a 503 JSON body, or a stream whose first
+  event is an error) is relayed to the failover URL (the client Service), retried for a few
+  seconds while the Service's endpoints catch up. A relayed request carries `x-afd-failover`
+  and is never relayed again, so requests cannot circle.
+
+Client errors (400, 404, 413, ...) are answered here as before: only a 503 moves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import httpx
+
+log = logging.getLogger(__name__)
+RELAYED = b"x-afd-failover"
+_SKIP_REQUEST_HEADERS = {b"host", b"content-length", b"transfer-encoding", b"connection", RELAYED}
+_SKIP_RESPONSE_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
+
+
+@dataclass(frozen=True)
+class FailoverSettings:
+    url: str = ""  # where requests go on (the client Service); "" only closes connections
+    attempts: int = 20  # tries of the failover URL before the client gets the 503
+    backoff_s: float = 0.25  # between tries: the Service drops this rank's endpoint meanwhile
+    read_timeout_s: float = 600.0
+
+
+def first_byte_failed(status: int, content_type: str, first_chunk: bytes) -> bool:
+    """Whether a response is a refusal or a failure before any token: 503, or a stream whose
+    first event is an error."""
+    if status == 503:
+        return True
+    return status == 200 and content_type.startswith("text/event-stream") and first_chunk.startswith(b'data: {"error"')
+
+
+class Failover:
+    """ASGI middleware: `leaving()` says the rank is not ready (close connections)."""
+
+    def __init__(self, app, leaving: Callable[[], bool], settings: FailoverSettings = FailoverSettings(),
+                 client: httpx.AsyncClient | None = None):
+        self.app, self.leaving, self.settings = app, leaving, settings
+        self.client = client
+        self.relayed = 0  # requests sent on to the failover URL (tests, logs)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        send = _closing(send, self.leaving)
+        relay_allowed = (self.settings.url and scope["method"] == "POST" and scope["path"].startswith("/v1/")
+                         and RELAYED not in dict(scope["headers"]))
+        if not relay_allowed:
+            return await self.app(scope, receive, send)
+        body: list[bytes] = []
+        held = _HeldResponse(send)
+
+        async def receive_and_keep():
+            message = await receive()
+            if message["type"] == "http.request":
+                body.append(message.get("body", b""))
+            return message
+
+        await self.app(scope, receive_and_keep, held.send)
+        if held.failed is not None:
+            await self._relay(scope, b"".join(body), send, held.failed)
+
+    async def _relay(self, scope, body: bytes, send, refusal: tuple[dict, bytes]) -> None:
+        """Send the request on; the client gets the first answer that is not a 503, else this rank's."""
+        client = self.client or httpx.AsyncClient(timeout=httpx.Timeout(self.settings.read_timeout_s, connect=2.0))
+        target = self.settings.url.rstrip("/") + scope["path"] + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _SKIP_REQUEST_HEADERS]
+        headers.append((RELAYED.decode(), "1"))
+        try:
+            for attempt in range(self.settings.attempts):
+                try:
+                    response = await client.send(client.build_request("POST", target, content=body, headers=headers), stream=True)
+                except httpx.TransportError as err:
+                    log.debug("failover to %s: %s", target, err)
+                else:
+                    if response.status_code != 503:
+                        self.relayed += 1
+                        await _forward(response, send)
+                        return
+                    await response.aclose()
+                await asyncio.sleep(self.settings.backoff_s)
+            start, first = refusal  # nobody else could take it either: the client gets this rank's answer
+            await send(start)
+            await send({"type": "http.response.body", "body": first, "more_body": False})
+        finally:
+            if self.client is None:
+                await client.aclose()
+
+
+class _HeldResponse:
+    """Holds the response start until the first body chunk shows whether the request failed
+    before any token; then either passes everything through or swallows it (`failed`)."""
+
+    def __init__(self, send):
+        self._send = send
+        self._start: dict | None = None
+        self._decided = False
+        self.failed: tuple[dict, bytes] | None = None
+
+    async def send(self, message) -> None:
+        if self._decided:
+            if self.failed is None:
+                await self._send(message)
+            return
+        if message["type"] == "http.response.start":
+            self._start = message
+            return
+        if message["type"] == "http.response.body" and self._start is not None:
+            self._decided = True
+            headers = {k.lower(): v for k, v in self._start.get("headers", [])}
+            content_type = headers.get(b"content-type", b"").decode("latin-1")
+            chunk = message.get("body", b"")
+            if first_byte_failed(self._start["status"], content_type, chunk):
+                self.failed = (self._start, chunk)
+                return
+            await self._send(self._start)
+            await self._send(message)
+            return
+        await self._send(message)
+
+
+def _closing(send, leaving: Callable[[], bool]):
+    async def send_closing(message) -> None:
+        if message["type"] == "http.response.start" and leaving():
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+            message = {**message, "headers": headers + [(b"connection", b"close")]}
+        await send(message)
+
+    return send_closing
+
+
+async def _forward(response: httpx.Response, send) -> None:
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()
+               if k.lower() not in _SKIP_RESPONSE_HEADERS]
+    try:
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        async for chunk in response.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        await response.aclose()

@@ -1,0 +1,33 @@
+"""`afd serve` on an FFN rank: the worker loop with its probe and metrics server (beside `server/run.py`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from prometheus_client import CollectorRegistry
+
+from afd.config import AFDConfig
+from afd.metrics.wiring import ffn_instruments, watch_ffn
+from afd.roles import build_ffn
+from afd.runners.device import resolve_device
+from afd.server.probe_http import Probes, start_probe_server
+
+log = logging.getLogger(__name__)
+
+
+def serve_ffn(config: AFDConfig, stop: threading.Event) -> int:
+    """Serve FFN rank `config.rank` until `stop` is set; the exit code."""
+    registry = CollectorRegistry()
+    worker = build_ffn(config, ffn_instruments(registry, config, resolve_device(config)))
+    watch_ffn(registry, config, worker)
+    # preStop drain: tell the attention ranks, serve on until they have finished (or the hook's time is up)
+    probes = Probes(lambda: None, drained=worker.drained, on_drain=worker.request_drain)
+    probe = start_probe_server(config.http_host, config.metrics_port, probes, registry)
+    log.info("ffn rank %d ready (health and metrics on port %d)", config.rank, config.metrics_port)
+    try:
+        worker.serve(stop)
+    finally:
+        probe.shutdown()
+    log.info("ffn rank %d stopped after %d steps", config.rank, worker.steps_run)
+    return 0
