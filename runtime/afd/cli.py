@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     generate.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     generate.add_argument("--ffn-model", help="checkpoint of the FFN ranks (default: --model)")
+    generate.add_argument("--monolithic", action="store_true", help="the whole model in this process, no FFN rank (the A/B baseline)")
     generate.add_argument("--json", action="store_true", help="print one JSON line")
     generate.add_argument("--with-logits", action="store_true", help="add each prompt's last-step logits to the JSON")
 
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--stages", type=int, default=2)
     up.add_argument("--gate", default="ffn", help="ffn or attention")
     up.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible URL")
+    up.add_argument("--monolithic", action="store_true",
+                    help="one process with the whole model (FFN local), same engine and API: the A/B baseline")
     up.add_argument("--state-file", help="JSON file describing the API URL and every rank, kept current")
     up.add_argument("--no-demo", action="store_true", help="do not send the demo request once ready")
     up.add_argument("--max-request-bytes", type=int, help="larger request bodies get 413 (default 16 MiB; AFD_MAX_REQUEST_BYTES)")
@@ -137,7 +140,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         bad = [i for prompt in args.prompt_ids for i in prompt if i >= spec.vocab_size]
         if bad:
             raise ConfigError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary of {path} (size {spec.vocab_size})")
-    if config.connector == "loopback":
+    if args.monolithic:
+        from afd.monolithic import generate_monolithic
+
+        result = generate_monolithic(config.replace(role="monolithic", num_attention_ranks=1, num_ffn_ranks=1),
+                                     args.prompt_ids, args.max_tokens, args.ignore_eos)
+        tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
+    elif config.connector == "loopback":
         from afd.local.group_threads import generate_in_threads
 
         result = generate_in_threads(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
@@ -218,8 +227,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     limits = {k: v for k, v in values_from_env(os.environ).items() if k in flags}  # AFD_MAX_* as for `afd serve`
     limits.update({k: v for k, v in flags.items() if v is not None})
     config = AFDConfig(
-        **values_from_topology(args.topology, "--topology"),
+        **values_from_topology("1A1F" if args.monolithic else args.topology, "--topology"),
         **limits,
+        role="monolithic" if args.monolithic else "attention",
         stages=args.stages,
         gate_on_attention=args.gate == "attention",
         model=str(model),

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 from afd.topology import Topology, TopologyError
 
-ROLES = ("attention", "ffn")
+ROLES = ("attention", "ffn", "monolithic")  # monolithic: one process, the FFN local (afd.monolithic)
 CONNECTORS = ("loopback", "zmq", "nccl")
 STAGES = (1, 2)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -73,6 +73,9 @@ class AFDConfig:
     dbo_min_tokens: int = 0  # stages=2: steps of fewer tokens run as one micro-batch (the FFN reads its weights once)
     attention_engine: str = "afd"  # attention role: our engine, or vLLM's OpenAI server with afd.vllm_plugin
     vllm_args: str = ""  # extra arguments for vLLM's server (attention_engine=vllm), shell-quoted
+    # serving loop and KV sizing (afd.engine, afd.server.run)
+    gpu_memory_utilization: float = 0.9  # KV cache: this fraction of the GPU, less what is in use, unless kv_cache_bytes
+    ceiling_batches: str = ""  # comma-separated batch sizes whose graph-replayed step time is measured at start
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
@@ -85,7 +88,7 @@ class AFDConfig:
             topology = self.topology
         except TopologyError as err:
             raise ConfigError(str(err)) from None
-        size = topology.num_attention if self.role == "attention" else topology.num_ffn
+        size = topology.num_ffn if self.role == "ffn" else topology.num_attention
         if not 0 <= self.rank < size:
             raise ConfigError(f"rank={self.rank}: a {self.role} rank must be in 0..{size - 1} for {topology}")
         for name in ("control_port", "data_port", "http_port", "metrics_port"):
@@ -105,6 +108,10 @@ class AFDConfig:
                      "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if any(not b.strip().isdigit() or int(b) < 1 for b in filter(None, self.ceiling_batches.split(","))):
+            raise ConfigError(f"ceiling_batches={self.ceiling_batches!r}: must be positive integers separated by commas")
 
     @property
     def topology(self) -> Topology:
@@ -186,6 +193,8 @@ ENV_VARS: dict[str, str] = {
     "AFD_DBO_MIN_TOKENS": "dbo_min_tokens",
     "AFD_ATTENTION_ENGINE": "attention_engine",
     "AFD_VLLM_ARGS": "vllm_args",
+    "AFD_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
+    "AFD_CEILING_BATCHES": "ceiling_batches",
 }
 
 _FIELD_TYPES = {f.name: f.type for f in fields(AFDConfig)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 SETTING_HELP: dict[str, str] = {
-    "role": "`attention` or `ffn`: which role this process runs.",
+    "role": "`attention`, `ffn`, or `monolithic` (one process, the FFN local, same engine and API: the A/B baseline).",
     "rank": "Rank within the role. Unset in a pod: the StatefulSet ordinal at the end of `$HOSTNAME`.",
     "num_attention_ranks": "Attention ranks in the group (A of xAyF).",
     "num_ffn_ranks": "FFN ranks in the group (F of xAyF); attention rank a maps to FFN rank a // (A/F).",
@@ -25,7 +25,7 @@ SETTING_HELP: dict[str, str] = {
     "max_num_seqs": "Most sequences in one engine step; also the largest decode graph.",
     "max_model_len": "Longest prompt + output in tokens (0: the model's `max_position_embeddings`).",
     "max_num_batched_tokens": "Most tokens (prefill + decode) in one engine step.",
-    "kv_cache_bytes": "KV-cache budget of an attention rank in bytes (0: 1 GiB). Capacity in tokens is logged at start.",
+    "kv_cache_bytes": "KV-cache budget of an attention rank in bytes (0: sized from the device, see `gpu_memory_utilization`; 1 GiB on CPU). Capacity in tokens is logged at start and exported as `afd_kv_cache_capacity_tokens`.",
     "served_model_name": "Model id the API answers to (default: the checkpoint folder's name).",
     "failover_url": ("Attention: base URL (the client Service) where a request this rank answers with 503 before "
                      "its first token is sent on, e.g. while its FFN is lost; empty: no failover. The operator sets it."),
@@ -44,4 +44,6 @@ SETTING_HELP: dict[str, str] = {
     "max_request_bytes": "Largest API request body; larger ones get 413 (refused from Content-Length or as it arrives).",
     "max_prompts": "Most prompts in one `/v1/completions` request; more get 400.",
     "max_prompt_chars": "Most characters of one prompt (or of all chat messages) before tokenization (0: 32 per context token).",
+    "gpu_memory_utilization": "With `kv_cache_bytes` 0 on a GPU: the KV cache takes this fraction of the GPU's memory, less what weights, graphs and activations use (vLLM's `--gpu-memory-utilization`).",
+    "ceiling_batches": "Comma-separated batch sizes whose graph-replayed decode step is timed at start (log and `afd_step_ceiling_seconds`; the serving benchmark's ceiling). Empty: off.",
 }

@@ -126,11 +126,13 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache) -> At
     return AttentionRole(share.loaded, kv_cache, link, runner, share.device)
 
 
-def build_attention(config: AFDConfig, cache_tokens: int) -> AttentionRole:
-    """Attention rank `config.rank`: its weights, a KV cache of `cache_tokens`, a handshaken FFN link."""
+def build_attention(config: AFDConfig, cache_tokens) -> AttentionRole:
+    """Attention rank `config.rank`: its weights, a KV cache of `cache_tokens` (an int, or a callable
+    that sizes it from the loaded model and the free device memory), a handshaken FFN link."""
     share = load_share(config)
     dtype = torch_dtype(share.dtype)
-    kv_cache = KVCache.for_tokens(share.loaded.model.kv_layouts(), cache_tokens, dtype, share.device)
+    tokens = cache_tokens(share.loaded) if callable(cache_tokens) else cache_tokens
+    kv_cache = KVCache.for_tokens(share.loaded.model.kv_layouts(), tokens, dtype, share.device)
     log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token",
              config.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
              KVCache.bytes_per_token(kv_cache.layouts, dtype))

@@ -69,6 +69,9 @@ def plan_ranks(base: AFDConfig) -> list[Rank]:
     """Every rank of the group with its own ports on 127.0.0.1 (FFN ranks first)."""
     config = local_zmq_config(base)
     topology = config.topology
+    if base.role == "monolithic":  # one process, the whole model
+        first = free_port_block(2)
+        return [Rank("monolithic", 0, config.replace(rank=0, http_host="127.0.0.1", http_port=first, metrics_port=first + 1))]
     ports = iter(range(free_port_block(topology.num_ffn + 2 * topology.num_attention), 65536))
     ranks = [Rank("ffn", f, config.replace(role="ffn", rank=f, http_host="127.0.0.1", metrics_port=next(ports)))
              for f in range(topology.num_ffn)]
@@ -98,7 +101,7 @@ class Supervisor:
         self.processes.start(rank.name, ["serve"], env)
 
     def attention_urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{r.config.http_port}" for r in self.ranks.values() if r.role == "attention"]
+        return [f"http://127.0.0.1:{r.config.http_port}" for r in self.ranks.values() if r.role != "ffn"]
 
     def metrics_urls(self) -> dict[str, str]:
         return {name: f"http://127.0.0.1:{r.config.metrics_port}/metrics" for name, r in self.ranks.items()}
@@ -171,7 +174,8 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
     api = f"http://127.0.0.1:{port}/v1"
     with LocalProcesses(grace_s=front.shutdown_grace_s) as processes:
         supervisor = Supervisor(ranks, processes, state_file, api)
-        progress(f"starting {base.topology} ({len(ranks)} processes; logs in {processes.workdir})")
+        shape = "a monolithic rank" if base.role == "monolithic" else str(base.topology)
+        progress(f"starting {shape} ({len(ranks)} processes; logs in {processes.workdir})")
         supervisor.start_all()
         supervisor.wait_healthy(start_timeout_s)
         watcher = threading.Thread(target=supervisor.watch, name="supervisor", daemon=True)
@@ -192,7 +196,7 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
             supervisor.stop()
             progress("stopping every rank")
             # Attention ranks first: they say Goodbye to a live FFN rank instead of chasing a lost one.
-            processes.stop(*(rank.name for rank in ranks if rank.role == "attention"))
+            processes.stop(*(rank.name for rank in ranks if rank.role != "ffn"))
     return 0
 
 

@@ -61,13 +61,18 @@ def test_first_come_first_served_no_overtaking():
     assert sched.schedule() == [big, small]
 
 
-def test_token_budget_splits_prefills_across_steps():
+def test_token_budget_chunks_prompts_and_decodes_go_first():
     sched = scheduler(blocks=64, budget=10)
     a, b = make(8), make(8)
     sched.add(a)
     sched.add(b)
-    assert sched.schedule() == [a]
-    assert sched.schedule() == [a, b]
+    assert sched.schedule() == [a, b] and (a.chunk, b.chunk) == (8, 2)  # b's prompt starts in what is left
+    a.cached_tokens, b.cached_tokens = 8, 2  # what the engine does when it launches the step
+    c = make(30)
+    sched.add(c)
+    assert sched.schedule() == [a, b, c] and (b.chunk, c.chunk) == (6, 3)  # a decodes (1), b goes on, c starts
+    b.cached_tokens, c.cached_tokens = 8, 3
+    assert sched.schedule() == [a, b, c] and c.chunk == 8  # two decodes, the rest of the budget to c
 
 
 def test_finish_frees_blocks():

@@ -1,7 +1,12 @@
 """The engine thread: admit requests, run one step over the batch, sample, stream the results.
 
 Callers (the HTTP server) submit requests from any thread and get `RequestOutput`
-deltas through a callback. The step function is the attention runner (remote FFN)
+deltas through a callback. With `pipeline` (the default) the loop runs one step ahead:
+step N+1 is scheduled and launched, its inputs taken from step N's sampled tokens on the
+device, before step N's tokens are read on the host; detokenization, stop strings and
+callbacks run on the output thread (`afd.engine.outputs`), while the device computes.
+A request that stops early (EOS, stop string) may so run one step more, whose token is
+dropped. Without `pipeline` every step is finished, outputs included, before the next. The step function is the attention runner (remote FFN)
 or the monolithic model; the engine does not know which. If a step fails because
 an FFN peer is gone, every request in flight ends with an explicit error and the
 engine reports itself unhealthy; nothing is silently cut short. Any other exception
@@ -14,12 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
-from afd.engine.sampler import sample
+from afd.engine.inputs import build_inputs, to_device
+from afd.engine.outputs import OutputProcessor
+from afd.engine.sampler import Sampled, sample
 from afd.engine.scheduler import Scheduler
 from afd.engine.text import IncrementalDetokenizer, StopChecker
 from afd.kv_cache import KVCache
@@ -27,6 +35,17 @@ from afd.runners.microbatch import SeqLayout
 
 log = logging.getLogger(__name__)
 Step = Callable[[torch.Tensor, SeqLayout], torch.Tensor]
+
+
+@dataclass
+class _Launched:
+    """A step whose sampled tokens are not read on the host yet."""
+
+    batch: list[Request]  # the requests that sample in this step, in the sampled tensor's row order
+    sampled: Sampled
+    finals: list[Request]  # requests whose last token this step samples
+    tokens: int
+    started: float
 
 
 class Engine:
@@ -45,11 +64,11 @@ class Engine:
         observer=None,
         link=None,
         link_check_s: float = 0.5,
+        pipeline: bool = True,
     ):
         self.step = step
         self.kv_cache = kv_cache
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len)
@@ -60,8 +79,14 @@ class Engine:
         self.reconnects = 0
         self.error: str | None = None  # the FFN link is down (recoverable)
         self.dead: str | None = None  # the engine thread ended unexpectedly (not recoverable)
+        self.pipeline = pipeline
         self._inbox: list[Request] = []
         self._aborts: set[str] = set()
+        self._stopped_early: list[Request] = []  # ended by the output side (EOS, stop string, error)
+        self._inflight: _Launched | None = None
+        self._step_id = 0
+        self._prev_tokens = torch.empty(0, dtype=torch.long, device=self.device)
+        self._outputs = OutputProcessor(set(eos_token_ids), max_model_len, observer, self._on_stopped, threaded=pipeline)
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -76,6 +101,7 @@ class Engine:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=timeout_s)
+        self._outputs.close(timeout_s)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None]) -> Request:
         """Queue a request; `InvalidRequest` if it can never run here."""
@@ -110,6 +136,20 @@ class Engine:
             self._wake.notify()
 
     @property
+    def eos_token_ids(self) -> set[int]:
+        return self._outputs.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self._outputs.eos_token_ids = set(ids)
+
+    def _on_stopped(self, request: Request) -> None:
+        """The output side ended `request` (any thread): it is freed at the next iteration."""
+        with self._wake:
+            self._stopped_early.append(request)
+            self._wake.notify()
+
+    @property
     def problem(self) -> str | None:
         """Why this engine cannot serve now, or None (any thread)."""
         if self.dead:
@@ -120,7 +160,8 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        """Running requests not yet answered in full (one stopped by the output side is freed a step later)."""
+        return sum(not r.done for r in list(self.scheduler.running))
 
     @property
     def num_waiting(self) -> int:
@@ -138,7 +179,8 @@ class Engine:
     def _serve(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopped or self._inbox or self._aborts or self.scheduler.running or self.scheduler.waiting):
+                while not (self._stopped or self._inbox or self._aborts or self._stopped_early or self._inflight
+                           or self.scheduler.running or self.scheduler.waiting):
                     if not self._wake.wait(timeout=self.link_check_s if self.link else None):
                         break  # idle: time to look after the link
                 if self._stopped:
@@ -147,22 +189,32 @@ class Engine:
                     self.scheduler.add(request)
                 self._inbox.clear()
                 aborts, self._aborts = self._aborts, set()
+                stopped, self._stopped_early = self._stopped_early, []
             self._apply_aborts(aborts)
+            for request in stopped:
+                self.scheduler.finish(request)
             if self.link is not None and time.monotonic() >= self._next_link_check:
+                self._drain()  # the link is looked after between steps, none in flight
                 self._tend_link()
             if self.error is not None:
+                self._drain()
                 self._fail_all(f"the server cannot take requests: {self.error}")
                 continue
             try:
                 batch = self.scheduler.schedule()
-                if batch:
-                    self._run(batch)
+                launched = self._launch(batch) if batch else None
+                self._drain()  # the previous step: its tokens went to the host while this one was launched
+                self._inflight = launched
+                if not self.pipeline:
+                    self._drain()
             except Exception as err:  # a bug outside the step: fail what is in flight, keep serving
                 log.exception("engine iteration failed")
+                self._inflight = None
                 self._fail_all(f"internal error in the engine: {type(err).__name__}: {err}")
                 continue
             if not batch and self.scheduler.waiting and not self.scheduler.running:
                 time.sleep(0.001)  # cannot happen with worst-case reservation; never spin hot
+        self._drain()
         self._fail_all("the server is shutting down")
 
     def _tend_link(self) -> None:
@@ -198,75 +250,57 @@ class Engine:
     def _apply_aborts(self, request_ids: set[str]) -> None:
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
             if request.request_id in request_ids:
+                request.done = True  # tokens of a step already launched for it are dropped
                 self.scheduler.finish(request)
                 log.info("aborted %s", request.request_id)
 
-    def _run(self, batch: list[Request]) -> None:
+    def _launch(self, batch: list[Request]) -> _Launched | None:
+        """Build the step's inputs (one pass over `batch`), run it, start sampling; None if it failed."""
+        step_id = self._step_id + 1
+        inputs = build_inputs(batch, step_id, self._prev_tokens, self.max_model_len, self.device)
+        input_ids, layout, emit = inputs.input_ids, inputs.layout, inputs.emit
         started = time.monotonic()
-        pending = [request.pending_tokens() for request in batch]
-        input_ids = torch.tensor([t for tokens in pending for t in tokens], dtype=torch.long, device=self.device)
-        layout = SeqLayout(
-            tuple(tuple(r.blocks) for r in batch),
-            tuple(r.cached_tokens for r in batch),
-            tuple(len(tokens) for tokens in pending),
-        )
         try:
             logits = self.step(input_ids, layout)
         except Exception as err:  # a lost FFN peer, or a bug: fail loudly, never hang
             log.exception("step failed")
+            self._drain()  # the previous step's tokens are good: deliver them first
             if self.link is None:  # nothing to recover: only this step's requests fail
                 self._fail(batch, f"the step failed: {type(err).__name__}: {err}")
-                return
+                return None
             self._lose_link(err)  # the link re-handshakes before the next step
             self._fail_all(f"the step failed: {err}")
-            return
+            return None
+        sampling = batch
+        if len(emit) < len(batch):  # rows of unfinished prompt chunks sample nothing
+            logits, sampling = logits[to_device(emit, logits.device)], [batch[i] for i in emit]
         try:
-            tokens, logprobs = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+            sampled = sample(logits, inputs.params, inputs.generators).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up
             log.exception("sampling failed")
+            self._drain()
             self._fail(batch, f"sampling failed: {type(err).__name__}: {err}")
+            return None
+        self._step_id, self._prev_tokens = step_id, sampled.tokens
+        return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, started)
+
+    def _drain(self) -> None:
+        """Wait for the launched step's tokens and hand them to the output side."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return
+        try:
+            tokens, logprobs = launched.sampled.result()
+        except Exception as err:
+            log.exception("sampling failed")
+            self._fail(launched.batch, f"sampling failed: {type(err).__name__}: {err}")
             return
         now = time.monotonic()
-        for request, new, token, token_logprobs in zip(batch, pending, tokens, logprobs):
-            request.cached_tokens += len(new)
-            try:
-                self._advance(request, token, token_logprobs, now)
-            except Exception as err:
-                log.exception("request %s failed after sampling", request.request_id)
-                self._fail([request], f"internal error: {type(err).__name__}: {err}")
-        if self.observer:
-            self.observer.on_step(self, len(input_ids), time.monotonic() - started)
-
-    def _advance(self, request: Request, token: int, token_logprobs, now: float) -> None:
-        if self.observer:
-            self.observer.on_token(request, now)
-        request.first_token_at = request.first_token_at or now
-        request.last_token_at = now
-        request.output_ids.append(token)
-        params, checker = request.params, request.stop_checker
-        reason = None
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            reason = "stop"
-        else:
-            checker.add(request.detokenizer.add(token))
-            if checker.stopped:
-                reason = "stop"
-            elif len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-                reason = "length"
-        if reason:
+        for request in launched.finals:  # their last token is in: seats and blocks go back
             self.scheduler.finish(request)
-        request.on_output(
-            RequestOutput(
-                request.request_id,
-                checker.take(final=reason is not None),
-                [token],
-                [token_logprobs] if token_logprobs else [],
-                finished=reason is not None,
-                finish_reason=reason,
-                prompt_tokens=len(request.prompt_ids),
-                completion_tokens=len(request.output_ids),
-            )
-        )
+        self._outputs.tokens(launched.batch, tokens, logprobs, now)
+        if self.observer:
+            self.observer.on_step(self, launched.tokens, now - launched.started)
 
     def _fail_all(self, message: str) -> None:
         with self._wake:
@@ -274,13 +308,7 @@ class Engine:
         self._fail(list(self.scheduler.running) + list(self.scheduler.waiting) + inbox, message)
 
     def _fail(self, requests: list[Request], message: str) -> None:
-        """End `requests` with an error output each; a failing callback does not stop the rest."""
+        """Free `requests` and end each with an error output (after the outputs already handed over)."""
         for request in requests:
             self.scheduler.finish(request)
-            if self.observer:
-                self.observer.on_error()
-            try:
-                request.on_output(RequestOutput(request.request_id, "", [], [], finished=True, finish_reason="error",
-                                                error=message))
-            except Exception:
-                log.exception("could not deliver the error of %s", request.request_id)
+        self._outputs.fail(requests, message)

@@ -73,9 +73,14 @@ class RequestOutput:
     completion_tokens: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` and `remove` on batches must not compare prompts
 class Request:
-    """A request as the engine tracks it; only the engine thread mutates it."""
+    """A request as the engine tracks it.
+
+    The engine thread owns scheduling state (blocks, cached_tokens, scheduled_outputs,
+    sample_step/row); the output side owns what was delivered (output_ids, the text
+    state, first/last token times, done).
+    """
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -84,19 +89,20 @@ class Request:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    blocks: tuple[int, ...] = ()
     cached_tokens: int = 0  # tokens whose keys and values are in the KV cache
     generator: object = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     detokenizer: object = None
     stop_checker: object = None
+    chunk: int = 0  # prompt tokens the scheduler gave this step (chunked prefill)
+    scheduled_outputs: int = 0  # tokens sampled or being sampled in a launched step
+    final_scheduled: bool = False  # its last token is in a launched step: not scheduled again
+    sample_step: int = -1  # the step whose sampled tokens hold this request's next input, and its row there
+    sample_row: int = -1
+    done: bool = False  # its final output (or error) was delivered; later tokens are dropped
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
-
-    def pending_tokens(self) -> list[int]:
-        """Tokens to feed this step: the whole prompt first, then the last sampled token."""
-        all_ids = self.prompt_ids + self.output_ids
-        return all_ids[self.cached_tokens :]

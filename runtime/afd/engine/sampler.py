@@ -1,73 +1,105 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
-The masks and softmax run once for the whole batch; only drawing from seeded rows is
-per row, because each seeded request owns its random generator (that is what makes
-its output reproducible whatever else is in the batch).
+`sample` never waits for the device: which masks apply is decided from the requests'
+parameters on the host, and its result is one packed tensor that `Sampled.to_host`
+copies to the host in one transfer (asynchronously on a GPU). Only drawing from seeded
+rows is per row, because each seeded request owns its random generator (that is what
+makes its output reproducible whatever else is in the batch).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from afd.engine.inputs import to_device
 from afd.engine.request import SamplingParams, TokenLogprobs
 
 
-def sample(
-    logits: torch.Tensor,  # [B, vocab] float32
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """One token per row, plus its logprobs when the request asked for them."""
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    greedy = torch.tensor([p.greedy for p in params], device=device)
-    scaled = logits / temperature.clamp(min=1e-6).unsqueeze(1)
-    scaled = _mask_top_k(scaled, top_k)
-    scaled = _mask_top_p(scaled, top_p)
-    probs = scaled.softmax(dim=-1)
+@dataclass
+class Sampled:
+    """One step's sampled tokens on the device, and their host copy once `to_host` ran."""
+
+    tokens: torch.Tensor  # [B] long, device: the next step's input ids
+    packed: torch.Tensor  # [B] long, or [B, 2 + 2K] float64 (token, its logprob, K top ids, K top logprobs)
+    top: int  # K; -1 when no row asked for logprobs
+    wants: list[int | None]  # each row's requested top count (None: no logprobs)
+    host: torch.Tensor | None = None
+    ready: object = None  # a CUDA event recorded after the copy, or None
+
+    def to_host(self) -> "Sampled":
+        """Start the single device-to-host copy of this step."""
+        if self.packed.device.type == "cuda":
+            self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            self.host.copy_(self.packed, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = self.packed
+        return self
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Token ids and logprobs per row (waits for the copy)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        values = self.host.tolist()
+        if self.top < 0:
+            return values, [None] * len(values)
+        tokens = [int(row[0]) for row in values]
+        logprobs = [
+            None if want is None else TokenLogprobs(
+                int(row[0]), row[1], list(zip(map(int, row[2: 2 + want]), row[2 + self.top: 2 + self.top + want])))
+            for row, want in zip(values, self.wants)
+        ]
+        return tokens, logprobs
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Sampled:
+    """One token per row of `logits` [B, vocab] float32, plus logprobs where a request asked for them."""
+    device, vocab = logits.device, logits.shape[1]
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    unseeded = [i for i in random_rows if generators[i] is None]
-    if unseeded:
-        chosen[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
-    for i in random_rows:
-        if generators[i] is not None:
-            chosen[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
-    chosen = torch.where(greedy, logits.argmax(dim=-1), chosen)
-    tokens = chosen.tolist()
-    return tokens, _logprobs(logits, tokens, params)
+    if random_rows:
+        chosen = _draw(logits, chosen, [params[i] for i in random_rows], random_rows, generators, device, vocab)
+    wants = [p.logprobs for p in params]
+    if all(w is None for w in wants):
+        return Sampled(chosen, chosen, -1, wants)
+    top = max(w for w in wants if w is not None)
+    logprobs = logits.float().log_softmax(dim=-1)
+    top_values, top_ids = logprobs.topk(max(top, 1), dim=-1)
+    packed = torch.cat([chosen.double().unsqueeze(1), logprobs.gather(1, chosen.unsqueeze(1)).double(),
+                        top_ids[:, :top].double(), top_values[:, :top].double()], dim=1)
+    return Sampled(chosen, packed, top, wants)
+
+
+def _draw(logits, chosen, params, rows, generators, device, vocab) -> torch.Tensor:
+    """`chosen` with the non-greedy `rows` drawn from their temperature/top-k/top-p distributions."""
+    index = to_device(rows, device)
+    scores = logits[index] / to_device([max(p.temperature, 1e-6) for p in params], device, logits.dtype).unsqueeze(1)
+    if any(0 < p.top_k < vocab for p in params):
+        scores = _mask_top_k(scores, to_device([p.top_k if p.top_k > 0 else vocab for p in params], device))
+    if any(p.top_p < 1 for p in params):
+        scores = _mask_top_p(scores, to_device([p.top_p for p in params], device, logits.dtype))
+    probs = scores.softmax(dim=-1)
+    seeded = [(j, generators[i]) for j, i in enumerate(rows) if generators[i] is not None]
+    drawn = torch.multinomial(probs, 1).squeeze(1)
+    for j, generator in seeded:  # a seeded row draws with its own generator, whatever else runs
+        drawn[j] = torch.multinomial(probs[j], 1, generator=generator)[0]
+    chosen = chosen.clone()
+    chosen[index] = drawn
+    return chosen
 
 
 def _mask_top_k(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    if bool((top_k >= scores.shape[1]).all()):
-        return scores
     sorted_scores = scores.sort(dim=-1, descending=True).values
     kth = sorted_scores.gather(1, (top_k - 1).clamp(max=scores.shape[1] - 1).unsqueeze(1))
     return scores.masked_fill(scores < kth, float("-inf"))
 
 
 def _mask_top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    if bool((top_p >= 1).all()):
-        return scores
     sorted_scores, order = scores.sort(dim=-1, descending=True)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     drop = (cumulative - sorted_scores.softmax(dim=-1)) >= top_p.unsqueeze(1)  # keep the token that crosses p
     drop_original = torch.zeros_like(drop).scatter(1, order, drop)
     return scores.masked_fill(drop_original, float("-inf"))
-
-
-def _logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-    result: list[TokenLogprobs | None] = [None] * len(params)
-    if not wanted:
-        return result
-    logprobs = logits[wanted].float().log_softmax(dim=-1)
-    widest = max(params[i].logprobs for i in wanted)
-    top_values, top_ids = logprobs.topk(max(widest, 1), dim=-1)
-    for row, i in enumerate(wanted):
-        count = params[i].logprobs
-        top = list(zip(top_ids[row, :count].tolist(), top_values[row, :count].tolist()))
-        result[i] = TokenLogprobs(tokens[i], float(logprobs[row, tokens[i]]), top)
-    return result

@@ -1,8 +1,8 @@
 """Continuous batching with admission control: FIFO, never drops, never over-commits the cache.
 
-Every step, the running requests each decode one token and waiting requests join
-(prefilling their whole prompt) while there is room: fewer than `max_num_seqs`
-running, the step's token budget, and KV-cache blocks for the request's worst case
+Every step, the running requests each decode one token, prompts being prefilled take
+their next chunk, and waiting requests join while there is room: fewer than `max_num_seqs`
+running, the step's token budget (chunked prefill), and KV-cache blocks for the request's worst case
 (prompt + max_tokens, capped by the context length). Reserving the worst case at
 admission means a running request never has to be preempted. Admission is strictly
 first-come-first-served: a large request at the head is not overtaken.
@@ -35,21 +35,35 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> list[Request]:
-        """Requests to run this step, running ones first; admitted ones get their blocks."""
-        batch = list(self.running)
-        budget = self.max_num_batched_tokens - len(batch)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        """Requests to run this step, running ones first; admitted ones get their blocks.
+
+        Decoding requests take one token each; prompts are fed in chunks (`request.chunk`
+        tokens this step) within what is left of the step's token budget, so a long prompt
+        shares steps with running decodes instead of stalling them. A running request whose
+        last token is already in a launched step (`final_scheduled`) keeps its seat and
+        blocks until that step's result is in, but is not scheduled again.
+        """
+        batch = [r for r in self.running if not r.final_scheduled]
+        prefilling = [r for r in batch if r.cached_tokens < len(r.prompt_ids)]
+        budget = self.max_num_batched_tokens - (len(batch) - len(prefilling))
+        if prefilling:
+            batch = [r for r in batch if r.cached_tokens >= len(r.prompt_ids)]
+            for request in prefilling:  # oldest first: a started prompt finishes before a new one starts
+                if budget <= 0:
+                    break
+                request.chunk = min(len(request.prompt_ids) - request.cached_tokens, budget)
+                batch.append(request)
+                budget -= request.chunk
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             head = self.waiting[0]
-            prompt = len(head.prompt_ids)
-            if batch and prompt > budget:
-                break  # a long prompt runs alone rather than never
             if not self.kv_cache.can_allocate(self.reserved_tokens(head)):
                 break
-            head.blocks = self.kv_cache.allocate(self.reserved_tokens(head))
+            head.blocks = tuple(self.kv_cache.allocate(self.reserved_tokens(head)))
+            head.chunk = min(len(head.prompt_ids), budget)
             self.waiting.popleft()
             self.running.append(head)
             batch.append(head)
-            budget -= prompt
+            budget -= head.chunk
         return batch
 
     def finish(self, request: Request) -> None:
@@ -60,4 +74,4 @@ class Scheduler:
             self.waiting.remove(request)
         if request.blocks:
             self.kv_cache.release(request.blocks)
-            request.blocks = []
+            request.blocks = ()

@@ -23,8 +23,6 @@ def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, e
     runner.clock = LayerClock(role.device, config.profile_every)
     runner.on_layers = LayerMetrics(registry, "attention", config.rank).observe
     ffn_rank = config.topology.ffn_rank_of(config.rank)
-    Gauge("afd_kv_cache_capacity_tokens", "Tokens the KV cache holds", ["role", "rank"], registry=registry).labels(
-        role="attention", rank=str(config.rank)).set(role.kv_cache.capacity_tokens)
     RunnerCollector(registry, "attention", config.rank, runner,
                     link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, role.link.recover_failures))
 

@@ -7,12 +7,13 @@ import os
 import threading
 from typing import Callable
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from afd.config import AFDConfig
 from afd.engine.engine import Engine
 from afd.engine.tokenizer import load_tokenizer
-from afd.kv_cache import KVCache
+from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
@@ -27,11 +28,27 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
-def cache_tokens_for(config: AFDConfig, spec) -> int:
-    """KV-cache capacity in tokens from the configured byte budget (1 GiB when unset)."""
-    budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
-    dtype = torch_dtype(resolve_dtype(config, resolve_device(config)))
-    return budget // KVCache.bytes_per_token([spec.kv_layout] * spec.num_layers, dtype)
+def cache_tokens_for(config: AFDConfig, spec) -> int | Callable:
+    """KV-cache capacity in tokens: from `kv_cache_bytes` when set (1 GiB on CPU when not); on a GPU, by
+    default, a callable that sizes it from the device's free memory once the weights are loaded."""
+    device = resolve_device(config)
+    dtype = torch_dtype(resolve_dtype(config, device))
+    layouts = [spec.kv_layout] * spec.num_layers
+    if config.kv_cache_bytes or device.type != "cuda":
+        return (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // KVCache.bytes_per_token(layouts, dtype)
+
+    def from_device(loaded) -> int:
+        element = torch.empty(0, dtype=dtype).element_size()
+        # activations of the largest step, fp32 logits and sampling of the largest batch, graph pools and slack
+        reserve = 32 * config.max_num_batched_tokens * spec.hidden_size * element + 6 * config.max_num_seqs * spec.vocab_size * 4
+        graph_tables = 4 * config.max_num_seqs // DEFAULT_BLOCK_SIZE + 1  # the decode graphs' block tables, per token
+        tokens = KVCache.tokens_on_device(layouts, dtype, device, config.gpu_memory_utilization, reserve + (1 << 30),
+                                          graph_tables if config.cuda_graphs else 0)
+        log.info("KV cache sized from the GPU: %d tokens (%.2f of its memory, weights and an activation reserve of "
+                 "%.1f GiB excluded)", tokens, config.gpu_memory_utilization, reserve / 2**30)
+        return tokens
+
+    return from_device
 
 
 def max_model_len_for(config: AFDConfig, spec) -> int:
@@ -39,10 +56,10 @@ def max_model_len_for(config: AFDConfig, spec) -> int:
 
 
 def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
-    """Engine + app state around a connected attention role."""
+    """Engine + app state around a connected attention role (or a monolithic one)."""
     spec = role.loaded.spec
     registry = CollectorRegistry()
-    metrics = ServingMetrics(registry, config.rank)
+    metrics = ServingMetrics(registry, config.rank, config.role)
     engine = Engine(
         role.runner,
         role.kv_cache,
@@ -66,7 +83,8 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         registry=registry,
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
     )
-    instrument_attention(registry, config, role, engine)
+    if role.link is not None:  # a monolithic rank has no FFN link and no split step to time
+        instrument_attention(registry, config, role, engine)
     return state, engine
 
 
@@ -101,13 +119,22 @@ def attention_probes(state: ServerState, listening: Callable[[], bool], stop: th
 def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     import uvicorn
 
-    from afd.roles import build_attention
-
     spec = parse_spec(Checkpoint(config.model).config)
-    log.info("attention rank %d: loading %s and connecting to ffn rank %d",
-             config.rank, config.model, config.topology.ffn_rank_of(config.rank))
-    role = build_attention(config, cache_tokens_for(config, spec))
+    if config.role == "monolithic":
+        from afd.monolithic import build_monolithic as build
+
+        log.info("monolithic rank: loading %s", config.model)
+    else:
+        from afd.roles import build_attention as build
+
+        log.info("attention rank %d: loading %s and connecting to ffn rank %d",
+                 config.rank, config.model, config.topology.ffn_rank_of(config.rank))
+    role = build(config, cache_tokens_for(config, spec))
     state, engine = build_server(config, role)
+    if config.ceiling_batches:
+        from afd.server.ceiling import export_ceiling
+
+        export_ceiling(state.registry, config, role)
     engine.start()
     ready: list[Probes] = []  # the probes come after the server they watch
     app = Failover(create_app(state), lambda: bool(ready) and ready[0].readiness() is not None, FailoverSettings(config.failover_url))
@@ -115,23 +142,24 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
-    probes = attention_probes(state, lambda: server.started, stop, lambda: role.link.ffn_draining)
+    probes = attention_probes(state, lambda: server.started, stop, lambda: getattr(role.link, "ffn_draining", None))
     ready.append(probes)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     threading.Thread(target=_exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
-    log.info("attention rank %d serving on http://%s:%d/v1", config.rank, config.http_host, config.http_port)
+    log.info("%s rank %d serving on http://%s:%d/v1", config.role, config.rank, config.http_host, config.http_port)
     try:
         server.run()
     finally:
-        log.info("attention rank %d stopping: %d running, %d waiting requests", config.rank, engine.num_running, engine.num_waiting)
+        log.info("%s rank %d stopping: %d running, %d waiting requests", config.role, config.rank, engine.num_running,
+                 engine.num_waiting)
         probe.shutdown()
         engine.stop()  # fails whatever the grace period did not finish
-        role.close("attention rank shutting down")
+        role.close(f"{config.role} rank shutting down")
     if engine.dead:
-        log.error("attention rank %d exits because %s (a supervisor or the kubelet restarts it)", config.rank, engine.dead)
+        log.error("%s rank %d exits because %s (a supervisor or the kubelet restarts it)", config.role, config.rank, engine.dead)
         return 1
-    log.info("attention rank %d stopped", config.rank)
+    log.info("%s rank %d stopped", config.role, config.rank)
     return 0
 
 

@@ -16,8 +16,8 @@ class ServingMetrics:
     after a step.
     """
 
-    def __init__(self, registry: CollectorRegistry, rank: int):
-        labels = {"role": "attention", "rank": str(rank)}
+    def __init__(self, registry: CollectorRegistry, rank: int, role: str = "attention"):
+        labels = {"role": role, "rank": str(rank)}
         names = list(labels)
 
         def make(kind, name, doc, **kw):
@@ -30,6 +30,7 @@ class ServingMetrics:
         self.prompt_tokens = make(Counter, "afd_prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = make(Counter, "afd_generation_tokens", "Tokens generated")
         self.kv_usage = make(Gauge, "afd_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use")
+        self.kv_capacity = make(Gauge, "afd_kv_cache_capacity_tokens", "Tokens the KV cache holds")
         self.step_duration = make(Histogram, "afd_step_duration_seconds", "Wall time of one engine step", buckets=_LATENCY_BUCKETS)
         self.step_tokens = make(Histogram, "afd_step_tokens", "Tokens computed in one step", buckets=_TOKEN_BUCKETS)
         self.request_errors = make(Counter, "afd_request_errors", "Requests ended by an error")
@@ -47,6 +48,7 @@ class ServingMetrics:
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
         self.kv_usage.set_function(lambda: engine.kv_cache.usage)
+        self.kv_capacity.set(engine.kv_cache.capacity_tokens)
 
     def on_step(self, engine, tokens: int, seconds: float) -> None:
         self.step_duration.observe(seconds)

@@ -1,0 +1,196 @@
+"""What a user gets on GPUs: the real `afd serve` processes driven through the OpenAI API, against their own step ceiling.
+
+    AFD_CONNECTOR=nccl python bench/serve_gpu.py [--layers 27] [--levels 1,16,64,256,512] [--modes afd,monolithic]
+    python bench/serve_gpu.py --device cpu --layers 2 --levels 1,4 --output-tokens 8 --prompt-tokens 16,32   # CPU smoke
+
+Writes (or takes `--model`) a DeepSeek-V2-Lite-shaped random bf16 checkpoint (bench/random_checkpoint.py),
+then per mode starts the processes a pod runs: `afd` = the `--topology` group (attention rank a on GPU a,
+FFN rank f on GPU A+f, `AFD_CONNECTOR` nccl by default on GPUs, CUDA graphs, `--stages`), `monolithic` =
+one `AFD_ROLE=monolithic` process on GPU 0. Each rank times its graph-replayed decode step at every level's
+batch at start (`AFD_CEILING_BATCHES`, `afd_step_ceiling_seconds`). Then, per level, that many concurrent
+streams each send `--requests-per-stream` streamed completions (prompts of random token ids, lengths
+uniform in `--prompt-tokens`, `--output-tokens` tokens, ignore_eos, greedy).
+
+Per level: output tokens/s over the level's wall time (prefills included), TTFT and ITL p50/p99, the
+decode tokens/s (streams ÷ mean ITL), the ceiling (batch ÷ step time at that batch) and serving efficiency
+= decode tokens/s ÷ ceiling (= ceiling step time ÷ mean ITL). Failed requests are counted; every rank
+must exit 0 on SIGTERM afterwards. Prints a table and writes $OUT/serve_gpu.json (or ./serve_gpu.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json  # noqa: E402  (also puts runtime/ on the path)
+from random_checkpoint import write_v2_lite  # noqa: E402
+from serve import one_request, percentile  # noqa: E402
+
+from afd.local.children import LocalProcesses, free_port_block, threads_per_rank  # noqa: E402
+from afd.topology import Topology  # noqa: E402
+
+
+def rank_envs(mode: str, args, model: str) -> dict[str, dict[str, str]]:
+    """name → AFD_* environment of every process of `mode` (the API-serving rank is named 'api')."""
+    gpu = args.device == "cuda"
+    ports = free_port_block(128)  # API +0/+1; FFN control/data +2+2f/+3+2f; FFN metrics +64+f; attention a>0 +96+2a
+    common = {"AFD_MODEL": model, "AFD_DEVICE": args.device, "AFD_CUDA_GRAPHS": str(gpu).lower(),
+              "AFD_MAX_NUM_SEQS": str(max(args.levels)), "AFD_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
+              "AFD_CEILING_BATCHES": ",".join(map(str, args.levels)),
+              "AFD_HTTP_HOST": "127.0.0.1", "AFD_HTTP_PORT": str(ports), "AFD_METRICS_PORT": str(ports + 1),
+              "AFD_MAX_MODEL_LEN": str(max(args.prompt_tokens) + args.output_tokens + 16)}
+    if mode == "monolithic":
+        return {"api": {**common, "AFD_ROLE": "monolithic", **({"CUDA_VISIBLE_DEVICES": "0"} if gpu else {})}}
+    topology = Topology.parse(args.topology)
+    group = {**common, "AFD_TOPOLOGY": args.topology, "AFD_STAGES": str(args.stages), "AFD_FFN_ADDRESS_TEMPLATE": "127.0.0.1",
+             "AFD_CONNECTOR": os.environ.get("AFD_CONNECTOR", "nccl" if gpu else "zmq"), "AFD_BIND_HOST": "127.0.0.1",
+             "AFD_CONTROL_PORT": str(ports + 2), "AFD_DATA_PORT": str(ports + 3), "AFD_PORT_STRIDE": "2"}
+    envs = {}
+    for f in range(topology.num_ffn):
+        envs[f"ffn-{f}"] = {**group, "AFD_ROLE": "ffn", "AFD_RANK": str(f), "AFD_METRICS_PORT": str(ports + 64 + f),
+                            **({"CUDA_VISIBLE_DEVICES": str(topology.num_attention + f)} if gpu else {})}
+    for a in range(topology.num_attention):  # only rank 0 is driven; the others serve nothing here
+        envs["api" if a == 0 else f"attention-{a}"] = {
+            **group, "AFD_ROLE": "attention", "AFD_RANK": str(a), "AFD_HTTP_PORT": str(ports + (96 + 2 * a if a else 0)),
+            "AFD_METRICS_PORT": str(ports + (97 + 2 * a if a else 1)), **({"CUDA_VISIBLE_DEVICES": str(a)} if gpu else {})}
+    return envs
+
+
+def wait_ready(processes: LocalProcesses, api: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, child in processes.children.items():
+            if child.poll() is not None:
+                raise SystemExit(f"{name} exited during start-up: {processes.last_error(name)} (logs: {processes.workdir})")
+        try:
+            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"not healthy after {timeout_s:.0f} s (logs: {processes.workdir})")
+
+
+def ceilings(api: str) -> dict[int, float]:
+    """batch → graph-replayed step seconds, as the rank measured them at start."""
+    text = httpx.get(f"{api}/metrics", timeout=10).text
+    return {int(b): float(v) for b, v in re.findall(r'afd_step_ceiling_seconds\{[^}]*batch="(\d+)"[^}]*\} (\S+)', text)}
+
+
+async def drive_level(api: str, model: str, streams: int, args, rng: random.Random, vocab: int) -> dict:
+    ttfts, itls, failures, tokens = [], [], [], [0]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*args.prompt_tokens))]
+               for _ in range(streams * args.requests_per_stream)]
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+        async def stream_loop():
+            while prompts:
+                prompt = prompts.pop()
+                try:
+                    got = await one_request(client, api, model, prompt, args.output_tokens, ttfts, itls)
+                    tokens[0] += got
+                    if got != args.output_tokens:
+                        failures.append(f"{got} of {args.output_tokens} tokens")
+                except Exception as err:  # noqa: BLE001 — every failure is counted and reported
+                    failures.append(f"{type(err).__name__}: {err}")
+
+        started = time.perf_counter()
+        await asyncio.gather(*(stream_loop() for _ in range(streams)))
+        seconds = time.perf_counter() - started
+    mean_itl = statistics.fmean(itls) if itls else float("nan")
+    return {"streams": streams, "requests": streams * args.requests_per_stream, "failed": len(failures),
+            "first_failures": failures[:3], "seconds": seconds, "tokens_per_s": tokens[0] / seconds,
+            "ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else None, "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
+            "itl_p50_ms": 1e3 * statistics.median(itls) if itls else None, "itl_p99_ms": 1e3 * percentile(itls, 0.99),
+            "decode_tokens_per_s": streams / mean_itl}
+
+
+def run_mode(mode: str, args, model: str) -> dict:
+    envs = rank_envs(mode, args, model)
+    api = f"http://127.0.0.1:{envs['api']['AFD_HTTP_PORT']}"
+    threads = threads_per_rank(len(envs)) if args.device == "cpu" else {}
+    results = {"mode": mode, "levels": []}
+    with LocalProcesses(grace_s=60) as processes:
+        started = time.monotonic()
+        for name in sorted(envs, key=lambda n: not n.startswith("ffn")):  # FFN ranks listen first
+            processes.start(name, ["serve"], {**envs[name], **threads})
+        wait_ready(processes, api, args.start_timeout)
+        results["start_seconds"] = time.monotonic() - started
+        step = ceilings(api)
+        served = httpx.get(f"{api}/v1/models").json()["data"][0]["id"]
+        rng, vocab = random.Random(0), json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        warm = argparse.Namespace(**{**vars(args), "requests_per_stream": 1, "output_tokens": 4})
+        asyncio.run(drive_level(f"{api}/v1", served, 1, warm, rng, vocab))
+        for streams in args.levels:
+            level = asyncio.run(drive_level(f"{api}/v1", served, streams, args, rng, vocab))
+            seconds = step.get(streams)
+            level["ceiling_step_ms"] = 1e3 * seconds if seconds else None
+            level["ceiling_tokens_per_s"] = streams / seconds if seconds else None
+            level["efficiency"] = level["decode_tokens_per_s"] / level["ceiling_tokens_per_s"] if seconds else None
+            results["levels"].append(level)
+            print_level(mode, level, flush=True)
+        names = list(processes.children)
+        processes.stop(*[n for n in names if not n.startswith("ffn")])  # attention first: it says Goodbye
+        processes.stop(*[n for n in names if n.startswith("ffn")])
+        results["exit_codes"] = {name: child.returncode for name, child in processes.children.items()}
+        results["logs"] = str(processes.workdir)
+    return results
+
+
+def print_level(mode: str, level: dict, flush: bool = False) -> None:
+    def fmt(value, spec):
+        return format(value, spec) if value is not None else "-"
+
+    print(f"{mode:>10} {level['streams']:>6} {level['tokens_per_s']:>9.0f} {fmt(level['ttft_p50_ms'], '>8.0f')} "
+          f"{level['ttft_p99_ms']:>8.0f} {fmt(level['itl_p50_ms'], '>7.1f')} {level['itl_p99_ms']:>7.1f} "
+          f"{level['decode_tokens_per_s']:>9.0f} {fmt(level['ceiling_tokens_per_s'], '>9.0f')} "
+          f"{fmt(level['efficiency'], '>5.2f')} {level['failed']:>6}", flush=flush)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint folder (default: write a random DeepSeek-V2-Lite-shaped one)")
+    parser.add_argument("--checkpoint-dir", default="/tmp/afd-serve-gpu", help="where the random checkpoint is written")
+    parser.add_argument("--layers", type=int, default=27)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--topology", default="1A1F")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--modes", default="afd,monolithic")
+    parser.add_argument("--levels", default="1,16,64,256,512", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--prompt-tokens", default="128,1024", type=lambda s: tuple(int(x) for x in s.split(",")))
+    parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--requests-per-stream", type=int, default=1,
+                        help="more than 1: new prompts keep arriving while the others decode (chunked prefill)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the step's token budget (chunked prefill)")
+    parser.add_argument("--start-timeout", type=float, default=600)
+    args = parser.parse_args()
+    model = args.model
+    if not model:
+        started = time.monotonic()
+        model = str(write_v2_lite(Path(args.checkpoint_dir) / f"v2lite-{args.layers}", args.layers, args.device))
+        print(f"checkpoint: {model} ({args.layers} layers) written in {time.monotonic() - started:.0f} s", flush=True)
+    print(f"{'mode':>10} {'streams':>6} {'tok/s':>9} {'TTFT p50':>8} {'p99':>8} {'ITL p50':>7} {'p99':>7} "
+          f"{'decode/s':>9} {'ceiling':>9} {'eff':>5} {'failed':>6}", flush=True)
+    report = {"model": model, "args": {k: v for k, v in vars(args).items()}, "modes": []}
+    for mode in args.modes.split(","):
+        report["modes"].append(run_mode(mode, args, model))
+    write_json("serve_gpu", report)
+    bad = [(m["mode"], m["exit_codes"]) for m in report["modes"] if any(m["exit_codes"].values())]
+    failed = sum(level["failed"] for m in report["modes"] for level in m["levels"])
+    print(f"failed requests: {failed}; unclean stops: {bad or 'none'}")
+    return 1 if failed or bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""One step's inputs, built in a single pass over the batch without waiting for the device.
+
+A decoding request's input token is the one it sampled in the previous step: it is read
+from that step's device tensor (`prev_tokens`, row `sample_row`), so the host never waits
+for it. A prompt is fed in the chunk the scheduler gave it; only a request whose prompt is
+complete after this step samples (`emit`), and one whose last token this step samples is
+`final_scheduled` (length limits are known in advance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afd.engine.request import Request
+from afd.runners.microbatch import SeqLayout
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    layout: SeqLayout
+    emit: list[int]  # rows of the batch that sample, in order
+    params: list  # their sampling parameters and generators
+    generators: list
+    finals: list[Request]  # requests whose last token this step samples
+    num_tokens: int
+
+
+def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, max_model_len: int,
+                 device: torch.device) -> StepInputs:
+    """The inputs of step `step_id`; advances each request's scheduling state as if the step ran."""
+    ids, positions, rows, tables, context, new_lens, params, generators, finals, emit = [], [], [], [], [], [], [], [], [], []
+    for row, request in enumerate(batch):
+        if request.sample_step >= 0:
+            if request.sample_step != step_id - 1:
+                raise RuntimeError(f"request {request.request_id} missed step {step_id - 1}: its next input is lost")
+            positions.append(len(ids))
+            rows.append(request.sample_row)
+            ids.append(0)
+            new = 1
+        else:
+            new = request.chunk
+            ids.extend(request.prompt_ids[request.cached_tokens: request.cached_tokens + new])
+        tables.append(request.blocks)
+        context.append(request.cached_tokens)
+        new_lens.append(new)
+        request.cached_tokens += new
+        if request.cached_tokens < len(request.prompt_ids):
+            continue  # a prompt chunk that is not the last one: nothing to sample
+        emit.append(row)
+        params.append(request.params)
+        generators.append(request.generator)
+        request.scheduled_outputs += 1
+        request.sample_step, request.sample_row = step_id, len(emit) - 1
+        if (request.scheduled_outputs >= request.params.max_tokens
+                or len(request.prompt_ids) + request.scheduled_outputs >= max_model_len):
+            request.final_scheduled = True
+            finals.append(request)
+    if len(positions) == len(ids) == len(prev_tokens) and rows == list(range(len(prev_tokens))):
+        input_ids = prev_tokens  # steady decoding: last step's tokens are this step's inputs as they are
+    else:
+        input_ids = to_device(ids, device)
+        if positions:
+            input_ids[to_device(positions, device)] = prev_tokens[to_device(rows, device)]
+    layout = SeqLayout(tuple(tables), tuple(context), tuple(new_lens))
+    return StepInputs(input_ids, layout, emit, params, generators, finals, len(ids))
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor on `device`; to a GPU through pinned memory, so the host does not wait for the stream."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,74 @@
+"""The monolithic role: the whole model in one process (FFN local), behind the same engine and API.
+
+`AFD_ROLE=monolithic` (`afd up --monolithic`, `afd generate --monolithic`) is the baseline
+users A/B an AFD group against: same checkpoint, same scheduler, sampler and HTTP server,
+same decode graphs (`AFD_CUDA_GRAPHS=true` on a GPU), no FFN peer and no connector.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from afd.config import AFDConfig
+from afd.generation import GenerationResult, greedy_generate
+from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from afd.models.loader import LoadedModel, load_model
+from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
+from afd.runners.monolithic import MonolithicRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MonolithicRole:
+    """A loaded monolithic rank: model, KV cache and its stepper; no FFN link."""
+
+    loaded: LoadedModel
+    kv_cache: KVCache
+    runner: MonolithicRunner
+    device: torch.device
+    link = None  # no FFN peer: nothing to drain or reconnect
+
+    def close(self, reason: str = "shutdown") -> None:
+        if self.runner.graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self.runner.graphs = None
+        log.info("monolithic rank closed (%s)", reason)
+
+
+def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedModel], int]) -> MonolithicRole:
+    """Load the whole model; a KV cache of `cache_tokens` (or of what the callable makes of the loaded model)."""
+    device = resolve_device(config)
+    dtype = resolve_dtype(config, device)
+    loaded = load_model(config.model, "monolithic", config.gate_on_attention, torch_dtype(dtype), device)
+    if device.type == "cuda":
+        from afd.kernels.moe import warm_up
+
+        warm_up(loaded.model)
+    tokens = cache_tokens(loaded) if callable(cache_tokens) else cache_tokens
+    kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch_dtype(dtype), device)
+    log.info("monolithic rank: KV cache of %d tokens (%d blocks of %d), %.2f GiB",
+             kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30)
+    runner = MonolithicRunner(loaded, kv_cache)
+    if config.cuda_graphs:
+        if device.type == "cuda" and dtype != "float32":
+            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks))
+            log.info("monolithic rank: decode graphs for %s sequences, %.1f MiB", list(graphs.buckets), graphs.memory_bytes / 2**20)
+        else:
+            log.warning("cuda_graphs is on but disabled here: graphs need a CUDA device and bf16/fp16")
+    return MonolithicRole(loaded, kv_cache, runner, device)
+
+
+def generate_monolithic(config: AFDConfig, prompts: Sequence[Sequence[int]], max_tokens: int,
+                        ignore_eos: bool) -> GenerationResult:
+    """Greedy generation of `prompts` as one batch in this process (`afd generate --monolithic`)."""
+    role = build_monolithic(config, sum(len(p) + max_tokens + DEFAULT_BLOCK_SIZE for p in prompts))
+    try:
+        return greedy_generate(role.runner, role.kv_cache, prompts, max_tokens, role.loaded.spec.eos_token_ids,
+                               ignore_eos, role.device)
+    finally:
+        role.close("generation done")

@@ -1,0 +1,57 @@
+"""The step ceiling: how fast this rank's own decode step runs, timed at start before serving.
+
+For each batch size of `ceiling_batches`, steps of that many decoding sequences (each with
+`CEILING_CONTEXT` cached tokens, in real KV-cache blocks) run through the rank's stepper,
+graph-replayed where graphs are captured; the median wall time around step + argmax + host
+copy (what a serving loop sees at best) is logged and exported as
+`afd_step_ceiling_seconds{batch}`. batch ÷ that time is the most decode tokens/s the rank can
+serve; the serving benchmark divides what it gets by it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+from prometheus_client import CollectorRegistry, Gauge
+
+from afd.runners.microbatch import SeqLayout
+
+log = logging.getLogger(__name__)
+CEILING_CONTEXT = 704  # the serving benchmark's mean context: prompts of 128-1024 tokens, half of 256 outputs
+CEILING_STEPS = 20
+
+
+@torch.inference_mode()
+def step_seconds(step, kv_cache, batch: int, context: int = CEILING_CONTEXT, steps: int = CEILING_STEPS) -> float:
+    """Median seconds of one decode step of `batch` sequences with `context` cached tokens each."""
+    blocks = [kv_cache.allocate(context + 1) for _ in range(batch)]
+    try:
+        layout = SeqLayout(tuple(map(tuple, blocks)), (context,) * batch, (1,) * batch)
+        input_ids = torch.ones(batch, dtype=torch.long, device=kv_cache.keys[0].device)
+        times = []
+        for _ in range(steps + 3):
+            started = time.perf_counter()
+            step(input_ids, layout).argmax(dim=-1).tolist()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[3:])
+    finally:
+        for table in blocks:
+            kv_cache.release(table)
+
+
+def export_ceiling(registry: CollectorRegistry, config, role) -> dict[int, float]:
+    """Time every batch of `config.ceiling_batches` that fits; log and export them."""
+    gauge = Gauge("afd_step_ceiling_seconds", "Graph-replayed decode step time measured at start, per batch size",
+                  ["role", "rank", "batch"], registry=registry)
+    kv_cache, results = role.kv_cache, {}
+    for batch in sorted({int(b) for b in config.ceiling_batches.split(",") if b.strip()}):
+        if batch > config.max_num_seqs or kv_cache.blocks_for(CEILING_CONTEXT + 1) * batch > kv_cache.free_blocks:
+            log.warning("step ceiling at batch %d skipped: above max_num_seqs or the KV cache", batch)
+            continue
+        results[batch] = seconds = step_seconds(role.runner, kv_cache, batch)
+        gauge.labels(role=config.role, rank=str(config.rank), batch=str(batch)).set(seconds)
+        log.info("step ceiling at batch %d: %.2f ms per step, %.0f tokens/s", batch, 1e3 * seconds, batch / seconds)
+    return results
