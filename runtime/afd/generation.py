@@ -1,4 +1,5 @@
-"""Greedy generation over a static batch: the loop behind `afd generate` and the parity tests.
+"""Greedy generation over a static batch: the reference loop the parity tests compare with
+(`afd generate` runs through the serving Engine, `afd.engine.offline`).
 
 The stepper is anything that maps (flattened input ids, sequence layout) to the logits of
 each sequence's last token: the monolithic model, or an attention runner whose FFN is

@@ -14,7 +14,8 @@ from typing import Callable, Sequence
 import torch
 
 from afd.config import AFDConfig
-from afd.generation import GenerationResult, greedy_generate
+from afd.engine.offline import generate_with_engine
+from afd.generation import GenerationResult
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel, load_model
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
@@ -68,7 +69,7 @@ def generate_monolithic(config: AFDConfig, prompts: Sequence[Sequence[int]], max
     """Greedy generation of `prompts` as one batch in this process (`afd generate --monolithic`)."""
     role = build_monolithic(config, sum(len(p) + max_tokens + DEFAULT_BLOCK_SIZE for p in prompts))
     try:
-        return greedy_generate(role.runner, role.kv_cache, prompts, max_tokens, role.loaded.spec.eos_token_ids,
-                               ignore_eos, role.device)
+        return generate_with_engine(role.runner, role.kv_cache, prompts, max_tokens, role.loaded.spec.eos_token_ids,
+                                    ignore_eos, role.device)
     finally:
         role.close("generation done")

@@ -65,6 +65,7 @@ class Engine:
         link=None,
         link_check_s: float = 0.5,
         pipeline: bool = True,
+        on_logits: Callable[[list[Request], torch.Tensor], None] | None = None,
     ):
         self.step = step
         self.kv_cache = kv_cache
@@ -80,6 +81,7 @@ class Engine:
         self.error: str | None = None  # the FFN link is down (recoverable)
         self.dead: str | None = None  # the engine thread ended unexpectedly (not recoverable)
         self.pipeline = pipeline
+        self.on_logits = on_logits  # sees each step's batch and logits (`afd generate --with-logits`)
         self._inbox: list[Request] = []
         self._aborts: set[str] = set()
         self._stopped_early: list[Request] = []  # ended by the output side (EOS, stop string, error)
@@ -262,6 +264,8 @@ class Engine:
         started = time.monotonic()
         try:
             logits = self.step(input_ids, layout)
+            if self.on_logits is not None:
+                self.on_logits(batch, logits)
         except Exception as err:  # a lost FFN peer, or a bug: fail loudly, never hang
             log.exception("step failed")
             self._drain()  # the previous step's tokens are good: deliver them first

@@ -1,4 +1,5 @@
-"""One attention rank's share of an offline batch: connect, generate greedily, disconnect.
+"""One attention rank's share of an offline batch: connect, generate greedily through the
+serving Engine, disconnect.
 
 Used by `afd generate` for every attention rank, in threads (loopback) or in
 processes (zmq), so both paths run the same code.
@@ -9,7 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from afd.config import AFDConfig
-from afd.generation import GenerationResult, greedy_generate
+from afd.engine.offline import generate_with_engine
+from afd.generation import GenerationResult
 from afd.kv_cache import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
 from afd.roles import build_attention
 
@@ -34,7 +36,7 @@ def run_attention_batch(
     try:
         if not prompts:
             return GenerationResult([], [])
-        return greedy_generate(
+        return generate_with_engine(
             role.runner, role.kv_cache, prompts, max_tokens, role.loaded.spec.eos_token_ids, ignore_eos, role.device
         )
     finally:
