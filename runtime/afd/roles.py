@@ -109,11 +109,12 @@ class AttentionRole:
         self.link.close(reason)
 
 
-def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache) -> AttentionRole:
+def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
+                       instruments: StepInstruments = StepInstruments()) -> AttentionRole:
     """Attention rank `config.rank` around its share and KV cache: handshaken, decode graphs captured."""
     link = AttentionLink.connect(config, share.hello(config), share.device)
     runner = AttentionRunner(share.loaded, link, kv_cache,
-                             StepOptions(config.stages, config.gate_on_attention, config.dbo_min_tokens))
+                             StepOptions(config.stages, config.gate_on_attention, config.dbo_min_tokens), instruments)
     link.listen(runner)
     if graphs_usable(config, share.device, share.dtype):
         try:  # warm-up and capture drive the FFN through their plans; Ready only after this
@@ -126,9 +127,10 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache) -> At
     return AttentionRole(share.loaded, kv_cache, link, runner, share.device)
 
 
-def build_attention(config: AFDConfig, cache_tokens) -> AttentionRole:
+def build_attention(config: AFDConfig, cache_tokens, instruments: StepInstruments = StepInstruments()) -> AttentionRole:
     """Attention rank `config.rank`: its weights, a KV cache of `cache_tokens` (an int, or a callable
-    that sizes it from the loaded model and the free device memory), a handshaken FFN link."""
+    that sizes it from the loaded model and the free device memory), a handshaken FFN link, and
+    what its runner reports to (`metrics.wiring.attention_instruments`)."""
     share = load_share(config)
     dtype = torch_dtype(share.dtype)
     tokens = cache_tokens(share.loaded) if callable(cache_tokens) else cache_tokens
@@ -136,4 +138,4 @@ def build_attention(config: AFDConfig, cache_tokens) -> AttentionRole:
     log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token",
              config.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
              KVCache.bytes_per_token(kv_cache.layouts, dtype))
-    return assemble_attention(config, share, kv_cache)
+    return assemble_attention(config, share, kv_cache, instruments)

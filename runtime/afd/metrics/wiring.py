@@ -17,13 +17,16 @@ def export_group_info(registry: CollectorRegistry, config: AFDConfig) -> None:
                                     connector=config.connector).set(1)
 
 
-def instrument_attention(registry: CollectorRegistry, config: AFDConfig, role, engine) -> None:
+def attention_instruments(registry: CollectorRegistry, config: AFDConfig, device) -> StepInstruments:
+    """The per-layer series of an attention rank, to build its runner with."""
     export_group_info(registry, config)
-    runner = role.runner
-    runner.clock = LayerClock(role.device, config.profile_every)
-    runner.on_layers = LayerMetrics(registry, "attention", config.rank).observe
+    return StepInstruments(LayerClock(device, config.profile_every), LayerMetrics(registry, "attention", config.rank).observe)
+
+
+def watch_attention(registry: CollectorRegistry, config: AFDConfig, role, engine) -> None:
+    """The series read from a built attention rank and its engine: its counters and its FFN link."""
     ffn_rank = config.topology.ffn_rank_of(config.rank)
-    RunnerCollector(registry, "attention", config.rank, runner,
+    RunnerCollector(registry, "attention", config.rank, role.runner,
                     link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, role.link.recover_failures))
 
 

@@ -22,7 +22,7 @@ from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
 from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs
-from afd.metrics.layer_clock import NullClock
+from afd.metrics.layer_clock import StepInstruments
 from afd.runners.microbatch import SeqLayout, split_layout
 
 
@@ -46,7 +46,8 @@ class _MicroBatch:
 class AttentionRunner:
     """Runs one attention rank's share of every step; callable as a generation stepper."""
 
-    def __init__(self, loaded: LoadedModel, link: AttentionLink, kv_cache: KVCache, options: StepOptions):
+    def __init__(self, loaded: LoadedModel, link: AttentionLink, kv_cache: KVCache, options: StepOptions,
+                 instruments: StepInstruments = StepInstruments()):
         self.model = loaded.model
         self.crossing = frozenset(loaded.crossing)
         self.link = link
@@ -58,8 +59,8 @@ class AttentionRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
         self.eager_steps = 0  # steps no graph served while graphs were on
         self.profiled_eager_steps = 0  # of those, steps run eagerly because they were profiled
-        self.clock = NullClock()  # per-layer timings of sampled steps (afd.metrics.layer_clock)
-        self.on_layers = None  # receives (kind, layer, seconds) of each profiled step
+        self.clock = instruments.clock  # per-layer timings of sampled steps (afd.metrics.layer_clock)
+        self.on_layers = instruments.on_layers  # receives (kind, layer, seconds) of each profiled step
         self.transfer_bytes = {"send": 0, "recv": 0}
         self.capture_seconds = 0.0  # wall time of the last warm-up and capture
         self._lost_buckets: tuple[int, ...] | None = None  # decode graphs to capture again once relinked

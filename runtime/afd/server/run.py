@@ -17,7 +17,7 @@ from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
-from afd.metrics.wiring import instrument_attention
+from afd.metrics.wiring import attention_instruments, watch_attention
 from afd.server.app import ServerState, create_app
 from afd.server.failover import Failover, FailoverSettings
 from afd.server.probe_http import Probes, start_probe_server
@@ -55,10 +55,11 @@ def max_model_len_for(config: AFDConfig, spec) -> int:
     return min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
 
 
-def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
-    """Engine + app state around a connected attention role (or a monolithic one)."""
+def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = None) -> tuple[ServerState, Engine]:
+    """Engine + app state around a connected attention role (or a monolithic one); `registry`
+    already holds the series the role was built with, if any."""
     spec = role.loaded.spec
-    registry = CollectorRegistry()
+    registry = CollectorRegistry() if registry is None else registry
     metrics = ServingMetrics(registry, config.rank, config.role)
     engine = Engine(
         role.runner,
@@ -83,8 +84,8 @@ def build_server(config: AFDConfig, role) -> tuple[ServerState, Engine]:
         registry=registry,
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
     )
-    if role.link is not None:  # a monolithic rank has no FFN link and no split step to time
-        instrument_attention(registry, config, role, engine)
+    if role.link is not None:  # a monolithic rank has no FFN link
+        watch_attention(registry, config, role, engine)
     return state, engine
 
 
@@ -129,8 +130,12 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
 
         log.info("attention rank %d: loading %s and connecting to ffn rank %d",
                  config.rank, config.model, config.topology.ffn_rank_of(config.rank))
-    role = build(config, cache_tokens_for(config, spec))
-    state, engine = build_server(config, role)
+    registry = CollectorRegistry()
+    if config.role == "monolithic":  # no split step to time
+        role = build(config, cache_tokens_for(config, spec))
+    else:
+        role = build(config, cache_tokens_for(config, spec), attention_instruments(registry, config, resolve_device(config)))
+    state, engine = build_server(config, role, registry)
     if config.ceiling_batches:
         from afd.server.ceiling import export_ceiling
 
