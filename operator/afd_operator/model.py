@@ -139,6 +139,9 @@ class AFDSettings(_Model):
     max_num_seqs: int = Field(default=64, ge=1)
     max_model_len: int = Field(default=0, ge=0)
     dbo_min_tokens: int = Field(default=0, ge=0)
+    max_num_batched_tokens: int = Field(default=8192, ge=1, le=1 << 20)
+    kv_cache_bytes: int = Field(default=0, ge=0, le=1 << 50)
+    gpu_memory_utilization: float = Field(default=0.9, ge=0.01, le=1)
     attention_engine: Literal["afd", "vllm"] = "afd"
     attention_image: Optional[str] = None
     vllm_args: list[str] = Field(default_factory=list)

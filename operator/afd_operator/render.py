@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from afd_operator import labels as L
-from afd_operator.model import AFDDeploymentSpec, Owner
+from afd_operator.model import AFDDeploymentSpec, AFDSettings, Owner
 from afd_operator.render_network import render_network_policy
 from afd_operator.render_pod import render_pod_template
 
@@ -81,8 +81,10 @@ def render_config_map(spec: AFDDeploymentSpec, owner: Owner, index: int, revisio
     """Runtime settings beyond the env contract, in `afd.config` field names, plus the rank map."""
     afd = spec.afd
     runtime = {"dtype": afd.dtype, "max_num_seqs": afd.max_num_seqs, "max_model_len": afd.max_model_len}
-    if afd.dbo_min_tokens:  # only when set: existing groups' config (and revision) stay as they were
-        runtime["dbo_min_tokens"] = afd.dbo_min_tokens
+    defaults = AFDSettings()
+    for name in ("dbo_min_tokens", "max_num_batched_tokens", "kv_cache_bytes", "gpu_memory_utilization"):
+        if getattr(afd, name) != getattr(defaults, name):  # only when set: existing groups' config (and revision) stay
+            runtime[name] = getattr(afd, name)
     topology = spec.topology
     rank_map = {
         "topology": str(topology),

@@ -223,6 +223,8 @@ def test_pods_configure_the_runtime_through_afd_config(case, tmp_path):
             assert cfg.ffn_host(1) == f"{ffn}-1.{ffn}.ns.svc"  # the FFN pod's DNS via its headless Service
             assert cfg.dtype == spec.afd.dtype and cfg.max_num_seqs == spec.afd.max_num_seqs
             assert cfg.dbo_min_tokens == spec.afd.dbo_min_tokens
+            assert (cfg.max_num_batched_tokens, cfg.kv_cache_bytes, cfg.gpu_memory_utilization) == (
+                spec.afd.max_num_batched_tokens, spec.afd.kv_cache_bytes, spec.afd.gpu_memory_utilization)
             assert cfg.group_token.startswith(f"{body['metadata']['name']}-g{group}-")
             assert cfg.served_model_name == (spec.served_model_name or spec.model.default_served_name)
 
