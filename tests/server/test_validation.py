@@ -6,7 +6,7 @@ import math
 import pytest
 
 from afd.engine.request import InvalidRequest
-from afd.server import validation
+from afd.server import json_body, validation
 from afd.server.front_metrics import FrontMetrics, merge_expositions
 from afd.server.protocol import ChatRequest, CompletionRequest, parse_request
 from afd.server.validation import Limits
@@ -31,11 +31,11 @@ def refused(fn, *args):
     (b'{"x\\udfff": 1}', "lone surrogate"),
 ])
 def test_bad_bodies_are_refused(raw, needle):
-    assert needle in str(refused(validation.parse_json_body, raw, 32))
+    assert needle in str(refused(json_body.parse_json_body, raw, 32))
 
 
 def test_a_good_body_parses():
-    assert validation.parse_json_body(json.dumps({"prompt": ["é", "😀"], "n": [[1]]}).encode(), 32)["n"] == [[1]]
+    assert json_body.parse_json_body(json.dumps({"prompt": ["é", "😀"], "n": [[1]]}).encode(), 32)["n"] == [[1]]
 
 
 @pytest.mark.parametrize("field, value", [

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest, RequestOutput
 from afd.engine.tokenizer import chat_prompt_ids
-from afd.server import validation
+from afd.server import json_body, validation
 from afd.server.formatting import chat_chunk, chat_response, completion_chunk, completion_response
 from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.liveness import LoopWatch
@@ -152,7 +152,7 @@ async def _off_loop(state: ServerState, fn, *args):
 
 async def _json_body(state: ServerState, http: Request) -> dict:
     raw = await read_body(http, state.limits.max_request_bytes)
-    return await _off_loop(state, validation.parse_json_body, raw, state.limits.max_json_depth)
+    return await _off_loop(state, json_body.parse_json_body, raw, state.limits.max_json_depth)
 
 
 def _prepare_completion(state: ServerState, body: dict):
@@ -185,7 +185,7 @@ def _prepare_chat(state: ServerState, body: dict):
 
 def _check_model_and_health(state: ServerState, model: str) -> None:
     if model != state.model_name:
-        raise ModelNotFound(f"the model {validation.short(model)!r} does not exist; this server serves {state.model_name!r}")
+        raise ModelNotFound(f"the model {json_body.short(model)!r} does not exist; this server serves {state.model_name!r}")
     reason = state.problem()
     if reason:
         raise Unavailable(f"the server cannot take requests: {reason}")

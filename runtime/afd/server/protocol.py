@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from afd.engine.request import InvalidRequest, SamplingParams
-from afd.server import validation
+from afd.server import json_body, validation
 from afd.server.validation import Limits
 
 
@@ -116,7 +116,7 @@ def field_path(loc) -> str:
     path = ""
     for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return validation.short(path, 80)
+    return json_body.short(path, 80)
 
 
 _KINDS = {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
