@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from afd_decode import PHASES, _afd_config, _model_config, _setup
+from afd_decode import _afd_config, _model_config, _setup
 from decode_steps import NoFFN, capture_decode_graphs, kv_cache_for, profile_steps, time_steps
 
 

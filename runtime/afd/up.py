@@ -16,12 +16,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from afd.config import AFDConfig, config_to_env
 from afd.local.group_processes import local_zmq_config
 from afd.local.children import LocalProcesses, free_port_block, threads_per_rank
+
+if TYPE_CHECKING:  # the front door (fastapi) loads only when `afd up` runs
+    from afd.server.front import FrontSettings
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE = Path(os.environ.get("AFD_CACHE_DIR", Path.home() / ".cache" / "afd"))
@@ -163,7 +167,7 @@ class Supervisor:
 
 
 def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = True, start_timeout_s: float = 600,
-           front: "FrontSettings | None" = None) -> int:
+           front: FrontSettings | None = None) -> int:
     import uvicorn
 
     from afd.server.front import Backends, FrontSettings, create_front_app

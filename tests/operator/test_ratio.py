@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import pytest
 
 from afd.planner.simulate import SimulatedGroup
 from afd.topology import Topology

@@ -13,7 +13,6 @@ real_cluster.py for what is and is not done as Helm would.
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import signal

@@ -11,7 +11,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afd.config import AFDConfig

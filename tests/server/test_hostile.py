@@ -12,7 +12,6 @@ output as before and each rank's RSS is within 20 % of its start. Last, SIGTERM 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
