@@ -162,6 +162,14 @@ def _serve_group(checkpoint, tmp_path, marker):
     return ffn, attention, urls
 
 
+def _prestop_drain(probe_url: str, seconds: int, timeout_s: float, answers: dict, key: str) -> threading.Thread:
+    """The kubelet's preStop hook, `GET /drain?seconds=N`, in its own thread; its answer lands in answers[key]."""
+    thread = threading.Thread(target=lambda: answers.update(
+        {key: httpx.get(f"{probe_url}/drain?seconds={seconds}", timeout=timeout_s)}))
+    thread.start()
+    return thread
+
+
 def _ready(probe_url):
     try:
         return httpx.get(f"{probe_url}/health", timeout=1).status_code == 200
@@ -214,11 +222,9 @@ def test_a_group_stopped_as_in_a_rollout_finishes_every_request(checkpoints, tmp
     try:
         model, worker, results = _start_in_flight_stream(urls)
         hooks: dict = {}
-        ffn_hook = threading.Thread(target=lambda: hooks.update(ffn=httpx.get(f"{urls['ffn_probe']}/drain?seconds=60", timeout=90)))
-        ffn_hook.start()
+        ffn_hook = _prestop_drain(urls["ffn_probe"], 60, 90, hooks, "ffn")
         started = time.monotonic()
-        attention_hook = threading.Thread(target=lambda: hooks.update(attention=httpx.get(f"{urls['probe']}/drain?seconds=1", timeout=10)))
-        attention_hook.start()
+        attention_hook = _prestop_drain(urls["probe"], 1, 10, hooks, "attention")
         assert _wait_for_status(f"{urls['probe']}/health", 503, timeout_s=0.5) is not None
         late = httpx.post(f"{urls['api']}/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert late.status_code == 200  # a request a stale proxy still routes here is served
@@ -288,8 +294,7 @@ def test_an_ffn_pod_deleted_alone_lets_its_attention_rank_finish_first(checkpoin
     try:
         model, worker, results = _start_in_flight_stream(urls)
         hook: dict = {}
-        drain = threading.Thread(target=lambda: hook.update(r=httpx.get(f"{urls['ffn_probe']}/drain?seconds=60", timeout=90)))
-        drain.start()
+        drain = _prestop_drain(urls["ffn_probe"], 60, 90, hook, "r")
         unready_after = _wait_for_status(f"{urls['probe']}/health", 503, timeout_s=5)
         assert unready_after is not None and unready_after < 1.0, unready_after
         print(f"attention unready {unready_after:.2f} s after the FFN pod's drain began")

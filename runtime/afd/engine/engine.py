@@ -225,8 +225,7 @@ class Engine:
         if self.error is None:
             try:
                 self.link.keepalive()
-                leave = getattr(self.link, "leave_if_done", None)
-                if leave is not None and leave(self._idle()):
+                if self.link.leave_if_done(self._idle()):
                     self.error = f"the ffn rank is stopping ({self.link.ffn_draining}); waiting for it to come back"
             except Exception as err:
                 self._lose_link(err)

@@ -26,10 +26,10 @@ from typing import Callable
 
 import httpx
 
+from afd.server.http_body import HOP_HEADERS, OWN_HEADERS
+
 log = logging.getLogger(__name__)
 RELAYED = b"x-afd-failover"
-_SKIP_REQUEST_HEADERS = {b"host", b"content-length", b"transfer-encoding", b"connection", RELAYED}
-_SKIP_RESPONSE_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ class Failover:
     def __init__(self, app, leaving: Callable[[], bool], settings: FailoverSettings = FailoverSettings(),
                  client: httpx.AsyncClient | None = None):
         self.app, self.leaving, self.settings = app, leaving, settings
-        self.client = client
+        # one pool for every relay, as long as the rank serves
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(settings.read_timeout_s, connect=2.0))
         self.relayed = 0  # requests sent on to the failover URL (tests, logs)
 
     async def __call__(self, scope, receive, send):
@@ -80,29 +81,26 @@ class Failover:
 
     async def _relay(self, scope, body: bytes, send, refusal: tuple[dict, bytes]) -> None:
         """Send the request on; the client gets the first answer that is not a 503, else this rank's."""
-        client = self.client or httpx.AsyncClient(timeout=httpx.Timeout(self.settings.read_timeout_s, connect=2.0))
+        client = self.client
         target = self.settings.url.rstrip("/") + scope["path"] + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _SKIP_REQUEST_HEADERS]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k != RELAYED and k.decode("latin-1").lower() not in HOP_HEADERS]
         headers.append((RELAYED.decode(), "1"))
-        try:
-            for attempt in range(self.settings.attempts):
-                try:
-                    response = await client.send(client.build_request("POST", target, content=body, headers=headers), stream=True)
-                except httpx.TransportError as err:
-                    log.debug("failover to %s: %s", target, err)
-                else:
-                    if response.status_code != 503:
-                        self.relayed += 1
-                        await _forward(response, send)
-                        return
-                    await response.aclose()
-                await asyncio.sleep(self.settings.backoff_s)
-            start, first = refusal  # nobody else could take it either: the client gets this rank's answer
-            await send(start)
-            await send({"type": "http.response.body", "body": first, "more_body": False})
-        finally:
-            if self.client is None:
-                await client.aclose()
+        for _ in range(self.settings.attempts):
+            try:
+                response = await client.send(client.build_request("POST", target, content=body, headers=headers), stream=True)
+            except httpx.TransportError as err:
+                log.debug("failover to %s: %s", target, err)
+            else:
+                if response.status_code != 503:
+                    self.relayed += 1
+                    await _forward(response, send)
+                    return
+                await response.aclose()
+            await asyncio.sleep(self.settings.backoff_s)
+        start, first = refusal  # nobody else could take it either: the client gets this rank's answer
+        await send(start)
+        await send({"type": "http.response.body", "body": first, "more_body": False})
 
 
 class _HeldResponse:
@@ -149,7 +147,7 @@ def _closing(send, leaving: Callable[[], bool]):
 
 async def _forward(response: httpx.Response, send) -> None:
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()
-               if k.lower() not in _SKIP_RESPONSE_HEADERS]
+               if k.lower() not in OWN_HEADERS]
     try:
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         async for chunk in response.aiter_raw():

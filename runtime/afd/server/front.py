@@ -20,11 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from afd.server.front_metrics import FrontMetrics
-from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
+from afd.server.http_body import HOP_HEADERS, OWN_HEADERS, BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.protocol import error_response
 
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host"}
-_OWN_HEADERS = _HOP_HEADERS | {"date", "server"}  # the front door's uvicorn writes its own
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,7 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
     @app.api_route("/v1/{path:path}", methods=["GET", "POST"])
     async def relay(path: str, request: Request) -> Response:
         body = await read_body(request, settings.max_request_bytes)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         gone = asyncio.ensure_future(client_gone(request))
         try:
             urls = backends.order()
@@ -106,7 +104,7 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
                 return StreamingResponse(
                     _relay_body(response, backends, url),
                     status_code=response.status_code,
-                    headers={k: v for k, v in response.headers.items() if k.lower() not in _OWN_HEADERS},
+                    headers={k: v for k, v in response.headers.items() if k.lower() not in OWN_HEADERS},
                 )
             metrics.count(503)
             return error_response(503, "no attention rank is reachable")

@@ -1,4 +1,5 @@
-"""Request plumbing shared by a rank's API and the front door: bounded bodies, gone clients."""
+"""Request plumbing shared by a rank's API, its failover and the front door: bounded bodies,
+gone clients, the headers a relay must not copy."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 from fastapi import Request
 
 BODY_TIMEOUT_S = 60.0  # a client trickling its body (slowloris) holds a connection no longer than this
+HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "host"})  # per connection: never relayed
+OWN_HEADERS = HOP_HEADERS | {"date", "server"}  # a relay's own uvicorn writes these on the way back
 
 
 class BodyTooLarge(Exception):

@@ -141,14 +141,13 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
 
         export_ceiling(state.registry, config, role)
     engine.start()
-    ready: list[Probes] = []  # the probes come after the server they watch
-    app = Failover(create_app(state), lambda: bool(ready) and ready[0].readiness() is not None, FailoverSettings(config.failover_url))
+    # `probes` is bound below, before the server takes its first request
+    app = Failover(create_app(state), lambda: probes.readiness() is not None, FailoverSettings(config.failover_url))
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
     probes = attention_probes(state, lambda: server.started, stop, lambda: getattr(role.link, "ffn_draining", None))
-    ready.append(probes)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     threading.Thread(target=_exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
