@@ -40,6 +40,7 @@ class Group:
         config = AFDConfig(
             num_attention_ranks=attention_ranks, num_ffn_ranks=1, connector="nccl", stages=2, model=str(checkpoint),
             dtype="bfloat16", device="cuda", cuda_graphs=True, max_num_seqs=16, peer_timeout_s=5.0,
+            kv_cache_bytes=2 << 30,  # the attention ranks share GPU 0: a fixed cache each, not 0.9 of the GPU
             ffn_batch_window_s=0.002 if attention_ranks > 1 else 0.0, ffn_address_template="127.0.0.1",
             bind_host="127.0.0.1", http_host="127.0.0.1", control_port=base, data_port=base + 1,
         )

@@ -1,5 +1,6 @@
 """A step mixing decodes, a prompt chunk and a fresh prompt attends exactly as each sequence alone would."""
 
+import pytest
 import torch
 
 from afd.models.attention import AttentionBatch, cached_attention
@@ -8,29 +9,32 @@ from afd.models.attention import AttentionBatch, cached_attention
 def _naive(q, keys, values, context: int, scale: float) -> torch.Tensor:
     """softmax(q·kᵀ) v for one sequence's new queries [n, H, D] over its keys [L, H, D], causal from `context`."""
     n, length = q.shape[0], keys.shape[0]
+    keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)  # query head h reads key head h // group
+    values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q, keys) * scale
     allowed = torch.arange(length)[None, :] <= (context + torch.arange(n))[:, None]
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.einsum("hnl,lhd->nhd", weights, values)
 
 
-def test_mixed_step_equals_each_sequence_alone():
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_mixed_step_equals_each_sequence_alone(heads, kv_heads):
     torch.manual_seed(0)
-    heads, dim, block = 2, 8, 4
+    dim, block = 8, 4
     context_lens, new_lens = [9, 0, 5, 3], [1, 6, 4, 1]  # decode, fresh prompt, prompt chunk, decode
     tables = [[0, 1, 2], [3, 4], [5, 6, 7], [8]]
-    cache_k = torch.zeros(9 * block, heads, dim)
-    cache_v = torch.zeros(9 * block, heads, dim)
+    cache_k = torch.zeros(9 * block, kv_heads, dim)
+    cache_v = torch.zeros(9 * block, kv_heads, dim)
     batch = AttentionBatch.build(tables, context_lens, new_lens, block)
     history_k, history_v = [], []
     for table, context in zip(tables, context_lens):  # keys the sequences cached in earlier steps
         rows = [table[p // block] * block + p % block for p in range(context)]
-        k, v = torch.randn(context, heads, dim), torch.randn(context, heads, dim)
+        k, v = torch.randn(context, kv_heads, dim), torch.randn(context, kv_heads, dim)
         cache_k[rows], cache_v[rows] = k, v
         history_k.append(k)
         history_v.append(v)
     total = sum(new_lens)
-    q, k, v = torch.randn(total, heads, dim), torch.randn(total, heads, dim), torch.randn(total, heads, dim)
+    q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
     got = cached_attention(q, k, v, cache_k, cache_v, batch, 0.5)
     start = 0
     for s, (context, new) in enumerate(zip(context_lens, new_lens)):

@@ -146,11 +146,12 @@ def _gathered_attention(q, cache_k, cache_v, batch: AttentionBatch, scale: float
         lens = torch.tensor([batch.seq_lens_host[s] for s in single], device=q.device)
         mask = (torch.arange(longest, device=q.device)[None, :] < lens[:, None]).view(len(single), 1, 1, longest)
         tokens = batch.last_token[seqs]
+        kv_heads = cache_k.shape[1]  # the query heads of one key head are its query rows: keys never repeated per head
+        grouped = q[tokens].view(len(single), kv_heads, q.shape[1] // kv_heads, q.shape[2])  # [S, Hkv, Hq/Hkv, Dk]
         out[tokens] = F.scaled_dot_product_attention(
-            q[tokens].unsqueeze(2),  # [S, Hq, 1, Dk]
-            cache_k[rows].transpose(1, 2).to(q.dtype), cache_v[rows].transpose(1, 2).to(q.dtype),
-            attn_mask=mask, scale=scale, enable_gqa=gqa,
-        ).squeeze(2)
+            grouped, cache_k[rows].transpose(1, 2).to(q.dtype), cache_v[rows].transpose(1, 2).to(q.dtype),
+            attn_mask=mask, scale=scale,
+        ).reshape(len(single), q.shape[1], -1)
     start = 0
     for s, (new, total) in enumerate(zip(batch.new_lens_host, batch.seq_lens_host)):
         if new > 1:
