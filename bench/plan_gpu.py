@@ -108,7 +108,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=40.0, help="steady window of each level")
     parser.add_argument("--ramp", type=float, default=10.0, help="seconds before each level's first scrape")
     parser.add_argument("--prompt-tokens", default="32,128", type=lambda s: tuple(int(x) for x in s.split(",")))
-    parser.add_argument("--output-tokens", type=int, default=256, help="the longest completion (shortest: half)")
+    parser.add_argument("--output-tokens", type=int, default=512,
+                        help="the longest completion (shortest: half); long ones keep most steps prefill-free")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--predict", default="2A1F,3A1F,2A2F", type=lambda s: s.split(","))
     parser.add_argument("--max-gpus", type=int, default=4, help="largest group the recommendation may choose")

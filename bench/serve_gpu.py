@@ -135,9 +135,15 @@ def serving(mode: str, args, model: str):
 
 
 def run_mode(mode: str, args, model: str) -> dict:
+    envs = rank_envs(mode, args, model)
+    api = f"http://127.0.0.1:{envs['api']['AFD_HTTP_PORT']}"
+    threads = threads_per_rank(len(envs)) if args.device == "cpu" else {}
     results = {"mode": mode, "levels": []}
-    started = time.monotonic()
-    with serving(mode, args, model) as (processes, _, api):
+    with LocalProcesses(grace_s=60) as processes:
+        started = time.monotonic()
+        for name in sorted(envs, key=lambda n: not n.startswith("ffn")):  # FFN ranks listen first
+            processes.start(name, ["serve"], {**envs[name], **threads})
+        wait_ready(processes, api, args.start_timeout)
         results["start_seconds"] = time.monotonic() - started
         step = ceilings(api)
         served = httpx.get(f"{api}/v1/models").json()["data"][0]["id"]
@@ -152,8 +158,11 @@ def run_mode(mode: str, args, model: str) -> dict:
             level["efficiency"] = level["decode_tokens_per_s"] / level["ceiling_tokens_per_s"] if seconds else None
             results["levels"].append(level)
             print_level(mode, level, flush=True)
-    results["exit_codes"] = {name: child.returncode for name, child in processes.children.items()}
-    results["logs"] = str(processes.workdir)
+        names = list(processes.children)
+        processes.stop(*[n for n in names if not n.startswith("ffn")])  # attention first: it says Goodbye
+        processes.stop(*[n for n in names if n.startswith("ffn")])
+        results["exit_codes"] = {name: child.returncode for name, child in processes.children.items()}
+        results["logs"] = str(processes.workdir)
     return results
 
 

@@ -239,3 +239,18 @@ def test_steady_levels_need_two_loads_and_traffic_in_every_checked_window():
     assert len(check_levels(idle, [1, 2], ["2A1F"])["levels"]) == 2
     with pytest.raises(TooFewMetrics, match="window 3"):
         check_levels(idle, [1, 3], ["2A1F"])
+
+
+def test_a_window_steps_every_wall_second_per_step_when_the_loop_overlaps_steps():
+    from afd.planner.samples import RankSample, window
+
+    def sample(at, steps, duration_sum):
+        return RankSample("attention", 0, at, {"afd_step_duration_seconds_sum": duration_sum,
+                                               "afd_step_duration_seconds_count": steps,
+                                               "afd_layer_compute_seconds_sum|0|": 0.001 * steps,
+                                               "afd_layer_compute_seconds_count|0|": steps})
+
+    start = sample(0.0, 0, 0.0)
+    assert window(start, sample(10.0, 1000, 19.0)).step_s == pytest.approx(0.010)  # pipelined: durations overlap
+    assert window(start, sample(30.0, 1000, 10.0)).step_s == pytest.approx(0.010)  # idle time between steps
+    assert window(start, sample(2.0, 1000, 20.0)).step_s == pytest.approx(0.010)  # instants off: at most half
