@@ -2,7 +2,8 @@
 several concurrencies; per level the measured tokens/s, the prediction and the predicted 2A1F/3A1F/2A2F.
 
     NCCL_NVLS_ENABLE=0 AFD_CONNECTOR=nccl python3 bench/plan_gpu.py [--layers 27] [--levels 32,128] [--seconds 40]
-    python bench/plan_gpu.py --device cpu --model ~/.cache/afd/tiny-qwen3_moe --levels 2,8 --seconds 8 --ramp 3
+    python bench/plan_gpu.py --device cpu --model ~/.cache/afd/tiny-qwen3_moe --levels 2,8 --seconds 10 --ramp 3 \
+        --output-tokens 32 --prompt-tokens 8,24          # CPU: the same code path in a minute
 
 Starts serve_gpu.py's `afd` processes (attention rank on GPU 0, FFN on GPU 1, NCCL, CUDA graphs, stages 2, a
 random DeepSeek-V2-Lite-shaped bf16 checkpoint unless `--model`). The levels run back to back on the same
@@ -11,8 +12,10 @@ streams (added ones start spread over half the ramp; surplus ones stop after the
 bench/plan_check.py and `afd plan` do, one model is fitted over every window (steady and transitions: the
 costs' growth with the batch needs several loads) and each steady window is compared with the model at that
 window's measured batch. The other topologies are predicted at the same load per GPU (`streams` = the
-concurrency to run them at). Writes $OUT/plan_gpu.json (with the raw scrapes and the ranks' log tails).
-Exit status: 0 every level within 15 %; 1 a level outside; 2 a failed request, too few metrics or an unclean stop.
+concurrency to run them at). Writes $OUT/plan_gpu.json (with the raw scrapes) and the tail of each rank's
+log, $OUT/plan_gpu-<rank>.log.
+Exit status: 0 every level within 15 %; 1 a level outside; 2 a rank did not start or stop cleanly, a request
+failed, or the metrics were too few to fit (the message says which).
 """
 
 from __future__ import annotations
@@ -66,6 +69,14 @@ async def drive(api: str, model: str, urls: list[str], args, vocab: int) -> tupl
         progress("stopping the streams after their current request")
         await streams.close()
     return scrapes, levels, streams.failures
+
+
+def keep_logs(processes, lines: int = 300) -> None:
+    """The last lines of every rank's log in $OUT (or .), readable after the machine is gone."""
+    out = Path(os.environ.get("OUT", "."))
+    for name in processes.children:
+        text = processes.log_path(name).read_text(errors="replace").splitlines()[-lines:]
+        (out / f"plan_gpu-{name}.log").write_text("\n".join(text) + "\n")
 
 
 def report_levels(report: dict, scrapes: list, step: dict[int, float], args) -> None:
@@ -128,7 +139,7 @@ def main() -> int:
     started = time.monotonic()
     progress(f"starting {args.topology} on {args.device} ({os.environ.get('AFD_CONNECTOR', 'default connector')})")
     try:
-        with serving("afd", args, model) as (processes, envs, api):
+        with serving("afd", args, model, on_failure=keep_logs) as (processes, envs, api):
             report["start_seconds"] = round(time.monotonic() - started, 1)
             progress(f"healthy in {report['start_seconds']:.0f} s")
             urls = [f"http://127.0.0.1:{env['AFD_METRICS_PORT']}/metrics" for env in envs.values()]
@@ -137,10 +148,13 @@ def main() -> int:
             vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
             scrapes, report["levels"], failures = asyncio.run(drive(f"{api}/v1", served, urls, args, vocab))
             progress("stopping the ranks")
+    except SystemExit as err:  # a rank did not start (serve_gpu.wait_ready says which); its log tail is in $OUT
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except ScrapeError as err:
         scrapes, failures = [], [f"scrape: {err}"]
     report["exit_codes"] = {name: child.returncode for name, child in processes.children.items()}
-    report["log_tails"] = {path.name: path.read_text(errors="replace")[-4000:] for path in processes.workdir.glob("*.log")}
+    keep_logs(processes)
     report["scrapes"] = [[vars(sample) for sample in scrape] for scrape in scrapes]
     problems = [f"{len(failures)} requests failed, first: {failures[:3]}"] if failures else []
     if any(report["exit_codes"].values()):
@@ -153,7 +167,7 @@ def main() -> int:
     report["problems"] = problems
     write_json("plan_gpu", report)
     if not problems:
-        print(json.dumps({k: v for k, v in report.items() if k not in ("scrapes", "log_tails")}) if args.json
+        print(json.dumps({k: v for k, v in report.items() if k != "scrapes"}) if args.json
               else table(report, args), flush=True)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
