@@ -164,12 +164,24 @@ def run_mode(mode: str, args, model: str) -> dict:
             level["efficiency"] = level["decode_tokens_per_s"] / level["ceiling_tokens_per_s"] if seconds else None
             results["levels"].append(level)
             print_level(mode, level, flush=True)
+            if level["failed"]:
+                print(f"  first failures: {level['first_failures']}", flush=True)
         names = list(processes.children)
         processes.stop(*[n for n in names if not n.startswith("ffn")])  # attention first: it says Goodbye
         processes.stop(*[n for n in names if n.startswith("ffn")])
         results["exit_codes"] = {name: child.returncode for name, child in processes.children.items()}
         results["logs"] = str(processes.workdir)
+        if any(level["failed"] for level in results["levels"]) or any(results["exit_codes"].values()):
+            keep_log_tails(processes, mode)
     return results
+
+
+def keep_log_tails(processes: LocalProcesses, mode: str, lines: int = 400) -> None:
+    """The last lines of every rank's log next to the report ($OUT or .), so a failed run can be read later."""
+    out = Path(os.environ.get("OUT", "."))
+    for name in processes.children:
+        text = processes.log_path(name).read_text(errors="replace").splitlines()[-lines:]
+        (out / f"{mode}-{name}.log").write_text("\n".join(text) + "\n")
 
 
 def print_level(mode: str, level: dict, flush: bool = False) -> None:

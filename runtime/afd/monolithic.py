@@ -47,7 +47,7 @@ def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedMode
     dtype = resolve_dtype(config, device)
     loaded = load_model(config.model, "monolithic", config.gate_on_attention, torch_dtype(dtype), device)
     if device.type == "cuda":
-        from afd.kernels.moe import warm_up
+        from afd.models.moe_prep import warm_up
 
         warm_up(loaded.model)
     tokens = cache_tokens(loaded) if callable(cache_tokens) else cache_tokens

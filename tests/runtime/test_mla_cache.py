@@ -65,7 +65,7 @@ def _expanded_reference(q, cache, tables, lens, block_size, latent, scale):
 
 def test_decode_over_latent_rows_equals_the_per_sequence_reference():
     q, cache, tables, lens, block_size, latent = _latent_decode_case()
-    batch = AttentionBatch(None, None, None, None, None, None, None, 0, 1, tables, lens, block_size)
+    batch = AttentionBatch(None, None, None, None, None, (), (), None, 0, 1, tables, lens, block_size)
     got = _paged_decode_reference(q, cache, cache[:, :, :latent], batch, 0.3)
     want = _expanded_reference(q, cache, tables, lens, block_size, latent, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -63,7 +63,13 @@ class NcclFFNPlane(FFNPlane):
         return "host data frames, but the data plane is nccl"
 
     def recv(self, transfer: FFNTransfer, watch: PeerWatch, stop) -> Received:
-        """Every peer's rows received straight into one [sum(rows), hidden] buffer, in peer order."""
+        """Every peer's rows received straight into one [sum(rows), hidden] buffer, in peer order.
+
+        Outside a graph capture the rows are waited for (watching the peers) before anything
+        computes on them: an eager step's compute may block the host (a kernel's first load
+        waits for the running transfers), and a peer that failed mid-step would then hold
+        this rank forever. A peer lost while waiting has its pair aborted and its rows left out.
+        """
         comms = [self._comm(peer) for peer in transfer.peers]
         total, cols = sum(transfer.rows), self.contract.logit_cols
         if cols:  # hidden and logits travel packed in one message per peer (`pack_rows`)
@@ -77,10 +83,17 @@ class NcclFFNPlane(FFNPlane):
             for comm, rows in zip(comms, transfer.rows):
                 comm.recv(buffer[start : start + rows])
                 start += rows
+        failed: dict[bytes, str] = {}
+        if not torch.cuda.is_current_stream_capturing():
+            failed = self._wait(transfer.peers, watch)
+            if failed:
+                keep = torch.cat([torch.full((rows,), peer not in failed, dtype=torch.bool)
+                                  for peer, rows in zip(transfer.peers, transfer.rows)]).to(buffer.device)
+                buffer, transfer = buffer[keep], transfer.only(set(transfer.peers) - set(failed))
         if cols:
             hidden, logits = unpack_rows(buffer, self.contract.hidden_size, self.dtype, cols)
-            return Received(transfer, hidden, logits, {})
-        return Received(transfer, buffer, None, {})
+            return Received(transfer, hidden, logits, failed)
+        return Received(transfer, buffer, None, failed)
 
     def send(self, output: torch.Tensor, transfer: FFNTransfer) -> None:
         """Queue each peer's rows; they leave with the next receive or at the end of the step."""
@@ -94,7 +107,8 @@ class NcclFFNPlane(FFNPlane):
 
     def _issue_pending(self) -> None:
         for peer, piece in self._pending:
-            self.comms[peer].send(piece)
+            if peer in self.comms:  # a peer lost earlier in the step gets nothing more
+                self.comms[peer].send(piece)
         self._pending.clear()
 
     def finish_step(self, peers: tuple[bytes, ...], watch: PeerWatch) -> dict[bytes, str]:
@@ -104,6 +118,10 @@ class NcclFFNPlane(FFNPlane):
         has its pair aborted at once: the transfers with it end, the others complete, so
         the ranks still alive lose nothing. Past the peer timeout every pair is aborted.
         """
+        return self._wait(peers, watch)
+
+    def _wait(self, peers: tuple[bytes, ...], watch: PeerWatch) -> dict[bytes, str]:
+        """Wait for the work queued so far; the peers lost meanwhile (pairs aborted), with why."""
         event = torch.cuda.Event()
         event.record()
         started = time.monotonic()

@@ -3,8 +3,11 @@
 A step's tokens arrive flattened ([T, ...]); `AttentionBatch` says which sequence
 each token belongs to, its position, and where in the cache its key and value live
 (block table × block size, flattened). The kernel writes the new keys and values,
-gathers each sequence's keys into a padded batch and runs one SDPA with a causal,
-length-aware mask. No Python loop over tokens or sequences.
+then attends: decode steps on CUDA read the cache through the paged kernel; otherwise the
+sequences that add one token attend together (keys gathered, padded to the longest of
+them) and each sequence that adds several (a prompt or a prompt's chunk) attends alone
+with its causal mask, so a step mixing decodes and a prefill never pads every decode to
+the prompt's length (that padding cost gigabytes at 64 sequences).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ class AttentionBatch:
     token_seq: torch.Tensor  # [T] index of each token's sequence in this batch
     token_col: torch.Tensor  # [T] index of each token among its sequence's new tokens
     key_index: torch.Tensor  # [B, max_len] cache row of each sequence's j-th key (0 past its end)
-    mask: torch.Tensor  # [B, 1, max_new, max_len] True where a query may attend
+    seq_lens_host: tuple[int, ...]  # keys per sequence, new tokens included
+    new_lens_host: tuple[int, ...]  # new tokens per sequence (their queries)
     last_token: torch.Tensor  # [B] flat index of each sequence's last new token
     max_len: int
     max_new: int
@@ -68,9 +72,7 @@ class AttentionBatch:
         positions = context[token_seq] + token_col
         total = context + new
         max_len, max_new = int(total.max()), int(new.max())
-        query_pos = context[:, None] + torch.arange(max_new)[None, :]  # [B, max_new]
         key_pos = torch.arange(max_len)
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < total[:, None, None])
         width = -(-max_len // block_size)
         if any(len(table) * block_size < length for table, length in zip(block_tables, total.tolist())):
             raise ValueError("a block table is too short for its sequence")
@@ -90,7 +92,8 @@ class AttentionBatch:
             token_seq=token_seq.to(device),
             token_col=token_col.to(device),
             key_index=key_index.to(device),
-            mask=mask.unsqueeze(1).to(device),
+            seq_lens_host=tuple(total.tolist()),
+            new_lens_host=tuple(int(n) for n in new_lens),
             last_token=(starts + new - 1).to(device),
             max_len=max_len,
             max_new=max_new,
@@ -102,7 +105,7 @@ class AttentionBatch:
         """A decode batch over static device buffers (CUDA graphs): one new token per sequence."""
         seqs = torch.arange(block_table.shape[0], device=block_table.device)
         empty = torch.empty(0, dtype=torch.long, device=block_table.device)
-        return cls(positions, write_index, seqs, torch.zeros_like(seqs), empty, empty, seqs, 0, 1,
+        return cls(positions, write_index, seqs, torch.zeros_like(seqs), empty, (), (), seqs, 0, 1,
                    block_table, seq_lens, block_size)
 
 
@@ -128,19 +131,40 @@ def cached_attention(
                                                      batch.block_size, scale)
             return paged_decode_attention(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale)
         return _paged_decode_reference(q, cache_k, cache_v, batch, scale)
-    keys = cache_k[batch.key_index].transpose(1, 2)  # [B, Hkv, L, Dk]
-    values = cache_v[batch.key_index].transpose(1, 2)  # [B, Hkv, L, Dv]
-    padded_q = q.new_zeros(batch.num_seqs, batch.max_new, *q.shape[1:])
-    padded_q[batch.token_seq, batch.token_col] = q
-    out = F.scaled_dot_product_attention(
-        padded_q.transpose(1, 2),
-        keys.to(q.dtype),
-        values.to(q.dtype),
-        attn_mask=batch.mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )  # [B, Hq, max_new, Dv]
-    return out.transpose(1, 2)[batch.token_seq, batch.token_col]
+    return _gathered_attention(q, cache_k, cache_v, batch, scale)
+
+
+def _gathered_attention(q, cache_k, cache_v, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """Keys gathered from the cache: one SDPA for the one-token sequences, one per longer sequence."""
+    out = q.new_empty(q.shape[0], q.shape[1], cache_v.shape[-1])
+    gqa = q.shape[1] != cache_k.shape[1]
+    single = [s for s, n in enumerate(batch.new_lens_host) if n == 1]
+    if single:
+        longest = max(batch.seq_lens_host[s] for s in single)
+        seqs = torch.tensor(single, device=q.device)
+        rows = batch.key_index[seqs, :longest]  # [S, L]
+        lens = torch.tensor([batch.seq_lens_host[s] for s in single], device=q.device)
+        mask = (torch.arange(longest, device=q.device)[None, :] < lens[:, None]).view(len(single), 1, 1, longest)
+        tokens = batch.last_token[seqs]
+        out[tokens] = F.scaled_dot_product_attention(
+            q[tokens].unsqueeze(2),  # [S, Hq, 1, Dk]
+            cache_k[rows].transpose(1, 2).to(q.dtype), cache_v[rows].transpose(1, 2).to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=gqa,
+        ).squeeze(2)
+    start = 0
+    for s, (new, total) in enumerate(zip(batch.new_lens_host, batch.seq_lens_host)):
+        if new > 1:
+            rows = batch.key_index[s, :total]
+            query_pos = torch.arange(total - new, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]  # [new, total] causal
+            out[start : start + new] = F.scaled_dot_product_attention(
+                q[start : start + new].transpose(0, 1).unsqueeze(0),  # [1, Hq, new, Dk]
+                cache_k[rows].transpose(0, 1).unsqueeze(0).to(q.dtype),
+                cache_v[rows].transpose(0, 1).unsqueeze(0).to(q.dtype),
+                attn_mask=mask, scale=scale, enable_gqa=gqa,
+            )[0].transpose(0, 1)
+        start += new
+    return out
 
 
 def _paged_decode_reference(q, cache_k, cache_v, batch: AttentionBatch, scale: float) -> torch.Tensor:

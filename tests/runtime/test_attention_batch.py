@@ -1,0 +1,41 @@
+"""A step mixing decodes, a prompt chunk and a fresh prompt attends exactly as each sequence alone would."""
+
+import torch
+
+from afd.models.attention import AttentionBatch, cached_attention
+
+
+def _naive(q, keys, values, context: int, scale: float) -> torch.Tensor:
+    """softmax(q·kᵀ) v for one sequence's new queries [n, H, D] over its keys [L, H, D], causal from `context`."""
+    n, length = q.shape[0], keys.shape[0]
+    scores = torch.einsum("nhd,lhd->hnl", q, keys) * scale
+    allowed = torch.arange(length)[None, :] <= (context + torch.arange(n))[:, None]
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hnl,lhd->nhd", weights, values)
+
+
+def test_mixed_step_equals_each_sequence_alone():
+    torch.manual_seed(0)
+    heads, dim, block = 2, 8, 4
+    context_lens, new_lens = [9, 0, 5, 3], [1, 6, 4, 1]  # decode, fresh prompt, prompt chunk, decode
+    tables = [[0, 1, 2], [3, 4], [5, 6, 7], [8]]
+    cache_k = torch.zeros(9 * block, heads, dim)
+    cache_v = torch.zeros(9 * block, heads, dim)
+    batch = AttentionBatch.build(tables, context_lens, new_lens, block)
+    history_k, history_v = [], []
+    for table, context in zip(tables, context_lens):  # keys the sequences cached in earlier steps
+        rows = [table[p // block] * block + p % block for p in range(context)]
+        k, v = torch.randn(context, heads, dim), torch.randn(context, heads, dim)
+        cache_k[rows], cache_v[rows] = k, v
+        history_k.append(k)
+        history_v.append(v)
+    total = sum(new_lens)
+    q, k, v = torch.randn(total, heads, dim), torch.randn(total, heads, dim), torch.randn(total, heads, dim)
+    got = cached_attention(q, k, v, cache_k, cache_v, batch, 0.5)
+    start = 0
+    for s, (context, new) in enumerate(zip(context_lens, new_lens)):
+        piece = slice(start, start + new)
+        keys = torch.cat((history_k[s], k[piece]))
+        values = torch.cat((history_v[s], v[piece]))
+        torch.testing.assert_close(got[piece], _naive(q[piece], keys, values, context, 0.5), rtol=1e-5, atol=1e-5)
+        start += new
