@@ -33,7 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json  # noqa: E402  (also puts runtime/ on the path)
 from random_checkpoint import write_v2_lite  # noqa: E402
-from serve_gpu import ceilings, serving  # noqa: E402
+from serve_gpu import ceilings, keep_log_tails, serving  # noqa: E402
 from steady_streams import SteadyStreams  # noqa: E402
 
 from afd.planner.advice import Bounds, TooFewMetrics  # noqa: E402
@@ -69,14 +69,6 @@ async def drive(api: str, model: str, urls: list[str], args, vocab: int) -> tupl
         progress("stopping the streams after their current request")
         await streams.close()
     return scrapes, levels, streams.failures
-
-
-def keep_logs(processes, lines: int = 300) -> None:
-    """The last lines of every rank's log in $OUT (or .), readable after the machine is gone."""
-    out = Path(os.environ.get("OUT", "."))
-    for name in processes.children:
-        text = processes.log_path(name).read_text(errors="replace").splitlines()[-lines:]
-        (out / f"plan_gpu-{name}.log").write_text("\n".join(text) + "\n")
 
 
 def report_levels(report: dict, scrapes: list, step: dict[int, float], args) -> None:
@@ -139,7 +131,8 @@ def main() -> int:
     started = time.monotonic()
     progress(f"starting {args.topology} on {args.device} ({os.environ.get('AFD_CONNECTOR', 'default connector')})")
     try:
-        with serving("afd", args, model, on_failure=keep_logs) as (processes, envs, api):
+        keep = lambda processes: keep_log_tails(processes, "plan_gpu")  # noqa: E731
+        with serving("afd", args, model, on_failure=keep) as (processes, envs, api):
             report["start_seconds"] = round(time.monotonic() - started, 1)
             progress(f"healthy in {report['start_seconds']:.0f} s")
             urls = [f"http://127.0.0.1:{env['AFD_METRICS_PORT']}/metrics" for env in envs.values()]
@@ -154,7 +147,7 @@ def main() -> int:
     except ScrapeError as err:
         scrapes, failures = [], [f"scrape: {err}"]
     report["exit_codes"] = {name: child.returncode for name, child in processes.children.items()}
-    keep_logs(processes)
+    keep_log_tails(processes, "plan_gpu")
     report["scrapes"] = [[vars(sample) for sample in scrape] for scrape in scrapes]
     problems = [f"{len(failures)} requests failed, first: {failures[:3]}"] if failures else []
     if any(report["exit_codes"].values()):
