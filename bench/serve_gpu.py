@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -114,6 +115,29 @@ async def drive_level(api: str, model: str, streams: int, args, rng: random.Rand
             "ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else None, "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
             "itl_p50_ms": 1e3 * statistics.median(itls) if itls else None, "itl_p99_ms": 1e3 * percentile(itls, 0.99),
             "decode_tokens_per_s": streams / mean_itl}
+
+
+@contextlib.contextmanager
+def serving(mode: str, args, model: str, on_failure=None):
+    """The processes of `mode`, started and healthy: yields (processes, envs, API URL); on a clean
+    exit stops attention first (it says Goodbye), then the FFN ranks. `on_failure(processes)` runs
+    when starting them or the block fails, before they are killed."""
+    envs = rank_envs(mode, args, model)
+    api = f"http://127.0.0.1:{envs['api']['AFD_HTTP_PORT']}"
+    threads = threads_per_rank(len(envs)) if args.device == "cpu" else {}
+    with LocalProcesses(grace_s=60) as processes:
+        try:
+            for name in sorted(envs, key=lambda n: not n.startswith("ffn")):  # FFN ranks listen first
+                processes.start(name, ["serve"], {**envs[name], **threads})
+            wait_ready(processes, api, args.start_timeout)
+            yield processes, envs, api
+        except BaseException:
+            if on_failure is not None:
+                on_failure(processes)
+            raise
+        names = list(processes.children)
+        processes.stop(*[n for n in names if not n.startswith("ffn")])
+        processes.stop(*[n for n in names if n.startswith("ffn")])
 
 
 def run_mode(mode: str, args, model: str) -> dict:

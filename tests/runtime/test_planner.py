@@ -196,3 +196,61 @@ def test_afd_plan_against_a_real_prometheus(tmp_path):
         server.terminate()
         server.wait(timeout=30)
         exporter.shutdown()
+
+
+def test_each_steady_level_is_checked_against_one_fit_over_all_windows():
+    from afd.planner.levels import check_levels
+
+    costs = dict(attention=(2e-3, 1e-4), ffn=(1e-3, 2e-5), host=(4e-3, 2e-5), wire=(5e-4, 1e-6))
+    group = Group("1A1F", **costs)
+    group.run(8)  # ranks export their series once they have stepped
+    scrapes = [parse_exposition(group.exposition(), group.clock)]
+    for load in (32, 80, 128):  # steady 32, a transition, steady 128: windows 0, 1, 2
+        group.run(load)
+        scrapes.append(parse_exposition(group.exposition(), group.clock))
+    result = check_levels(scrapes, [0, 2], ["2A1F", "3A1F", "2A2F"], Bounds(max_gpus=4))
+    assert result["current"] == "1A1F" and result["windows"] == 3
+
+    def line(term, tokens):
+        return costs[term][0] + costs[term][1] * tokens
+
+    def truth(topology, concurrency):  # one stage: the FFN's time adds to the step
+        n, m = concurrency / topology.num_attention, concurrency / topology.num_ffn
+        return concurrency / (line("host", n) + line("attention", n) + line("ffn", m) + line("wire", n))
+
+    for level, load in zip(result["levels"], (32, 128)):
+        assert level["measured_tokens_per_s"] == pytest.approx(truth(Topology(1, 1), load), rel=1e-3)
+        assert level["prediction_error"] < 0.01 and level["within_tolerance"] and level["concurrency"] == pytest.approx(load)
+        for name, scale in (("2A1F", 1.5), ("3A1F", 2), ("2A2F", 2)):
+            got = level["predictions"][name]
+            assert got["concurrency"] == pytest.approx(load * scale)
+            assert got["tokens_per_s"] == pytest.approx(truth(Topology.parse(name), load * scale), rel=1e-3)
+            assert got["per_gpu"] == pytest.approx(got["tokens_per_s"] / (2 * scale), rel=1e-3)
+        assert level["recommended"] in ("1A1F", "2A1F", "3A1F", "2A2F") and level["why"]
+
+
+def test_steady_levels_need_two_loads_and_traffic_in_every_checked_window():
+    from afd.planner.levels import check_levels
+
+    with pytest.raises(TooFewMetrics, match="same batch"):
+        check_levels(Group("1A1F").scrapes([32, 32, 32]), [1, 2], ["2A1F"])
+    idle = Group("1A1F").scrapes([8, 32, 128])  # window 0 starts before the ranks' first step: empty
+    idle.append(idle[-1])  # window 3: no step
+    assert len(check_levels(idle, [1, 2], ["2A1F"])["levels"]) == 2
+    with pytest.raises(TooFewMetrics, match="window 3"):
+        check_levels(idle, [1, 3], ["2A1F"])
+
+
+def test_a_window_steps_every_wall_second_per_step_when_the_loop_overlaps_steps():
+    from afd.planner.samples import RankSample, window
+
+    def sample(at, steps, duration_sum):
+        return RankSample("attention", 0, at, {"afd_step_duration_seconds_sum": duration_sum,
+                                               "afd_step_duration_seconds_count": steps,
+                                               "afd_layer_compute_seconds_sum|0|": 0.001 * steps,
+                                               "afd_layer_compute_seconds_count|0|": steps})
+
+    start = sample(0.0, 0, 0.0)
+    assert window(start, sample(10.0, 1000, 19.0)).step_s == pytest.approx(0.010)  # pipelined: durations overlap
+    assert window(start, sample(30.0, 1000, 10.0)).step_s == pytest.approx(0.010)  # idle time between steps
+    assert window(start, sample(2.0, 1000, 20.0)).step_s == pytest.approx(0.010)  # instants off: at most half

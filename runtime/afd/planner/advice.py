@@ -66,8 +66,19 @@ def topology_of(scrapes: list[list[RankSample]]) -> tuple[Topology, int]:
     return Topology(len(roles["attention"]), len(roles["ffn"])), 1
 
 
-def plan(scrapes: list[list[RankSample]], bounds: Bounds = Bounds()) -> dict:
-    """`afd plan --json`'s answer from at least two scrapes of every rank of one group."""
+@dataclass(frozen=True)
+class Fitted:
+    """A cost model fitted over every window of a series of scrapes, and those windows."""
+
+    model: CostModel
+    topology: Topology
+    stages: int
+    windows: list[dict[tuple[str, int], RankWindow]]  # consecutive scrapes' windows, in order
+    step_errors: list[float]  # |model - measured| / measured step time of every (attention, FFN) pair, sorted
+
+
+def fit(scrapes: list[list[RankSample]]) -> Fitted:
+    """Fit the cost model over all windows of at least two scrapes of every rank of one group."""
     if len(scrapes) < 2:
         raise TooFewMetrics("need at least two scrapes (a window) of every rank")
     topology, stages = topology_of(scrapes)
@@ -85,25 +96,33 @@ def plan(scrapes: list[list[RankSample]], bounds: Bounds = Bounds()) -> dict:
     model = fit_model(pairs, ffn_windows, stages)
     step_errors = sorted(abs(model.step_seconds(a.tokens_per_step, f.tokens_per_step) - a.step_s) / a.step_s
                          for a, f in pairs)
-    latest = windows[-1]
-    attention_now = [w for (role, _), w in latest.items() if role == "attention"]
-    measured = sum(w.generated_per_step * w.steps / w.seconds for w in attention_now)
-    predicted = sum(w.generated_per_step / model.step_seconds(
-        w.tokens_per_step, _ffn_rows(latest, topology, w.rank, w.tokens_per_step)) for w in attention_now)
-    concurrency = sum(w.tokens_per_step for w in attention_now) * topology.num_attention / max(len(attention_now), 1)
-    result = {
-        "current": str(topology),
-        "stages": stages,
-        "measured_tokens_per_s": round(measured, 2),
-        "predicted_tokens_per_s": round(predicted, 2),
-        "prediction_error": round(abs(predicted - measured) / measured, 4) if measured else None,
-        "concurrency": round(concurrency, 2),
-        "windows": len(scrapes) - 1,
-        "fit_step_error_median": round(step_errors[len(step_errors) // 2], 4),
-        "model": _describe(model),
-    }
-    advice = _recommend(model, topology, concurrency, bounds)
-    if advice.get("recommended") == str(topology):  # the current topology: its prediction at the measured rows
+    return Fitted(model, topology, stages, windows, step_errors)
+
+
+def window_rates(fitted: Fitted, index: int) -> dict:
+    """Measured and predicted generated tokens/s of the group over window `index` (the model at
+    that window's measured tokens per step), and its decoding concurrency; 0 where no attention
+    rank ran a profiled step in it."""
+    found, topology = fitted.windows[index], fitted.topology
+    attention = [w for (role, _), w in found.items() if role == "attention"]
+    measured = sum(w.generated_per_step * w.steps / w.seconds for w in attention)
+    predicted = sum(w.generated_per_step / fitted.model.step_seconds(
+        w.tokens_per_step, _ffn_rows(found, topology, w.rank, w.tokens_per_step)) for w in attention)
+    concurrency = sum(w.tokens_per_step for w in attention) * topology.num_attention / max(len(attention), 1)
+    return {"measured_tokens_per_s": round(measured, 2), "predicted_tokens_per_s": round(predicted, 2),
+            "prediction_error": round(abs(predicted - measured) / measured, 4) if measured else None,
+            "concurrency": round(concurrency, 2)}
+
+
+def plan(scrapes: list[list[RankSample]], bounds: Bounds = Bounds()) -> dict:
+    """`afd plan --json`'s answer from at least two scrapes of every rank of one group."""
+    fitted = fit(scrapes)
+    latest = window_rates(fitted, -1)
+    result = {"current": str(fitted.topology), "stages": fitted.stages, **latest, "windows": len(scrapes) - 1,
+              "fit_step_error_median": round(fitted.step_errors[len(fitted.step_errors) // 2], 4),
+              "model": describe(fitted.model)}
+    advice = recommend(fitted.model, fitted.topology, latest["concurrency"], bounds)
+    if advice.get("recommended") == str(fitted.topology):  # the current topology: its prediction at the measured rows
         advice["recommended_tokens_per_s"] = result["predicted_tokens_per_s"]
     return result | advice
 
@@ -116,7 +135,7 @@ def _ffn_rows(latest: dict, topology: Topology, attention_rank: int, tokens: flo
     return ffn.tokens_per_step if ffn is not None else tokens * len(topology.attention_ranks_of(ffn_rank))
 
 
-def _recommend(model: CostModel, current: Topology, concurrency: float, bounds: Bounds) -> dict:
+def recommend(model: CostModel, current: Topology, concurrency: float, bounds: Bounds) -> dict:
     if concurrency <= 0:
         return {"recommended": None, "why": "no decoding sequences in the last window: nothing to plan for"}
     gpus = current.num_attention + current.num_ffn
@@ -146,7 +165,7 @@ def _recommend(model: CostModel, current: Topology, concurrency: float, bounds: 
             "predicted_gain": round(gain, 4), "per_gpu": per_gpu, "busy": busy, "why": why}
 
 
-def _describe(model: CostModel) -> dict:
+def describe(model: CostModel) -> dict:
     terms = {"host": model.host, "attention": model.attention, "send": model.send, "wire": model.wire, "ffn": model.ffn}
     return {name: {"intercept_s": round(line.intercept, 6), "slope_s_per_token": round(line.slope, 9),
                    "varied": line.varied} for name, line in terms.items()}

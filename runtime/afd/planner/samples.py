@@ -56,7 +56,7 @@ class RankWindow:
     seconds: float
     steps: float
     tokens_per_step: float  # attention: tokens computed per engine step; FFN: rows per crossing layer per step
-    step_s: float  # wall time of a step
+    step_s: float  # wall time of a step: its mean duration, or the time between steps when they overlap
     compute_s: float  # compute of a profiled step, summed over layers
     wait_s: float  # attention: waiting for FFN outputs in a profiled step (0 on the FFN)
     send_s: float  # time spent handing inputs to the connector in a profiled step
@@ -75,6 +75,11 @@ def window(before: RankSample, after: RankSample) -> RankWindow | None:
     if steps <= 0 or profiled <= 0:
         return None
     tokens = delta.get("afd_step_tokens_sum", 0.0) / max(delta.get("afd_step_tokens_count", 0.0), 1.0)
+    duration = delta.get("afd_step_duration_seconds_sum", 0.0) / steps
+    # the serving loop runs one step ahead: a step's duration (launch to tokens out) also spans the next
+    # step's launch, so busy steps follow each other every seconds/steps, down to half their duration
+    # (the clamp bounds the error of instants that are not scrape times, as Prometheus queries give)
+    step_s = min(duration, max(duration / 2, (after.at - before.at) / steps))
     if after.role == "ffn":  # the FFN counts each row once per crossing layer
         tokens /= max(1, len({layer for (kind, layer) in per_layer if kind == "compute"}))
     return RankWindow(
@@ -83,7 +88,7 @@ def window(before: RankSample, after: RankSample) -> RankWindow | None:
         seconds=after.at - before.at,
         steps=steps,
         tokens_per_step=tokens,
-        step_s=delta.get("afd_step_duration_seconds_sum", 0.0) / steps,
+        step_s=step_s,
         compute_s=_total(per_layer, "compute"),
         wait_s=_total(per_layer, "recv") if after.role == "attention" else 0.0,
         send_s=_total(per_layer, "send"),
