@@ -76,6 +76,7 @@ class AttentionRunner:
         The device may still be running it: `link.end_step()` marks it and `link.wait_step(mark)`
         waits (the engine does so before reading its tokens), so the host can prepare the next
         step meanwhile. The FFN runs each peer's plans in order, so the next plan may go first.
+        A graph replay is launched behind the step in flight; an eager step waits for it first.
         """
         self._count_bytes(layout.num_tokens, self.kv_cache.keys[0].element_size())
         profiling = self.clock.should_profile(self.step_id + 1)
@@ -86,6 +87,9 @@ class AttentionRunner:
                     return logits
             self.eager_steps += 1
             self.profiled_eager_steps += profiling
+        # An eager step's metadata goes to the device by copies that wait for the stream with no deadline:
+        # the step in flight is waited for on the link first, where a lost FFN is noticed in time.
+        self.link.wait_step()
         self.clock.begin(profiling)
         parts = split_layout(layout, self.stages, self.dbo_min_tokens)
         self._send_plan(tuple(p.num_tokens for p in parts), profile=profiling)
