@@ -77,7 +77,7 @@ class Engine:
         self.device = torch.device(device)
         self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.observer = observer
-        self.link = link  # the FFN link: keepalive() between steps, recover() after a loss; None when local
+        self.link = link  # the FFN link: end_step/wait_step per step, tended between steps; None when local
         self.link_check_s = link_check_s
         self._care = LinkCare(link, link_check_s)
         self.dead: str | None = None  # the engine thread ended unexpectedly (not recoverable)
