@@ -1,18 +1,15 @@
 """The engine thread: admit requests, run one step over the batch, sample, stream the results.
 
-Callers (the HTTP server) submit requests from any thread and get `RequestOutput`
-deltas through a callback. With `pipeline` (the default) the loop runs one step ahead:
-step N+1 is scheduled, built and launched (inputs from step N's sampled tokens on the
-device) before the host waits for step N (on the FFN link, which notices a lost peer)
-and reads its tokens; detokenization, stop strings and callbacks run on the output thread
-(`afd.engine.outputs`). A request that stops early (EOS, stop string) may so run one step
-more, whose token is dropped. Without `pipeline` every step is finished, outputs included,
-before the next. The step function is the attention runner (remote FFN) or the monolithic
-model; the engine does not know which. If a step fails because an FFN peer is gone, every
-request in flight ends with an explicit error and the engine reports itself unhealthy
-until the link is back (`afd.engine.link_care`); nothing is silently cut short. Any other
-exception (in sampling, detokenizing, a callback) fails only the requests it touched and the
-loop goes on; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
+Callers (the HTTP server) submit requests from any thread and get `RequestOutput` deltas
+through a callback. With `pipeline` (the default) the loop runs one step ahead: step N+1 is
+scheduled, built and launched (inputs from step N's sampled tokens on the device) before the
+host waits for step N (on the FFN link, which notices a lost peer) and reads its tokens;
+detokenization, stop strings and callbacks run on the output thread (`afd.engine.outputs`).
+A request that stops early (EOS, stop string) may so run one step more, whose token is
+dropped. The step function is the attention runner (remote FFN) or the monolithic model. A
+step failing because the FFN peer is gone ends every request in flight with an explicit
+error until the link is back (`afd.engine.link_care`); any other exception fails only the
+requests it touched; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
+from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.engine.inputs import build_inputs, to_device
 from afd.engine.link_care import LinkCare
 from afd.engine.outputs import OutputProcessor
@@ -108,17 +105,7 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None]) -> Request:
         """Queue a request; `InvalidRequest` if it can never run here."""
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} "
-                f"tokens, leaving no room to generate", "prompt")
-        request = Request(list(prompt_ids), params, on_output)
-        if not self.scheduler.fits_ever(request):
-            raise InvalidRequest(
-                f"prompt + max_tokens needs {self.scheduler.reserved_tokens(request)} tokens of KV cache; "
-                f"this server holds {self.kv_cache.num_blocks * self.kv_cache.block_size}", "max_tokens")
+        request = self.scheduler.check(Request(list(prompt_ids), params, on_output))
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer)
@@ -202,7 +189,8 @@ class Engine:
                 self._inbox.clear()
                 aborts, self._aborts = self._aborts, set()
                 stopped, self._stopped_early = self._stopped_early, []
-            self._apply_aborts(aborts)
+            for request in self.scheduler.abort(aborts):
+                log.info("aborted %s", request.request_id)
             for request in stopped:
                 self.scheduler.finish(request)
             if self.link is not None and self._care.due():
@@ -232,13 +220,6 @@ class Engine:
     def _idle(self) -> bool:
         with self._wake:
             return not (self._inbox or self.scheduler.running or self.scheduler.waiting)
-
-    def _apply_aborts(self, request_ids: set[str]) -> None:
-        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-            if request.request_id in request_ids:
-                request.done = True  # tokens of a step already launched for it are dropped
-                self.scheduler.finish(request)
-                log.info("aborted %s", request.request_id)
 
     def _launch(self, batch: list[Request]) -> _Launched | None:
         """Build the step's inputs (one pass over `batch`), run it, start sampling; None if it failed."""
