@@ -52,9 +52,10 @@ def test_the_peak_is_read_after_the_run_and_counted_above_what_was_allocated_bef
 
 
 def test_profiled_shapes_fill_the_budget_evenly_and_as_one_chunk_among_one_token_rows():
-    assert plan_profile_shapes(10, 4) == [(3, 3, 2, 2), (7, 1, 1, 1)]
-    assert plan_profile_shapes(3, 8) == [(1, 1, 1)]  # fewer tokens than seats: one shape
-    assert plan_profile_shapes(8192, 1) == [(8192,)]
+    assert plan_profile_shapes(10, 4, 100) == [(3, 3, 2, 2), (7, 1, 1, 1)]
+    assert plan_profile_shapes(10, 4, 6) == [(3, 3, 2, 2), (5, 1, 1, 1)]  # no prompt is longer than the context
+    assert plan_profile_shapes(3, 8, 100) == [(1, 1, 1)]  # fewer tokens than seats: one shape
+    assert plan_profile_shapes(8192, 1, 100_000) == [(8192,)]
 
 
 @pytest.mark.parametrize("role, stages", [("attention", 2), ("monolithic", 1)])

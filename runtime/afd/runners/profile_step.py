@@ -20,11 +20,12 @@ from afd.models.loader import LoadedModel
 from afd.runners.microbatch import SeqLayout
 
 
-def plan_profile_shapes(max_tokens: int, max_seqs: int) -> list[tuple[int, ...]]:
-    """New tokens per sequence of each profiled step: the budget spread evenly, then one chunk among one-token rows."""
+def plan_profile_shapes(max_tokens: int, max_seqs: int, max_model_len: int) -> list[tuple[int, ...]]:
+    """New tokens per sequence of each profiled step: the budget spread evenly, then one chunk (no longer
+    than a prompt can be) among one-token rows."""
     seqs = max(1, min(max_seqs, max_tokens))
     even = tuple(max_tokens // seqs + (i < max_tokens % seqs) for i in range(seqs))
-    mixed = (max_tokens - (seqs - 1),) + (1,) * (seqs - 1)
+    mixed = (max(1, min(max_tokens - (seqs - 1), max_model_len - 1)),) + (1,) * (seqs - 1)
     return [even] if mixed == even else [even, mixed]
 
 
@@ -62,9 +63,10 @@ def _stepper(config: AFDConfig, loaded: LoadedModel, kv_cache: KVCache):
 
 
 @torch.inference_mode()
-def run_largest_steps(config: AFDConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> None:
+def run_largest_steps(config: AFDConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
+                      max_model_len: int) -> None:
     """Run and sample each profiled shape of `config`'s step budget; nothing is kept."""
-    shapes = plan_profile_shapes(config.max_num_batched_tokens, config.max_num_seqs)
+    shapes = plan_profile_shapes(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
     most = max(len(shape) for shape in shapes)
     scratch_tokens = config.max_num_batched_tokens + most * DEFAULT_BLOCK_SIZE
     kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), scratch_tokens, dtype, device)

@@ -45,7 +45,8 @@ def profiled_cache_tokens(config: AFDConfig, loaded, memory: DeviceMemory, dtype
                           device: torch.device) -> int:
     """KV-cache tokens that fit beside the weights and the peak of the largest step, run now (`afd.kv_budget`)."""
     try:
-        peak = profile_peak(lambda: run_largest_steps(config, loaded, dtype, device), memory)
+        max_len = max_model_len_for(config, loaded.spec)
+        peak = profile_peak(lambda: run_largest_steps(config, loaded, dtype, device, max_len), memory)
     except torch.cuda.OutOfMemoryError as err:
         raise RuntimeError(
             f"the largest step this rank can be given ({config.max_num_batched_tokens} tokens over up to "
