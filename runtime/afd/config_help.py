@@ -44,6 +44,6 @@ SETTING_HELP: dict[str, str] = {
     "max_request_bytes": "Largest API request body; larger ones get 413 (refused from Content-Length or as it arrives).",
     "max_prompts": "Most prompts in one `/v1/completions` request; more get 400.",
     "max_prompt_chars": "Most characters of one prompt (or of all chat messages) before tokenization (0: 32 per context token).",
-    "gpu_memory_utilization": "With `kv_cache_bytes` 0 on a GPU: the KV cache takes this fraction of the GPU's memory, less what weights, graphs and activations use (vLLM's `--gpu-memory-utilization`).",
+    "gpu_memory_utilization": "With `kv_cache_bytes` 0 on a GPU: the KV cache takes this fraction of the GPU's memory, less what is in use after loading the weights, the peak of the largest step (`max_num_batched_tokens`, profiled at start) and 1 GiB for the decode graphs (vLLM's `--gpu-memory-utilization`).",
     "ceiling_batches": "Comma-separated batch sizes whose graph-replayed decode step is timed at start (log and `afd_step_ceiling_seconds`; the serving benchmark's ceiling). Empty: off.",
 }

@@ -92,19 +92,6 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @staticmethod
-    def tokens_on_device(layouts, dtype, device, utilization: float, reserve_bytes: int, extra_per_token: int = 0) -> int:
-        """Tokens that fit in `utilization` of the GPU's memory, less what is in use now and `reserve_bytes`."""
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(utilization * total) - (total - free) - reserve_bytes
-        per_token = KVCache.bytes_per_token(layouts, dtype) + extra_per_token
-        if budget < per_token * DEFAULT_BLOCK_SIZE * 2:
-            raise RuntimeError(
-                f"no room for a KV cache: {utilization:.2f} of {total / 2**30:.1f} GiB is {utilization * total / 2**30:.1f} GiB, "
-                f"{(total - free) / 2**30:.1f} GiB are in use and {reserve_bytes / 2**30:.1f} GiB are kept for activations "
-                f"(raise gpu_memory_utilization, or set kv_cache_bytes)")
-        return budget // per_token
-
-    @staticmethod
     def bytes_per_token(layouts: Sequence[KVLayout], dtype: torch.dtype) -> int:
         element = torch.empty(0, dtype=dtype).element_size()
         return sum(layout.elements_per_token for layout in layouts) * element

@@ -22,14 +22,15 @@ def parts(checkpoints):
     return loaded, load_tokenizer(str(checkpoints["qwen3_moe"]))
 
 
-def run_engine(parts, requests, pipeline: bool, eos=(), budget=8192, runner=None):
-    """Submit every (prompt, params) at once; the outputs of each, in order (on `runner`, else a CPU monolith)."""
+def run_engine(parts, requests, pipeline: bool, eos=(), budget=8192, runner=None, link=None):
+    """Submit every (prompt, params) at once; the outputs of each, in order (on `runner`, else a CPU monolith;
+    `link`: the attention runner's FFN link)."""
     loaded, tokenizer = parts
     if runner is None:
         runner = MonolithicRunner(loaded, KVCache.for_tokens(loaded.model.kv_layouts(), 4096, torch.float32, "cpu"))
     cache = runner.kv_cache
     engine = Engine(runner, cache, tokenizer, eos, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=budget,
-                    device=cache.keys[0].device, pipeline=pipeline).start()
+                    device=cache.keys[0].device, pipeline=pipeline, link=link).start()
     outputs = [[] for _ in requests]
     done = threading.Semaphore(0)
 

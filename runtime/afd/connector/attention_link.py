@@ -205,10 +205,15 @@ class AttentionLink:
         text = str(err)
         return err if text.startswith(f"ffn rank {self.ffn_rank}") else PeerLost(f"ffn rank {self.ffn_rank}: {text}")
 
-    def wait_step(self) -> None:
-        """Return once the step's transfers are done, heartbeating meanwhile; `PeerLost` when the FFN is lost."""
+    def end_step(self) -> object | None:
+        """Mark the end of the step just launched, for `wait_step`: the host may prepare the next one meanwhile."""
+        return self.plane.end_step()
+
+    def wait_step(self, mark: object | None = None) -> None:
+        """Return once the step of `mark` (every step launched so far when None) is done, heartbeating
+        meanwhile; `PeerLost` when the FFN is lost, or was lost before that step finished."""
         try:
-            self.plane.finish_step(self.tick)
+            self.plane.finish_step(mark, self.tick)
         except PeerLost as err:
             raise self._named(err) from None
 

@@ -74,8 +74,11 @@ class HostAttentionPlane(AttentionPlane):
             self._pump(left)
         return self._stash.pop(key)
 
-    def finish_step(self, tick: Callable[[], None]) -> None:
-        pass  # host transfers are done when `recv` returns
+    def end_step(self) -> None:
+        return None  # host transfers are done when `recv` returns: nothing is left to wait for
+
+    def finish_step(self, mark: None, tick: Callable[[], None]) -> None:
+        pass
 
     def abort(self) -> None:
         self._stash.clear()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +44,14 @@ ATTENTION_RANK_IN_PAIR = 1  # the FFN end is rank 0 (afd.connector.nccl_ffn)
 PAIR_JOIN_TIMEOUT_S = 30.0  # a first NCCL init in a fresh process (CUDA context, bootstrap) takes seconds
 
 
+@dataclass
+class StepMark:
+    """The end of one launched step on the GPU; `cut` once a lost pair was aborted before it finished."""
+
+    event: torch.cuda.Event
+    cut: bool = False
+
+
 class NcclAttentionPlane(AttentionPlane):
     """Attention end: hidden rows (and router logits) out, FFN rows back, on the GPU."""
 
@@ -51,6 +60,7 @@ class NcclAttentionPlane(AttentionPlane):
         self.comm: PairComm | None = None
         self._pending: list[torch.Tensor] = []
         self._shapes: dict[tuple[int, int], tuple[int, int, torch.dtype]] = {}
+        self._open: list[StepMark] = []  # steps launched and maybe still running
 
     def bind(self, transport, reply: HelloReply, pump, timeout_s: float) -> None:
         self.abort()  # the pair of an earlier connection, if any: its FFN end is gone
@@ -86,17 +96,26 @@ class NcclAttentionPlane(AttentionPlane):
         self._pending.clear()
         return out
 
-    def finish_step(self, tick) -> None:
-        """Wait for the step on the GPU, heartbeating meanwhile; a lost FFN aborts the pair at once.
+    def end_step(self) -> "StepMark":
+        """An event after the step's work on the current stream: the host goes on while the GPU runs it."""
+        mark = StepMark(torch.cuda.Event())
+        mark.event.record()
+        self._open = [m for m in self._open if not m.event.query()] + [mark]  # at most the steps still running
+        return mark
+
+    def finish_step(self, mark: "StepMark | None", tick) -> None:
+        """Wait for the step of `mark` on the GPU, heartbeating meanwhile; a lost FFN aborts the pair at once.
 
         The FFN is lost when its connection closes or it says Goodbye (`tick` raises), or
         when the step outlasts the peer timeout: every in-flight request then ends within it.
+        A step the abort of a lost pair cut short raises too: its results are not to be read.
         """
+        mark = mark or self.end_step()
+        if mark.cut:
+            raise PeerLost("the link was lost before the step's transfers finished")
         timeout_s = self.options.peer_timeout_s
-        event = torch.cuda.Event()
-        event.record()
         try:
-            done = wait_event(event, time.monotonic() + timeout_s, tick)
+            done = wait_event(mark.event, time.monotonic() + timeout_s, tick)
         except PeerLost:
             self.abort()
             raise
@@ -108,6 +127,9 @@ class NcclAttentionPlane(AttentionPlane):
         """Abort the pair (stuck transfers end at once) and wait, bounded, until the stream has drained."""
         self._pending.clear()
         self._shapes.clear()
+        for mark in self._open:  # a step done before the abort is good; the others were cut short
+            mark.cut = not mark.event.query()
+        self._open.clear()
         if self.comm is None:
             return
         comm, self.comm = self.comm, None

@@ -78,8 +78,13 @@ class AttentionPlane(ABC):
         """The FFN output [tokens, hidden] of `transfer`; raises `PeerLost` past the peer timeout."""
 
     @abstractmethod
-    def finish_step(self, tick: Callable[[], None]) -> None:
-        """Return once the step's transfers are done, calling `tick` while waiting; raises `PeerLost`."""
+    def end_step(self) -> object | None:
+        """Mark the end of the step just launched (its work may still be running); `finish_step` waits for it."""
+
+    @abstractmethod
+    def finish_step(self, mark: object | None, tick: Callable[[], None]) -> None:
+        """Return once the step of `mark` (from `end_step`; None: everything launched so far) is done,
+        calling `tick` while waiting; raises `PeerLost`, also for a step the lost connection cut short."""
 
     @abstractmethod
     def abort(self) -> None:

@@ -1,17 +1,15 @@
 """The engine thread: admit requests, run one step over the batch, sample, stream the results.
 
-Callers (the HTTP server) submit requests from any thread and get `RequestOutput`
-deltas through a callback. With `pipeline` (the default) the loop runs one step ahead:
-step N+1 is scheduled and launched, its inputs taken from step N's sampled tokens on the
-device, before step N's tokens are read on the host; detokenization, stop strings and
-callbacks run on the output thread (`afd.engine.outputs`), while the device computes.
+Callers (the HTTP server) submit requests from any thread and get `RequestOutput` deltas
+through a callback. With `pipeline` (the default) the loop runs one step ahead: step N+1 is
+scheduled, built and launched (inputs from step N's sampled tokens on the device) before the
+host waits for step N (on the FFN link, which notices a lost peer) and reads its tokens;
+detokenization, stop strings and callbacks run on the output thread (`afd.engine.outputs`).
 A request that stops early (EOS, stop string) may so run one step more, whose token is
-dropped. Without `pipeline` every step is finished, outputs included, before the next. The step function is the attention runner (remote FFN)
-or the monolithic model; the engine does not know which. If a step fails because
-an FFN peer is gone, every request in flight ends with an explicit error and the
-engine reports itself unhealthy; nothing is silently cut short. Any other exception
-(in sampling, detokenizing, a callback) fails only the requests it touched and the
-loop goes on; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
+dropped. The step function is the attention runner (remote FFN) or the monolithic model. A
+step failing because the FFN peer is gone ends every request in flight with an explicit
+error until the link is back (`afd.engine.link_care`); any other exception fails only the
+requests it touched; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
 """
 
 from __future__ import annotations
@@ -24,8 +22,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
+from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.engine.inputs import build_inputs, to_device
+from afd.engine.link_care import LinkCare
 from afd.engine.outputs import OutputProcessor
 from afd.engine.sampler import Sampled, sample
 from afd.engine.scheduler import Scheduler
@@ -46,6 +45,7 @@ class _Launched:
     finals: list[Request]  # requests whose last token this step samples
     tokens: int
     started: float
+    mark: object = None  # the link's end-of-step mark (`AttentionLink.end_step`), waited on before reading
 
 
 class Engine:
@@ -74,11 +74,9 @@ class Engine:
         self.device = torch.device(device)
         self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.observer = observer
-        self.link = link  # the FFN link: keepalive() between steps, recover() after a loss; None when local
+        self.link = link  # the FFN link: end_step/wait_step per step, tended between steps; None when local
         self.link_check_s = link_check_s
-        self._next_link_check = 0.0
-        self.reconnects = 0
-        self.error: str | None = None  # the FFN link is down (recoverable)
+        self._care = LinkCare(link, link_check_s)
         self.dead: str | None = None  # the engine thread ended unexpectedly (not recoverable)
         self.pipeline = pipeline
         self.on_logits = on_logits  # sees each step's batch and logits (`afd generate --with-logits`)
@@ -107,17 +105,7 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None]) -> Request:
         """Queue a request; `InvalidRequest` if it can never run here."""
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} "
-                f"tokens, leaving no room to generate", "prompt")
-        request = Request(list(prompt_ids), params, on_output)
-        if not self.scheduler.fits_ever(request):
-            raise InvalidRequest(
-                f"prompt + max_tokens needs {self.scheduler.reserved_tokens(request)} tokens of KV cache; "
-                f"this server holds {self.kv_cache.num_blocks * self.kv_cache.block_size}", "max_tokens")
+        request = self.scheduler.check(Request(list(prompt_ids), params, on_output))
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer)
@@ -161,6 +149,15 @@ class Engine:
         return self.error
 
     @property
+    def error(self) -> str | None:
+        """Why the FFN link cannot serve now (recoverable), or None."""
+        return self._care.error
+
+    @property
+    def reconnects(self) -> int:
+        return self._care.reconnects
+
+    @property
     def num_running(self) -> int:
         """Running requests not yet answered in full (one stopped by the output side is freed a step later)."""
         return sum(not r.done for r in list(self.scheduler.running))
@@ -192,12 +189,13 @@ class Engine:
                 self._inbox.clear()
                 aborts, self._aborts = self._aborts, set()
                 stopped, self._stopped_early = self._stopped_early, []
-            self._apply_aborts(aborts)
+            for request in self.scheduler.abort(aborts):
+                log.info("aborted %s", request.request_id)
             for request in stopped:
                 self.scheduler.finish(request)
-            if self.link is not None and time.monotonic() >= self._next_link_check:
+            if self.link is not None and self._care.due():
                 self._drain()  # the link is looked after between steps, none in flight
-                self._tend_link()
+                self._care.tend(self._idle)
             if self.error is not None:
                 self._drain()
                 self._fail_all(f"the server cannot take requests: {self.error}")
@@ -205,8 +203,8 @@ class Engine:
             try:
                 batch = self.scheduler.schedule()
                 launched = self._launch(batch) if batch else None
-                self._drain()  # the previous step: its tokens went to the host while this one was launched
-                self._inflight = launched
+                self._drain()  # the previous step: it ran on the device while this one was scheduled and launched
+                self._inflight = None if self.error else launched  # a link lost meanwhile failed its requests too
                 if not self.pipeline:
                     self._drain()
             except Exception as err:  # a bug outside the step: fail what is in flight, keep serving
@@ -219,41 +217,9 @@ class Engine:
         self._drain()
         self._fail_all("the server is shutting down")
 
-    def _tend_link(self) -> None:
-        """Heartbeat a healthy link; try to re-handshake a lost one. Runs between steps only."""
-        self._next_link_check = time.monotonic() + self.link_check_s
-        if self.error is None:
-            try:
-                self.link.keepalive()
-                if self.link.leave_if_done(self._idle()):
-                    self.error = f"the ffn rank is stopping ({self.link.ffn_draining}); waiting for it to come back"
-            except Exception as err:
-                self._lose_link(err)
-            return
-        try:
-            self.link.recover()
-        except Exception as err:
-            log.debug("ffn link not back yet: %s", err)
-            return
-        log.info("ffn link recovered; serving again")
-        self.reconnects += 1
-        self.error = None
-
     def _idle(self) -> bool:
         with self._wake:
             return not (self._inbox or self.scheduler.running or self.scheduler.waiting)
-
-    def _lose_link(self, err: Exception) -> None:
-        if self.error is None:
-            log.error("ffn link lost: %s", err)
-        self.error = f"{type(err).__name__}: {err}"
-
-    def _apply_aborts(self, request_ids: set[str]) -> None:
-        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-            if request.request_id in request_ids:
-                request.done = True  # tokens of a step already launched for it are dropped
-                self.scheduler.finish(request)
-                log.info("aborted %s", request.request_id)
 
     def _launch(self, batch: list[Request]) -> _Launched | None:
         """Build the step's inputs (one pass over `batch`), run it, start sampling; None if it failed."""
@@ -267,12 +233,9 @@ class Engine:
                 self.on_logits(batch, logits)
         except Exception as err:  # a lost FFN peer, or a bug: fail loudly, never hang
             log.exception("step failed")
-            self._drain()  # the previous step's tokens are good: deliver them first
-            if self.link is None:  # nothing to recover: only this step's requests fail
-                self._fail(batch, f"the step failed: {type(err).__name__}: {err}")
-                return None
-            self._lose_link(err)  # the link re-handshakes before the next step
-            self._fail_all(f"the step failed: {err}")
+            self._drain()  # the previous step's tokens, if it finished, are good: deliver them first
+            if self.error is None:  # (else that drain found the link lost and failed everything)
+                self._step_failed(batch, err)
             return None
         sampling = batch
         if len(emit) < len(batch):  # rows of unfinished prompt chunks sample nothing
@@ -285,13 +248,21 @@ class Engine:
             self._fail(batch, f"sampling failed: {type(err).__name__}: {err}")
             return None
         self._step_id, self._prev_tokens = step_id, sampled.tokens
-        return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, started)
+        mark = self.link.end_step() if self.link is not None else None
+        return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, started, mark)
 
     def _drain(self) -> None:
-        """Wait for the launched step's tokens and hand them to the output side."""
+        """Wait for the launched step (the link first: it notices a lost FFN) and hand its tokens to the output side."""
         launched, self._inflight = self._inflight, None
         if launched is None:
             return
+        if self.link is not None:
+            try:
+                self.link.wait_step(launched.mark)
+            except Exception as err:
+                log.error("waiting for step failed: %s", err)
+                self._step_failed(launched.batch, err)
+                return
         try:
             tokens, logprobs = launched.sampled.result()
         except Exception as err:
@@ -304,6 +275,15 @@ class Engine:
         self._outputs.tokens(launched.batch, tokens, logprobs, now)
         if self.observer:
             self.observer.on_step(self, launched.tokens, now - launched.started)
+
+    def _step_failed(self, batch: list[Request], err: Exception) -> None:
+        """With no link only `batch` fails; a lost FFN fails every request, and the link re-handshakes
+        before the next step."""
+        if self.link is None:
+            self._fail(batch, f"the step failed: {type(err).__name__}: {err}")
+            return
+        self._care.lose(err)
+        self._fail_all(f"the step failed: {err}")
 
     def _fail_all(self, message: str) -> None:
         with self._wake:

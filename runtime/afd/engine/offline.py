@@ -31,8 +31,9 @@ class _NoText:
 def generate_with_engine(step: Stepper, kv_cache: KVCache, prompts: Sequence[Sequence[int]], max_tokens: int,
                          eos_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                          device: torch.device | str = "cpu", max_model_len: int | None = None,
-                         timeout_s: float = 3600.0) -> GenerationResult:
-    """Greedy tokens of every prompt and the logits that chose each last token; RuntimeError on a failure."""
+                         timeout_s: float = 3600.0, link=None) -> GenerationResult:
+    """Greedy tokens of every prompt and the logits that chose each last token; RuntimeError on a failure.
+    `link`: the attention runner's FFN link, waited on after each step (it notices a lost FFN)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}: must be at least 1")
     if any(len(p) == 0 for p in prompts):
@@ -47,7 +48,8 @@ def generate_with_engine(step: Stepper, kv_cache: KVCache, prompts: Sequence[Seq
 
     longest = max(len(p) for p in prompts) + max_tokens
     engine = Engine(step, kv_cache, _NoText(), eos_token_ids, max_num_seqs=len(prompts),
-                    max_model_len=max(max_model_len or 0, longest + 1), device=device, pipeline=False, on_logits=keep)
+                    max_model_len=max(max_model_len or 0, longest + 1), device=device, pipeline=False, on_logits=keep,
+                    link=link)
     done = threading.Event()
     results: list[list[RequestOutput]] = [[] for _ in prompts]
     finished = [0]

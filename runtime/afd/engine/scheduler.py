@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from afd.engine.request import Request
+from afd.engine.request import InvalidRequest, Request
 from afd.kv_cache import KVCache
 
 
@@ -28,8 +28,18 @@ class Scheduler:
     def reserved_tokens(self, request: Request) -> int:
         return min(len(request.prompt_ids) + request.params.max_tokens, self.max_model_len)
 
-    def fits_ever(self, request: Request) -> bool:
-        return self.kv_cache.blocks_for(self.reserved_tokens(request)) <= self.kv_cache.num_blocks
+    def check(self, request: Request) -> Request:
+        """`request` if it can ever run here, else `InvalidRequest` saying why."""
+        prompt = len(request.prompt_ids)
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if prompt >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {prompt} tokens; this model's context is {self.max_model_len} "
+                                 f"tokens, leaving no room to generate", "prompt")
+        if self.kv_cache.blocks_for(self.reserved_tokens(request)) > self.kv_cache.num_blocks:
+            raise InvalidRequest(f"prompt + max_tokens needs {self.reserved_tokens(request)} tokens of KV cache; "
+                                 f"this server holds {self.kv_cache.capacity_tokens}", "max_tokens")
+        return request
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -75,3 +85,11 @@ class Scheduler:
         if request.blocks:
             self.kv_cache.release(request.blocks)
             request.blocks = ()
+
+    def abort(self, request_ids: set[str]) -> list[Request]:
+        """End and free the running or waiting requests of `request_ids` (tokens already launched are dropped)."""
+        aborted = [r for r in list(self.running) + list(self.waiting) if r.request_id in request_ids]
+        for request in aborted:
+            request.done = True
+            self.finish(request)
+        return aborted

@@ -37,7 +37,8 @@ def run_attention_batch(
         if not prompts:
             return GenerationResult([], [])
         return generate_with_engine(
-            role.runner, role.kv_cache, prompts, max_tokens, role.loaded.spec.eos_token_ids, ignore_eos, role.device
+            role.runner, role.kv_cache, prompts, max_tokens, role.loaded.spec.eos_token_ids, ignore_eos, role.device,
+            link=role.link,
         )
     finally:
         role.close("batch finished")

@@ -3,7 +3,8 @@
 Per step: send the step plan; embed; then for each layer and each micro-batch,
 collect that micro-batch's FFN output of the previous crossing layer, run attention,
 and ship the layer's FFN input. With two stages, attention computes micro-batch 1
-while the FFN computes micro-batch 0, and the other way round.
+while the FFN computes micro-batch 0, and the other way round. A call returns once the
+step is launched, not finished: whoever reads its results waits on the link first.
 """
 
 from __future__ import annotations
@@ -70,17 +71,25 @@ class AttentionRunner:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        """Logits [sequences, vocab] of each sequence's last new token."""
+        """Logits [sequences, vocab] of each sequence's last new token, once the step is launched.
+
+        The device may still be running it: `link.end_step()` marks it and `link.wait_step(mark)`
+        waits (the engine does so before reading its tokens), so the host can prepare the next
+        step meanwhile. The FFN runs each peer's plans in order, so the next plan may go first.
+        A graph replay is launched behind the step in flight; an eager step waits for it first.
+        """
         self._count_bytes(layout.num_tokens, self.kv_cache.keys[0].element_size())
         profiling = self.clock.should_profile(self.step_id + 1)
         if self.graphs is not None:
             if not profiling:
                 logits = self.graphs.run(input_ids, layout)
                 if logits is not None:
-                    self.link.wait_step()
                     return logits
             self.eager_steps += 1
             self.profiled_eager_steps += profiling
+        # An eager step's metadata goes to the device by copies that wait for the stream with no deadline:
+        # the step in flight is waited for on the link first, where a lost FFN is noticed in time.
+        self.link.wait_step()
         self.clock.begin(profiling)
         parts = split_layout(layout, self.stages, self.dbo_min_tokens)
         self._send_plan(tuple(p.num_tokens for p in parts), profile=profiling)
@@ -93,9 +102,10 @@ class AttentionRunner:
                 micro.append((stage, batch, slice(start, start + part.num_tokens)))
             start += part.num_tokens
         logits = self.forward(input_ids, micro)
-        self.link.wait_step()
-        if profiling and self.on_layers is not None:
-            self.on_layers(self.clock.collect())
+        if profiling:  # its layer timings are read once it has ended (a profiled step is eager anyway)
+            self.link.wait_step()
+            if self.on_layers is not None:
+                self.on_layers(self.clock.collect())
         return logits
 
     def _count_bytes(self, tokens: int, element: int) -> None:

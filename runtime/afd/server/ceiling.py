@@ -25,8 +25,10 @@ CEILING_STEPS = 20
 
 
 @torch.inference_mode()
-def step_seconds(step, kv_cache, batch: int, context: int = CEILING_CONTEXT, steps: int = CEILING_STEPS) -> float:
-    """Median seconds of one decode step of `batch` sequences with `context` cached tokens each."""
+def step_seconds(step, kv_cache, batch: int, context: int = CEILING_CONTEXT, steps: int = CEILING_STEPS,
+                 link=None) -> float:
+    """Median seconds of one decode step of `batch` sequences with `context` cached tokens each (on AFD each
+    step is waited for on `link`, which notices a lost FFN, before its tokens are read)."""
     blocks = [kv_cache.allocate(context + 1) for _ in range(batch)]
     try:
         layout = SeqLayout(tuple(map(tuple, blocks)), (context,) * batch, (1,) * batch)
@@ -34,7 +36,10 @@ def step_seconds(step, kv_cache, batch: int, context: int = CEILING_CONTEXT, ste
         times = []
         for _ in range(steps + 3):
             started = time.perf_counter()
-            step(input_ids, layout).argmax(dim=-1).tolist()
+            logits = step(input_ids, layout)
+            if link is not None:
+                link.wait_step()
+            logits.argmax(dim=-1).tolist()
             times.append(time.perf_counter() - started)
         return statistics.median(times[3:])
     finally:
@@ -51,7 +56,7 @@ def export_ceiling(registry: CollectorRegistry, config, role) -> dict[int, float
         if batch > config.max_num_seqs or kv_cache.blocks_for(CEILING_CONTEXT + 1) * batch > kv_cache.free_blocks:
             log.warning("step ceiling at batch %d skipped: above max_num_seqs or the KV cache", batch)
             continue
-        results[batch] = seconds = step_seconds(role.runner, kv_cache, batch)
+        results[batch] = seconds = step_seconds(role.runner, kv_cache, batch, link=role.link)
         gauge.labels(role=config.role, rank=str(config.rank), batch=str(batch)).set(seconds)
         log.info("step ceiling at batch %d: %.2f ms per step, %.0f tokens/s", batch, 1e3 * seconds, batch / seconds)
     return results

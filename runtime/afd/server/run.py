@@ -13,10 +13,12 @@ from prometheus_client import CollectorRegistry
 from afd.config import AFDConfig
 from afd.engine.engine import Engine
 from afd.engine.tokenizer import load_tokenizer
+from afd.kv_budget import CudaMemory, DeviceMemory, plan_kv_budget, profile_peak
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
+from afd.runners.profile_step import run_largest_steps
 from afd.metrics.wiring import attention_instruments, watch_attention
 from afd.server.app import ServerState, create_app
 from afd.server.failover import Failover, FailoverSettings
@@ -36,19 +38,29 @@ def cache_tokens_for(config: AFDConfig, spec) -> int | Callable:
     layouts = [spec.kv_layout] * spec.num_layers
     if config.kv_cache_bytes or device.type != "cuda":
         return (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // KVCache.bytes_per_token(layouts, dtype)
+    return lambda loaded: profiled_cache_tokens(config, loaded, CudaMemory(device), dtype, device)
 
-    def from_device(loaded) -> int:
-        element = torch.empty(0, dtype=dtype).element_size()
-        # activations of the largest step, fp32 logits and sampling of the largest batch, graph pools and slack
-        reserve = 32 * config.max_num_batched_tokens * spec.hidden_size * element + 6 * config.max_num_seqs * spec.vocab_size * 4
-        graph_tables = 4 * config.max_num_seqs // DEFAULT_BLOCK_SIZE + 1  # the decode graphs' block tables, per token
-        tokens = KVCache.tokens_on_device(layouts, dtype, device, config.gpu_memory_utilization, reserve + (1 << 30),
-                                          graph_tables if config.cuda_graphs else 0)
-        log.info("KV cache sized from the GPU: %d tokens (%.2f of its memory, weights and an activation reserve of "
-                 "%.1f GiB excluded)", tokens, config.gpu_memory_utilization, reserve / 2**30)
-        return tokens
 
-    return from_device
+def profiled_cache_tokens(config: AFDConfig, loaded, memory: DeviceMemory, dtype: torch.dtype,
+                          device: torch.device) -> int:
+    """KV-cache tokens that fit beside the weights and the peak of the largest step, run now (`afd.kv_budget`)."""
+    try:
+        max_len = max_model_len_for(config, loaded.spec)
+        peak = profile_peak(lambda: run_largest_steps(config, loaded, dtype, device, max_len), memory)
+    except torch.cuda.OutOfMemoryError as err:
+        raise RuntimeError(
+            f"the largest step this rank can be given ({config.max_num_batched_tokens} tokens over up to "
+            f"{config.max_num_seqs} sequences) does not fit in GPU memory beside the weights: lower "
+            f"max_num_batched_tokens or max_num_seqs ({err})") from None
+    per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), dtype)
+    if config.cuda_graphs:  # the decode graphs' block tables grow with the cache
+        per_token += 4 * config.max_num_seqs // DEFAULT_BLOCK_SIZE + 1
+    budget = plan_kv_budget(memory, config.gpu_memory_utilization, peak, per_token)
+    log.info("KV cache sized from the GPU: %d tokens (%.2f of %.1f GiB, less %.1f GiB in use, %.2f GiB at the peak of "
+             "a %d-token step and %.1f GiB for graphs)", budget.tokens, config.gpu_memory_utilization,
+             budget.total_bytes / 2**30, budget.in_use_bytes / 2**30, peak / 2**30, config.max_num_batched_tokens,
+             budget.margin_bytes / 2**30)
+    return budget.tokens
 
 
 def max_model_len_for(config: AFDConfig, spec) -> int:

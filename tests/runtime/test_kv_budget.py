@@ -1,0 +1,78 @@
+"""The KV cache on a GPU is sized from the profiled peak of the largest step (fake device memory on CPU)."""
+
+import pytest
+import torch
+
+import afd.runners.profile_step as profile_step
+from afd.config import AFDConfig
+from afd.kv_budget import GRAPH_MARGIN_BYTES, plan_kv_budget, profile_peak
+from afd.kv_cache import KVCache
+from afd.models.loader import load_model
+from afd.runners.profile_step import plan_profile_shapes
+from afd.server.run import profiled_cache_tokens
+
+GIB = 1 << 30
+
+
+class FakeMemory:
+    """80 GiB device, 20 GiB in use, 1 GiB allocated by torch; a run peaks `peak_gib` above that."""
+
+    def __init__(self, log: list, peak_gib: float = 2.0):
+        self.log, self.peak_bytes = log, int(GIB + peak_gib * GIB)
+
+    def free_and_total(self):
+        return 60 * GIB, 80 * GIB
+
+    def allocated(self):
+        return GIB
+
+    def reset_peak(self):
+        self.log.append("reset")
+
+    def peak(self):
+        self.log.append("peak")
+        return self.peak_bytes
+
+    def release_cached(self):
+        self.log.append("release")
+
+
+def test_the_budget_is_the_utilization_less_what_is_in_use_the_profiled_peak_and_the_graph_margin():
+    budget = plan_kv_budget(FakeMemory([]), 0.9, 2 * GIB, bytes_per_token=1024)
+    assert budget.tokens == (int(0.9 * 80 * GIB) - 20 * GIB - 2 * GIB - GRAPH_MARGIN_BYTES) // 1024
+    assert (budget.in_use_bytes, budget.activation_bytes) == (20 * GIB, 2 * GIB)
+    with pytest.raises(RuntimeError, match="the largest step peaked at 60.0 GiB.*lower max_num_batched_tokens"):
+        plan_kv_budget(FakeMemory([]), 0.9, 60 * GIB, bytes_per_token=1024)
+
+
+def test_the_peak_is_read_after_the_run_and_counted_above_what_was_allocated_before():
+    log = []
+    assert profile_peak(lambda: log.append("run"), FakeMemory(log, peak_gib=3)) == 3 * GIB
+    assert log == ["release", "reset", "run", "peak", "release"]
+
+
+def test_profiled_shapes_fill_the_budget_evenly_and_as_one_chunk_among_one_token_rows():
+    assert plan_profile_shapes(10, 4, 100) == [(3, 3, 2, 2), (7, 1, 1, 1)]
+    assert plan_profile_shapes(10, 4, 6) == [(3, 3, 2, 2), (5, 1, 1, 1)]  # no prompt is longer than the context
+    assert plan_profile_shapes(3, 8, 100) == [(1, 1, 1)]  # fewer tokens than seats: one shape
+    assert plan_profile_shapes(8192, 1, 100_000) == [(8192,)]
+
+
+@pytest.mark.parametrize("role, stages", [("attention", 2), ("monolithic", 1)])
+def test_sizing_runs_the_largest_steps_of_the_role_between_reset_and_peak(checkpoints, monkeypatch, role, stages):
+    """The attention role profiles its own half with zeros for the FFN's answer: no FFN rank is needed."""
+    path = str(checkpoints["deepseek_v2"])
+    config = AFDConfig(role=role, model=path, device="cpu", stages=stages, max_num_batched_tokens=40, max_num_seqs=6)
+    loaded = load_model(path, role)
+    log, real_sample = [], profile_step.sample
+
+    def sampled(logits, params, generators):
+        log.append(("sample", tuple(logits.shape)))
+        return real_sample(logits, params, generators)
+
+    monkeypatch.setattr(profile_step, "sample", sampled)
+    tokens = profiled_cache_tokens(config, loaded, FakeMemory(log), torch.float32, torch.device("cpu"))
+    vocab = loaded.spec.vocab_size
+    assert log == ["release", "reset", ("sample", (6, vocab)), ("sample", (6, vocab)), "peak", "release"]
+    per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.float32)
+    assert tokens == (int(0.9 * 80 * GIB) - 20 * GIB - 2 * GIB - GRAPH_MARGIN_BYTES) // per_token
