@@ -16,6 +16,12 @@ concurrency to run them at). Writes $OUT/plan_gpu.json (with the raw scrapes) an
 log, $OUT/plan_gpu-<rank>.log.
 Exit status: 0 every level within 15 %; 1 a level outside; 2 a rank did not start or stop cleanly, a request
 failed, or the metrics were too few to fit (the message says which).
+
+    python bench/plan_gpu.py --from-json plan_gpu.json [--ffn-rows-from-attention]   # redo the fit offline
+
+`--from-json` refits a saved run's scrapes and prints the same table (no GPU). `--ffn-rows-from-attention`
+repairs runs recorded before the FFN counted the rows of graph-replayed steps: its rows become the attention
+rank's tokens once per crossing layer (exact for 1A1F).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from steady_streams import SteadyStreams  # noqa: E402
 from afd.planner.advice import Bounds, TooFewMetrics  # noqa: E402
 from afd.planner.collect import ScrapeError, scrape_once  # noqa: E402
 from afd.planner.levels import check_levels  # noqa: E402
+from afd.planner.samples import RankSample  # noqa: E402
 
 
 def progress(text: str) -> None:
@@ -74,7 +81,7 @@ async def drive(api: str, model: str, urls: list[str], args, vocab: int) -> tupl
 def report_levels(report: dict, scrapes: list, step: dict[int, float], args) -> None:
     """Fit over all windows and check each level's steady one (window 2k of level k); fills report['plan']."""
     checked = check_levels(scrapes, [2 * k for k in range(len(report["levels"]))], args.predict,
-                           Bounds(max_gpus=args.max_gpus))
+                           Bounds(max_gpus=args.max_gpus), held_out=True)
     for level, result in zip(report["levels"], checked.pop("levels")):
         for name, prediction in result["predictions"].items():
             prediction["streams"] = round(level["streams"] * prediction["concurrency"] / result["concurrency"], 1)
@@ -83,19 +90,57 @@ def report_levels(report: dict, scrapes: list, step: dict[int, float], args) -> 
     report["plan"] = checked
 
 
+def _held_out(held: dict | None) -> str:
+    """The level predicted by a fit without its window: tokens/s, error, and '(flat)' when that fit
+    saw a single load (it cannot extrapolate)."""
+    if not held or held["predicted_tokens_per_s"] is None:
+        return "-"
+    flat = "" if held["extrapolates"] else " (flat)"
+    return f"{held['predicted_tokens_per_s']:.0f} {held['prediction_error']:.1%}{flat}"
+
+
 def table(report: dict, args) -> str:
     plan = report["plan"]
     lines = [f"{plan['current']} (stages {plan['stages']}), {plan['windows']} windows, median step-time error of the fit "
              f"{plan['fit_step_error_median']:.1%}",
              f"{'streams':>7} {'measured':>9} {'clients':>9} {'predicted':>9} {'error':>6} {'<15%':>5}  "
-             + "  ".join(f"{name + ' tok/s (streams)':>22}" for name in args.predict) + "  recommended"]
+             + "  ".join(f"{name + ' tok/s (streams)':>22}" for name in args.predict) + "  recommended  held-out"]
     for level in report["levels"]:
         others = "  ".join(f"{p['tokens_per_s']:>13.0f} ({p['streams']:>6.0f})" for p in level["predictions"].values())
         lines.append(f"{level['streams']:>7} {level['measured_tokens_per_s']:>9.0f} {level['client_tokens_per_s']:>9.0f} "
                      f"{level['predicted_tokens_per_s']:>9.0f} {level['prediction_error']:>6.1%} "
-                     f"{'yes' if level['within_tolerance'] else 'NO':>5}  {others}  {level['recommended'] or '-'}")
+                     f"{'yes' if level['within_tolerance'] else 'NO':>5}  {others}  {level['recommended'] or '-':>11}  "
+                     f"{_held_out(level.get('held_out'))}")
     lines += [f"why ({level['streams']} streams): {level['why']}" for level in report["levels"]]
     return "\n".join(lines)
+
+
+def ffn_rows_from_attention(scrape: list[RankSample]) -> list[RankSample]:
+    """1A1F: the FFN serves every token the attention rank computes, once per crossing layer."""
+    attention = next(s for s in scrape if s.role == "attention")
+    out = []
+    for sample in scrape:
+        if sample.role == "ffn":
+            layers = {key.split("|")[1] for key in sample.values if key.startswith("afd_layer_compute_seconds_sum|")}
+            tokens = attention.values.get("afd_step_tokens_sum", 0.0) * len(layers)
+            sample = RankSample(sample.role, sample.rank, sample.at, sample.values | {"afd_step_tokens_sum": tokens},
+                                sample.info)
+        out.append(sample)
+    return out
+
+
+def refit(path: str, args) -> int:
+    """Redo the fit and the table of a saved plan_gpu.json (its args, levels and raw scrapes)."""
+    report = json.loads(Path(path).read_text())
+    scrapes = [[RankSample(**sample) for sample in scrape] for scrape in report["scrapes"]]
+    if args.ffn_rows_from_attention:
+        scrapes = [ffn_rows_from_attention(scrape) for scrape in scrapes]
+    args.predict, args.max_gpus = report["args"]["predict"], report["args"]["max_gpus"]
+    levels = [{k: level[k] for k in ("streams", "client_tokens_per_s", "window_seconds")} for level in report["levels"]]
+    report["levels"] = levels
+    report_levels(report, scrapes, {}, args)
+    print(json.dumps({k: v for k, v in report.items() if k != "scrapes"}) if args.json else table(report, args))
+    return 0 if all(level["within_tolerance"] for level in report["levels"]) else 1
 
 
 def main() -> int:
@@ -119,7 +164,12 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--request-timeout", type=float, default=120)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--from-json", help="refit a saved plan_gpu.json offline and print its table")
+    parser.add_argument("--ffn-rows-from-attention", action="store_true",
+                        help="with --from-json: the FFN's rows from the attention rank's tokens (runs before the fix)")
     args = parser.parse_args()
+    if args.from_json:
+        return refit(args.from_json, args)
     if len(set(args.levels)) < 2:
         parser.error(f"--levels {args.levels}: need at least two different concurrencies to fit the costs' growth")
     model = args.model

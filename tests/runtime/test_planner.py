@@ -254,3 +254,35 @@ def test_a_window_steps_every_wall_second_per_step_when_the_loop_overlaps_steps(
     assert window(start, sample(10.0, 1000, 19.0)).step_s == pytest.approx(0.010)  # pipelined: durations overlap
     assert window(start, sample(30.0, 1000, 10.0)).step_s == pytest.approx(0.010)  # idle time between steps
     assert window(start, sample(2.0, 1000, 20.0)).step_s == pytest.approx(0.010)  # instants off: at most half
+
+
+def test_eager_profiled_steps_are_calibrated_to_the_ordinary_steps():
+    """On a GPU the profiled steps run eagerly (no CUDA graphs) and time their layers several times
+    slower than the replayed steps around them: the fit keeps their split, at the measured step's level."""
+    costs = dict(attention=(2e-3, 1e-4), ffn=(4e-3, 5e-5), host=(0.0, 0.0), wire=(5e-4, 1e-6))
+    result = plan(Group("1A1F", eager=(3.0, 0.0), **costs).scrapes([16, 32, 64]), Bounds(max_gpus=4))
+    model = result["model"]
+    for term in ("attention", "ffn"):
+        assert model[term]["intercept_s"] == pytest.approx(costs[term][0], rel=1e-3), term
+        assert model[term]["slope_s_per_token"] == pytest.approx(costs[term][1], rel=1e-3), term
+    assert result["prediction_error"] < 0.01
+    n = 64 * 1.5 / 2  # 2A1F at the same load per GPU: 96 sequences, 48 per attention rank
+    step = sum(costs[t][0] + costs[t][1] * (96 if t == "ffn" else n) for t in costs)
+    assert result["per_gpu"]["2A1F"] == pytest.approx(96 / step / 3, rel=1e-3)
+
+
+def test_launch_overhead_of_profiled_steps_still_predicts_the_current_topology():
+    """A fixed host-launch cost per layer (eager) inflates small batches most; per window the level
+    follows the measured steps, so the current topology's tokens/s stays close at every load."""
+    from afd.planner.levels import check_levels
+
+    group = Group("1A1F", stages=2, eager=(1.0, 1e-3), ffn=(3e-3, 4e-5), host=(0.0, 0.0))
+    group.run(8)
+    scrapes = [parse_exposition(group.exposition(), group.clock)]
+    for load in (32, 64, 64, 128, 128):  # steady 32, ramp, steady 64, ramp, steady 128
+        group.run(load)
+        scrapes.append(parse_exposition(group.exposition(), group.clock))
+    levels = check_levels(scrapes, [0, 2, 4], ["2A1F"], Bounds(max_gpus=4), held_out=True)["levels"]
+    assert [level["within_tolerance"] for level in levels] == [True, True, True], levels
+    middle = levels[1]["held_out"]  # 64 predicted from the 32 and 128 windows only
+    assert middle["extrapolates"] and middle["prediction_error"] < 0.15, middle

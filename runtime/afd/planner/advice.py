@@ -77,14 +77,17 @@ class Fitted:
     step_errors: list[float]  # |model - measured| / measured step time of every (attention, FFN) pair, sorted
 
 
-def fit(scrapes: list[list[RankSample]]) -> Fitted:
-    """Fit the cost model over all windows of at least two scrapes of every rank of one group."""
+def fit(scrapes: list[list[RankSample]], skip: frozenset[int] = frozenset()) -> Fitted:
+    """Fit the cost model over all windows (but the indices in `skip`, kept for comparison) of at least two
+    scrapes of every rank of one group."""
     if len(scrapes) < 2:
         raise TooFewMetrics("need at least two scrapes (a window) of every rank")
     topology, stages = topology_of(scrapes)
     pairs, ffn_windows = [], []
     windows = rank_windows(scrapes)
-    for found in windows:
+    for index, found in enumerate(windows):
+        if index in skip:
+            continue
         ffn_windows += [w for (role, _), w in found.items() if role == "ffn"]
         for (role, rank), w in found.items():
             ffn = found.get(("ffn", topology.ffn_rank_of(rank))) if role == "attention" else None

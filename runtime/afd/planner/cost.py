@@ -90,20 +90,39 @@ def fit_model(pairs: list[tuple[RankWindow, RankWindow]], ffn_windows: list[Rank
     """
     if not pairs or not ffn_windows:
         raise ValueError("no window with profiled steps on both roles: send traffic and wait for profiled steps")
-    ffn = Line.fit([(w.tokens_per_step, w.compute_s) for w in ffn_windows], [w.profiled_steps for w in ffn_windows])
+    scales = [profile_scale(a) for a, _ in pairs]
     weights = [a.profiled_steps for a, _ in pairs]
     attention_points, send_points, wire_points, host_points = [], [], [], []
-    for a, f in pairs:
-        # profiled steps run slower than the others (they time every layer): when their parts add up
-        # to more than the window's mean step, scale them down to it
+    for (a, f), scale in zip(pairs, scales):
         parts = a.compute_s + a.send_s + a.wait_s
-        scale = min(1.0, a.step_s / parts) if parts > 0 else 1.0
         exposed = f.compute_s if stages == 1 else max(0.0, f.compute_s - a.compute_s)
         attention_points.append((a.tokens_per_step, a.compute_s * scale))
         send_points.append((a.tokens_per_step, a.send_s * scale))
         wire_points.append((a.tokens_per_step, max(0.0, a.wait_s - exposed) * scale))
         host_points.append((a.tokens_per_step, max(0.0, a.step_s - parts * scale)))
+    ffn = Line.fit([(w.tokens_per_step, w.compute_s * _ffn_scale(w, pairs, scales)) for w in ffn_windows],
+                   [w.profiled_steps for w in ffn_windows])
     attention, send = Line.fit(attention_points, weights), Line.fit(send_points, weights)
     generated = sum(a.generated_per_step * a.steps for a, _ in pairs) / max(sum(a.tokens_per_step * a.steps for a, _ in pairs), 1e-9)
     return CostModel(Line.fit(host_points, [a.steps for a, _ in pairs]), attention, send, Line.fit(wire_points, weights),
                      ffn, stages, min(1.0, generated))
+
+
+def profile_scale(a: RankWindow) -> float:
+    """Ordinary step time ÷ what the attention rank's profiled step spent in its layers, at most 1.
+
+    Profiled steps time every layer and run eagerly (no CUDA graphs: every kernel launched from
+    the host), so on a GPU their layers take far longer than in the replayed steps around them.
+    Their split (attention vs send vs waiting for the FFN) is kept; their level is brought down
+    to the window's measured step. Below 1 only when the layers alone outlast a step; otherwise
+    the rest of the step is host time.
+    """
+    parts = a.compute_s + a.send_s + a.wait_s
+    return min(1.0, a.step_s / parts) if parts > 0 else 1.0
+
+
+def _ffn_scale(w: RankWindow, pairs: list[tuple[RankWindow, RankWindow]], scales: list[float]) -> float:
+    """The FFN computes in the same profiled steps as its attention ranks (they mark them), so the
+    same inflation: the mean scale of its attention ranks in that window, else of every pair."""
+    own = [scale for (_, f), scale in zip(pairs, scales) if f is w] or scales
+    return sum(own) / len(own)

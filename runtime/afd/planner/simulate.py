@@ -22,7 +22,9 @@ class SimulatedGroup:
     cumulative /metrics text of its ranks, as the runtime would."""
 
     def __init__(self, topology: str, stages: int = 1, attention=(2e-3, 1e-4), ffn=(1e-3, 2e-5), host=(4e-3, 2e-5),
-                 wire=(5e-4, 1e-6), layers: int = 4, noise: float = 0.0, seed: int = 0, clock: float = 0.0):
+                 wire=(5e-4, 1e-6), layers: int = 4, noise: float = 0.0, seed: int = 0, clock: float = 0.0,
+                 eager: tuple[float, float] = (1.0, 0.0)):
+        self.eager = eager  # profiled steps' layers: (factor, seconds added per layer), as eager kernels on a GPU
         self.topology, self.stages, self.layers, self.noise = Topology.parse(topology), stages, layers, noise
         self.lines = {"attention": attention, "ffn": ffn, "host": host, "wire": wire}
         self.totals: dict[tuple, float] = {}
@@ -45,12 +47,17 @@ class SimulatedGroup:
             for rank in range(self.topology.num_attention):
                 self._add("attention", rank, step, n, generated=n)
                 if (s + 1) % profile_every == 0:
-                    self._layers("attention", rank, attention, wait)
+                    self._layers("attention", rank, self._profiled(attention), self._profiled(wait))
             for rank in range(self.topology.num_ffn):
                 self._add("ffn", rank, step, m * self.layers)  # the FFN counts rows once per crossing layer
                 if (s + 1) % profile_every == 0:
-                    self._layers("ffn", rank, ffn, 0.0)
+                    self._layers("ffn", rank, self._profiled(ffn), 0.0)
             self.clock += step
+
+    def _profiled(self, seconds: float) -> float:
+        """What a profiled step times for a part costing `seconds` in an ordinary step."""
+        factor, per_layer = self.eager
+        return seconds * factor + per_layer * self.layers if seconds > 0 else 0.0
 
     def _add(self, role, rank, seconds, tokens, generated=0.0):
         for key, value in (("afd_step_duration_seconds_sum", seconds), ("afd_step_duration_seconds_count", 1),

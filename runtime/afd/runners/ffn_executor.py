@@ -58,6 +58,9 @@ class FFNStepExecutor:
         except ConnectorError as err:  # a transfer failed outright (NCCL saw a peer exit): drop who is gone, serve on
             failed.update(self.plane.fail_step(tuple(plans), str(err), watch))
         self.steps_run += 1
+        # from the plans: a replayed graph does not run the body, so counting rows there misses them
+        served = sum(sum(plan.stage_tokens) for peer, plan in plans.items() if peer not in failed)
+        self.rows_served += served * len(self.crossing)
         if profiling and self.instruments.on_layers is not None:
             self.instruments.on_layers(self.clock.collect())
         if self.instruments.on_step is not None:
@@ -105,7 +108,6 @@ class FFNStepExecutor:
                     sending = clock.now()
                     self.plane.send(output, received.transfer)
                     clock.lap("send", layer, sending)
-                    self.rows_served += received.hidden.shape[0]
         self.plane.flush()
 
     def _compute(self, layer_index: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
