@@ -136,7 +136,7 @@ class Interrupted(Exception):
 class Transport:
     """A registry entry: how to open each end, and the data plane of each side."""
 
-    open_peer: Callable[..., PeerTransport]  # (config, ffn_rank, identity)
+    open_peer: Callable[..., PeerTransport]  # (config, ffn endpoint (AFDConfig.ffn_endpoint), identity)
     open_server: Callable[..., ServerTransport]  # (config)
     attention_plane: Callable[[PlaneOptions], AttentionPlane]
     ffn_plane: Callable[[PlaneOptions, DataContract, ServerTransport], FFNPlane]

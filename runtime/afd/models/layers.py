@@ -96,12 +96,23 @@ class Experts(nn.Module):
     kernels of `afd.kernels.moe` run; elsewhere each expert with rows is one matmul.
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, first: int = 0):
         super().__init__()
         self.num_experts = num_experts
+        self.first = first  # global id of expert 0 here: an expert-parallel shard holds [first, first + num_experts)
         self.num_shared = 0  # shared experts folded in after loading (afd.models.moe_prep.fuse_shared_experts)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
+
+    def localize(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global (weights, ids) [T, k] → this shard's: other shards' experts get weight 0 and local id 0.
+
+        Shapes stay those of the step (no data-dependent filtering), so a shard's step is
+        capturable; the zero-weight pairs add exactly nothing to the partial sum.
+        """
+        local = ids - self.first
+        inside = (local >= 0) & (local < self.num_experts)
+        return weights * inside.to(weights.dtype), torch.where(inside, local, torch.zeros_like(local))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
@@ -144,6 +155,8 @@ class MoE(nn.Module):
     def from_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The expert half of the layer given router logits (shipped by attention or local)."""
         weights, ids = self.routing.select(router_logits, x.dtype)
+        if self.experts.num_experts != self.routing.num_experts:  # an expert-parallel shard: its experts only
+            weights, ids = self.experts.localize(weights, ids)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -1,0 +1,66 @@
+"""Expert parallelism in the FFN role: shard placement, what each shard loads, and that the shards sum to the whole."""
+
+import re
+
+import pytest
+import torch
+
+from afd.models.expert_shard import routed_expert_bytes
+from afd.models.loader import load_model
+from afd.topology import TopologyError, shard_range
+
+
+def test_shard_ranges_cover_every_item_once():
+    for count in (1, 7, 8, 64, 160):
+        for shards in range(1, min(count, 9) + 1):
+            ranges = [shard_range(count, shards, s) for s in range(shards)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == count
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1
+    assert shard_range(10, 4, 1) == (3, 6)
+    with pytest.raises(TopologyError):
+        shard_range(8, 2, 2)
+
+
+def _experts_read(keys):
+    return {int(m[1]) for k in keys if (m := re.search(r"\.experts\.(\d+)\.", k))}
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "qwen3_moe"])
+@pytest.mark.parametrize("shards", [2, 3, 4])
+def test_shards_hold_their_experts_and_sum_to_the_whole(name, shards, checkpoints):
+    """Each shard reads only its experts, holds ≈1/G of the routed expert bytes, and the G partial
+    FFN outputs add up to the unsharded FFN (gate on either side; dense layers included)."""
+    path = str(checkpoints[name])
+    for gate_on_attention in (False, True):
+        whole = load_model(path, "ffn", gate_on_attention)
+        parts = [load_model(path, "ffn", gate_on_attention, shard=(s, shards)) for s in range(shards)]
+        total = routed_expert_bytes(whole.model)
+        sizes = [routed_expert_bytes(p.model) for p in parts]
+        print(f"{name} G={shards}: routed expert bytes {total} whole, per shard {sizes} "
+              f"({[round(b / total, 3) for b in sizes]} of the whole)")
+        assert sum(sizes) == total
+        assert max(sizes) <= total / shards * 1.5 and max(sizes) < total
+        num_experts = whole.spec.num_experts
+        for s, part in enumerate(parts):
+            start, stop = shard_range(num_experts, shards, s)
+            assert _experts_read(part.loaded_keys) == set(range(start, stop))
+        torch.manual_seed(0)
+        hidden = torch.randn(7, whole.spec.hidden_size)
+        for index in whole.crossing:
+            layer = whole.model.layers[index]
+            if gate_on_attention:
+                logits = torch.randn(7, num_experts)
+                expected = layer.expert_half(hidden, logits)
+                got = sum(p.model.layers[index].expert_half(hidden, logits) for p in parts)
+            else:
+                expected = layer.ffn_half(hidden)
+                got = sum(p.model.layers[index].ffn_half(hidden) for p in parts)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_more_shards_than_experts_is_refused(checkpoints):
+    from afd.models.expert_shard import ShardError
+
+    with pytest.raises(ShardError, match="exceeds the model's 8 routed experts"):
+        load_model(str(checkpoints["qwen3_moe"]), "ffn", shard=(0, 9))
