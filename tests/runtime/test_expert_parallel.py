@@ -64,3 +64,44 @@ def test_more_shards_than_experts_is_refused(checkpoints):
 
     with pytest.raises(ShardError, match="exceeds the model's 8 routed experts"):
         load_model(str(checkpoints["qwen3_moe"]), "ffn", shard=(0, 9))
+
+
+# -- the whole group: greedy tokens equal transformers -------------------------------------------
+# Each case covers a different corner; together: both families, 1A1F/2A1F/3A2F, G = 2 and 4 (and 3,
+# which does not divide the 8 experts), stages 1 and 2, the gate on either side, loopback and zmq.
+GROUP_CASES = [
+    ("qwen3_moe", "1A1F", 2, 1, "ffn", "loopback"),
+    ("deepseek_v2", "2A1F", 4, 2, "attention", "loopback"),
+    ("qwen3_moe", "3A2F", 2, 2, "attention", "loopback"),
+    ("deepseek_v2", "3A2F", 3, 1, "ffn", "loopback"),
+    ("qwen3_moe", "3A2F", 4, 2, "ffn", "loopback"),
+    ("deepseek_v2", "1A1F", 2, 2, "ffn", "zmq"),
+    ("qwen3_moe", "2A1F", 4, 1, "attention", "zmq"),
+    ("deepseek_v2", "3A2F", 2, 1, "attention", "zmq"),
+]
+
+
+@pytest.mark.parametrize("name, topology, shards, stages, gate, connector", GROUP_CASES)
+def test_expert_parallel_group_equals_transformers(name, topology, shards, stages, gate, connector, checkpoints,
+                                                   hf_reference):
+    from afd.config import AFDConfig
+    from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error
+
+    tokens, logits = hf_reference(name)
+    config = AFDConfig(
+        num_attention_ranks=int(topology[0]), num_ffn_ranks=int(topology[2]), connector=connector, stages=stages,
+        gate_on_attention=gate == "attention", model=str(checkpoints[name]), ffn_expert_parallel=shards,
+        ffn_address_template=f"ep-{name}-{topology}-{shards}-{stages}-{gate}-{{rank}}",
+    )
+    if connector == "loopback":
+        from afd.local.group_threads import generate_in_threads
+
+        result = generate_in_threads(config, PROMPTS, NEW_TOKENS, ignore_eos=True)
+        got_tokens, got_logits = result.tokens, result.last_logits
+    else:
+        from afd.local.group_processes import generate_in_processes
+
+        got_tokens, got_logits = generate_in_processes(config, PROMPTS, NEW_TOKENS, ignore_eos=True)
+        got_logits = [torch.tensor(row) for row in got_logits]
+    assert got_tokens == tokens
+    assert max_relative_error(got_logits, logits) < 1e-4
