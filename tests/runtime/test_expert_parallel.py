@@ -105,3 +105,35 @@ def test_expert_parallel_group_equals_transformers(name, topology, shards, stage
         got_logits = [torch.tensor(row) for row in got_logits]
     assert got_tokens == tokens
     assert max_relative_error(got_logits, logits) < 1e-4
+
+
+def test_expert_load_counts_each_shards_experts(checkpoints):
+    """Sampled expert load: each shard counts its own experts (global ids in the series); together
+    they count every routed (token, expert) pair once."""
+    from prometheus_client import CollectorRegistry
+
+    from afd.metrics.expert_load import ExpertLoad, ExpertLoadCollector
+
+    path = str(checkpoints["deepseek_v2"])
+    torch.manual_seed(1)
+    hidden = torch.randn(11, 64)
+    series = {}
+    for shard in range(2):
+        loaded = load_model(path, "ffn", shard=(shard, 2))
+        load = ExpertLoad(loaded.model.layers, loaded.crossing)
+        for layer in loaded.crossing:
+            load.record(layer, hidden, None)
+        load.flush()
+        registry = CollectorRegistry()
+        ExpertLoadCollector(registry, 0, shard, load)
+        for family in registry.collect():
+            for sample in family.samples:
+                if sample.name == "afd_expert_tokens_total":
+                    series[(sample.labels["layer"], sample.labels["expert"])] = (sample.labels["shard"], sample.value)
+    top_k = 2
+    moe_layers = {layer for layer, _ in series}
+    assert moe_layers == {"1", "2"}  # layer 0 is dense
+    for layer in moe_layers:
+        counts = {int(e): v for (lay, e), (_, v) in series.items() if lay == layer}
+        assert sorted(counts) == list(range(8)) and sum(counts.values()) == 11 * top_k
+    assert {series[("1", str(e))][0] for e in range(4)} == {"0"} and {series[("1", str(e))][0] for e in range(4, 8)} == {"1"}

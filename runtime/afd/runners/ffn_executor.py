@@ -19,6 +19,7 @@ from afd.connector import wire
 from afd.connector.base import ConnectorError, FFNTransfer
 from afd.connector.plane import FFNPlane, PeerWatch
 from afd.connector.tensors import DTYPES
+from afd.metrics.expert_load import ExpertLoad
 from afd.metrics.layer_clock import StepInstruments
 from afd.models.loader import LoadedModel
 
@@ -40,6 +41,7 @@ class FFNStepExecutor:
         self.transfer_bytes = {"send": 0, "recv": 0}
         self.clock = instruments.clock  # per-layer timings of the steps attention marks `profile`
         self.instruments = instruments
+        self.expert_load = ExpertLoad(self.layers, self.crossing)  # tokens per expert, on the same profiled steps
 
     def run_step(self, plans: dict[bytes, wire.StepPlan], watch: PeerWatch,
                  stop: Callable[[], bool] = lambda: False) -> dict[bytes, str]:
@@ -57,6 +59,8 @@ class FFNStepExecutor:
             failed.update(self.plane.finish_step(tuple(plans), watch))
         except ConnectorError as err:  # a transfer failed outright (NCCL saw a peer exit): drop who is gone, serve on
             failed.update(self.plane.fail_step(tuple(plans), str(err), watch))
+        if profiling:
+            self.expert_load.flush()
         self.steps_run += 1
         if profiling and self.instruments.on_layers is not None:
             self.instruments.on_layers(self.clock.collect())
@@ -99,6 +103,8 @@ class FFNStepExecutor:
                     live.pop(peer, None)
                     failed[peer] = reason
                 if received.transfer.peers:
+                    if clock.active:  # a profiled step runs eagerly: counting here is off the graphs
+                        self.expert_load.record(layer, received.hidden, received.logits)
                     computing = clock.now()
                     output = self._compute(layer, received.hidden, received.logits)
                     clock.lap("compute", layer, computing)
