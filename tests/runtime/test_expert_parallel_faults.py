@@ -57,7 +57,7 @@ def test_a_shard_at_the_wrong_address_is_refused_in_the_handshake(checkpoints):
 
 def test_a_killed_shard_fails_the_step_and_the_group_recovers(checkpoints):
     from afd.engine.offline import generate_with_engine
-    from afd.local.children import LocalProcesses, threads_per_rank
+    from afd.local.children import LocalProcesses, free_port_block, threads_per_rank
     from afd.local.group_processes import local_zmq_config
     from afd.roles import build_attention
     from tests.conftest import PROMPTS
@@ -65,6 +65,7 @@ def test_a_killed_shard_fails_the_step_and_the_group_recovers(checkpoints):
     config = local_zmq_config(AFDConfig(model=str(checkpoints["deepseek_v2"]), ffn_expert_parallel=2, port_stride=2,
                                         peer_timeout_s=2.0, connect_timeout_s=60.0))
     threads = threads_per_rank(3)
+    metrics_ports = free_port_block(2)
 
     def generate(role):
         return generate_with_engine(role.runner, role.kv_cache, PROMPTS[:2], 6, (), True).tokens
@@ -72,7 +73,7 @@ def test_a_killed_shard_fails_the_step_and_the_group_recovers(checkpoints):
     with LocalProcesses() as processes:
         def start_shard(shard):
             env = {**config_to_env(config.replace(role="ffn", ffn_shard=shard, http_host="127.0.0.1",
-                                                  metrics_port=config.control_port + 100 + shard)), **threads}
+                                                  metrics_port=metrics_ports + shard)), **threads}
             processes.start(f"ffn-0-shard-{shard}", ["serve"], env)
 
         start_shard(0)
