@@ -107,7 +107,11 @@ class ShardedLink:
         self._each(lambda link: link.send(hidden, transfer, router_logits))
 
     def recv(self, transfer: AttnTransfer) -> torch.Tensor:
-        """Combine: the sum of the shards' partial outputs [tokens, hidden], added in float32."""
+        """Combine: the sum of the shards' partial outputs [tokens, hidden], added in float32.
+
+        Every shard's rows leave before any output is awaited (on NCCL a send otherwise waits for its
+        own pair's next receive, and shard s would get its rows only once shard s-1 had answered)."""
+        self._each(lambda link: link.plane.issue_sends())
         parts: list[torch.Tensor] = []
         self._each(lambda link: parts.append(link.recv(transfer)))
         total = parts[0].float()

@@ -77,6 +77,10 @@ class AttentionPlane(ABC):
     def recv(self, transfer: AttnTransfer) -> torch.Tensor:
         """The FFN output [tokens, hidden] of `transfer`; raises `PeerLost` past the peer timeout."""
 
+    def issue_sends(self) -> None:
+        """Issue what `send` still holds now rather than with the next receive (an expert-parallel
+        link does this for every shard before awaiting any, so the shards compute in parallel)."""
+
     @abstractmethod
     def finish_step(self, tick: Callable[[], None]) -> None:
         """Return once the step's transfers are done, calling `tick` while waiting; raises `PeerLost`."""
