@@ -250,6 +250,9 @@ class AFDDeploymentSpec(_Model):
             raise ValueError(
                 f"ffn.ranks ({self.ffn.ranks}) must not exceed attention.ranks ({self.attention.ranks})"
             )
+        if self.ffn.expert_parallel > 1 and self.afd.attention_engine == "vllm":
+            raise ValueError("ffn.expertParallel > 1 needs afd.attentionEngine=afd (the vLLM plugin links to "
+                             "unsharded FFN ranks only)")
         self.shutdown_grace_seconds  # noqa: B018 (a bad value is a spec error, not a render error)
         return self
 
