@@ -98,11 +98,17 @@ def test_expert_parallel_group_equals_transformers(name, topology, shards, stage
 
         result = generate_in_threads(config, PROMPTS, NEW_TOKENS, ignore_eos=True)
         got_tokens, got_logits = result.tokens, result.last_logits
-    else:
-        from afd.local.group_processes import generate_in_processes
+    else:  # through the CLI: `afd generate --ffn-expert-parallel G`, one process per rank and shard
+        import json
 
-        got_tokens, got_logits = generate_in_processes(config, PROMPTS, NEW_TOKENS, ignore_eos=True)
-        got_logits = [torch.tensor(row) for row in got_logits]
+        from tests.runtime.test_generate_cli import afd, prompt_args
+
+        done = afd("generate", "--model", checkpoints[name], "--topology", topology, "--stages", stages, "--gate", gate,
+                   "--ffn-expert-parallel", shards, *prompt_args(PROMPTS), "--max-tokens", NEW_TOKENS, "--ignore-eos",
+                   "--json", "--with-logits")
+        assert done.returncode == 0, done.stderr
+        output = json.loads(done.stdout.strip().splitlines()[-1])
+        got_tokens, got_logits = output["outputs"], [torch.tensor(row) for row in output["last_logits"]]
     assert got_tokens == tokens
     assert max_relative_error(got_logits, logits) < 1e-4
 
@@ -137,3 +143,28 @@ def test_expert_load_counts_each_shards_experts(checkpoints):
         counts = {int(e): v for (lay, e), (_, v) in series.items() if lay == layer}
         assert sorted(counts) == list(range(8)) and sum(counts.values()) == 11 * top_k
     assert {series[("1", str(e))][0] for e in range(4)} == {"0"} and {series[("1", str(e))][0] for e in range(4, 8)} == {"1"}
+
+
+def test_afd_up_plans_one_process_per_shard(tmp_path):
+    from afd.config import AFDConfig
+    from afd.up import plan_ranks
+
+    base = AFDConfig(num_attention_ranks=2, model=str(tmp_path), ffn_expert_parallel=2, port_stride=2)
+    ranks = plan_ranks(base)
+    assert [r.name for r in ranks] == ["ffn-0-shard-0", "ffn-0-shard-1", "attention-0", "attention-1"]
+    ffn_ports = [r.config.ffn_ports(r.config.ffn_endpoint(r.rank, r.config.ffn_shard)) for r in ranks if r.role == "ffn"]
+    metrics = [r.config.metrics_port for r in ranks]
+    assert len(set(ffn_ports)) == 2 and len(set(metrics)) == 4
+    assert ranks[1].describe(123)["shard"] == 1
+
+
+def test_config_checks_the_shard():
+    from afd.config import AFDConfig, ConfigError, values_from_env
+
+    with pytest.raises(ConfigError, match="ffn_shard=2: must be in 0..1"):
+        AFDConfig(role="ffn", ffn_expert_parallel=2, ffn_shard=2, port_stride=2)
+    with pytest.raises(ConfigError, match="ffn_expert_parallel=0"):
+        AFDConfig(ffn_expert_parallel=0)
+    env = {"AFD_ROLE": "ffn", "AFD_FFN_EXPERT_PARALLEL": "4", "HOSTNAME": "demo-g0-ffn-6"}
+    assert values_from_env(env) | {} == {"role": "ffn", "ffn_expert_parallel": 4, "rank": 1, "ffn_shard": 2}
+    assert values_from_env({**env, "AFD_ROLE": "attention", "HOSTNAME": "demo-g0-attn-6"})["rank"] == 6
