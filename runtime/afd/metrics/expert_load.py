@@ -33,8 +33,9 @@ class ExpertLoad:
             router_logits = moe.gate(self.norms[layer](hidden))
         _, ids = moe.routing.select(router_logits, hidden.dtype)  # [tokens, k] global ids
         local = ids.reshape(-1) - moe.experts.first
-        local = local[(local >= 0) & (local < moe.experts.num_experts)]
-        counts = torch.bincount(local, minlength=moe.experts.num_experts)
+        inside = (local >= 0) & (local < moe.experts.num_experts)
+        counts = torch.zeros(moe.experts.num_experts, dtype=torch.long, device=ids.device)  # no host sync (bincount has one)
+        counts.scatter_add_(0, torch.where(inside, local, torch.zeros_like(local)), inside.long())
         self._pending[layer] = self._pending[layer] + counts if layer in self._pending else counts
 
     def flush(self) -> None:
