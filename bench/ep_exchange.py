@@ -3,12 +3,12 @@
     NCCL_DEBUG=WARN python3 bench/ep_exchange.py [--shards 2] [--hidden 2048] [--rows 16,64,256,1024] [--layers 26]
 
 Process 0 is an attention rank on GPU 0 running the real `ShardedLink` over one `NcclAttentionPlane`
-per shard (every shard gets all rows; the partial outputs are summed). Processes 1..G are FFN
-shards that echo each layer's rows back with the FFN plane's send-with-the-next-receive grouping
-(no compute: only the exchange is timed). Shard s runs on GPU s when there are more than G GPUs,
+per shard (every shard gets all bf16 rows; the float32 partial outputs are summed). Processes
+1..G are FFN shards that send each layer's rows back as float32 partials with the FFN plane's
+send-with-the-next-receive grouping (no compute: only the exchange is timed). Shard s runs on GPU s when there are more than G GPUs,
 else every shard shares GPU 1 (NCCL refuses two ranks of one pair on one GPU, so no shard can
-share GPU 0 with attention). The bare baseline moves the same bytes as one [G·rows, hidden]
-exchange each way with shard 0 only. Printed per row count: µs per layer for the EP exchange
+share GPU 0 with attention). The bare baseline moves the same bytes in one exchange with shard 0
+only: [G·rows, hidden] bf16 out, float32 back. Printed per row count: µs per layer for the EP exchange
 (eager and replayed in a CUDA graph) and for the bare exchange (graph), and their ratio.
 """
 
@@ -29,7 +29,8 @@ def shard_gpu(shard: int, shards: int) -> int:
 
 
 def echo(comm, rows: int, hidden: int, layers: int, steps: int, device) -> None:
-    """The FFN side of `steps` steps: receive each layer's rows, send them back with the next receive."""
+    """The FFN side of `steps` steps: receive each layer's bf16 rows, send them back as float32 partials
+    with the next receive."""
     from afd.connector.nccl_lib import Group
 
     bufs = [torch.empty(rows, hidden, dtype=torch.bfloat16, device=device) for _ in range(2)]
@@ -40,7 +41,7 @@ def echo(comm, rows: int, hidden: int, layers: int, steps: int, device) -> None:
                 if pending is not None:
                     comm.send(pending)
                 comm.recv(bufs[layer % 2])
-            pending = bufs[layer % 2]
+            pending = bufs[layer % 2].float()
         with Group():
             comm.send(pending)
     torch.cuda.synchronize(device)
@@ -87,12 +88,12 @@ def attention_main(args, uids: list[str], barrier, plan) -> None:
         for layer in range(args.layers):
             transfer = AttnTransfer(step[0], layer, 0)
             link.send(out, transfer)
-            out = link.recv(transfer) / args.shards  # the echoes sum to G·x: scale back, so values stay put
+            out = (link.recv(transfer) / args.shards).to(x.dtype)  # the echoes sum to G·x: scale back
         return out
 
     print(f"shards={args.shards} (GPUs {[shard_gpu(s, args.shards) for s in range(args.shards)]}), hidden={args.hidden}, "
           f"layers={args.layers}, bf16", flush=True)
-    print(f"{'rows':>6} {'KiB/shard':>10} {'EP eager us':>12} {'EP graph us':>12} {'bare us':>9} {'EP/bare':>8}", flush=True)
+    print(f"{'rows':>6} {'KiB out':>10} {'EP eager us':>12} {'EP graph us':>12} {'bare us':>9} {'EP/bare':>8}", flush=True)
     for rows, steps in plan:
         x = torch.full((rows, args.hidden), 1.0, dtype=torch.bfloat16, device=device)
         barrier.wait()
@@ -106,7 +107,7 @@ def attention_main(args, uids: list[str], barrier, plan) -> None:
         assert torch.equal(y, x), "the combined output differs from what was sent"
         barrier.wait()
         big, big_out = (torch.ones(rows * args.shards, args.hidden, dtype=torch.bfloat16, device=device),
-                        torch.empty(rows * args.shards, args.hidden, dtype=torch.bfloat16, device=device))
+                        torch.empty(rows * args.shards, args.hidden, dtype=torch.float32, device=device))
         comm = links[0].plane.comm
 
         def bare_step():

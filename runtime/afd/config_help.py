@@ -8,7 +8,8 @@ SETTING_HELP: dict[str, str] = {
     "num_attention_ranks": "Attention ranks in the group (A of xAyF).",
     "num_ffn_ranks": "FFN ranks in the group (F of xAyF); attention rank a maps to FFN rank a // (A/F).",
     "ffn_expert_parallel": "Shards per FFN rank (G): shard s holds routed experts [s·E/G, (s+1)·E/G) and 1/G of the "
-                           "shared and dense MLP columns; attention sums the G partial outputs (docs/expert-parallel.md).",
+                           "shared-expert columns (dense layers: shard 0); attention sums the G partial outputs "
+                           "(docs/expert-parallel.md).",
     "ffn_shard": "FFN role: this process's shard of its rank. Unset in a pod with G > 1: the ordinal is rank·G + shard.",
     "ffn_address_template": "Host of FFN process `{rank}` (its pod ordinal: rank·G + shard with expert parallelism), "
                             "e.g. `demo-g0-ffn-{rank}.demo-g0-ffn.ns.svc`.",

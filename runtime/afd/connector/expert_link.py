@@ -26,6 +26,8 @@ class ShardedLink:
 
     def __init__(self, links: list[AttentionLink]):
         self.links = links
+        for link in links:  # shards return float32 partial sums (afd.models.expert_shard)
+            link.plane.return_dtype = torch.float32
         self.ffn_rank = links[0].ffn_rank
         self.recover_attempts = self.recover_failures = 0
         self._listeners: list[LinkListener] = []
@@ -107,7 +109,8 @@ class ShardedLink:
         self._each(lambda link: link.send(hidden, transfer, router_logits))
 
     def recv(self, transfer: AttnTransfer) -> torch.Tensor:
-        """Combine: the sum of the shards' partial outputs [tokens, hidden], added in float32.
+        """Combine: the sum of the shards' float32 partial outputs [tokens, hidden] (the caller rounds it
+        once, to its own dtype).
 
         Every shard's rows leave before any output is awaited (on NCCL a send otherwise waits for its
         own pair's next receive, and shard s would get its rows only once shard s-1 had answered)."""
@@ -117,7 +120,7 @@ class ShardedLink:
         total = parts[0].float()
         for part in parts[1:]:
             total = total + part.float()
-        return total.to(parts[0].dtype)
+        return total
 
     def wait_step(self) -> None:
         self._each(AttentionLink.wait_step)

@@ -51,6 +51,7 @@ class NcclAttentionPlane(AttentionPlane):
         self.comm: PairComm | None = None
         self._pending: list[torch.Tensor] = []
         self._shapes: dict[tuple[int, int], tuple[int, int, torch.dtype]] = {}
+        self.return_dtype: torch.dtype | None = None  # float32 from an expert-parallel shard, else what was sent
 
     def bind(self, transport, reply: HelloReply, pump, timeout_s: float) -> None:
         self.abort()  # the pair of an earlier connection, if any: its FFN end is gone
@@ -86,7 +87,7 @@ class NcclAttentionPlane(AttentionPlane):
 
     def recv(self, transfer: AttnTransfer) -> torch.Tensor:
         rows, cols, dtype = self._shapes.pop((transfer.layer, transfer.stage))
-        out = torch.empty(rows, cols, dtype=dtype, device=self.options.device)  # [tokens, hidden]
+        out = torch.empty(rows, cols, dtype=self.return_dtype or dtype, device=self.options.device)  # [tokens, hidden]
         if self.comm is None:
             raise PeerLost("no NCCL pair (the link was lost)")
         try:

@@ -2,15 +2,20 @@
 
 An FFN rank of G shards splits each layer's FFN so the G partial outputs sum to the whole:
 routed experts by expert ([s·E/G, (s+1)·E/G), balanced when G does not divide E), shared
-experts and dense MLPs by intermediate column (a SwiGLU MLP is a sum over its columns; the
-down-projection bias, if any, stays with shard 0). Every shard keeps the norm and the router,
-which are small, so routing (top-k groups included) is computed the same way on each.
-No shard holds a full copy of anything large; `shard_parts` tells the loader which slice of
-each checkpoint tensor a parameter holds, so a shard reads only its own experts.
+experts by intermediate column (a SwiGLU MLP is a sum over its columns; the down-projection
+bias, if any, stays with shard 0). Dense MLP layers (a few, small next to the experts) run
+whole on shard 0 and as zeros elsewhere, so their output is exactly the unsharded one. Every
+shard keeps the norm and the router, which are small, so routing (top-k groups included) is
+computed the same way on each. A shard sums its (token, expert) pairs in float32 and returns
+that partial in float32; attention adds the partials and rounds once, so bf16 results match the
+unsharded rank's (whose kernel also sums the pairs in float32 and rounds once). No shard holds a
+full copy of the routed experts; `shard_parts` tells the loader which slice of each checkpoint
+tensor a parameter holds, so a shard reads only its own experts.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from afd.models.base import MoECausalLM
@@ -36,10 +41,18 @@ def shard_ffn_model(model: MoECausalLM, shard: int, shards: int) -> None:
                 start, stop = shard_range(total, shards, shard)
                 _, hidden, inter = mlp.experts.down.shape
                 mlp.experts = Experts(stop - start, hidden, inter, first=start)
+                mlp.experts.partial_fp32 = True
             if mlp.shared_experts is not None:
                 mlp.shared_experts = _column_slice(mlp.shared_experts, shard, shards)
-        elif isinstance(mlp, GatedMLP):
-            layer.mlp = _column_slice(mlp, shard, shards)
+        elif isinstance(mlp, GatedMLP) and shard != 0:
+            layer.mlp = ZeroFFN()
+
+
+class ZeroFFN(nn.Module):
+    """A dense layer on shards other than 0: nothing to add ([tokens, hidden] float32 zeros)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
 
 
 def _column_slice(mlp: GatedMLP, shard: int, shards: int) -> GatedMLP:

@@ -100,6 +100,7 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.first = first  # global id of expert 0 here: an expert-parallel shard holds [first, first + num_experts)
+        self.partial_fp32 = False  # an expert-parallel shard sums its pairs in float32 (attention adds the partials)
         self.num_shared = 0  # shared experts folded in after loading (afd.models.moe_prep.fuse_shared_experts)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
@@ -116,7 +117,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            return experts_cuda(x, weights, ids, self.gate_up, self.down, self.num_shared)
+            sum_dtype = torch.float32 if self.partial_fp32 else None
+            return experts_cuda(x, weights, ids, self.gate_up, self.down, self.num_shared, sum_dtype)
         top_k = ids.shape[1]
         flat_ids = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat_ids, stable=True)
@@ -126,7 +128,9 @@ class Experts(nn.Module):
         gate, up = hidden.chunk(2, dim=-1)
         out = _grouped_matmul(F.silu(gate) * up, counts, self.down)  # [T*k, H]
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, rows, out.to(x.dtype))
+        # each token's pairs summed in float32 and rounded once, as the CUDA kernels do
+        total = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, out.float())
+        return total if self.partial_fp32 else total.to(x.dtype)
 
 
 def _grouped_matmul(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

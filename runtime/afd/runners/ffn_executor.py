@@ -83,7 +83,8 @@ class FFNStepExecutor:
         element = DTYPES[self.expected.dtype].itemsize
         per_row = len(self.crossing) * self.expected.hidden_size * element
         self.transfer_bytes["recv"] += rows * (per_row + len(self.crossing) * 4 * self.expected.router_width)
-        self.transfer_bytes["send"] += rows * per_row
+        partial = 4 if self.expected.expert_parallel > 1 else element  # a shard returns float32 partial sums
+        self.transfer_bytes["send"] += rows * len(self.crossing) * self.expected.hidden_size * partial
 
     def _step_body(self, plans: dict[bytes, wire.StepPlan], watch: PeerWatch, stop: Callable[[], bool],
                    failed: dict[bytes, str]) -> None:
@@ -116,6 +117,6 @@ class FFNStepExecutor:
 
     def _compute(self, layer_index: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         layer = self.layers[layer_index]
-        if router_logits is not None:
-            return layer.expert_half(hidden, router_logits)
-        return layer.ffn_half(hidden)
+        output = layer.expert_half(hidden, router_logits) if router_logits is not None else layer.ffn_half(hidden)
+        # an expert-parallel shard returns a float32 partial sum (afd.models.expert_shard)
+        return output.float() if self.expected.expert_parallel > 1 else output
