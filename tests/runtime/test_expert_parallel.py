@@ -213,3 +213,23 @@ def test_bf16_shards_equal_the_unsharded_rank(shards, gate, qwen_top6):
     sharded, whole = generate(shards), generate(1)
     assert sharded.tokens == whole.tokens
     assert all(torch.equal(a, b) for a, b in zip(sharded.last_logits, whole.last_logits))
+
+
+def test_the_shards_of_a_rank_export_distinct_series():
+    """Two shards' expositions merge (afd up's front door) without a duplicate series."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from afd.metrics.expert_load import shard_labelled
+    from afd.server.front_metrics import merge_expositions
+
+    texts = []
+    for shard in range(2):
+        registry = CollectorRegistry()
+        Counter("afd_ffn_steps", "FFN steps run", ["role", "rank"], registry=registry).labels("ffn", "0").inc(shard + 1)
+        texts.append(generate_latest(shard_labelled(registry, shard)).decode())
+    merged = merge_expositions(texts).decode()
+    samples = [(s.name, tuple(sorted(s.labels.items())), s.value) for f in text_string_to_metric_families(merged)
+               for s in f.samples if s.name == "afd_ffn_steps_total"]
+    assert sorted(samples) == [("afd_ffn_steps_total", (("rank", "0"), ("role", "ffn"), ("shard", "0")), 1.0),
+                               ("afd_ffn_steps_total", (("rank", "0"), ("role", "ffn"), ("shard", "1")), 2.0)]

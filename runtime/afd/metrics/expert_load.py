@@ -71,3 +71,19 @@ class ExpertLoadCollector:
             for expert, count in enumerate(totals):
                 family.add_metric([*self.labels.values(), str(layer), str(first + expert)], count)
         yield family
+
+
+def shard_labelled(registry: CollectorRegistry, shard: int) -> CollectorRegistry:
+    """`registry`'s series with `shard` added to each: the G processes of one FFN rank otherwise
+    export identical series, which a merged exposition (`afd up`'s front door) cannot hold twice."""
+
+    class _Labelled:
+        def collect(self):
+            for family in registry.collect():
+                family.samples = [s if "shard" in s.labels else s._replace(labels={**s.labels, "shard": str(shard)})
+                                  for s in family.samples]
+                yield family
+
+    labelled = CollectorRegistry(auto_describe=False)
+    labelled.register(_Labelled())
+    return labelled
