@@ -13,3 +13,6 @@ NCCL_DEBUG=WARN timeout 400 python3 -m pytest -q tests/gpu -p no:warnings -p no:
 timeout 150 python3 bench/graphs_vs_eager.py 2>&1 | tee $OUT/graphs_vs_eager.log
 
 NCCL_DEBUG=WARN NVSHMEM_DISABLE_NVLS=1 timeout 300 python3 bench/afd_decode.py --layers 27 --batches 32,128,192,256,384,512 --steps 30 --profile-steps 5 --deadline 285 2>&1 | tee $OUT/afd_decode.log
+# expert parallelism: per-layer dispatch/combine to 2 FFN shards vs a bare NCCL exchange of the same bytes
+NCCL_DEBUG=WARN timeout 200 python3 bench/ep_exchange.py --shards 2 --hidden 2048 --layers 26 2>&1 | tee $OUT/ep_exchange.log
+NCCL_DEBUG=WARN timeout 200 python3 bench/ep_exchange.py --shards 2 --hidden 7168 --layers 58 --rows 16,64,256 2>&1 | tee -a $OUT/ep_exchange.log

@@ -109,6 +109,11 @@ def layers() -> dict:
             (f"sum(rate(afd_layer_compute_seconds_sum{sel(ATTENTION)}[{RATE}])) / "
              f"sum(rate(afd_layer_compute_seconds_sum{sel(FFN)}[{RATE}]))", "attention / ffn")]),
         panel("Per-layer compute p99 by role", [(quantile(0.99, "afd_layer_compute_seconds", "role, layer"), "{{role}} L{{layer}}")], "s", width=24),
+        panel("Expert load per FFN shard (tokens/s routed to its experts, profiled steps)", [
+            (f"sum by (rank, shard) (rate(afd_expert_tokens_total{sel(FFN)}[{RATE}]))", "ffn {{rank}} shard {{shard}}")]),
+        panel("Expert imbalance per layer (busiest expert / mean expert; 1 = even)", [
+            (f"max by (layer) (rate(afd_expert_tokens_total{sel(FFN)}[{RATE}])) / "
+             f"avg by (layer) (rate(afd_expert_tokens_total{sel(FFN)}[{RATE}]))", "L{{layer}}")]),
     ])
 
 

@@ -74,6 +74,17 @@ class RoleSpec(_Model):
     env: list[EnvVar] = Field(default_factory=list)
 
 
+class FFNRoleSpec(RoleSpec):
+    """The FFN role: its ranks, and the shards (pods, one GPU each) of each rank."""
+
+    expert_parallel: int = Field(default=1, ge=1, le=64)
+
+    @property
+    def pods(self) -> int:
+        """Pods of the role per group: rank r's shard s is pod r·expertParallel + s."""
+        return self.ranks * self.expert_parallel
+
+
 class SecretKeyRef(_Model):
     name: str
     key: str = "HF_TOKEN"
@@ -219,7 +230,7 @@ class AFDDeploymentSpec(_Model):
     model: ModelSource
     served_model_name: Optional[str] = Field(default=None, min_length=1, max_length=256)
     attention: RoleSpec = Field(default_factory=RoleSpec)
-    ffn: RoleSpec = Field(default_factory=RoleSpec)
+    ffn: FFNRoleSpec = Field(default_factory=FFNRoleSpec)
     afd: AFDSettings = Field(default_factory=AFDSettings)
     ports: Ports = Field(default_factory=Ports)
     probes: Probes = Field(default_factory=Probes)
@@ -239,6 +250,9 @@ class AFDDeploymentSpec(_Model):
             raise ValueError(
                 f"ffn.ranks ({self.ffn.ranks}) must not exceed attention.ranks ({self.attention.ranks})"
             )
+        if self.ffn.expert_parallel > 1 and self.afd.attention_engine == "vllm":
+            raise ValueError("ffn.expertParallel > 1 needs afd.attentionEngine=afd (the vLLM plugin links to "
+                             "unsharded FFN ranks only)")
         self.shutdown_grace_seconds  # noqa: B018 (a bad value is a spec error, not a render error)
         return self
 
@@ -256,6 +270,10 @@ class AFDDeploymentSpec(_Model):
         if not 0 <= grace <= MAX_SHUTDOWN_GRACE_S:
             raise ValueError(f"attention.env {SHUTDOWN_GRACE_ENV}={raw!r}: must be in 0..{MAX_SHUTDOWN_GRACE_S:g} seconds")
         return grace
+
+    def pods(self, role: str) -> int:
+        """Pods of `role` per group (an FFN rank of G shards is G pods)."""
+        return self.attention.ranks if role == "attention" else self.ffn.pods
 
     @property
     def topology(self) -> Topology:

@@ -89,8 +89,10 @@ def observe_groups(
     pods: Iterable[PodFacts],
     attention_ranks: int,
     ffn_ranks: int,
+    ffn_shards: int = 1,
 ) -> list[GroupView]:
-    """Join remembered groups with their pods. Groups seen only through pods are adopted
+    """Join remembered groups with their pods (`ffn_ranks` counts FFN pods; a group's remembered
+    topology counts ranks, each of `ffn_shards` pods). Groups seen only through pods are adopted
     (e.g. after the status was lost), with the revision their pods carry."""
     by_group: dict[int, list[PodFacts]] = {}
     for pod in pods:
@@ -100,14 +102,14 @@ def observe_groups(
         if index not in known:
             known[index] = GroupMemory(index=index, revision=group_pods[0].revision)
     return [
-        _observe_one(known[i], by_group.get(i, []), attention_ranks, ffn_ranks) for i in sorted(known)
+        _observe_one(known[i], by_group.get(i, []), attention_ranks, ffn_ranks, ffn_shards) for i in sorted(known)
     ]
 
 
-def _observe_one(memory: GroupMemory, pods: list[PodFacts], attention: int, ffn: int) -> GroupView:
+def _observe_one(memory: GroupMemory, pods: list[PodFacts], attention: int, ffn: int, ffn_shards: int) -> GroupView:
     if memory.topology:  # judged by its own shape, not by the one a rollout moves towards
         shape = Topology.parse(memory.topology)
-        attention, ffn = shape.num_attention, shape.num_ffn
+        attention, ffn = shape.num_attention, shape.num_ffn * ffn_shards
     current = [p for p in pods if not p.deleting]
     ready_attention = sum(p.ready and p.role == "attention" for p in current)
     ready_ffn = sum(p.ready and p.role == "ffn" for p in current)

@@ -84,7 +84,8 @@ def reconcile(
         return _invalid(str(err), previous, generation, now)
     spec = effective_spec(asked, previous)  # the ranks spec.ratio Auto chose, if any
 
-    views = observe_groups(memories_from_status(previous), pods, spec.attention.ranks, spec.ffn.ranks)
+    views = observe_groups(memories_from_status(previous), pods, spec.pods("attention"), spec.pods("ffn"),
+                           spec.ffn.expert_parallel)
     reset_after = float(spec.restart_policy.max_backoff_seconds)
     recovers = spec.restart_type != RECREATE
     memories = {v.state.index: _shaped(remember(v, now, reset_after, recovers), spec) for v in views}
@@ -156,7 +157,7 @@ def _rank_pods(spec: AFDDeploymentSpec, owner: Owner, index: int) -> list[str]:
     """Pod names of every rank of a group (pods not yet in the index are deleted too)."""
     return [
         f"{L.role_name(owner.name, index, role)}-{rank}"
-        for role, ranks in (("attention", spec.attention.ranks), ("ffn", spec.ffn.ranks))
+        for role, ranks in (("attention", spec.pods("attention")), ("ffn", spec.pods("ffn")))
         for rank in range(ranks)
     ]
 

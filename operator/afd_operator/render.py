@@ -128,10 +128,11 @@ def render_headless_service(
 def render_stateful_set(
     spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, revision: str
 ) -> dict:
-    """One pod per rank. `OnDelete`: the operator replaces a whole group at once, so the
-    StatefulSet controller must never roll a single rank to a new revision."""
+    """One pod per rank (per shard of an FFN rank: ordinal rank·G + shard). `OnDelete`: the operator
+    replaces a whole group at once, so the StatefulSet controller must never roll a single rank to a
+    new revision."""
     name = L.role_name(owner.name, index, role)
-    ranks = spec.attention.ranks if role == "attention" else spec.ffn.ranks
+    ranks = spec.pods(role)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -150,7 +151,7 @@ def render_stateful_set(
 def render_pod_group(spec: AFDDeploymentSpec, owner: Owner, index: int, revision: str) -> dict:
     """Gang scheduling: no rank of a group is bound until all of them can be."""
     gang = spec.gang_scheduling
-    members = spec.attention.ranks + spec.ffn.ranks
+    members = spec.pods("attention") + spec.pods("ffn")
     meta = _meta(owner, L.podgroup_name(owner.name, index), L.group_labels(owner.name, index, revision))
     if gang.scheduler == "volcano":
         return {"apiVersion": VOLCANO_PODGROUP, "kind": "PodGroup", "metadata": meta,

@@ -80,6 +80,8 @@ def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         "AFD_HTTP_PORT": ports.http,
         "AFD_METRICS_PORT": ports.metrics,
         **_engine_env(spec, owner, role),
+        # only when set, so the pods of groups without expert parallelism stay as they were
+        **({"AFD_FFN_EXPERT_PARALLEL": spec.ffn.expert_parallel} if spec.ffn.expert_parallel > 1 else {}),
         # Both roles of a group share it; a pod of another group or revision is refused.
         "AFD_GROUP_TOKEN": f"{L.group_name(owner.name, index)}-{revision}",
         "AFD_CONFIG_FILE": CONFIG_FILE,

@@ -86,7 +86,7 @@ def render_status(inp: StatusInput, previous: Mapping[str, Any], now: float) -> 
         "updateRevision": revision,
         "attention": {"desired": spec.replicas * spec.attention.ranks,
                       "ready": sum(g.ready_attention for g in groups)},
-        "ffn": {"desired": spec.replicas * spec.ffn.ranks, "ready": sum(g.ready_ffn for g in groups)},
+        "ffn": {"desired": spec.replicas * spec.pods("ffn"), "ready": sum(g.ready_ffn for g in groups)},
         "groups": [_group_status(g) for g in sorted(groups, key=lambda g: g.memory.index)],
     }
     conditions = judge(inp, len(ready), len(updated), len(available), len(groups))

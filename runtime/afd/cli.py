@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stages", type=int, default=1, help="micro-batches per layer: 1, or 2 (ping-pong)")
     generate.add_argument("--gate", default="ffn", help="where the MoE router runs: ffn or attention")
     generate.add_argument("--connector", default="zmq", help="zmq (one process per rank) or loopback (threads)")
+    generate.add_argument("--ffn-expert-parallel", type=int, default=1, metavar="G",
+                          help="shards per FFN rank, each holding 1/G of the routed experts")
     generate.add_argument("--prompt-ids", type=_prompt_ids, action="append", required=True, metavar="IDS")
     generate.add_argument("--max-tokens", type=int, default=16)
     generate.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--topology", default="2A1F")
     up.add_argument("--stages", type=int, default=2)
     up.add_argument("--gate", default="ffn", help="ffn or attention")
+    up.add_argument("--ffn-expert-parallel", type=int, default=1, metavar="G",
+                    help="shards per FFN rank, each holding 1/G of the routed experts")
     up.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible URL")
     up.add_argument("--monolithic", action="store_true",
                     help="one process with the whole model (FFN local), same engine and API: the A/B baseline")
@@ -131,7 +135,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         ffn_address_template="127.0.0.1",
-        port_stride=2,  # local ranks share one host; each FFN rank gets its own ports
+        port_stride=2,  # local ranks share one host; each FFN process gets its own ports
+        ffn_expert_parallel=args.ffn_expert_parallel,
     )
     if config.connector == "nccl":
         raise ConfigError("--connector nccl: afd generate runs zmq or loopback groups")
@@ -235,6 +240,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model=str(model),
         ffn_address_template="127.0.0.1",
         port_stride=2,
+        ffn_expert_parallel=1 if args.monolithic else args.ffn_expert_parallel,
     )
     if args.read_timeout <= 0:
         raise ConfigError(f"--read-timeout {args.read_timeout}: must be positive")

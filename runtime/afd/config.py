@@ -22,7 +22,8 @@ CONNECTORS = ("loopback", "zmq", "nccl")
 STAGES = (1, 2)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_ENGINES = ("afd", "vllm")  # vllm: the attention pod runs vLLM with afd.vllm_plugin
+ATTENTION_ENGINES = ("afd", "vllm")
+MAX_EXPERT_PARALLEL = 64  # vllm: the attention pod runs vLLM with afd.vllm_plugin
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,8 @@ class AFDConfig:
     rank: int = 0
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
+    ffn_expert_parallel: int = 1  # shards per FFN rank, each holding 1/G of the routed experts (docs/expert-parallel.md)
+    ffn_shard: int = 0  # FFN role: which shard of its rank this process is
     ffn_address_template: str = "127.0.0.1"
     control_port: int = 25500
     data_port: int = 25501
@@ -89,6 +92,11 @@ class AFDConfig:
         except TopologyError as err:
             raise ConfigError(str(err)) from None
         size = topology.num_ffn if self.role == "ffn" else topology.num_attention
+        if not 1 <= self.ffn_expert_parallel <= MAX_EXPERT_PARALLEL:
+            raise ConfigError(f"ffn_expert_parallel={self.ffn_expert_parallel}: must be in 1..{MAX_EXPERT_PARALLEL}")
+        if not 0 <= self.ffn_shard < self.ffn_expert_parallel:
+            raise ConfigError(f"ffn_shard={self.ffn_shard}: must be in 0..{self.ffn_expert_parallel - 1} "
+                              f"for ffn_expert_parallel={self.ffn_expert_parallel}")
         if not 0 <= self.rank < size:
             raise ConfigError(f"rank={self.rank}: a {self.role} rank must be in 0..{size - 1} for {topology}")
         for name in ("control_port", "data_port", "http_port", "metrics_port"):
@@ -99,10 +107,10 @@ class AFDConfig:
                      "heartbeat_interval_s", "shutdown_grace_s", "max_request_bytes", "max_prompts"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
-        if self.num_ffn_ranks > 1 and "{rank}" not in self.ffn_address_template and not self.port_stride:
+        if self.num_ffn_ranks * self.ffn_expert_parallel > 1 and "{rank}" not in self.ffn_address_template and not self.port_stride:
             raise ConfigError(
                 f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
-                f"all {self.num_ffn_ranks} FFN ranks would share one address"
+                f"all {self.num_ffn_ranks * self.ffn_expert_parallel} FFN processes would share one address"
             )
         for name in ("max_model_len", "port_stride", "kv_cache_bytes", "profile_every", "ffn_batch_window_s", "dbo_min_tokens",
                      "max_prompt_chars"):
@@ -117,13 +125,17 @@ class AFDConfig:
     def topology(self) -> Topology:
         return Topology(self.num_attention_ranks, self.num_ffn_ranks)
 
-    def ffn_host(self, ffn_rank: int) -> str:
-        """Host name of FFN rank `ffn_rank` from the address template."""
-        return self.ffn_address_template.format(rank=ffn_rank)
+    def ffn_endpoint(self, ffn_rank: int, shard: int = 0) -> int:
+        """Index of shard `shard` of FFN rank `ffn_rank` among the group's FFN processes (its pod ordinal)."""
+        return ffn_rank * self.ffn_expert_parallel + shard
 
-    def ffn_ports(self, ffn_rank: int) -> tuple[int, int]:
-        """(control, data) ports of FFN rank `ffn_rank`; a stride keeps local ranks apart."""
-        offset = ffn_rank * self.port_stride
+    def ffn_host(self, endpoint: int) -> str:
+        """Host name of FFN process `endpoint` (`ffn_endpoint`; the rank itself without expert parallelism)."""
+        return self.ffn_address_template.format(rank=endpoint)
+
+    def ffn_ports(self, endpoint: int) -> tuple[int, int]:
+        """(control, data) ports of FFN process `endpoint`; a stride keeps local processes apart."""
+        offset = endpoint * self.port_stride
         return self.control_port + offset, self.data_port + offset
 
     def replace(self, **changes: Any) -> "AFDConfig":
@@ -157,6 +169,8 @@ ENV_VARS: dict[str, str] = {
     "AFD_RANK": "rank",
     "AFD_NUM_ATTENTION_RANKS": "num_attention_ranks",
     "AFD_NUM_FFN_RANKS": "num_ffn_ranks",
+    "AFD_FFN_EXPERT_PARALLEL": "ffn_expert_parallel",
+    "AFD_FFN_SHARD": "ffn_shard",
     "AFD_FFN_ADDRESS_TEMPLATE": "ffn_address_template",
     "AFD_CONTROL_PORT": "control_port",
     "AFD_DATA_PORT": "data_port",
@@ -212,12 +226,19 @@ def _coerce(source: str, name: str, raw: Any) -> Any:
 
 
 def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """Settings present in `env`, typed; `AFD_RANK` falls back to the `$HOSTNAME` ordinal."""
+    """Settings present in `env`, typed; `AFD_RANK` falls back to the `$HOSTNAME` ordinal.
+
+    An FFN pod of a rank of G shards (`AFD_FFN_EXPERT_PARALLEL`) is ordinal rank·G + shard.
+    """
     values = {field: _coerce(var, field, env[var]) for var, field in ENV_VARS.items() if var in env}
     if "AFD_TOPOLOGY" in env:
         values.update(values_from_topology(env["AFD_TOPOLOGY"], source="AFD_TOPOLOGY"))
     if "rank" not in values and (match := _ORDINAL_RE.search(env.get("HOSTNAME", ""))):
-        values["rank"] = int(match.group(1))
+        ordinal, shards = int(match.group(1)), values.get("ffn_expert_parallel", 1)
+        if values.get("role") == "ffn" and shards > 1 and "ffn_shard" not in values:
+            values["rank"], values["ffn_shard"] = divmod(ordinal, shards)
+        else:
+            values["rank"] = ordinal
     return values
 
 

@@ -7,7 +7,12 @@ SETTING_HELP: dict[str, str] = {
     "rank": "Rank within the role. Unset in a pod: the StatefulSet ordinal at the end of `$HOSTNAME`.",
     "num_attention_ranks": "Attention ranks in the group (A of xAyF).",
     "num_ffn_ranks": "FFN ranks in the group (F of xAyF); attention rank a maps to FFN rank a // (A/F).",
-    "ffn_address_template": "Host of FFN rank `{rank}`, e.g. `demo-g0-ffn-{rank}.demo-g0-ffn.ns.svc`.",
+    "ffn_expert_parallel": "Shards per FFN rank (G): shard s holds routed experts [s·E/G, (s+1)·E/G) and 1/G of the "
+                           "shared-expert columns (dense layers: shard 0); attention sums the G partial outputs "
+                           "(docs/expert-parallel.md).",
+    "ffn_shard": "FFN role: this process's shard of its rank. Unset in a pod with G > 1: the ordinal is rank·G + shard.",
+    "ffn_address_template": "Host of FFN process `{rank}` (its pod ordinal: rank·G + shard with expert parallelism), "
+                            "e.g. `demo-g0-ffn-{rank}.demo-g0-ffn.ns.svc`.",
     "control_port": "FFN control-plane port (zmq: Hello, StepPlan, Heartbeat, Goodbye).",
     "data_port": "FFN data-plane port (zmq frames; with nccl, only the NCCL bootstrap).",
     "port_stride": "Added to both ports per FFN rank, so several FFN ranks can share one host (local runs).",

@@ -26,6 +26,7 @@ from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.ffn_executor import FFNStepExecutor
 from afd.runners.ffn_worker import FFNWorker
 from afd.runners.handshake import make_hello
+from afd.runners.step_order import step_order
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ def load_share(config: AFDConfig) -> Share:
     """The weights of `config.role` on its device (the FFN's MoE kernels warmed up on a GPU)."""
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
-    loaded = load_model(config.model, config.role, config.gate_on_attention, torch_dtype(dtype), device)
+    shard = (config.ffn_shard, config.ffn_expert_parallel) if config.role == "ffn" else (0, 1)
+    loaded = load_model(config.model, config.role, config.gate_on_attention, torch_dtype(dtype), device, shard)
     if config.role == "ffn" and device.type == "cuda":
         from afd.models.moe_prep import warm_up
 
@@ -62,14 +64,16 @@ def assemble_ffn(config: AFDConfig, share: Share, instruments: StepInstruments =
     contract = DataContract(share.loaded.spec.hidden_size, share.dtype, expected.router_width)
     plane = transport.ffn_plane(PlaneOptions(share.device, config.peer_timeout_s), contract, server)
     served = config.topology.attention_ranks_of(config.rank)
-    log.info("ffn rank %d serves attention ranks %s on layers %s", config.rank, list(served), list(share.loaded.crossing))
+    log.info("ffn rank %d%s serves attention ranks %s on layers %s", config.rank,
+             f" shard {config.ffn_shard} of {config.ffn_expert_parallel}" if config.ffn_expert_parallel > 1 else "",
+             list(served), list(share.loaded.crossing))
     link = FFNLink(server, plane, expected, served, config.rank, identity_key(config.group_token, config.group_secret))
     graphs = None
     if graphs_usable(config, share.device, share.dtype):
         from afd.graphs.ffn import FFNGraphs
 
         graphs = FFNGraphs(share.device)
-    return FFNWorker(link, FFNStepExecutor(share.loaded, plane, expected, graphs, instruments), config.ffn_batch_window_s)
+    return FFNWorker(link, FFNStepExecutor(share.loaded, plane, expected, graphs, instruments), order=step_order(config))
 
 
 def build_ffn(config: AFDConfig, instruments: StepInstruments = StepInstruments()) -> FFNWorker:
@@ -98,7 +102,7 @@ class AttentionRole:
 
     loaded: LoadedModel
     kv_cache: KVCache
-    link: AttentionLink
+    link: AttentionLink  # or afd.connector.expert_link.ShardedLink, which has its interface
     runner: AttentionRunner
     device: torch.device
 
@@ -112,7 +116,12 @@ class AttentionRole:
 def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
                        instruments: StepInstruments = StepInstruments()) -> AttentionRole:
     """Attention rank `config.rank` around its share and KV cache: handshaken, decode graphs captured."""
-    link = AttentionLink.connect(config, share.hello(config), share.device)
+    if config.ffn_expert_parallel > 1:  # one link per shard, summed (afd.connector.expert_link)
+        from afd.connector.expert_link import ShardedLink
+
+        link = ShardedLink.connect(config, share.hello(config), share.device)
+    else:
+        link = AttentionLink.connect(config, share.hello(config), share.device)
     runner = AttentionRunner(share.loaded, link, kv_cache,
                              StepOptions(config.stages, config.gate_on_attention, config.dbo_min_tokens), instruments)
     link.listen(runner)

@@ -81,3 +81,16 @@ def crossing_layers(moe_layers: Sequence[bool], gate_on_attention: bool) -> tupl
     if not gate_on_attention:
         return tuple(range(len(moe_layers)))
     return tuple(i for i, is_moe in enumerate(moe_layers) if is_moe)
+
+
+def shard_range(count: int, shards: int, shard: int) -> tuple[int, int]:
+    """[start, stop) of shard `shard` when `count` items (experts, MLP columns) go to `shards` shards.
+
+    Balanced contiguous blocks, like `Topology.ffn_rank_of`: the first `count % shards` shards
+    take one item more, so E not divisible by G still places every expert exactly once.
+    """
+    if not 0 <= shard < shards:
+        raise TopologyError(f"shard {shard} is out of range 0..{shards - 1}")
+    base, extra = divmod(count, shards)
+    start = shard * base + min(shard, extra)
+    return start, start + base + (1 if shard < extra else 0)

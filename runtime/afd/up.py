@@ -56,13 +56,17 @@ class Rank:
 
     @property
     def name(self) -> str:
+        if self.role == "ffn" and self.config.ffn_expert_parallel > 1:
+            return f"ffn-{self.rank}-shard-{self.config.ffn_shard}"
         return f"{self.role}-{self.rank}"
 
     def describe(self, pid: int) -> dict:
         entry = {"role": self.role, "rank": self.rank, "pid": pid,
                  "metrics": f"http://127.0.0.1:{self.config.metrics_port}/metrics"}
         if self.role == "ffn":
-            control, data = self.config.ffn_ports(self.rank)
+            if self.config.ffn_expert_parallel > 1:
+                entry["shard"] = self.config.ffn_shard
+            control, data = self.config.ffn_ports(self.config.ffn_endpoint(self.rank, self.config.ffn_shard))
             entry.update(control=f"tcp://127.0.0.1:{control}", data=f"tcp://127.0.0.1:{data}")
         else:
             entry["api"] = f"http://127.0.0.1:{self.config.http_port}/v1"
@@ -76,9 +80,10 @@ def plan_ranks(base: AFDConfig) -> list[Rank]:
     if base.role == "monolithic":  # one process, the whole model
         first = free_port_block(2)
         return [Rank("monolithic", 0, config.replace(rank=0, http_host="127.0.0.1", http_port=first, metrics_port=first + 1))]
-    ports = iter(range(free_port_block(topology.num_ffn + 2 * topology.num_attention), 65536))
-    ranks = [Rank("ffn", f, config.replace(role="ffn", rank=f, http_host="127.0.0.1", metrics_port=next(ports)))
-             for f in range(topology.num_ffn)]
+    shards = config.ffn_expert_parallel
+    ports = iter(range(free_port_block(topology.num_ffn * shards + 2 * topology.num_attention), 65536))
+    ranks = [Rank("ffn", f, config.replace(role="ffn", rank=f, ffn_shard=s, http_host="127.0.0.1", metrics_port=next(ports)))
+             for f in range(topology.num_ffn) for s in range(shards)]
     ranks += [Rank("attention", a, config.replace(role="attention", rank=a, http_host="127.0.0.1",
                                                   http_port=next(ports), metrics_port=next(ports)))
               for a in range(topology.num_attention)]

@@ -45,6 +45,9 @@ def test_zmq_defaults_to_runtime_recovery():
          "restartPolicy.maxBackoffSeconds (10) must not be below restartPolicy.backoffSeconds (60)"),
         ({"model": {"uri": "s3://bucket/model"}}, "expected pvc://<claim>[/dir], hf://<org>/<name>"),
         ({"attention": {"rank": 2}}, "spec.attention.rank: Extra inputs are not permitted"),
+        ({"ffn": {"expertParallel": 65}}, "spec.ffn.expertParallel: Input should be less than or equal to 64"),
+        ({"attention": {"expertParallel": 2}}, "spec.attention.expertParallel: Extra inputs are not permitted"),
+        ({"ffn": {"expertParallel": 2}, "afd": {"attentionEngine": "vllm"}}, "ffn.expertParallel > 1 needs afd.attentionEngine=afd"),
     ],
 )
 def test_bad_specs_give_clear_messages(change, message):

@@ -42,6 +42,10 @@ CASES = {
         name="vllm", afd={"attentionEngine": "vllm", "attentionImage": "registry.example/afd-vllm:0.1.0",
                           "vllmArgs": ["--enforce-eager", "--max-num-seqs", "32"]},
     ),
+    "1g-3a2f-nccl-ep2-gang": make_cr(
+        name="ep", attention={"ranks": 3}, ffn={"ranks": 2, "expertParallel": 2}, afd={"connector": "nccl"},
+        gangScheduling={"enabled": True, "scheduler": "volcano"},
+    ),
     "1g-2a1f-zmq-netpol-uid": make_cr(
         name="locked", networkPolicy={"enabled": True}, podSecurity={"runAsUser": 2000, "runAsGroup": 3000,
                                                                       "fsGroup": 4000},
@@ -74,6 +78,17 @@ def test_every_manifest_is_valid_kubernetes(case, version):
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as err:
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for {version}: {err.message}")
+
+
+def test_an_expert_parallel_ffn_rank_is_one_pod_per_shard():
+    """3A2F with 2 shards per FFN rank: 4 FFN pods (ordinal rank·2 + shard), all in the gang."""
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in _render(CASES["1g-3a2f-nccl-ep2-gang"])}
+    assert objs[("StatefulSet", "ep-g0-ffn")]["spec"]["replicas"] == 4
+    assert objs[("StatefulSet", "ep-g0-attn")]["spec"]["replicas"] == 3
+    assert objs[("PodGroup", "ep-g0")]["spec"]["minMember"] == 7
+    env = {e["name"]: e.get("value") for e in
+           objs[("StatefulSet", "ep-g0-ffn")]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["AFD_FFN_EXPERT_PARALLEL"] == "2" and env["AFD_NUM_FFN_RANKS"] == "2"
 
 
 def test_children_count_and_names():
@@ -213,10 +228,15 @@ def test_pods_configure_the_runtime_through_afd_config(case, tmp_path):
         group = sts["metadata"]["labels"][L.GROUP]
         config_file = tmp_path / f"g{group}.yaml"
         config_file.write_text(config_maps[f"{body['metadata']['name']}-g{group}-config"]["data"]["afd.yaml"])
-        for rank in range(sts["spec"]["replicas"]):
-            env.update(HOSTNAME=f"{sts['metadata']['name']}-{rank}", AFD_CONFIG_FILE=str(config_file))
+        role = sts["metadata"]["labels"][L.ROLE]
+        for ordinal in range(sts["spec"]["replicas"]):
+            env.update(HOSTNAME=f"{sts['metadata']['name']}-{ordinal}", AFD_CONFIG_FILE=str(config_file))
             cfg = afd_config.load_config(env=env)
-            assert (cfg.role, cfg.rank) == (sts["metadata"]["labels"][L.ROLE], rank)
+            shards = spec.ffn.expert_parallel
+            rank, shard = divmod(ordinal, shards) if role == "ffn" else (ordinal, 0)
+            assert (cfg.role, cfg.rank, cfg.ffn_shard, cfg.ffn_expert_parallel) == (role, rank, shard, shards)
+            if role == "ffn":  # attention finds this pod as shard `shard` of FFN rank `rank`
+                assert cfg.ffn_endpoint(cfg.rank, cfg.ffn_shard) == ordinal
             assert cfg.topology == spec.topology
             assert cfg.connector == spec.afd.connector and cfg.stages == spec.afd.stages
             ffn = f"{body['metadata']['name']}-g{group}-ffn"

@@ -68,19 +68,22 @@ class AttentionLink:
         self._last_beat = self._last_heard = time.monotonic()
 
     @classmethod
-    def open(cls, config: AFDConfig, device: torch.device | str, options: LinkOptions | None = None) -> "AttentionLink":
-        """Attention rank `config.rank`'s link to its FFN rank, over `config.connector`; not handshaken yet."""
+    def open(cls, config: AFDConfig, device: torch.device | str, options: LinkOptions | None = None,
+             shard: int = 0) -> "AttentionLink":
+        """Attention rank `config.rank`'s link to (shard `shard` of) its FFN rank, over `config.connector`;
+        not handshaken yet."""
         transport = registry.transport(config.connector)
         ffn_rank = config.topology.ffn_rank_of(config.rank)
+        endpoint = config.ffn_endpoint(ffn_rank, shard)
         options = options or LinkOptions.of(config)
         plane = transport.attention_plane(PlaneOptions(device, options.peer_timeout_s))
-        return cls(ffn_rank, lambda: transport.open_peer(config, ffn_rank, registry.peer_identity(config)), plane, options)
+        return cls(ffn_rank, lambda: transport.open_peer(config, endpoint, registry.peer_identity(config)), plane, options)
 
     @classmethod
     def connect(cls, config: AFDConfig, hello: wire.Hello, device: torch.device | str,
-                options: LinkOptions | None = None) -> "AttentionLink":
+                options: LinkOptions | None = None, shard: int = 0) -> "AttentionLink":
         """Open and handshake (raises `HandshakeError`; nothing is left open then)."""
-        link = cls.open(config, device, options)
+        link = cls.open(config, device, options, shard)
         try:
             link.handshake(hello)
         except Exception:

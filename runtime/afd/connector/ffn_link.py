@@ -45,6 +45,7 @@ class FFNLink:
         self._heard: dict[bytes, float] = {}  # peer → when it last sent anything
         self._control: deque[tuple[bytes, object]] = deque()
         self._told_draining: set[bytes] = set()
+        self.followers: dict[bytes, int] = {}  # shard 0 of an expert-parallel rank: the other shards' connections
         self._peer_watchers: list[Callable[[int, bool], None]] = []
         self._gone_watchers: list[Callable[[bytes], None]] = []
 
@@ -179,6 +180,8 @@ class FFNLink:
             rank = self._forget(peer, graceful=True)  # its pair's NCCL end goes too, as the peer closes its own
             if rank is not None:
                 log.info("attention peer attn-%d left: %s (connection %s)", rank, message.reason, show(peer))
+        elif isinstance(message, wire.ShardHello):
+            self._on_shard_hello(peer, message)
         elif isinstance(message, wire.ProtocolVersionError):
             self.send_control(peer, wire.HelloReply(False, self.ffn_rank, str(message)))
             log.warning("refused %s: %s", show(peer), message)
@@ -214,6 +217,23 @@ class FFNLink:
         log.info("attention rank %d connected (connection %s)", hello.attention_rank, show(peer))
         self.replies[peer] = wire.HelloReply(True, self.ffn_rank, **extra)
         self.send_control(peer, self.replies[peer])
+
+    def _on_shard_hello(self, peer: bytes, hello: wire.ShardHello) -> None:
+        """Another shard of this rank asks for the step orders (`afd.runners.step_order`)."""
+        ours = self.expected
+        if hello.token_digest != ours.token_digest or ours.ffn_shard != 0 or \
+                hello.expert_parallel != ours.expert_parallel or not 0 < hello.shard < ours.expert_parallel:
+            if peer not in self.retired:
+                log.error("refused shard connection %s: shard %d of %d (this is shard %d of %d, or the group token differs)",
+                          show(peer), hello.shard, hello.expert_parallel, ours.ffn_shard, ours.expert_parallel)
+                self.retired[peer] = None
+            return
+        for old, shard in list(self.followers.items()):
+            if shard == hello.shard and old != peer:
+                del self.followers[old]
+        if peer not in self.followers:
+            log.info("shard %d of ffn rank %d follows this shard's step orders", hello.shard, self.ffn_rank)
+        self.followers[peer] = hello.shard
 
     def _check_plan(self, peer: bytes, plan: wire.StepPlan) -> str | None:
         if peer not in self.peers:

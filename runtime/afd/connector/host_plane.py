@@ -161,7 +161,9 @@ class HostFFNPlane(FFNPlane):
 
     def send(self, output: torch.Tensor, transfer: FFNTransfer) -> None:
         for peer, step, piece in zip(transfer.peers, transfer.steps, output.split(list(transfer.rows))):
-            header = wire.DataHeader(step, transfer.layer, transfer.stage, piece.shape[0], piece.shape[1], self.contract.dtype)
+            # the output's own dtype: the contract's, or float32 partial sums from an expert-parallel shard
+            header = wire.DataHeader(step, transfer.layer, transfer.stage, piece.shape[0], piece.shape[1],
+                                     DTYPE_NAMES[piece.dtype])
             if not self.transport.send("data", peer, [wire.encode(header), to_frame(piece)]):
                 log.warning("peer %s vanished before its output of layer %d", show(peer), transfer.layer)
 

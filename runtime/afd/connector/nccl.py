@@ -61,6 +61,7 @@ class NcclAttentionPlane(AttentionPlane):
         self._pending: list[torch.Tensor] = []
         self._shapes: dict[tuple[int, int], tuple[int, int, torch.dtype]] = {}
         self._open: list[StepMark] = []  # steps launched and maybe still running
+        self.return_dtype: torch.dtype | None = None  # float32 from an expert-parallel shard, else what was sent
 
     def bind(self, transport, reply: HelloReply, pump, timeout_s: float) -> None:
         self.abort()  # the pair of an earlier connection, if any: its FFN end is gone
@@ -80,9 +81,23 @@ class NcclAttentionPlane(AttentionPlane):
         self._pending.append(hidden.contiguous() if router_logits is None else pack_rows(hidden, router_logits))
         self._shapes[(transfer.layer, transfer.stage)] = (hidden.shape[0], hidden.shape[1], hidden.dtype)
 
+    def issue_sends(self) -> None:
+        """The queued sends on their own: safe because the FFN end always posts its receive grouped
+        with its own pending send, so nothing waits on this side's next receive."""
+        if not self._pending or self.comm is None:
+            return
+        try:
+            with Group():
+                for tensor in self._pending:
+                    self.comm.send(tensor)
+        except NcclError as err:
+            self.abort()
+            raise PeerLost(str(err)) from None
+        self._pending.clear()
+
     def recv(self, transfer: AttnTransfer) -> torch.Tensor:
         rows, cols, dtype = self._shapes.pop((transfer.layer, transfer.stage))
-        out = torch.empty(rows, cols, dtype=dtype, device=self.options.device)  # [tokens, hidden]
+        out = torch.empty(rows, cols, dtype=self.return_dtype or dtype, device=self.options.device)  # [tokens, hidden]
         if self.comm is None:
             raise PeerLost("no NCCL pair (the link was lost)")
         try:

@@ -77,6 +77,10 @@ class AttentionPlane(ABC):
     def recv(self, transfer: AttnTransfer) -> torch.Tensor:
         """The FFN output [tokens, hidden] of `transfer`; raises `PeerLost` past the peer timeout."""
 
+    def issue_sends(self) -> None:
+        """Issue what `send` still holds now rather than with the next receive (an expert-parallel
+        link does this for every shard before awaiting any, so the shards compute in parallel)."""
+
     @abstractmethod
     def end_step(self) -> object | None:
         """Mark the end of the step just launched (its work may still be running); `finish_step` waits for it."""
@@ -141,7 +145,7 @@ class Interrupted(Exception):
 class Transport:
     """A registry entry: how to open each end, and the data plane of each side."""
 
-    open_peer: Callable[..., PeerTransport]  # (config, ffn_rank, identity)
+    open_peer: Callable[..., PeerTransport]  # (config, ffn endpoint (AFDConfig.ffn_endpoint), identity)
     open_server: Callable[..., ServerTransport]  # (config)
     attention_plane: Callable[[PlaneOptions], AttentionPlane]
     ffn_plane: Callable[[PlaneOptions, DataContract, ServerTransport], FFNPlane]

@@ -41,6 +41,8 @@ class Hello:
     router_width: int
     token_digest: str = ""
     connector: str = ""  # data plane: both sides must speak the same one
+    expert_parallel: int = 1  # shards of the FFN rank (AFD_FFN_EXPERT_PARALLEL)
+    ffn_shard: int = 0  # the shard of it this connection is meant for
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,29 @@ class DataHeader:
     logit_cols: int = 0
 
 
-MESSAGES = {cls.TYPE: cls for cls in (Hello, HelloReply, StepPlan, Heartbeat, Goodbye, Draining, DataHeader)}
+@dataclass(frozen=True)
+class ShardHello:
+    """FFN shard s > 0 → shard 0 of its rank, repeated every second: send me your step orders."""
+
+    TYPE: ClassVar[str] = "shard_hello"
+    shard: int
+    expert_parallel: int
+    token_digest: str = ""
+
+
+@dataclass(frozen=True)
+class StepOrder:
+    """Shard 0 → the other shards of its rank, once per step: which attention ranks' plans (by step id)
+    the step runs. Every shard runs the same steps in the same order, so no attention rank waits on a
+    shard that is busy with a step another shard has not started (afd.runners.step_order)."""
+
+    TYPE: ClassVar[str] = "step_order"
+    attention_ranks: tuple[int, ...]
+    step_ids: tuple[int, ...]
+
+
+MESSAGES = {cls.TYPE: cls for cls in (Hello, HelloReply, StepPlan, Heartbeat, Goodbye, Draining, DataHeader,
+                                      ShardHello, StepOrder)}
 _SCALARS = {"int": int, "str": str, "bool": bool}
 
 

@@ -83,9 +83,10 @@ def add_shared(weights: torch.Tensor, ids: torch.Tensor, num_routed: int, num_sh
     return torch.cat((weights, shared_w), 1), torch.cat((ids, shared_ids), 1)
 
 
-def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0) -> torch.Tensor:
+def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype=None) -> torch.Tensor:
     """[T, H]: experts `ids` ([T, k]) weighted by `weights` ([T, k]), plus the last
-    `num_shared` experts of `gate_up`/`down` at weight 1 for every token."""
+    `num_shared` experts of `gate_up`/`down` at weight 1 for every token; summed into `sum_dtype`
+    (default x's) — an expert-parallel shard returns its partial sum in float32."""
     from afd.kernels import moe_triton
 
     tokens, top_k = ids.shape
@@ -100,10 +101,10 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0) -> torch
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T*(k+S), H] in pair order
     moe_triton.launch_down(act, down, out, pairs, tile_expert, weights.contiguous(), num_pairs, top_k, slots,
                            block_m, cfg["down"])
-    return out.view(tokens, slots, hidden).sum(dim=1)
+    return out.view(tokens, slots, hidden).sum(dim=1, dtype=sum_dtype)
 
 
-def experts_grouped(x, weights, ids, gate_up, down) -> torch.Tensor:
+def experts_grouped(x, weights, ids, gate_up, down, sum_dtype=None) -> torch.Tensor:
     """The same function on `torch._grouped_mm`: gather, two grouped GEMMs, reorder, weighted sum."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
@@ -115,12 +116,14 @@ def experts_grouped(x, weights, ids, gate_up, down) -> torch.Tensor:
     gate, up = hidden.chunk(2, dim=-1)
     out = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [T*k, H] sorted
     unsorted = torch.empty_like(out).index_copy_(0, order, out).view(tokens, top_k, -1)
-    return torch.bmm(weights.unsqueeze(1).to(out.dtype), unsorted).squeeze(1)  # [T, H]
+    if sum_dtype is not None:
+        unsorted = unsorted.to(sum_dtype)
+    return torch.bmm(weights.unsqueeze(1).to(unsorted.dtype), unsorted).squeeze(1)  # [T, H]
 
 
-def experts_cuda(x, weights, ids, gate_up, down, num_shared: int = 0) -> torch.Tensor:
+def experts_cuda(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype=None) -> torch.Tensor:
     """The MoE output with the kernel `AFD_MOE_KERNEL` picks; the last `num_shared` experts are shared."""
     if kernel_choice() == "triton":
-        return experts_triton(x, weights, ids, gate_up, down, num_shared)
+        return experts_triton(x, weights, ids, gate_up, down, num_shared, sum_dtype)
     weights, ids = add_shared(weights, ids, gate_up.shape[0] - num_shared, num_shared)
-    return experts_grouped(x, weights, ids, gate_up, down)
+    return experts_grouped(x, weights, ids, gate_up, down, sum_dtype)

@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def local_zmq_config(base: AFDConfig) -> AFDConfig:
-    """`base` with every FFN rank on 127.0.0.1 and its own pair of free ports."""
-    first_port = free_port_block(2 * base.num_ffn_ranks)
+    """`base` with every FFN process (rank and shard) on 127.0.0.1 and its own pair of free ports."""
+    first_port = free_port_block(2 * base.num_ffn_ranks * base.ffn_expert_parallel)
     return base.replace(
         connector="zmq",
         ffn_address_template="127.0.0.1",
@@ -42,16 +42,18 @@ def generate_in_processes(
     config = local_zmq_config(base)
     topology = config.topology
     blocks = split_prompts(len(prompts), topology.num_attention)
-    metrics_ports = free_port_block(topology.num_ffn)
-    threads = threads_per_rank(topology.num_ffn + topology.num_attention)
+    shards = config.ffn_expert_parallel
+    metrics_ports = free_port_block(topology.num_ffn * shards)
+    threads = threads_per_rank(topology.num_ffn * shards + topology.num_attention)
     with LocalProcesses() as processes:
         ffn_names = []
         for rank in range(topology.num_ffn):
-            name = f"ffn-{rank}"
-            ffn_config = config.replace(role="ffn", rank=rank, model=ffn_model or config.model,
-                                        http_host="127.0.0.1", metrics_port=metrics_ports + rank)
-            processes.start(name, ["serve"], {**config_to_env(ffn_config), **threads})
-            ffn_names.append(name)
+            for shard in range(shards):
+                name = f"ffn-{rank}" + (f"-shard-{shard}" if shards > 1 else "")
+                ffn_config = config.replace(role="ffn", rank=rank, ffn_shard=shard, model=ffn_model or config.model,
+                                            http_host="127.0.0.1", metrics_port=metrics_ports + config.ffn_endpoint(rank, shard))
+                processes.start(name, ["serve"], {**config_to_env(ffn_config), **threads})
+                ffn_names.append(name)
         attention_names = []
         for rank, block in enumerate(blocks):
             name = f"attention-{rank}"

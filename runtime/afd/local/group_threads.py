@@ -23,10 +23,11 @@ def generate_in_threads(
     stop = threading.Event()
     ffn_threads = []
     for rank in range(topology.num_ffn):
-        runner = build_ffn(base.replace(role="ffn", rank=rank))
-        thread = threading.Thread(target=runner.serve, args=(stop,), name=f"ffn-{rank}", daemon=True)
-        thread.start()
-        ffn_threads.append(thread)
+        for shard in range(base.ffn_expert_parallel):
+            runner = build_ffn(base.replace(role="ffn", rank=rank, ffn_shard=shard))
+            thread = threading.Thread(target=runner.serve, args=(stop,), name=f"ffn-{rank}.{shard}", daemon=True)
+            thread.start()
+            ffn_threads.append(thread)
     blocks = split_prompts(len(prompts), topology.num_attention)
     results: dict[int, GenerationResult] = {}
     errors: list[BaseException] = []

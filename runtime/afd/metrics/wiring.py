@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Gauge
 
 from afd.config import AFDConfig
+from afd.metrics.expert_load import ExpertLoadCollector
 from afd.metrics.layer_clock import LayerClock, StepInstruments
 from afd.metrics.layer_metrics import LayerMetrics, RunnerCollector
 
@@ -48,3 +49,4 @@ def watch_ffn(registry: CollectorRegistry, config: AFDConfig, worker) -> None:
         metrics.on_peer(attention_rank, False)  # every served peer exported (0) before it connects
     worker.link.watch_peers(metrics.on_peer)
     RunnerCollector(registry, "ffn", config.rank, worker.executor)
+    ExpertLoadCollector(registry, config.rank, config.ffn_shard, worker.executor.expert_load)

@@ -112,6 +112,18 @@ class Checkpoint:
         self.loaded_keys.extend(tensors)
         return tensors
 
+    def read_part(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (`dim` 0) or columns (`dim` 1) [start, stop) of tensor `key`, reading only those bytes."""
+        from safetensors import safe_open
+
+        if key not in self._index:
+            raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} is missing")
+        with safe_open(str(self._index[key]), framework="pt") as handle:
+            sliced = handle.get_slice(key)
+            tensor = sliced[start:stop] if dim == 0 else sliced[:, start:stop]
+        self.loaded_keys.append(key)
+        return tensor
+
     def fingerprint(self) -> str:
         """Cheap identity of the weights: config, tensor tables and sampled bytes of each file.
 

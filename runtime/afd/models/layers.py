@@ -96,16 +96,29 @@ class Experts(nn.Module):
     kernels of `afd.kernels.moe` run; elsewhere each expert with rows is one matmul.
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, first: int = 0):
         super().__init__()
         self.num_experts = num_experts
+        self.first = first  # global id of expert 0 here: an expert-parallel shard holds [first, first + num_experts)
+        self.partial_fp32 = False  # an expert-parallel shard sums its pairs in float32 (attention adds the partials)
         self.num_shared = 0  # shared experts folded in after loading (afd.models.moe_prep.fuse_shared_experts)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
 
+    def localize(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global (weights, ids) [T, k] → this shard's: other shards' experts get weight 0 and local id 0.
+
+        Shapes stay those of the step (no data-dependent filtering), so a shard's step is
+        capturable; the zero-weight pairs add exactly nothing to the partial sum.
+        """
+        local = ids - self.first
+        inside = (local >= 0) & (local < self.num_experts)
+        return weights * inside.to(weights.dtype), torch.where(inside, local, torch.zeros_like(local))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            return experts_cuda(x, weights, ids, self.gate_up, self.down, self.num_shared)
+            sum_dtype = torch.float32 if self.partial_fp32 else None
+            return experts_cuda(x, weights, ids, self.gate_up, self.down, self.num_shared, sum_dtype)
         top_k = ids.shape[1]
         flat_ids = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat_ids, stable=True)
@@ -115,7 +128,9 @@ class Experts(nn.Module):
         gate, up = hidden.chunk(2, dim=-1)
         out = _grouped_matmul(F.silu(gate) * up, counts, self.down)  # [T*k, H]
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, rows, out.to(x.dtype))
+        # each token's pairs summed in float32 and rounded once, as the CUDA kernels do
+        total = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, out.float())
+        return total if self.partial_fp32 else total.to(x.dtype)
 
 
 def _grouped_matmul(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -144,6 +159,8 @@ class MoE(nn.Module):
     def from_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The expert half of the layer given router logits (shipped by attention or local)."""
         weights, ids = self.routing.select(router_logits, x.dtype)
+        if self.experts.num_experts != self.routing.num_experts:  # an expert-parallel shard: its experts only
+            weights, ids = self.experts.localize(weights, ids)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -10,6 +10,7 @@ import torch
 from afd.models import deepseek_v2, qwen3_moe
 from afd.models.base import MoECausalLM
 from afd.models.checkpoint import Checkpoint
+from afd.models.expert_shard import shard_ffn_model, shard_parts
 from afd.models.layers import MoE, Router
 from afd.models.spec import ModelSpec, parse_spec
 from afd.models.split import prune_for_role
@@ -36,22 +37,29 @@ def load_model(
     gate_on_attention: bool = False,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    shard: tuple[int, int] = (0, 1),
 ) -> LoadedModel:
-    """Build `role`'s part of the model on `device` from the checkpoint at `path`."""
+    """Build `role`'s part of the model on `device` from the checkpoint at `path`; an FFN rank of
+    G shards loads shard `shard = (s, G)` of it (`afd.models.expert_shard`)."""
     checkpoint = Checkpoint(path)
-    model, spec, crossing = build_share(checkpoint.config, role, gate_on_attention, dtype, device)
+    model, spec, crossing = build_share(checkpoint.config, role, gate_on_attention, dtype, device, shard)
     _load_weights(model, checkpoint)
     finish_share(model, dtype, device)
     return LoadedModel(model, spec, crossing, checkpoint.fingerprint(), list(checkpoint.loaded_keys))
 
 
-def build_share(config: dict, role: str, gate_on_attention: bool, dtype: torch.dtype, device: str | torch.device):
+def build_share(config: dict, role: str, gate_on_attention: bool, dtype: torch.dtype, device: str | torch.device,
+                shard: tuple[int, int] = (0, 1)):
     """(model, spec, crossing layers): `role`'s part of the model from its `config.json`, weights not yet set."""
     spec = parse_spec(config)
     with torch.device("meta"):
         model = FAMILIES[spec.arch](config, spec)
     crossing = crossing_layers(spec.moe_layers, gate_on_attention)
     prune_for_role(model, role, crossing, gate_on_attention)
+    if shard[1] > 1:
+        if role != "ffn":
+            raise ValueError(f"only the ffn role is expert-parallel, not {role!r}")
+        shard_ffn_model(model, *shard)
     model.to_empty(device=device)
     model.to(dtype)
     for module in model.modules():
@@ -72,12 +80,13 @@ def finish_share(model: MoECausalLM, dtype: torch.dtype, device: str | torch.dev
 
 
 def _load_weights(model: MoECausalLM, checkpoint: Checkpoint) -> None:
+    parts = shard_parts(model)
     by_layer: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
     for name, param in model.named_parameters():
         group = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
         by_layer.setdefault(group, []).append((name, param))
     for params in by_layer.values():  # one layer at a time bounds peak host memory
-        plans = [(param, _sources(name, param, checkpoint)) for name, param in params]
+        plans = [(param, _sources(name, param, checkpoint, parts)) for name, param in params]
         tensors = checkpoint.read(key for _, (keys, _) in plans for key in keys)
         for param, (keys, assemble) in plans:
             value = assemble([tensors[key] for key in keys])
@@ -87,19 +96,27 @@ def _load_weights(model: MoECausalLM, checkpoint: Checkpoint) -> None:
                 param.copy_(value)
 
 
-def _sources(name: str, param: torch.nn.Parameter, checkpoint: Checkpoint):
-    """Checkpoint keys holding `name` and how to assemble them into the parameter."""
+def _sources(name: str, param: torch.nn.Parameter, checkpoint: Checkpoint, parts: dict):
+    """Checkpoint keys holding `name` and how to assemble them into the parameter (an
+    expert-parallel shard's slices are read as slices: `afd.models.expert_shard.shard_parts`)."""
     match = _EXPERTS.match(name)
     if match:
         prefix, kind = match["prefix"], match["name"]
+        _, first, stop = parts.get(name, (0, 0, param.shape[0]))
+        count = stop - first
         fused = f"{prefix}.{kind}_proj"
         if fused in checkpoint:  # already stacked on disk (newer transformers layout)
-            return [fused], lambda tensors: tensors[0]
-        count = param.shape[0]
+            return [], lambda tensors: checkpoint.read_part(fused, 0, first, first + count)
+        experts = range(first, first + count)
         if kind == "down":
-            return [f"{prefix}.{e}.down_proj.weight" for e in range(count)], torch.stack
-        keys = [f"{prefix}.{e}.{proj}.weight" for e in range(count) for proj in ("gate_proj", "up_proj")]
+            return [f"{prefix}.{e}.down_proj.weight" for e in experts], torch.stack
+        keys = [f"{prefix}.{e}.{proj}.weight" for e in experts for proj in ("gate_proj", "up_proj")]
         return keys, lambda tensors: torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
+    if name in parts:
+        part = parts[name]
+        if part is None:
+            return [], lambda tensors: torch.zeros(param.shape)
+        return [], lambda tensors: checkpoint.read_part(name, *part)
     if name == "lm_head.weight" and name not in checkpoint and model_ties_embeddings(checkpoint):
         return ["model.embed_tokens.weight"], lambda tensors: tensors[0]
     return [name], lambda tensors: tensors[0]

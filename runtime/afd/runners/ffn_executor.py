@@ -19,6 +19,7 @@ from afd.connector import wire
 from afd.connector.base import ConnectorError, FFNTransfer
 from afd.connector.plane import FFNPlane, PeerWatch
 from afd.connector.tensors import DTYPES
+from afd.metrics.expert_load import ExpertLoad
 from afd.metrics.layer_clock import StepInstruments
 from afd.models.loader import LoadedModel
 
@@ -40,6 +41,7 @@ class FFNStepExecutor:
         self.transfer_bytes = {"send": 0, "recv": 0}
         self.clock = instruments.clock  # per-layer timings of the steps attention marks `profile`
         self.instruments = instruments
+        self.expert_load = ExpertLoad(self.layers, self.crossing)  # tokens per expert, on the same profiled steps
 
     def run_step(self, plans: dict[bytes, wire.StepPlan], watch: PeerWatch,
                  stop: Callable[[], bool] = lambda: False) -> dict[bytes, str]:
@@ -57,6 +59,8 @@ class FFNStepExecutor:
             failed.update(self.plane.finish_step(tuple(plans), watch))
         except ConnectorError as err:  # a transfer failed outright (NCCL saw a peer exit): drop who is gone, serve on
             failed.update(self.plane.fail_step(tuple(plans), str(err), watch))
+        if profiling:
+            self.expert_load.flush()
         self.steps_run += 1
         # from the plans: a replayed graph does not run the body, so counting rows there misses them
         served = sum(sum(plan.stage_tokens) for peer, plan in plans.items() if peer not in failed)
@@ -82,7 +86,8 @@ class FFNStepExecutor:
         element = DTYPES[self.expected.dtype].itemsize
         per_row = len(self.crossing) * self.expected.hidden_size * element
         self.transfer_bytes["recv"] += rows * (per_row + len(self.crossing) * 4 * self.expected.router_width)
-        self.transfer_bytes["send"] += rows * per_row
+        partial = 4 if self.expected.expert_parallel > 1 else element  # a shard returns float32 partial sums
+        self.transfer_bytes["send"] += rows * len(self.crossing) * self.expected.hidden_size * partial
 
     def _step_body(self, plans: dict[bytes, wire.StepPlan], watch: PeerWatch, stop: Callable[[], bool],
                    failed: dict[bytes, str]) -> None:
@@ -102,6 +107,8 @@ class FFNStepExecutor:
                     live.pop(peer, None)
                     failed[peer] = reason
                 if received.transfer.peers:
+                    if clock.active:  # a profiled step runs eagerly: counting here is off the graphs
+                        self.expert_load.record(layer, received.hidden, received.logits)
                     computing = clock.now()
                     output = self._compute(layer, received.hidden, received.logits)
                     clock.lap("compute", layer, computing)
@@ -112,6 +119,6 @@ class FFNStepExecutor:
 
     def _compute(self, layer_index: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         layer = self.layers[layer_index]
-        if router_logits is not None:
-            return layer.expert_half(hidden, router_logits)
-        return layer.ffn_half(hidden)
+        output = layer.expert_half(hidden, router_logits) if router_logits is not None else layer.ffn_half(hidden)
+        # an expert-parallel shard returns a float32 partial sum (afd.models.expert_shard)
+        return output.float() if self.expected.expert_parallel > 1 else output

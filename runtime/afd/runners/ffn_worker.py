@@ -16,18 +16,19 @@ import torch
 from afd.connector.ffn_link import FFNLink
 from afd.connector.plane import Interrupted
 from afd.runners.ffn_executor import FFNStepExecutor
+from afd.runners.step_order import LocalOrder
 
 log = logging.getLogger(__name__)
-POLL_INTERVAL_S = 0.1
 PROBE_INTERVAL_S = 1.0  # how often idle peers are probed (a peer whose process died is dropped)
 
 
 class FFNWorker:
     """Serves the attention ranks of one FFN rank until `stop` is set."""
 
-    def __init__(self, link: FFNLink, executor: FFNStepExecutor, batch_window_s: float = 0.0):
+    def __init__(self, link: FFNLink, executor: FFNStepExecutor, batch_window_s: float = 0.0, order=None):
         self.link, self.executor = link, executor
-        self.batch_window_s = batch_window_s  # wait this long for every connected peer's plan before a step
+        # which plans a step runs (afd.runners.step_order); the batch window waits for every connected peer's plan
+        self.order = order or LocalOrder(batch_window_s)
         link.watch_gone(executor.forget)
 
     def serve(self, stop: threading.Event) -> None:
@@ -40,16 +41,14 @@ class FFNWorker:
                 if time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + PROBE_INTERVAL_S
                     link.probe()
-                link.poll(0.0 if link.has_plans() else POLL_INTERVAL_S)
-                plans = link.next_plans()
-                if plans and self.batch_window_s:
-                    link.gather_more(plans, self.batch_window_s)
+                plans = self.order.take(link)
                 if plans:
                     self.run_step(plans, stop)
         except Interrupted:
             log.info("ffn rank %d interrupted mid-step by shutdown", link.ffn_rank)
         finally:
             self.executor.close()
+            self.order.close()
             link.close()
 
     def run_step(self, plans, stop: threading.Event | None = None) -> None:

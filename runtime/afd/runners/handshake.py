@@ -29,6 +29,8 @@ def make_hello(config: AFDConfig, spec: ModelSpec, crossing: tuple[int, ...], fi
         router_width=spec.num_experts if config.gate_on_attention else 0,
         token_digest=token_digest(config.group_token, config.group_secret),
         connector="nccl" if config.connector == "nccl" else "host",
+        expert_parallel=config.ffn_expert_parallel,
+        ffn_shard=config.ffn_shard if config.role == "ffn" else 0,  # attention: set per shard link
     )
 
 
@@ -54,6 +56,10 @@ def check_hello(hello: Hello, expected: Hello, served_ranks: tuple[int, ...]) ->
             if field == "token_digest":
                 return problem
             return f"{problem}: attention has {_show(theirs)}, ffn has {_show(ours)}"
+    if (hello.expert_parallel, hello.ffn_shard) != (expected.expert_parallel, expected.ffn_shard):
+        return (f"mis-sharded peer: attention expects shard {hello.ffn_shard} of {hello.expert_parallel}, this ffn "
+                f"process is shard {expected.ffn_shard} of {expected.expert_parallel} (check AFD_FFN_EXPERT_PARALLEL "
+                "on both roles and the ffn pod's ordinal, rank·G + shard, or AFD_FFN_SHARD)")
     if hello.attention_rank not in served_ranks:
         return f"attention rank {hello.attention_rank} is not served by this ffn rank (it serves {list(served_ranks)})"
     return None

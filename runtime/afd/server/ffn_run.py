@@ -8,6 +8,7 @@ import threading
 from prometheus_client import CollectorRegistry
 
 from afd.config import AFDConfig
+from afd.metrics.expert_load import shard_labelled
 from afd.metrics.wiring import ffn_instruments, watch_ffn
 from afd.roles import build_ffn
 from afd.runners.device import resolve_device
@@ -23,7 +24,8 @@ def serve_ffn(config: AFDConfig, stop: threading.Event) -> int:
     watch_ffn(registry, config, worker)
     # preStop drain: tell the attention ranks, serve on until they have finished (or the hook's time is up)
     probes = Probes(lambda: None, drained=worker.drained, on_drain=worker.request_drain)
-    probe = start_probe_server(config.http_host, config.metrics_port, probes, registry)
+    exposed = shard_labelled(registry, config.ffn_shard) if config.ffn_expert_parallel > 1 else registry
+    probe = start_probe_server(config.http_host, config.metrics_port, probes, exposed)
     log.info("ffn rank %d ready (health and metrics on port %d)", config.rank, config.metrics_port)
     try:
         worker.serve(stop)

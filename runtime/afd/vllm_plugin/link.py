@@ -78,6 +78,9 @@ class FFNLink:
         config = config or load_config(cli={"role": "attention"})
         if config.role != "attention":
             raise ValueError(f"AFD_ROLE={config.role}: the vLLM plugin runs attention ranks only")
+        if config.ffn_expert_parallel > 1:  # it links to one FFN process: shard 0 alone would return a partial sum
+            raise ValueError(f"AFD_FFN_EXPERT_PARALLEL={config.ffn_expert_parallel}: the vLLM plugin links to "
+                             "unsharded FFN ranks only; use attentionEngine=afd with expert parallelism")
         if not Path(model_path).is_dir():
             raise ValueError(f"model {model_path!r}: the AFD vLLM plugin needs a local checkpoint folder "
                              "(the FFN ranks fingerprint the same files); download it first")

@@ -76,16 +76,17 @@ class LoopbackServer(ServerTransport):
                 del _HUBS[self._address]
 
 
-def address(config: AFDConfig, ffn_rank: int) -> str:
-    return f"{config.ffn_host(ffn_rank)}:{config.ffn_ports(ffn_rank)[0]}"
+def address(config: AFDConfig, endpoint: int) -> str:
+    return f"{config.ffn_host(endpoint)}:{config.ffn_ports(endpoint)[0]}"
 
 
-def open_peer(config: AFDConfig, ffn_rank: int, identity: bytes) -> LoopbackPeer:
-    return LoopbackPeer(address(config, ffn_rank), identity)
+def open_peer(config: AFDConfig, endpoint: int, identity: bytes) -> LoopbackPeer:
+    """A connection to FFN process `endpoint` (`AFDConfig.ffn_endpoint`)."""
+    return LoopbackPeer(address(config, endpoint), identity)
 
 
 def open_server(config: AFDConfig) -> LoopbackServer:
-    return LoopbackServer(address(config, config.rank))
+    return LoopbackServer(address(config, config.ffn_endpoint(config.rank, config.ffn_shard)))
 
 
 TRANSPORT = Transport(open_peer, open_server, HostAttentionPlane, HostFFNPlane)

@@ -8,12 +8,14 @@ from afd.connector.plane import Transport
 from afd.connector.zmq_transport import ZmqPeer, ZmqServer
 
 
-def open_peer(config: AFDConfig, ffn_rank: int, identity: bytes) -> ZmqPeer:
-    return ZmqPeer(config.ffn_host(ffn_rank), config.ffn_ports(ffn_rank), identity)
+def open_peer(config: AFDConfig, endpoint: int, identity: bytes) -> ZmqPeer:
+    """A connection to FFN process `endpoint` (`AFDConfig.ffn_endpoint`)."""
+    return ZmqPeer(config.ffn_host(endpoint), config.ffn_ports(endpoint), identity)
 
 
 def open_server(config: AFDConfig) -> ZmqServer:
-    return ZmqServer(config.bind_host, config.ffn_ports(config.rank), config.max_message_bytes)
+    endpoint = config.ffn_endpoint(config.rank, config.ffn_shard)
+    return ZmqServer(config.bind_host, config.ffn_ports(endpoint), config.max_message_bytes)
 
 
 TRANSPORT = Transport(open_peer, open_server, HostAttentionPlane, HostFFNPlane)
