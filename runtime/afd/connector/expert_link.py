@@ -122,5 +122,16 @@ class ShardedLink:
             total = total + part.float()
         return total
 
-    def wait_step(self) -> None:
-        self._each(AttentionLink.wait_step)
+    def end_step(self) -> list:
+        """Every shard's end-of-step mark, for `wait_step`."""
+        return [link.end_step() for link in self.links]
+
+    def wait_step(self, mark: list | None = None) -> None:
+        """Return once every shard finished the step of `mark` (every step so far when None); a
+        `PeerLost` names the shard."""
+        marks = mark if mark is not None else [None] * len(self.links)
+        for shard, (link, shard_mark) in enumerate(zip(self.links, marks)):
+            try:
+                link.wait_step(shard_mark)
+            except PeerLost as err:
+                raise PeerLost(f"shard {shard} of {len(self.links)}: {err}") from None
