@@ -10,7 +10,7 @@ The server (a subprocess) runs the real `Engine` (pipelined, output thread, metr
 replaced by one that sleeps `--step-ms` (the GPU, GIL released) and returns logits whose argmax
 spells a fixed English text, so the tiny model's tokenizer detokenizes real words. This process
 is the client: N concurrent httpx streams (`/v1/completions`, `ignore_eos`). Per level it prints
-tokens/s, ITL p50/p99, the server's CPU µs per token (whole process and per thread), and stage
+tokens/s, ITL mean/p99 (events read together arrived together), the server's CPU µs per token (whole process and per thread), and stage
 timers (CPU µs per token inside each stage; a stage a tree does not have reads `-`).
 """
 
@@ -141,7 +141,7 @@ def thread_cpu() -> dict[str, float]:
     return result
 
 
-def serve(port: int, step_ms: float, tokenizer_path: str) -> None:
+def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = None) -> None:
     import torch
     import uvicorn
     from prometheus_client import CollectorRegistry
@@ -179,6 +179,9 @@ def serve(port: int, step_ms: float, tokenizer_path: str) -> None:
 
     @app.get("/bench/stats")
     async def stats():
+        if profile:  # written at every call: uvicorn ends the process by the signal
+            profiler.dump_stats(profile)  # which stops it
+            profiler.enable()
         threads = thread_cpu()
         return {"cpu_s": time.process_time(), "threads": threads, "stages": timers.seconds,
                 "present": sorted(timers.present), "tokens": metrics.generation_tokens._value.get()}
@@ -186,6 +189,11 @@ def serve(port: int, step_ms: float, tokenizer_path: str) -> None:
     engine.start()
     server = uvicorn.Server(uvicorn.Config(Failover(app, lambda: False, FailoverSettings()),
                                            host="127.0.0.1", port=port, log_level="warning"))
+    if profile:  # the event loop's thread, in CPU time (waits for the GIL are not its code's cost)
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)
+        profiler.enable()
     server.run()
     engine.stop()
 
@@ -209,7 +217,7 @@ async def stream(port: int, max_tokens: int, arrivals: list) -> int:
             window = tail + data
             events = window.count(b'data: {"id"') - tail.count(b'data: {"id"')
             if events:
-                times.append(time.perf_counter())
+                times.extend([time.perf_counter()] * events)  # events read together arrived together
                 tokens += events
             tail = window[-16:]
     finally:
@@ -233,9 +241,9 @@ async def level(port: int, streams: int, max_tokens: int) -> dict:
     served = after["tokens"] - before["tokens"]
     if tokens != streams * max_tokens:
         raise RuntimeError(f"expected {streams * max_tokens} tokens, the streams got {tokens}")
-    itls = [b - a for times in arrivals for a, b in zip(times, times[1:])]
+    itls = sorted(b - a for times in arrivals for a, b in zip(times, times[1:]))
     result = {"tok_s": tokens / seconds, "cpu_us": 1e6 * (after["cpu_s"] - before["cpu_s"]) / served,
-              "itl_p50": 1e3 * statistics.median(itls), "itl_p99": 1e3 * sorted(itls)[int(0.99 * (len(itls) - 1))]}
+              "itl_mean": 1e3 * statistics.mean(itls), "itl_p99": 1e3 * itls[int(0.99 * (len(itls) - 1))]}
     for name, value in after["threads"].items():
         result[f"thread:{name}"] = 1e6 * (value - before["threads"].get(name, 0.0)) / served
     for stage in STAGES:
@@ -244,10 +252,12 @@ async def level(port: int, streams: int, max_tokens: int) -> dict:
     return result
 
 
-def start_server(tree: str, port: int, step_ms: float, tokenizer: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, str(Path(tree).parent / "operator")])}
+def start_server(tree: str, port: int, step_ms: float, tokenizer: str, profile: str | None) -> subprocess.Popen:
+    """`tree` is a runtime/ directory, optionally followed by more import paths (`path:path`)."""
+    tree, *extra = [os.path.abspath(path) for path in tree.split(os.pathsep)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, str(Path(tree).parent / "operator"), *extra])}
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--step-ms", str(step_ms),
-                               "--tokenizer", tokenizer], env=env)
+                               "--tokenizer", tokenizer] + (["--profile", profile] if profile else []), env=env)
     import httpx
 
     deadline = time.monotonic() + 120
@@ -282,7 +292,8 @@ def report(results: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", action="append", help="name=path of a runtime/ directory (default: this one)")
+    parser.add_argument("--tree", action="append",
+                        help="name=path of a runtime/ directory, then optionally :more:import:paths (default: this one)")
     parser.add_argument("--streams", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
@@ -291,21 +302,22 @@ def main() -> int:
     parser.add_argument("--tokenizer", default=str(Path.home() / ".cache" / "afd" / "tiny-qwen3_moe"))
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--profile", help="cProfile the server's event loop into this file (one tree, one run)")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.step_ms, args.tokenizer)
+        serve(args.serve, args.step_ms, args.tokenizer, args.profile)
         return 0
     trees = dict(t.split("=", 1) for t in args.tree) if args.tree else {"this": str(Path(__file__).parents[1] / "runtime")}
     results = {name: {s: [] for s in args.streams} for name in trees}
     for run in range(args.runs):
         for name, tree in trees.items():
-            server = start_server(os.path.abspath(tree), args.port, args.step_ms, args.tokenizer)
+            server = start_server(tree, args.port, args.step_ms, args.tokenizer, args.profile)
             try:
                 for streams in args.streams:
                     result = asyncio.run(level(args.port, streams, args.max_tokens))
                     results[name][streams].append(result)
                     print(f"run {run} {name} {streams:4d} streams: {result['tok_s']:8.0f} tok/s  "
-                          f"{result['cpu_us']:6.1f} CPU µs/token  ITL p50 {result['itl_p50']:.1f} ms", flush=True)
+                          f"{result['cpu_us']:6.1f} CPU µs/token  ITL mean {result['itl_mean']:.1f} ms", flush=True)
             finally:
                 server.terminate()
                 server.wait(30)
