@@ -7,21 +7,24 @@ streaming client is sent text only up to where no stop string could still begin.
 
 from __future__ import annotations
 
+from afd.engine.tokenizer import text_decoder
+
 
 class IncrementalDetokenizer:
     """Turns one token at a time into new text, never emitting half a character."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.decode = text_decoder(tokenizer)
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        after = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        decode = self.decode
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        after = decode(self.ids[self.prefix_offset :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""  # an incomplete multi-byte character, or a special token
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,14 +23,15 @@ from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest, RequestOutput
 from afd.engine.tokenizer import chat_prompt_ids
 from afd.server import json_body, validation
-from afd.server.formatting import chat_chunk, chat_response, completion_chunk, completion_response
+from afd.server.formatting import chat_response, completion_response
+from afd.server.handoff import LoopHandoff, OutputSink
 from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.liveness import LoopWatch
 from afd.server.protocol import ChatRequest, CompletionRequest, error_response, parse_request
+from afd.server.sse import DONE, StreamEvents, error_event
 from afd.server.validation import Limits
 
 log = logging.getLogger(__name__)
-_ID_PREFIX = {"text_completion": "cmpl", "chat.completion.chunk": "chatcmpl"}
 
 
 class Unavailable(Exception):
@@ -94,8 +93,9 @@ def create_app(state: ServerState) -> FastAPI:
         request, prompts, params, echo = body
         if request.stream:
             outputs = _Outputs(state, prompts[0], params[0])
-            make = lambda rid, out, first: completion_chunk(state, rid, out, echo[0] if first else "")  # noqa: E731
-            return _sse(state, outputs, make, request.include_usage, "text_completion")
+            events = StreamEvents(state, outputs.request.request_id, "text_completion")
+            make = lambda out, first: events.completion(out, echo[0] if first else "")  # noqa: E731
+            return _sse(outputs, events, make, request.include_usage)
         results = await _complete(http, _submit_all(state, prompts, params))
         return JSONResponse(completion_response(state, results, echo)) if results is not None else Response(status_code=499)
 
@@ -104,8 +104,8 @@ def create_app(state: ServerState) -> FastAPI:
         request, prompt, params = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
         outputs = _Outputs(state, prompt, params)
         if request.stream:
-            make = lambda rid, out, first: chat_chunk(state, rid, out, first)  # noqa: E731
-            return _sse(state, outputs, make, request.include_usage, "chat.completion.chunk")
+            events = StreamEvents(state, outputs.request.request_id, "chat.completion.chunk")
+            return _sse(outputs, events, events.chat, request.include_usage)
         results = await _complete(http, [outputs])
         if results is None:
             return Response(status_code=499)
@@ -206,33 +206,37 @@ def _max_tokens(state: ServerState, prompt: list[int], requested: int | None) ->
 
 
 class _Outputs:
-    """Async iterator over one request's engine outputs: (request id, output, is first)."""
+    """One request's engine outputs on the event loop, taken as they arrive (see `handoff`)."""
 
     def __init__(self, state: ServerState, prompt: list[int], params):
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        handoff, sink = LoopHandoff.of(asyncio.get_running_loop()), OutputSink()
+        self.sink = sink
         self.engine = state.engine
-        self.request = state.engine.submit(prompt, params, lambda out: loop.call_soon_threadsafe(self.queue.put_nowait, out))
+        self.request = state.engine.submit(prompt, params, lambda out: handoff.put(sink, out))
         self.finished = False
         self.first = True
 
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> tuple[str, RequestOutput, bool]:
+    async def take(self) -> list[tuple[RequestOutput, bool]]:
+        """Every output that arrived since the last call (waits for one), each with whether it is the
+        request's first; nothing after the last."""
         if self.finished:
-            raise StopAsyncIteration
-        output = await self.queue.get()
-        self.finished = output.finished
-        first, self.first = self.first, False
-        return self.request.request_id, output, first
+            return []
+        taken = []
+        for output in await self.sink.take():
+            taken.append((output, self.first))
+            self.first = False
+            if output.finished:
+                self.finished = True
+                break
+        return taken
 
     async def collect(self) -> list[RequestOutput]:
         collected = []
-        async for _, output, _ in self:
-            if output.error:
-                raise Unavailable(f"the request failed: {output.error}")
-            collected.append(output)
+        while taken := await self.take():
+            for output, _ in taken:
+                if output.error:
+                    raise Unavailable(f"the request failed: {output.error}")
+                collected.append(output)
         return collected
 
     def abort(self) -> None:
@@ -268,27 +272,28 @@ async def _complete(http: Request, outputs: list[_Outputs]) -> list[list[Request
             output.abort()  # the engine drops them at its next step
 
 
-def _sse(state: ServerState, outputs: _Outputs, make_chunk, include_usage: bool, kind: str) -> StreamingResponse:
-    """Server-sent events: one chunk per output, an error event if the request fails, then [DONE]."""
+def _sse(outputs: _Outputs, events: StreamEvents, make_event, include_usage: bool) -> StreamingResponse:
+    """Server-sent events: one per output, an error event if the request fails, then [DONE]. The
+    events of every output that arrived together go out in one write."""
 
-    async def events():
+    async def stream():
         last = None
         try:
-            async for request_id, output, first in outputs:
-                if output.error:
-                    body = {"error": {"message": f"the request failed: {output.error}", "type": "service_unavailable", "code": 503}}
-                    yield f"data: {json.dumps(body)}\n\n"
-                    return
-                last = output
-                yield f"data: {json.dumps(make_chunk(request_id, output, first))}\n\n"
-            if include_usage and last is not None:
-                usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                         "total_tokens": last.prompt_tokens + last.completion_tokens}
-                chunk = {"id": f"{_ID_PREFIX[kind]}-{outputs.request.request_id}", "object": kind, "created": int(time.time()),
-                         "model": state.model_name, "choices": [], "usage": usage}
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
+            while not outputs.finished:
+                lines = []
+                for output, first in await outputs.take():
+                    if output.error:
+                        lines.append(error_event(output.error))
+                        yield "".join(lines)
+                        return
+                    last = output
+                    lines.append(make_event(output, first))
+                if outputs.finished:
+                    if include_usage and last is not None:
+                        lines.append(events.usage(last))
+                    lines.append(DONE)
+                yield "".join(lines)
         finally:
             outputs.abort()  # a client that disconnects mid-stream frees its sequence
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(stream(), media_type="text/event-stream")
