@@ -39,7 +39,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json  # noqa: E402  (also puts runtime/ on the path)
 from random_checkpoint import write_v2_lite  # noqa: E402
-from serve_gpu import ceilings, keep_log_tails, serving  # noqa: E402
+from serve_gpu import add_group_arguments, ceilings, keep_log_tails, serving  # noqa: E402
 from steady_streams import SteadyStreams  # noqa: E402
 
 from afd.planner.advice import Bounds, TooFewMetrics  # noqa: E402
@@ -145,12 +145,7 @@ def refit(path: str, args) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: write a random DeepSeek-V2-Lite-shaped one)")
-    parser.add_argument("--checkpoint-dir", default="/tmp/afd-serve-gpu", help="where the random checkpoint is written")
-    parser.add_argument("--layers", type=int, default=27)
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--topology", default="1A1F")
-    parser.add_argument("--stages", type=int, default=2)
+    add_group_arguments(parser)
     parser.add_argument("--levels", default="32,128", type=lambda s: [int(x) for x in s.split(",")],
                         help="concurrent streams per level (at least two different)")
     parser.add_argument("--seconds", type=float, default=40.0, help="steady window of each level")

@@ -194,14 +194,19 @@ def print_level(mode: str, level: dict, flush: bool = False) -> None:
           f"{fmt(level['efficiency'], '>5.2f')} {level['failed']:>6}", flush=flush)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_group_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint and the group's shape, as every GPU serving benchmark takes them."""
     parser.add_argument("--model", help="checkpoint folder (default: write a random DeepSeek-V2-Lite-shaped one)")
     parser.add_argument("--checkpoint-dir", default="/tmp/afd-serve-gpu", help="where the random checkpoint is written")
     parser.add_argument("--layers", type=int, default=27)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--topology", default="1A1F")
     parser.add_argument("--stages", type=int, default=2)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_group_arguments(parser)
     parser.add_argument("--modes", default="afd,monolithic")
     parser.add_argument("--levels", default="1,16,64,256,512", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt-tokens", default="128,1024", type=lambda s: tuple(int(x) for x in s.split(",")))
