@@ -89,10 +89,33 @@ def _sample(namespace: str, model_dir, replicas: int) -> dict:
     return body
 
 
+def _ffn_shards(cluster: Cluster, namespace: str, shards: int) -> str | None:
+    """The running FFN pods when there are `shards` of them, each told its shard."""
+    pods = [pod for pod in cluster.list("Pod", namespace, selector=f"afd.io/name={NAME},afd.io/role=ffn")
+            if pod.get("status", {}).get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp")]
+    if len(pods) != shards:
+        return None
+    env = [{e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])} for pod in pods]
+    assert all(e.get("AFD_FFN_EXPERT_PARALLEL") == str(shards) for e in env), env
+    return ", ".join(sorted(pod["metadata"]["name"] for pod in pods))
+
+
+def _answers(url: str) -> str | None:
+    import httpx
+
+    try:
+        response = httpx.get(f"{url}/health", timeout=5)
+    except httpx.HTTPError:
+        return None
+    return f"{response.status_code} from {response.headers.get('server')}" if response.status_code == 200 else None
+
+
 def _ask(url: str) -> str:
     import httpx
 
-    models = httpx.get(f"{url}/v1/models", timeout=30).json()
+    listed = httpx.get(f"{url}/v1/models", timeout=30)
+    assert listed.status_code == 200 and listed.content, (listed.status_code, dict(listed.headers), listed.content[:300])
+    models = listed.json()
     assert [m["id"] for m in models["data"]] == [SERVED]
     body = {"model": SERVED, "prompt": "Hello", "max_tokens": 5, "temperature": 0}
     started = time.monotonic()
@@ -133,6 +156,8 @@ def test_a_new_user_from_helm_install_to_answers_under_disruptions(tmp_path_fact
         cluster.create(_sample(namespace, model_dir, replicas=1))
         steps.run("apply the CPU sample; Ready 1/1", _wait_ready, cluster, namespace, 1)
         url = service_url(cluster, namespace, NAME)
+        steps.run("the Service routes to a ready rank (the proxy programs it asynchronously)", eventually,
+                  lambda: _answers(url), 60, "GET /health through the Service", 1)
         steps.run("completion and stream through the client Service", _ask, url)
 
         cluster.merge_patch("AFDDeployment", NAME, namespace, {"spec": {"replicas": 2}}, sub="scale")
@@ -153,6 +178,16 @@ def test_a_new_user_from_helm_install_to_answers_under_disruptions(tmp_path_fact
             _wait_ready(cluster, namespace, 2, revision=revision)
 
         steps.run("load during a rollout of both groups (spec change)", _under_load, url, change_spec)
+
+        cluster.merge_patch("AFDDeployment", NAME, namespace, {"spec": {"replicas": 1}}, sub="scale")
+        steps.run("scale back to 1 group; Ready 1/1", _wait_ready, cluster, namespace, 1)
+        revision = cluster.get("AFDDeployment", NAME, namespace)["status"]["updateRevision"]
+        cluster.merge_patch("AFDDeployment", NAME, namespace, {"spec": {"ffn": {"expertParallel": 2}}})
+        steps.run("spec.ffn.expertParallel 2: the group rolls to two FFN shard pods; Ready 1/1", _wait_ready,
+                  cluster, namespace, 1, revision=revision)
+        steps.run("the FFN rank runs as two shard pods", eventually, lambda: _ffn_shards(cluster, namespace, 2), 120,
+                  "two running FFN shard pods", 1)
+        steps.run("completion and stream through the Service, experts on two shards", _ask, url)
 
         cluster.delete("AFDDeployment", NAME, namespace)
         steps.run("delete the resource; children garbage-collected", eventually,
