@@ -195,6 +195,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    if os.environ.get("AFD_SWITCH_INTERVAL_S"):  # experiment: how often Python hands the GIL between threads
+        sys.setswitchinterval(float(os.environ["AFD_SWITCH_INTERVAL_S"]))
     if config.role == "ffn":
         from afd.server.ffn_run import serve_ffn
 
