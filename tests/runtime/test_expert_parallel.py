@@ -233,3 +233,37 @@ def test_the_shards_of_a_rank_export_distinct_series():
                for s in f.samples if s.name == "afd_ffn_steps_total"]
     assert sorted(samples) == [("afd_ffn_steps_total", (("rank", "0"), ("role", "ffn"), ("shard", "0")), 1.0),
                                ("afd_ffn_steps_total", (("rank", "0"), ("role", "ffn"), ("shard", "1")), 2.0)]
+
+
+@pytest.mark.parametrize("gate", ["ffn", "attention"])
+def test_attention_transfer_bytes_count_every_shard(gate, checkpoints):
+    """afd_transfer_bytes on the attention rank counts what its G shards count: each shard receives
+    every row, and each sends back a float32 partial sum."""
+    import threading
+
+    from afd.config import AFDConfig
+    from afd.engine.offline import generate_with_engine
+    from afd.roles import build_attention, build_ffn
+    from tests.conftest import NEW_TOKENS, PROMPTS
+
+    base = AFDConfig(connector="loopback", model=str(checkpoints["deepseek_v2"]), ffn_expert_parallel=2,
+                     gate_on_attention=gate == "attention", ffn_address_template=f"ep-bytes-{gate}-{{rank}}")
+    stop = threading.Event()
+    shards = [build_ffn(base.replace(role="ffn", rank=0, ffn_shard=s)) for s in range(2)]
+    threads = [threading.Thread(target=w.serve, args=(stop,), daemon=True) for w in shards]
+    for thread in threads:
+        thread.start()
+    role = build_attention(base.replace(role="attention", rank=0), 4096)
+    try:
+        generate_with_engine(role.runner, role.kv_cache, PROMPTS, NEW_TOKENS, role.loaded.spec.eos_token_ids, True,
+                             role.device, link=role.link)
+        sent = dict(role.runner.transfer_bytes)
+    finally:
+        role.close("test finished")
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=5)
+    received = [w.executor.transfer_bytes for w in shards]
+    assert sent["send"] > 0 and received[0]["recv"] == received[1]["recv"]
+    assert sent["send"] == sum(r["recv"] for r in received)
+    assert sent["recv"] == sum(r["send"] for r in received)

@@ -51,6 +51,8 @@ class LinkListener(Protocol):
 class AttentionLink:
     """The handshaken connection of one attention rank to the FFN rank that serves it."""
 
+    shards = 1  # the FFN rank is one process (`ShardedLink` has one link per expert shard)
+
     def __init__(self, ffn_rank: int, open_transport: Callable[[], PeerTransport], plane: AttentionPlane,
                  options: LinkOptions):
         self.ffn_rank = ffn_rank

@@ -29,6 +29,7 @@ class ShardedLink:
         for link in links:  # shards return float32 partial sums (afd.models.expert_shard)
             link.plane.return_dtype = torch.float32
         self.ffn_rank = links[0].ffn_rank
+        self.shards = len(links)
         self.recover_attempts = self.recover_failures = 0
         self._listeners: list[LinkListener] = []
 

@@ -68,6 +68,7 @@ class AttentionRunner:
         hidden = loaded.spec.hidden_size
         self._hidden_per_token = len(self.crossing) * hidden  # elements each way, per token and step
         self._logit_bytes_per_token = len(self.crossing) * 4 * loaded.spec.num_experts if gate_on_attention else 0
+        self._shards = getattr(link, "shards", 1)  # an FFN rank of G expert shards: every row goes to each
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
@@ -109,10 +110,12 @@ class AttentionRunner:
         return logits
 
     def _count_bytes(self, tokens: int, element: int) -> None:
-        """Bytes this step moves, from its token count (also right for replayed graphs)."""
-        hidden_bytes = tokens * self._hidden_per_token * element
-        self.transfer_bytes["send"] += hidden_bytes + tokens * self._logit_bytes_per_token
-        self.transfer_bytes["recv"] += hidden_bytes
+        """Bytes this step moves, from its token count (also right for replayed graphs): with G expert
+        shards every row goes to each shard and each sends back a float32 partial sum."""
+        sent = tokens * (self._hidden_per_token * element + self._logit_bytes_per_token)
+        returned = tokens * self._hidden_per_token * (4 if self._shards > 1 else element)
+        self.transfer_bytes["send"] += self._shards * sent
+        self.transfer_bytes["recv"] += self._shards * returned
 
     def forward(self, input_ids: torch.Tensor, micro: list) -> torch.Tensor:
         """The step's tensor work for (stage, batch, rows) micro-batches; capturable in a graph."""
