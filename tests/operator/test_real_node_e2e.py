@@ -183,8 +183,8 @@ def test_a_new_user_from_helm_install_to_answers_under_disruptions(tmp_path_fact
         steps.run("scale back to 1 group; Ready 1/1", _wait_ready, cluster, namespace, 1)
         revision = cluster.get("AFDDeployment", NAME, namespace)["status"]["updateRevision"]
         cluster.merge_patch("AFDDeployment", NAME, namespace, {"spec": {"ffn": {"expertParallel": 2}}})
-        steps.run("spec.ffn.expertParallel 2: the group rolls to two FFN shard pods; Ready 1/1", _wait_ready,
-                  cluster, namespace, 1, revision=revision)
+        steps.run("spec.ffn.expertParallel 2: the group rolls to two FFN shard pods; Ready 1/1",
+                  lambda: _wait_ready(cluster, namespace, 1, revision=revision))
         steps.run("the FFN rank runs as two shard pods", eventually, lambda: _ffn_shards(cluster, namespace, 2), 120,
                   "two running FFN shard pods", 1)
         steps.run("completion and stream through the Service, experts on two shards", _ask, url)
