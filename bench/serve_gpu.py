@@ -13,7 +13,8 @@ uniform in `--prompt-tokens`, `--output-tokens` tokens, ignore_eos, greedy).
 
 Per level: output tokens/s over the level's wall time (prefills included), TTFT and ITL p50/p99, the
 decode tokens/s (streams ÷ mean ITL), the ceiling (batch ÷ step time at that batch) and serving efficiency
-= decode tokens/s ÷ ceiling (= ceiling step time ÷ mean ITL). Failed requests are counted; every rank
+= decode tokens/s ÷ ceiling (= ceiling step time ÷ mean ITL), and the pace = ceiling step time ÷ ITL p50
+(the host's cost per step alone: steps shared with prefill chunks are in the mean, not the median). Failed requests are counted; every rank
 must exit 0 on SIGTERM afterwards. Prints a table and writes $OUT/serve_gpu.json (or ./serve_gpu.json).
 """
 
@@ -162,6 +163,8 @@ def run_mode(mode: str, args, model: str) -> dict:
             level["ceiling_step_ms"] = 1e3 * seconds if seconds else None
             level["ceiling_tokens_per_s"] = streams / seconds if seconds else None
             level["efficiency"] = level["decode_tokens_per_s"] / level["ceiling_tokens_per_s"] if seconds else None
+            # the step's pace alone: the median gap against the step (prefill-shared steps are the tail, not the median)
+            level["pace"] = 1e3 * seconds / level["itl_p50_ms"] if seconds and level["itl_p50_ms"] else None
             results["levels"].append(level)
             print_level(mode, level, flush=True)
             if level["failed"]:
@@ -191,7 +194,7 @@ def print_level(mode: str, level: dict, flush: bool = False) -> None:
     print(f"{mode:>10} {level['streams']:>6} {level['tokens_per_s']:>9.0f} {fmt(level['ttft_p50_ms'], '>8.0f')} "
           f"{level['ttft_p99_ms']:>8.0f} {fmt(level['itl_p50_ms'], '>7.1f')} {level['itl_p99_ms']:>7.1f} "
           f"{level['decode_tokens_per_s']:>9.0f} {fmt(level['ceiling_tokens_per_s'], '>9.0f')} "
-          f"{fmt(level['efficiency'], '>5.2f')} {level['failed']:>6}", flush=flush)
+          f"{fmt(level['efficiency'], '>5.2f')} {fmt(level.get('pace'), '>5.2f')} {level['failed']:>6}", flush=flush)
 
 
 def add_group_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,7 +225,7 @@ def main() -> int:
         model = str(write_v2_lite(Path(args.checkpoint_dir) / f"v2lite-{args.layers}", args.layers, args.device))
         print(f"checkpoint: {model} ({args.layers} layers) written in {time.monotonic() - started:.0f} s", flush=True)
     print(f"{'mode':>10} {'streams':>6} {'tok/s':>9} {'TTFT p50':>8} {'p99':>8} {'ITL p50':>7} {'p99':>7} "
-          f"{'decode/s':>9} {'ceiling':>9} {'eff':>5} {'failed':>6}", flush=True)
+          f"{'decode/s':>9} {'ceiling':>9} {'eff':>5} {'pace':>5} {'failed':>6}", flush=True)
     report = {"model": model, "args": {k: v for k, v in vars(args).items()}, "modes": []}
     for mode in args.modes.split(","):
         report["modes"].append(run_mode(mode, args, model))
