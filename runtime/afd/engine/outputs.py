@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 
 class OutputProcessor:
     def __init__(self, eos_token_ids: set[int], max_model_len: int, observer, on_stopped: Callable[[Request], None],
-                 threaded: bool):
+                 threaded: bool, on_burst: Callable[[], None] | None = None):
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self.observer, self.on_stopped = observer, on_stopped
+        self.on_burst = on_burst  # after each step's outputs (or errors) are delivered: one flush per burst
         self._queue: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
         self._thread = threading.Thread(target=self._drain, name="engine-outputs", daemon=True) if threaded else None
         if self._thread is not None:
@@ -47,17 +48,22 @@ class OutputProcessor:
 
     def _put(self, item) -> None:
         if self._queue is None:
-            item[0](*item[1:])
+            self._run(item)
         else:
             self._queue.put(item)
 
     # -- output thread (or inline) ---------------------------------------------
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:
-            try:
-                item[0](*item[1:])
-            except Exception:  # noqa: BLE001 — never let one bad step stop every later output
-                log.exception("output processing failed")
+            self._run(item)
+
+    def _run(self, item) -> None:
+        try:
+            item[0](*item[1:])
+            if self.on_burst is not None:
+                self.on_burst()
+        except Exception:  # noqa: BLE001 — never let one bad step stop every later output
+            log.exception("output processing failed")
 
     def _deliver(self, batch: list[Request], tokens: list[int], logprobs: list, now: float) -> None:
         for request, token, token_logprobs in zip(batch, tokens, logprobs):
