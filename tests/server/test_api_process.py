@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -92,6 +93,23 @@ def test_greedy_completions_and_chat_equal_the_one_process_server(servers):
     assert answers[1]["choices"][0]["message"] == answers[0]["choices"][0]["message"]
 
 
+def test_stop_strings_end_requests_as_in_one_process(servers):
+    one, split = servers
+    text = one.complete(PROMPTS[2], max_tokens=16)["choices"][0]["text"]  # the tiny model's text is noise
+    stop = text[1:3]
+    expected = one.complete(PROMPTS[2], max_tokens=16, stop=[stop])["choices"][0]
+    got = split.complete(PROMPTS[2], max_tokens=16, stop=[stop])["choices"][0]
+    assert (got["text"], got["finish_reason"]) == (expected["text"], expected["finish_reason"]) == (text[:text.index(stop)], "stop")
+    body = {"model": split.model, "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stop": [stop]}
+    with httpx.stream("POST", f"{split.url}/v1/completions", json=body, timeout=60) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+    wait_for(lambda: split.metric("afd_requests_running") == 0, 10, "the core to drop the stopped request")
+
+
 def test_a_stream_carries_the_same_text_and_ends_with_done(servers):
     _, split = servers
     body = {"model": split.model, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
@@ -100,8 +118,6 @@ def test_a_stream_carries_the_same_text_and_ends_with_done(servers):
         assert response.status_code == 200
         events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    import json
-
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == split.complete(PROMPTS[0])["choices"][0]["text"]

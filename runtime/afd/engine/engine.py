@@ -104,16 +104,18 @@ class Engine:
         self._outputs.close(timeout_s)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
-               request_id: str | None = None) -> Request:
-        """Queue a request (under `request_id` when the caller chose it); `InvalidRequest` if it can never run here."""
+               request_id: str | None = None, text: bool = True) -> Request:
+        """Queue a request; `InvalidRequest` if it can never run here. `request_id`: the caller's id for it;
+        `text=False`: outputs carry no text and stop strings are not looked for (the caller detokenizes)."""
         request = Request(list(prompt_ids), params, on_output)
         if request_id is not None:
             request.request_id = request_id
         request = self.scheduler.check(request)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        request.stop_checker = StopChecker(params.stop)
+        if text:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            request.stop_checker = StopChecker(params.stop)
         with self._wake:
             closed = self.dead or ("the server is shutting down" if self._stopped else None)
             if not closed:

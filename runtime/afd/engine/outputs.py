@@ -87,14 +87,16 @@ class OutputProcessor:
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = stopped = "stop"
         else:
-            checker.add(request.detokenizer.add(token))
-            if checker.stopped:
+            if checker is not None:  # None: the caller makes the text (the API process, `afd.server.request_text`)
+                checker.add(request.detokenizer.add(token))
+            if checker is not None and checker.stopped:
                 reason = stopped = "stop"
             elif len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 reason = "length"
         request.done = reason is not None
         request.on_output(RequestOutput(
-            request.request_id, checker.take(final=request.done), [token], [token_logprobs] if token_logprobs else [],
+            request.request_id, checker.take(final=request.done) if checker is not None else "", [token],
+            [token_logprobs] if token_logprobs else [],
             finished=request.done, finish_reason=reason,
             prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.output_ids),
         ))

@@ -1,7 +1,7 @@
 """The engine core's end of the link to the API process (`AFD_API_PROCESS`).
 
-One thread takes the API's submits, aborts and heartbeats and hands them to the engine. The
-engine's output thread collects each step's outputs here and, when the step's burst ends
+One thread takes the API's submits, aborts and heartbeats and hands them to the engine (token
+ids only: the API makes the text, `request_text`). The engine's output thread collects each step's outputs here and, when the step's burst ends
 (`Engine.on_burst`), sends them in one message with the core's state; when idle the thread
 sends the state alone every `beat_s`. A request the engine refuses or cannot take ends with
 an error output, so the API never waits for an answer that will not come.
@@ -121,6 +121,6 @@ class ApiLink:
 
     def _submit(self, request_id: str, prompt_ids: list[int], params) -> None:
         try:
-            self.engine.submit(prompt_ids, params, self.on_output, request_id=request_id)
+            self.engine.submit(prompt_ids, params, self.on_output, request_id=request_id, text=False)  # text: API side
         except InvalidRequest as err:  # the API checked it the same way: only a bug gets here
             self.on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error", error=str(err)))

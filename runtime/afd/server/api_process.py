@@ -3,9 +3,10 @@
 One Python process shares one GIL between the engine thread, the output thread and the HTTP
 event loop; the loop's per-token work (SSE formatting, socket writes) then delays the next
 step's launch. Here the core process keeps the model, the FFN link, the engine, its output
-thread (detokenization, stop strings), the serving metrics and the probe server; the child
-runs uvicorn with the same app (`create_app` behind `Failover`), tokenizes prompts and
-formats events, and talks to the core over `api_link` / `engine_client`.
+thread (sampled tokens, EOS and length), the serving metrics and the probe server; the child
+runs uvicorn with the same app (`create_app` behind `Failover`), tokenizes prompts,
+detokenizes outputs and finds stop strings, formats events, and talks to the core over
+`api_link` / `engine_client`.
 
 Lifecycle: the core starts the child once its engine runs and is ready when the child says
 it listens. SIGTERM to the core is passed to the child, whose uvicorn finishes in-flight
@@ -114,10 +115,11 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
     from afd.server.failover import Failover, FailoverSettings
     from afd.server.validation import Limits
 
-    client = EngineClient(facts["folder"], KVShape(facts["num_blocks"], facts["block_size"]), config.max_num_seqs,
-                          config.max_num_batched_tokens, facts["max_model_len"])
+    tokenizer = load_tokenizer(config.model)
+    client = EngineClient(facts["folder"], tokenizer, KVShape(facts["num_blocks"], facts["block_size"]),
+                          config.max_num_seqs, config.max_num_batched_tokens, facts["max_model_len"])
     state = ServerState(
-        engine=client, tokenizer=load_tokenizer(config.model), model_name=facts["model_name"],
+        engine=client, tokenizer=tokenizer, model_name=facts["model_name"],
         max_model_len=facts["max_model_len"], vocab_size=facts["vocab_size"], health=lambda: client.problem,
         registry=CollectorRegistry(),
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, facts["max_model_len"]),

@@ -2,7 +2,8 @@
 
 `submit`, `abort` and `problem` behave as `Engine`'s do for `afd.server.app`: a request the
 engine could never run is refused here with the same `InvalidRequest` (the same scheduler
-check, on the core's KV-cache shape); outputs arrive on the event loop, a burst per message.
+check, on the core's KV-cache shape); outputs arrive on the event loop, a burst per message,
+as token ids that get their text here (`request_text`).
 The core's state comes with every message; a core silent for `silence_s` makes the rank
 unhealthy and ends every request waiting on it with an error, so none waits forever.
 """
@@ -23,6 +24,7 @@ from afd.engine.scheduler import Scheduler
 from afd.server import core_wire
 from afd.server.api_link import addresses
 from afd.server.core_wire import CoreState
+from afd.server.request_text import RequestText
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +47,9 @@ class KVShape:
 class EngineClient:
     """The engine core seen from the API process; `run()` (on the event loop) receives and heartbeats."""
 
-    def __init__(self, folder: str, kv: KVShape, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 silence_s: float = 5.0, beat_s: float = 0.5):
-        self.silence_s, self.beat_s = silence_s, beat_s
+    def __init__(self, folder: str, tokenizer, kv: KVShape, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, silence_s: float = 5.0, beat_s: float = 0.5):
+        self.tokenizer, self.silence_s, self.beat_s = tokenizer, silence_s, beat_s
         self._admission = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
         requests, outputs = addresses(folder)
         self._context, self._async_context = zmq.Context(), zmq.asyncio.Context()
@@ -59,6 +61,7 @@ class EngineClient:
         self._outputs.setsockopt(zmq.RCVHWM, 0)
         self._outputs.connect(outputs)
         self._waiting: dict[str, Callable[[RequestOutput], None]] = {}
+        self._texts: dict[str, RequestText] = {}
         self.state = CoreState("the engine core has not answered yet", None)
         self.heard: float | None = None
 
@@ -67,11 +70,13 @@ class EngineClient:
         """Send a request to the core; `InvalidRequest` if it can never run there."""
         request = self._admission.check(Request(list(prompt_ids), params, on_output))
         self._waiting[request.request_id] = on_output
+        self._texts[request.request_id] = RequestText(self.tokenizer, params.stop)
         if not self._send(core_wire.encode_submit(request.request_id, request.prompt_ids, params)):
             self._fail(request.request_id, "the engine core is not connected")
         return request
 
     def abort(self, request_id: str) -> None:
+        self._texts.pop(request_id, None)
         if self._waiting.pop(request_id, None) is not None:
             self._send(core_wire.encode_abort(request_id))
 
@@ -113,11 +118,17 @@ class EngineClient:
     def _take(self, message: bytes) -> None:
         state, outputs = core_wire.decode_outputs(message)
         self.state, self.heard = state, time.monotonic()
-        waiting = self._waiting
+        waiting, texts = self._waiting, self._texts
         for output in outputs:
-            on_output = waiting.pop(output.request_id, None) if output.finished else waiting.get(output.request_id)
-            if on_output is not None:  # else aborted here: the core drops it at its next step
-                on_output(output)
+            request_id = output.request_id
+            on_output = waiting.get(request_id)
+            if on_output is None:  # aborted or stopped here: the core drops it at its next step
+                continue
+            if output.error is None and texts[request_id].fill(output):  # a stop string
+                self._send(core_wire.encode_abort(request_id))
+            if output.finished:
+                del waiting[request_id], texts[request_id]
+            on_output(output)
 
     async def _beat(self, listening: Callable[[], bool], loop_problem: Callable[[], str | None]) -> None:
         while True:
@@ -138,6 +149,7 @@ class EngineClient:
             return False
 
     def _fail(self, request_id: str, message: str) -> None:
+        self._texts.pop(request_id, None)
         on_output = self._waiting.pop(request_id, None)
         if on_output is not None:
             on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error", error=message))
