@@ -204,3 +204,27 @@ def test_a_silent_core_fails_streams_and_health_and_a_dead_api_process_ends_the_
     wait_for(lambda: httpx.get(f"{served.url}/health", timeout=5).status_code == 200, 10, "the core to be heard again")
     os.kill(child, signal.SIGKILL)
     assert served.process.wait(timeout=30) == 1
+
+
+def test_afd_up_1a1f_runs_the_api_of_its_attention_rank_in_a_child(checkpoints, servers, tmp_path):
+    """An attention rank with a remote FFN (`afd up --topology 1A1F`, AFD_API_PROCESS=1): the same greedy text."""
+    from tests.server.test_up import read_state
+
+    one, _ = servers
+    state_file, port = tmp_path / "state.json", _free_port()
+    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", "1A1F", "--model", str(checkpoints["qwen3_moe"]),
+                           "--port", str(port), "--state-file", str(state_file), "--no-demo"],
+                          env={**os.environ, "AFD_API_PROCESS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        state = wait_for(lambda: read_state(state_file), 240, "the state file")
+        attention = next(r for r in state["ranks"] if r["role"] == "attention")
+        wait_for(lambda: httpx.get(attention["metrics"].replace("/metrics", "/health")).status_code == 200, 120,
+                 "the attention rank to be ready")
+        [child] = [int(p) for t in Path(f"/proc/{attention['pid']}/task").iterdir() for p in (t / "children").read_text().split()]
+        assert "afd.server.api_process" in Path(f"/proc/{child}/cmdline").read_text()
+        body = {"model": one.model, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        got = httpx.post(f"{attention['api']}/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert got == one.complete(PROMPTS[0])["choices"][0]["text"]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
