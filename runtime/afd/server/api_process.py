@@ -134,7 +134,8 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
         signal.signal(signum, lambda *_: setattr(server, "should_exit", True))
 
     async def main() -> None:
-        link = asyncio.create_task(client.run(lambda: server.started, state.loop_watch.problem))
+        # listening (ready, for the core's probe) once the core was heard too: no 503 for the first requests
+        link = asyncio.create_task(client.run(lambda: server.started and client.heard is not None, state.loop_watch.problem))
         try:
             await server.serve()  # returns on SIGTERM once in-flight requests finished
         finally:
