@@ -23,10 +23,10 @@ log = logging.getLogger(__name__)
 
 class OutputProcessor:
     def __init__(self, eos_token_ids: set[int], max_model_len: int, observer, on_stopped: Callable[[Request], None],
-                 threaded: bool, on_burst: Callable[[], None] | None = None):
+                 threaded: bool):
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self.observer, self.on_stopped = observer, on_stopped
-        self.on_burst = on_burst  # after each step's outputs (or errors) are delivered: one flush per burst
+        self.on_burst: Callable[[], None] | None = None  # after each step's outputs (or errors): one flush per burst
         self._queue: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
         self._thread = threading.Thread(target=self._drain, name="engine-outputs", daemon=True) if threaded else None
         if self._thread is not None:
