@@ -51,3 +51,48 @@ def test_eos_and_length_finish_as_the_core_says_with_the_held_text_flushed():
     length = RequestText(Letters(), ())
     last = output(1, finished=True, reason="length")
     assert not length.fill(last) and (last.text, last.finish_reason) == ("b", "length")
+
+
+def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
+    """A stand-in core on the link: its problem reaches `problem`; silence fails waiting requests."""
+    import asyncio
+
+    import zmq
+
+    from afd.engine.request import SamplingParams
+    from afd.server.api_link import addresses
+    from afd.server.engine_client import EngineClient, KVShape
+
+    requests_at, outputs_at = addresses(str(tmp_path))
+    context = zmq.Context()
+    core_in, core_out = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    core_in.bind(requests_at)
+    core_out.bind(outputs_at)
+    client = EngineClient(str(tmp_path), Letters(), KVShape(8, 16), 4, 64, 128, silence_s=0.5, beat_s=0.05)
+    got = []
+
+    async def scenario():
+        link = asyncio.create_task(client.run(lambda: True, lambda: None))
+        assert client.problem == "the engine core has not answered yet"
+        core_out.send(core_wire.encode_outputs(CoreState("the FFN link is down", "the FFN link is down"), []))
+        await asyncio.sleep(0.2)
+        assert client.problem == client.unready() == "the FFN link is down"
+        core_out.send(core_wire.encode_outputs(CoreState(None, None), []))
+        await asyncio.sleep(0.1)
+        assert client.problem is None and client.unready() is None
+        request = client.submit([1, 2], SamplingParams(max_tokens=3), got.append)
+        while (message := core_wire.decode_request(core_in.recv()))[0] == core_wire.BEAT:
+            assert message[1:] == (True, None)  # listening, its loop turns
+        kind, request_id, prompt, params = message
+        assert (kind, request_id, prompt, params.max_tokens) == (core_wire.SUBMIT, request.request_id, [1, 2], 3)
+        core_out.send(core_wire.encode_outputs(CoreState(None, None), [RequestOutput(request_id, "", [0], [])]))
+        await asyncio.sleep(1.0)  # then the core goes silent
+        link.cancel()
+
+    asyncio.run(scenario())
+    assert [o.text for o in got] == ["a", ""] and got[-1].finish_reason == "error"
+    assert "engine core has been silent" in got[-1].error and client.num_waiting_here == 0
+    client.close()
+    core_in.close(linger=0)
+    core_out.close(linger=0)
+    context.term()
