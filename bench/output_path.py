@@ -4,6 +4,8 @@ around a stand-in step.
     PYTHONPATH=runtime .venv/bin/python bench/output_path.py --streams 16 64 256 --runs 3
     # before/after, interleaved: one server per tree and run, alternating
     .venv/bin/python bench/output_path.py --tree main=/work/main/runtime --tree out=runtime
+    # one process against the API in its own process (AFD_API_PROCESS), interleaved
+    PYTHONPATH=runtime .venv/bin/python bench/output_path.py --modes one split --step-ms 15
 
 The server (a subprocess) runs the real `Engine` (pipelined, output thread, metrics observer),
 `create_app` behind `Failover` and uvicorn, exactly as `afd serve` does; only the step is
@@ -12,6 +14,10 @@ spells a fixed English text, so the tiny model's tokenizer detokenizes real word
 is the client: N concurrent httpx streams (`/v1/completions`, `ignore_eos`). Per level it prints
 tokens/s, ITL mean/p99 (events read together arrived together), the server's CPU µs per token (whole process and per thread), and stage
 timers (CPU µs per token inside each stage; a stage a tree does not have reads `-`).
+
+With `--modes split` the server runs as `AFD_API_PROCESS=1` does (`afd.server.api_process`): the
+engine in the server process, the app in its child. CPU is then per process (`proc:core`,
+`proc:api`), `cpu_us` their sum, and the stage timers cover the core only.
 """
 
 from __future__ import annotations
@@ -141,7 +147,23 @@ def thread_cpu() -> dict[str, float]:
     return result
 
 
-def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = None) -> None:
+def proc_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of another process: in all, and by thread name as the kernel knows it (`comm`)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    result: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name = "api:" + (task / "comm").read_text().strip().split("/")[0].rstrip("0123456789-")
+            result[name] = result.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return result
+
+
+def child_pids() -> list[int]:
+    return [int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+
+
+def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = None, split: bool = False) -> None:
     import torch
     import uvicorn
     from prometheus_client import CollectorRegistry
@@ -175,18 +197,30 @@ def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = 
     metrics.track(engine)
     state = ServerState(engine=engine, tokenizer=tokenizer, model_name="stand-in", max_model_len=4096, vocab_size=vocab,
                         health=lambda: engine.problem, registry=registry)
-    app = create_app(state)
-
-    @app.get("/bench/stats")
-    async def stats():
+    def stats():
         if profile:  # written at every call: uvicorn ends the process by the signal
             profiler.dump_stats(profile)  # which stops it
             profiler.enable()
-        threads = thread_cpu()
-        return {"cpu_s": time.process_time(), "threads": threads, "stages": timers.seconds,
+        threads = {f"core:{k}" if split else k: v for k, v in thread_cpu().items()}
+        core = time.process_time()
+        api = 0.0
+        for pid in child_pids() if split else []:
+            for name, seconds in proc_cpu(pid).items():
+                threads[name] = threads.get(name, 0.0) + seconds
+                api += seconds
+        processes = {"proc:core": core, "proc:api": api} if split else {}
+        return {"cpu_s": core + api, "threads": {**threads, **processes}, "stages": timers.seconds,
                 "present": sorted(timers.present), "tokens": metrics.generation_tokens._value.get()}
 
     engine.start()
+    if split:
+        serve_split(port, engine, state, tokenizer_path, stats)
+        return
+    app = create_app(state)
+
+    @app.get("/bench/stats")
+    async def stats_route():  # on the event loop, as the rest of the app
+        return stats()
     server = uvicorn.Server(uvicorn.Config(Failover(app, lambda: False, FailoverSettings()),
                                            host="127.0.0.1", port=port, log_level="warning"))
     if profile:  # the event loop's thread, in CPU time (waits for the GIL are not its code's cost)
@@ -196,6 +230,35 @@ def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = 
         profiler.enable()
     server.run()
     engine.stop()
+
+
+def serve_split(port: int, engine, state, tokenizer_path: str, stats) -> None:
+    """The API in a child process, as `afd serve` with AFD_API_PROCESS=1; the stats on port + 2."""
+    import signal
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from afd.config import AFDConfig
+    from afd.server.api_process import serve_with_api_process
+    from afd.server.run import attention_probes
+
+    class Stats(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps(stats()).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    threading.Thread(target=ThreadingHTTPServer(("127.0.0.1", port + 2), Stats).serve_forever, daemon=True).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    config = AFDConfig(role="monolithic", model=tokenizer_path, http_host="127.0.0.1", http_port=port,
+                       metrics_port=port + 1, max_num_seqs=512, max_num_batched_tokens=16384, shutdown_grace_s=5)
+    serve_with_api_process(config, stop, state, engine, lambda listening: attention_probes(state, listening, stop))
 
 
 # -- client side -------------------------------------------------------------------------------
@@ -226,10 +289,10 @@ async def stream(port: int, max_tokens: int, arrivals: list) -> int:
     return tokens
 
 
-async def level(port: int, streams: int, max_tokens: int) -> dict:
+async def level(port: int, streams: int, max_tokens: int, split: bool = False) -> dict:
     import httpx
 
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port + 2}" if split else f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(stream(port, 4, []) for _ in range(min(streams, 16))))  # warm-up
         before = (await client.get(f"{url}/bench/stats")).json()
@@ -252,12 +315,14 @@ async def level(port: int, streams: int, max_tokens: int) -> dict:
     return result
 
 
-def start_server(tree: str, port: int, step_ms: float, tokenizer: str, profile: str | None) -> subprocess.Popen:
+def start_server(tree: str, port: int, step_ms: float, tokenizer: str, profile: str | None,
+                 split: bool = False) -> subprocess.Popen:
     """`tree` is a runtime/ directory, optionally followed by more import paths (`path:path`)."""
     tree, *extra = [os.path.abspath(path) for path in tree.split(os.pathsep)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, str(Path(tree).parent / "operator"), *extra])}
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--step-ms", str(step_ms),
-                               "--tokenizer", tokenizer] + (["--profile", profile] if profile else []), env=env)
+                               "--tokenizer", tokenizer] + (["--profile", profile] if profile else [])
+                              + (["--split"] if split else []), env=env)
     import httpx
 
     deadline = time.monotonic() + 120
@@ -303,18 +368,23 @@ def main() -> int:
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--profile", help="cProfile the server's event loop into this file (one tree, one run)")
+    parser.add_argument("--modes", nargs="+", choices=("one", "split"), default=["one"],
+                        help="one: the API in the engine's process; split: in its own (AFD_API_PROCESS)")
+    parser.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.step_ms, args.tokenizer, args.profile)
+        serve(args.serve, args.step_ms, args.tokenizer, args.profile, args.split)
         return 0
     trees = dict(t.split("=", 1) for t in args.tree) if args.tree else {"this": str(Path(__file__).parents[1] / "runtime")}
-    results = {name: {s: [] for s in args.streams} for name in trees}
+    variants = {(f"{name}/{mode}" if len(args.modes) > 1 else name): (tree, mode == "split")
+                for name, tree in trees.items() for mode in args.modes}
+    results = {name: {s: [] for s in args.streams} for name in variants}
     for run in range(args.runs):
-        for name, tree in trees.items():
-            server = start_server(tree, args.port, args.step_ms, args.tokenizer, args.profile)
+        for name, (tree, split) in variants.items():
+            server = start_server(tree, args.port, args.step_ms, args.tokenizer, args.profile, split)
             try:
                 for streams in args.streams:
-                    result = asyncio.run(level(args.port, streams, args.max_tokens))
+                    result = asyncio.run(level(args.port, streams, args.max_tokens, split))
                     results[name][streams].append(result)
                     print(f"run {run} {name} {streams:4d} streams: {result['tok_s']:8.0f} tok/s  "
                           f"{result['cpu_us']:6.1f} CPU µs/token  ITL mean {result['itl_mean']:.1f} ms", flush=True)

@@ -79,6 +79,7 @@ class AFDConfig:
     # serving loop and KV sizing (afd.engine, afd.server.run)
     gpu_memory_utilization: float = 0.9  # KV cache: this fraction of the GPU, less what is in use, unless kv_cache_bytes
     ceiling_batches: str = ""  # comma-separated batch sizes whose graph-replayed step time is measured at start
+    api_process: bool = False  # attention/monolithic: the HTTP API in its own process (afd.server.api_process)
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
@@ -209,6 +210,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_VLLM_ARGS": "vllm_args",
     "AFD_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
     "AFD_CEILING_BATCHES": "ceiling_batches",
+    "AFD_API_PROCESS": "api_process",
 }
 
 _FIELD_TYPES = {f.name: f.type for f in fields(AFDConfig)}

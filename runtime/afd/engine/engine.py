@@ -103,13 +103,19 @@ class Engine:
         self._thread.join(timeout=timeout_s)
         self._outputs.close(timeout_s)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None]) -> Request:
-        """Queue a request; `InvalidRequest` if it can never run here."""
-        request = self.scheduler.check(Request(list(prompt_ids), params, on_output))
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
+               request_id: str | None = None, text: bool = True) -> Request:
+        """Queue a request; `InvalidRequest` if it can never run here. `request_id`: the caller's id for it;
+        `text=False`: outputs carry no text and stop strings are not looked for (the caller detokenizes)."""
+        request = Request(list(prompt_ids), params, on_output)
+        if request_id is not None:
+            request.request_id = request_id
+        request = self.scheduler.check(request)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        request.stop_checker = StopChecker(params.stop)
+        if text:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            request.stop_checker = StopChecker(params.stop)
         with self._wake:
             closed = self.dead or ("the server is shutting down" if self._stopped else None)
             if not closed:
@@ -132,6 +138,15 @@ class Engine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
         self._outputs.eos_token_ids = set(ids)
+
+    @property
+    def on_burst(self) -> Callable[[], None] | None:
+        """Called on the output thread after each step's outputs (or errors) went out: a burst ends."""
+        return self._outputs.on_burst
+
+    @on_burst.setter
+    def on_burst(self, callback: Callable[[], None] | None) -> None:
+        self._outputs.on_burst = callback
 
     def _on_stopped(self, request: Request) -> None:
         """The output side ended `request` (any thread): it is freed at the next iteration."""

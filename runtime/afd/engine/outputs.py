@@ -26,6 +26,7 @@ class OutputProcessor:
                  threaded: bool):
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self.observer, self.on_stopped = observer, on_stopped
+        self.on_burst: Callable[[], None] | None = None  # after each step's outputs (or errors): one flush per burst
         self._queue: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
         self._thread = threading.Thread(target=self._drain, name="engine-outputs", daemon=True) if threaded else None
         if self._thread is not None:
@@ -47,17 +48,22 @@ class OutputProcessor:
 
     def _put(self, item) -> None:
         if self._queue is None:
-            item[0](*item[1:])
+            self._run(item)
         else:
             self._queue.put(item)
 
     # -- output thread (or inline) ---------------------------------------------
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:
-            try:
-                item[0](*item[1:])
-            except Exception:  # noqa: BLE001 — never let one bad step stop every later output
-                log.exception("output processing failed")
+            self._run(item)
+
+    def _run(self, item) -> None:
+        try:
+            item[0](*item[1:])
+            if self.on_burst is not None:
+                self.on_burst()
+        except Exception:  # noqa: BLE001 — never let one bad step stop every later output
+            log.exception("output processing failed")
 
     def _deliver(self, batch: list[Request], tokens: list[int], logprobs: list, now: float) -> None:
         for request, token, token_logprobs in zip(batch, tokens, logprobs):
@@ -81,14 +87,16 @@ class OutputProcessor:
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = stopped = "stop"
         else:
-            checker.add(request.detokenizer.add(token))
-            if checker.stopped:
+            if checker is not None:  # None: the caller makes the text (the API process, `afd.server.request_text`)
+                checker.add(request.detokenizer.add(token))
+            if checker is not None and checker.stopped:
                 reason = stopped = "stop"
             elif len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 reason = "length"
         request.done = reason is not None
         request.on_output(RequestOutput(
-            request.request_id, checker.take(final=request.done), [token], [token_logprobs] if token_logprobs else [],
+            request.request_id, checker.take(final=request.done) if checker is not None else "", [token],
+            [token_logprobs] if token_logprobs else [],
             finished=request.done, finish_reason=reason,
             prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.output_ids),
         ))

@@ -42,6 +42,10 @@ class StopChecker:
         self.stopped = False
 
     def add(self, delta: str) -> None:
+        if not self.stop:  # nothing to look for: keep only what is not sent yet (the whole text is never needed)
+            self.text = self.text[self.sent:] + delta
+            self.sent = 0
+            return
         start = max(0, len(self.text) - self.hold)
         self.text += delta
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]

@@ -55,6 +55,8 @@ class ServerState:
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
     # Parsing and tokenizing run here: off the event loop, and at most two at a time.
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="api-cpu"))
+    # The /metrics body when the series live elsewhere (the API process shows the engine core's); None: `registry`'s.
+    exposition: Callable[[], bytes] | None = None
 
     def problem(self) -> str | None:
         """Why this rank cannot serve (engine, FFN link or event loop), or None."""
@@ -80,7 +82,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+        body = await _off_loop(state, state.exposition) if state.exposition else generate_latest(state.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

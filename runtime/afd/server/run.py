@@ -153,13 +153,22 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
 
         export_ceiling(state.registry, config, role)
     engine.start()
+    ffn_draining = lambda: getattr(role.link, "ffn_draining", None)  # noqa: E731
+    if config.api_process:  # the HTTP API in a child process (afd.server.api_process)
+        from afd.server.api_process import serve_with_api_process
+
+        try:
+            return serve_with_api_process(config, stop, state, engine,
+                                          lambda listening: attention_probes(state, listening, stop, ffn_draining))
+        finally:
+            role.close(f"{config.role} rank shutting down")
     # `probes` is bound below, before the server takes its first request
     app = Failover(create_app(state), lambda: probes.readiness() is not None, FailoverSettings(config.failover_url))
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
     ))
-    probes = attention_probes(state, lambda: server.started, stop, lambda: getattr(role.link, "ffn_draining", None))
+    probes = attention_probes(state, lambda: server.started, stop, ffn_draining)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     threading.Thread(target=_exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()

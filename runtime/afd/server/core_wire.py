@@ -1,0 +1,65 @@
+"""The messages between the API process and the engine core (`AFD_API_PROCESS`), as plain tuples.
+
+Both ends are processes of one pod, on ipc:// sockets in a private folder, so the encoding
+is pickle of tuples of builtins: the cheapest to write and read in Python. The API sends
+one message per submit, abort or heartbeat; the core sends one message per output burst
+(every request's output of one step), each carrying its state, and a heartbeat when idle.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import astuple, dataclass
+
+from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
+
+VERSION = 1
+SUBMIT, ABORT, BEAT = "submit", "abort", "beat"
+
+
+@dataclass(frozen=True)
+class CoreState:
+    """What the core says about itself in every message: why it cannot serve (None: it can), and
+    why the rank is not ready (draining, FFN about to stop; None: ready)."""
+
+    problem: str | None
+    unready: str | None
+
+
+def encode_submit(request_id: str, prompt_ids: list[int], params: SamplingParams) -> bytes:
+    return pickle.dumps((SUBMIT, request_id, prompt_ids, astuple(params)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def encode_abort(request_id: str) -> bytes:
+    return pickle.dumps((ABORT, request_id), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def encode_beat(listening: bool, loop_problem: str | None) -> bytes:
+    """The API process is alive: whether its HTTP server listens, and whether its event loop turns."""
+    return pickle.dumps((BEAT, listening, loop_problem), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_request(message: bytes) -> tuple:
+    """(SUBMIT, id, prompt ids, SamplingParams) | (ABORT, id) | (BEAT, listening, loop problem)."""
+    decoded = pickle.loads(message)
+    if decoded[0] == SUBMIT:
+        kind, request_id, prompt_ids, params = decoded
+        return kind, request_id, prompt_ids, SamplingParams(*params)
+    return decoded
+
+
+def encode_outputs(state: CoreState, outputs: list[RequestOutput]) -> bytes:
+    rows = [(o.request_id, o.text, o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs] if o.logprobs
+             else None, o.finished, o.finish_reason, o.error, o.prompt_tokens, o.completion_tokens) for o in outputs]
+    return pickle.dumps((VERSION, state.problem, state.unready, rows), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_outputs(message: bytes) -> tuple[CoreState, list[RequestOutput]]:
+    version, problem, unready, rows = pickle.loads(message)
+    if version != VERSION:
+        raise ValueError(f"engine core message version {version}, this API process reads {VERSION}: "
+                         "both processes must come from one image")
+    outputs = [RequestOutput(rid, text, ids, [TokenLogprobs(*lp) for lp in lps] if lps else [], finished, reason, error,
+                             prompt, completion)
+               for rid, text, ids, lps, finished, reason, error, prompt, completion in rows]
+    return CoreState(problem, unready), outputs

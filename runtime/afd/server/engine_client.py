@@ -1,0 +1,155 @@
+"""What the API uses of the engine, in the API process (`AFD_API_PROCESS`): the core answers over zmq.
+
+`submit`, `abort` and `problem` behave as `Engine`'s do for `afd.server.app`: a request the
+engine could never run is refused here with the same `InvalidRequest` (the same scheduler
+check, on the core's KV-cache shape); outputs arrive on the event loop, a burst per message,
+as token ids that get their text here (`request_text`).
+The core's state comes with every message; a core silent for `silence_s` makes the rank
+unhealthy and ends every request waiting on it with an error, so none waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from afd.engine.request import Request, RequestOutput, SamplingParams
+from afd.engine.scheduler import Scheduler
+from afd.server import core_wire
+from afd.server.api_link import addresses
+from afd.server.core_wire import CoreState
+from afd.server.request_text import RequestText
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The core's KV cache as far as admission needs it (`Scheduler.check`)."""
+
+    num_blocks: int
+    block_size: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+class EngineClient:
+    """The engine core seen from the API process; `run()` (on the event loop) receives and heartbeats."""
+
+    def __init__(self, folder: str, tokenizer, kv: KVShape, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, silence_s: float = 5.0, beat_s: float = 0.5):
+        self.tokenizer, self.silence_s, self.beat_s = tokenizer, silence_s, beat_s
+        self._admission = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
+        requests, outputs = addresses(folder)
+        self._context, self._async_context = zmq.Context(), zmq.asyncio.Context()
+        self._requests = self._context.socket(zmq.PUSH)
+        self._requests.setsockopt(zmq.SNDHWM, 0)
+        self._requests.setsockopt(zmq.LINGER, 0)
+        self._requests.connect(requests)
+        self._outputs = self._async_context.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
+        self._outputs.connect(outputs)
+        self._waiting: dict[str, Callable[[RequestOutput], None]] = {}
+        self._texts: dict[str, RequestText] = {}
+        self.state = CoreState("the engine core has not answered yet", None)
+        self.heard: float | None = None
+
+    # -- what app.py uses of Engine (event loop) ----------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None]) -> Request:
+        """Send a request to the core; `InvalidRequest` if it can never run there."""
+        request = self._admission.check(Request(list(prompt_ids), params, on_output))
+        self._waiting[request.request_id] = on_output
+        self._texts[request.request_id] = RequestText(self.tokenizer, params.stop)
+        if not self._send(core_wire.encode_submit(request.request_id, request.prompt_ids, params)):
+            self._fail(request.request_id, "the engine core is not connected")
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self._texts.pop(request_id, None)
+        if self._waiting.pop(request_id, None) is not None:
+            self._send(core_wire.encode_abort(request_id))
+
+    @property
+    def problem(self) -> str | None:
+        """Why the core cannot serve (its own word, or its silence), or None."""
+        if self.heard is None:
+            return self.state.problem
+        silent = time.monotonic() - self.heard
+        if silent > self.silence_s:
+            return f"the engine core has been silent for {silent:.0f} s"
+        return self.state.problem
+
+    def unready(self) -> str | None:
+        """Why the rank is not ready (its readiness probe's reason), or None: connections then close."""
+        return self.problem or self.state.unready
+
+    @property
+    def num_waiting_here(self) -> int:
+        """Requests sent to the core and not finished (tests, logs)."""
+        return len(self._waiting)
+
+    # -- event loop ------------------------------------------------------------------------------
+    async def run(self, listening: Callable[[], bool], loop_problem: Callable[[], str | None]) -> None:
+        """Receive the core's messages and heartbeat to it, until cancelled."""
+        beats = asyncio.create_task(self._beat(listening, loop_problem))
+        try:
+            while True:
+                self._take(await self._outputs.recv())
+        finally:
+            beats.cancel()
+
+    def close(self) -> None:
+        self._requests.close()
+        self._outputs.close()
+        self._context.term()
+        self._async_context.term()
+
+    def _take(self, message: bytes) -> None:
+        state, outputs = core_wire.decode_outputs(message)
+        self.state, self.heard = state, time.monotonic()
+        waiting, texts = self._waiting, self._texts
+        for output in outputs:
+            request_id = output.request_id
+            on_output = waiting.get(request_id)
+            if on_output is None:  # aborted or stopped here: the core drops it at its next step
+                continue
+            if output.error is None and texts[request_id].fill(output):  # a stop string
+                self._send(core_wire.encode_abort(request_id))
+            if output.finished:
+                del waiting[request_id], texts[request_id]
+            on_output(output)
+
+    async def _beat(self, listening: Callable[[], bool], loop_problem: Callable[[], str | None]) -> None:
+        while True:
+            self._send(core_wire.encode_beat(listening(), loop_problem()))
+            if self._waiting and self.heard is not None and time.monotonic() - self.heard > self.silence_s:
+                log.error("the engine core has been silent for %.0f s: failing %d requests", time.monotonic() - self.heard,
+                          len(self._waiting))
+                for request_id in list(self._waiting):
+                    self._fail(request_id, self.problem)
+                    self._send(core_wire.encode_abort(request_id))  # should the core come back
+            await asyncio.sleep(self.beat_s)
+
+    def _send(self, message: bytes) -> bool:
+        try:
+            self._requests.send(message, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _fail(self, request_id: str, message: str) -> None:
+        self._texts.pop(request_id, None)
+        on_output = self._waiting.pop(request_id, None)
+        if on_output is not None:
+            on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error", error=message))

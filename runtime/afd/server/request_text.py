@@ -1,0 +1,30 @@
+"""The text of one request's outputs, made in the API process (`AFD_API_PROCESS`) from the core's token ids.
+
+The engine core then only samples tokens and ends requests on EOS, stop tokens and length;
+detokenization and stop strings (the larger part of its output thread's work per token) run
+here, as `afd.engine.outputs` does them in one process: the same text, the same held-back
+prefix of a possible stop string, the same finish reasons. A stop string found here ends the
+request here; the caller aborts it in the core.
+"""
+
+from __future__ import annotations
+
+from afd.engine.request import RequestOutput
+from afd.engine.text import IncrementalDetokenizer, StopChecker
+
+
+class RequestText:
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.detokenizer, self.checker = IncrementalDetokenizer(tokenizer), StopChecker(stop)
+
+    def fill(self, output: RequestOutput) -> bool:
+        """Put the text into `output` (finishing it on a stop string); whether a stop string ended it here."""
+        checker = self.checker
+        if output.finish_reason != "stop":  # the core's "stop" is EOS or a stop token: not shown as text
+            for token in output.token_ids:
+                checker.add(self.detokenizer.add(token))
+        ended_here = checker.stopped and not output.finished
+        if checker.stopped:  # a stop string wins over the length, as in the engine
+            output.finished, output.finish_reason = True, "stop"
+        output.text = checker.take(final=output.finished)
+        return ended_here

@@ -1,0 +1,230 @@
+"""AFD_API_PROCESS=1: `afd serve` with its HTTP API in a child process answers as the one-process server does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import _free_port
+from tests.server.test_up import wait_for
+
+PROMPTS = ["The keys and values of every sequence", "Experts of the feed-forward layers", "Hello"]
+
+
+class Served:
+    """A monolithic `afd serve` on the tiny Qwen3-MoE checkpoint, on free ports."""
+
+    def __init__(self, checkpoint: Path, api_process: bool):
+        self.api, self.metrics = _free_port(), _free_port()
+        env = {**os.environ, "AFD_API_PROCESS": "1" if api_process else "0", "AFD_HTTP_HOST": "127.0.0.1",
+               "AFD_HTTP_PORT": str(self.api), "AFD_METRICS_PORT": str(self.metrics), "AFD_DEVICE": "cpu",
+               "AFD_KV_CACHE_BYTES": str(64 << 20), "AFD_SHUTDOWN_GRACE_S": "10"}
+        self.process = subprocess.Popen([sys.executable, "-m", "afd", "serve", "--role", "monolithic", "--model",
+                                         str(checkpoint)], env=env, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{self.api}"
+        wait_for(self._ready, 180, "afd serve to be ready")
+        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+
+    def _ready(self) -> bool:
+        if self.process.poll() is not None:
+            pytest.fail(f"afd serve exited with {self.process.returncode} while starting")
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.metrics}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def children(self) -> list[int]:
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        return [int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"http://127.0.0.1:{self.metrics}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    def complete(self, prompt: str, **extra) -> dict:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, **extra}
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=60).json()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoints):
+    one, split = Served(checkpoints["qwen3_moe"], False), None
+    try:
+        split = Served(checkpoints["qwen3_moe"], True)
+        yield one, split
+    finally:
+        for served in (one, split):
+            if served is not None and served.process.poll() is None:
+                served.process.kill()
+
+
+def test_the_api_runs_in_a_child_process_only_when_asked(servers):
+    one, split = servers
+    assert one.children() == []
+    [child] = split.children()
+    assert "afd.server.api_process" in Path(f"/proc/{child}/cmdline").read_text()
+
+
+def test_greedy_completions_and_chat_equal_the_one_process_server(servers):
+    one, split = servers
+    for prompt in PROMPTS:
+        expected, got = one.complete(prompt, logprobs=1), split.complete(prompt, logprobs=1)
+        assert got["choices"][0]["text"] == expected["choices"][0]["text"]
+        assert got["choices"][0]["logprobs"]["tokens"] == expected["choices"][0]["logprobs"]["tokens"]
+        assert got["usage"] == expected["usage"] == {"prompt_tokens": expected["usage"]["prompt_tokens"],
+                                                      "completion_tokens": 10,
+                                                      "total_tokens": expected["usage"]["prompt_tokens"] + 10}
+    chat = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 6, "temperature": 0}
+    answers = [httpx.post(f"{s.url}/v1/chat/completions", json={"model": s.model, **chat}, timeout=60).json()
+               for s in servers]
+    assert answers[1]["choices"][0]["message"] == answers[0]["choices"][0]["message"]
+
+
+def test_stop_strings_end_requests_as_in_one_process(servers):
+    one, split = servers
+    text = one.complete(PROMPTS[2], max_tokens=16)["choices"][0]["text"]  # the tiny model's text is noise
+    stop = text[1:3]
+    expected = one.complete(PROMPTS[2], max_tokens=16, stop=[stop])["choices"][0]
+    got = split.complete(PROMPTS[2], max_tokens=16, stop=[stop])["choices"][0]
+    assert (got["text"], got["finish_reason"]) == (expected["text"], expected["finish_reason"]) == (text[:text.index(stop)], "stop")
+    body = {"model": split.model, "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stop": [stop]}
+    with httpx.stream("POST", f"{split.url}/v1/completions", json=body, timeout=60) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+    wait_for(lambda: split.metric("afd_requests_running") == 0, 10, "the core to drop the stopped request")
+
+
+def test_a_stream_carries_the_same_text_and_ends_with_done(servers):
+    _, split = servers
+    body = {"model": split.model, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{split.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == split.complete(PROMPTS[0])["choices"][0]["text"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 10
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_sequence_in_the_core(servers):
+    _, split = servers
+    body = {"model": split.model, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    generated = split.metric("afd_generation_tokens_total")
+    with httpx.stream("POST", f"{split.url}/v1/completions", json=body, timeout=60) as response:
+        lines = (line for line in response.iter_lines() if line)
+        for _ in range(3):
+            assert next(lines).startswith("data: {")
+        assert split.metric("afd_requests_running") == 1
+    wait_for(lambda: split.metric("afd_requests_running") == 0, 10, "the core to abort the request")
+    assert split.metric("afd_generation_tokens_total") - generated < 400  # it did not run to the end
+
+
+def test_health_and_metrics_come_from_the_core(servers):
+    _, split = servers
+    split.complete(PROMPTS[2])
+    assert httpx.get(f"{split.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"http://127.0.0.1:{split.metrics}/health").json() == {"status": "ok"}
+    assert httpx.get(f"http://127.0.0.1:{split.metrics}/live").status_code == 200
+    assert split.metric("afd_generation_tokens_total") >= 10
+    assert split.metric("afd_time_to_first_token_seconds_count") >= 1
+    api_metrics = httpx.get(f"{split.url}/metrics").text  # the API port shows the core's series too
+    assert 'afd_kv_cache_capacity_tokens{rank="0",role="monolithic"}' in api_metrics
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"prompt": "x", "max_tokens": -1}, 400),
+    ({"prompt": "x", "temperature": -2}, 400),
+    ({"prompt": ""}, 400),
+    ({"prompt": "x", "max_tokens": 10**6}, 400),  # more than the context: the admission check
+    ({"model": "nope", "prompt": "x"}, 404),
+    ({"messages": "not a list"}, 400),
+])
+def test_a_bad_request_gets_the_same_error_body(servers, body, status):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    answers = [httpx.post(f"{s.url}{path}", json={"model": s.model, **body}, timeout=30) for s in servers]
+    assert [a.status_code for a in answers] == [status, status]
+    assert answers[1].json() == answers[0].json()
+    garbled = [httpx.post(f"{s.url}/v1/completions", content=b"{not json", timeout=30) for s in servers]
+    assert garbled[1].status_code == garbled[0].status_code == 400
+    assert garbled[1].json() == garbled[0].json()
+
+
+def test_sigterm_finishes_in_flight_streams_exits_zero_and_takes_the_child(checkpoints):
+    served = Served(checkpoints["qwen3_moe"], True)
+    [child] = served.children()
+    body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as response:
+        lines = (line for line in response.iter_lines() if line)
+        assert next(lines).startswith("data: {")
+        served.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and len(rest) == 60  # 59 more tokens, then [DONE]
+    assert served.stop() == 0
+    assert not Path(f"/proc/{child}").exists()
+
+
+def test_a_silent_core_fails_streams_and_health_and_a_dead_api_process_ends_the_core(checkpoints):
+    served = Served(checkpoints["qwen3_moe"], True)
+    [child] = served.children()
+    body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as response:
+        lines = (line for line in response.iter_lines() if line)
+        assert next(lines).startswith("data: {")
+        os.kill(served.process.pid, signal.SIGSTOP)  # the core hangs: no outputs, no state
+        try:
+            started = time.monotonic()
+            last = [line for line in lines if line.startswith("data: ")][-1]
+            assert time.monotonic() - started < 15
+            assert last.startswith('data: {"error"') and "engine core has been silent" in last
+            health = httpx.get(f"{served.url}/health", timeout=5)
+            assert health.status_code == 503 and "silent" in health.json()["reason"]
+        finally:
+            os.kill(served.process.pid, signal.SIGCONT)
+    wait_for(lambda: httpx.get(f"{served.url}/health", timeout=5).status_code == 200, 10, "the core to be heard again")
+    os.kill(child, signal.SIGKILL)
+    assert served.process.wait(timeout=30) == 1
+
+
+def test_afd_up_1a1f_runs_the_api_of_its_attention_rank_in_a_child(checkpoints, servers, tmp_path):
+    """An attention rank with a remote FFN (`afd up --topology 1A1F`, AFD_API_PROCESS=1): the same greedy text."""
+    from tests.server.test_up import read_state
+
+    one, _ = servers
+    state_file, port = tmp_path / "state.json", _free_port()
+    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", "1A1F", "--model", str(checkpoints["qwen3_moe"]),
+                           "--port", str(port), "--state-file", str(state_file), "--no-demo"],
+                          env={**os.environ, "AFD_API_PROCESS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        state = wait_for(lambda: read_state(state_file), 240, "the state file")
+        attention = next(r for r in state["ranks"] if r["role"] == "attention")
+        wait_for(lambda: httpx.get(attention["metrics"].replace("/metrics", "/health")).status_code == 200, 120,
+                 "the attention rank to be ready")
+        [child] = [int(p) for t in Path(f"/proc/{attention['pid']}/task").iterdir() for p in (t / "children").read_text().split()]
+        assert "afd.server.api_process" in Path(f"/proc/{child}/cmdline").read_text()
+        body = {"model": one.model, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        got = httpx.post(f"{attention['api']}/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert got == one.complete(PROMPTS[0])["choices"][0]["text"]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0

@@ -1,0 +1,98 @@
+"""The messages between the API process and the engine core, and the text the API makes from token ids."""
+
+from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
+from afd.server import core_wire
+from afd.server.core_wire import CoreState
+from afd.server.request_text import RequestText
+
+
+def test_a_submit_carries_every_sampling_parameter():
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=("a", "bc"),
+                            stop_token_ids=(4,), ignore_eos=True, logprobs=2)
+    assert core_wire.decode_request(core_wire.encode_submit("r1", [1, 2, 3], params)) == (
+        core_wire.SUBMIT, "r1", [1, 2, 3], params)
+    assert core_wire.decode_request(core_wire.encode_abort("r1")) == (core_wire.ABORT, "r1")
+    assert core_wire.decode_request(core_wire.encode_beat(True, None)) == (core_wire.BEAT, True, None)
+
+
+def test_a_burst_of_outputs_and_the_core_state_arrive_as_sent():
+    outputs = [RequestOutput("a", "", [5], [TokenLogprobs(5, -0.25, [(5, -0.25), (6, -1.5)])], prompt_tokens=3,
+                             completion_tokens=1),
+               RequestOutput("b", "", [], [], finished=True, finish_reason="error", error="the FFN is gone")]
+    state = CoreState("the FFN link is down", "draining: the pod is stopping")
+    assert core_wire.decode_outputs(core_wire.encode_outputs(state, outputs)) == (state, outputs)
+
+
+class Letters:
+    """A tokenizer of one letter per id (id 0 is 'a'), enough for the detokenizer."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def output(token: int, finished=False, reason=None) -> RequestOutput:
+    return RequestOutput("r", "", [token], [], finished=finished, finish_reason=reason)
+
+
+def test_a_stop_string_ends_the_request_in_the_api_with_the_text_before_it():
+    text = RequestText(Letters(), ("cd",))
+    steps = [output(0), output(1), output(2), output(3), output(4)]
+    ended = [text.fill(o) for o in steps[:4]]
+    assert [o.text for o in steps[:4]] == ["", "a", "b", ""]  # one letter held back: it may begin "cd"
+    assert ended == [False, False, False, True]
+    assert (steps[3].finished, steps[3].finish_reason) == (True, "stop")
+
+
+def test_eos_and_length_finish_as_the_core_says_with_the_held_text_flushed():
+    text = RequestText(Letters(), ("cx",))
+    first, eos = output(2), output(9, finished=True, reason="stop")  # EOS: its token is not shown
+    assert not text.fill(first) and first.text == ""
+    assert not text.fill(eos) and eos.text == "c"
+    length = RequestText(Letters(), ())
+    last = output(1, finished=True, reason="length")
+    assert not length.fill(last) and (last.text, last.finish_reason) == ("b", "length")
+
+
+def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
+    """A stand-in core on the link: its problem reaches `problem`; silence fails waiting requests."""
+    import asyncio
+
+    import zmq
+
+    from afd.engine.request import SamplingParams
+    from afd.server.api_link import addresses
+    from afd.server.engine_client import EngineClient, KVShape
+
+    requests_at, outputs_at = addresses(str(tmp_path))
+    context = zmq.Context()
+    core_in, core_out = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    core_in.bind(requests_at)
+    core_out.bind(outputs_at)
+    client = EngineClient(str(tmp_path), Letters(), KVShape(8, 16), 4, 64, 128, silence_s=0.5, beat_s=0.05)
+    got = []
+
+    async def scenario():
+        link = asyncio.create_task(client.run(lambda: True, lambda: None))
+        assert client.problem == "the engine core has not answered yet"
+        core_out.send(core_wire.encode_outputs(CoreState("the FFN link is down", "the FFN link is down"), []))
+        await asyncio.sleep(0.2)
+        assert client.problem == client.unready() == "the FFN link is down"
+        core_out.send(core_wire.encode_outputs(CoreState(None, None), []))
+        await asyncio.sleep(0.1)
+        assert client.problem is None and client.unready() is None
+        request = client.submit([1, 2], SamplingParams(max_tokens=3), got.append)
+        while (message := core_wire.decode_request(core_in.recv()))[0] == core_wire.BEAT:
+            assert message[1:] == (True, None)  # listening, its loop turns
+        kind, request_id, prompt, params = message
+        assert (kind, request_id, prompt, params.max_tokens) == (core_wire.SUBMIT, request.request_id, [1, 2], 3)
+        core_out.send(core_wire.encode_outputs(CoreState(None, None), [RequestOutput(request_id, "", [0], [])]))
+        await asyncio.sleep(1.0)  # then the core goes silent
+        link.cancel()
+
+    asyncio.run(scenario())
+    assert [o.text for o in got] == ["a", ""] and got[-1].finish_reason == "error"
+    assert "engine core has been silent" in got[-1].error and client.num_waiting_here == 0
+    client.close()
+    core_in.close(linger=0)
+    core_out.close(linger=0)
+    context.term()
