@@ -51,12 +51,22 @@ def test_too_few_steps_predict_nothing():
     assert model.predict(64) == pytest.approx(0.01) and model.predict(2048) == pytest.approx(0.05)
 
 
-def test_the_curve_never_falls_with_more_tokens():
+def test_the_curve_never_falls_with_more_tokens_and_a_noisy_bucket_of_few_steps_weighs_little():
     model = StepCostModel()
-    for tokens, seconds in [(64, 0.02), (256, 0.015), (1024, 0.03)] * 3:  # a cheaper middle bucket (noise)
-        model.observe(tokens, seconds)
-    assert [s for _, s in model.curve()] == [0.02, 0.02, 0.03]
-    assert model.tokens_within(0.02) == pytest.approx(256)
+    for tokens, seconds in [(8, 0.05)] * 3 + [(64, 0.02)] * 9 + [(256, 0.015)] * 3 + [(1024, 0.03)] * 3:
+        model.observe(tokens, seconds)  # a slow bucket of 3 steps (a busy host), a cheap one (noise)
+    assert [s for _, s in model.curve()] == pytest.approx([0.025, 0.025, 0.025, 0.03])  # (3·50 + 9·20 + 3·15) / 15 ms
+    assert model.predict(64) == pytest.approx(0.025) and model.tokens_within(0.0275) == pytest.approx(640)
+
+
+def test_old_steps_stop_counting():
+    model = StepCostModel(horizon=100)
+    for _ in range(3):
+        model.observe(2048, 0.5)
+    for _ in range(100):
+        model.observe(64, 0.02)
+        model.observe(128, 0.03)
+    assert model.predict(2048) == pytest.approx(0.03 + 1920 * 0.01 / 64)  # the line of the recent steps only
 
 
 def test_the_cap_keeps_a_predicted_mixed_step_within_the_ratio():

@@ -6,10 +6,11 @@ that has decodes, so that its predicted time stays within `itl_ratio` × the pre
 the decode-only step, and never below `min_tokens` (prompts always progress).
 
 The prediction is `StepCostModel`: a monotone piecewise-linear curve, seconds against the
-step's token count, through the medians of the last steps in each half-octave of token counts.
-Medians shrug off the odd slow step (a collection, a first compile); buckets keep the rare large
-steps from being drowned by the frequent decode-only ones; and a curve, unlike one straight line,
-follows a step time that is flat while the device is launch-bound and then rises. Until two
+step's token count, through the medians of the last steps in each half-octave of token counts
+(made non-decreasing by weighted isotonic regression). Medians shrug off the odd slow step (a
+collection, a first compile, a busy host); buckets keep the rare large steps from being drowned by
+the frequent decode-only ones; and a curve, unlike one straight line, follows a step time that is
+flat while the device is launch-bound and then rises (or jumps where decode graphs end). Until two
 buckets hold enough steps there is no prediction and no cap (chunked prefill as before).
 `StepClock` gives each step's own duration in a loop that runs one step ahead.
 """
@@ -49,29 +50,32 @@ class StepClock:
 class StepCostModel:
     """Step seconds as a function of the step's token count, from the recent measured steps."""
 
-    def __init__(self, per_bucket: int = 16, min_samples: int = 3):
+    def __init__(self, per_bucket: int = 16, min_samples: int = 3, horizon: int = 1024):
         self.per_bucket = per_bucket  # recent steps kept per bucket
         self.min_samples = min_samples  # steps a bucket needs before its median counts
-        self._buckets: dict[int, deque[tuple[int, float]]] = {}
+        self.horizon = horizon  # a step older than this many steps no longer counts (load and contexts change)
+        self._steps = 0
+        self._buckets: dict[int, deque[tuple[int, int, float]]] = {}
         self._curve: list[tuple[float, float]] | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not seconds > 0:
             return
+        self._steps += 1
         bucket = round(2 * math.log2(tokens))  # half-octaves: 64 and 90 apart, 2048 and 2900 apart
-        self._buckets.setdefault(bucket, deque(maxlen=self.per_bucket)).append((tokens, seconds))
+        self._buckets.setdefault(bucket, deque(maxlen=self.per_bucket)).append((self._steps, tokens, seconds))
         self._curve = None
 
     def curve(self) -> list[tuple[float, float]]:
-        """(tokens, seconds) points, both increasing; fewer than two: nothing can be predicted."""
+        """(tokens, seconds) points, tokens increasing, seconds never falling; fewer than two: nothing can be predicted."""
         if self._curve is None:
-            points, slowest = [], 0.0
+            medians = []
             for bucket in sorted(self._buckets):
-                steps = self._buckets[bucket]
-                if len(steps) >= self.min_samples:
-                    slowest = max(slowest, statistics.median(s for _, s in steps))  # monotone: more tokens never cost less
-                    points.append((statistics.median(t for t, _ in steps), slowest))
-            self._curve = points
+                recent = [(t, s) for step, t, s in self._buckets[bucket] if step > self._steps - self.horizon]
+                if len(recent) >= self.min_samples:
+                    medians.append((statistics.median(t for t, _ in recent), statistics.median(s for _, s in recent),
+                                    len(recent)))
+            self._curve = _monotone(medians)
         return self._curve
 
     def predict(self, tokens: float) -> float | None:
@@ -100,6 +104,20 @@ class StepCostModel:
         x, y = points[-1]
         slope = _tail_slope(points)
         return x + (seconds - y) / slope if slope > 0 else math.inf
+
+
+def _monotone(points: list[tuple[float, float, int]]) -> list[tuple[float, float]]:
+    """(tokens, seconds) with the seconds of (tokens, seconds, steps) made non-decreasing the least-squares way
+    (pool adjacent violators, weighted by steps): a noisy bucket of few steps is averaged into its neighbours
+    instead of lifting, or lowering, the whole curve."""
+    blocks: list[list[float]] = []  # [seconds, weight, points pooled]
+    for _, seconds, weight in points:
+        blocks.append([seconds, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (s2, w2, n2), (s1, w1, n1) = blocks.pop(), blocks[-1]
+            blocks[-1] = [(s1 * w1 + s2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    seconds = [value for value, _, count in blocks for _ in range(int(count))]
+    return [(tokens, value) for (tokens, _, _), value in zip(points, seconds)]
 
 
 def _tail_slope(points: list[tuple[float, float]]) -> float:
