@@ -167,3 +167,19 @@ def test_a_pacer_that_learned_nothing_schedules_exactly_as_no_pacer():
     unpaced = paced()
     unpaced.pacer = None
     assert _chunks_of(paced(learn=False)) == _chunks_of(unpaced)
+
+
+def test_prompts_piling_up_behind_the_cap_take_a_sixteenth_of_the_backlog_each_step():
+    sched = paced(ratio=1.0)  # the ratio alone would let only 32 prompt tokens a step in
+    decoding(sched, 16)
+    prompts = [make(1600, max_tokens=4) for _ in range(4)]
+    for p in prompts:
+        sched.add(p)
+    first = sched.schedule()
+    assert sum(r.chunk for r in first if r in prompts) == 400  # 6,400 waiting tokens / 16
+    run_step(first)
+    steps = 1
+    while any(p.cached_tokens < len(p.prompt_ids) for p in prompts):
+        run_step(sched.schedule())
+        steps += 1
+    assert steps < 80  # geometric while the backlog is large, then 32 a step; 200 steps at 32 alone

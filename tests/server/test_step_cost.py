@@ -123,3 +123,9 @@ def test_the_clock_of_asynchronous_steps_is_the_time_between_results():
     for started, ready in ready_times:
         seconds.append(clock.done(started, started + 1e-4, max(started + 0.002, ready - 0.005), ready))
     assert seconds == pytest.approx(durations)
+
+
+def test_a_backlog_raises_the_cap_to_a_sixteenth_of_it():
+    pacer = PrefillPacer(2.0, cost=learned())
+    assert pacer.prefill_cap(64, backlog=8000) == pacer.prefill_cap(64)  # 500 a step: the ratio allows more
+    assert pacer.prefill_cap(64, backlog=32000) == 2000  # prompts arrive faster than the ratio lets them in

@@ -7,12 +7,13 @@ running, the step's token budget (chunked prefill), and KV-cache blocks for the 
 admission means a running request never has to be preempted. Admission is strictly
 first-come-first-served: a large request at the head is not overtaken. With a `PrefillPacer`,
 a step that has decodes takes only as many prompt tokens as keep it within the pacer's
-multiple of a decode-only step (`afd.engine.step_cost`).
+multiple of a decode-only step, or a sixteenth of the prompt backlog if more (`afd.engine.step_cost`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 from afd.engine.request import InvalidRequest, Request
 from afd.engine.step_cost import PrefillPacer
@@ -64,7 +65,7 @@ class Scheduler:
         decodes = len(batch) - len(prefilling)
         budget = self.max_num_batched_tokens - decodes
         if decodes and self.pacer is not None and (prefilling or self.waiting):
-            cap = self.pacer.prefill_cap(decodes)
+            cap = self.pacer.prefill_cap(decodes, self._backlog(prefilling))
             budget = budget if cap is None else min(budget, cap)
         if prefilling:
             batch = [r for r in batch if r.cached_tokens >= len(r.prompt_ids)]
@@ -85,6 +86,12 @@ class Scheduler:
             batch.append(head)
             budget -= head.chunk
         return batch
+
+    def _backlog(self, prefilling: list[Request]) -> int:
+        """Prompt tokens still to prefill: the running prompts' rest and the waiting prompts that have a seat."""
+        seats = max(0, self.max_num_seqs - len(self.running))
+        return (sum(len(r.prompt_ids) - r.cached_tokens for r in prefilling)
+                + sum(len(r.prompt_ids) for r in islice(self.waiting, seats)))
 
     def finish(self, request: Request) -> None:
         """Remove a running or waiting request and free its blocks."""

@@ -3,7 +3,10 @@
 Running decodes see one inter-token gap per step, so a step that also prefills 2,000 prompt
 tokens is a gap several times the usual one. `PrefillPacer` caps the prompt tokens of a step
 that has decodes, so that its predicted time stays within `itl_ratio` × the predicted time of
-the decode-only step, and never below `min_tokens` (prompts always progress).
+the decode-only step; but never below `min_tokens` (prompts always progress), nor below
+1/`backlog_steps` of the prompt tokens waiting: when prompts arrive faster than the cap lets them
+in, the backlog (and so the time to first token, about `backlog_steps` steps) stays bounded
+instead of growing while the batch empties, and the steps grow as much as the load needs.
 
 The prediction is `StepCostModel`: a monotone piecewise-linear curve, seconds against the
 step's token count, through the medians of the last steps in each half-octave of token counts
@@ -22,6 +25,7 @@ import statistics
 from collections import deque
 
 MIN_PREFILL_TOKENS = 32  # prompt tokens a capped step still takes (2 KV blocks of 16)
+BACKLOG_STEPS = 16  # a capped step still takes 1/16 of the prompt tokens waiting to be prefilled
 
 
 class StepClock:
@@ -131,19 +135,23 @@ class PrefillPacer:
     """The prompt tokens a step with running decodes may take, so the decodes' inter-token gap stays
     within `itl_ratio` × a decode-only step's."""
 
-    def __init__(self, itl_ratio: float, min_tokens: int = MIN_PREFILL_TOKENS, cost: StepCostModel | None = None):
-        self.itl_ratio = itl_ratio  # below 1: only `min_tokens` next to decodes
+    def __init__(self, itl_ratio: float, min_tokens: int = MIN_PREFILL_TOKENS, cost: StepCostModel | None = None,
+                 backlog_steps: int = BACKLOG_STEPS):
+        self.itl_ratio = itl_ratio  # below 1: only the floors below next to decodes
         self.min_tokens = min_tokens
+        self.backlog_steps = backlog_steps
         self.cost = cost or StepCostModel()
         self.last_cap: int | None = None  # the last cap asked for (a metric); None: uncapped
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
 
-    def prefill_cap(self, decodes: int) -> int | None:
-        """Prompt tokens for a step next to `decodes` decoding requests; None: no limit (nothing learned yet)."""
+    def prefill_cap(self, decodes: int, backlog: int = 0) -> int | None:
+        """Prompt tokens for a step next to `decodes` decoding requests while `backlog` prompt tokens wait to be
+        prefilled; None: no limit (nothing learned yet)."""
         decode_only = self.cost.predict(decodes) if decodes else None
         total = None if decode_only is None else self.cost.tokens_within(self.itl_ratio * decode_only)
-        cap = None if total is None or math.isinf(total) else max(self.min_tokens, int(total) - decodes)
+        floor = max(self.min_tokens, -(-backlog // self.backlog_steps))
+        cap = None if total is None or math.isinf(total) else max(floor, int(total) - decodes)
         self.last_cap = cap
         return cap
