@@ -10,6 +10,8 @@ dropped. The step function is the attention runner (remote FFN) or the monolithi
 step failing because the FFN peer is gone ends every request in flight with an explicit
 error until the link is back (`afd.engine.link_care`); any other exception fails only the
 requests it touched; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
+With `prefill_itl_ratio`, every step's own duration (`StepClock`) teaches the scheduler's
+`PrefillPacer` what a step costs (`afd.engine.step_cost`).
 """
 
 from __future__ import annotations
@@ -270,6 +272,8 @@ class Engine:
                 self._step_failed(launched.batch, err)
                 return
         try:
+            launched.sampled.wait()
+            waited = time.monotonic()
             tokens, logprobs = launched.sampled.result()
         except Exception as err:
             log.exception("sampling failed")
@@ -280,7 +284,7 @@ class Engine:
             self.scheduler.finish(request)
         self._outputs.tokens(launched.batch, tokens, logprobs, now)
         if self.pacer is not None:
-            self.pacer.observe(launched.tokens, self._clock.done(launched.started, launched.launched, wait_from, now))
+            self.pacer.observe(launched.tokens, self._clock.done(launched.started, launched.launched, wait_from, waited))
         if self.observer:
             self.observer.on_step(self, launched.tokens, now - launched.started)
 

@@ -43,9 +43,10 @@ class StepClock:
         self.blocked_s = blocked_s  # a wait longer than this blocked on the step
         self.previous_ready = -math.inf
 
-    def done(self, started: float, launched: float, wait_from: float, now: float) -> float:
-        """Seconds step ran: launch began at `started`, returned at `launched`; its wait went `wait_from`..`now`."""
-        ready = now if now - wait_from > self.blocked_s else launched
+    def done(self, started: float, launched: float, wait_from: float, waited: float) -> float:
+        """Seconds the step ran: its launch began at `started` and returned at `launched`; the host waited for
+        its result from `wait_from` to `waited` (the link and the copy to the host, not the reading)."""
+        ready = waited if waited - wait_from > self.blocked_s else launched
         seconds = ready - max(started, self.previous_ready)
         self.previous_ready = ready
         return max(seconds, 0.0)
