@@ -52,6 +52,8 @@ def rank_envs(mode: str, args, model: str) -> dict[str, dict[str, str]]:
               "AFD_CEILING_BATCHES": ",".join(map(str, args.levels)),
               "AFD_HTTP_HOST": "127.0.0.1", "AFD_HTTP_PORT": str(ports), "AFD_METRICS_PORT": str(ports + 1),
               "AFD_MAX_MODEL_LEN": str(max(args.prompt_tokens) + args.output_tokens + 16)}
+    if args.prefill_itl_ratio is not None:
+        common["AFD_PREFILL_ITL_RATIO"] = str(args.prefill_itl_ratio)
     if mode == "monolithic":
         return {"api": {**common, "AFD_ROLE": "monolithic", **({"CUDA_VISIBLE_DEVICES": "0"} if gpu else {})}}
     topology = Topology.parse(args.topology)
@@ -198,13 +200,15 @@ def print_level(mode: str, level: dict, flush: bool = False) -> None:
 
 
 def add_group_arguments(parser: argparse.ArgumentParser) -> None:
-    """The checkpoint and the group's shape, as every GPU serving benchmark takes them."""
+    """The checkpoint, the group's shape and its prefill pacing, as every GPU serving benchmark takes them."""
     parser.add_argument("--model", help="checkpoint folder (default: write a random DeepSeek-V2-Lite-shaped one)")
     parser.add_argument("--checkpoint-dir", default="/tmp/afd-serve-gpu", help="where the random checkpoint is written")
     parser.add_argument("--layers", type=int, default=27)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--topology", default="1A1F")
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--prefill-itl-ratio", type=float,
+                        help="AFD_PREFILL_ITL_RATIO of every rank (default: the runtime's; 0: prompts are not paced)")
 
 
 def main() -> int:

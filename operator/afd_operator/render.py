@@ -82,7 +82,8 @@ def render_config_map(spec: AFDDeploymentSpec, owner: Owner, index: int, revisio
     afd = spec.afd
     runtime = {"dtype": afd.dtype, "max_num_seqs": afd.max_num_seqs, "max_model_len": afd.max_model_len}
     defaults = AFDSettings()
-    for name in ("dbo_min_tokens", "max_num_batched_tokens", "kv_cache_bytes", "gpu_memory_utilization"):
+    for name in ("dbo_min_tokens", "max_num_batched_tokens", "prefill_itl_ratio", "kv_cache_bytes",
+                 "gpu_memory_utilization"):
         if getattr(afd, name) != getattr(defaults, name):  # only when set: existing groups' config (and revision) stay
             runtime[name] = getattr(afd, name)
     topology = spec.topology

@@ -58,6 +58,7 @@ class AFDConfig:
     max_num_seqs: int = 64
     max_model_len: int = 0
     max_num_batched_tokens: int = 8192
+    prefill_itl_ratio: float = 2.0  # a step with decodes takes prompt tokens up to this × a decode-only step's time (0: off)
     kv_cache_bytes: int = 0
     served_model_name: str = ""
     failover_url: str = ""  # attention: where a request this rank cannot serve goes on (the client Service)
@@ -114,7 +115,7 @@ class AFDConfig:
                 f"all {self.num_ffn_ranks * self.ffn_expert_parallel} FFN processes would share one address"
             )
         for name in ("max_model_len", "port_stride", "kv_cache_bytes", "profile_every", "ffn_batch_window_s", "dbo_min_tokens",
-                     "max_prompt_chars"):
+                     "max_prompt_chars", "prefill_itl_ratio"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -190,6 +191,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_MAX_NUM_SEQS": "max_num_seqs",
     "AFD_MAX_MODEL_LEN": "max_model_len",
     "AFD_MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
+    "AFD_PREFILL_ITL_RATIO": "prefill_itl_ratio",
     "AFD_KV_CACHE_BYTES": "kv_cache_bytes",
     "AFD_SERVED_MODEL_NAME": "served_model_name",
     "AFD_FAILOVER_URL": "failover_url",

@@ -109,6 +109,7 @@ CEL_REFUSED = [
 # Refused by the OpenAPI schema alone: (spec change, the field named in the refusal).
 SCHEMA_REFUSED = [
     ({"afd": {"stages": 3}}, "stages"), ({"afd": {"connector": "tcp"}}, "connector"),
+    ({"afd": {"prefillItlRatio": -1}}, "prefillItlRatio"),
     ({"ffn": {"ranks": 0}}, "ranks"), ({"ports": {"http": 70000}}, "http"), ({"ffn": {"expertParallel": 65}}, "expertParallel"),
     ({"model": {"uri": "s3://x/y"}}, "uri"), ({"replicas": -1}, "replicas"),
     ({"podSecurity": {"fsGroup": -1}}, "fsGroup"), ({"networkPolicy": {"enabled": "yes"}}, "enabled"),

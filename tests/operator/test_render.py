@@ -245,6 +245,7 @@ def test_pods_configure_the_runtime_through_afd_config(case, tmp_path):
             assert cfg.dbo_min_tokens == spec.afd.dbo_min_tokens
             assert (cfg.max_num_batched_tokens, cfg.kv_cache_bytes, cfg.gpu_memory_utilization) == (
                 spec.afd.max_num_batched_tokens, spec.afd.kv_cache_bytes, spec.afd.gpu_memory_utilization)
+            assert cfg.prefill_itl_ratio == spec.afd.prefill_itl_ratio
             assert cfg.group_token.startswith(f"{body['metadata']['name']}-g{group}-")
             assert cfg.served_model_name == (spec.served_model_name or spec.model.default_served_name)
 
@@ -319,3 +320,14 @@ def test_the_cpu_sample_fits_a_2_cpu_node():
     total = sum(sts["spec"]["replicas"] * _pod_cpu_request(sts["spec"]["template"]["spec"])
                 for sts in objs if sts["kind"] == "StatefulSet")
     assert total + 100 <= 1700, f"{total}m"
+
+
+def test_the_prefill_itl_ratio_reaches_the_runtime_only_when_set():
+    def runtime_of(afd):
+        config_map = next(o for o in _render(make_cr(afd=afd)) if o["kind"] == "ConfigMap")
+        return yaml.safe_load(config_map["data"]["afd.yaml"])
+
+    assert "prefill_itl_ratio" not in runtime_of({})  # existing groups' config and revision stay as they were
+    runtime = runtime_of({"prefillItlRatio": 0})
+    assert runtime["prefill_itl_ratio"] == 0
+    assert afd_config.AFDConfig(**runtime).prefill_itl_ratio == 0

@@ -53,6 +53,7 @@ def test_precedence_file_env_cli(tmp_path):
         ({"AFD_RANK": "2", "AFD_NUM_ATTENTION_RANKS": "2"}, "rank=2"),
         ({"AFD_CONTROL_PORT": "70000"}, "control_port=70000"),
         ({"AFD_GATE_ON_ATTENTION": "maybe"}, "AFD_GATE_ON_ATTENTION='maybe'"),
+        ({"AFD_PREFILL_ITL_RATIO": "-1"}, "prefill_itl_ratio=-1.0: must not be negative"),
     ],
 )
 def test_errors_name_the_bad_value(env, needle):
@@ -70,3 +71,9 @@ def test_unknown_file_key_is_refused(tmp_path):
 
 def test_defaults_are_valid():
     assert AFDConfig().topology.num_attention == 1
+
+
+def test_prefill_pacing_is_on_at_twice_a_decode_step_and_can_be_turned_off():
+    assert AFDConfig().prefill_itl_ratio == 2.0
+    assert load_config(env={"AFD_PREFILL_ITL_RATIO": "0"}).prefill_itl_ratio == 0
+    assert load_config(env={"AFD_PREFILL_ITL_RATIO": "1.5"}).prefill_itl_ratio == 1.5

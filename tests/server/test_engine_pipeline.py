@@ -7,6 +7,7 @@ import torch
 
 from afd.engine.engine import Engine
 from afd.engine.request import SamplingParams
+from afd.engine.step_cost import PrefillPacer, StepCostModel
 from afd.engine.tokenizer import load_tokenizer
 from afd.generation import greedy_generate
 from afd.kv_cache import KVCache
@@ -22,15 +23,18 @@ def parts(checkpoints):
     return loaded, load_tokenizer(str(checkpoints["qwen3_moe"]))
 
 
-def run_engine(parts, requests, pipeline: bool, eos=(), budget=8192, runner=None, link=None):
+def run_engine(parts, requests, pipeline: bool, eos=(), budget=8192, runner=None, link=None, pacer=None):
     """Submit every (prompt, params) at once; the outputs of each, in order (on `runner`, else a CPU monolith;
-    `link`: the attention runner's FFN link)."""
+    `link`: the attention runner's FFN link; `pacer`: the scheduler's prefill pacer)."""
     loaded, tokenizer = parts
     if runner is None:
         runner = MonolithicRunner(loaded, KVCache.for_tokens(loaded.model.kv_layouts(), 4096, torch.float32, "cpu"))
     cache = runner.kv_cache
     engine = Engine(runner, cache, tokenizer, eos, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=budget,
-                    device=cache.keys[0].device, pipeline=pipeline, link=link).start()
+                    device=cache.keys[0].device, pipeline=pipeline, link=link)
+    if pacer is not None:
+        engine.pacer = engine.scheduler.pacer = pacer
+    engine.start()
     outputs = [[] for _ in requests]
     done = threading.Semaphore(0)
 
@@ -94,3 +98,24 @@ def test_chunked_prefill_gives_the_same_tokens(parts):
     requests = [(p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, seed=1)) for p in prompts]
     chunked = run_engine(parts, requests, True, budget=6)
     assert chunked == run_engine(parts, requests, False, budget=6) == run_engine(parts, requests, True)
+
+
+def test_a_pacer_squeezing_prompts_next_to_decodes_gives_the_same_tokens(parts):
+    """Ratio 1 with a one-token minimum: while anything decodes, prompts go in one token a step (then
+    whatever the step times the engine measures allow)."""
+    cost = StepCostModel()
+    for tokens in (1, 4, 16, 64) * 3:
+        cost.observe(tokens, 0.01 + 0.001 * tokens)
+    pacer = PrefillPacer(1.0, min_tokens=1, cost=cost)
+    prompts = [list(range(3 + i, 3 + i + 4 + 3 * i)) for i in range(6)]
+    requests = [(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for p in prompts]
+    assert run_engine(parts, requests, True, budget=16, pacer=pacer) == run_engine(parts, requests, True, budget=16)
+    assert pacer.last_cap is not None and len(cost.curve()) >= 2
+
+
+def test_the_engine_paces_prompts_only_when_asked(parts):
+    loaded, tokenizer = parts
+    cache = KVCache.for_tokens(loaded.model.kv_layouts(), 64, torch.float32, "cpu")
+    off = Engine(MonolithicRunner(loaded, cache), cache, tokenizer, (), max_num_seqs=2, max_model_len=32)
+    on = Engine(MonolithicRunner(loaded, cache), cache, tokenizer, (), max_num_seqs=2, max_model_len=32, prefill_itl_ratio=2)
+    assert off.scheduler.pacer is None and on.scheduler.pacer is on.pacer and on.pacer.itl_ratio == 2

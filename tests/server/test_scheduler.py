@@ -1,9 +1,11 @@
-"""Admission control: limits are respected, nothing is dropped, order is first come first served."""
+"""Admission control: limits are respected, nothing is dropped, order is first come first served; the prefill pacer's
+cap holds next to decodes without starving prompts."""
 
 import torch
 
 from afd.engine.request import Request, SamplingParams
 from afd.engine.scheduler import Scheduler
+from afd.engine.step_cost import PrefillPacer, StepCostModel
 from afd.kv_cache import KVCache
 from afd.models.spec import KVLayout
 
@@ -83,3 +85,101 @@ def test_finish_frees_blocks():
     assert sched.kv_cache.free_blocks == 5
     sched.finish(r)
     assert sched.kv_cache.free_blocks == 8 and not sched.running
+
+
+def paced(budget=2048, ratio=2.0, min_tokens=32, learn=True):
+    """A scheduler whose pacer learned steps of 10 ms + 10 µs per token (2 × a decode step of d: 1000 + d prompt tokens)."""
+    cache = KVCache([KVLayout(1, 2, 2)], 4096, torch.float32, "cpu", block_size=16)
+    cost = StepCostModel()
+    for tokens in (8, 16, 64, 256, 1024, 2048) * 3 if learn else ():
+        cost.observe(tokens, 0.010 + 10e-6 * tokens)
+    return Scheduler(cache, 64, budget, max_model_len=4096, pacer=PrefillPacer(ratio, min_tokens, cost))
+
+
+def run_step(batch):
+    """What the engine does when it launches a step: prompts advance by their chunk, decodes by one token."""
+    for request in batch:
+        prefilling = request.cached_tokens < len(request.prompt_ids)
+        request.cached_tokens += request.chunk if prefilling else 1
+
+
+def decoding(sched, count):
+    requests = [make(4, max_tokens=1000) for _ in range(count)]
+    for r in requests:
+        sched.add(r)
+    run_step(sched.schedule())
+    return requests
+
+
+def test_with_decodes_prompts_are_capped_every_decode_still_runs_and_every_prompt_finishes():
+    sched = paced()
+    decodes = decoding(sched, 16)  # a decode-only step: 10.16 ms; 2 × that holds 1,032 tokens, 1,016 of them prompt
+    prompts = [make(1500, max_tokens=4) for _ in range(3)]
+    for p in prompts:
+        sched.add(p)
+    steps = 0
+    while any(p.cached_tokens < len(p.prompt_ids) for p in prompts):
+        batch = sched.schedule()
+        chunks = sum(r.chunk for r in batch if r.cached_tokens < len(r.prompt_ids))
+        running = len(batch) - sum(r.cached_tokens < len(r.prompt_ids) for r in batch)  # 16, then finished prompts
+        assert all(d in batch for d in decodes)  # the decodes are never squeezed out
+        assert sched.pacer.min_tokens <= chunks <= 1000 + running  # the cap, never below the minimum
+        assert sched.pacer.cost.predict(running + chunks) <= 2.0 * sched.pacer.cost.predict(running) * 1.001
+        run_step(batch)
+        steps += 1
+    assert steps == 5  # 4,500 prompt tokens at ~1,000 a step (uncapped: 3 steps of 2,032)
+
+
+def test_the_cap_never_starves_prompts():
+    sched = paced(ratio=1.0, min_tokens=32)  # a mixed step may not be longer at all: the minimum chunk still goes in
+    decoding(sched, 16)
+    prompt = make(100, max_tokens=4)
+    sched.add(prompt)
+    chunks = []
+    while prompt.cached_tokens < 100:
+        batch = sched.schedule()
+        chunks.append(prompt.chunk)
+        run_step(batch)
+    assert chunks == [32, 32, 32, 4]
+
+
+def test_without_decodes_prompts_take_the_whole_budget():
+    sched = paced()
+    prompt = make(3000, max_tokens=4)
+    sched.add(prompt)
+    assert sched.schedule() == [prompt] and prompt.chunk == 2048
+
+
+def _chunks_of(sched):
+    decoding(sched, 8)
+    prompts = [make(700 + 300 * i, max_tokens=4) for i in range(4)]
+    seen = []
+    for p in prompts:
+        sched.add(p)
+    while any(p.cached_tokens < len(p.prompt_ids) for p in prompts):
+        batch = sched.schedule()
+        seen.append([(len(r.prompt_ids), r.chunk) for r in batch])
+        run_step(batch)
+    return seen
+
+
+def test_a_pacer_that_learned_nothing_schedules_exactly_as_no_pacer():
+    unpaced = paced()
+    unpaced.pacer = None
+    assert _chunks_of(paced(learn=False)) == _chunks_of(unpaced)
+
+
+def test_prompts_piling_up_behind_the_cap_take_a_sixteenth_of_the_backlog_each_step():
+    sched = paced(ratio=1.0)  # the ratio alone would let only 32 prompt tokens a step in
+    decoding(sched, 16)
+    prompts = [make(1600, max_tokens=4) for _ in range(4)]
+    for p in prompts:
+        sched.add(p)
+    first = sched.schedule()
+    assert sum(r.chunk for r in first if r in prompts) == 400  # 6,400 waiting tokens / 16
+    run_step(first)
+    steps = 1
+    while any(p.cached_tokens < len(p.prompt_ids) for p in prompts):
+        run_step(sched.schedule())
+        steps += 1
+    assert steps < 80  # geometric while the backlog is large, then 32 a step; 200 steps at 32 alone

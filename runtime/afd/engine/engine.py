@@ -10,6 +10,8 @@ dropped. The step function is the attention runner (remote FFN) or the monolithi
 step failing because the FFN peer is gone ends every request in flight with an explicit
 error until the link is back (`afd.engine.link_care`); any other exception fails only the
 requests it touched; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
+With `prefill_itl_ratio`, every step's own duration (`StepClock`) teaches the scheduler's
+`PrefillPacer` what a step costs (`afd.engine.step_cost`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from afd.engine.link_care import LinkCare
 from afd.engine.outputs import OutputProcessor
 from afd.engine.sampler import Sampled, sample
 from afd.engine.scheduler import Scheduler
+from afd.engine.step_cost import PrefillPacer, StepClock
 from afd.engine.text import IncrementalDetokenizer, StopChecker
 from afd.kv_cache import KVCache
 from afd.runners.microbatch import SeqLayout
@@ -45,6 +48,7 @@ class _Launched:
     finals: list[Request]  # requests whose last token this step samples
     tokens: int
     started: float
+    launched: float  # when the launch returned (`StepClock`)
     mark: object = None  # the link's end-of-step mark (`AttentionLink.end_step`), waited on before reading
 
 
@@ -66,13 +70,16 @@ class Engine:
         link_check_s: float = 0.5,
         pipeline: bool = True,
         on_logits: Callable[[list[Request], torch.Tensor], None] | None = None,
+        prefill_itl_ratio: float = 0.0,
     ):
         self.step = step
         self.kv_cache = kv_cache
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.device = torch.device(device)
-        self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.pacer = PrefillPacer(prefill_itl_ratio) if prefill_itl_ratio else None  # learns from every step
+        self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len, self.pacer)
+        self._clock = StepClock()
         self.observer = observer
         self.link = link  # the FFN link: end_step/wait_step per step, tended between steps; None when local
         self.link_check_s = link_check_s
@@ -264,13 +271,14 @@ class Engine:
             return None
         self._step_id, self._prev_tokens = step_id, sampled.tokens
         mark = self.link.end_step() if self.link is not None else None
-        return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, started, mark)
+        return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, started, time.monotonic(), mark)
 
     def _drain(self) -> None:
         """Wait for the launched step (the link first: it notices a lost FFN) and hand its tokens to the output side."""
         launched, self._inflight = self._inflight, None
         if launched is None:
             return
+        wait_from = time.monotonic()
         if self.link is not None:
             try:
                 self.link.wait_step(launched.mark)
@@ -279,6 +287,8 @@ class Engine:
                 self._step_failed(launched.batch, err)
                 return
         try:
+            launched.sampled.wait()
+            waited = time.monotonic()
             tokens, logprobs = launched.sampled.result()
         except Exception as err:
             log.exception("sampling failed")
@@ -288,6 +298,8 @@ class Engine:
         for request in launched.finals:  # their last token is in: seats and blocks go back
             self.scheduler.finish(request)
         self._outputs.tokens(launched.batch, tokens, logprobs, now)
+        if self.pacer is not None:
+            self.pacer.observe(launched.tokens, self._clock.done(launched.started, launched.launched, wait_from, waited))
         if self.observer:
             self.observer.on_step(self, launched.tokens, now - launched.started)
 

@@ -39,10 +39,14 @@ class Sampled:
             self.host = self.packed
         return self
 
-    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Token ids and logprobs per row (waits for the copy)."""
+    def wait(self) -> None:
+        """Block until the host copy is in."""
         if self.ready is not None:
             self.ready.synchronize()
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Token ids and logprobs per row (waits for the copy)."""
+        self.wait()
         values = self.host.tolist()
         if self.top < 0:
             return values, [None] * len(values)

@@ -5,23 +5,29 @@ their next chunk, and waiting requests join while there is room: fewer than `max
 running, the step's token budget (chunked prefill), and KV-cache blocks for the request's worst case
 (prompt + max_tokens, capped by the context length). Reserving the worst case at
 admission means a running request never has to be preempted. Admission is strictly
-first-come-first-served: a large request at the head is not overtaken.
+first-come-first-served: a large request at the head is not overtaken. With a `PrefillPacer`,
+a step that has decodes takes only as many prompt tokens as keep it within the pacer's
+multiple of a decode-only step, or a sixteenth of the prompt backlog if more (`afd.engine.step_cost`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 from afd.engine.request import InvalidRequest, Request
+from afd.engine.step_cost import PrefillPacer
 from afd.kv_cache import KVCache
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 pacer: PrefillPacer | None = None):
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.pacer = pacer  # None: prompts take all the budget the decodes leave
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -51,11 +57,16 @@ class Scheduler:
         tokens this step) within what is left of the step's token budget, so a long prompt
         shares steps with running decodes instead of stalling them. A running request whose
         last token is already in a launched step (`final_scheduled`) keeps its seat and
-        blocks until that step's result is in, but is not scheduled again.
+        blocks until that step's result is in, but is not scheduled again. With decodes in the
+        step, the pacer (if any) caps the prompt tokens.
         """
         batch = [r for r in self.running if not r.final_scheduled]
         prefilling = [r for r in batch if r.cached_tokens < len(r.prompt_ids)]
-        budget = self.max_num_batched_tokens - (len(batch) - len(prefilling))
+        decodes = len(batch) - len(prefilling)
+        budget = self.max_num_batched_tokens - decodes
+        if decodes and self.pacer is not None and (prefilling or self.waiting):
+            cap = self.pacer.prefill_cap(decodes, self._backlog(prefilling))
+            budget = budget if cap is None else min(budget, cap)
         if prefilling:
             batch = [r for r in batch if r.cached_tokens >= len(r.prompt_ids)]
             for request in prefilling:  # oldest first: a started prompt finishes before a new one starts
@@ -75,6 +86,12 @@ class Scheduler:
             batch.append(head)
             budget -= head.chunk
         return batch
+
+    def _backlog(self, prefilling: list[Request]) -> int:
+        """Prompt tokens still to prefill: the running prompts' rest and the waiting prompts that have a seat."""
+        seats = max(0, self.max_num_seqs - len(self.running))
+        return (sum(len(r.prompt_ids) - r.cached_tokens for r in prefilling)
+                + sum(len(r.prompt_ids) for r in islice(self.waiting, seats)))
 
     def finish(self, request: Request) -> None:
         """Remove a running or waiting request and free its blocks."""

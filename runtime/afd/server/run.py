@@ -84,6 +84,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         role.device,
         observer=metrics,
         link=role.link,
+        prefill_itl_ratio=config.prefill_itl_ratio,
     )
     metrics.track(engine)
     state = ServerState(

@@ -34,6 +34,8 @@ class ServingMetrics:
         self.step_duration = make(Histogram, "afd_step_duration_seconds", "Wall time of one engine step", buckets=_LATENCY_BUCKETS)
         self.step_tokens = make(Histogram, "afd_step_tokens", "Tokens computed in one step", buckets=_TOKEN_BUCKETS)
         self.request_errors = make(Counter, "afd_request_errors", "Requests ended by an error")
+        self.prefill_cap = make(Gauge, "afd_prefill_cap_tokens",
+                                "Prompt tokens the last step with decodes could take (prefill_itl_ratio); 0: uncapped")
 
     def on_token(self, request, now: float) -> None:
         if request.first_token_at is None:
@@ -49,6 +51,8 @@ class ServingMetrics:
         self.waiting.set_function(lambda: engine.num_waiting)
         self.kv_usage.set_function(lambda: engine.kv_cache.usage)
         self.kv_capacity.set(engine.kv_cache.capacity_tokens)
+        pacer = engine.pacer
+        self.prefill_cap.set_function(lambda: (pacer.last_cap or 0) if pacer is not None else 0)
 
     def on_step(self, engine, tokens: int, seconds: float) -> None:
         self.step_duration.observe(seconds)
