@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from afd.config import AFDConfig, values_from_topology
+    from afd.config import AFDConfig, values_from_env, values_from_topology
     from afd.models.checkpoint import Checkpoint
     from afd.models.spec import parse_spec
 
@@ -137,6 +137,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ffn_address_template="127.0.0.1",
         port_stride=2,  # local ranks share one host; each FFN process gets its own ports
         ffn_expert_parallel=args.ffn_expert_parallel,
+        # the link's patience, as `afd serve` takes it (a slow machine is not a lost peer)
+        **{k: v for k, v in values_from_env(os.environ).items() if k in ("peer_timeout_s", "connect_timeout_s")},
     )
     if config.connector == "nccl":
         raise ConfigError("--connector nccl: afd generate runs zmq or loopback groups")

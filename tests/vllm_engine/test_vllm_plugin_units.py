@@ -15,7 +15,7 @@ from afd.models.loader import load_model
 from afd.roles import build_ffn
 from afd.vllm_plugin import afd_architecture
 from afd.vllm_plugin.link import FFNLink
-from afd.vllm_plugin.serve import engine_env, engine_overrides, vllm_serve_argv
+from afd.vllm_plugin.serve import cpu_mla_backend, engine_env, engine_overrides, vllm_serve_argv
 from afd.vllm_plugin.weights import attention_keys
 
 
@@ -106,6 +106,18 @@ def test_vllm_serve_command_from_afd_config(checkpoints):
     assert flags["--dtype"] == "float32" and flags["--max-num-seqs"] == "32" and flags["--max-model-len"] == "1024"
     assert json.loads(flags["--hf-overrides"]) == {"architectures": ["AFDQwen3MoeForCausalLM"]}
     assert argv[-1] == "--enforce-eager"
+
+
+def test_an_fp32_deepseek_on_a_cpu_asks_for_the_cpu_mla_backend(checkpoints):
+    """vLLM prefers its AMX MLA backend on CPUs with AMX tiles, and it refuses float32 weights."""
+    deepseek, qwen = str(checkpoints["deepseek_v2"]), str(checkpoints["qwen3_moe"])
+    assert cpu_mla_backend(deepseek, "float32", "cpu") == "CPU_MLA"
+    assert cpu_mla_backend(deepseek, "bfloat16", "cpu") is None and cpu_mla_backend(deepseek, "float32", "cuda") is None
+    assert cpu_mla_backend(qwen, "float32", "cpu") is None
+    argv = vllm_serve_argv(AFDConfig(model=deepseek, attention_engine="vllm"), "float32")
+    assert argv[argv.index("--attention-backend") + 1] == "CPU_MLA"
+    chosen = vllm_serve_argv(AFDConfig(model=deepseek, attention_engine="vllm"), "float32", ["--attention-backend=X"])
+    assert "--attention-backend" not in chosen and chosen[-1] == "--attention-backend=X"
 
 
 def test_unsupported_architecture_is_named():

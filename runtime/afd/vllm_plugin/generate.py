@@ -20,8 +20,9 @@ from pathlib import Path
 def run(job: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
-    from afd.vllm_plugin.serve import engine_overrides
+    from afd.vllm_plugin.serve import cpu_mla_backend, engine_overrides
 
     kwargs = dict(
         model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=job.get("enforce_eager", True),
@@ -29,6 +30,8 @@ def run(job: dict) -> dict:
     )
     if job.get("afd"):
         kwargs["hf_overrides"] = engine_overrides(job["model"])
+    if backend := cpu_mla_backend(job["model"], kwargs["dtype"], "cpu" if current_platform.is_cpu() else "gpu"):
+        kwargs["attention_backend"] = backend
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", True))
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in job["prompts"]], params, use_tqdm=False)

@@ -35,7 +35,17 @@ def engine_overrides(model_path: str) -> dict:
     return {"architectures": [afd_architecture(architectures[0])]}
 
 
-def vllm_serve_argv(config: AFDConfig, dtype: str, extra: list[str] | None = None) -> list[str]:
+def cpu_mla_backend(model_path: str, dtype: str, device_type: str) -> str | None:
+    """"CPU_MLA" for an MLA checkpoint (DeepSeek) in float32 on a CPU, else None (vLLM chooses). On a CPU
+    with AMX tiles vLLM prefers its AMX MLA backend, whose packed weights must be 16-bit or 8-bit: a
+    float32 DeepSeek then fails to load."""
+    if device_type != "cpu" or dtype != "float32":
+        return None
+    config_file = Path(model_path) / "config.json"
+    return "CPU_MLA" if config_file.is_file() and json.loads(config_file.read_text()).get("kv_lora_rank") else None
+
+
+def vllm_serve_argv(config: AFDConfig, dtype: str, extra: list[str] | None = None, device_type: str = "cpu") -> list[str]:
     """vLLM's OpenAI server command line for attention rank `config.rank` (pure: no process, no vLLM import)."""
     if not config.model:
         raise ValueError("no model: set AFD_MODEL")
@@ -51,6 +61,9 @@ def vllm_serve_argv(config: AFDConfig, dtype: str, extra: list[str] | None = Non
     ]
     if config.max_model_len:
         argv += ["--max-model-len", str(config.max_model_len)]
+    backend = cpu_mla_backend(config.model, dtype, device_type)
+    if backend and not any(arg.startswith("--attention-backend") for arg in extra or []):
+        argv += ["--attention-backend", backend]
     return argv + list(extra or [])
 
 
@@ -69,7 +82,8 @@ def exec_vllm_server(config: AFDConfig, extra: list[str] | None = None) -> int:
     from afd.runners.device import resolve_device, resolve_dtype
 
     extra = shlex.split(os.environ.get("AFD_VLLM_ARGS", "")) + list(extra or [])
-    command = vllm_serve_argv(config, resolve_dtype(config, resolve_device(config)), extra)
+    device = resolve_device(config)
+    command = vllm_serve_argv(config, resolve_dtype(config, device), extra, device.type)
     print(f"afd: attention rank {config.rank} runs vLLM: {shlex.join(command[3:])}", file=sys.stderr, flush=True)
     os.execve(command[0], command, engine_env())
     return 1  # not reached
