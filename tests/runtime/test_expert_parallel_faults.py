@@ -63,7 +63,7 @@ def test_a_killed_shard_fails_the_step_and_the_group_recovers(checkpoints):
     from tests.conftest import PROMPTS
 
     config = local_zmq_config(AFDConfig(model=str(checkpoints["deepseek_v2"]), ffn_expert_parallel=2, port_stride=2,
-                                        peer_timeout_s=2.0, connect_timeout_s=60.0))
+                                        peer_timeout_s=8.0, connect_timeout_s=60.0))  # CI's 2 shared cores: slow, not lost
     threads = threads_per_rank(3)
     metrics_ports = free_port_block(2)
 
@@ -86,7 +86,7 @@ def test_a_killed_shard_fails_the_step_and_the_group_recovers(checkpoints):
             started = time.monotonic()
             with pytest.raises(RuntimeError, match="shard 1 of 2"):
                 generate(role)
-            assert time.monotonic() - started < 10  # explicit, not a hang
+            assert time.monotonic() - started < 20  # explicit (after the 8 s peer timeout), not a hang
 
             start_shard(1)
             deadline, recovered = time.monotonic() + 60, False
