@@ -1,0 +1,35 @@
+#!/bin/bash
+# Issue 15 on the device machine (2 x H200), one phase per device call (each well inside its 10 minutes):
+#   PHASE=api      serve_gpu AFD 1A1F at 16/64/256 streams, the API in the engine's process, then in its own
+#   PHASE=arrive   64 streams, new prompts keep arriving (4 requests a stream): prefill pacing off, then ratio 2
+#   PHASE=profile  py-spy samples of the API rank at 64 and 256 streams, default switch interval and 0.5 ms
+# Needs in .whl/ (carried): the wheels the README's "GPU path" section lists, and py-spy for PHASE=profile.
+# Tables go to stdout, JSON and logs under $OUT.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export AFD_CONNECTOR=nccl PATH=/tmp/site/bin:$PATH
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+CK="--checkpoint-dir /tmp/ck --layers ${LAYERS:-27}"
+serve() {  # tag, then serve_gpu's arguments
+    local tag=$1; shift
+    echo "== $tag"
+    python3 bench/serve_gpu.py $CK "$@" 2>&1 | tee "$OUT/$tag.log" | grep -v "^checkpoint"
+    [ -f "$OUT/serve_gpu.json" ] && mv "$OUT/serve_gpu.json" "$OUT/$tag.json"
+}
+case "${PHASE:-api}" in
+api)
+    AFD_API_PROCESS=0 serve api0 --modes afd --levels 16,64,256 --output-tokens 256
+    AFD_API_PROCESS=1 serve api1 --modes afd --levels 16,64,256 --output-tokens 256 ;;
+arrive)
+    serve ratio0 --modes afd --levels 64 --requests-per-stream 4 --output-tokens 256 --prefill-itl-ratio 0
+    serve ratio2 --modes afd --levels 64 --requests-per-stream 4 --output-tokens 256 --prefill-itl-ratio 2 ;;
+profile)
+    for streams in 64 256; do
+        OUT=/tmp/stacks python3 bench/serve_profile.py $CK --modes afd --streams "$streams" --seconds 6 2>&1 \
+            | tee "$OUT/profile-$streams.log"  # raw stacks stay in /tmp/stacks: $OUT brings back 8 files at most
+        OUT=/tmp/stacks AFD_SWITCH_INTERVAL_S=0.0005 python3 bench/serve_profile.py $CK --modes afd --streams "$streams" --seconds 6 \
+            2>&1 | tee "$OUT/profile-$streams-si.log"
+    done ;;
+*) echo "PHASE must be api, arrive or profile" >&2; exit 2 ;;
+esac
