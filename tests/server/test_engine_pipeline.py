@@ -33,7 +33,7 @@ def run_engine(parts, requests, pipeline: bool, eos=(), budget=8192, runner=None
     engine = Engine(runner, cache, tokenizer, eos, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=budget,
                     device=cache.keys[0].device, pipeline=pipeline, link=link)
     if pacer is not None:
-        engine.pacer = engine.scheduler.pacer = pacer
+        engine.scheduler.pacer = pacer
     engine.start()
     outputs = [[] for _ in requests]
     done = threading.Semaphore(0)

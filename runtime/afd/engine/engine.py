@@ -77,8 +77,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.device = torch.device(device)
-        self.pacer = PrefillPacer(prefill_itl_ratio) if prefill_itl_ratio else None  # learns from every step
-        self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len, self.pacer)
+        pacer = PrefillPacer(prefill_itl_ratio) if prefill_itl_ratio else None  # learns from every step
+        self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len, pacer)
         self._clock = StepClock()
         self.observer = observer
         self.link = link  # the FFN link: end_step/wait_step per step, tended between steps; None when local
@@ -145,6 +145,11 @@ class Engine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
         self._outputs.eos_token_ids = set(ids)
+
+    @property
+    def pacer(self) -> PrefillPacer | None:
+        """The scheduler's prefill pacer, taught by every step; None: prompts are not paced."""
+        return self.scheduler.pacer
 
     @property
     def on_burst(self) -> Callable[[], None] | None:
@@ -298,8 +303,8 @@ class Engine:
         for request in launched.finals:  # their last token is in: seats and blocks go back
             self.scheduler.finish(request)
         self._outputs.tokens(launched.batch, tokens, logprobs, now)
-        if self.pacer is not None:
-            self.pacer.observe(launched.tokens, self._clock.done(launched.started, launched.launched, wait_from, waited))
+        if (pacer := self.scheduler.pacer) is not None:
+            pacer.observe(launched.tokens, self._clock.done(launched.started, launched.launched, wait_from, waited))
         if self.observer:
             self.observer.on_step(self, launched.tokens, now - launched.started)
 
