@@ -22,7 +22,22 @@ class CacheFullError(RuntimeError):
     """Not enough free blocks: the caller must wait for a sequence to finish."""
 
 
-class KVCache:
+class KVBlocks:
+    """The block arithmetic of a KV cache of `num_blocks` blocks of `block_size` tokens (no tensors:
+    what admission needs, also where the cache lives in another process)."""
+
+    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class KVCache(KVBlocks):
     """Keys and values of `num_blocks` blocks of `block_size` tokens each, for every layer."""
 
     def __init__(
@@ -35,7 +50,7 @@ class KVCache:
     ):
         if num_blocks < 1:
             raise ValueError(f"a KV cache needs at least one block, got {num_blocks}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        super().__init__(num_blocks, block_size)
         self.scratch_block = num_blocks  # one extra block, never allocated: padded graph rows write here
         rows = (num_blocks + 1) * block_size
         self.layouts = list(layouts)
@@ -58,9 +73,6 @@ class KVCache:
     def free_blocks(self) -> int:
         return len(self._free)
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def can_allocate(self, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) <= len(self._free)
 
@@ -80,10 +92,6 @@ class KVCache:
     @property
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
 
     @property
     def nbytes(self) -> int:

@@ -61,14 +61,15 @@ def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
 
     from afd.engine.request import SamplingParams
     from afd.server.api_link import addresses
-    from afd.server.engine_client import EngineClient, KVShape
+    from afd.kv_cache import KVBlocks
+    from afd.server.engine_client import EngineClient
 
     requests_at, outputs_at = addresses(str(tmp_path))
     context = zmq.Context()
     core_in, core_out = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     core_in.bind(requests_at)
     core_out.bind(outputs_at)
-    client = EngineClient(str(tmp_path), Letters(), KVShape(8, 16), 4, 64, 128, silence_s=0.5, beat_s=0.05)
+    client = EngineClient(str(tmp_path), Letters(), KVBlocks(8, 16), 4, 64, 128, silence_s=0.5, beat_s=0.05)
     got = []
 
     async def scenario():

@@ -110,13 +110,14 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
     from prometheus_client import CollectorRegistry
 
     from afd.engine.tokenizer import load_tokenizer
+    from afd.kv_cache import KVBlocks
     from afd.server.app import ServerState, create_app
-    from afd.server.engine_client import EngineClient, KVShape
+    from afd.server.engine_client import EngineClient
     from afd.server.failover import Failover, FailoverSettings
     from afd.server.validation import Limits
 
     tokenizer = load_tokenizer(config.model)
-    client = EngineClient(facts["folder"], tokenizer, KVShape(facts["num_blocks"], facts["block_size"]),
+    client = EngineClient(facts["folder"], tokenizer, KVBlocks(facts["num_blocks"], facts["block_size"]),
                           config.max_num_seqs, config.max_num_batched_tokens, facts["max_model_len"])
     state = ServerState(
         engine=client, tokenizer=tokenizer, model_name=facts["model_name"],

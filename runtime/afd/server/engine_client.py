@@ -2,7 +2,7 @@
 
 `submit`, `abort` and `problem` behave as `Engine`'s do for `afd.server.app`: a request the
 engine could never run is refused here with the same `InvalidRequest` (the same scheduler
-check, on the core's KV-cache shape); outputs arrive on the event loop, a burst per message,
+check, on the core's KV-cache blocks, `KVBlocks`); outputs arrive on the event loop, a burst per message,
 as token ids that get their text here (`request_text`).
 The core's state comes with every message; a core silent for `silence_s` makes the rank
 unhealthy and ends every request waiting on it with an error, so none waits forever.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -21,6 +20,7 @@ import zmq.asyncio
 
 from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.engine.scheduler import Scheduler
+from afd.kv_cache import KVBlocks
 from afd.server import core_wire
 from afd.server.api_link import addresses
 from afd.server.core_wire import CoreState
@@ -29,25 +29,10 @@ from afd.server.request_text import RequestText
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class KVShape:
-    """The core's KV cache as far as admission needs it (`Scheduler.check`)."""
-
-    num_blocks: int
-    block_size: int
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-
 class EngineClient:
     """The engine core seen from the API process; `run()` (on the event loop) receives and heartbeats."""
 
-    def __init__(self, folder: str, tokenizer, kv: KVShape, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, folder: str, tokenizer, kv: KVBlocks, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, silence_s: float = 5.0, beat_s: float = 0.5):
         self.tokenizer, self.silence_s, self.beat_s = tokenizer, silence_s, beat_s
         self._admission = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
