@@ -44,6 +44,7 @@ def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engi
     """Run the API child around the started `engine` until `stop` or until the child ends; the exit code.
     `probes_for(listening)` builds the rank's probes (`run.attention_probes`)."""
     from afd.server.probe_http import start_probe_server
+    from afd.server.run import engine_died, stop_serving
 
     folder = tempfile.mkdtemp(prefix="afd-api-")
     probes = None
@@ -63,14 +64,10 @@ def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engi
         if child.poll() is None:
             child.kill()
             child.wait()
-        log.info("%s rank %d stopping: %d running, %d waiting requests", config.role, config.rank, engine.num_running,
-                 engine.num_waiting)
-        probe.shutdown()
-        engine.stop()  # fails whatever the grace period did not finish
+        stop_serving(config, engine, probe)
         link.close()
         shutil.rmtree(folder, ignore_errors=True)
-    if engine.dead:
-        log.error("%s rank %d exits because %s (a supervisor or the kubelet restarts it)", config.role, config.rank, engine.dead)
+    if engine_died(config, engine):
         return 1
     if not signalled or child.returncode != 0:
         log.error("%s rank %d exits because its API process ended with code %s", config.role, config.rank, child.returncode)
@@ -106,12 +103,11 @@ def _facts(config: AFDConfig, state, engine, folder: str) -> dict:
 # -- API process --------------------------------------------------------------------------------
 def serve_api(config: AFDConfig, facts: dict) -> int:
     """The child: the app of `afd.server.app` on an `EngineClient`, until SIGTERM."""
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     from afd.engine.tokenizer import load_tokenizer
     from afd.kv_cache import KVBlocks
-    from afd.server.app import ServerState, create_app
+    from afd.server.app import ServerState, create_app, http_server
     from afd.server.engine_client import EngineClient
     from afd.server.failover import Failover, FailoverSettings
     from afd.server.validation import Limits
@@ -127,10 +123,7 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
         exposition=lambda: urllib.request.urlopen(facts["metrics_url"], timeout=5).read(),  # the core's series
     )
     app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(config.failover_url))
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
-        timeout_graceful_shutdown=int(config.shutdown_grace_s),
-    ))
+    server = http_server(app, config)
     for signum in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal it stopped on: exit 0, not by it
         signal.signal(signum, lambda *_: setattr(server, "should_exit", True))
 

@@ -63,6 +63,17 @@ class ServerState:
         return self.health() or self.loop_watch.problem()
 
 
+def http_server(app, config):
+    """uvicorn serving `app` as `config` (an `AFDConfig`) says; on SIGTERM no new requests, and in-flight
+    ones finish within `shutdown_grace_s`."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(
+        app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
+        timeout_graceful_shutdown=int(config.shutdown_grace_s),
+    ))
+
+
 def create_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

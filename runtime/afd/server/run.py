@@ -20,7 +20,7 @@ from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
 from afd.metrics.wiring import attention_instruments, watch_attention
-from afd.server.app import ServerState, create_app
+from afd.server.app import ServerState, create_app, http_server
 from afd.server.failover import Failover, FailoverSettings
 from afd.server.probe_http import Probes, start_probe_server
 from afd.server.serving_metrics import ServingMetrics
@@ -131,8 +131,6 @@ def attention_probes(state: ServerState, listening: Callable[[], bool], stop: th
 
 
 def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
-    import uvicorn
-
     spec = parse_spec(Checkpoint(config.model).config)
     if config.role == "monolithic":
         from afd.monolithic import build_monolithic as build
@@ -165,10 +163,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
             role.close(f"{config.role} rank shutting down")
     # `probes` is bound below, before the server takes its first request
     app = Failover(create_app(state), lambda: probes.readiness() is not None, FailoverSettings(config.failover_url))
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
-        timeout_graceful_shutdown=int(config.shutdown_grace_s),  # SIGTERM: no new requests, finish in-flight ones
-    ))
+    server = http_server(app, config)
     probes = attention_probes(state, lambda: server.started, stop, ffn_draining)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
@@ -177,16 +172,27 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     try:
         server.run()
     finally:
-        log.info("%s rank %d stopping: %d running, %d waiting requests", config.role, config.rank, engine.num_running,
-                 engine.num_waiting)
-        probe.shutdown()
-        engine.stop()  # fails whatever the grace period did not finish
+        stop_serving(config, engine, probe)
         role.close(f"{config.role} rank shutting down")
-    if engine.dead:
-        log.error("%s rank %d exits because %s (a supervisor or the kubelet restarts it)", config.role, config.rank, engine.dead)
+    if engine_died(config, engine):
         return 1
     log.info("%s rank %d stopped", config.role, config.rank)
     return 0
+
+
+def stop_serving(config: AFDConfig, engine: Engine, probe) -> None:
+    """After the HTTP server: the probes go, and the engine stops, failing what the grace did not finish."""
+    log.info("%s rank %d stopping: %d running, %d waiting requests", config.role, config.rank, engine.num_running,
+             engine.num_waiting)
+    probe.shutdown()
+    engine.stop()
+
+
+def engine_died(config: AFDConfig, engine: Engine) -> bool:
+    """Whether the engine thread died (logged: the process then exits non-zero and is restarted)."""
+    if engine.dead:
+        log.error("%s rank %d exits because %s (a supervisor or the kubelet restarts it)", config.role, config.rank, engine.dead)
+    return engine.dead is not None
 
 
 def _exit_if_engine_dies(engine: Engine, server, stop: threading.Event) -> None:
