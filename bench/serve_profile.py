@@ -66,13 +66,15 @@ def summarize(raw: Path, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def py_spy() -> str:
+    """The py-spy program: on PATH, beside this Python, or under an import path (`pip install --target`)."""
+    candidates = [shutil.which("py-spy"), Path(sys.executable).parent / "py-spy",
+                  *(Path(p) / "bin" / "py-spy" for p in sys.path if p)]
+    return next((str(c) for c in candidates if c and Path(c).exists()), "py-spy")
+
+
 def record(pid: int, seconds: float, path: Path, *flags: str) -> None:
-    spy = shutil.which("py-spy") or str(Path(sys.prefix) / "bin" / "py-spy")
-    for candidate in (spy, *(str(Path(p) / "bin" / "py-spy") for p in sys.path if p)):
-        if Path(candidate).exists():
-            spy = candidate
-            break
-    done = subprocess.run([spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
+    done = subprocess.run([py_spy(), "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
                            "--format", "raw", "--threads", "--nonblocking", "-o", str(path), *flags],
                           capture_output=True, text=True)
     if done.returncode:

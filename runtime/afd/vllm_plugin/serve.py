@@ -26,12 +26,18 @@ from afd.config import AFDConfig, load_config
 from afd.vllm_plugin import afd_architecture
 
 
+def _hf_config(model_path: str) -> dict | None:
+    """The checkpoint's config.json, or None when `model_path` has none."""
+    config_file = Path(model_path) / "config.json"
+    return json.loads(config_file.read_text()) if config_file.is_file() else None
+
+
 def engine_overrides(model_path: str) -> dict:
     """vLLM `hf_overrides` that select the AFD attention role for the checkpoint at `model_path`."""
-    config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
+    hf_config = _hf_config(model_path)
+    if hf_config is None:
         raise ValueError(f"model {model_path!r}: no config.json; the vLLM attention engine needs a local checkpoint folder")
-    architectures = json.loads(config_file.read_text()).get("architectures") or [""]
+    architectures = hf_config.get("architectures") or [""]
     return {"architectures": [afd_architecture(architectures[0])]}
 
 
@@ -41,8 +47,8 @@ def cpu_mla_backend(model_path: str, dtype: str, device_type: str) -> str | None
     float32 DeepSeek then fails to load."""
     if device_type != "cpu" or dtype != "float32":
         return None
-    config_file = Path(model_path) / "config.json"
-    return "CPU_MLA" if config_file.is_file() and json.loads(config_file.read_text()).get("kv_lora_rank") else None
+    hf_config = _hf_config(model_path)
+    return "CPU_MLA" if hf_config and hf_config.get("kv_lora_rank") else None
 
 
 def vllm_serve_argv(config: AFDConfig, dtype: str, extra: list[str] | None = None, device_type: str = "cpu") -> list[str]:
