@@ -18,6 +18,34 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+class Outputs:
+    """Every output of each request submitted through `submit_all`, in order; `wait` until each finished."""
+
+    def __init__(self, count: int):
+        self.lists: list[list] = [[] for _ in range(count)]
+        self._finished = threading.Semaphore(0)
+
+    def collector(self, index: int):
+        def on_output(out):
+            self.lists[index].append(out)
+            if out.finished:
+                self._finished.release()
+        return on_output
+
+    def wait(self, timeout: float) -> list[list]:
+        for _ in self.lists:
+            assert self._finished.acquire(timeout=timeout), "a request never finished"
+        return self.lists
+
+
+def submit_all(engine, requests) -> Outputs:
+    """Submit each (prompt ids, sampling params) to `engine`; their outputs as they arrive."""
+    outputs = Outputs(len(requests))
+    for index, (prompt, params) in enumerate(requests):
+        engine.submit(prompt, params, outputs.collector(index))
+    return outputs
+
+
 class LiveServer:
     def __init__(self, checkpoint, stages=2, max_num_seqs=64, kv_cache_tokens=8192):
         import uvicorn

@@ -13,6 +13,7 @@ from afd.engine.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner
+from tests.server.conftest import submit_all
 
 PROMPTS = [[5, 6, 7], [9, 8], [11, 12, 13, 14], [3, 4]]
 
@@ -74,24 +75,11 @@ def make_engine(parts, link=None, events=None, link_check_s=60.0):
 
 def generate(engine, prompts, max_tokens=6, timeout=30, start=False):
     """Submit every prompt (then `start` the engine, so they share the first step); each request's outputs."""
-    outputs = [[] for _ in prompts]
-    done = threading.Semaphore(0)
-
-    def collect(index):
-        def on_output(out):
-            outputs[index].append(out)
-            if out.finished:
-                done.release()
-        return on_output
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for index, prompt in enumerate(prompts):
-        engine.submit(prompt, params, collect(index))
+    outputs = submit_all(engine, [(prompt, params) for prompt in prompts])
     if start:
         engine.start()
-    for _ in prompts:
-        assert done.acquire(timeout=timeout), "a request never finished"
-    return outputs
+    return outputs.wait(timeout)
 
 
 def tokens(outputs):

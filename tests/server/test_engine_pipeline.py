@@ -1,6 +1,5 @@
 """The pipelined engine loop gives exactly what the step-by-step loop gives, and both what greedy_generate gives."""
 
-import threading
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from afd.generation import greedy_generate
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner
+from tests.server.conftest import submit_all
 
 PROMPTS = [[5 + i, 6 + 2 * i, 7, 8 + i % 5, 9][: 2 + i % 4] for i in range(12)]
 
@@ -35,21 +35,8 @@ def run_engine(parts, requests, pipeline: bool, eos=(), budget=8192, runner=None
     if pacer is not None:
         engine.scheduler.pacer = pacer
     engine.start()
-    outputs = [[] for _ in requests]
-    done = threading.Semaphore(0)
-
-    def collect(index):
-        def on_output(out):
-            outputs[index].append(out)
-            if out.finished:
-                done.release()
-        return on_output
-
     try:
-        for index, (prompt, params) in enumerate(requests):
-            engine.submit(prompt, params, collect(index))
-        for _ in requests:
-            assert done.acquire(timeout=60), "a request never finished"
+        outputs = submit_all(engine, requests).wait(60)
         assert engine.num_running == 0 and cache.usage == 0
     finally:
         engine.stop()
