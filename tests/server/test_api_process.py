@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -168,14 +169,21 @@ def test_a_bad_request_gets_the_same_error_body(servers, body, status):
     assert garbled[1].json() == garbled[0].json()
 
 
-def test_sigterm_finishes_in_flight_streams_exits_zero_and_takes_the_child(checkpoints):
-    served = Served(checkpoints["qwen3_moe"], True)
-    [child] = served.children()
-    body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+@contextlib.contextmanager
+def _streaming(served, max_tokens: int):
+    """A streamed greedy completion of `max_tokens` tokens whose first event came: yields its later non-empty lines."""
+    body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as response:
         lines = (line for line in response.iter_lines() if line)
         assert next(lines).startswith("data: {")
+        yield lines
+
+
+def test_sigterm_finishes_in_flight_streams_exits_zero_and_takes_the_child(checkpoints):
+    served = Served(checkpoints["qwen3_moe"], True)
+    [child] = served.children()
+    with _streaming(served, 60) as lines:
         served.process.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]" and len(rest) == 60  # 59 more tokens, then [DONE]
@@ -186,11 +194,7 @@ def test_sigterm_finishes_in_flight_streams_exits_zero_and_takes_the_child(check
 def test_a_silent_core_fails_streams_and_health_and_a_dead_api_process_ends_the_core(checkpoints):
     served = Served(checkpoints["qwen3_moe"], True)
     [child] = served.children()
-    body = {"model": served.model, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as response:
-        lines = (line for line in response.iter_lines() if line)
-        assert next(lines).startswith("data: {")
+    with _streaming(served, 4000) as lines:
         os.kill(served.process.pid, signal.SIGSTOP)  # the core hangs: no outputs, no state
         try:
             started = time.monotonic()
