@@ -11,6 +11,8 @@ export AFD_CONNECTOR=nccl PATH=/tmp/site/bin:$PATH
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 CK="--checkpoint-dir /tmp/ck --layers ${LAYERS:-27}"
+MODES=${MODES:-afd}  # monolithic needs one GPU, afd two
+LEVELS=${LEVELS:-16,64,256}
 serve() {  # tag, then serve_gpu's arguments
     local tag=$1; shift
     echo "== $tag"
@@ -19,16 +21,16 @@ serve() {  # tag, then serve_gpu's arguments
 }
 case "${PHASE:-api}" in
 api)
-    AFD_API_PROCESS=0 serve api0 --modes afd --levels 16,64,256 --output-tokens 256
-    AFD_API_PROCESS=1 serve api1 --modes afd --levels 16,64,256 --output-tokens 256 ;;
+    AFD_API_PROCESS=0 serve api0 --modes $MODES --levels $LEVELS --output-tokens 256
+    AFD_API_PROCESS=1 serve api1 --modes $MODES --levels $LEVELS --output-tokens 256 ;;
 arrive)
-    serve ratio0 --modes afd --levels 64 --requests-per-stream 4 --output-tokens 256 --prefill-itl-ratio 0
-    serve ratio2 --modes afd --levels 64 --requests-per-stream 4 --output-tokens 256 --prefill-itl-ratio 2 ;;
+    serve ratio0 --modes $MODES --levels 64 --requests-per-stream 4 --output-tokens 256 --prefill-itl-ratio 0
+    serve ratio2 --modes $MODES --levels 64 --requests-per-stream 4 --output-tokens 256 --prefill-itl-ratio 2 ;;
 profile)
-    for streams in 64 256; do
-        OUT=/tmp/stacks python3 bench/serve_profile.py $CK --modes afd --streams "$streams" --seconds 6 2>&1 \
+    for streams in ${PROFILE_STREAMS:-64 256}; do
+        OUT=/tmp/stacks python3 bench/serve_profile.py $CK --modes $MODES --streams "$streams" --seconds 6 2>&1 \
             | tee "$OUT/profile-$streams.log"  # raw stacks stay in /tmp/stacks: $OUT brings back 8 files at most
-        OUT=/tmp/stacks AFD_SWITCH_INTERVAL_S=0.0005 python3 bench/serve_profile.py $CK --modes afd --streams "$streams" --seconds 6 \
+        OUT=/tmp/stacks AFD_SWITCH_INTERVAL_S=0.0005 python3 bench/serve_profile.py $CK --modes $MODES --streams "$streams" --seconds 6 \
             2>&1 | tee "$OUT/profile-$streams-si.log"
     done ;;
 *) echo "PHASE must be api, arrive or profile" >&2; exit 2 ;;

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -93,28 +95,65 @@ def ceilings(api: str) -> dict[int, float]:
 
 
 async def drive_level(api: str, model: str, streams: int, args, rng: random.Random, vocab: int) -> dict:
-    ttfts, itls, failures, tokens = [], [], [], [0]
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*args.prompt_tokens))]
-               for _ in range(streams * args.requests_per_stream)]
+    """`streams` concurrent streams from this process, each sending its requests back to back."""
+    prompts = make_prompts(streams * args.requests_per_stream, args, rng, vocab)
+    return level_summary(streams, len(prompts), [await drive_streams(api, model, streams, prompts, args.output_tokens)])
+
+
+def drive_level_spread(api: str, model: str, streams: int, args, rng: random.Random, vocab: int) -> dict:
+    """As `drive_level`, the streams spread over `args.client_processes` processes (0: one per 64 streams), so the
+    client's own per-token work (one Python event loop parsing every event) never paces what is measured."""
+    processes = min(args.client_processes or -(-streams // 64), streams)
+    if processes <= 1:
+        return asyncio.run(drive_level(api, model, streams, args, rng, vocab))
+    prompts = make_prompts(streams * args.requests_per_stream, args, rng, vocab)
+    shares = [streams // processes + (i < streams % processes) for i in range(processes)]
+    cuts = [sum(shares[:i]) * args.requests_per_stream for i in range(processes + 1)]
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+        parts = list(pool.map(_drive_share, [(api, model, share, prompts[cuts[i]: cuts[i + 1]], args.output_tokens)
+                                             for i, share in enumerate(shares)]))
+    return level_summary(streams, len(prompts), parts)
+
+
+def _drive_share(work: tuple) -> dict:
+    return asyncio.run(drive_streams(*work))
+
+
+def make_prompts(count: int, args, rng: random.Random, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randint(*args.prompt_tokens))] for _ in range(count)]
+
+
+async def drive_streams(api: str, model: str, streams: int, prompts: list, output_tokens: int) -> dict:
+    """Raw results of `streams` streams taking `prompts` until none is left; wall-clock start and end."""
+    ttfts, itls, failures, tokens, prompts = [], [], [], [0], list(prompts)
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         async def stream_loop():
             while prompts:
                 prompt = prompts.pop()
                 try:
-                    got = await one_request(client, api, model, prompt, args.output_tokens, ttfts, itls)
+                    got = await one_request(client, api, model, prompt, output_tokens, ttfts, itls)
                     tokens[0] += got
-                    if got != args.output_tokens:
-                        failures.append(f"{got} of {args.output_tokens} tokens")
+                    if got != output_tokens:
+                        failures.append(f"{got} of {output_tokens} tokens")
                 except Exception as err:  # noqa: BLE001 — every failure is counted and reported
                     failures.append(f"{type(err).__name__}: {err}")
 
-        started = time.perf_counter()
+        started = time.time()
         await asyncio.gather(*(stream_loop() for _ in range(streams)))
-        seconds = time.perf_counter() - started
+        ended = time.time()
+    return {"ttfts": ttfts, "itls": itls, "failures": failures, "tokens": tokens[0], "started": started, "ended": ended}
+
+
+def level_summary(streams: int, requests: int, parts: list[dict]) -> dict:
+    ttfts = [t for part in parts for t in part["ttfts"]]
+    itls = [t for part in parts for t in part["itls"]]
+    failures = [f for part in parts for f in part["failures"]]
+    seconds = max(part["ended"] for part in parts) - min(part["started"] for part in parts)
     mean_itl = statistics.fmean(itls) if itls else float("nan")
-    return {"streams": streams, "requests": streams * args.requests_per_stream, "failed": len(failures),
-            "first_failures": failures[:3], "seconds": seconds, "tokens_per_s": tokens[0] / seconds,
+    return {"streams": streams, "requests": requests, "client_processes": len(parts), "failed": len(failures),
+            "first_failures": failures[:3], "seconds": seconds,
+            "tokens_per_s": sum(part["tokens"] for part in parts) / seconds,
             "ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else None, "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
             "itl_p50_ms": 1e3 * statistics.median(itls) if itls else None, "itl_p99_ms": 1e3 * percentile(itls, 0.99),
             "decode_tokens_per_s": streams / mean_itl}
@@ -160,7 +199,7 @@ def run_mode(mode: str, args, model: str) -> dict:
         warm = argparse.Namespace(**{**vars(args), "requests_per_stream": 1, "output_tokens": 4})
         asyncio.run(drive_level(f"{api}/v1", served, 1, warm, rng, vocab))
         for streams in args.levels:
-            level = asyncio.run(drive_level(f"{api}/v1", served, streams, args, rng, vocab))
+            level = drive_level_spread(f"{api}/v1", served, streams, args, rng, vocab)
             seconds = step.get(streams)
             level["ceiling_step_ms"] = 1e3 * seconds if seconds else None
             level["ceiling_tokens_per_s"] = streams / seconds if seconds else None
@@ -222,6 +261,8 @@ def main() -> int:
                         help="more than 1: new prompts keep arriving while the others decode (chunked prefill)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the step's token budget (chunked prefill)")
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--client-processes", type=int, default=0,
+                        help="processes the benchmark's client streams are spread over (0: one per 64 streams)")
     args = parser.parse_args()
     model = args.model
     if not model:

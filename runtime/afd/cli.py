@@ -233,8 +233,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     Checkpoint(model)  # a clear error now rather than in every rank's log
     flags = {"max_request_bytes": args.max_request_bytes, "max_prompts": args.max_prompts,
              "max_prompt_chars": args.max_prompt_chars}
-    # AFD_MAX_* and AFD_API_PROCESS as for `afd serve`
-    limits = {k: v for k, v in values_from_env(os.environ).items() if k in flags or k == "api_process"}
+    # AFD_MAX_*, AFD_API_PROCESS and AFD_API_SERVERS as for `afd serve`
+    limits = {k: v for k, v in values_from_env(os.environ).items() if k in flags or k in ("api_process", "api_servers")}
     limits.update({k: v for k, v in flags.items() if v is not None})
     config = AFDConfig(
         **values_from_topology("1A1F" if args.monolithic else args.topology, "--topology"),

@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_ENGINES = ("afd", "vllm")
 MAX_EXPERT_PARALLEL = 64  # vllm: the attention pod runs vLLM with afd.vllm_plugin
+MAX_API_SERVERS = 16  # API processes of one rank
 
 
 class ConfigError(ValueError):
@@ -81,6 +82,7 @@ class AFDConfig:
     gpu_memory_utilization: float = 0.9  # KV cache: this fraction of the GPU, less what is in use, unless kv_cache_bytes
     ceiling_batches: str = ""  # comma-separated batch sizes whose graph-replayed step time is measured at start
     api_process: bool = False  # attention/monolithic: the HTTP API in its own process (afd.server.api_process)
+    api_servers: int = 1  # API processes sharing the HTTP port (SO_REUSEPORT); more than 1 implies api_process
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
@@ -118,10 +120,17 @@ class AFDConfig:
                      "max_prompt_chars", "prefill_itl_ratio"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
+        if not 1 <= self.api_servers <= MAX_API_SERVERS:
+            raise ConfigError(f"api_servers={self.api_servers}: must be in 1..{MAX_API_SERVERS}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
         if any(not b.strip().isdigit() or int(b) < 1 for b in filter(None, self.ceiling_batches.split(","))):
             raise ConfigError(f"ceiling_batches={self.ceiling_batches!r}: must be positive integers separated by commas")
+
+    @property
+    def api_children(self) -> int:
+        """How many API processes this rank starts (0: the API runs in the engine's process)."""
+        return self.api_servers if self.api_process or self.api_servers > 1 else 0
 
     @property
     def topology(self) -> Topology:
@@ -213,6 +222,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
     "AFD_CEILING_BATCHES": "ceiling_batches",
     "AFD_API_PROCESS": "api_process",
+    "AFD_API_SERVERS": "api_servers",
 }
 
 _FIELD_TYPES = {f.name: f.type for f in fields(AFDConfig)}

@@ -60,4 +60,7 @@ SETTING_HELP: dict[str, str] = {
     "api_process": ("`true`: the OpenAI API (uvicorn, tokenization, SSE) runs in a child process and talks to the engine "
                     "core over local zmq sockets, so the HTTP work does not hold the engine's GIL; probes and `/metrics` "
                     "stay on `metrics_port` in the core. `false`: one process."),
+    "api_servers": ("How many API processes share the HTTP port (SO_REUSEPORT: the kernel spreads connections over "
+                    "them), each its own event loop and core of CPU, like vLLM's `--api-server-count`; more than 1 "
+                    "implies `api_process`."),
 }

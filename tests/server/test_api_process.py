@@ -23,9 +23,10 @@ PROMPTS = ["The keys and values of every sequence", "Experts of the feed-forward
 class Served:
     """A monolithic `afd serve` on the tiny Qwen3-MoE checkpoint, on free ports."""
 
-    def __init__(self, checkpoint: Path, api_process: bool):
+    def __init__(self, checkpoint: Path, api_process: bool, servers: int = 1):
         self.api, self.metrics = _free_port(), _free_port()
-        env = {**os.environ, "AFD_API_PROCESS": "1" if api_process else "0", "AFD_HTTP_HOST": "127.0.0.1",
+        env = {**os.environ, "AFD_API_PROCESS": "1" if api_process else "0", "AFD_API_SERVERS": str(servers),
+               "AFD_HTTP_HOST": "127.0.0.1",
                "AFD_HTTP_PORT": str(self.api), "AFD_METRICS_PORT": str(self.metrics), "AFD_DEVICE": "cpu",
                "AFD_KV_CACHE_BYTES": str(64 << 20), "AFD_SHUTDOWN_GRACE_S": "10"}
         self.process = subprocess.Popen([sys.executable, "-m", "afd", "serve", "--role", "monolithic", "--model",
@@ -232,3 +233,24 @@ def test_afd_up_1a1f_runs_the_api_of_its_attention_rank_in_a_child(checkpoints, 
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
+
+
+def test_two_api_processes_share_the_port_and_each_answers_its_own_requests(checkpoints, servers):
+    """AFD_API_SERVERS=2: two children bind the port (SO_REUSEPORT); 16 connections, spread by the kernel, each get
+    the one-process server's greedy text; SIGTERM stops both."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    one, _ = servers
+    served = Served(checkpoints["qwen3_moe"], False, servers=2)
+    try:
+        children = served.children()
+        assert len(children) == 2 and all("afd.server.api_process" in Path(f"/proc/{c}/cmdline").read_text()
+                                          for c in children)
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+        with ThreadPoolExecutor(16) as pool:  # httpx.post: a new connection per request
+            texts = list(pool.map(lambda p: served.complete(p)["choices"][0]["text"], prompts))
+        expected = {p: one.complete(p)["choices"][0]["text"] for p in PROMPTS}
+        assert texts == [expected[p] for p in prompts]
+    finally:
+        assert served.stop() == 0
+    assert not any(Path(f"/proc/{c}").exists() for c in children)

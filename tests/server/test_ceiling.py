@@ -8,7 +8,7 @@ from afd.kv_cache import KVCache
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.monolithic import build_monolithic
-from afd.server.ceiling import export_ceiling
+from afd.server.ceiling import export_ceiling, step_seconds
 from afd.server.run import cache_tokens_for
 
 
@@ -28,3 +28,22 @@ def test_kv_cache_bytes_overrides_and_cpu_defaults_to_one_gib(checkpoints):
     config = AFDConfig(model=str(checkpoints["qwen3_moe"]), device="cpu")
     assert cache_tokens_for(config, spec) == (1 << 30) // per_token
     assert cache_tokens_for(config.replace(kv_cache_bytes=per_token * 100), spec) == 100
+
+
+def test_ceiling_steps_differ_row_by_row_over_a_cache_of_noise(checkpoints):
+    """A batch of one repeated token on an empty cache routes every row to the same experts: a flattering ceiling."""
+    config = AFDConfig(role="monolithic", model=str(checkpoints["qwen3_moe"]), device="cpu")
+    role = build_monolithic(config, 4096)
+    seen = []
+
+    def step(input_ids, layout):
+        seen.append(input_ids.clone())
+        first_block = layout.block_tables[0][0] * role.kv_cache.block_size
+        seen.append(role.kv_cache.keys[0][first_block: first_block + role.kv_cache.block_size].abs().sum())
+        return role.runner(input_ids, layout)
+
+    step_seconds(step, role.kv_cache, 8, context=40, steps=2, vocab_size=role.loaded.spec.vocab_size)
+    ids, cached = seen[0], seen[1]
+    assert len(set(ids.tolist())) > 4 and int(ids.max()) < role.loaded.spec.vocab_size
+    assert float(cached) > 0  # the context the step attends to is not all zeros
+    assert role.kv_cache.free_blocks == role.kv_cache.num_blocks

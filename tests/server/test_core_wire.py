@@ -9,10 +9,10 @@ from afd.server.request_text import RequestText
 def test_a_submit_carries_every_sampling_parameter():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=("a", "bc"),
                             stop_token_ids=(4,), ignore_eos=True, logprobs=2)
-    assert core_wire.decode_request(core_wire.encode_submit("r1", [1, 2, 3], params)) == (
-        core_wire.SUBMIT, "r1", [1, 2, 3], params)
-    assert core_wire.decode_request(core_wire.encode_abort("r1")) == (core_wire.ABORT, "r1")
-    assert core_wire.decode_request(core_wire.encode_beat(True, None)) == (core_wire.BEAT, True, None)
+    assert core_wire.decode_request(core_wire.encode_submit(2, "r1", [1, 2, 3], params)) == (
+        core_wire.SUBMIT, 2, "r1", [1, 2, 3], params)
+    assert core_wire.decode_request(core_wire.encode_abort(0, "r1")) == (core_wire.ABORT, 0, "r1")
+    assert core_wire.decode_request(core_wire.encode_beat(1, True, None)) == (core_wire.BEAT, 1, True, None)
 
 
 def test_a_burst_of_outputs_and_the_core_state_arrive_as_sent():
@@ -83,9 +83,9 @@ def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
         assert client.problem is None and client.unready() is None
         request = client.submit([1, 2], SamplingParams(max_tokens=3), got.append)
         while (message := core_wire.decode_request(core_in.recv()))[0] == core_wire.BEAT:
-            assert message[1:] == (True, None)  # listening, its loop turns
-        kind, request_id, prompt, params = message
-        assert (kind, request_id, prompt, params.max_tokens) == (core_wire.SUBMIT, request.request_id, [1, 2], 3)
+            assert message[1:] == (0, True, None)  # API process 0, listening, its loop turns
+        kind, api, request_id, prompt, params = message
+        assert (kind, api, request_id, prompt, params.max_tokens) == (core_wire.SUBMIT, 0, request.request_id, [1, 2], 3)
         core_out.send(core_wire.encode_outputs(CoreState(None, None), [RequestOutput(request_id, "", [0], [])]))
         await asyncio.sleep(1.0)  # then the core goes silent
         link.cancel()
@@ -97,3 +97,46 @@ def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
     core_in.close(linger=0)
     core_out.close(linger=0)
     context.term()
+
+
+def test_each_api_process_gets_the_outputs_of_its_own_requests_and_the_core_hears_them_all(tmp_path):
+    """Two API processes on one core (`AFD_API_SERVERS=2`): outputs go back to the process that submitted."""
+    import asyncio
+
+    from afd.kv_cache import KVBlocks
+    from afd.server.api_link import ApiLink
+    from afd.server.engine_client import EngineClient
+
+    class Echo:
+        """An engine that answers every submit at once with one finished token, the prompt's first id."""
+
+        on_burst = None
+
+        def submit(self, prompt_ids, params, on_output, request_id, text):
+            on_output(RequestOutput(request_id, "", [prompt_ids[0]], [], finished=True, finish_reason="length"))
+            self.on_burst()
+
+        def abort(self, request_id):
+            pass
+
+    link = ApiLink(Echo(), str(tmp_path), lambda: CoreState(None, None), servers=2, beat_s=0.05).start()
+    clients = [EngineClient(str(tmp_path), Letters(), KVBlocks(8, 16), 4, 64, 128, beat_s=0.05, api=api) for api in (0, 1)]
+    got: list[list] = [[], []]
+
+    async def scenario():
+        loops = [asyncio.create_task(c.run(lambda: True, lambda: None)) for c in clients]
+        while link.heard is None or not link.listening:
+            await asyncio.sleep(0.02)
+        for token in range(6):
+            clients[token % 2].submit([token], SamplingParams(max_tokens=1), got[token % 2].append)
+        while sum(map(len, got)) < 6:
+            await asyncio.sleep(0.02)
+        for task in loops:
+            task.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert [[o.token_ids[0] for o in outputs] for outputs in got] == [[0, 2, 4], [1, 3, 5]]
+    assert link.problem() is None
+    for client in clients:
+        client.close()
+    link.close()

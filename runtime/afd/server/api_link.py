@@ -1,10 +1,12 @@
-"""The engine core's end of the link to the API process (`AFD_API_PROCESS`).
+"""The engine core's end of the link to its API processes (`AFD_API_PROCESS`, `AFD_API_SERVERS`).
 
-One thread takes the API's submits, aborts and heartbeats and hands them to the engine (token
-ids only: the API makes the text, `request_text`). The engine's output thread collects each step's outputs here and, when the step's burst ends
-(`Engine.on_burst`), sends them in one message with the core's state; when idle the thread
-sends the state alone every `beat_s`. A request the engine refuses or cannot take ends with
-an error output, so the API never waits for an answer that will not come.
+One thread takes the API processes' submits, aborts and heartbeats (one socket for all) and hands
+them to the engine (token ids only: the API makes the text, `request_text`). The engine's output
+thread collects each step's outputs here, by the API process that submitted each request, and when
+the step's burst ends (`Engine.on_burst`) sends each API process its outputs in one message with the
+core's state on that process's own socket; when idle, the thread sends each the state alone every
+`beat_s`. A request the engine refuses or cannot take ends with an error output, so no API process
+waits for an answer that will not come.
 """
 
 from __future__ import annotations
@@ -23,32 +25,38 @@ from afd.server.core_wire import CoreState
 log = logging.getLogger(__name__)
 
 
-def addresses(folder: str) -> tuple[str, str]:
-    """(requests, outputs) endpoints of the link in `folder`, a private directory of the pod."""
-    return f"ipc://{folder}/requests", f"ipc://{folder}/outputs"
+def addresses(folder: str, api: int = 0) -> tuple[str, str]:
+    """(requests of every API process, outputs of API process `api`) endpoints in `folder`, a private
+    directory of the pod."""
+    return f"ipc://{folder}/requests", f"ipc://{folder}/outputs-{api}"
 
 
 class ApiLink:
-    """Binds the link in `folder`; `state()` (any thread) is what each message says about the core."""
+    """Binds the link in `folder` for `servers` API processes; `state()` (any thread) is what each message
+    says about the core."""
 
-    def __init__(self, engine, folder: str, state: Callable[[], CoreState], beat_s: float = 0.5, stall_s: float = 10.0):
+    def __init__(self, engine, folder: str, state: Callable[[], CoreState], servers: int = 1, beat_s: float = 0.5,
+                 stall_s: float = 10.0):
         self.engine, self.state, self.beat_s, self.stall_s = engine, state, beat_s, stall_s
         self._context = zmq.Context()
-        requests, outputs = addresses(folder)
         self._requests = self._context.socket(zmq.PULL)
         self._requests.setsockopt(zmq.RCVHWM, 0)
-        self._requests.bind(requests)
-        self._outputs = self._context.socket(zmq.PUSH)
-        self._outputs.setsockopt(zmq.SNDHWM, 0)  # a stalled API is found by its heartbeats, not by blocking the engine
-        self._outputs.setsockopt(zmq.LINGER, 0)
-        self._outputs.bind(outputs)
-        self._lock = threading.Lock()  # the pending outputs and the output socket
-        self._pending: list[RequestOutput] = []
-        self._sent = 0.0
+        self._requests.bind(addresses(folder)[0])
+        self._outputs = []
+        for api in range(servers):
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.SNDHWM, 0)  # a stalled API is found by its heartbeats, not by blocking the engine
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.bind(addresses(folder, api)[1])
+            self._outputs.append(socket)
+        self._lock = threading.Lock()  # the pending outputs and the output sockets
+        self._pending: list[list[RequestOutput]] = [[] for _ in range(servers)]
+        self._sent = [0.0] * servers
         self._closed = threading.Event()
-        self.listening = False  # the API process's HTTP server has started
-        self.heard: float | None = None  # monotonic time of the API's last heartbeat
-        self._api_loop_problem: str | None = None
+        self._listening = [False] * servers  # each API process's HTTP server has started
+        self._heard: list[float | None] = [None] * servers  # monotonic time of each one's last heartbeat
+        self._loop_problems: list[str | None] = [None] * servers
+        self._on_output = [self._collector(api) for api in range(servers)]
         self._thread = threading.Thread(target=self._serve, name="api-link", daemon=True)
         engine.on_burst = self.flush
 
@@ -60,37 +68,58 @@ class ApiLink:
         self._closed.set()
         self._thread.join(5)
         with self._lock:
-            self._outputs.close()
+            for socket in self._outputs:
+                socket.close()
         self._requests.close()
         self._context.term()
 
+    @property
+    def listening(self) -> bool:
+        """Every API process's HTTP server has started."""
+        return all(self._listening)
+
+    @property
+    def heard(self) -> float | None:
+        """When the API process heard from longest ago last reported; None until every one has."""
+        return None if None in self._heard else min(self._heard)
+
     def problem(self) -> str | None:
-        """Why the API process cannot serve (silent, or its event loop stalled), or None (any thread)."""
-        if self.heard is None:
-            return None  # not started yet: readiness waits for `listening`
-        silent = time.monotonic() - self.heard
-        if silent > self.stall_s:
-            return f"the API process has not reported for {silent:.0f} s (stalled or gone)"
-        return self._api_loop_problem
+        """Why the API cannot serve (an API process silent, or its event loop stalled), or None (any thread)."""
+        for api, heard in enumerate(self._heard):
+            if heard is None:
+                continue  # not started yet: readiness waits for `listening`
+            silent = time.monotonic() - heard
+            if silent > self.stall_s:
+                return f"API process {api} has not reported for {silent:.0f} s (stalled or gone)"
+        return next((problem for problem in self._loop_problems if problem), None)
 
     # -- output thread (and this link's thread) ----------------------------------------------
-    def on_output(self, output: RequestOutput) -> None:
-        with self._lock:
-            self._pending.append(output)
+    def _collector(self, api: int) -> Callable[[RequestOutput], None]:
+        pending = self._pending[api]
+
+        def on_output(output: RequestOutput) -> None:
+            with self._lock:
+                pending.append(output)
+        return on_output
+
+    def on_output(self, output: RequestOutput, api: int = 0) -> None:
+        self._on_output[api](output)
 
     def flush(self) -> None:
-        """Send what is pending, with the core's state, as one message."""
-        state = self.state()
+        """Send each API process what is pending for it, with the core's state, as one message; an API process
+        with nothing pending gets the state alone once `beat_s` passed since its last message."""
+        state, now = self.state(), time.monotonic()
         with self._lock:
-            pending, self._pending = self._pending, []
-            if self._outputs.closed:
-                return
-            try:
-                self._outputs.send(core_wire.encode_outputs(state, pending), zmq.NOBLOCK)
-            except zmq.Again:  # no API process connected (not started yet, or gone: the core exits)
-                if pending:
-                    log.error("no API process to deliver %d outputs to", len(pending))
-            self._sent = time.monotonic()
+            for api, socket in enumerate(self._outputs):
+                pending = self._pending[api]
+                if (not pending and now - self._sent[api] < self.beat_s) or socket.closed:
+                    continue
+                message, pending[:] = core_wire.encode_outputs(state, pending), []
+                try:
+                    socket.send(message, zmq.NOBLOCK)
+                except zmq.Again:  # the API process is not connected (not started yet, or gone: the core exits)
+                    log.error("API process %d is not connected: an output message is lost", api)
+                self._sent[api] = now
 
     # -- link thread ---------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -99,10 +128,10 @@ class ApiLink:
             try:
                 if self._requests.poll(poll_ms):
                     self._take_requests()
-                if self._pending or time.monotonic() - self._sent >= self.beat_s:
+                if any(self._pending) or time.monotonic() - min(self._sent) >= self.beat_s:
                     self.flush()
             except Exception:  # noqa: BLE001 — one bad message must not cut the API off the engine
-                log.exception("the link to the API process failed to handle a message")
+                log.exception("the link to the API processes failed to handle a message")
 
     def _take_requests(self) -> None:
         while True:
@@ -110,17 +139,20 @@ class ApiLink:
                 message = self._requests.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind, *rest = core_wire.decode_request(message)
-            if kind == core_wire.SUBMIT:
-                self._submit(*rest)
+            kind, api, *rest = core_wire.decode_request(message)
+            if not 0 <= api < len(self._outputs):
+                log.error("a message from API process %r, of %d: dropped", api, len(self._outputs))
+            elif kind == core_wire.SUBMIT:
+                self._submit(api, *rest)
             elif kind == core_wire.ABORT:
                 self.engine.abort(rest[0])
             elif kind == core_wire.BEAT:
-                self.listening, self._api_loop_problem = rest
-                self.heard = time.monotonic()
+                self._listening[api], self._loop_problems[api] = rest
+                self._heard[api] = time.monotonic()
 
-    def _submit(self, request_id: str, prompt_ids: list[int], params) -> None:
+    def _submit(self, api: int, request_id: str, prompt_ids: list[int], params) -> None:
+        on_output = self._on_output[api]
         try:
-            self.engine.submit(prompt_ids, params, self.on_output, request_id=request_id, text=False)  # text: API side
+            self.engine.submit(prompt_ids, params, on_output, request_id=request_id, text=False)  # text: API side
         except InvalidRequest as err:  # the API checked it the same way: only a bug gets here
-            self.on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error", error=str(err)))
+            on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error", error=str(err)))

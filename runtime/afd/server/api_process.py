@@ -1,4 +1,4 @@
-"""`AFD_API_PROCESS=1`: the HTTP API in a child process, the engine core in `afd serve` (vLLM V1's split).
+"""`AFD_API_PROCESS=1`: the HTTP API in child processes, the engine core in `afd serve` (vLLM V1's split).
 
 One Python process shares one GIL between the engine thread, the output thread and the HTTP
 event loop; the loop's per-token work (SSE formatting, socket writes) then delays the next
@@ -6,12 +6,14 @@ step's launch. Here the core process keeps the model, the FFN link, the engine, 
 thread (sampled tokens, EOS and length), the serving metrics and the probe server; the child
 runs uvicorn with the same app (`create_app` behind `Failover`), tokenizes prompts,
 detokenizes outputs and finds stop strings, formats events, and talks to the core over
-`api_link` / `engine_client`.
+`api_link` / `engine_client`. With `AFD_API_SERVERS=N` there are N such children, each binding
+the HTTP port with SO_REUSEPORT, so the kernel spreads connections over N event loops (one
+Python process's per-token HTTP work saturates one core near 15,000 tokens/s).
 
-Lifecycle: the core starts the child once its engine runs and is ready when the child says
-it listens. SIGTERM to the core is passed to the child, whose uvicorn finishes in-flight
+Lifecycle: the core starts the children once its engine runs and is ready when every child says
+it listens. SIGTERM to the core is passed to the children, whose uvicorn finishes in-flight
 requests within `shutdown_grace_s`; then the core stops. A child that exits on its own makes
-the core exit non-zero (the kubelet restarts the pod); a core that dies takes the child with
+the core exit non-zero (the kubelet restarts the pod); a core that dies takes the children with
 it (parent-death signal).
 """
 
@@ -24,6 +26,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,55 +44,64 @@ _PR_SET_PDEATHSIG = 1
 
 # -- core process -----------------------------------------------------------------------------
 def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engine, probes_for) -> int:
-    """Run the API child around the started `engine` until `stop` or until the child ends; the exit code.
+    """Run the API children around the started `engine` until `stop` or until one ends; the exit code.
     `probes_for(listening)` builds the rank's probes (`run.attention_probes`)."""
     from afd.server.probe_http import start_probe_server
     from afd.server.run import engine_died, stop_serving
 
     folder = tempfile.mkdtemp(prefix="afd-api-")
     probes = None
-    link = ApiLink(engine, folder, lambda: CoreState(state.health(), probes.readiness() if probes else "starting"))
-    state.loop_watch = link  # the probes judge the API's event loop by the child's heartbeats
+    servers = config.api_children
+    link = ApiLink(engine, folder, lambda: CoreState(state.health(), probes.readiness() if probes else "starting"),
+                   servers)
+    state.loop_watch = link  # the probes judge the API's event loops by the children's heartbeats
     probes = probes_for(lambda: link.listening)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     link.start()
-    child = subprocess.Popen([sys.executable, "-m", "afd.server.api_process", json.dumps(_facts(config, state, engine, folder))],
-                             env={**os.environ, **config_to_env(config)})
-    log.info("%s rank %d: API process %d serving on http://%s:%d/v1", config.role, config.rank, child.pid,
-             config.http_host, config.http_port)
+    env = {**os.environ, **config_to_env(config)}
+    children = [subprocess.Popen([sys.executable, "-m", "afd.server.api_process",
+                                  json.dumps({**_facts(config, state, engine, folder), "api": api})], env=env)
+                for api in range(servers)]
+    log.info("%s rank %d: %d API process(es) %s serving on http://%s:%d/v1", config.role, config.rank, servers,
+             [child.pid for child in children], config.http_host, config.http_port)
     signalled = False
     try:
-        signalled = _supervise(child, stop, engine, config.shutdown_grace_s)
+        signalled = _supervise(children, stop, engine, config.shutdown_grace_s)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
         stop_serving(config, engine, probe)
         link.close()
         shutil.rmtree(folder, ignore_errors=True)
     if engine_died(config, engine):
         return 1
-    if not signalled or child.returncode != 0:
-        log.error("%s rank %d exits because its API process ended with code %s", config.role, config.rank, child.returncode)
+    ended = [child.returncode for child in children]
+    if not signalled or any(ended):
+        log.error("%s rank %d exits because an API process ended (exit codes %s)", config.role, config.rank, ended)
         return 1
     return 0
 
 
-def _supervise(child: subprocess.Popen, stop: threading.Event, engine, grace_s: float) -> bool:
-    """Wait for the child; pass on a stop (or a dead engine) as SIGTERM. Whether the core asked it to stop."""
-    deadline = None
-    while child.poll() is None:
-        if deadline is None and (stop.is_set() or engine.dead):
-            child.send_signal(signal.SIGTERM)  # uvicorn: no new requests, in-flight ones finish within the grace
+def _supervise(children: list[subprocess.Popen], stop: threading.Event, engine, grace_s: float) -> bool:
+    """Wait for the children; pass on a stop (or a dead engine, or one child ending) as SIGTERM to them all.
+    Whether the core asked them to stop."""
+    deadline, asked = None, False
+    while any(child.poll() is None for child in children):
+        if deadline is None and (stop.is_set() or engine.dead or any(child.poll() is not None for child in children)):
+            asked = stop.is_set() or bool(engine.dead)
+            for child in children:  # uvicorn: no new requests, in-flight ones finish within the grace
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s + 10
         if deadline is not None and time.monotonic() > deadline:
-            log.error("the API process did not stop within %.0f s: killing it", grace_s + 10)
-            child.kill()
-        try:
-            child.wait(0.2)
-        except subprocess.TimeoutExpired:
-            pass
-    return deadline is not None
+            log.error("the API processes did not stop within %.0f s: killing them", grace_s + 10)
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+        time.sleep(0.2)
+    return asked
 
 
 def _facts(config: AFDConfig, state, engine, folder: str) -> dict:
@@ -114,7 +126,7 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
 
     tokenizer = load_tokenizer(config.model)
     client = EngineClient(facts["folder"], tokenizer, KVBlocks(facts["num_blocks"], facts["block_size"]),
-                          config.max_num_seqs, config.max_num_batched_tokens, facts["max_model_len"])
+                          config.max_num_seqs, config.max_num_batched_tokens, facts["max_model_len"], api=facts["api"])
     state = ServerState(
         engine=client, tokenizer=tokenizer, model_name=facts["model_name"],
         max_model_len=facts["max_model_len"], vocab_size=facts["vocab_size"], health=lambda: client.problem,
@@ -131,13 +143,27 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
         # listening (ready, for the core's probe) once the core was heard too: no 503 for the first requests
         link = asyncio.create_task(client.run(lambda: server.started and client.heard is not None, state.loop_watch.problem))
         try:
-            await server.serve()  # returns on SIGTERM once in-flight requests finished
+            # returns on SIGTERM once in-flight requests finished
+            await server.serve(sockets=[shared_port(config.http_host, config.http_port)] if config.api_children > 1 else None)
         finally:
             link.cancel()
 
     asyncio.run(main())
     client.close()
     return 0
+
+
+def shared_port(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port) that the rank's other API processes bind too (SO_REUSEPORT)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def _die_with(core_pid: int) -> None:

@@ -1,11 +1,15 @@
 """The step ceiling: how fast this rank's own decode step runs, timed at start before serving.
 
 For each batch size of `ceiling_batches`, steps of that many decoding sequences (each with
-`CEILING_CONTEXT` cached tokens, in real KV-cache blocks) run through the rank's stepper,
+`CEILING_CONTEXT` cached tokens, in real KV-cache blocks filled with noise, and its own random
+input token) run through the rank's stepper,
 graph-replayed where graphs are captured; the median wall time around step + argmax + host
 copy (what a serving loop sees at best) is logged and exported as
 `afd_step_ceiling_seconds{batch}`. batch ÷ that time is the most decode tokens/s the rank can
-serve; the serving benchmark divides what it gets by it.
+serve; the serving benchmark divides what it gets by it. Rows must differ as served rows do: a
+batch of one repeated token on an empty cache routes every row to the same few experts, reads a
+fraction of the expert weights, and on a DeepSeek-V2-Lite-shaped model timed 8.6 ms at 16
+sequences against 12.7 ms for real traffic (bench/RESULTS.md, eighth session).
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ CEILING_STEPS = 20
 
 @torch.inference_mode()
 def step_seconds(step, kv_cache, batch: int, context: int = CEILING_CONTEXT, steps: int = CEILING_STEPS,
-                 link=None) -> float:
+                 link=None, vocab_size: int = 1024) -> float:
     """Median seconds of one decode step of `batch` sequences with `context` cached tokens each (on AFD each
     step is waited for on `link`, which notices a lost FFN, before its tokens are read)."""
     blocks = [kv_cache.allocate(context + 1) for _ in range(batch)]
     try:
+        fill_with_noise(kv_cache, [b for table in blocks for b in table])
         layout = SeqLayout(tuple(map(tuple, blocks)), (context,) * batch, (1,) * batch)
-        input_ids = torch.ones(batch, dtype=torch.long, device=kv_cache.keys[0].device)
+        generator = torch.Generator().manual_seed(batch)
+        input_ids = torch.randint(0, vocab_size, (batch,), generator=generator).to(kv_cache.keys[0].device)
         times = []
         for _ in range(steps + 3):
             started = time.perf_counter()
@@ -47,6 +53,15 @@ def step_seconds(step, kv_cache, batch: int, context: int = CEILING_CONTEXT, ste
             kv_cache.release(table)
 
 
+def fill_with_noise(kv_cache, blocks: list[int]) -> None:
+    """Unit-variance noise in the keys and values of `blocks` (timings on an empty cache flatter)."""
+    size = kv_cache.block_size
+    rows = (torch.tensor(blocks).unsqueeze(1) * size + torch.arange(size)).flatten().to(kv_cache.keys[0].device)
+    own_values = [v for v, lay in zip(kv_cache.values, kv_cache.layouts) if not lay.values_in_keys]
+    for tensor in (*kv_cache.keys, *own_values):
+        tensor.index_copy_(0, rows, torch.randn((len(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device))
+
+
 def export_ceiling(registry: CollectorRegistry, config, role) -> dict[int, float]:
     """Time every batch of `config.ceiling_batches` that fits; log and export them."""
     gauge = Gauge("afd_step_ceiling_seconds", "Graph-replayed decode step time measured at start, per batch size",
@@ -56,7 +71,8 @@ def export_ceiling(registry: CollectorRegistry, config, role) -> dict[int, float
         if batch > config.max_num_seqs or kv_cache.blocks_for(CEILING_CONTEXT + 1) * batch > kv_cache.free_blocks:
             log.warning("step ceiling at batch %d skipped: above max_num_seqs or the KV cache", batch)
             continue
-        results[batch] = seconds = step_seconds(role.runner, kv_cache, batch, link=role.link)
+        results[batch] = seconds = step_seconds(role.runner, kv_cache, batch, link=role.link,
+                                                vocab_size=role.loaded.spec.vocab_size)
         gauge.labels(role=config.role, rank=str(config.rank), batch=str(batch)).set(seconds)
         log.info("step ceiling at batch %d: %.2f ms per step, %.0f tokens/s", batch, 1e3 * seconds, batch / seconds)
     return results

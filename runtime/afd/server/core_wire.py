@@ -1,9 +1,10 @@
 """The messages between the API process and the engine core (`AFD_API_PROCESS`), as plain tuples.
 
 Both ends are processes of one pod, on ipc:// sockets in a private folder, so the encoding
-is pickle of tuples of builtins: the cheapest to write and read in Python. The API sends
-one message per submit, abort or heartbeat; the core sends one message per output burst
-(every request's output of one step), each carrying its state, and a heartbeat when idle.
+is pickle of tuples of builtins: the cheapest to write and read in Python. An API process sends
+one message per submit, abort or heartbeat, each naming the process (its index among the rank's
+`api_servers`); the core sends each API process one message per output burst (the outputs of
+its own requests in one step), each carrying the core's state, and a heartbeat when idle.
 """
 
 from __future__ import annotations
@@ -26,25 +27,25 @@ class CoreState:
     unready: str | None
 
 
-def encode_submit(request_id: str, prompt_ids: list[int], params: SamplingParams) -> bytes:
-    return pickle.dumps((SUBMIT, request_id, prompt_ids, astuple(params)), protocol=pickle.HIGHEST_PROTOCOL)
+def encode_submit(api: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bytes:
+    return pickle.dumps((SUBMIT, api, request_id, prompt_ids, astuple(params)), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def encode_abort(request_id: str) -> bytes:
-    return pickle.dumps((ABORT, request_id), protocol=pickle.HIGHEST_PROTOCOL)
+def encode_abort(api: int, request_id: str) -> bytes:
+    return pickle.dumps((ABORT, api, request_id), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def encode_beat(listening: bool, loop_problem: str | None) -> bytes:
-    """The API process is alive: whether its HTTP server listens, and whether its event loop turns."""
-    return pickle.dumps((BEAT, listening, loop_problem), protocol=pickle.HIGHEST_PROTOCOL)
+def encode_beat(api: int, listening: bool, loop_problem: str | None) -> bytes:
+    """API process `api` is alive: whether its HTTP server listens, and whether its event loop turns."""
+    return pickle.dumps((BEAT, api, listening, loop_problem), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode_request(message: bytes) -> tuple:
-    """(SUBMIT, id, prompt ids, SamplingParams) | (ABORT, id) | (BEAT, listening, loop problem)."""
+    """(SUBMIT, api, id, prompt ids, SamplingParams) | (ABORT, api, id) | (BEAT, api, listening, loop problem)."""
     decoded = pickle.loads(message)
     if decoded[0] == SUBMIT:
-        kind, request_id, prompt_ids, params = decoded
-        return kind, request_id, prompt_ids, SamplingParams(*params)
+        kind, api, request_id, prompt_ids, params = decoded
+        return kind, api, request_id, prompt_ids, SamplingParams(*params)
     return decoded
 
 

@@ -1,4 +1,4 @@
-"""What the API uses of the engine, in the API process (`AFD_API_PROCESS`): the core answers over zmq.
+"""What the API uses of the engine, in an API process (`AFD_API_PROCESS`): the core answers over zmq.
 
 `submit`, `abort` and `problem` behave as `Engine`'s do for `afd.server.app`: a request the
 engine could never run is refused here with the same `InvalidRequest` (the same scheduler
@@ -33,10 +33,10 @@ class EngineClient:
     """The engine core seen from the API process; `run()` (on the event loop) receives and heartbeats."""
 
     def __init__(self, folder: str, tokenizer, kv: KVBlocks, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, silence_s: float = 5.0, beat_s: float = 0.5):
-        self.tokenizer, self.silence_s, self.beat_s = tokenizer, silence_s, beat_s
+                 max_model_len: int, silence_s: float = 5.0, beat_s: float = 0.5, api: int = 0):
+        self.tokenizer, self.silence_s, self.beat_s, self.api = tokenizer, silence_s, beat_s, api
         self._admission = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
-        requests, outputs = addresses(folder)
+        requests, outputs = addresses(folder, api)
         self._context, self._async_context = zmq.Context(), zmq.asyncio.Context()
         self._requests = self._context.socket(zmq.PUSH)
         self._requests.setsockopt(zmq.SNDHWM, 0)
@@ -56,14 +56,14 @@ class EngineClient:
         request = self._admission.check(Request(list(prompt_ids), params, on_output))
         self._waiting[request.request_id] = on_output
         self._texts[request.request_id] = RequestText(self.tokenizer, params.stop)
-        if not self._send(core_wire.encode_submit(request.request_id, request.prompt_ids, params)):
+        if not self._send(core_wire.encode_submit(self.api, request.request_id, request.prompt_ids, params)):
             self._fail(request.request_id, "the engine core is not connected")
         return request
 
     def abort(self, request_id: str) -> None:
         self._texts.pop(request_id, None)
         if self._waiting.pop(request_id, None) is not None:
-            self._send(core_wire.encode_abort(request_id))
+            self._send(core_wire.encode_abort(self.api, request_id))
 
     @property
     def problem(self) -> str | None:
@@ -110,20 +110,20 @@ class EngineClient:
             if on_output is None:  # aborted or stopped here: the core drops it at its next step
                 continue
             if output.error is None and texts[request_id].fill(output):  # a stop string
-                self._send(core_wire.encode_abort(request_id))
+                self._send(core_wire.encode_abort(self.api, request_id))
             if output.finished:
                 del waiting[request_id], texts[request_id]
             on_output(output)
 
     async def _beat(self, listening: Callable[[], bool], loop_problem: Callable[[], str | None]) -> None:
         while True:
-            self._send(core_wire.encode_beat(listening(), loop_problem()))
+            self._send(core_wire.encode_beat(self.api, listening(), loop_problem()))
             if self._waiting and self.heard is not None and time.monotonic() - self.heard > self.silence_s:
                 log.error("the engine core has been silent for %.0f s: failing %d requests", time.monotonic() - self.heard,
                           len(self._waiting))
                 for request_id in list(self._waiting):
                     self._fail(request_id, self.problem)
-                    self._send(core_wire.encode_abort(request_id))  # should the core come back
+                    self._send(core_wire.encode_abort(self.api, request_id))  # should the core come back
             await asyncio.sleep(self.beat_s)
 
     def _send(self, message: bytes) -> bool:

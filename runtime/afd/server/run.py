@@ -153,7 +153,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         export_ceiling(state.registry, config, role)
     engine.start()
     ffn_draining = lambda: getattr(role.link, "ffn_draining", None)  # noqa: E731
-    if config.api_process:  # the HTTP API in a child process (afd.server.api_process)
+    if config.api_children:  # the HTTP API in child processes (afd.server.api_process)
         from afd.server.api_process import serve_with_api_process
 
         try:
