@@ -25,7 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
 
 import afd.engine.engine as engine_module  # noqa: E402
 from afd.config import AFDConfig  # noqa: E402
