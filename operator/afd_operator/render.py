@@ -86,6 +86,8 @@ def render_config_map(spec: AFDDeploymentSpec, owner: Owner, index: int, revisio
                  "gpu_memory_utilization"):
         if getattr(afd, name) != getattr(defaults, name):  # only when set: existing groups' config (and revision) stay
             runtime[name] = getattr(afd, name)
+    if afd.api_servers:  # the API in that many processes beside the engine core (afd.server.api_process)
+        runtime.update(api_process=True, api_servers=afd.api_servers)
     topology = spec.topology
     rank_map = {
         "topology": str(topology),

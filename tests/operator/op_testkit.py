@@ -110,6 +110,7 @@ CEL_REFUSED = [
 SCHEMA_REFUSED = [
     ({"afd": {"stages": 3}}, "stages"), ({"afd": {"connector": "tcp"}}, "connector"),
     ({"afd": {"prefillItlRatio": -1}}, "prefillItlRatio"),
+    ({"afd": {"apiServers": 17}}, "apiServers"),
     ({"ffn": {"ranks": 0}}, "ranks"), ({"ports": {"http": 70000}}, "http"), ({"ffn": {"expertParallel": 65}}, "expertParallel"),
     ({"model": {"uri": "s3://x/y"}}, "uri"), ({"replicas": -1}, "replicas"),
     ({"podSecurity": {"fsGroup": -1}}, "fsGroup"), ({"networkPolicy": {"enabled": "yes"}}, "enabled"),

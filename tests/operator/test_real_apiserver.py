@@ -137,6 +137,12 @@ def test_every_sample_is_accepted_and_defaulted_like_the_offline_defaulting(clus
     assert stored["spec"]["restartPolicy"]["maxBackoffSeconds"] == 600
 
 
+def test_api_servers_are_stored_as_given_and_default_to_the_engines_process(cluster, namespace):
+    stored = cluster.create(_cr(namespace, "api-servers", afd={"apiServers": 4}))
+    assert stored["spec"]["afd"]["apiServers"] == 4
+    assert cluster.create(_cr(namespace, "api-default"))["spec"]["afd"]["apiServers"] == 0
+
+
 @pytest.mark.parametrize("afd", [{}, {"attentionEngine": "vllm", "attentionImage": "registry.example/afd-vllm:0.1.0"}],
                          ids=["afd-engine", "vllm-engine"])
 def test_the_rendered_probes_and_prestop_drain_are_kept_by_the_api_server(cluster, namespace, afd):

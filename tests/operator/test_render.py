@@ -331,3 +331,15 @@ def test_the_prefill_itl_ratio_reaches_the_runtime_only_when_set():
     runtime = runtime_of({"prefillItlRatio": 0})
     assert runtime["prefill_itl_ratio"] == 0
     assert afd_config.AFDConfig(**runtime).prefill_itl_ratio == 0
+
+
+def test_api_servers_reach_the_runtime_as_api_processes_only_when_set():
+    def runtime_of(afd):
+        config_map = next(o for o in _render(make_cr(afd=afd)) if o["kind"] == "ConfigMap")
+        return yaml.safe_load(config_map["data"]["afd.yaml"])
+
+    assert "api_process" not in runtime_of({}) and "api_servers" not in runtime_of({})  # revision unchanged
+    runtime = runtime_of({"apiServers": 3})
+    assert (runtime["api_process"], runtime["api_servers"]) == (True, 3)
+    config = afd_config.AFDConfig(**runtime)
+    assert config.api_children == 3

@@ -54,6 +54,7 @@ def test_precedence_file_env_cli(tmp_path):
         ({"AFD_CONTROL_PORT": "70000"}, "control_port=70000"),
         ({"AFD_GATE_ON_ATTENTION": "maybe"}, "AFD_GATE_ON_ATTENTION='maybe'"),
         ({"AFD_PREFILL_ITL_RATIO": "-1"}, "prefill_itl_ratio=-1.0: must not be negative"),
+        ({"AFD_API_SERVERS": "0"}, "api_servers=0: must be in 1..16"),
     ],
 )
 def test_errors_name_the_bad_value(env, needle):
@@ -77,3 +78,10 @@ def test_prefill_pacing_is_on_at_twice_a_decode_step_and_can_be_turned_off():
     assert AFDConfig().prefill_itl_ratio == 2.0
     assert load_config(env={"AFD_PREFILL_ITL_RATIO": "0"}).prefill_itl_ratio == 0
     assert load_config(env={"AFD_PREFILL_ITL_RATIO": "1.5"}).prefill_itl_ratio == 1.5
+
+
+def test_the_api_runs_in_the_engines_process_unless_asked_for_api_processes():
+    assert AFDConfig().api_children == 0
+    assert load_config(env={"AFD_API_PROCESS": "1"}).api_children == 1
+    assert load_config(env={"AFD_API_SERVERS": "4"}).api_children == 4  # more than one implies api_process
+    assert load_config(env={"AFD_API_PROCESS": "true", "AFD_API_SERVERS": "2"}).api_children == 2
