@@ -167,3 +167,24 @@ def test_steps_under_dbo_min_tokens_replay_one_micro_batch_graphs(checkpoints):
     """stages=2 with AFD_DBO_MIN_TOKENS above every batch: graphs whose second stage is empty, same tokens."""
     reference, _ = monolithic(checkpoints["deepseek_v2"], torch.bfloat16, graphs=True)
     assert afd_nccl(checkpoints["deepseek_v2"], "1A1F", 2, True, dbo_min_tokens=1000) == reference.tokens
+
+
+def test_an_eager_mixed_step_never_waits_for_the_device_in_attention():
+    """A step of decodes and a prompt chunk (no graph): building its metadata and attending never synchronize
+    (a synchronization per layer serializes host launches with device work)."""
+    from afd.models.attention import AttentionBatch, cached_attention
+
+    block, heads, latent = 16, 16, 576
+    cache_k = torch.randn(64 * block, 1, latent, device="cuda", dtype=torch.bfloat16)
+    tables = [list(range(8 * s, 8 * s + 8)) for s in range(5)]
+    context, new = [100, 30, 0, 77, 12], [1, 1, 90, 1, 40]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = AttentionBatch.build(tables, context, new, block, "cuda")
+        q = torch.randn(sum(new), heads, latent, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(sum(new), 1, latent, device="cuda", dtype=torch.bfloat16)
+        out = cached_attention(q, k, None, cache_k, cache_k[:, :, :512], batch, latent**-0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (sum(new), heads, 512) and bool(torch.isfinite(out.float()).all())

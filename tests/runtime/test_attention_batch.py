@@ -43,3 +43,24 @@ def test_mixed_step_equals_each_sequence_alone(heads, kv_heads):
         values = torch.cat((history_v[s], v[piece]))
         torch.testing.assert_close(got[piece], _naive(q[piece], keys, values, context, 0.5), rtol=1e-5, atol=1e-5)
         start += new
+
+
+def test_a_mixed_step_copies_nothing_from_the_host_inside_the_layer(monkeypatch):
+    """Per-step metadata is built once; a host-to-device copy per layer (torch.tensor of a list) waits for the GPU
+    at every layer of an eager step."""
+    torch.manual_seed(0)
+    block = 4
+    batch = AttentionBatch.build([[0, 1], [2, 3], [4]], [5, 0, 2], [1, 5, 1], block)
+    assert batch.single_seqs.tolist() == [0, 2] and batch.single_lens.tolist() == [6, 3] and batch.single_longest == 6
+    cache = torch.randn(6 * block, 1, 8)
+    q, k = torch.randn(7, 2, 8), torch.randn(7, 1, 8)
+    reference_k = cache.clone()
+    expected = cached_attention(q, k, None, reference_k, reference_k[:, :, :4], batch, 0.5)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch.tensor inside the layer: a host copy per layer")
+
+    monkeypatch.setattr(torch, "tensor", refused)
+    cache_k = cache.clone()
+    got = cached_attention(q, k, None, cache_k, cache_k[:, :, :4], batch, 0.5)
+    assert torch.equal(got, expected)

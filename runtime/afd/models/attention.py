@@ -37,6 +37,10 @@ class AttentionBatch:
     block_table: torch.Tensor | None = None  # [B, W] int32 cache blocks of each sequence
     seq_lens: torch.Tensor | None = None  # [B] int32 keys per sequence, new token included
     block_size: int = 0
+    # the sequences that add one token, for the gathered path (built once per step, not per layer)
+    single_seqs: torch.Tensor | None = None  # [S] their indices in the batch
+    single_lens: torch.Tensor | None = None  # [S] keys of each, new token included
+    single_longest: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -79,24 +83,29 @@ class AttentionBatch:
         tables = torch.tensor([list(t[:width]) + [0] * (width - len(t[:width])) for t in block_tables], dtype=torch.long)
         key_index = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, max_len]
         key_index = key_index.masked_fill(key_pos[None, :] >= total[:, None], 0)
+        device = torch.device(device)
         paged = {}
-        if max_new == 1 and torch.device(device).type == "cuda" and _paged_kernel_available():
+        if max_new == 1 and device.type == "cuda" and _paged_kernel_available():
             paged = dict(
-                block_table=tables.to(device=device, dtype=torch.int32),
-                seq_lens=total.to(device=device, dtype=torch.int32),
+                block_table=_to_device(tables.to(torch.int32), device),
+                seq_lens=_to_device(total.to(torch.int32), device),
                 block_size=block_size,
             )
+        single = torch.nonzero(new == 1).flatten()
         return cls(
-            positions=positions.to(device),
-            write_index=key_index[token_seq, positions].to(device),
-            token_seq=token_seq.to(device),
-            token_col=token_col.to(device),
-            key_index=key_index.to(device),
+            positions=_to_device(positions, device),
+            write_index=_to_device(key_index[token_seq, positions], device),
+            token_seq=_to_device(token_seq, device),
+            token_col=_to_device(token_col, device),
+            key_index=_to_device(key_index, device),
             seq_lens_host=tuple(total.tolist()),
             new_lens_host=tuple(int(n) for n in new_lens),
-            last_token=(starts + new - 1).to(device),
+            last_token=_to_device(starts + new - 1, device),
             max_len=max_len,
             max_new=max_new,
+            single_seqs=_to_device(single, device),
+            single_lens=_to_device(total[single], device),
+            single_longest=int(total[single].max()) if len(single) else 0,
             **paged,
         )
 
@@ -135,23 +144,22 @@ def cached_attention(
 
 
 def _gathered_attention(q, cache_k, cache_v, batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """Keys gathered from the cache: one SDPA for the one-token sequences, one per longer sequence."""
+    """Keys gathered from the cache: one SDPA for the one-token sequences, one per longer sequence.
+    Nothing here copies from the host (that would wait for the device at every layer)."""
     out = q.new_empty(q.shape[0], q.shape[1], cache_v.shape[-1])
     gqa = q.shape[1] != cache_k.shape[1]
-    single = [s for s, n in enumerate(batch.new_lens_host) if n == 1]
-    if single:
-        longest = max(batch.seq_lens_host[s] for s in single)
-        seqs = torch.tensor(single, device=q.device)
+    if batch.single_longest:
+        longest, seqs, lens = batch.single_longest, batch.single_seqs, batch.single_lens
+        count = seqs.shape[0]
         rows = batch.key_index[seqs, :longest]  # [S, L]
-        lens = torch.tensor([batch.seq_lens_host[s] for s in single], device=q.device)
-        mask = (torch.arange(longest, device=q.device)[None, :] < lens[:, None]).view(len(single), 1, 1, longest)
+        mask = (torch.arange(longest, device=q.device)[None, :] < lens[:, None]).view(count, 1, 1, longest)
         tokens = batch.last_token[seqs]
         kv_heads = cache_k.shape[1]  # the query heads of one key head are its query rows: keys never repeated per head
-        grouped = q[tokens].view(len(single), kv_heads, q.shape[1] // kv_heads, q.shape[2])  # [S, Hkv, Hq/Hkv, Dk]
+        grouped = q[tokens].view(count, kv_heads, q.shape[1] // kv_heads, q.shape[2])  # [S, Hkv, Hq/Hkv, Dk]
         out[tokens] = F.scaled_dot_product_attention(
             grouped, cache_k[rows].transpose(1, 2).to(q.dtype), cache_v[rows].transpose(1, 2).to(q.dtype),
             attn_mask=mask, scale=scale,
-        ).reshape(len(single), q.shape[1], -1)
+        ).reshape(count, q.shape[1], -1)
     start = 0
     for s, (new, total) in enumerate(zip(batch.new_lens_host, batch.seq_lens_host)):
         if new > 1:
@@ -166,6 +174,13 @@ def _gathered_attention(q, cache_k, cache_v, batch: AttentionBatch, scale: float
             )[0].transpose(0, 1)
         start += new
     return out
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (host) on `device`; to a GPU through pinned memory, so the host does not wait for the stream."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _paged_decode_reference(q, cache_k, cache_v, batch: AttentionBatch, scale: float) -> torch.Tensor:
