@@ -254,3 +254,20 @@ def test_two_api_processes_share_the_port_and_each_answers_its_own_requests(chec
     finally:
         assert served.stop() == 0
     assert not any(Path(f"/proc/{c}").exists() for c in children)
+
+
+def test_sigterm_while_the_api_process_starts_is_a_clean_stop(checkpoints):
+    """SIGTERM reaching the child before it set its handlers ends it by the signal: the core still exits 0."""
+    port, metrics = _free_port(), _free_port()
+    env = {**os.environ, "AFD_API_PROCESS": "1", "AFD_HTTP_HOST": "127.0.0.1", "AFD_HTTP_PORT": str(port),
+           "AFD_METRICS_PORT": str(metrics), "AFD_DEVICE": "cpu", "AFD_KV_CACHE_BYTES": str(64 << 20)}
+    core = subprocess.Popen([sys.executable, "-m", "afd", "serve", "--role", "monolithic", "--model",
+                             str(checkpoints["qwen3_moe"])], env=env, stderr=subprocess.DEVNULL)
+    try:
+        tasks = Path(f"/proc/{core.pid}/task")
+        wait_for(lambda: any((t / "children").read_text().split() for t in tasks.iterdir()), 120, "the API child")
+        core.send_signal(signal.SIGTERM)  # the child is still importing: the core's SIGTERM kills it outright
+        assert core.wait(timeout=60) == 0
+    finally:
+        if core.poll() is None:
+            core.kill()

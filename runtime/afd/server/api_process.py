@@ -78,7 +78,8 @@ def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engi
     if engine_died(config, engine):
         return 1
     ended = [child.returncode for child in children]
-    if not signalled or any(ended):
+    # a child stopped by our SIGTERM before it set its handlers (still starting) ends by the signal: clean too
+    if not signalled or any(code not in (0, -signal.SIGTERM) for code in ended):
         log.error("%s rank %d exits because an API process ended (exit codes %s)", config.role, config.rank, ended)
         return 1
     return 0
