@@ -8,6 +8,9 @@ a1's next layer, and a0, needing both shards' sums, stalls too. So shard 0 decid
 and sends each step's composition to the other shards as a `wire.StepOrder`; they run exactly
 those plans in that order (`FollowerOrder`). The plans themselves still come to every shard from
 the attention ranks; only the composition travels between shards, over the control plane.
+Shard 0 starts no step until every other shard has said it follows: a step that one shard
+does not run cannot end (the attention rank needs every shard's partial sum), and pods start in
+any order, so shard 1 may say hello after the first plan reached shard 0.
 """
 
 from __future__ import annotations
@@ -46,9 +49,16 @@ class LocalOrder:
 
 
 class LeaderOrder(LocalOrder):
-    """Shard 0: decides like `LocalOrder` and tells the other shards."""
+    """Shard 0: decides like `LocalOrder` and tells the other shards, once all `followers` of them follow."""
+
+    def __init__(self, batch_window_s: float = 0.0, followers: int = 1):
+        super().__init__(batch_window_s)
+        self.expected_followers = followers
 
     def take(self, link: FFNLink) -> dict:
+        if len(set(link.followers.values())) < self.expected_followers:
+            link.poll(POLL_INTERVAL_S)  # hellos, handshakes; the plans wait in their queues
+            return {}
         plans = super().take(link)
         if plans and link.followers:
             order = wire.StepOrder(tuple(link.peers[p] for p in plans), tuple(plan.step_id for plan in plans.values()))
@@ -131,5 +141,5 @@ def step_order(config: AFDConfig):
     if config.ffn_expert_parallel == 1:
         return LocalOrder(config.ffn_batch_window_s)
     if config.ffn_shard == 0:
-        return LeaderOrder(config.ffn_batch_window_s)
+        return LeaderOrder(config.ffn_batch_window_s, config.ffn_expert_parallel - 1)
     return FollowerOrder(config)
