@@ -52,6 +52,7 @@ def rank_envs(mode: str, args, model: str) -> dict[str, dict[str, str]]:
     common = {"AFD_MODEL": model, "AFD_DEVICE": args.device, "AFD_CUDA_GRAPHS": str(gpu).lower(),
               "AFD_MAX_NUM_SEQS": str(max(args.levels)), "AFD_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
               "AFD_CEILING_BATCHES": ",".join(map(str, args.levels)),
+              "AFD_CEILING_CONTEXT": str(sum(args.prompt_tokens) // 2 + args.output_tokens // 2),
               "AFD_HTTP_HOST": "127.0.0.1", "AFD_HTTP_PORT": str(ports), "AFD_METRICS_PORT": str(ports + 1),
               "AFD_MAX_MODEL_LEN": str(max(args.prompt_tokens) + args.output_tokens + 16)}
     if args.prefill_itl_ratio is not None:
@@ -182,7 +183,24 @@ def serving(mode: str, args, model: str, on_failure=None):
         processes.stop(*[n for n in names if n.startswith("ffn")])
 
 
+def largest_batch(mode: str, args, model: str) -> int:
+    """The most sequences of `args.context` + output tokens that `mode`'s KV cache holds (at most
+    `args.largest_cap`): a probe start reads `afd_kv_cache_capacity_tokens` and the block size."""
+    probe = argparse.Namespace(**{**vars(args), "levels": [1]})
+    with serving(mode, probe, model) as (_, _, api):
+        text = httpx.get(f"{api}/metrics", timeout=10).text
+    capacity = float(re.search(r"^afd_kv_cache_capacity_tokens(?:\{[^}]*\})? (\S+)$", text, re.M).group(1))
+    block = 16  # afd.kv_cache.DEFAULT_BLOCK_SIZE
+    per_sequence = -(-(args.context + args.output_tokens) // block) * block
+    fits = int(capacity) // per_sequence
+    print(f"{mode}: KV cache of {int(capacity):,} tokens holds {fits:,} sequences of {args.context} + "
+          f"{args.output_tokens} tokens; running {min(fits, args.largest_cap):,}", flush=True)
+    return min(fits, args.largest_cap)
+
+
 def run_mode(mode: str, args, model: str) -> dict:
+    if args.largest_batch:
+        args = argparse.Namespace(**{**vars(args), "levels": [largest_batch(mode, args, model)]})
     envs = rank_envs(mode, args, model)
     api = f"http://127.0.0.1:{envs['api']['AFD_HTTP_PORT']}"
     threads = threads_per_rank(len(envs)) if args.device == "cpu" else {}
@@ -263,7 +281,16 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--client-processes", type=int, default=0,
                         help="processes the benchmark's client streams are spread over (0: one per 64 streams)")
+    parser.add_argument("--context", type=int, help="every prompt this many tokens (instead of --prompt-tokens)")
+    parser.add_argument("--largest-batch", action="store_true",
+                        help="per mode, one level: as many streams as its KV cache holds at --context (a probe start "
+                             "reads the capacity), at most --largest-cap")
+    parser.add_argument("--largest-cap", type=int, default=4096)
     args = parser.parse_args()
+    if args.context:
+        args.prompt_tokens = (args.context, args.context)
+    elif args.largest_batch:
+        parser.error("--largest-batch needs --context")
     model = args.model
     if not model:
         started = time.monotonic()

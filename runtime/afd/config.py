@@ -81,6 +81,7 @@ class AFDConfig:
     # serving loop and KV sizing (afd.engine, afd.server.run)
     gpu_memory_utilization: float = 0.9  # KV cache: this fraction of the GPU, less what is in use, unless kv_cache_bytes
     ceiling_batches: str = ""  # comma-separated batch sizes whose graph-replayed step time is measured at start
+    ceiling_context: int = 704  # cached tokens of every sequence in those timed steps
     api_process: bool = False  # attention/monolithic: the HTTP API in its own process (afd.server.api_process)
     api_servers: int = 1  # API processes sharing the HTTP port (SO_REUSEPORT); more than 1 implies api_process
 
@@ -108,7 +109,7 @@ class AFDConfig:
             if not 1 <= port <= 65535:
                 raise ConfigError(f"{name}={port}: must be a TCP port in 1..65535")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_message_bytes", "connect_timeout_s", "peer_timeout_s",
-                     "heartbeat_interval_s", "shutdown_grace_s", "max_request_bytes", "max_prompts"):
+                     "heartbeat_interval_s", "shutdown_grace_s", "max_request_bytes", "max_prompts", "ceiling_context"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
         if self.num_ffn_ranks * self.ffn_expert_parallel > 1 and "{rank}" not in self.ffn_address_template and not self.port_stride:
@@ -221,6 +222,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_VLLM_ARGS": "vllm_args",
     "AFD_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
     "AFD_CEILING_BATCHES": "ceiling_batches",
+    "AFD_CEILING_CONTEXT": "ceiling_context",
     "AFD_API_PROCESS": "api_process",
     "AFD_API_SERVERS": "api_servers",
 }

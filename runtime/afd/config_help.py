@@ -56,6 +56,7 @@ SETTING_HELP: dict[str, str] = {
     "max_prompts": "Most prompts in one `/v1/completions` request; more get 400.",
     "max_prompt_chars": "Most characters of one prompt (or of all chat messages) before tokenization (0: 32 per context token).",
     "gpu_memory_utilization": "With `kv_cache_bytes` 0 on a GPU: the KV cache takes this fraction of the GPU's memory, less what is in use after loading the weights, the peak of the largest step (`max_num_batched_tokens`, profiled at start) and 1 GiB for the decode graphs (vLLM's `--gpu-memory-utilization`).",
+    "ceiling_context": "Cached tokens of every sequence in the start-up ceiling's timed steps (`ceiling_batches`); the serving benchmark sets its load's mean context.",
     "ceiling_batches": "Comma-separated batch sizes whose graph-replayed decode step is timed at start (log and `afd_step_ceiling_seconds`; the serving benchmark's ceiling). Empty: off.",
     "api_process": ("`true`: the OpenAI API (uvicorn, tokenization, SSE) runs in a child process and talks to the engine "
                     "core over local zmq sockets, so the HTTP work does not hold the engine's GIL; probes and `/metrics` "

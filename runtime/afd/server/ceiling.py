@@ -1,7 +1,7 @@
 """The step ceiling: how fast this rank's own decode step runs, timed at start before serving.
 
 For each batch size of `ceiling_batches`, steps of that many decoding sequences (each with
-`CEILING_CONTEXT` cached tokens, in real KV-cache blocks filled with noise, and its own random
+`ceiling_context` cached tokens, in real KV-cache blocks filled with noise, and its own random
 input token) run through the rank's stepper,
 graph-replayed where graphs are captured; the median wall time around step + argmax + host
 copy (what a serving loop sees at best) is logged and exported as
@@ -68,11 +68,13 @@ def export_ceiling(registry: CollectorRegistry, config, role) -> dict[int, float
                   ["role", "rank", "batch"], registry=registry)
     kv_cache, results = role.kv_cache, {}
     for batch in sorted({int(b) for b in config.ceiling_batches.split(",") if b.strip()}):
-        if batch > config.max_num_seqs or kv_cache.blocks_for(CEILING_CONTEXT + 1) * batch > kv_cache.free_blocks:
+        context = config.ceiling_context
+        if batch > config.max_num_seqs or kv_cache.blocks_for(context + 1) * batch > kv_cache.free_blocks:
             log.warning("step ceiling at batch %d skipped: above max_num_seqs or the KV cache", batch)
             continue
-        results[batch] = seconds = step_seconds(role.runner, kv_cache, batch, link=role.link,
+        results[batch] = seconds = step_seconds(role.runner, kv_cache, batch, context, link=role.link,
                                                 vocab_size=role.loaded.spec.vocab_size)
         gauge.labels(role=config.role, rank=str(config.rank), batch=str(batch)).set(seconds)
-        log.info("step ceiling at batch %d: %.2f ms per step, %.0f tokens/s", batch, 1e3 * seconds, batch / seconds)
+        log.info("step ceiling at batch %d, context %d: %.2f ms per step, %.0f tokens/s", batch, context, 1e3 * seconds,
+                 batch / seconds)
     return results
