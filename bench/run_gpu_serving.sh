@@ -1,8 +1,11 @@
 #!/bin/bash
-# Issue 15 on the device machine (2 x H200), one phase per device call (each well inside its 10 minutes):
-#   PHASE=api      serve_gpu AFD 1A1F at 16/64/256 streams, the API in the engine's process, then in its own
+# Issues 15 and 16 on the device machine, one phase per device call (each well inside its 10 minutes).
+# MODES=afd (default; 2 GPUs, NCCL) or MODES=monolithic (one GPU); LEVELS (default 16,64,256):
+#   PHASE=api      serve_gpu at LEVELS: the API in the engine's process, in one API process, in four
 #   PHASE=arrive   64 streams, new prompts keep arriving (4 requests a stream): prefill pacing off, then ratio 2
 #   PHASE=profile  py-spy samples of the API rank at 64 and 256 streams, default switch interval and 0.5 ms
+#   PHASE=pace     bench/engine_pace.py: the engine loop alone (no HTTP) against its ceiling, monolithic
+#   PHASE=largest  serve_gpu --context 2048 --largest-batch: each mode at the most streams its KV cache holds
 # Needs in .whl/ (carried): the wheels the README's "GPU path" section lists, and py-spy for PHASE=profile.
 # Tables go to stdout, JSON and logs under $OUT.
 set -u
@@ -22,7 +25,12 @@ serve() {  # tag, then serve_gpu's arguments
 case "${PHASE:-api}" in
 api)
     AFD_API_PROCESS=0 serve api0 --modes $MODES --levels $LEVELS --output-tokens 256
-    AFD_API_PROCESS=1 serve api1 --modes $MODES --levels $LEVELS --output-tokens 256 ;;
+    AFD_API_PROCESS=1 serve api1 --modes $MODES --levels $LEVELS --output-tokens 256
+    AFD_API_SERVERS=4 serve api4 --modes $MODES --levels $LEVELS --output-tokens 256 ;;
+pace)
+    python3 bench/engine_pace.py --checkpoint-dir /tmp/ck --layers ${LAYERS:-27} --levels 1,16,64,256 2>&1 | tee "$OUT/pace.log" ;;
+largest)
+    AFD_API_PROCESS=1 serve largest --modes $MODES --context 2048 --output-tokens 128 --largest-batch ;;
 arrive)
     serve ratio0 --modes $MODES --levels 64 --requests-per-stream 4 --output-tokens 256 --prefill-itl-ratio 0
     serve ratio2 --modes $MODES --levels 64 --requests-per-stream 4 --output-tokens 256 --prefill-itl-ratio 2 ;;
@@ -33,5 +41,5 @@ profile)
         OUT=/tmp/stacks AFD_SWITCH_INTERVAL_S=0.0005 python3 bench/serve_profile.py $CK --modes $MODES --streams "$streams" --seconds 6 \
             2>&1 | tee "$OUT/profile-$streams-si.log"
     done ;;
-*) echo "PHASE must be api, arrive or profile" >&2; exit 2 ;;
+*) echo "PHASE must be api, arrive, profile, pace or largest" >&2; exit 2 ;;
 esac
