@@ -8,7 +8,8 @@ serving `Engine` over a monolithic rank (`AFD_ROLE=monolithic`'s stepper, decode
 rank's step ceiling is timed as `afd serve` times it (`afd.server.ceiling.step_seconds`). Printed per level:
 the steady decode interval (median time between a request's tokens once every prompt is in), the ceiling,
 their ratio (pace), how many decode steps replayed a graph, and the host time per loop iteration by phase
-(schedule, build inputs, step launch, sampling launch, waiting for the device, handing outputs over).
+(schedule, build inputs, step launch, sampling launch, waiting for the device, handing outputs over), and the
+step-time curve the prefill pacer learned (medians by token count: decode-only steps at B tokens, mixed ones above).
 """
 
 from __future__ import annotations
@@ -110,11 +111,12 @@ def run_level(role, batch: int, args, rng: random.Random) -> dict:
     decode_steps = [t for t, tokens in steps if t > all_in and tokens == batch]
     replays = (role.runner.graphs.replays - replays_before) if role.runner.graphs is not None else 0
     iterations = len(steps) or 1
-    ceiling = step_seconds(role.runner, role.kv_cache, batch)
+    curve = engine.pacer.cost.curve() if engine.pacer is not None else []  # what the prefill pacer learned
+    ceiling = step_seconds(role.runner, role.kv_cache, batch, vocab_size=args.vocab)
     interval = statistics.median(gaps)
     return {"batch": batch, "wall_s": wall, "steps": len(steps), "decode_steps": len(decode_steps),
             "graph_replays": replays, "decode_interval_ms": 1e3 * interval, "ceiling_ms": 1e3 * ceiling,
-            "pace": ceiling / interval,
+            "pace": ceiling / interval, "step_curve": [(round(t), round(1e3 * s, 2)) for t, s in curve],
             "phases_ms_per_step": {k: 1e3 * v / iterations for k, v in sorted(clock.seconds.items())}}
 
 
@@ -148,6 +150,8 @@ def main() -> int:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in level["phases_ms_per_step"].items())
         print(f"{batch:>6} {level['steps']:>6} {level['graph_replays']:>8} {level['decode_interval_ms']:>10.2f} "
               f"{level['ceiling_ms']:>11.2f} {level['pace']:>5.2f}  {phases}", flush=True)
+        print(f"{'':>6} step time the pacer learned (tokens: ms): "
+              + ", ".join(f"{t}: {ms}" for t, ms in level["step_curve"]), flush=True)
     role.close("benchmark done")
     return 0
 

@@ -30,9 +30,10 @@ CEILING_STEPS = 20
 
 @torch.inference_mode()
 def step_seconds(step, kv_cache, batch: int, context: int = CEILING_CONTEXT, steps: int = CEILING_STEPS,
-                 link=None, vocab_size: int = 1024) -> float:
-    """Median seconds of one decode step of `batch` sequences with `context` cached tokens each (on AFD each
-    step is waited for on `link`, which notices a lost FFN, before its tokens are read)."""
+                 link=None, *, vocab_size: int) -> float:
+    """Median seconds of one decode step of `batch` sequences with `context` cached tokens each, their input
+    tokens drawn from the model's `vocab_size` (on AFD each step is waited for on `link`, which notices a lost
+    FFN, before its tokens are read)."""
     blocks = [kv_cache.allocate(context + 1) for _ in range(batch)]
     try:
         fill_with_noise(kv_cache, [b for table in blocks for b in table])
