@@ -170,6 +170,13 @@ def test_a_bad_request_gets_the_same_error_body(servers, body, status):
     assert garbled[1].json() == garbled[0].json()
 
 
+def _health(served) -> int | None:
+    try:
+        return httpx.get(f"{served.url}/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return None  # nobody listens on the port between the processes
+
+
 @contextlib.contextmanager
 def _streaming(served, max_tokens: int):
     """A streamed greedy completion of `max_tokens` tokens whose first event came: yields its later non-empty lines."""
@@ -192,7 +199,7 @@ def test_sigterm_finishes_in_flight_streams_exits_zero_and_takes_the_child(check
     assert not Path(f"/proc/{child}").exists()
 
 
-def test_a_silent_core_fails_streams_and_health_and_a_dead_api_process_ends_the_core(checkpoints):
+def test_a_silent_core_fails_streams_and_health_and_a_dead_api_process_is_started_again(checkpoints):
     served = Served(checkpoints["qwen3_moe"], True)
     [child] = served.children()
     with _streaming(served, 4000) as lines:
@@ -207,8 +214,16 @@ def test_a_silent_core_fails_streams_and_health_and_a_dead_api_process_ends_the_
         finally:
             os.kill(served.process.pid, signal.SIGCONT)
     wait_for(lambda: httpx.get(f"{served.url}/health", timeout=5).status_code == 200, 10, "the core to be heard again")
-    os.kill(child, signal.SIGKILL)
-    assert served.process.wait(timeout=30) == 1
+    with _streaming(served, 4000) as lines:
+        next(line for line in lines if line.startswith("data: {"))  # a request in flight on the child
+        os.kill(child, signal.SIGKILL)
+    # the core keeps its model and engine: a new API process serves, the killed one's request was aborted
+    wait_for(lambda: served.children() not in ([], [child]), 30, "a new API process")
+    wait_for(lambda: _health(served) == 200, 60, "the new API process to serve")
+    assert served.process.poll() is None
+    assert served.complete(PROMPTS[0])["choices"][0]["text"]
+    wait_for(lambda: served.metric("afd_requests_running") == 0, 30, "the killed process's request to be aborted")
+    assert served.stop() == 0
 
 
 def test_afd_up_1a1f_runs_the_api_of_its_attention_rank_in_a_child(checkpoints, servers, tmp_path):

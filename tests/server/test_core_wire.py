@@ -140,3 +140,40 @@ def test_each_api_process_gets_the_outputs_of_its_own_requests_and_the_core_hear
     for client in clients:
         client.close()
     link.close()
+
+
+def test_a_dead_api_process_is_restarted_within_a_budget_of_deaths():
+    from afd.server.api_process import RestartBudget
+
+    budget = RestartBudget(limit=3, window_s=60)
+    assert budget.allow(0) and budget.allow(10)
+    assert not budget.allow(20)  # the third death within a minute: give up
+    spaced = RestartBudget(limit=3, window_s=60)
+    assert all(spaced.allow(t) for t in (0, 40, 80, 120, 160))  # never three within a minute
+
+
+def test_the_requests_of_a_gone_api_process_are_aborted_in_the_engine(tmp_path):
+    from afd.server.api_link import ApiLink
+
+    class Engine:
+        on_burst = None
+
+        def __init__(self):
+            self.aborted, self.callbacks = [], {}
+
+        def submit(self, prompt_ids, params, on_output, request_id, text):
+            self.callbacks[request_id] = on_output
+
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    engine = Engine()
+    link = ApiLink(engine, str(tmp_path), lambda: CoreState(None, None), servers=2)
+    for api, request_id in ((0, "a"), (0, "b"), (1, "c")):
+        link._submit(api, request_id, [1], SamplingParams(max_tokens=2))
+    engine.callbacks["b"](RequestOutput("b", "", [1], [], finished=True, finish_reason="length"))  # b is done
+    link.forget(0)
+    assert engine.aborted == ["a"]  # only process 0's unfinished request; process 1's "c" runs on
+    link.forget(0)
+    assert engine.aborted == ["a"]
+    link.close()

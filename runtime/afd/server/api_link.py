@@ -56,6 +56,7 @@ class ApiLink:
         self._listening = [False] * servers  # each API process's HTTP server has started
         self._heard: list[float | None] = [None] * servers  # monotonic time of each one's last heartbeat
         self._loop_problems: list[str | None] = [None] * servers
+        self._owned: list[set[str]] = [set() for _ in range(servers)]  # each API process's unfinished requests
         self._on_output = [self._collector(api) for api in range(servers)]
         self._thread = threading.Thread(target=self._serve, name="api-link", daemon=True)
         engine.on_burst = self.flush
@@ -66,7 +67,8 @@ class ApiLink:
 
     def close(self) -> None:
         self._closed.set()
-        self._thread.join(5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(5)
         with self._lock:
             for socket in self._outputs:
                 socket.close()
@@ -94,12 +96,26 @@ class ApiLink:
         return next((problem for problem in self._loop_problems if problem), None)
 
     # -- output thread (and this link's thread) ----------------------------------------------
+    def forget(self, api: int) -> None:
+        """API process `api` is gone: abort its requests in the engine and wait for the next process at its socket."""
+        with self._lock:
+            owned = list(self._owned[api])
+            self._owned[api].clear()
+            self._pending[api].clear()
+            self._heard[api], self._listening[api], self._loop_problems[api] = None, False, None
+        for request_id in owned:
+            self.engine.abort(request_id)
+        if owned:
+            log.warning("API process %d is gone: aborted its %d requests in the engine", api, len(owned))
+
     def _collector(self, api: int) -> Callable[[RequestOutput], None]:
-        pending = self._pending[api]
+        pending, owned = self._pending[api], self._owned[api]
 
         def on_output(output: RequestOutput) -> None:
             with self._lock:
                 pending.append(output)
+                if output.finished:
+                    owned.discard(output.request_id)
         return on_output
 
     def on_output(self, output: RequestOutput, api: int = 0) -> None:
@@ -146,12 +162,16 @@ class ApiLink:
                 self._submit(api, *rest)
             elif kind == core_wire.ABORT:
                 self.engine.abort(rest[0])
+                with self._lock:
+                    self._owned[api].discard(rest[0])
             elif kind == core_wire.BEAT:
                 self._listening[api], self._loop_problems[api] = rest
                 self._heard[api] = time.monotonic()
 
     def _submit(self, api: int, request_id: str, prompt_ids: list[int], params) -> None:
         on_output = self._on_output[api]
+        with self._lock:
+            self._owned[api].add(request_id)
         try:
             self.engine.submit(prompt_ids, params, on_output, request_id=request_id, text=False)  # text: API side
         except InvalidRequest as err:  # the API checked it the same way: only a bug gets here

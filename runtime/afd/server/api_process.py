@@ -12,9 +12,11 @@ Python process's per-token HTTP work saturates one core near 15,000 tokens/s).
 
 Lifecycle: the core starts the children once its engine runs and is ready when every child says
 it listens. SIGTERM to the core is passed to the children, whose uvicorn finishes in-flight
-requests within `shutdown_grace_s`; then the core stops. A child that exits on its own makes
-the core exit non-zero (the kubelet restarts the pod); a core that dies takes the children with
-it (parent-death signal).
+requests within `shutdown_grace_s`; then the core stops. A child that exits on its own is
+started again (its requests are aborted in the core; the model, the engine and the other
+children keep serving), unless children died `RESTART_LIMIT` times within `RESTART_WINDOW_S`:
+then the core exits non-zero and the kubelet restarts the pod. A core that dies takes the
+children with it (parent-death signal).
 """
 
 from __future__ import annotations
@@ -40,6 +42,21 @@ from afd.server.core_wire import CoreState
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+RESTART_LIMIT = 5  # API process deaths within RESTART_WINDOW_S after which the core gives up (exit 1)
+RESTART_WINDOW_S = 60.0
+
+
+class RestartBudget:
+    """Whether one more restart is allowed: fewer than `limit` deaths within the last `window_s` (pure)."""
+
+    def __init__(self, limit: int = RESTART_LIMIT, window_s: float = RESTART_WINDOW_S):
+        self.limit, self.window_s = limit, window_s
+        self.deaths: list[float] = []
+
+    def allow(self, now: float) -> bool:
+        """Record a death at `now`; False once `limit` of them fall within the window."""
+        self.deaths = [t for t in self.deaths if now - t < self.window_s] + [now]
+        return len(self.deaths) < self.limit
 
 
 # -- core process -----------------------------------------------------------------------------
@@ -59,14 +76,18 @@ def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engi
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     link.start()
     env = {**os.environ, **config_to_env(config)}
-    children = [subprocess.Popen([sys.executable, "-m", "afd.server.api_process",
-                                  json.dumps({**_facts(config, state, engine, folder), "api": api})], env=env)
-                for api in range(servers)]
+    facts = _facts(config, state, engine, folder)
+
+    def start(api: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "afd.server.api_process", json.dumps({**facts, "api": api})],
+                                env=env)
+
+    children = [start(api) for api in range(servers)]
     log.info("%s rank %d: %d API process(es) %s serving on http://%s:%d/v1", config.role, config.rank, servers,
              [child.pid for child in children], config.http_host, config.http_port)
     signalled = False
     try:
-        signalled = _supervise(children, stop, engine, config.shutdown_grace_s)
+        signalled = _supervise(children, start, link, stop, engine, config.shutdown_grace_s)
     finally:
         for child in children:
             if child.poll() is None:
@@ -80,16 +101,30 @@ def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engi
     ended = [child.returncode for child in children]
     # a child stopped by our SIGTERM before it set its handlers (still starting) ends by the signal: clean too
     if not signalled or any(code not in (0, -signal.SIGTERM) for code in ended):
-        log.error("%s rank %d exits because an API process ended (exit codes %s)", config.role, config.rank, ended)
+        log.error("%s rank %d exits because its API processes kept dying (exit codes %s)", config.role, config.rank,
+                  ended)
         return 1
     return 0
 
 
-def _supervise(children: list[subprocess.Popen], stop: threading.Event, engine, grace_s: float) -> bool:
-    """Wait for the children; pass on a stop (or a dead engine, or one child ending) as SIGTERM to them all.
-    Whether the core asked them to stop."""
-    deadline, asked = None, False
-    while any(child.poll() is None for child in children):
+def _supervise(children: list[subprocess.Popen], start, link: ApiLink, stop: threading.Event, engine,
+               grace_s: float) -> bool:
+    """Watch the children: start again one that ends on its own (within the `RestartBudget`); pass on a stop,
+    a dead engine or a spent budget as SIGTERM to them all. Whether the core asked them to stop."""
+    deadline, asked, budget = None, False, RestartBudget()
+    while any(child.poll() is None for child in children) or deadline is None:
+        if deadline is None:
+            for api, child in enumerate(children):
+                if child.poll() is None or stop.is_set():
+                    continue
+                link.forget(api)  # its requests end in the core; its socket waits for the next process
+                if not budget.allow(time.monotonic()):
+                    log.error("API process %d ended with code %s: %d deaths within %.0f s, giving up", api,
+                              child.returncode, budget.limit, budget.window_s)
+                    break
+                children[api] = start(api)
+                log.error("API process %d ended with code %s; started it again as process %d", api, child.returncode,
+                          children[api].pid)
         if deadline is None and (stop.is_set() or engine.dead or any(child.poll() is not None for child in children)):
             asked = stop.is_set() or bool(engine.dead)
             for child in children:  # uvicorn: no new requests, in-flight ones finish within the grace
