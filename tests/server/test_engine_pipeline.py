@@ -106,3 +106,16 @@ def test_the_engine_paces_prompts_only_when_asked(parts):
     off = Engine(MonolithicRunner(loaded, cache), cache, tokenizer, (), max_num_seqs=2, max_model_len=32)
     on = Engine(MonolithicRunner(loaded, cache), cache, tokenizer, (), max_num_seqs=2, max_model_len=32, prefill_itl_ratio=2)
     assert off.scheduler.pacer is None and on.scheduler.pacer is on.pacer and on.pacer.itl_ratio == 2
+
+
+def test_a_request_taken_earlier_elsewhere_counts_its_time_from_there(parts):
+    """`arrival` (the API process's clock reading) becomes the request's arrival; a later one is not believed."""
+    import time
+
+    loaded, tokenizer = parts
+    cache = KVCache.for_tokens(loaded.model.kv_layouts(), 64, torch.float32, "cpu")
+    engine = Engine(MonolithicRunner(loaded, cache), cache, tokenizer, (), max_num_seqs=2, max_model_len=32)  # not started
+    earlier = time.monotonic() - 0.25
+    assert engine.submit([1, 2], SamplingParams(max_tokens=1), lambda out: None, arrival=earlier).arrival == earlier
+    later = engine.submit([1, 2], SamplingParams(max_tokens=1), lambda out: None, arrival=time.monotonic() + 60).arrival
+    assert later <= time.monotonic()

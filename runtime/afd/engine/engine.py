@@ -111,12 +111,15 @@ class Engine:
         self._outputs.close(timeout_s)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
-               request_id: str | None = None, text: bool = True) -> Request:
+               request_id: str | None = None, text: bool = True, arrival: float | None = None) -> Request:
         """Queue a request; `InvalidRequest` if it can never run here. `request_id`: the caller's id for it;
-        `text=False`: outputs carry no text and stop strings are not looked for (the caller detokenizes)."""
+        `text=False`: outputs carry no text and stop strings are not looked for (the caller detokenizes);
+        `arrival`: when the caller took it (`time.monotonic()`; default now), where its time to first token starts."""
         request = Request(list(prompt_ids), params, on_output)
         if request_id is not None:
             request.request_id = request_id
+        if arrival is not None:
+            request.arrival = min(arrival, request.arrival)
         request = self.scheduler.check(request)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)

@@ -168,11 +168,12 @@ class ApiLink:
                 self._listening[api], self._loop_problems[api] = rest
                 self._heard[api] = time.monotonic()
 
-    def _submit(self, api: int, request_id: str, prompt_ids: list[int], params) -> None:
+    def _submit(self, api: int, request_id: str, prompt_ids: list[int], params, arrival: float | None = None) -> None:
         on_output = self._on_output[api]
         with self._lock:
             self._owned[api].add(request_id)
         try:
-            self.engine.submit(prompt_ids, params, on_output, request_id=request_id, text=False)  # text: API side
+            self.engine.submit(prompt_ids, params, on_output, request_id=request_id, text=False,  # text: API side
+                               arrival=arrival)
         except InvalidRequest as err:  # the API checked it the same way: only a bug gets here
             on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error", error=str(err)))
