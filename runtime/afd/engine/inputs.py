@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from afd.engine.request import Request
+from afd.host_copy import host_to_device
 from afd.runners.microbatch import SeqLayout
 
 
@@ -69,7 +70,5 @@ def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, 
 
 
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A tensor on `device`; to a GPU through pinned memory, so the host does not wait for the stream."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    """`values` as a tensor on `device`, copied without waiting for it (`host_to_device`)."""
+    return host_to_device(torch.tensor(values, dtype=dtype), torch.device(device))

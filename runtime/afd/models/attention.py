@@ -18,6 +18,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from afd.host_copy import host_to_device
+
 
 @dataclass(frozen=True)
 class AttentionBatch:
@@ -87,25 +89,26 @@ class AttentionBatch:
         paged = {}
         if max_new == 1 and device.type == "cuda" and _paged_kernel_available():
             paged = dict(
-                block_table=_to_device(tables.to(torch.int32), device),
-                seq_lens=_to_device(total.to(torch.int32), device),
+                block_table=host_to_device(tables.to(torch.int32), device),
+                seq_lens=host_to_device(total.to(torch.int32), device),
                 block_size=block_size,
             )
         single = torch.nonzero(new == 1).flatten()
+        single_total = total[single]
         return cls(
-            positions=_to_device(positions, device),
-            write_index=_to_device(key_index[token_seq, positions], device),
-            token_seq=_to_device(token_seq, device),
-            token_col=_to_device(token_col, device),
-            key_index=_to_device(key_index, device),
+            positions=host_to_device(positions, device),
+            write_index=host_to_device(key_index[token_seq, positions], device),
+            token_seq=host_to_device(token_seq, device),
+            token_col=host_to_device(token_col, device),
+            key_index=host_to_device(key_index, device),
             seq_lens_host=tuple(total.tolist()),
             new_lens_host=tuple(int(n) for n in new_lens),
-            last_token=_to_device(starts + new - 1, device),
+            last_token=host_to_device(starts + new - 1, device),
             max_len=max_len,
             max_new=max_new,
-            single_seqs=_to_device(single, device),
-            single_lens=_to_device(total[single], device),
-            single_longest=int(total[single].max()) if len(single) else 0,
+            single_seqs=host_to_device(single, device),
+            single_lens=host_to_device(single_total, device),
+            single_longest=int(single_total.max()) if len(single) else 0,
             **paged,
         )
 
@@ -174,13 +177,6 @@ def _gathered_attention(q, cache_k, cache_v, batch: AttentionBatch, scale: float
             )[0].transpose(0, 1)
         start += new
     return out
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` (host) on `device`; to a GPU through pinned memory, so the host does not wait for the stream."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _paged_decode_reference(q, cache_k, cache_v, batch: AttentionBatch, scale: float) -> torch.Tensor:

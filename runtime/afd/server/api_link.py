@@ -118,9 +118,6 @@ class ApiLink:
                     owned.discard(output.request_id)
         return on_output
 
-    def on_output(self, output: RequestOutput, api: int = 0) -> None:
-        self._on_output[api](output)
-
     def flush(self) -> None:
         """Send each API process what is pending for it, with the core's state, as one message; an API process
         with nothing pending gets the state alone once `beat_s` passed since its last message."""

@@ -61,7 +61,8 @@ class RestartBudget:
 
 # -- core process -----------------------------------------------------------------------------
 def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engine, probes_for) -> int:
-    """Run the API children around the started `engine` until `stop` or until one ends; the exit code.
+    """Run the API children around the started `engine` (starting again one that ends) until `stop`, a dead
+    engine or a spent `RestartBudget`; the exit code.
     `probes_for(listening)` builds the rank's probes (`run.attention_probes`)."""
     from afd.server.probe_http import start_probe_server
     from afd.server.run import engine_died, stop_serving
@@ -113,9 +114,9 @@ def _supervise(children: list[subprocess.Popen], start, link: ApiLink, stop: thr
     a dead engine or a spent budget as SIGTERM to them all. Whether the core asked them to stop."""
     deadline, asked, budget = None, False, RestartBudget()
     while any(child.poll() is None for child in children) or deadline is None:
-        if deadline is None:
+        if deadline is None and not stop.is_set():
             for api, child in enumerate(children):
-                if child.poll() is None or stop.is_set():
+                if child.poll() is None:
                     continue
                 link.forget(api)  # its requests end in the core; its socket waits for the next process
                 if not budget.allow(time.monotonic()):

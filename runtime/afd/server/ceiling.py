@@ -68,8 +68,8 @@ def export_ceiling(registry: CollectorRegistry, config, role) -> dict[int, float
     gauge = Gauge("afd_step_ceiling_seconds", "Graph-replayed decode step time measured at start, per batch size",
                   ["role", "rank", "batch"], registry=registry)
     kv_cache, results = role.kv_cache, {}
+    context = config.ceiling_context
     for batch in sorted({int(b) for b in config.ceiling_batches.split(",") if b.strip()}):
-        context = config.ceiling_context
         if batch > config.max_num_seqs or kv_cache.blocks_for(context + 1) * batch > kv_cache.free_blocks:
             log.warning("step ceiling at batch %d skipped: above max_num_seqs or the KV cache", batch)
             continue
