@@ -74,6 +74,7 @@ class AFDConfig:
     shutdown_grace_s: float = 30.0
     profile_every: int = 16  # per-layer timings on every N-th step (0: off)
     cuda_graphs: bool = False  # decode graphs on attention, a step-graph cache on the FFN (nccl connector, CUDA)
+    mixed_graph_tokens: int = 2048  # monolithic with cuda_graphs: piecewise graphs for prompt steps up to this many tokens (0: off)
     ffn_batch_window_s: float = 0.0  # FFN: wait up to this long for every peer's plan so their rows share a step
     dbo_min_tokens: int = 0  # stages=2: steps of fewer tokens run as one micro-batch (the FFN reads its weights once)
     attention_engine: str = "afd"  # attention role: our engine, or vLLM's OpenAI server with afd.vllm_plugin
@@ -118,7 +119,7 @@ class AFDConfig:
                 f"all {self.num_ffn_ranks * self.ffn_expert_parallel} FFN processes would share one address"
             )
         for name in ("max_model_len", "port_stride", "kv_cache_bytes", "profile_every", "ffn_batch_window_s", "dbo_min_tokens",
-                     "max_prompt_chars", "prefill_itl_ratio"):
+                     "mixed_graph_tokens", "max_prompt_chars", "prefill_itl_ratio"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
         if not 1 <= self.api_servers <= MAX_API_SERVERS:
@@ -216,6 +217,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_SHUTDOWN_GRACE_S": "shutdown_grace_s",
     "AFD_PROFILE_EVERY": "profile_every",
     "AFD_CUDA_GRAPHS": "cuda_graphs",
+    "AFD_MIXED_GRAPH_TOKENS": "mixed_graph_tokens",
     "AFD_FFN_BATCH_WINDOW_S": "ffn_batch_window_s",
     "AFD_DBO_MIN_TOKENS": "dbo_min_tokens",
     "AFD_ATTENTION_ENGINE": "attention_engine",

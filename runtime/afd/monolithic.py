@@ -57,8 +57,11 @@ def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedMode
     runner = MonolithicRunner(loaded, kv_cache)
     if config.cuda_graphs:
         if device.type == "cuda" and dtype != "float32":
-            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks))
-            log.info("monolithic rank: decode graphs for %s sequences, %.1f MiB", list(graphs.buckets), graphs.memory_bytes / 2**20)
+            mixed_tokens = min(config.mixed_graph_tokens, config.max_num_batched_tokens)
+            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks), mixed_tokens)
+            log.info("monolithic rank: decode graphs for %s sequences%s, %.1f MiB", list(graphs.buckets),
+                     f", piecewise prefill graphs up to {mixed_tokens} tokens" if mixed_tokens else "",
+                     graphs.memory_bytes / 2**20)
         else:
             log.warning("cuda_graphs is on but disabled here: graphs need a CUDA device and bf16/fp16")
     return MonolithicRole(loaded, kv_cache, runner, device)

@@ -43,6 +43,7 @@ class AttentionBatch:
     single_seqs: torch.Tensor | None = None  # [S] their indices in the batch
     single_lens: torch.Tensor | None = None  # [S] keys of each, new token included
     single_longest: int = 0
+    single_table: torch.Tensor | None = None  # [S, W] int32 their cache blocks: on CUDA the paged kernel reads them
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +96,8 @@ class AttentionBatch:
             )
         single = torch.nonzero(new == 1).flatten()
         single_total = total[single]
+        if max_new > 1 and len(single) and device.type == "cuda" and _paged_kernel_available():
+            paged = dict(single_table=host_to_device(tables[single].to(torch.int32), device), block_size=block_size)
         return cls(
             positions=host_to_device(positions, device),
             write_index=host_to_device(key_index[token_seq, positions], device),
@@ -107,7 +110,7 @@ class AttentionBatch:
             max_len=max_len,
             max_new=max_new,
             single_seqs=host_to_device(single, device),
-            single_lens=host_to_device(single_total, device),
+            single_lens=host_to_device(single_total.to(torch.int32) if "single_table" in paged else single_total, device),
             single_longest=int(single_total.max()) if len(single) else 0,
             **paged,
         )
@@ -136,22 +139,31 @@ def cached_attention(
         cache_v[batch.write_index] = v.to(cache_v.dtype)
     if batch.block_table is not None:  # decode: one query per sequence, keys through block tables
         if q.is_cuda and _paged_kernel_available():
-            from afd.kernels.decode_attention import paged_decode_attention, paged_latent_decode_attention
-
-            if v is None:  # one shared latent row per token: every head reads it once per block
-                return paged_latent_decode_attention(q, cache_k, cache_v.shape[-1], batch.block_table, batch.seq_lens,
-                                                     batch.block_size, scale)
-            return paged_decode_attention(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale)
+            return _paged_kernel(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale,
+                                 values_in_keys=v is None)
         return _paged_decode_reference(q, cache_k, cache_v, batch, scale)
-    return _gathered_attention(q, cache_k, cache_v, batch, scale)
+    return _gathered_attention(q, cache_k, cache_v, batch, scale, values_in_keys=v is None)
 
 
-def _gathered_attention(q, cache_k, cache_v, batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """Keys gathered from the cache: one SDPA for the one-token sequences, one per longer sequence.
-    Nothing here copies from the host (that would wait for the device at every layer)."""
+def _paged_kernel(q, cache_k, cache_v, block_table, seq_lens, block_size: int, scale: float, values_in_keys: bool):
+    """The Triton paged decode kernel for one query per sequence: [B, Hq, Dv]."""
+    from afd.kernels.decode_attention import paged_decode_attention, paged_latent_decode_attention
+
+    if values_in_keys:  # one shared latent row per token: every head reads it once per block
+        return paged_latent_decode_attention(q, cache_k, cache_v.shape[-1], block_table, seq_lens, block_size, scale)
+    return paged_decode_attention(q, cache_k, cache_v, block_table, seq_lens, block_size, scale)
+
+
+def _gathered_attention(q, cache_k, cache_v, batch: AttentionBatch, scale: float, values_in_keys: bool) -> torch.Tensor:
+    """The one-token sequences through the paged kernel on CUDA (else keys gathered, one SDPA), then one
+    SDPA per longer sequence. Nothing here copies from the host (that would wait for the device at every layer)."""
     out = q.new_empty(q.shape[0], q.shape[1], cache_v.shape[-1])
     gqa = q.shape[1] != cache_k.shape[1]
-    if batch.single_longest:
+    if batch.single_table is not None:  # the one-token sequences of a mixed step: the paged decode kernel
+        tokens = batch.last_token[batch.single_seqs]
+        out[tokens] = _paged_kernel(q[tokens], cache_k, cache_v, batch.single_table, batch.single_lens,
+                                    batch.block_size, scale, values_in_keys)
+    elif batch.single_longest:
         longest, seqs, lens = batch.single_longest, batch.single_seqs, batch.single_lens
         count = seqs.shape[0]
         rows = batch.key_index[seqs, :longest]  # [S, L]

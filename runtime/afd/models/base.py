@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.models.attention import AttentionBatch
+from afd.models.attention import AttentionBatch, cached_attention
 from afd.models.layers import MoE, RMSNorm
 from afd.models.spec import KVLayout, ModelSpec
 
@@ -29,6 +29,20 @@ class DecoderLayer(nn.Module):
     def attention_half(self, h: torch.Tensor, batch: AttentionBatch, cache: tuple) -> torch.Tensor:
         """h + attention(norm(h)): the part that always stays on attention ranks."""
         return h + self.self_attn(self.input_layernorm(h), batch, *cache)
+
+    # The attention half in three pieces, for piecewise graphs (afd.graphs.mixed): the first and the
+    # last are shaped by the token count alone; the middle one reads the step's cache metadata.
+    def attention_inputs(self, h: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """(query, key, value or None) of norm(h) at `positions`: what the cache and the kernel take."""
+        return self.self_attn.project(self.input_layernorm(h), positions)
+
+    def attend(self, inputs: tuple, batch: AttentionBatch, cache: tuple) -> torch.Tensor:
+        """Store the keys and values of `inputs` in the cache and attend: [T, heads, value dim]."""
+        return cached_attention(*inputs, *cache, batch, self.self_attn.scale)
+
+    def attention_output(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """h + o_proj(attended): the residual stream after attention."""
+        return h + self.self_attn.finish(attended)
 
     def ffn_half(self, h: torch.Tensor) -> torch.Tensor:
         """mlp(norm(h)), without the residual: what an FFN rank returns when it owns the gate."""

@@ -53,22 +53,31 @@ class MultiHeadLatentAttention(nn.Module):
         weight = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
 
-    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """(query [T, heads, latent + rope] with the key up-projection absorbed, the token's cache row
+        [T, 1, latent + rope], None: the values are the latent part of the keys)."""
         tokens = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(tokens, self.heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        cos, sin = self.rotary(batch.positions)
+        cos, sin = self.rotary(positions)
         q_pe = apply_rope_pairs(q_pe, cos, sin)  # [T, heads, rope]
         k_pe = apply_rope_pairs(k_pe.view(tokens, 1, self.rope_dim), cos, sin)  # [T, 1, rope]
-        key_up, value_up = self.up_projections()
+        key_up, _ = self.up_projections()
         q_latent = torch.bmm(q_nope.transpose(0, 1), key_up).transpose(0, 1)  # [T, heads, latent]
         query = torch.cat((q_latent, q_pe), dim=-1)  # [T, heads, latent + rope]
         key = torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_pe), dim=-1)  # [T, 1, latent + rope]
-        out = cached_attention(query, key, None, cache_k, cache_v, batch, self.scale)  # [T, heads, latent]
-        out = torch.bmm(out.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)  # [T, heads, v]
-        return self.o_proj(out.reshape(tokens, -1))
+        return query, key, None
 
+    def finish(self, attended: torch.Tensor) -> torch.Tensor:
+        """The value up-projection of the attention-weighted latent [T, heads, latent], then o_proj."""
+        _, value_up = self.up_projections()
+        out = torch.bmm(attended.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)  # [T, heads, v]
+        return self.o_proj(out.reshape(attended.shape[0], -1))
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
+        query, key, _ = self.project(x, batch.positions)
+        return self.finish(cached_attention(query, key, None, cache_k, cache_v, batch, self.scale))
 
 def build(config: dict, spec: ModelSpec) -> MoECausalLM:
     hidden = spec.hidden_size

@@ -33,17 +33,22 @@ class GroupedQueryAttention(nn.Module):
             raise ValueError("partial_rotary_factor < 1 is not supported for qwen3_moe")
         self.rotary = Rotary(self.rope, self.head_dim)
         self.kv_layout = KVLayout(self.kv_heads, self.head_dim, self.head_dim)
+        self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated, normed query [T, heads, d] and key [T, kv_heads, d], and the value [T, kv_heads, d]."""
         tokens = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(tokens, self.heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(tokens, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        cos, sin = self.rotary(batch.positions)
-        q, k = apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin)
-        out = cached_attention(q, k, v, cache_k, cache_v, batch, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(tokens, -1))
+        cos, sin = self.rotary(positions)
+        return apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v
 
+    def finish(self, attended: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attended.reshape(attended.shape[0], -1))
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
+        return self.finish(cached_attention(*self.project(x, batch.positions), cache_k, cache_v, batch, self.scale))
 
 def build(config: dict, spec: ModelSpec) -> MoECausalLM:
     hidden = spec.hidden_size

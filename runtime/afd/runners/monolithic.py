@@ -6,6 +6,7 @@ import torch
 
 from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs
+from afd.graphs.mixed import MixedGraphs, token_buckets
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
@@ -16,19 +17,27 @@ class MonolithicRunner:
     def __init__(self, loaded: LoadedModel, kv_cache: KVCache):
         self.model, self.kv_cache = loaded.model, kv_cache
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
 
     @torch.inference_mode()
-    def capture_graphs(self, max_batch: int) -> DecodeGraphs:
-        """Decode graphs over the same buckets as the attention role (the speed baseline)."""
+    def capture_graphs(self, max_batch: int, max_mixed_tokens: int = 0) -> DecodeGraphs:
+        """Decode graphs over the same buckets as the attention role (the speed baseline), and piecewise
+        graphs for steps with prompt tokens up to `max_mixed_tokens` (0: none), in the same memory pool."""
         body = lambda input_ids, micro: self.model(input_ids, micro[0][1], self.kv_cache)  # noqa: E731
         device = self.kv_cache.keys[0].device
         self.graphs = DecodeGraphs(body, self.kv_cache, decode_buckets(max_batch, 1), 1, device)
         self.graphs.capture_all()
+        if max_mixed_tokens:
+            self.mixed_graphs = MixedGraphs(self.model, self.kv_cache, token_buckets(max_mixed_tokens), device,
+                                            pool=self.graphs.pool)
+            self.mixed_graphs.capture_all()
         return self.graphs
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         if self.graphs is not None and (logits := self.graphs.run(input_ids, layout)) is not None:
+            return logits
+        if self.mixed_graphs is not None and (logits := self.mixed_graphs.run(input_ids, layout)) is not None:
             return logits
         batch = AttentionBatch.build(
             layout.block_tables, layout.context_lens, layout.new_lens, self.kv_cache.block_size, input_ids.device
