@@ -1,22 +1,20 @@
 """Steps that carry prompt tokens, eager vs piecewise graphs, DeepSeek-V2-Lite-shaped random bf16 model, one GPU.
 
-    python3 bench/mixed_step.py [--layers 27]     # prints a table, writes $OUT/mixed_step.json
+    python3 bench/mixed_step.py [--layers 27] [--eager-only] [--tag NAME]   # a table; $OUT/mixed_step[-NAME].json
 
 Each row is one step shape: D decode rows at context C beside prompt chunks (the mixed steps chunked
 prefill makes), or prompt chunks alone. Columns, medians of --steps steps, each followed by a sync:
 - wall ms: launch + device time, what the serving loop waits for;
 - host ms: until the call returned (the host's share; with graphs the device runs behind it);
-- "eager, gathered": the runtime before this change (decode rows of a mixed step through a padded
-  gather + SDPA, every kernel launched from Python);
-- "eager": decode rows through the paged decode kernel;
-- "piecewise": the same, with everything between two attention kernels replayed from a graph.
-The decode-only graph step at the same decode batch is printed for scale.
+- "eager": every kernel launched from Python;
+- "piecewise": everything between two attention kernels replayed from a graph (afd.graphs.mixed).
+The decode-only graph step at the same decode batch is printed for scale. `--eager-only` runs on a runtime
+without piecewise graphs too (an older checkout on PYTHONPATH), for a before/after in one session.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -24,7 +22,6 @@ import torch
 from common import V2_LITE, random_model, write_json
 from decode_steps import kv_cache_for
 
-from afd.models import attention
 from afd.models.loader import LoadedModel
 from afd.runners.microbatch import SeqLayout
 from afd.runners.monolithic import MonolithicRunner
@@ -58,61 +55,50 @@ def time_step(runner, ids, layout, steps: int, warm: int = 2) -> dict:
     return {"wall_ms": statistics.median(walls[warm:]), "host_ms": statistics.median(hosts[warm:])}
 
 
-class GatheredDecodeRows:
-    """The attention before this change: a mixed step's decode rows gathered and padded for SDPA."""
-
-    def __enter__(self):
-        self.saved = attention.AttentionBatch.__dict__["build"]
-        build = attention.AttentionBatch.build
-        attention.AttentionBatch.build = classmethod(
-            lambda cls, *a, **k: dataclasses.replace(build(*a, **k), single_table=None))
-
-    def __exit__(self, *exc):
-        attention.AttentionBatch.build = self.saved
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=27)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--eager-only", action="store_true")
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
     config = dict(V2_LITE, num_hidden_layers=args.layers)
     model, spec, crossing = random_model(config)
     kv = kv_cache_for(model, 300, 2048)
     runner = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)
     vocab = config["vocab_size"]
-    rows = []
+    rows, capture_s = [], 0.0
     shapes = [(d, c, chunks, *layout_for(kv, d, c, chunks)) for d, c, chunks in SHAPES]
     with torch.inference_mode():
         for d, c, chunks, layout, _ in shapes:
             ids = torch.randint(0, vocab, (layout.num_tokens,), device="cuda")
-            with GatheredDecodeRows():
-                gathered = time_step(runner, ids, layout, args.steps)
             rows.append({"decodes": d, "context": c, "chunks": list(chunks), "tokens": layout.num_tokens,
-                         "gathered": gathered, "eager": time_step(runner, ids, layout, args.steps)})
-            print(f"eager: {rows[-1]}", flush=True)
-        started = time.perf_counter()
-        runner.capture_graphs(256, max_mixed_tokens=2048)
-        capture_s = time.perf_counter() - started
-        for row, (d, c, chunks, layout, _) in zip(rows, shapes):
-            ids = torch.randint(0, vocab, (layout.num_tokens,), device="cuda")
-            row["piecewise"] = time_step(runner, ids, layout, args.steps)
-            if d:
-                decode, tables = layout_for(kv, d, c, ())
-                row["decode_graph"] = time_step(runner, ids[:d], decode, args.steps)
-                for table in tables:
-                    kv.release(table)
-    write_json("mixed_step", {"layers": args.layers, "capture_s": capture_s,
-                              "graph_memory_bytes": runner.graphs.memory_bytes, "rows": rows})
-    print(f"{args.layers} layers; decode + piecewise graphs captured in {capture_s:.1f} s, "
-          f"{runner.graphs.memory_bytes / 2**20:.0f} MiB")
-    print(f"{'decodes@ctx':>12} {'chunks':>12} {'tokens':>6} | {'gathered wall/host':>18} | {'eager wall/host':>16} | "
-          f"{'piecewise wall/host':>19} | {'eager/piecewise':>15} | {'decode graph':>12}")
+                         "eager": time_step(runner, ids, layout, args.steps)})
+        if not args.eager_only:
+            started = time.perf_counter()
+            runner.capture_graphs(256, max_mixed_tokens=2048)
+            capture_s = time.perf_counter() - started
+            for row, (d, c, chunks, layout, _) in zip(rows, shapes):
+                ids = torch.randint(0, vocab, (layout.num_tokens,), device="cuda")
+                row["piecewise"] = time_step(runner, ids, layout, args.steps)
+                if d:
+                    decode, tables = layout_for(kv, d, c, ())
+                    row["decode_graph"] = time_step(runner, ids[:d], decode, args.steps)
+                    for table in tables:
+                        kv.release(table)
+    memory = runner.graphs.memory_bytes if runner.graphs is not None else 0
+    write_json("mixed_step" + (f"-{args.tag}" if args.tag else ""),
+               {"layers": args.layers, "capture_s": capture_s, "graph_memory_bytes": memory, "rows": rows})
+    print(f"{args.tag or 'this runtime'}: {args.layers} layers; graphs captured in {capture_s:.1f} s, {memory / 2**20:.0f} MiB")
+    print(f"{'decodes@ctx':>12} {'chunks':>12} {'tokens':>6} | {'eager wall/host':>16} | {'piecewise wall/host':>19} | "
+          f"{'eager/piecewise':>15} | {'decode graph':>12}")
     for r in rows:
         cell = lambda t: f"{t['wall_ms']:7.2f}/{t['host_ms']:7.2f}"  # noqa: E731
+        piecewise = cell(r["piecewise"]) if "piecewise" in r else "-"
+        ratio = f"{r['eager']['wall_ms'] / r['piecewise']['wall_ms']:.2f}" if "piecewise" in r else "-"
         decode = f"{r['decode_graph']['wall_ms']:.2f}" if "decode_graph" in r else "-"
         print(f"{r['decodes']:>5}@{r['context']:<6} {'+'.join(map(str, r['chunks'])):>12} {r['tokens']:>6} | "
-              f"{cell(r['gathered']):>18} | {cell(r['eager']):>16} | {cell(r['piecewise']):>19} | "
-              f"{r['gathered']['wall_ms'] / r['piecewise']['wall_ms']:>15.2f} | {decode:>12}")
+              f"{cell(r['eager']):>16} | {piecewise:>19} | {ratio:>15} | {decode:>12}")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,9 @@ class MixedGraphs:
             probe = model.layers[0].attention_inputs(self.hidden[:1], self.positions[:1])
         self.inputs = [None if t is None else torch.zeros((largest, *t.shape[1:]), dtype=t.dtype, device=device)
                        for t in probe]
-        heads, value_dim = probe[0].shape[1], kv_cache.values[0].shape[-1]
-        self.attended = torch.zeros(largest, heads, value_dim, dtype=self.hidden.dtype, device=device)
+        attention = model.layers[0].self_attn
+        self.attended = torch.zeros(largest, attention.heads, attention.out_head_dim, dtype=self.hidden.dtype,
+                                    device=device)
         self.segments: dict[int, list] = {}
         self.replays = 0
 

@@ -3,11 +3,11 @@
 A step's tokens arrive flattened ([T, ...]); `AttentionBatch` says which sequence
 each token belongs to, its position, and where in the cache its key and value live
 (block table × block size, flattened). The kernel writes the new keys and values,
-then attends: decode steps on CUDA read the cache through the paged kernel; otherwise the
-sequences that add one token attend together (keys gathered, padded to the longest of
-them) and each sequence that adds several (a prompt or a prompt's chunk) attends alone
-with its causal mask, so a step mixing decodes and a prefill never pads every decode to
-the prompt's length (that padding cost gigabytes at 64 sequences).
+then attends: sequences that add one token read the cache through the paged kernel on
+CUDA (on CPU: keys gathered, padded to the longest of them, one SDPA), and each sequence
+that adds several (a prompt or a prompt's chunk) attends alone under a lower-right causal
+bias, so a step mixing decodes and a prefill never pads every decode to the prompt's
+length (that padding cost gigabytes at 64 sequences).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from afd.host_copy import host_to_device
 
@@ -133,7 +134,8 @@ def cached_attention(
     batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:
-    """Store k/v in their cache rows, then attend each query to its sequence's keys: [T, Hq, Dv]."""
+    """Store k/v in their cache rows, then attend each query to its sequence's keys: [T, Hq, Dv].
+    Nothing here copies from the host (that would wait for the device at every layer)."""
     cache_k[batch.write_index] = k.to(cache_k.dtype)
     if v is not None:
         cache_v[batch.write_index] = v.to(cache_v.dtype)
@@ -142,7 +144,57 @@ def cached_attention(
             return _paged_kernel(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale,
                                  values_in_keys=v is None)
         return _paged_decode_reference(q, cache_k, cache_v, batch, scale)
-    return _gathered_attention(q, cache_k, cache_v, batch, scale, values_in_keys=v is None)
+    out = q.new_empty(q.shape[0], q.shape[1], cache_v.shape[-1])
+    if batch.single_longest:
+        tokens = single_tokens(batch)
+        out[tokens] = one_token_attention(q[tokens], cache_k, cache_v, batch, scale, values_in_keys=v is None)
+    for span, rows in prompt_spans(batch):
+        out[span] = prompt_attention(q[span], cache_k[rows], cache_v[rows], scale)
+    return out
+
+
+def single_tokens(batch: AttentionBatch) -> torch.Tensor:
+    """Flat indices of the tokens of the sequences that add one token, in `single_seqs` order."""
+    return batch.last_token[batch.single_seqs]
+
+
+def one_token_attention(q: torch.Tensor, cache_k, cache_v, batch: AttentionBatch, scale: float,
+                        values_in_keys: bool) -> torch.Tensor:
+    """[S, Hq, Dv] for the one-token sequences of a step that also carries prompt tokens (queries `q`
+    in `single_seqs` order): the paged decode kernel on CUDA, else their keys gathered and padded, one SDPA."""
+    if batch.single_table is not None:
+        return _paged_kernel(q, cache_k, cache_v, batch.single_table, batch.single_lens, batch.block_size, scale,
+                             values_in_keys)
+    longest, count = batch.single_longest, q.shape[0]
+    rows = batch.key_index[batch.single_seqs, :longest]  # [S, L]
+    mask = (torch.arange(longest, device=q.device)[None, :] < batch.single_lens[:, None]).view(count, 1, 1, longest)
+    kv_heads = cache_k.shape[1]  # the query heads of one key head are its query rows: keys never repeated per head
+    grouped = q.view(count, kv_heads, q.shape[1] // kv_heads, q.shape[2])  # [S, Hkv, Hq/Hkv, Dk]
+    return F.scaled_dot_product_attention(
+        grouped, cache_k[rows].transpose(1, 2).to(q.dtype), cache_v[rows].transpose(1, 2).to(q.dtype),
+        attn_mask=mask, scale=scale,
+    ).reshape(count, q.shape[1], -1)
+
+
+def prompt_spans(batch: AttentionBatch):
+    """(slice of its tokens, cache rows of all its keys) for each sequence that adds several tokens."""
+    start = 0
+    for s, (new, total) in enumerate(zip(batch.new_lens_host, batch.seq_lens_host)):
+        if new > 1:
+            yield slice(start, start + new), batch.key_index[s, :total]
+        start += new
+
+
+def prompt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's new queries [n, Hq, Dk] over all its keys [L, Hkv, Dk] (the last n are theirs),
+    causal: [n, Hq, Dv]. The lower-right causal bias lets SDPA pick a flash or memory-efficient kernel."""
+    bias = causal_lower_right(q.shape[0], keys.shape[0])
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, Hq, n, Dk]
+        keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        values.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        attn_mask=bias, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+    )[0].transpose(0, 1)
 
 
 def _paged_kernel(q, cache_k, cache_v, block_table, seq_lens, block_size: int, scale: float, values_in_keys: bool):
@@ -152,43 +204,6 @@ def _paged_kernel(q, cache_k, cache_v, block_table, seq_lens, block_size: int, s
     if values_in_keys:  # one shared latent row per token: every head reads it once per block
         return paged_latent_decode_attention(q, cache_k, cache_v.shape[-1], block_table, seq_lens, block_size, scale)
     return paged_decode_attention(q, cache_k, cache_v, block_table, seq_lens, block_size, scale)
-
-
-def _gathered_attention(q, cache_k, cache_v, batch: AttentionBatch, scale: float, values_in_keys: bool) -> torch.Tensor:
-    """The one-token sequences through the paged kernel on CUDA (else keys gathered, one SDPA), then one
-    SDPA per longer sequence. Nothing here copies from the host (that would wait for the device at every layer)."""
-    out = q.new_empty(q.shape[0], q.shape[1], cache_v.shape[-1])
-    gqa = q.shape[1] != cache_k.shape[1]
-    if batch.single_table is not None:  # the one-token sequences of a mixed step: the paged decode kernel
-        tokens = batch.last_token[batch.single_seqs]
-        out[tokens] = _paged_kernel(q[tokens], cache_k, cache_v, batch.single_table, batch.single_lens,
-                                    batch.block_size, scale, values_in_keys)
-    elif batch.single_longest:
-        longest, seqs, lens = batch.single_longest, batch.single_seqs, batch.single_lens
-        count = seqs.shape[0]
-        rows = batch.key_index[seqs, :longest]  # [S, L]
-        mask = (torch.arange(longest, device=q.device)[None, :] < lens[:, None]).view(count, 1, 1, longest)
-        tokens = batch.last_token[seqs]
-        kv_heads = cache_k.shape[1]  # the query heads of one key head are its query rows: keys never repeated per head
-        grouped = q[tokens].view(count, kv_heads, q.shape[1] // kv_heads, q.shape[2])  # [S, Hkv, Hq/Hkv, Dk]
-        out[tokens] = F.scaled_dot_product_attention(
-            grouped, cache_k[rows].transpose(1, 2).to(q.dtype), cache_v[rows].transpose(1, 2).to(q.dtype),
-            attn_mask=mask, scale=scale,
-        ).reshape(count, q.shape[1], -1)
-    start = 0
-    for s, (new, total) in enumerate(zip(batch.new_lens_host, batch.seq_lens_host)):
-        if new > 1:
-            rows = batch.key_index[s, :total]
-            query_pos = torch.arange(total - new, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]  # [new, total] causal
-            out[start : start + new] = F.scaled_dot_product_attention(
-                q[start : start + new].transpose(0, 1).unsqueeze(0),  # [1, Hq, new, Dk]
-                cache_k[rows].transpose(0, 1).unsqueeze(0).to(q.dtype),
-                cache_v[rows].transpose(0, 1).unsqueeze(0).to(q.dtype),
-                attn_mask=mask, scale=scale, enable_gqa=gqa,
-            )[0].transpose(0, 1)
-        start += new
-    return out
 
 
 def _paged_decode_reference(q, cache_k, cache_v, batch: AttentionBatch, scale: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.models.attention import AttentionBatch, cached_attention
+from afd.models.attention import AttentionBatch
 from afd.models.layers import MoE, RMSNorm
 from afd.models.spec import KVLayout, ModelSpec
 
@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
 
     def attend(self, inputs: tuple, batch: AttentionBatch, cache: tuple) -> torch.Tensor:
         """Store the keys and values of `inputs` in the cache and attend: [T, heads, value dim]."""
-        return cached_attention(*inputs, *cache, batch, self.self_attn.scale)
+        return self.self_attn.attend(inputs, batch, *cache)
 
     def attention_output(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """h + o_proj(attended): the residual stream after attention."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.models.attention import AttentionBatch, cached_attention
+from afd.models.attention import (AttentionBatch, cached_attention, one_token_attention, prompt_attention,
+                                  prompt_spans, single_tokens)
 from afd.models.base import DecoderLayer, MoECausalLM
 from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_pairs, yarn_mscale
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters
@@ -16,9 +17,11 @@ class MultiHeadLatentAttention(nn.Module):
 
     The cache holds one [normed latent ‖ rotary key] row per token (KVLayout with
     `values_in_keys`), ~9x less than expanded per-head keys and values at DeepSeek-V2-Lite
-    shapes. Attention runs in the latent space: the key up-projection is absorbed into
+    shapes. Decode attends in the latent space: the key up-projection is absorbed into
     the query (q·W_uk c = (W_ukᵀq)·c) and the value up-projection applied to the
-    attention-weighted latent (Σ p W_uv c = W_uv Σ p c), for prefill and decode alike.
+    attention-weighted latent (Σ p W_uv c = W_uv Σ p c). A prompt, whose queries are many,
+    expands its cached latents into per-head keys and values instead (head dim 192 rather
+    than 576, which flash kernels take).
     """
 
     def __init__(self, config: dict):
@@ -30,6 +33,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_lora_rank = config["kv_lora_rank"]
         self.nope_dim, self.rope_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
         self.v_dim = config["v_head_dim"]
+        self.out_head_dim = self.v_dim  # per head, of what `attend` returns
         qk_dim = self.nope_dim + self.rope_dim
         if self.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
@@ -54,8 +58,8 @@ class MultiHeadLatentAttention(nn.Module):
         return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """(query [T, heads, latent + rope] with the key up-projection absorbed, the token's cache row
-        [T, 1, latent + rope], None: the values are the latent part of the keys)."""
+        """(query [T, heads, nope + rope], the token's cache row [T, 1, latent + rope] = normed latent ‖
+        rotary key, None: the values are the latent part of the keys)."""
         tokens = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(tokens, self.heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
@@ -63,21 +67,55 @@ class MultiHeadLatentAttention(nn.Module):
         cos, sin = self.rotary(positions)
         q_pe = apply_rope_pairs(q_pe, cos, sin)  # [T, heads, rope]
         k_pe = apply_rope_pairs(k_pe.view(tokens, 1, self.rope_dim), cos, sin)  # [T, 1, rope]
-        key_up, _ = self.up_projections()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), key_up).transpose(0, 1)  # [T, heads, latent]
-        query = torch.cat((q_latent, q_pe), dim=-1)  # [T, heads, latent + rope]
+        query = torch.cat((q_nope, q_pe), dim=-1)  # [T, heads, nope + rope]
         key = torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_pe), dim=-1)  # [T, 1, latent + rope]
         return query, key, None
 
-    def finish(self, attended: torch.Tensor) -> torch.Tensor:
-        """The value up-projection of the attention-weighted latent [T, heads, latent], then o_proj."""
+    def attend(self, inputs: tuple, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
+        """Store the cache rows, attend: [T, heads, v]. One-token sequences attend in the latent space
+        (key up-projection absorbed into the query, value up-projection after); a prompt's keys and values
+        are expanded per head from its cached latents, as transformers computes them, for a flash kernel."""
+        query, key, _ = inputs
+        if batch.max_new == 1:  # decode (what the decode graphs capture)
+            latent = cached_attention(self._absorb(query), key, None, cache_k, cache_v, batch, self.scale)
+            return self._values(latent)
+        cache_k[batch.write_index] = key.to(cache_k.dtype)
+        out = query.new_empty(query.shape[0], self.heads, self.v_dim)
+        if batch.single_longest:
+            tokens = single_tokens(batch)
+            latent = one_token_attention(self._absorb(query[tokens]), cache_k, cache_v, batch, self.scale, True)
+            out[tokens] = self._values(latent)
+        for span, rows in prompt_spans(batch):
+            keys, values = self._expand(cache_k[rows].to(query.dtype))
+            out[span] = prompt_attention(query[span], keys, values, self.scale)
+        return out
+
+    def _absorb(self, query: torch.Tensor) -> torch.Tensor:
+        """[T, heads, nope + rope] → [T, heads, latent + rope]: q_nope · W_uk, the rotary part as is."""
+        key_up, _ = self.up_projections()
+        q_nope, q_pe = query.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), key_up).transpose(0, 1)  # [T, heads, latent]
+        return torch.cat((q_latent, q_pe), dim=-1)
+
+    def _values(self, latent: torch.Tensor) -> torch.Tensor:
+        """The value up-projection of the attention-weighted latent: [T, heads, latent] → [T, heads, v]."""
         _, value_up = self.up_projections()
-        out = torch.bmm(attended.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)  # [T, heads, v]
-        return self.o_proj(out.reshape(attended.shape[0], -1))
+        return torch.bmm(latent.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)
+
+    def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows [L, 1, latent + rope] → per-head keys [L, heads, nope + rope] and values [L, heads, v]."""
+        latent, k_pe = rows[:, 0].split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(rows.shape[0], self.heads, self.nope_dim + self.v_dim)
+        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        keys = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)), dim=-1)
+        return keys, values
+
+    def finish(self, attended: torch.Tensor) -> torch.Tensor:
+        """o_proj of the per-head attention output [T, heads, v]."""
+        return self.o_proj(attended.reshape(attended.shape[0], -1))
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
-        query, key, _ = self.project(x, batch.positions)
-        return self.finish(cached_attention(query, key, None, cache_k, cache_v, batch, self.scale))
+        return self.finish(self.attend(self.project(x, batch.positions), batch, cache_k, cache_v))
 
 def build(config: dict, spec: ModelSpec) -> MoECausalLM:
     hidden = spec.hidden_size

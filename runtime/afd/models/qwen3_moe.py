@@ -19,6 +19,7 @@ class GroupedQueryAttention(nn.Module):
         hidden = config["hidden_size"]
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.head_dim = config.get("head_dim") or hidden // self.heads
+        self.out_head_dim = self.head_dim  # per head, of what `attend` returns
         bias = bool(config.get("attention_bias", False))
         eps = float(config.get("rms_norm_eps", 1e-6))
         self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
@@ -44,11 +45,15 @@ class GroupedQueryAttention(nn.Module):
         cos, sin = self.rotary(positions)
         return apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v
 
+    def attend(self, inputs: tuple, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
+        """Store the keys and values, attend: [T, heads, head_dim]."""
+        return cached_attention(*inputs, cache_k, cache_v, batch, self.scale)
+
     def finish(self, attended: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attended.reshape(attended.shape[0], -1))
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
-        return self.finish(cached_attention(*self.project(x, batch.positions), cache_k, cache_v, batch, self.scale))
+        return self.finish(self.attend(self.project(x, batch.positions), batch, cache_k, cache_v))
 
 def build(config: dict, spec: ModelSpec) -> MoECausalLM:
     hidden = spec.hidden_size
