@@ -92,6 +92,8 @@ def run_level(role, batch: int, args, rng: random.Random) -> dict:
 
     engine.observer = engine._outputs.observer = Steps()
     replays_before = role.runner.graphs.replays if role.runner.graphs is not None else 0
+    mixed = role.runner.mixed_graphs
+    mixed_before = mixed.replays if mixed is not None else 0
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     prompts = [[rng.randrange(args.vocab) for _ in range(rng.randint(128, 1024))] for _ in range(batch)]
     engine.start()
@@ -115,9 +117,20 @@ def run_level(role, batch: int, args, rng: random.Random) -> dict:
     ceiling = step_seconds(role.runner, role.kv_cache, batch, vocab_size=args.vocab)
     interval = statistics.median(gaps)
     return {"batch": batch, "wall_s": wall, "steps": len(steps), "decode_steps": len(decode_steps),
-            "graph_replays": replays, "decode_interval_ms": 1e3 * interval, "ceiling_ms": 1e3 * ceiling,
+            "graph_replays": replays, "piecewise_replays": (mixed.replays - mixed_before) if mixed is not None else 0,
+            "all_prompts_in_s": all_in - started, "tokens_per_s": batch * args.output_tokens / wall,
+            "step_tokens": _histogram([tokens for _, tokens in steps], batch), "decode_interval_ms": 1e3 * interval, "ceiling_ms": 1e3 * ceiling,
             "pace": ceiling / interval, "step_curve": [(round(t), round(1e3 * s, 2)) for t, s in curve],
             "phases_ms_per_step": {k: 1e3 * v / iterations for k, v in sorted(clock.seconds.items())}}
+
+
+def _histogram(step_tokens: list[int], batch: int) -> dict[str, int]:
+    """How many steps of each size: decode-only at the full batch, then by prompt-carrying token counts."""
+    edges = (256, 512, 1024, 2048)
+    counts = collections.Counter()
+    for tokens in step_tokens:
+        counts["full decode" if tokens == batch else f"<={next((e for e in edges if tokens <= e), 'more')}"] += 1
+    return dict(sorted(counts.items()))
 
 
 def main() -> int:
@@ -130,6 +143,7 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--prefill-itl-ratio", type=float, default=2.0)
+    parser.add_argument("--mixed-graph-tokens", type=int, default=2048, help="piecewise prompt-step graphs (0: eager)")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     if args.model is None:
@@ -139,7 +153,8 @@ def main() -> int:
     gpu = args.device == "cuda"
     args.vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     config = AFDConfig(role="monolithic", model=args.model, device=args.device, cuda_graphs=gpu,
-                       max_num_seqs=max(levels), dtype="bfloat16" if gpu else "float32")
+                       max_num_seqs=max(levels), dtype="bfloat16" if gpu else "float32",
+                       max_num_batched_tokens=args.max_num_batched_tokens, mixed_graph_tokens=args.mixed_graph_tokens)
     tokens = max(levels) * (1024 + args.output_tokens + 32)
     role = build_monolithic(config, tokens)
     rng = random.Random(0)
@@ -150,6 +165,9 @@ def main() -> int:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in level["phases_ms_per_step"].items())
         print(f"{batch:>6} {level['steps']:>6} {level['graph_replays']:>8} {level['decode_interval_ms']:>10.2f} "
               f"{level['ceiling_ms']:>11.2f} {level['pace']:>5.2f}  {phases}", flush=True)
+        print(f"{'':>6} wall {level['wall_s']:.1f} s, {level['tokens_per_s']:.0f} tok/s, every prompt in after "
+              f"{level['all_prompts_in_s']:.1f} s, piecewise replays {level['piecewise_replays']}; steps by tokens "
+              f"{level['step_tokens']}", flush=True)
         print(f"{'':>6} step time the pacer learned (tokens: ms): "
               + ", ".join(f"{t}: {ms}" for t, ms in level["step_curve"]), flush=True)
     role.close("benchmark done")
