@@ -59,7 +59,8 @@ def run_level(role, batch: int, args, rng: random.Random) -> dict:
                     max_num_batched_tokens=args.max_num_batched_tokens, device=role.device,
                     prefill_itl_ratio=args.prefill_itl_ratio)
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
-    engine.step = clock.wrap("step launch", engine.step)
+    runner = _ProfiledRunner(engine.step, args.profile_prompt_step)
+    engine.step = clock.wrap("step launch", runner)
     engine._outputs.tokens = clock.wrap("outputs handed over", engine._outputs.tokens)
     originals = engine_module.build_inputs, engine_module.sample, Sampled.wait
     engine_module.build_inputs = clock.wrap("build inputs", engine_module.build_inputs)
@@ -120,8 +121,36 @@ def run_level(role, batch: int, args, rng: random.Random) -> dict:
             "graph_replays": replays, "piecewise_replays": (mixed.replays - mixed_before) if mixed is not None else 0,
             "all_prompts_in_s": all_in - started, "tokens_per_s": batch * args.output_tokens / wall,
             "step_tokens": _histogram([tokens for _, tokens in steps], batch), "decode_interval_ms": 1e3 * interval, "ceiling_ms": 1e3 * ceiling,
-            "pace": ceiling / interval, "step_curve": [(round(t), round(1e3 * s, 2)) for t, s in curve],
+            "pace": ceiling / interval,
+            "prompt_launch_ms_p50": statistics.median(runner.prompt_launch_ms) if runner.prompt_launch_ms else 0.0, "step_curve": [(round(t), round(1e3 * s, 2)) for t, s in curve],
             "phases_ms_per_step": {k: 1e3 * v / iterations for k, v in sorted(clock.seconds.items())}}
+
+
+class _ProfiledRunner:
+    """The rank's stepper, timing each prompt-carrying launch; the N-th such step of >= 1024 tokens
+    runs under torch.profiler and its table (host time by op) is printed."""
+
+    def __init__(self, runner, profile_at: int):
+        self.runner, self.profile_at, self.seen = runner, profile_at, 0
+        self.prompt_launch_ms: list[float] = []
+
+    def __call__(self, input_ids, layout):
+        if max(layout.new_lens) == 1:
+            return self.runner(input_ids, layout)
+        started = time.perf_counter()
+        self.seen += layout.num_tokens >= 1024
+        if self.profile_at and self.seen == self.profile_at and layout.num_tokens >= 1024:
+            import torch
+
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                logits = self.runner(input_ids, layout)
+            print(f"profiled prompt step: {layout.num_tokens} tokens, {len(layout.new_lens)} sequences, "
+                  f"{sum(n > 1 for n in layout.new_lens)} with prompt tokens")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=50))
+        else:
+            logits = self.runner(input_ids, layout)
+        self.prompt_launch_ms.append(1e3 * (time.perf_counter() - started))
+        return logits
 
 
 def _histogram(step_tokens: list[int], batch: int) -> dict[str, int]:
@@ -143,6 +172,7 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--prefill-itl-ratio", type=float, default=2.0)
+    parser.add_argument("--profile-prompt-step", type=int, default=0, help="profile the N-th prompt step of >= 1024 tokens")
     parser.add_argument("--mixed-graph-tokens", type=int, default=2048, help="piecewise prompt-step graphs (0: eager)")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -166,7 +196,8 @@ def main() -> int:
         print(f"{batch:>6} {level['steps']:>6} {level['graph_replays']:>8} {level['decode_interval_ms']:>10.2f} "
               f"{level['ceiling_ms']:>11.2f} {level['pace']:>5.2f}  {phases}", flush=True)
         print(f"{'':>6} wall {level['wall_s']:.1f} s, {level['tokens_per_s']:.0f} tok/s, every prompt in after "
-              f"{level['all_prompts_in_s']:.1f} s, piecewise replays {level['piecewise_replays']}; steps by tokens "
+              f"{level['all_prompts_in_s']:.1f} s, piecewise replays {level['piecewise_replays']}; prompt-step launch p50 "
+              f"{level['prompt_launch_ms_p50']:.1f} ms; steps by tokens "
               f"{level['step_tokens']}", flush=True)
         print(f"{'':>6} step time the pacer learned (tokens: ms): "
               + ", ".join(f"{t}: {ms}" for t, ms in level["step_curve"]), flush=True)

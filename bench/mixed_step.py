@@ -32,6 +32,9 @@ SHAPES = (  # (decode rows, their context, prompt chunk lengths)
     (64, 704, (448,)),
     (256, 704, (256,)),
     (256, 704, (1792,)),
+    (0, 0, (512,) * 4),  # what a serving step of 2,048 prompt tokens holds: several prompts
+    (0, 0, (128,) * 16),
+    (64, 300, (256,) * 7),
 )
 
 
@@ -61,10 +64,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--eager-only", action="store_true")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--profile", type=int, default=-1, help="torch.profiler table of one step of SHAPES[N]")
     args = parser.parse_args()
     config = dict(V2_LITE, num_hidden_layers=args.layers)
     model, spec, crossing = random_model(config)
-    kv = kv_cache_for(model, 300, 2048)
+    kv = kv_cache_for(model, 800, 2048)
     runner = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)
     vocab = config["vocab_size"]
     rows, capture_s = [], 0.0
@@ -86,6 +90,15 @@ def main() -> None:
                     row["decode_graph"] = time_step(runner, ids[:d], decode, args.steps)
                     for table in tables:
                         kv.release(table)
+        if args.profile >= 0:
+            _, _, _, layout, _ = shapes[args.profile]
+            ids = torch.randint(0, vocab, (layout.num_tokens,), device="cuda")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                runner(ids, layout)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
     memory = runner.graphs.memory_bytes if runner.graphs is not None else 0
     write_json("mixed_step" + (f"-{args.tag}" if args.tag else ""),
                {"layers": args.layers, "capture_s": capture_s, "graph_memory_bytes": memory, "rows": rows})

@@ -1,6 +1,7 @@
 """(a) MoE layer time vs its floor at DeepSeek-V2-Lite shapes, per kernel, CUDA-graph replays.
 
     python3 bench/moe_layer.py        # prints a table, writes $OUT/moe_layer.json
+    python3 bench/moe_layer.py --before OLD_TABLE.json   # also the Triton kernel on another tuned table
 
 The layer is router + top-6 routing + 64 routed experts + 2 shared experts (folded in as
 experts), hidden 2048, expert width 1408, bf16. Floor = max(bytes of the touched expert
@@ -9,7 +10,11 @@ weights / measured copy bandwidth, matmul FLOPs / measured bf16 rate).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import os
+from pathlib import Path
 
 import torch
 from common import V2_LITE, ceilings, time_graph, write_json
@@ -43,7 +48,24 @@ def floor_ms(layer: MoE, x: torch.Tensor, limits: dict) -> float:
     return 1e3 * max(weight_bytes / limits["copy_bytes_per_s"], flops / limits["bf16_flops"])
 
 
+@contextlib.contextmanager
+def settings_from(path: str):
+    """Inside, every Triton MoE call takes its kernel settings from the tuned table file `path`."""
+    from afd.kernels import moe
+
+    table = {int(tokens): cfg for tokens, cfg in json.loads(Path(path).read_text())["configs"].items()}
+    tuned = moe.device_table
+    moe.device_table = lambda *args: table
+    try:
+        yield
+    finally:
+        moe.device_table = tuned
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", help="a tuned table file (e.g. the one before a re-tune) to time Triton on as well")
+    args = parser.parse_args()
     limits = ceilings()
     layer = build_layer()
     rows = []
@@ -56,14 +78,21 @@ def main() -> None:
                 os.environ["AFD_MOE_KERNEL"] = kernel
                 row[f"{kernel}_ms"] = time_graph(lambda: layer(x))
                 outputs[kernel] = layer(x).float()
+            if args.before:
+                os.environ["AFD_MOE_KERNEL"] = "triton"
+                with settings_from(args.before):
+                    row["before_ms"] = time_graph(lambda: layer(x))
             row["triton_vs_grouped_rel_err"] = float((outputs["triton"] - outputs["grouped"]).norm() / outputs["grouped"].norm())
             rows.append(row)
-    write_json("moe_layer", {"ceilings": limits, "rows": rows})
+    write_json("moe_layer", {"ceilings": limits, "before_table": args.before, "rows": rows})
     print(f"copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), bf16 matmul {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
-    print(f"{'tokens':>6} {'floor ms':>9} {'triton ms':>10} {'x floor':>8} {'grouped ms':>11} {'x floor':>8} {'rel err':>8}")
+    before = f" {'before ms':>10} {'x floor':>8} {'now/before':>10}" if args.before else ""
+    print(f"{'tokens':>6} {'floor ms':>9} {'triton ms':>10} {'x floor':>8} {'grouped ms':>11} {'x floor':>8} {'rel err':>8}{before}")
     for r in rows:
+        before = (f" {r['before_ms']:>10.3f} {r['before_ms'] / r['floor_ms']:>8.2f} {r['triton_ms'] / r['before_ms']:>10.2f}"
+                  if args.before else "")
         print(f"{r['tokens']:>6} {r['floor_ms']:>9.3f} {r['triton_ms']:>10.3f} {r['triton_ms'] / r['floor_ms']:>8.2f} "
-              f"{r['grouped_ms']:>11.3f} {r['grouped_ms'] / r['floor_ms']:>8.2f} {r['triton_vs_grouped_rel_err']:>8.1e}")
+              f"{r['grouped_ms']:>11.3f} {r['grouped_ms'] / r['floor_ms']:>8.2f} {r['triton_vs_grouped_rel_err']:>8.1e}{before}")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,20 @@
 Every candidate of each kernel (gate_up, down) is compiled first in parallel worker
 processes (Triton's on-disk cache then serves the timing process), then timed alone
 as a CUDA-graph replay on the real routing of each token count. Per token count the
-block-M with the least gate_up + down time wins, each kernel with its own best
-N/K/warps/stages. The table goes to `runtime/afd/kernels/configs/` (read by
-`afd.kernels.moe.config_table`) and to $OUT; a table of the winners is printed.
+layout's block-M with the least gate_up + down time wins, each kernel with its own best
+tile height (the layout's or half of it), N/K/warps/stages and TMA loads (on Hopper);
+then the three best of each kernel are timed again under several program orders
+(GROUP_M; no recompile, it is a run-time argument). `legacy` times are the best of the
+old search space (layout tiles, column-major order, pointer loads) on today's code.
+The new rows are merged into the table in `runtime/afd/kernels/configs/` (read by
+`afd.kernels.moe.config_table`; token counts not tuned now keep their rows) and go to
+$OUT; a table of the winners is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import multiprocessing
@@ -41,13 +47,33 @@ def block_ms(tokens: int, slots: int, experts: int) -> tuple[int, ...]:
     return (64, 128)
 
 
-def candidates(block_m: int) -> list[dict]:
-    """Kernel settings tried for one block-M: small tiles stream weights, large ones feed the tensor cores."""
+KERNELS = ("gate_up", "down")
+GROUP_MS = (1, 4, 8, 16)  # tiles per program group tried on each kernel's leaders (0, the old order, always is)
+
+
+def kernel_block_ms(layout_m: int) -> tuple[int, ...]:
+    """A kernel's own tile heights over a layout of `layout_m`: the layout's, or half (tiles of padding exit)."""
+    return (layout_m, layout_m // 2) if layout_m >= 32 else (layout_m,)
+
+
+def candidates(block_m: int, tma: bool) -> list[dict]:
+    """Kernel settings tried for a kernel tile height: small tiles stream weights, large ones feed the tensor cores."""
     if block_m <= 32:
         space = itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
         space = itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))
-    return [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s) for n, k, w, s in space]
+    return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, TMA=t)
+            for (n, k, w, s), t in itertools.product(space, (False, True) if tma else (False,))]
+
+
+def is_legacy(cfg: dict, layout_m: int) -> bool:
+    """Whether `cfg` was in the old search space (layout tiles, column-major order, pointer loads)."""
+    return cfg["BLOCK_M"] == layout_m and not cfg["GROUP_M"] and not cfg["TMA"]
+
+
+def cfg_key(kernel: str, cfg: dict) -> tuple:
+    """What a compiled variant depends on (GROUP_M is a run-time argument)."""
+    return kernel, json.dumps({**cfg, "GROUP_M": 0}, sort_keys=True)
 
 
 class Problem:
@@ -96,7 +122,7 @@ def random_experts(num_shared: int):
 
 
 def compile_jobs(jobs: list) -> list:
-    """Worker: run each (kernel, block_m, cfg, tokens) once so Triton compiles and caches it."""
+    """Worker: run each (kernel, layout block_m, cfg, tokens) once so Triton compiles and caches it."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
     num_shared = V2_LITE["n_shared_experts"]
     gate_up, down = random_experts(num_shared)
@@ -107,47 +133,64 @@ def compile_jobs(jobs: list) -> list:
             problem.launcher(kernel, block_m, cfg)()
             torch.cuda.synchronize()
         except Exception as err:  # out of shared memory or registers: not a candidate
-            failed.append((kernel, block_m, cfg, type(err).__name__))
+            failed.append((kernel, cfg, type(err).__name__))
     return failed
 
 
-def precompile(sizes: list[int], slots: int, experts: int, workers: int) -> set:
-    """Compile every candidate in parallel; returns the (kernel, block_m, cfg) that failed."""
+def precompile(sizes: list[int], slots: int, experts: int, workers: int, tma: bool) -> set:
+    """Compile every candidate in parallel; returns the `cfg_key`s that failed."""
+    layouts = {bm for tokens in sizes for bm in block_ms(tokens, slots, experts)}
     jobs = []
-    for block_m in sorted({bm for tokens in sizes for bm in block_ms(tokens, slots, experts)}):
-        for cfg in candidates(block_m):
-            for kernel in ("gate_up", "down"):
-                jobs.append((kernel, block_m, cfg, 64))
+    for block_m in sorted({sub for layout_m in layouts for sub in kernel_block_ms(layout_m)}):
+        for cfg in candidates(block_m, tma):
+            for kernel in KERNELS:
+                jobs.append((kernel, block_m, cfg, 64))  # the variant does not depend on the layout: the smallest
                 if block_m == 16 and 1 in sizes:
                     jobs.append((kernel, block_m, cfg, 1))  # odd pair counts specialise differently
     started = time.monotonic()
     chunks = [jobs[i::workers] for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         results = pool.map(compile_jobs, chunks)
-    failed = {(kernel, bm, json.dumps(cfg, sort_keys=True)) for chunk in results for kernel, bm, cfg, _ in chunk}
-    print(f"compiled {len(jobs)} kernel variants in {time.monotonic() - started:.0f} s ({len(failed)} do not fit)", flush=True)
-    return failed
+    failures = [failure for chunk in results for failure in chunk]
+    why = collections.Counter((kernel, "TMA" if cfg["TMA"] else "pointers", error) for kernel, cfg, error in failures)
+    print(f"compiled {len(jobs)} kernel variants in {time.monotonic() - started:.0f} s "
+          f"({len(failures)} fail: {dict(why)})", flush=True)
+    return {cfg_key(kernel, cfg) for kernel, cfg, _ in failures}
 
 
-def tune(problem: Problem, tokens: int, failed: set) -> dict:
+def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: bool) -> tuple[float, dict, float]:
+    """(ms, settings) of the fastest candidate of `kernel` over the layout `layout_m`, and the legacy best ms."""
+    def timed(cfg: dict) -> tuple[float, dict]:
+        return time_graph(problem.launcher(kernel, layout_m, cfg), iters=10), cfg
+
+    times = [timed(cfg) for sub in kernel_block_ms(layout_m) for cfg in candidates(sub, tma)
+             if cfg_key(kernel, cfg) not in failed]
+    legacy = min((ms for ms, cfg in times if is_legacy(cfg, layout_m)), default=float("nan"))
+    leaders = sorted(times, key=lambda pair: pair[0])[:3]
+    times += [timed({**cfg, "GROUP_M": group_m}) for _, cfg in leaders for group_m in GROUP_MS]
+    ms, cfg = min(times, key=lambda pair: pair[0])
+    return ms, cfg, legacy
+
+
+def tune(problem: Problem, tokens: int, failed: set, tma: bool) -> dict:
     """The best settings for one token count, with their times."""
     best = None
     experts = problem.down.shape[0]
     for block_m in block_ms(tokens, problem.slots, experts):
         entry = {"BLOCK_M": block_m}
-        for kernel in ("gate_up", "down"):
-            timed = []
-            for cfg in candidates(block_m):
-                if (kernel, block_m, json.dumps(cfg, sort_keys=True)) in failed:
-                    continue
-                timed.append((time_graph(problem.launcher(kernel, block_m, cfg), iters=10), cfg))
-            ms, cfg = min(timed, key=lambda pair: pair[0])
-            entry[kernel], entry[f"{kernel}_ms"] = cfg, ms
+        for kernel in KERNELS:
+            entry[f"{kernel}_ms"], entry[kernel], entry[f"{kernel}_legacy_ms"] = tune_kernel(
+                problem, kernel, block_m, failed, tma)
         entry["align_ms"] = time_graph(lambda: problem.moe_triton.align(problem.ids, problem.num_shared, experts, block_m))
         entry["total_ms"] = entry["gate_up_ms"] + entry["down_ms"] + entry["align_ms"]
         if best is None or entry["total_ms"] < best["total_ms"]:
             best = entry
     return best
+
+
+def describe(cfg: dict) -> str:
+    return (f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']} "
+            f"G{cfg['GROUP_M']}{' TMA' if cfg['TMA'] else ''}")
 
 
 def main() -> None:
@@ -157,24 +200,32 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
     from afd.kernels.moe import CONFIG_DIR, config_name
+    from afd.kernels.moe_triton import tma_supported
 
     num_shared = V2_LITE["n_shared_experts"]
     slots = V2_LITE["num_experts_per_tok"] + num_shared
     gate_up, down = random_experts(num_shared)
     experts, hidden, inter = down.shape
-    failed = precompile(sizes, slots, experts, args.workers)
+    tma = tma_supported(down.device)
+    print(f"TMA descriptors {'tried' if tma else 'not available here'}", flush=True)
+    failed = precompile(sizes, slots, experts, args.workers, tma)
     table, started = {}, time.monotonic()
     for tokens in sizes:
-        table[tokens] = tune(Problem(gate_up, down, num_shared, tokens), tokens, failed)
+        table[tokens] = tune(Problem(gate_up, down, num_shared, tokens), tokens, failed, tma)
         row = table[tokens]
-        print(f"tokens {tokens:>5}: BM {row['BLOCK_M']:>3} gate_up {row['gate_up_ms']:.3f} ms {row['gate_up']} "
-              f"down {row['down_ms']:.3f} ms {row['down']} align {row['align_ms']:.3f} ms", flush=True)
+        print(f"tokens {tokens:>5}: BM {row['BLOCK_M']:>3} gate_up {row['gate_up_ms']:.3f} ms "
+              f"(legacy {row['gate_up_legacy_ms']:.3f}) {describe(row['gate_up'])} | down {row['down_ms']:.3f} ms "
+              f"(legacy {row['down_legacy_ms']:.3f}) {describe(row['down'])} | align {row['align_ms']:.3f} ms", flush=True)
     print(f"timed in {time.monotonic() - started:.0f} s")
     device = torch.cuda.get_device_name()
-    document = {"device": device, "torch": torch.__version__, "configs": {str(t): row for t, row in table.items()}}
     name = config_name(experts, hidden, inter, device)
+    path = CONFIG_DIR / name
+    kept = json.loads(path.read_text())["configs"] if path.is_file() else {}  # token counts not tuned this time
+    configs = {**kept, **{str(t): row for t, row in table.items()}}
+    configs = dict(sorted(configs.items(), key=lambda item: int(item[0])))
+    document = {"device": device, "torch": torch.__version__, "configs": configs}
     CONFIG_DIR.mkdir(exist_ok=True)
-    (CONFIG_DIR / name).write_text(json.dumps(document, indent=1) + "\n")
+    path.write_text(json.dumps(document, indent=1) + "\n")
     write_json("moe_tune", {"file": name, **document})
     print(f"wrote {CONFIG_DIR / name}")
 

@@ -10,6 +10,15 @@ from afd.connector.wire import ProtocolError
 from afd.kernels.moe import CONFIG_DIR, DEFAULT_CONFIGS, config_name, config_table, pick_config
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA"}  # newer tables: a kernel's own tile height, program order, TMA loads
+
+
+def assert_kernel_entry(kernel: dict, layout_m: int) -> None:
+    assert KERNEL_KEYS <= set(kernel) <= KERNEL_KEYS | OPTIONAL_KEYS
+    block_m = kernel.get("BLOCK_M", layout_m)
+    assert block_m >= 16 and layout_m % block_m == 0  # a kernel tile lies inside one layout tile: one expert
+    assert isinstance(kernel.get("GROUP_M", 0), int) and kernel.get("GROUP_M", 0) >= 0
+    assert isinstance(kernel.get("TMA", False), bool)
 
 
 def test_pick_config_takes_the_nearest_token_count():
@@ -30,7 +39,8 @@ def test_every_committed_table_is_complete(path):
     assert table is not DEFAULT_CONFIGS and 1 in table
     for tokens, entry in table.items():
         assert entry["BLOCK_M"] in (16, 32, 64, 128), tokens
-        assert set(entry["gate_up"]) == KERNEL_KEYS and set(entry["down"]) == KERNEL_KEYS, tokens
+        assert_kernel_entry(entry["gate_up"], entry["BLOCK_M"])
+        assert_kernel_entry(entry["down"], entry["BLOCK_M"])
 
 
 def test_defaults_are_complete():

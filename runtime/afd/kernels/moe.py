@@ -33,7 +33,9 @@ def kernel_choice() -> str:
     return choice
 
 
-DEFAULT_CONFIGS = {  # tokens → settings; used where no tuned table fits the shapes and device
+# tokens → settings: the layout's BLOCK_M, and per kernel BLOCK_N/BLOCK_K/num_warps/num_stages plus,
+# optionally, its own BLOCK_M, GROUP_M and TMA (defaults in `moe_triton.kernel_settings`: the old behaviour).
+DEFAULT_CONFIGS = {  # used where no tuned table fits the shapes and device
     1: {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
         "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}},
     256: {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},

@@ -17,13 +17,25 @@ weights and writes SiLU(gate)·up; `down` multiplies by the down weights, scales
 the routing weight and writes each pair's row at its pair index (token order), so
 the final sum over a token's pairs is a plain deterministic reduction. No host
 synchronisation anywhere: grid sizes come from the worst case and unused tiles exit.
+
+Each GEMM kernel has its own tile height (a divisor of the layout's `block_m`, so a
+tile still has one expert; tiles that are all padding exit), its own program order
+(`GROUP_M` tiles sweep the columns together, keeping their A rows in L2) and may load
+its weights — and `down` its A rows — through TMA descriptors on Hopper.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton < 3.3: pointer loads only
+    TensorDescriptor = None
 
 
 @triton.jit
@@ -109,16 +121,44 @@ def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) ->
     return pairs, tile_expert
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit
+def _tile_and_col(num_tiles, num_cols, group_m):
+    """This program's (tile, column block). Groups of `group_m` tiles sweep every column block
+    with the tile fastest, so a group's A rows stay in L2 while its columns go by; a group of
+    all tiles is plain column-major order (every tile of column block 0, then of 1, …)."""
+    pid = tl.program_id(0)
+    per_group = group_m * num_cols
+    first = pid // per_group * group_m
+    size = tl.minimum(num_tiles - first, group_m)
+    return first + pid % per_group % size, pid % per_group // size
+
+
+@triton.jit
+def _weight_tile(w, row0, k0, n_ok, num_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """[BK, BN]: weight rows row0.. (the output columns) at inputs k0.. of a [rows, num_k] matrix,
+    through a TMA descriptor or a masked pointer load. A TMA tile past an expert's last row reads
+    the next rows (or zeros); those columns are never stored."""
+    if TMA:
+        tile = w.load([row0, k0]).T
+    else:
+        offs_n = row0 + tl.arange(0, BLOCK_N)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ptrs = w + offs_n[None, :].to(tl.int64) * num_k + offs_k[:, None]
+        tile = tl.load(ptrs, mask=(offs_k[:, None] < num_k) & n_ok[None, :], other=0.0)
+    return tile
+
+
+@triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, pairs_ptr, tile_expert_ptr,
-    num_pairs, slots, hidden, inter,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w, act_ptr, pairs_ptr, tile_expert_ptr,
+    num_pairs, slots, hidden, inter, layout_m, group_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
 ):
-    tile, col = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    if expert < 0:
+    num_tiles = tl.num_programs(0) // tl.cdiv(inter, BLOCK_N)
+    tile, col = _tile_and_col(num_tiles, tl.cdiv(inter, BLOCK_N), group_m)
+    if tl.load(pairs_ptr + tile * BLOCK_M) >= num_pairs:  # an expert's real rows come first: all padding
         return
+    expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pairs_ptr + rows)  # [BM] pair index, num_pairs = padding
     valid = pairs < num_pairs
@@ -127,51 +167,48 @@ def _gate_up_kernel(
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * hidden + offs_k[None, :]  # [BM, BK]
-    g_ptrs = w_ptr + expert * 2 * inter * hidden + offs_n[None, :].to(tl.int64) * hidden + offs_k[:, None]  # [BK, BN]
-    u_ptrs = g_ptrs + inter * hidden
+    gate_row = expert * 2 * inter + col * BLOCK_N  # rows of w viewed as [E * 2I, H]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        k_ok = offs_k + k0 < hidden
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] + k0 < hidden), other=0.0)
+        g = _weight_tile(w, gate_row, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
+        u = _weight_tile(w, gate_row + inter, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, in float32
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
 def _down_kernel(
-    act_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr,
-    num_pairs, top_k, slots, hidden, inter,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr,
+    num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
 ):
-    tile, col = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    if expert < 0:
+    num_tiles = tl.num_programs(0) // tl.cdiv(hidden, BLOCK_N)
+    tile, col = _tile_and_col(num_tiles, tl.cdiv(hidden, BLOCK_N), group_m)
+    if tl.load(pairs_ptr + tile * BLOCK_M) >= num_pairs:
         return
+    expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pairs_ptr + rows)
     valid = pairs < num_pairs
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + offs_k[None, :]  # [BM, BK]
-    b_ptrs = w_ptr + expert * hidden * inter + offs_n[None, :].to(tl.int64) * inter + offs_k[:, None]  # [BK, BN]
+    down_row = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        k_ok = offs_k + k0 < inter
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if TMA:
+            a = act.load([tile * BLOCK_M, k0])  # [BM, BK]
+        else:
+            a_ptrs = act + rows[:, None].to(tl.int64) * inter + (k0 + offs_k)[None, :]
+            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < inter, other=0.0)
+        b = _weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
         acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
     slot = pairs % slots
     routed = valid & (slot < top_k)
     weight = tl.load(weights_ptr + (pairs // slots) * top_k + slot, mask=routed, other=1.0).to(tl.float32)
@@ -180,23 +217,62 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-def _launch_options(cfg: dict) -> dict:
-    return dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+def kernel_settings(cfg: dict, layout_m: int) -> dict:
+    """One kernel's table entry with what older tables leave out filled in: its own BLOCK_M
+    (default the layout's; it must divide it, so a tile still has one expert), GROUP_M (0: all
+    tiles in one group, the column-major order of old) and TMA (off)."""
+    settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, **cfg}
+    if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
+        raise ValueError(f"kernel BLOCK_M {settings['BLOCK_M']} must be at least 16 and divide the layout's "
+                         f"BLOCK_M {layout_m}; re-run bench/moe_tune.py or fix the table")
+    return settings
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether TMA descriptors work here: Triton has them and the GPU is a Hopper or later
+    (or Triton's CPU interpreter runs the kernels). Elsewhere a TMA setting falls back to pointers."""
+    if TensorDescriptor is None:
+        return False
+    return device.type != "cuda" or _capability(device.index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _operand(tensor: torch.Tensor, block: list[int], tma: bool):
+    """`tensor` as a 2-D TMA descriptor of `block` tiles, or itself for pointer loads."""
+    if not tma:
+        return tensor
+    matrix = tensor.view(-1, tensor.shape[-1])
+    return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), block)
+
+
+def _launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict) -> None:
+    tiles = rows // cfg["BLOCK_M"]
+    kernel[(tiles * cols,)](
+        *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def launch_gate_up(x, w_gate_up, act, pairs, tile_expert, num_pairs: int, slots: int, block_m: int, cfg: dict) -> None:
-    """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every padded row."""
+    """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage)."""
     inter, hidden = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
-    grid = (tile_expert.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]))
-    _gate_up_kernel[grid](
-        x, w_gate_up, act, pairs, tile_expert, num_pairs, slots, hidden, inter, BLOCK_M=block_m, **_launch_options(cfg))
+    cfg = kernel_settings(cfg, block_m)
+    cfg["TMA"] = cfg["TMA"] and tma_supported(x.device)
+    w = _operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
+    args = (x, w, act, pairs, tile_expert, num_pairs, slots, hidden, inter)
+    _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg)
 
 
 def launch_down(act, w_down, out, pairs, tile_expert, weights, num_pairs: int, top_k: int, slots: int,
                 block_m: int, cfg: dict) -> None:
     """out[pair, H] = weight(pair) * act[row of pair] @ down[e]ᵀ for every real pair (weight 1: shared)."""
     hidden, inter = w_down.shape[1], w_down.shape[2]
-    grid = (tile_expert.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]))
-    _down_kernel[grid](
-        act, w_down, out, pairs, tile_expert, weights, num_pairs, top_k, slots, hidden, inter,
-        BLOCK_M=block_m, **_launch_options(cfg))
+    cfg = kernel_settings(cfg, block_m)
+    cfg["TMA"] = cfg["TMA"] and tma_supported(act.device)
+    a = _operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
+    w = _operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
+    args = (a, w, out, pairs, tile_expert, weights, num_pairs, top_k, slots, hidden, inter)
+    _launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg)

@@ -17,9 +17,13 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from afd.host_copy import host_to_device
+
+
+PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -187,14 +191,17 @@ def prompt_spans(batch: AttentionBatch):
 
 def prompt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence's new queries [n, Hq, Dk] over all its keys [L, Hkv, Dk] (the last n are theirs),
-    causal: [n, Hq, Dv]. The lower-right causal bias lets SDPA pick a flash or memory-efficient kernel."""
+    causal: [n, Hq, Dv]. The lower-right causal bias lets SDPA pick a flash or memory-efficient kernel.
+    Not cuDNN's: it plans every new (n, L) shape on the host, about 1.6 ms a call on an H200, and a
+    serving step's prompt lengths are new nearly every time."""
     bias = causal_lower_right(q.shape[0], keys.shape[0])
-    return F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # [1, Hq, n, Dk]
-        keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        values.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        attn_mask=bias, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
-    )[0].transpose(0, 1)
+    with sdpa_kernel(PROMPT_BACKENDS):
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, Hq, n, Dk]
+            keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            values.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            attn_mask=bias, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+        )[0].transpose(0, 1)
 
 
 def _paged_kernel(q, cache_k, cache_v, block_table, seq_lens, block_size: int, scale: float, values_in_keys: bool):

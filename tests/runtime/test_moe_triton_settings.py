@@ -1,0 +1,93 @@
+"""The Triton MoE equals the per-expert reference under every kind of kernel setting.
+
+On a GPU the kernels run there in bf16. Without one they run in Triton's CPU interpreter
+when it is on (TRITON_INTERPRET=1 before Triton is imported; Triton 3.7 — 3.6's cannot run
+the alignment's `tl.range` loops) in float16: the interpreter's bf16 `tl.dot` is wrong.
+Otherwise these tests skip.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    DEVICE, DTYPE = "cuda", torch.bfloat16
+elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
+    DEVICE, DTYPE = "cpu", torch.float16
+else:
+    DEVICE = DTYPE = None
+pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1 with Triton installed")
+
+if DEVICE is not None:  # a kernel's helpers resolve through its module's globals
+    import triton
+    import triton.language as tl
+
+    from afd.kernels.moe_triton import _tile_and_col
+
+    @triton.jit
+    def order_kernel(out_ptr, num_tiles, num_cols, group_m):
+        """Writes each program's (tile, column block)."""
+        tile, col = _tile_and_col(num_tiles, num_cols, group_m)
+        tl.store(out_ptr + tl.program_id(0) * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, tile, col))
+
+
+def kernel(block_n=32, block_k=32, **new_keys):
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3, **new_keys}
+
+
+SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROUP_M, TMA
+    "old-entry": {"BLOCK_M": 16, "gate_up": kernel(), "down": kernel()},
+    "grouped-tma-down": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=2),
+                         "down": kernel(64, BLOCK_M=32, GROUP_M=0, TMA=True)},
+    "tma-gate-up-small-down-tiles": {"BLOCK_M": 64, "gate_up": kernel(16, 64, GROUP_M=1, TMA=True),
+                                     "down": kernel(block_k=16, BLOCK_M=16, GROUP_M=3)},
+    "all-tma-half-tiles": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=5, TMA=True),
+                           "down": kernel(BLOCK_M=16, GROUP_M=2, TMA=True)},
+}
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_triton_moe_equals_the_reference_under_each_setting(name, tokens, monkeypatch):
+    from afd.kernels import moe
+    from afd.kernels.moe import add_shared
+    from afd.models.layers import Experts
+
+    routed, num_shared, top_k, hidden, inter = 8, 2, 3, 64, 48  # inter: not a multiple of BLOCK_N or BLOCK_K
+    monkeypatch.setattr(moe, "device_table", lambda *args: {1: SETTINGS[name]})
+    torch.manual_seed(tokens)
+    experts = Experts(routed + num_shared, hidden, inter).requires_grad_(False).double()
+    experts.gate_up.normal_(0, 0.1)
+    experts.down.normal_(0, 0.1)
+    x = torch.randn(tokens, hidden, dtype=torch.float64)
+    weights, ids = torch.rand(tokens, routed, dtype=torch.float64).topk(top_k, dim=-1)
+    reference = experts(x, *add_shared(weights, ids, routed, num_shared))  # float64, one matmul per expert
+
+    def on_device(tensor):
+        return tensor.to(DEVICE, DTYPE)
+
+    out = moe.experts_triton(on_device(x), on_device(weights), ids.to(DEVICE), on_device(experts.gate_up),
+                             on_device(experts.down), num_shared)
+    assert float((out.double().cpu() - reference).norm() / reference.norm()) < 1e-2
+
+
+def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
+    from afd.kernels.moe_triton import kernel_settings
+
+    assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False}
+    with pytest.raises(ValueError, match="divide the layout's BLOCK_M 64"):
+        kernel_settings(kernel(BLOCK_M=48), 64)
+
+
+@pytest.mark.parametrize("tiles, cols, group_m", [(7, 3, 7), (7, 3, 1), (7, 3, 3), (10, 4, 4), (5, 2, 8)])
+def test_the_program_order_visits_every_tile_and_column_once(tiles, cols, group_m):
+    out = torch.empty(tiles * cols, 2, dtype=torch.int32, device=DEVICE)
+    order_kernel[(tiles * cols,)](out, tiles, cols, group_m)
+    visited = [tuple(pair) for pair in out.tolist()]
+    assert sorted(visited) == [(tile, col) for tile in range(tiles) for col in range(cols)]
+    first_group = visited[: min(group_m, tiles) * cols]  # a group's tiles sweep every column first
+    assert {tile for tile, _ in first_group} == set(range(min(group_m, tiles)))
+    if group_m >= tiles:  # one group: the column-major order of old
+        assert visited == [(tile, col) for col in range(cols) for tile in range(tiles)]
