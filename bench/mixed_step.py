@@ -80,7 +80,7 @@ def main() -> None:
                          "eager": time_step(runner, ids, layout, args.steps)})
         if not args.eager_only:
             started = time.perf_counter()
-            runner.capture_graphs(256, max_mixed_tokens=2048)
+            runner.capture_graphs(256, mixed_tokens=2048)
             capture_s = time.perf_counter() - started
             for row, (d, c, chunks, layout, _) in zip(rows, shapes):
                 ids = torch.randint(0, vocab, (layout.num_tokens,), device="cuda")

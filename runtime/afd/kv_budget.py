@@ -18,6 +18,14 @@ import torch
 from afd.kv_cache import DEFAULT_BLOCK_SIZE
 
 GRAPH_MARGIN_BYTES = 1 << 30  # the decode graphs' pool (captured after the cache) and allocator fragmentation
+# the piecewise prompt-step graphs' share of that pool, per token of their largest bucket (afd.graphs.mixed:
+# 0.95 GiB at 2,048 tokens at DeepSeek-V2-Lite shapes on an H200, bench/mixed_step.py)
+MIXED_GRAPH_BYTES_PER_TOKEN = 512 << 10
+
+
+def graph_margin_bytes(mixed_graph_tokens: int) -> int:
+    """Device memory kept out of the KV cache for graphs captured after it."""
+    return GRAPH_MARGIN_BYTES + mixed_graph_tokens * MIXED_GRAPH_BYTES_PER_TOKEN
 
 
 class DeviceMemory(Protocol):
@@ -91,6 +99,6 @@ def plan_kv_budget(memory: DeviceMemory, utilization: float, activation_bytes: i
         raise RuntimeError(
             f"no room for a KV cache: {utilization:.2f} of {total / 2**30:.1f} GiB is {utilization * total / 2**30:.1f} GiB, "
             f"{in_use / 2**30:.1f} GiB are in use, the largest step peaked at {activation_bytes / 2**30:.1f} GiB and "
-            f"{margin_bytes / 2**30:.1f} GiB are kept for the decode graphs (raise gpu_memory_utilization, lower "
-            f"max_num_batched_tokens or max_num_seqs, or set kv_cache_bytes)")
+            f"{margin_bytes / 2**30:.1f} GiB are kept for the graphs (raise gpu_memory_utilization, lower "
+            f"max_num_batched_tokens, max_num_seqs or mixed_graph_tokens, or set kv_cache_bytes)")
     return KVBudget(budget // bytes_per_token, total, in_use, activation_bytes, margin_bytes)

@@ -36,8 +36,9 @@ class MonolithicRole:
 
     def close(self, reason: str = "shutdown") -> None:
         if self.runner.graphs is not None:
-            torch.cuda.synchronize(self.device)
-            self.runner.graphs = None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.runner.graphs = self.runner.mixed_graphs = None
         log.info("monolithic rank closed (%s)", reason)
 
 

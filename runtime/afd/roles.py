@@ -108,8 +108,9 @@ class AttentionRole:
 
     def close(self, reason: str = "shutdown") -> None:
         if self.runner.graphs is not None:  # release graphs first, then the link (docs/architecture.md)
-            torch.cuda.synchronize(self.device)
-            self.runner.graphs = None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.runner.graphs = self.runner.mixed_graphs = None
         self.link.close(reason)
 
 
@@ -127,7 +128,8 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
     link.listen(runner)
     if graphs_usable(config, share.device, share.dtype):
         try:  # warm-up and capture drive the FFN through their plans; Ready only after this
-            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks))
+            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks),
+                                           mixed_tokens=min(config.mixed_graph_tokens, config.max_num_batched_tokens))
         except Exception:
             link.close("graph capture failed")
             raise

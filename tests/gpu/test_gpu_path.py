@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error
+from tests.gpu.nccl_env import gpu_env, nccl_pairs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs need two GPUs")
 GPU_TOKENS = 32
 
 
@@ -121,7 +121,8 @@ def test_piecewise_prompt_graphs_equal_eager_steps(name, checkpoints):
 
 
 def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
-    """Greedy tokens from real processes: FFN rank(s) on GPU 1, attention ranks on GPU 0, NCCL data plane."""
+    """Greedy tokens from real processes: FFN rank(s) on GPU 1, attention ranks on GPU 0 (or all on GPU 0:
+    tests.gpu.nccl_env), NCCL data plane; with graphs the prompt step replays piecewise graphs."""
     from afd.local.offline_batch import split_prompts
     from afd.config import AFDConfig, config_to_env
     from afd.local.group_processes import local_zmq_config
@@ -135,12 +136,12 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
     config = local_zmq_config(base).replace(connector="nccl")
     blocks = split_prompts(len(PROMPTS), config.num_attention_ranks)
     with LocalProcesses() as processes:
-        processes.start("ffn-0", ["serve"], {**config_to_env(config.replace(role="ffn")), "CUDA_VISIBLE_DEVICES": "1"})
+        processes.start("ffn-0", ["serve"], {**config_to_env(config.replace(role="ffn")), **gpu_env("ffn-0", 1)})
         names = []
         for rank, block in enumerate(blocks):
             job = processes.workdir / f"a{rank}.json"
             job.write_text(json.dumps({"prompts": [PROMPTS[i] for i in block], "max_tokens": GPU_TOKENS, "ignore_eos": True}))
-            env = {**config_to_env(config.replace(role="attention", rank=rank)), "CUDA_VISIBLE_DEVICES": "0"}
+            env = {**config_to_env(config.replace(role="attention", rank=rank)), **gpu_env(f"attn-{rank}", 0)}
             processes.start(f"attn-{rank}", ["run-batch", "--input", str(job), "--output", str(processes.workdir / f"a{rank}.out")], env)
             names.append(f"attn-{rank}")
         try:
@@ -154,6 +155,8 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
                 print(f"--- {name} ---\n" + processes.log_path(name).read_text(errors="replace")[-6000:])
             raise
         outputs = [json.loads((processes.workdir / f"a{rank}.out").read_text()) for rank in range(len(blocks))]
+        if graphs:  # the prompt step had piecewise graphs to replay (their equality is the tokens')
+            assert all("captured piecewise prefill graphs" in processes.log_path(name).read_text() for name in names)
     tokens = [None] * len(PROMPTS)
     for block, output in zip(blocks, outputs):
         for position, index in enumerate(block):
@@ -161,7 +164,7 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
     return tokens
 
 
-@two_gpus
+@nccl_pairs
 @pytest.mark.parametrize("topology, stages, graphs, gate", [
     ("1A1F", 1, False, "ffn"), ("1A1F", 2, False, "ffn"), ("1A1F", 1, True, "ffn"),
     ("1A1F", 2, True, "ffn"), ("2A1F", 2, True, "ffn"),
@@ -172,7 +175,7 @@ def test_bf16_afd_over_nccl_equals_bf16_monolithic(topology, stages, graphs, gat
     assert afd_nccl(checkpoints["deepseek_v2"], topology, stages, graphs, gate) == reference.tokens
 
 
-@two_gpus
+@nccl_pairs
 def test_steps_under_dbo_min_tokens_replay_one_micro_batch_graphs(checkpoints):
     """stages=2 with AFD_DBO_MIN_TOKENS above every batch: graphs whose second stage is empty, same tokens."""
     reference, _ = monolithic(checkpoints["deepseek_v2"], torch.bfloat16, graphs=True)

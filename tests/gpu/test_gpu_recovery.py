@@ -18,13 +18,10 @@ import threading
 import time
 
 import pytest
-import torch
 
-# AFD_GPU_SHARE_ONE=1: every rank on GPU 0, NCCL told each process is its own host (NCCL_HOSTID), so the
-# pairs run over NCCL's socket transport on loopback; for a machine with one GPU (NCCL refuses two ranks of
-# a communicator on one device otherwise). The default needs two GPUs and uses P2P between them.
-SHARE_ONE = os.environ.get("AFD_GPU_SHARE_ONE") == "1"
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < (1 if SHARE_ONE else 2), reason="NCCL pairs need two CUDA GPUs")
+from tests.gpu.nccl_env import gpu_env, nccl_pairs
+
+pytestmark = nccl_pairs
 STREAM_TOKENS = 3000
 GREEDY = {"prompt": "Hello there", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
@@ -106,12 +103,6 @@ class Group:
 
     def log(self, name: str) -> str:
         return self.processes.log_path(name).read_text(errors="replace")[-5000:]
-
-
-def gpu_env(name: str, gpu: int) -> dict[str, str]:
-    if SHARE_ONE:
-        return {"CUDA_VISIBLE_DEVICES": "0", "NCCL_HOSTID": f"afd-test-{name}", "NCCL_SOCKET_IFNAME": "lo"}
-    return {"CUDA_VISIBLE_DEVICES": str(gpu)}
 
 
 class Stream(threading.Thread):

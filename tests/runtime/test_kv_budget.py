@@ -5,7 +5,7 @@ import torch
 
 import afd.runners.profile_step as profile_step
 from afd.config import AFDConfig
-from afd.kv_budget import GRAPH_MARGIN_BYTES, plan_kv_budget, profile_peak
+from afd.kv_budget import GRAPH_MARGIN_BYTES, graph_margin_bytes, plan_kv_budget, profile_peak
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.profile_step import plan_profile_shapes
@@ -76,3 +76,21 @@ def test_sizing_runs_the_largest_steps_of_the_role_between_reset_and_peak(checkp
     assert log == ["release", "reset", ("sample", (6, vocab)), ("sample", (6, vocab)), "peak", "release"]
     per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.float32)
     assert tokens == (int(0.9 * 80 * GIB) - 20 * GIB - 2 * GIB - GRAPH_MARGIN_BYTES) // per_token
+
+
+def test_piecewise_prompt_graphs_keep_their_pool_out_of_the_cache(checkpoints):
+    """With graphs on, the margin grows with the largest prompt-step bucket (capped by max_num_batched_tokens)."""
+    assert graph_margin_bytes(0) == GRAPH_MARGIN_BYTES and graph_margin_bytes(2048) == GRAPH_MARGIN_BYTES + GIB
+    path = str(checkpoints["deepseek_v2"])
+    loaded = load_model(path, "monolithic")
+    tokens = {}
+    for graphs in (False, True):
+        config = AFDConfig(role="monolithic", model=path, device="cpu", max_num_batched_tokens=40, max_num_seqs=6,
+                           cuda_graphs=graphs, mixed_graph_tokens=2048)
+        tokens[graphs] = profiled_cache_tokens(config, loaded, FakeMemory([]), torch.float32, torch.device("cpu"))
+    per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.float32)
+    expected_drop = 40 * (512 << 10) // per_token  # 40 tokens of buckets: min(2048, max_num_batched_tokens)
+    graph_tables = 4 * 6 // 16 + 1  # graphs on: block-table bytes per token (afd.server.run)
+    assert tokens[True] == (int(0.9 * 80 * GIB) - 20 * GIB - 2 * GIB - GRAPH_MARGIN_BYTES - 40 * (512 << 10)) // (
+        per_token + graph_tables)
+    assert tokens[False] - tokens[True] >= expected_drop

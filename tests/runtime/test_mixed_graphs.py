@@ -39,7 +39,7 @@ def test_piecewise_prompt_steps_give_the_eager_logits(name, checkpoints):
     for mixed in (0, 16):
         kv_cache = KVCache(loaded.model.kv_layouts(), 40, torch.float32, "cpu", block_size=4)
         runner = MonolithicRunner(loaded, kv_cache)
-        runner.capture_graphs(4, max_mixed_tokens=mixed)
+        runner.capture_graphs(4, mixed_tokens=mixed)
         results[mixed] = [runner(ids, layout) for ids, layout in _steps(kv_cache)]
         if mixed:
             assert runner.mixed_graphs.buckets == (16,)
@@ -59,7 +59,7 @@ def test_padding_rows_never_reach_the_cache(checkpoints):
     loaded = load_model(str(checkpoints["deepseek_v2"]))
     kv_cache = KVCache(loaded.model.kv_layouts(), 40, torch.float32, "cpu", block_size=4)
     runner = MonolithicRunner(loaded, kv_cache)
-    runner.capture_graphs(4, max_mixed_tokens=16)
+    runner.capture_graphs(4, mixed_tokens=16)
     table = tuple(kv_cache.allocate(8))
     before = [k.clone() for k in kv_cache.keys]
     runner(torch.tensor([5, 6, 7]), SeqLayout((table,), (0,), (3,)))
@@ -67,3 +67,38 @@ def test_padding_rows_never_reach_the_cache(checkpoints):
     for old, new in zip(before, kv_cache.keys):
         changed = {int(row) for row in torch.nonzero((old != new).flatten(1).any(1)).flatten()}
         assert changed == written
+
+
+@pytest.mark.parametrize("name, topology, stages, gate", [
+    ("deepseek_v2", "1A1F", 2, "attention"),
+    ("deepseek_v2", "2A1F", 1, "ffn"),
+    ("qwen3_moe", "1A1F", 1, "ffn"),
+    ("qwen3_moe", "2A2F", 2, "attention"),
+])
+def test_attention_ranks_replay_prompt_steps_piecewise_with_the_ffn_rank_behind(name, topology, stages, gate, checkpoints,
+                                                                                hf_reference, monkeypatch):
+    """Graphs on (the eager stand-in pool on CPU): the prompt step replays its segments, each crossing layer's
+    FFN input is shipped (padded to the bucket) and its output received in between, and the tokens are transformers'."""
+    from afd.graphs import mixed
+    from afd.local.group_threads import generate_in_threads
+    from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error
+    from tests.runtime.test_split_parity import loopback_config
+
+    served = []
+    run = mixed.MixedGraphs.run
+
+    def counting(self, input_ids, layout):
+        logits = run(self, input_ids, layout)
+        served.append((layout.num_tokens, logits is not None))
+        return logits
+
+    monkeypatch.setattr(mixed.MixedGraphs, "run", counting)
+    # graphs on the attention rank only: an FFN rank's graph cache replays NCCL transfers, which carry no step id
+    monkeypatch.setattr("afd.roles.graphs_usable", lambda config, device, dtype: config.role == "attention")
+    config = loopback_config(checkpoints[name], topology, stages, gate, tag="piecewise-").replace(
+        cuda_graphs=True, mixed_graph_tokens=32)
+    tokens, logits = hf_reference(name)
+    result = generate_in_threads(config, PROMPTS, NEW_TOKENS, ignore_eos=True)
+    assert result.tokens == tokens
+    assert max_relative_error(result.last_logits, logits) < 1e-4
+    assert served and all(replayed for _, replayed in served)  # every prompt step (one per attention rank)

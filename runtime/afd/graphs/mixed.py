@@ -1,4 +1,4 @@
-"""Piecewise graphs for steps that carry prompt tokens (prefill and mixed steps), on the monolith.
+"""Piecewise graphs for steps that carry prompt tokens (prefill and mixed steps).
 
 A decode graph cannot serve a step whose sequences add several tokens: its attention
 depends on every sequence's prompt length. Eagerly, such a step launches a few thousand
@@ -9,6 +9,12 @@ count alone: segment 0 embeds and projects layer 0's queries and keys; segment i
 i-1 (o_proj, residual, FFN) and projects layer i's; the last finishes the last layer. Only the
 attention itself (cache write and kernel, reading the step's metadata) runs eagerly between them.
 
+The FFN of a layer is a callable: the local one on the monolith; on an attention rank, the
+exchange with the FFN rank (send, then receive its output: NCCL transfers are captured as the
+decode graphs capture them). `before(stage_tokens, mode)` runs ahead of each warm-up, capture and
+replay with the padded token count (the attention rank sends its step plan there, so the FFN rank
+runs, captures or replays its own whole-step graph of that many rows).
+
 A step of T tokens pads to the smallest token bucket >= T; padding rows run the segments on
 token 0 at position 0 and are never attended, cached or read.
 """
@@ -16,7 +22,7 @@ token 0 at position 0 and are never attended, cached or read.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -40,12 +46,20 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(sizes[: cut + 1])
 
 
+LayerFFN = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index, residual stream) → stream after its FFN
+
+
 class MixedGraphs:
     """Per token bucket, one captured segment per gap between attention kernels; `run` replays them."""
 
-    def __init__(self, model: MoECausalLM, kv_cache: KVCache, buckets: Sequence[int], device: torch.device, pool=None):
+    def __init__(self, model: MoECausalLM, kv_cache: KVCache, buckets: Sequence[int], device: torch.device, pool=None,
+                 ffn: LayerFFN | None = None, before: Callable[[tuple[int, ...], str], None] | None = None,
+                 stages: int = 1):
         self.model, self.kv_cache, self.buckets = model, kv_cache, tuple(sorted(buckets))
         self.pool = pool if pool is not None else make_pool(device)
+        self.ffn = ffn or (lambda index, h: h + model.layers[index].ffn_half(h))
+        self.before = before or (lambda stage_tokens, mode: None)
+        self.stages = stages  # the plan names every stage; the piecewise step is one micro-batch
         largest = max(self.buckets)
         self.ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
@@ -65,13 +79,23 @@ class MixedGraphs:
         return self.pool.memory_bytes
 
     def capture_all(self) -> None:
-        """Warm up, then capture every bucket's segments, largest bucket first."""
+        """Warm up, then capture every bucket's segments, largest bucket first; each capture is replayed once
+        (capturing only records: an FFN rank's transfers happen in the replay)."""
+        before = self.memory_bytes
         for size in capture_order(self.buckets):
             count = len(self.model.layers) + 1
+            self.before(self._stage_tokens(size), "warmup")
             for index in range(count):
                 self._segment(index, size)  # warm-up: Triton compiles, the allocator settles
+            self.before(self._stage_tokens(size), "capture")
             self.segments[size] = [self.pool.capture(lambda i=index, s=size: self._segment(i, s)) for index in range(count)]
-        log.info("captured piecewise prefill graphs for %s tokens (%.1f MiB)", list(self.buckets), self.memory_bytes / 2**20)
+            for segment in self.segments[size]:
+                segment.replay()
+        log.info("captured piecewise prefill graphs for %s tokens (%.1f MiB)", list(self.buckets),
+                 (self.memory_bytes - before) / 2**20)
+
+    def _stage_tokens(self, size: int) -> tuple[int, ...]:
+        return (size,) + (0,) * (self.stages - 1)
 
     def _segment(self, index: int, size: int) -> None:
         """Finish layer index-1 (or embed when index is 0), then project layer index's attention inputs."""
@@ -79,9 +103,8 @@ class MixedGraphs:
         if index == 0:
             h = self.model.embed(self.ids[:size])
         else:
-            layer = layers[index - 1]
-            h = layer.attention_output(self.hidden[:size], self.attended[:size])
-            h = h + layer.ffn_half(h)
+            h = layers[index - 1].attention_output(self.hidden[:size], self.attended[:size])
+            h = self.ffn(index - 1, h)
         self.hidden[:size].copy_(h)
         if index < len(layers):
             for buffer, value in zip(self.inputs, layers[index].attention_inputs(h, self.positions[:size])):
@@ -101,6 +124,7 @@ class MixedGraphs:
         self.positions[:tokens].copy_(batch.positions)
         self.positions[tokens:size].zero_()
         segments = self.segments[size]
+        self.before(self._stage_tokens(size), "replay")
         segments[0].replay()
         for index, layer in enumerate(self.model.layers):
             inputs = tuple(None if t is None else t[:tokens] for t in self.inputs)

@@ -54,8 +54,10 @@ class RunnerCollector:
             sent.add_metric([*values, direction], count)
         yield sent
         graphs = getattr(self.runner, "graphs", None)
-        replays = CounterMetricFamily("afd_graph_replays", "Steps served by replaying a CUDA graph", labels=names)
-        replays.add_metric(values, getattr(graphs, "replays", 0) if graphs is not None else 0)
+        replays = CounterMetricFamily("afd_graph_replays", "Steps served by replaying CUDA graphs (decode graphs, "
+                                      "or the piecewise graphs of a prompt step)", labels=names)
+        mixed = getattr(self.runner, "mixed_graphs", None)
+        replays.add_metric(values, sum(getattr(g, "replays", 0) for g in (graphs, mixed) if g is not None))
         yield replays
         eager = CounterMetricFamily("afd_graph_eager_steps", "Steps run eagerly while graphs were on, by reason",
                                     labels=[*names, "reason"])

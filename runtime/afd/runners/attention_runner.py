@@ -23,6 +23,7 @@ from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
 from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs
+from afd.graphs.mixed import MixedGraphs, token_buckets
 from afd.metrics.layer_clock import StepInstruments
 from afd.runners.microbatch import SeqLayout, split_layout
 
@@ -58,6 +59,7 @@ class AttentionRunner:
         self.gate_on_attention = gate_on_attention = options.gate_on_attention
         self.step_id = 0
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
+        self.mixed_graphs: MixedGraphs | None = None  # piecewise graphs of prompt steps, set by capture_graphs
         self.eager_steps = 0  # steps no graph served while graphs were on
         self.profiled_eager_steps = 0  # of those, steps run eagerly because they were profiled
         self.clock = instruments.clock  # per-layer timings of sampled steps (afd.metrics.layer_clock)
@@ -65,6 +67,7 @@ class AttentionRunner:
         self.transfer_bytes = {"send": 0, "recv": 0}
         self.capture_seconds = 0.0  # wall time of the last warm-up and capture
         self._lost_buckets: tuple[int, ...] | None = None  # decode graphs to capture again once relinked
+        self._lost_mixed_tokens = 0  # and the piecewise graphs' largest token count
         hidden = loaded.spec.hidden_size
         self._hidden_per_token = len(self.crossing) * hidden  # elements each way, per token and step
         self._logit_bytes_per_token = len(self.crossing) * 4 * loaded.spec.num_experts if gate_on_attention else 0
@@ -84,6 +87,8 @@ class AttentionRunner:
         if self.graphs is not None:
             if not profiling:
                 logits = self.graphs.run(input_ids, layout)
+                if logits is None and self.mixed_graphs is not None:
+                    logits = self.mixed_graphs.run(input_ids, layout)
                 if logits is not None:
                     return logits
             self.eager_steps += 1
@@ -128,16 +133,7 @@ class AttentionRunner:
                 mb.hidden = layer.attention_half(mb.hidden, mb.batch, self.kv_cache.layer(index))
                 if index in self.crossing:
                     mb.waiting = AttnTransfer(self.step_id, index, mb.stage)
-                    if self.gate_on_attention:
-                        normed, router_logits = layer.gate_half(mb.hidden)
-                        clock.lap("compute", index, started)
-                        sending = clock.now()
-                        self.link.send(normed, mb.waiting, router_logits)
-                    else:
-                        clock.lap("compute", index, started)
-                        sending = clock.now()
-                        self.link.send(mb.hidden, mb.waiting)
-                    clock.lap("send", index, sending)
+                    self._ship(layer, mb.hidden, mb.waiting, started)
                 else:
                     mb.hidden = mb.hidden + layer.ffn_half(mb.hidden)
                     clock.lap("compute", index, started)
@@ -146,37 +142,69 @@ class AttentionRunner:
         last = torch.cat([mb.hidden[mb.batch.last_token] for mb in micro])
         return self.model.compute_logits(last)
 
+    def _ship(self, layer, hidden: torch.Tensor, transfer: AttnTransfer, started: float) -> None:
+        """Send layer `transfer.layer`'s FFN input: the residual stream, or with the gate here its norm and router logits."""
+        clock = self.clock
+        if self.gate_on_attention:
+            normed, router_logits = layer.gate_half(hidden)
+            clock.lap("compute", transfer.layer, started)
+            sending = clock.now()
+            self.link.send(normed, transfer, router_logits)
+        else:
+            clock.lap("compute", transfer.layer, started)
+            sending = clock.now()
+            self.link.send(hidden, transfer)
+        clock.lap("send", transfer.layer, sending)
+
+    def _exchange(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual stream after layer `index`'s FFN, for a step of one micro-batch (the piecewise
+        prompt steps): local FFN, or ship to the FFN rank and add what comes back."""
+        layer = self.model.layers[index]
+        if index not in self.crossing:
+            return hidden + layer.ffn_half(hidden)
+        transfer = AttnTransfer(self.step_id, index, 0)
+        self._ship(layer, hidden, transfer, self.clock.now())
+        return hidden + self.link.recv(transfer).to(hidden.dtype)
+
     def _send_plan(self, stage_tokens: tuple[int, ...], mode: str = "eager", profile: bool = False) -> None:
         self.step_id += 1
         flags = {"warmup": mode == "warmup", "capture": mode == "capture", "replay": mode == "replay", "profile": profile}
         self.link.send_plan(wire.StepPlan(self.step_id, stage_tokens, **flags))
 
     @torch.inference_mode()
-    def capture_graphs(self, max_batch: int = 0, buckets: Sequence[int] = ()) -> DecodeGraphs:
-        """Warm up and capture decode graphs up to `max_batch` sequences, or of exactly `buckets`
-        (the FFN follows the plans)."""
+    def capture_graphs(self, max_batch: int = 0, buckets: Sequence[int] = (), mixed_tokens: int = 0) -> DecodeGraphs:
+        """Warm up and capture decode graphs up to `max_batch` sequences, or of exactly `buckets`, and piecewise
+        graphs for prompt steps up to `mixed_tokens` tokens (0: none); the FFN follows the plans."""
         started = time.monotonic()
         buckets = tuple(sorted(set(buckets))) or decode_buckets(max_batch, self.stages)
+        device = self.kv_cache.keys[0].device
         self.graphs = DecodeGraphs(
-            self.forward, self.kv_cache, buckets, self.stages, self.kv_cache.keys[0].device,
-            before=self._send_plan, min_split=self.dbo_min_tokens,
+            self.forward, self.kv_cache, buckets, self.stages, device, before=self._send_plan,
+            min_split=self.dbo_min_tokens,
         )
         self.graphs.capture_all()
+        if mixed_tokens:
+            self.mixed_graphs = MixedGraphs(self.model, self.kv_cache, token_buckets(mixed_tokens), device,
+                                            pool=self.graphs.pool, ffn=self._exchange, before=self._send_plan,
+                                            stages=self.stages)
+            self.mixed_graphs.capture_all()
         self.link.wait_step()
         self.capture_seconds = time.monotonic() - started
         return self.graphs
 
     def on_link_lost(self) -> None:
-        """The decode graphs replayed the lost connection's transfers: release them."""
+        """The graphs replayed the lost connection's transfers: release them."""
         if self.graphs is not None:
             self._lost_buckets = self.graphs.buckets
-        self.graphs = None
+        if self.mixed_graphs is not None:
+            self._lost_mixed_tokens = max(self.mixed_graphs.buckets)
+        self.graphs = self.mixed_graphs = None
 
     def on_link_back(self) -> None:
-        """Capture the decode graphs again; this also re-warms the FFN's graph cache (its plans drive it)."""
+        """Capture the graphs again; this also re-warms the FFN's graph cache (its plans drive it)."""
         if self._lost_buckets is not None:
-            self.capture_graphs(buckets=self._lost_buckets)
-            self._lost_buckets = None
+            self.capture_graphs(buckets=self._lost_buckets, mixed_tokens=self._lost_mixed_tokens)
+            self._lost_buckets, self._lost_mixed_tokens = None, 0
 
     def _collect(self, mb: _MicroBatch) -> None:
         if mb.waiting is not None:

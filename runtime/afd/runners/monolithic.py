@@ -20,15 +20,15 @@ class MonolithicRunner:
         self.mixed_graphs: MixedGraphs | None = None
 
     @torch.inference_mode()
-    def capture_graphs(self, max_batch: int, max_mixed_tokens: int = 0) -> DecodeGraphs:
+    def capture_graphs(self, max_batch: int, mixed_tokens: int = 0) -> DecodeGraphs:
         """Decode graphs over the same buckets as the attention role (the speed baseline), and piecewise
-        graphs for steps with prompt tokens up to `max_mixed_tokens` (0: none), in the same memory pool."""
+        graphs for steps with prompt tokens up to `mixed_tokens` (0: none), in the same memory pool."""
         body = lambda input_ids, micro: self.model(input_ids, micro[0][1], self.kv_cache)  # noqa: E731
         device = self.kv_cache.keys[0].device
         self.graphs = DecodeGraphs(body, self.kv_cache, decode_buckets(max_batch, 1), 1, device)
         self.graphs.capture_all()
-        if max_mixed_tokens:
-            self.mixed_graphs = MixedGraphs(self.model, self.kv_cache, token_buckets(max_mixed_tokens), device,
+        if mixed_tokens:
+            self.mixed_graphs = MixedGraphs(self.model, self.kv_cache, token_buckets(mixed_tokens), device,
                                             pool=self.graphs.pool)
             self.mixed_graphs.capture_all()
         return self.graphs

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from afd.config import AFDConfig
 from afd.engine.engine import Engine
 from afd.engine.tokenizer import load_tokenizer
-from afd.kv_budget import CudaMemory, DeviceMemory, plan_kv_budget, profile_peak
+from afd.kv_budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
@@ -55,7 +55,8 @@ def profiled_cache_tokens(config: AFDConfig, loaded, memory: DeviceMemory, dtype
     per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), dtype)
     if config.cuda_graphs:  # the decode graphs' block tables grow with the cache
         per_token += 4 * config.max_num_seqs // DEFAULT_BLOCK_SIZE + 1
-    budget = plan_kv_budget(memory, config.gpu_memory_utilization, peak, per_token)
+    mixed_tokens = min(config.mixed_graph_tokens, config.max_num_batched_tokens) if config.cuda_graphs else 0
+    budget = plan_kv_budget(memory, config.gpu_memory_utilization, peak, per_token, graph_margin_bytes(mixed_tokens))
     log.info("KV cache sized from the GPU: %d tokens (%.2f of %.1f GiB, less %.1f GiB in use, %.2f GiB at the peak of "
              "a %d-token step and %.1f GiB for graphs)", budget.tokens, config.gpu_memory_utilization,
              budget.total_bytes / 2**30, budget.in_use_bytes / 2**30, peak / 2**30, config.max_num_batched_tokens,
