@@ -74,7 +74,7 @@ class AFDConfig:
     shutdown_grace_s: float = 30.0
     profile_every: int = 16  # per-layer timings on every N-th step (0: off)
     cuda_graphs: bool = False  # decode graphs on attention, a step-graph cache on the FFN (nccl connector, CUDA)
-    mixed_graph_tokens: int = 2048  # monolithic with cuda_graphs: piecewise graphs for prompt steps up to this many tokens (0: off)
+    mixed_graph_tokens: int = 2048  # with cuda_graphs: piecewise graphs for prompt steps up to this many tokens (0: off)
     ffn_batch_window_s: float = 0.0  # FFN: wait up to this long for every peer's plan so their rows share a step
     dbo_min_tokens: int = 0  # stages=2: steps of fewer tokens run as one micro-batch (the FFN reads its weights once)
     attention_engine: str = "afd"  # attention role: our engine, or vLLM's OpenAI server with afd.vllm_plugin

@@ -48,7 +48,7 @@ SETTING_HELP: dict[str, str] = {
     "shutdown_grace_s": "On SIGTERM, how long in-flight requests may finish before they are failed.",
     "profile_every": "Per-layer timings on every N-th step (0: off).",
     "cuda_graphs": "`true`: decode graphs on attention and a step-graph cache on the FFN (CUDA with the nccl connector).",
-    "mixed_graph_tokens": "Monolithic rank with `cuda_graphs`: steps that carry prompt tokens, up to this many tokens, replay piecewise graphs (everything between two attention kernels captured; attention eager). `0`: such steps run eagerly.",
+    "mixed_graph_tokens": "With `cuda_graphs` (monolithic and attention ranks): steps that carry prompt tokens, up to this many tokens (and `max_num_batched_tokens`), replay piecewise graphs: everything between two attention kernels captured per padded token bucket, attention eager; an attention rank's FFN rank replays its whole-step graph for the bucket. About 0.5 MiB of graph pool per token at DeepSeek-V2-Lite shapes, kept out of the KV cache. `0`: such steps run eagerly.",
     "ffn_batch_window_s": "FFN: wait up to this long for every peer's plan so their rows share one step.",
     "dbo_min_tokens": "With 2 stages, steps of fewer tokens run as one micro-batch (the FFN then reads its weights once).",
     "attention_engine": "`afd` (our engine) or `vllm` (vLLM's OpenAI server with `afd.vllm_plugin`).",
