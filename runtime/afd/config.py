@@ -60,6 +60,7 @@ class AFDConfig:
     max_model_len: int = 0
     max_num_batched_tokens: int = 8192
     prefill_itl_ratio: float = 2.0  # a step with decodes takes prompt tokens up to this × a decode-only step's time (0: off)
+    prefill_backlog_steps: int = 16  # ... but at least 1/N of the prompt tokens waiting (the backlog drains in ~N steps)
     kv_cache_bytes: int = 0
     served_model_name: str = ""
     failover_url: str = ""  # attention: where a request this rank cannot serve goes on (the client Service)
@@ -110,7 +111,8 @@ class AFDConfig:
             if not 1 <= port <= 65535:
                 raise ConfigError(f"{name}={port}: must be a TCP port in 1..65535")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_message_bytes", "connect_timeout_s", "peer_timeout_s",
-                     "heartbeat_interval_s", "shutdown_grace_s", "max_request_bytes", "max_prompts", "ceiling_context"):
+                     "heartbeat_interval_s", "shutdown_grace_s", "max_request_bytes", "max_prompts", "ceiling_context",
+                     "prefill_backlog_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
         if self.num_ffn_ranks * self.ffn_expert_parallel > 1 and "{rank}" not in self.ffn_address_template and not self.port_stride:
@@ -133,6 +135,12 @@ class AFDConfig:
     def api_children(self) -> int:
         """How many API processes this rank starts (0: the API runs in the engine's process)."""
         return self.api_servers if self.api_process or self.api_servers > 1 else 0
+
+    @property
+    def piecewise_graph_tokens(self) -> int:
+        """The largest prompt step that replays piecewise graphs (0: none): `mixed_graph_tokens`, at most a step's
+        token budget, and only with `cuda_graphs`."""
+        return min(self.mixed_graph_tokens, self.max_num_batched_tokens) if self.cuda_graphs else 0
 
     @property
     def topology(self) -> Topology:
@@ -203,6 +211,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_MAX_MODEL_LEN": "max_model_len",
     "AFD_MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
     "AFD_PREFILL_ITL_RATIO": "prefill_itl_ratio",
+    "AFD_PREFILL_BACKLOG_STEPS": "prefill_backlog_steps",
     "AFD_KV_CACHE_BYTES": "kv_cache_bytes",
     "AFD_SERVED_MODEL_NAME": "served_model_name",
     "AFD_FAILOVER_URL": "failover_url",

@@ -58,7 +58,7 @@ def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedMode
     runner = MonolithicRunner(loaded, kv_cache)
     if config.cuda_graphs:
         if device.type == "cuda" and dtype != "float32":
-            mixed_tokens = min(config.mixed_graph_tokens, config.max_num_batched_tokens)
+            mixed_tokens = config.piecewise_graph_tokens
             graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks), mixed_tokens)
             log.info("monolithic rank: decode graphs for %s sequences%s, %.1f MiB", list(graphs.buckets),
                      f", piecewise prefill graphs up to {mixed_tokens} tokens" if mixed_tokens else "",

@@ -129,7 +129,7 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
     if graphs_usable(config, share.device, share.dtype):
         try:  # warm-up and capture drive the FFN through their plans; Ready only after this
             graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks),
-                                           mixed_tokens=min(config.mixed_graph_tokens, config.max_num_batched_tokens))
+                                           mixed_tokens=config.piecewise_graph_tokens)
         except Exception:
             link.close("graph capture failed")
             raise

@@ -207,3 +207,26 @@ def test_an_eager_mixed_step_never_waits_for_the_device_in_attention():
     expected = cached_attention(q.float().cpu(), k.float().cpu(), None, cpu_cache, cpu_cache[:, :, :512], cpu_batch,
                                 latent**-0.5)
     assert max_relative_error(out.float().cpu(), expected) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads, kv_heads, key_dim, value_dim", [(8, 2, 128, 128), (16, 16, 192, 128)],
+                         ids=["gqa-flash", "mla-expanded"])
+def test_one_varlen_call_equals_one_sdpa_per_prompt(dtype, heads, kv_heads, key_dim, value_dim):
+    """All prompts of a step (fresh ones and chunks over cached keys, decodes between them) in one variable-length
+    kernel call attend exactly as each prompt alone under SDPA's lower-right causal bias."""
+    from afd.models.attention import AttentionBatch, prompt_attention, prompts_attention
+
+    torch.manual_seed(0)
+    block = 16
+    context, new = [0, 40, 100, 0, 7, 300], [130, 1, 17, 2, 64, 1]
+    tables = [list(range(32 * s, 32 * s + 32)) for s in range(len(new))]
+    layout = AttentionBatch.build(tables, context, new, block, "cuda").prompts
+    queries = sum(q1 - q0 for q0, q1, _, _ in layout.spans_host)
+    q = torch.randn(queries, heads, key_dim, device="cuda", dtype=dtype)
+    keys = torch.randn(layout.key_rows.shape[0], kv_heads, key_dim, device="cuda", dtype=dtype)
+    values = torch.randn(layout.key_rows.shape[0], kv_heads, value_dim, device="cuda", dtype=dtype)
+    got = prompts_attention(q, keys, values, layout, key_dim**-0.5)
+    for q0, q1, k0, k1 in layout.spans_host:
+        expected = prompt_attention(q[q0:q1], keys[k0:k1], values[k0:k1], key_dim**-0.5)
+        assert max_relative_error(got[q0:q1].float(), expected.float()) < (2e-2 if dtype == torch.bfloat16 else 1e-4)

@@ -196,7 +196,6 @@ def test_ffn_killed_mid_stream_comes_back_without_restarting_attention(attention
     down = httpx.post(f"{group.url(0)}/v1/completions", json={"model": group.model(0), **GREEDY}, timeout=30)
     assert down.status_code == 503
 
-    restarted_at = time.monotonic()
     group.start_ffn()
     recovered_in = group.wait_healthy(ranks, 90)
     assert recovered_in < 60

@@ -64,3 +64,20 @@ def test_a_mixed_step_copies_nothing_from_the_host_inside_the_layer(monkeypatch)
     cache_k = cache.clone()
     got = cached_attention(q, k, None, cache_k, cache_k[:, :, :4], batch, 0.5)
     assert torch.equal(got, expected)
+
+
+def test_prompt_layout_lists_every_prompt_once_for_one_varlen_call():
+    """Decode, prompt, decode, chunk: the prompts' queries are flat tokens 1-5 and 7-9 (not consecutive: an index
+    tensor), their keys every cache row of each, and the boundaries cumulative."""
+    block = 4
+    tables = [[0, 1], [2, 3], [4], [5, 6]]
+    batch = AttentionBatch.build(tables, [4, 0, 2, 3], [1, 5, 1, 3], block)
+    layout = batch.prompts
+    assert layout.tokens.tolist() == [1, 2, 3, 4, 5, 7, 8, 9]
+    assert layout.key_rows.tolist() == [8, 9, 10, 11, 12] + [20, 21, 22, 23, 24, 25]
+    assert layout.cu_queries.tolist() == [0, 5, 8] and layout.cu_keys.tolist() == [0, 5, 11]
+    assert layout.spans_host == ((0, 5, 0, 5), (5, 8, 5, 11))
+    assert (layout.max_queries, layout.max_keys) == (5, 6)
+    consecutive = AttentionBatch.build(tables, [0, 0, 2, 3], [2, 5, 1, 1], block).prompts
+    assert consecutive.tokens == slice(0, 7)
+    assert AttentionBatch.build(tables[:2], [4, 0], [1, 1], block).prompts is None

@@ -129,3 +129,6 @@ def test_a_backlog_raises_the_cap_to_a_sixteenth_of_it():
     pacer = PrefillPacer(2.0, cost=learned())
     assert pacer.prefill_cap(64, backlog=8000) == pacer.prefill_cap(64)  # 500 a step: the ratio allows more
     assert pacer.prefill_cap(64, backlog=32000) == 2000  # prompts arrive faster than the ratio lets them in
+    patient = PrefillPacer(2.0, cost=learned(), backlog_steps=64)  # AFD_PREFILL_BACKLOG_STEPS=64
+    assert patient.prefill_cap(64, backlog=32000) == pacer.prefill_cap(64)  # 500 a step: the ratio's cap holds
+    assert patient.prefill_cap(64, backlog=256000) == 4000

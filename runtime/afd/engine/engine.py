@@ -30,7 +30,7 @@ from afd.engine.link_care import LinkCare
 from afd.engine.outputs import OutputProcessor
 from afd.engine.sampler import Sampled, sample
 from afd.engine.scheduler import Scheduler
-from afd.engine.step_cost import PrefillPacer, StepClock
+from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
 from afd.engine.text import IncrementalDetokenizer, StopChecker
 from afd.kv_cache import KVCache
 from afd.runners.microbatch import SeqLayout
@@ -71,13 +71,14 @@ class Engine:
         pipeline: bool = True,
         on_logits: Callable[[list[Request], torch.Tensor], None] | None = None,
         prefill_itl_ratio: float = 0.0,
+        prefill_backlog_steps: int = BACKLOG_STEPS,
     ):
         self.step = step
         self.kv_cache = kv_cache
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.device = torch.device(device)
-        pacer = PrefillPacer(prefill_itl_ratio) if prefill_itl_ratio else None  # learns from every step
+        pacer = PrefillPacer(prefill_itl_ratio, backlog_steps=prefill_backlog_steps) if prefill_itl_ratio else None
         self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len, pacer)
         self._clock = StepClock()
         self.observer = observer

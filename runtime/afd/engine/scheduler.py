@@ -7,7 +7,7 @@ running, the step's token budget (chunked prefill), and KV-cache blocks for the 
 admission means a running request never has to be preempted. Admission is strictly
 first-come-first-served: a large request at the head is not overtaken. With a `PrefillPacer`,
 a step that has decodes takes only as many prompt tokens as keep it within the pacer's
-multiple of a decode-only step, or a sixteenth of the prompt backlog if more (`afd.engine.step_cost`).
+multiple of a decode-only step, or 1/`prefill_backlog_steps` of the prompt backlog if more (`afd.engine.step_cost`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import statistics
 from collections import deque
 
 MIN_PREFILL_TOKENS = 32  # prompt tokens a capped step still takes (2 KV blocks of 16)
-BACKLOG_STEPS = 16  # a capped step still takes 1/16 of the prompt tokens waiting to be prefilled
+BACKLOG_STEPS = 16  # a capped step still takes 1/16 of the prompt tokens waiting (AFD_PREFILL_BACKLOG_STEPS)
 
 
 class StepClock:

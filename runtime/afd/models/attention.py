@@ -4,10 +4,11 @@ A step's tokens arrive flattened ([T, ...]); `AttentionBatch` says which sequenc
 each token belongs to, its position, and where in the cache its key and value live
 (block table × block size, flattened). The kernel writes the new keys and values,
 then attends: sequences that add one token read the cache through the paged kernel on
-CUDA (on CPU: keys gathered, padded to the longest of them, one SDPA), and each sequence
-that adds several (a prompt or a prompt's chunk) attends alone under a lower-right causal
-bias, so a step mixing decodes and a prefill never pads every decode to the prompt's
-length (that padding cost gigabytes at 64 sequences).
+CUDA (on CPU: keys gathered, padded to the longest of them, one SDPA), and the sequences
+that add several (prompts, or chunks of them) attend causally, each to its own keys and
+lower-right aligned (a chunk's queries are its last keys): on CUDA all in one
+variable-length kernel call, elsewhere one SDPA each. A step mixing decodes and a prefill
+never pads every decode to the prompt's length (that padding cost gigabytes at 64 sequences).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class AttentionBatch:
     single_lens: torch.Tensor | None = None  # [S] keys of each, new token included
     single_longest: int = 0
     single_table: torch.Tensor | None = None  # [S, W] int32 their cache blocks: on CUDA the paged kernel reads them
+    prompts: "PromptLayout | None" = None  # the sequences that add several tokens, for one varlen attention call
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +101,7 @@ class AttentionBatch:
                 seq_lens=host_to_device(total.to(torch.int32), device),
                 block_size=block_size,
             )
+        prompts = PromptLayout.build(key_index, new, total, starts, device)
         single = torch.nonzero(new == 1).flatten()
         single_total = total[single]
         if max_new > 1 and len(single) and device.type == "cuda" and _paged_kernel_available():
@@ -117,6 +120,7 @@ class AttentionBatch:
             single_seqs=host_to_device(single, device),
             single_lens=host_to_device(single_total.to(torch.int32) if "single_table" in paged else single_total, device),
             single_longest=int(single_total.max()) if len(single) else 0,
+            prompts=prompts,
             **paged,
         )
 
@@ -152,8 +156,10 @@ def cached_attention(
     if batch.single_longest:
         tokens = single_tokens(batch)
         out[tokens] = one_token_attention(q[tokens], cache_k, cache_v, batch, scale, values_in_keys=v is None)
-    for span, rows in prompt_spans(batch):
-        out[span] = prompt_attention(q[span], cache_k[rows], cache_v[rows], scale)
+    if batch.prompts is not None:
+        layout = batch.prompts
+        out[layout.tokens] = prompts_attention(q[layout.tokens], cache_k[layout.key_rows],
+                                               cache_v[layout.key_rows], layout, scale)
     return out
 
 
@@ -180,13 +186,77 @@ def one_token_attention(q: torch.Tensor, cache_k, cache_v, batch: AttentionBatch
     ).reshape(count, q.shape[1], -1)
 
 
-def prompt_spans(batch: AttentionBatch):
-    """(slice of its tokens, cache rows of all its keys) for each sequence that adds several tokens."""
-    start = 0
-    for s, (new, total) in enumerate(zip(batch.new_lens_host, batch.seq_lens_host)):
-        if new > 1:
-            yield slice(start, start + new), batch.key_index[s, :total]
-        start += new
+@dataclass(frozen=True)
+class PromptLayout:
+    """The sequences of a step that add several tokens, laid out for one variable-length attention call:
+    their queries (the flat tokens `tokens`) and all their keys (`key_rows` of the cache), each concatenated
+    sequence after sequence, with cumulative boundaries."""
+
+    tokens: torch.Tensor | slice  # their flat token indices (a slice when consecutive: views, no copies)
+    key_rows: torch.Tensor  # [K] cache row of every key of every prompt, prompt after prompt
+    cu_queries: torch.Tensor  # [P + 1] int32 query boundaries
+    cu_keys: torch.Tensor  # [P + 1] int32 key boundaries
+    spans_host: tuple[tuple[int, int, int, int], ...]  # (query start, end, key start, end) of each prompt
+    max_queries: int
+    max_keys: int
+
+    @classmethod
+    def build(cls, key_index, new, total, starts, device) -> "PromptLayout | None":
+        """From AttentionBatch.build's host tensors: [B, max_len] key rows, new and total keys per sequence,
+        each sequence's first flat token. None when no sequence adds several tokens."""
+        several = torch.nonzero(new > 1).flatten().tolist()
+        if not several:
+            return None
+        lengths, totals = new[several], total[several]
+        tokens = torch.cat([torch.arange(int(starts[s]), int(starts[s] + new[s])) for s in several])
+        first, count = int(tokens[0]), len(tokens)
+        consecutive = int(tokens[-1]) - first + 1 == count
+        key_rows = torch.cat([key_index[s, : int(total[s])] for s in several])
+        zero = torch.zeros(1, dtype=torch.long)
+        cu_q, cu_k = torch.cat((zero, torch.cumsum(lengths, 0))), torch.cat((zero, torch.cumsum(totals, 0)))
+        spans = tuple(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()))
+        return cls(
+            tokens=slice(first, first + count) if consecutive else host_to_device(tokens, device),
+            key_rows=host_to_device(key_rows, device),
+            cu_queries=host_to_device(cu_q.to(torch.int32), device),
+            cu_keys=host_to_device(cu_k.to(torch.int32), device),
+            spans_host=spans,
+            max_queries=int(lengths.max()),
+            max_keys=int(totals.max()),
+        )
+
+
+def prompts_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: PromptLayout,
+                      scale: float) -> torch.Tensor:
+    """Every prompt's queries [Q, Hq, Dk] over its own keys [K, Hkv, Dk] and values [K, Hkv, Dv] (concatenated
+    as `layout` says; a prompt's last keys are its queries'), causal the lower-right way: [Q, Hq, Dv].
+    On CUDA one variable-length kernel for the whole step (a call per prompt cost launches and host time
+    per prompt and layer); elsewhere one SDPA per prompt."""
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if q.is_cuda:
+        return varlen_causal_attention(q, keys, values, layout, scale)
+    out = q.new_empty(q.shape[0], q.shape[1], values.shape[-1])
+    for q0, q1, k0, k1 in layout.spans_host:
+        out[q0:q1] = prompt_attention(q[q0:q1], keys[k0:k1], values[k0:k1], scale)
+    return out
+
+
+def varlen_causal_attention(q, keys, values, layout: PromptLayout, scale: float) -> torch.Tensor:
+    """`prompts_attention` on CUDA: FlashAttention's variable-length kernel where it applies (16-bit, one head
+    dim for queries, keys and values, grouped heads allowed; its causal mask is bottom-right aligned), else the
+    memory-efficient one (float32, or MLA's 192-wide keys with 128-wide values; mask type 2 = causal from the
+    bottom right)."""
+    dim = q.shape[-1]
+    if q.dtype in (torch.float16, torch.bfloat16) and dim == values.shape[-1] and dim <= 256 and dim % 8 == 0:
+        return torch.ops.aten._flash_attention_forward(
+            q, keys, values, layout.cu_queries, layout.cu_keys, layout.max_queries, layout.max_keys,
+            0.0, True, False, scale=scale)[0]
+    if keys.shape[1] != q.shape[1]:  # the memory-efficient kernel wants one key head per query head
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    return torch.ops.aten._efficient_attention_forward(
+        q[None], keys[None], values[None], None, layout.cu_queries, layout.cu_keys, layout.max_queries,
+        layout.max_keys, 0.0, 2, False, scale=scale)[0][0]
 
 
 def prompt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

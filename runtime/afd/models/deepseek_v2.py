@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.models.attention import (AttentionBatch, cached_attention, one_token_attention, prompt_attention,
-                                  prompt_spans, single_tokens)
+from afd.models.attention import (AttentionBatch, cached_attention, one_token_attention, prompts_attention,
+                                  single_tokens)
 from afd.models.base import DecoderLayer, MoECausalLM
 from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_pairs, yarn_mscale
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters
@@ -85,9 +85,10 @@ class MultiHeadLatentAttention(nn.Module):
             tokens = single_tokens(batch)
             latent = one_token_attention(self._absorb(query[tokens]), cache_k, cache_v, batch, self.scale, True)
             out[tokens] = self._values(latent)
-        for span, rows in prompt_spans(batch):
-            keys, values = self._expand(cache_k[rows].to(query.dtype))
-            out[span] = prompt_attention(query[span], keys, values, self.scale)
+        if batch.prompts is not None:  # all prompts' latents expanded by one up-projection, one attention call
+            layout = batch.prompts
+            keys, values = self._expand(cache_k[layout.key_rows].to(query.dtype))
+            out[layout.tokens] = prompts_attention(query[layout.tokens], keys, values, layout, self.scale)
         return out
 
     def _absorb(self, query: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ def profiled_cache_tokens(config: AFDConfig, loaded, memory: DeviceMemory, dtype
     per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), dtype)
     if config.cuda_graphs:  # the decode graphs' block tables grow with the cache
         per_token += 4 * config.max_num_seqs // DEFAULT_BLOCK_SIZE + 1
-    mixed_tokens = min(config.mixed_graph_tokens, config.max_num_batched_tokens) if config.cuda_graphs else 0
+    mixed_tokens = config.piecewise_graph_tokens
     budget = plan_kv_budget(memory, config.gpu_memory_utilization, peak, per_token, graph_margin_bytes(mixed_tokens))
     log.info("KV cache sized from the GPU: %d tokens (%.2f of %.1f GiB, less %.1f GiB in use, %.2f GiB at the peak of "
              "a %d-token step and %.1f GiB for graphs)", budget.tokens, config.gpu_memory_utilization,
@@ -86,6 +86,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         observer=metrics,
         link=role.link,
         prefill_itl_ratio=config.prefill_itl_ratio,
+        prefill_backlog_steps=config.prefill_backlog_steps,
     )
     metrics.track(engine)
     state = ServerState(
