@@ -157,7 +157,16 @@ def level_summary(streams: int, requests: int, parts: list[dict]) -> dict:
             "tokens_per_s": sum(part["tokens"] for part in parts) / seconds,
             "ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else None, "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
             "itl_p50_ms": 1e3 * statistics.median(itls) if itls else None, "itl_p99_ms": 1e3 * percentile(itls, 0.99),
+            "itl_p95_ms": 1e3 * percentile(itls, 0.95), "itl_share_over_2x_p50": _share_over(itls, 2),
             "decode_tokens_per_s": streams / mean_itl}
+
+
+def _share_over(itls: list[float], times: float) -> float | None:
+    """The fraction of inter-token gaps longer than `times` × their median (the ITL goal allows 1% over 2×)."""
+    if not itls:
+        return None
+    limit = times * statistics.median(itls)
+    return sum(gap > limit for gap in itls) / len(itls)
 
 
 @contextlib.contextmanager

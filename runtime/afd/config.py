@@ -60,7 +60,7 @@ class AFDConfig:
     max_model_len: int = 0
     max_num_batched_tokens: int = 8192
     prefill_itl_ratio: float = 2.0  # a step with decodes takes prompt tokens up to this × a decode-only step's time (0: off)
-    prefill_backlog_steps: int = 16  # ... but at least 1/N of the prompt tokens waiting (the backlog drains in ~N steps)
+    prefill_backlog_steps: int = 64  # ... but at least 1/N of the prompt tokens waiting (the backlog drains in ~N steps)
     kv_cache_bytes: int = 0
     served_model_name: str = ""
     failover_url: str = ""  # attention: where a request this rank cannot serve goes on (the client Service)

@@ -87,13 +87,14 @@ def test_finish_frees_blocks():
     assert sched.kv_cache.free_blocks == 8 and not sched.running
 
 
-def paced(budget=2048, ratio=2.0, min_tokens=32, learn=True):
-    """A scheduler whose pacer learned steps of 10 ms + 10 µs per token (2 × a decode step of d: 1000 + d prompt tokens)."""
+def paced(budget=2048, ratio=2.0, min_tokens=32, learn=True, backlog_steps=16):
+    """A scheduler whose pacer learned steps of 10 ms + 10 µs per token (2 × a decode step of d: 1000 + d prompt tokens);
+    a backlog floor of 1/16 (the default is 1/64) keeps the arithmetic small."""
     cache = KVCache([KVLayout(1, 2, 2)], 4096, torch.float32, "cpu", block_size=16)
     cost = StepCostModel()
     for tokens in (8, 16, 64, 256, 1024, 2048) * 3 if learn else ():
         cost.observe(tokens, 0.010 + 10e-6 * tokens)
-    return Scheduler(cache, 64, budget, max_model_len=4096, pacer=PrefillPacer(ratio, min_tokens, cost))
+    return Scheduler(cache, 64, budget, max_model_len=4096, pacer=PrefillPacer(ratio, min_tokens, cost, backlog_steps))
 
 
 def run_step(batch):
@@ -163,13 +164,18 @@ def _chunks_of(sched):
     return seen
 
 
-def test_a_pacer_that_learned_nothing_schedules_exactly_as_no_pacer():
+def test_a_pacer_that_learned_nothing_gives_prompts_beside_decodes_only_the_backlog_floor():
+    """The first prompts of a run arrive together: before the cost is learned, a step beside decodes takes
+    1/16 of the waiting prompt tokens (no pacer: the whole budget, a gap several decode steps long)."""
     unpaced = paced()
     unpaced.pacer = None
-    assert _chunks_of(paced(learn=False)) == _chunks_of(unpaced)
+    assert sum(chunk for _, chunk in _chunks_of(unpaced)[0][8:]) == 2048 - 8
+    steps = _chunks_of(paced(learn=False))
+    assert [chunk for _, chunk in steps[0][8:]] == [-(-(700 + 1000 + 1300 + 1600) // 16)]
+    assert all(sum(chunk for _, chunk in step[8:]) <= 2048 - 8 for step in steps)
 
 
-def test_prompts_piling_up_behind_the_cap_take_a_sixteenth_of_the_backlog_each_step():
+def test_prompts_piling_up_behind_the_cap_take_a_share_of_the_backlog_each_step():
     sched = paced(ratio=1.0)  # the ratio alone would let only 32 prompt tokens a step in
     decoding(sched, 16)
     prompts = [make(1600, max_tokens=4) for _ in range(4)]

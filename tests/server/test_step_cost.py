@@ -82,9 +82,12 @@ def test_the_cap_never_goes_below_the_minimum_chunk():
     assert pacer.prefill_cap(64) == MIN_PREFILL_TOKENS
 
 
-def test_no_cap_without_decodes_or_without_a_model():
-    assert PrefillPacer(2.0).prefill_cap(64) is None
+def test_no_cap_without_decodes_and_only_the_floors_before_the_cost_is_learned():
     assert PrefillPacer(2.0, cost=learned()).prefill_cap(0) is None
+    assert PrefillPacer(2.0).prefill_cap(0, backlog=50000) is None
+    unlearned = PrefillPacer(2.0, backlog_steps=64)
+    assert unlearned.prefill_cap(64) == MIN_PREFILL_TOKENS
+    assert unlearned.prefill_cap(64, backlog=36000) == 563  # a run's first prompts: 1/64 of them a step
 
 
 def test_a_cap_beyond_any_cost_is_no_cap():
@@ -125,10 +128,10 @@ def test_the_clock_of_asynchronous_steps_is_the_time_between_results():
     assert seconds == pytest.approx(durations)
 
 
-def test_a_backlog_raises_the_cap_to_a_sixteenth_of_it():
-    pacer = PrefillPacer(2.0, cost=learned())
+def test_a_backlog_raises_the_cap_to_a_share_of_it():
+    pacer = PrefillPacer(2.0, cost=learned(), backlog_steps=16)
     assert pacer.prefill_cap(64, backlog=8000) == pacer.prefill_cap(64)  # 500 a step: the ratio allows more
     assert pacer.prefill_cap(64, backlog=32000) == 2000  # prompts arrive faster than the ratio lets them in
-    patient = PrefillPacer(2.0, cost=learned(), backlog_steps=64)  # AFD_PREFILL_BACKLOG_STEPS=64
+    patient = PrefillPacer(2.0, cost=learned())  # the default: 1/64 (AFD_PREFILL_BACKLOG_STEPS)
     assert patient.prefill_cap(64, backlog=32000) == pacer.prefill_cap(64)  # 500 a step: the ratio's cap holds
     assert patient.prefill_cap(64, backlog=256000) == 4000

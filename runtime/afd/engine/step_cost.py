@@ -14,7 +14,7 @@ step's token count, through the medians of the last steps in each half-octave of
 collection, a first compile, a busy host); buckets keep the rare large steps from being drowned by
 the frequent decode-only ones; and a curve, unlike one straight line, follows a step time that is
 flat while the device is launch-bound and then rises (or jumps where decode graphs end). Until two
-buckets hold enough steps there is no prediction and no cap (chunked prefill as before).
+buckets hold enough steps there is no prediction, and a step beside decodes takes only the floors.
 `StepClock` gives each step's own duration in a loop that runs one step ahead.
 """
 
@@ -25,7 +25,7 @@ import statistics
 from collections import deque
 
 MIN_PREFILL_TOKENS = 32  # prompt tokens a capped step still takes (2 KV blocks of 16)
-BACKLOG_STEPS = 16  # a capped step still takes 1/16 of the prompt tokens waiting (AFD_PREFILL_BACKLOG_STEPS)
+BACKLOG_STEPS = 64  # a capped step still takes 1/64 of the prompt tokens waiting (AFD_PREFILL_BACKLOG_STEPS)
 
 
 class StepClock:
@@ -149,10 +149,18 @@ class PrefillPacer:
 
     def prefill_cap(self, decodes: int, backlog: int = 0) -> int | None:
         """Prompt tokens for a step next to `decodes` decoding requests while `backlog` prompt tokens wait to be
-        prefilled; None: no limit (nothing learned yet)."""
-        decode_only = self.cost.predict(decodes) if decodes else None
+        prefilled; None: no limit (no decodes, or no cost that a step could reach). Before two step sizes are
+        learned, only the floors: the first steps beside decodes stay small (a run's first prompts arrive together,
+        and a full-budget step there is the longest gap its streams see) and teach the curve."""
+        if not decodes:
+            self.last_cap = None
+            return None
+        decode_only = self.cost.predict(decodes)
         total = None if decode_only is None else self.cost.tokens_within(self.itl_ratio * decode_only)
         floor = max(self.min_tokens, -(-backlog // self.backlog_steps))
-        cap = None if total is None or math.isinf(total) else max(floor, int(total) - decodes)
+        if total is not None and math.isinf(total):
+            cap = None
+        else:
+            cap = floor if total is None else max(floor, int(total) - decodes)
         self.last_cap = cap
         return cap
