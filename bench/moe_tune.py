@@ -6,10 +6,11 @@ Every candidate of each kernel (gate_up, down) is compiled first in parallel wor
 processes (Triton's on-disk cache then serves the timing process), then timed alone
 as a CUDA-graph replay on the real routing of each token count. Per token count the
 layout's block-M with the least gate_up + down time wins, each kernel with its own best
-tile height (the layout's or half of it), N/K/warps/stages and TMA loads (on Hopper);
-then the three best of each kernel are timed again under several program orders
-(GROUP_M; no recompile, it is a run-time argument). `legacy` times are the best of the
-old search space (layout tiles, column-major order, pointer loads) on today's code.
+tile height (the layout's or half of it), N/K/warps/stages and TMA loads (on Hopper), and
+gate_up with its rows pre-gathered or not (GATHER: timed with its copy kernel); then the
+three best of each kernel are timed again under several program orders (GROUP_M; no
+recompile, it is a run-time argument). `legacy` times are the best of the old search space
+(layout tiles, column-major order, pointer loads, no GATHER) on today's code.
 The new rows are merged into the table in `runtime/afd/kernels/configs/` (read by
 `afd.kernels.moe.config_table`; token counts not tuned now keep their rows) and go to
 $OUT; a table of the winners is printed.
@@ -56,19 +57,30 @@ def kernel_block_ms(layout_m: int) -> tuple[int, ...]:
     return (layout_m, layout_m // 2) if layout_m >= 32 else (layout_m,)
 
 
-def candidates(block_m: int, tma: bool) -> list[dict]:
-    """Kernel settings tried for a kernel tile height: small tiles stream weights, large ones feed the tensor cores."""
+def load_options(kernel: str, block_m: int, tma: bool) -> list[dict]:
+    """How a kernel may load its operands: pointers or TMA (where available); gate_up also from rows
+    gathered first (GATHER) — with TMA, which only that makes possible for its rows, and with
+    pointers on tiles of 64+ rows."""
+    options = [{"TMA": t} for t in ((False, True) if tma else (False,))]
+    if kernel != "gate_up":
+        return options
+    return [{**option, "GATHER": gather} for option in options for gather in (False, True)
+            if not gather or option["TMA"] or block_m >= 64]
+
+
+def candidates(kernel: str, block_m: int, tma: bool) -> list[dict]:
+    """Settings tried for `kernel` at a tile height: small tiles stream weights, large ones feed the tensor cores."""
     if block_m <= 32:
         space = itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
         space = itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))
-    return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, TMA=t)
-            for (n, k, w, s), t in itertools.product(space, (False, True) if tma else (False,))]
+    return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads)
+            for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))]
 
 
 def is_legacy(cfg: dict, layout_m: int) -> bool:
-    """Whether `cfg` was in the old search space (layout tiles, column-major order, pointer loads)."""
-    return cfg["BLOCK_M"] == layout_m and not cfg["GROUP_M"] and not cfg["TMA"]
+    """Whether `cfg` was in the old search space (layout tiles, column-major order, pointer loads, no GATHER)."""
+    return cfg["BLOCK_M"] == layout_m and not cfg["GROUP_M"] and not cfg["TMA"] and not cfg.get("GATHER")
 
 
 def cfg_key(kernel: str, cfg: dict) -> tuple:
@@ -101,14 +113,15 @@ class Problem:
             pairs, tiles = self.moe_triton.align(self.ids, self.num_shared, self.down.shape[0], block_m)
             act = torch.randn(pairs.shape[0], self.inter, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(self.num_pairs, self.hidden, dtype=torch.bfloat16, device="cuda")
-            self.layouts[block_m] = (pairs, tiles, act, out)
+            x_rows = torch.empty(pairs.shape[0], self.hidden, dtype=torch.bfloat16, device="cuda")  # for GATHER
+            self.layouts[block_m] = (pairs, tiles, act, out, x_rows)
         return self.layouts[block_m]
 
     def launcher(self, kernel: str, block_m: int, cfg: dict):
-        pairs, tiles, act, out = self.layout(block_m)
+        pairs, tiles, act, out, x_rows = self.layout(block_m)
         if kernel == "gate_up":
             return lambda: self.moe_triton.launch_gate_up(
-                self.x, self.gate_up, act, pairs, tiles, self.num_pairs, self.slots, block_m, cfg)
+                self.x, self.gate_up, act, pairs, tiles, self.num_pairs, self.slots, block_m, cfg, x_rows)
         return lambda: self.moe_triton.launch_down(
             act, self.down, out, pairs, tiles, self.weights, self.num_pairs, self.top_k, self.slots, block_m, cfg)
 
@@ -142,8 +155,8 @@ def precompile(sizes: list[int], slots: int, experts: int, workers: int, tma: bo
     layouts = {bm for tokens in sizes for bm in block_ms(tokens, slots, experts)}
     jobs = []
     for block_m in sorted({sub for layout_m in layouts for sub in kernel_block_ms(layout_m)}):
-        for cfg in candidates(block_m, tma):
-            for kernel in KERNELS:
+        for kernel in KERNELS:
+            for cfg in candidates(kernel, block_m, tma):
                 jobs.append((kernel, block_m, cfg, 64))  # the variant does not depend on the layout: the smallest
                 if block_m == 16 and 1 in sizes:
                     jobs.append((kernel, block_m, cfg, 1))  # odd pair counts specialise differently
@@ -152,7 +165,7 @@ def precompile(sizes: list[int], slots: int, experts: int, workers: int, tma: bo
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         results = pool.map(compile_jobs, chunks)
     failures = [failure for chunk in results for failure in chunk]
-    why = collections.Counter((kernel, "TMA" if cfg["TMA"] else "pointers", error) for kernel, cfg, error in failures)
+    why = collections.Counter((kernel, describe_loads(cfg), error) for kernel, cfg, error in failures)
     print(f"compiled {len(jobs)} kernel variants in {time.monotonic() - started:.0f} s "
           f"({len(failures)} fail: {dict(why)})", flush=True)
     return {cfg_key(kernel, cfg) for kernel, cfg, _ in failures}
@@ -163,7 +176,7 @@ def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: 
     def timed(cfg: dict) -> tuple[float, dict]:
         return time_graph(problem.launcher(kernel, layout_m, cfg), iters=10), cfg
 
-    times = [timed(cfg) for sub in kernel_block_ms(layout_m) for cfg in candidates(sub, tma)
+    times = [timed(cfg) for sub in kernel_block_ms(layout_m) for cfg in candidates(kernel, sub, tma)
              if cfg_key(kernel, cfg) not in failed]
     legacy = min((ms for ms, cfg in times if is_legacy(cfg, layout_m)), default=float("nan"))
     leaders = sorted(times, key=lambda pair: pair[0])[:3]
@@ -188,9 +201,13 @@ def tune(problem: Problem, tokens: int, failed: set, tma: bool) -> dict:
     return best
 
 
+def describe_loads(cfg: dict) -> str:
+    return ("TMA" if cfg["TMA"] else "pointers") + (" GATHER" if cfg.get("GATHER") else "")
+
+
 def describe(cfg: dict) -> str:
     return (f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']} "
-            f"G{cfg['GROUP_M']}{' TMA' if cfg['TMA'] else ''}")
+            f"G{cfg['GROUP_M']} {describe_loads(cfg)}")
 
 
 def main() -> None:

@@ -14,7 +14,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GPU_TOKENS = 32
 
 
-@pytest.mark.parametrize("kernel", ["triton", "grouped"])
+def gathered(table: dict) -> dict:
+    """`table` with every gate_up reading pre-gathered rows through TMA (pointers where there is none)."""
+    return {tokens: {**cfg, "gate_up": {**cfg["gate_up"], "GATHER": True, "TMA": True}} for tokens, cfg in table.items()}
+
+
+@pytest.mark.parametrize("kernel", ["triton", "triton-gather", "grouped"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300, 2100])
 @pytest.mark.parametrize("num_shared", [0, 2])
 def test_moe_kernels_equal_the_reference(kernel, tokens, num_shared, monkeypatch):
@@ -22,7 +27,10 @@ def test_moe_kernels_equal_the_reference(kernel, tokens, num_shared, monkeypatch
     from afd.kernels.moe import add_shared
     from afd.models.layers import Experts
 
-    monkeypatch.setenv("AFD_MOE_KERNEL", kernel)
+    monkeypatch.setenv("AFD_MOE_KERNEL", kernel.removesuffix("-gather"))
+    if kernel == "triton-gather":
+        tuned = moe.device_table
+        monkeypatch.setattr(moe, "device_table", lambda *args: gathered(tuned(*args)))
     torch.manual_seed(tokens)
     routed = 16
     experts = Experts(routed + num_shared, 256, 128).cuda()

@@ -37,7 +37,7 @@ def kernel(block_n=32, block_k=32, **new_keys):
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3, **new_keys}
 
 
-SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROUP_M, TMA
+SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROUP_M, TMA, GATHER (gate_up)
     "old-entry": {"BLOCK_M": 16, "gate_up": kernel(), "down": kernel()},
     "grouped-tma-down": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=2),
                          "down": kernel(64, BLOCK_M=32, GROUP_M=0, TMA=True)},
@@ -45,10 +45,15 @@ SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROU
                                      "down": kernel(block_k=16, BLOCK_M=16, GROUP_M=3)},
     "all-tma-half-tiles": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=5, TMA=True),
                            "down": kernel(BLOCK_M=16, GROUP_M=2, TMA=True)},
+    "gather-tma-half-tiles": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=2, TMA=True, GATHER=True),
+                              "down": kernel(64, TMA=True)},
+    "gather-pointers": {"BLOCK_M": 64, "gate_up": kernel(16, 64, GROUP_M=1, GATHER=True),
+                        "down": kernel(block_k=16, BLOCK_M=16, GROUP_M=3)},
+    "gather-tma-layout-tiles": {"BLOCK_M": 16, "gate_up": kernel(64, 16, TMA=True, GATHER=True), "down": kernel()},
 }
 
 
-@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("tokens", [1, 37, 130])
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_triton_moe_equals_the_reference_under_each_setting(name, tokens, monkeypatch):
     from afd.kernels import moe
@@ -76,9 +81,45 @@ def test_triton_moe_equals_the_reference_under_each_setting(name, tokens, monkey
 def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
     from afd.kernels.moe_triton import kernel_settings
 
-    assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False}
+    assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False, "GATHER": False}
     with pytest.raises(ValueError, match="divide the layout's BLOCK_M 64"):
         kernel_settings(kernel(BLOCK_M=48), 64)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tokens", [1, 37, 130])
+def test_gate_up_on_pre_gathered_rows_writes_every_row_as_before(tokens, tma):
+    """GATHER changes where gate_up reads its rows, not a value of `act`, padding rows included; the
+    buffer holds each real row's token row and zeros in the padding of tiles with real rows."""
+    from afd.kernels import moe_triton
+
+    routed, num_shared, top_k, hidden, inter, layout_m = 8, 2, 3, 64, 48, 32
+    slots, num_pairs = top_k + num_shared, tokens * (top_k + num_shared)
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, hidden).to(DEVICE, DTYPE)
+    w_gate_up = (0.1 * torch.randn(routed + num_shared, 2 * inter, hidden)).to(DEVICE, DTYPE)
+    ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
+    pairs, tile_expert = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+    x_rows = torch.full((pairs.shape[0], hidden), float("nan"), dtype=DTYPE, device=DEVICE)
+    acts = {}
+    for gather in (False, True):
+        acts[gather] = torch.full((pairs.shape[0], inter), 7.0, dtype=DTYPE, device=DEVICE)  # kept where no tile writes
+        moe_triton.launch_gate_up(x, w_gate_up, acts[gather], pairs, tile_expert, num_pairs, slots, layout_m,
+                                  kernel(BLOCK_M=16, TMA=tma, GATHER=gather), x_rows)
+    torch.testing.assert_close(acts[True], acts[False], rtol=1e-2, atol=1e-3)
+    real = pairs < num_pairs
+    used = real.view(-1, layout_m)[:, :1].expand(-1, layout_m).reshape(-1)  # rows of tiles with a real row
+    assert 0 < int(real.sum()) < int(used.sum())  # there is padding to get right
+    assert torch.equal(x_rows[real], x[pairs[real].long() // slots])
+    assert not x_rows[used & ~real].any()
+
+
+def test_gather_without_its_buffer_is_refused():
+    from afd.kernels import moe_triton
+
+    with pytest.raises(ValueError, match="GATHER needs x_rows"):
+        moe_triton.launch_gate_up(torch.zeros(1, 64), torch.zeros(1, 96, 64), None, torch.zeros(16, dtype=torch.int32),
+                                  None, 1, 1, 16, kernel(GATHER=True))
 
 
 @pytest.mark.parametrize("tiles, cols, group_m", [(7, 3, 7), (7, 3, 1), (7, 3, 3), (10, 4, 4), (5, 2, 8)])

@@ -10,7 +10,8 @@ from afd.connector.wire import ProtocolError
 from afd.kernels.moe import CONFIG_DIR, DEFAULT_CONFIGS, config_name, config_table, pick_config
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA"}  # newer tables: a kernel's own tile height, program order, TMA loads
+OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER"}  # newer tables: a kernel's own tile height, program order,
+# TMA loads, gate_up's rows pre-gathered
 
 
 def assert_kernel_entry(kernel: dict, layout_m: int) -> None:
@@ -18,7 +19,7 @@ def assert_kernel_entry(kernel: dict, layout_m: int) -> None:
     block_m = kernel.get("BLOCK_M", layout_m)
     assert block_m >= 16 and layout_m % block_m == 0  # a kernel tile lies inside one layout tile: one expert
     assert isinstance(kernel.get("GROUP_M", 0), int) and kernel.get("GROUP_M", 0) >= 0
-    assert isinstance(kernel.get("TMA", False), bool)
+    assert isinstance(kernel.get("TMA", False), bool) and isinstance(kernel.get("GATHER", False), bool)
 
 
 def test_pick_config_takes_the_nearest_token_count():
@@ -41,6 +42,7 @@ def test_every_committed_table_is_complete(path):
         assert entry["BLOCK_M"] in (16, 32, 64, 128), tokens
         assert_kernel_entry(entry["gate_up"], entry["BLOCK_M"])
         assert_kernel_entry(entry["down"], entry["BLOCK_M"])
+        assert "GATHER" not in entry["down"], tokens  # down's rows are contiguous already
 
 
 def test_defaults_are_complete():

@@ -21,7 +21,9 @@ synchronisation anywhere: grid sizes come from the worst case and unused tiles e
 Each GEMM kernel has its own tile height (a divisor of the layout's `block_m`, so a
 tile still has one expert; tiles that are all padding exit), its own program order
 (`GROUP_M` tiles sweep the columns together, keeping their A rows in L2) and may load
-its weights — and `down` its A rows — through TMA descriptors on Hopper.
+its weights — and `down` its A rows — through TMA descriptors on Hopper. With `GATHER`
+a copy kernel first writes `gate_up`'s A rows in layout order into a caller's buffer
+(`x_rows`, zeros for padding), which `gate_up` then reads contiguously: through TMA too.
 """
 
 from __future__ import annotations
@@ -148,35 +150,74 @@ def _weight_tile(w, row0, k0, n_ok, num_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     return tile
 
 
+@triton.jit
+def _row_tile(a, row0, k0, num_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """[BM, BK]: rows row0.. at inputs k0.. of a contiguous [rows, num_k] matrix, through a TMA
+    descriptor or a pointer load (inputs past num_k: zeros)."""
+    if TMA:
+        tile = a.load([row0, k0])
+    else:
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ptrs = a + offs_m[:, None].to(tl.int64) * num_k + offs_k[None, :]
+        tile = tl.load(ptrs, mask=offs_k[None, :] < num_k, other=0.0)
+    return tile
+
+
+@triton.jit(do_not_specialize=["num_pairs", "layout_m"])
+def _gather_kernel(x_ptr, x_rows_ptr, pairs_ptr, num_pairs, slots, hidden, layout_m,
+                   ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x_rows[row] = x[token of pairs[row]], zeros for padding rows, for ROWS rows and COLS columns.
+    Skips layout tiles of padding only (gate_up never reads them); ROWS divides the layout's block_m."""
+    row0 = tl.program_id(0) * ROWS
+    if tl.load(pairs_ptr + row0 // layout_m * layout_m) >= num_pairs:
+        return
+    rows = row0 + tl.arange(0, ROWS)
+    pairs = tl.load(pairs_ptr + rows)
+    tokens = (pairs // slots).to(tl.int64)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    in_row = cols[None, :] < hidden
+    values = tl.load(x_ptr + tokens[:, None] * hidden + cols[None, :], mask=(pairs < num_pairs)[:, None] & in_row,
+                     other=0.0)
+    tl.store(x_rows_ptr + rows[:, None].to(tl.int64) * hidden + cols[None, :], values, mask=in_row)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
 def _gate_up_kernel(
-    x_ptr, w, act_ptr, pairs_ptr, tile_expert_ptr,
+    x, w, act_ptr, pairs_ptr, tile_expert_ptr,
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
+    """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
+    [rows, H] buffer (a TMA descriptor when TMA is on)."""
     num_tiles = tl.num_programs(0) // tl.cdiv(inter, BLOCK_N)
     tile, col = _tile_and_col(num_tiles, tl.cdiv(inter, BLOCK_N), group_m)
     if tl.load(pairs_ptr + tile * BLOCK_M) >= num_pairs:  # an expert's real rows come first: all padding
         return
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pairs_ptr + rows)  # [BM] pair index, num_pairs = padding
-    valid = pairs < num_pairs
-    tokens = (pairs // slots).to(tl.int64)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tokens[:, None] * hidden + offs_k[None, :]  # [BM, BK]
+    if not GATHER:
+        pairs = tl.load(pairs_ptr + rows)  # [BM] pair index, num_pairs = padding
+        valid = pairs < num_pairs
+        tokens = (pairs // slots).to(tl.int64)
+        a_ptrs = x + tokens[:, None] * hidden + offs_k[None, :]  # [BM, BK]
     gate_row = expert * 2 * inter + col * BLOCK_N  # rows of w viewed as [E * 2I, H]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] + k0 < hidden), other=0.0)
+        if GATHER:
+            a = _row_tile(x, tile * BLOCK_M, k0, hidden, BLOCK_M, BLOCK_K, TMA)
+        else:
+            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] + k0 < hidden), other=0.0)
+            a_ptrs += BLOCK_K
         g = _weight_tile(w, gate_row, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
         u = _weight_tile(w, gate_row + inter, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
-        a_ptrs += BLOCK_K
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, in float32
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -198,15 +239,10 @@ def _down_kernel(
     valid = pairs < num_pairs
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
     down_row = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        if TMA:
-            a = act.load([tile * BLOCK_M, k0])  # [BM, BK]
-        else:
-            a_ptrs = act + rows[:, None].to(tl.int64) * inter + (k0 + offs_k)[None, :]
-            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < inter, other=0.0)
+        a = _row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
         b = _weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
         acc = tl.dot(a, b, acc)
     slot = pairs % slots
@@ -220,8 +256,9 @@ def _down_kernel(
 def kernel_settings(cfg: dict, layout_m: int) -> dict:
     """One kernel's table entry with what older tables leave out filled in: its own BLOCK_M
     (default the layout's; it must divide it, so a tile still has one expert), GROUP_M (0: all
-    tiles in one group, the column-major order of old) and TMA (off)."""
-    settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, **cfg}
+    tiles in one group, the column-major order of old), TMA (off) and GATHER (off: gate_up
+    gathers its rows itself; on: from a buffer filled first; `down` ignores it)."""
+    settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, **cfg}
     if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
         raise ValueError(f"kernel BLOCK_M {settings['BLOCK_M']} must be at least 16 and divide the layout's "
                          f"BLOCK_M {layout_m}; re-run bench/moe_tune.py or fix the table")
@@ -249,21 +286,41 @@ def _operand(tensor: torch.Tensor, block: list[int], tma: bool):
     return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), block)
 
 
-def _launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict) -> None:
+def _launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, **constants) -> None:
     tiles = rows // cfg["BLOCK_M"]
     kernel[(tiles * cols,)](
         *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **constants)
 
 
-def launch_gate_up(x, w_gate_up, act, pairs, tile_expert, num_pairs: int, slots: int, block_m: int, cfg: dict) -> None:
-    """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage)."""
+GATHER_ROWS, GATHER_COLS = 16, 512  # a gather program's block; 16 divides every layout block_m
+
+
+def gather_rows(x, x_rows, pairs, num_pairs: int, slots: int, block_m: int) -> None:
+    """x_rows[row] = x[pairs[row] // slots] for each row of every layout tile with a real row (padding rows:
+    zeros); one launch over the worst-case rows, tiles of padding only exit."""
+    hidden = x.shape[1]
+    grid = (pairs.shape[0] // GATHER_ROWS, triton.cdiv(hidden, GATHER_COLS))
+    _gather_kernel[grid](x, x_rows, pairs, num_pairs, slots, hidden, block_m, ROWS=GATHER_ROWS, COLS=GATHER_COLS,
+                         num_warps=4)
+
+
+def launch_gate_up(x, w_gate_up, act, pairs, tile_expert, num_pairs: int, slots: int, block_m: int, cfg: dict,
+                   x_rows=None) -> None:
+    """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage).
+    With GATHER the token rows are first copied into `x_rows` ([rows, H], x's dtype, the caller's)."""
     inter, hidden = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
     cfg = kernel_settings(cfg, block_m)
     cfg["TMA"] = cfg["TMA"] and tma_supported(x.device)
+    if cfg["GATHER"]:
+        if x_rows is None:
+            raise ValueError("GATHER needs x_rows: a [layout rows, hidden] buffer of x's dtype")
+        gather_rows(x, x_rows, pairs, num_pairs, slots, block_m)
+        x = _operand(x_rows, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     w = _operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     args = (x, w, act, pairs, tile_expert, num_pairs, slots, hidden, inter)
-    _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg)
+    _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
+            GATHER=cfg["GATHER"])
 
 
 def launch_down(act, w_down, out, pairs, tile_expert, weights, num_pairs: int, top_k: int, slots: int,
