@@ -26,6 +26,15 @@ V2_LITE = dict(
 )
 
 
+# The MoE layers of the sample models, as the MoE benchmarks and the tuner take them (`--shape`); Qwen3-30B-A3B's
+# config.json dims (https://huggingface.co/Qwen/Qwen3-30B-A3B): 128 experts, top-8, width 768, no shared experts.
+MOE_SHAPES = {
+    "deepseek-v2-lite": dict(routed=V2_LITE["n_routed_experts"], shared=V2_LITE["n_shared_experts"],
+                             top_k=V2_LITE["num_experts_per_tok"], hidden=V2_LITE["hidden_size"],
+                             inter=V2_LITE["moe_intermediate_size"], norm_topk_prob=False),
+    "qwen3-30b-a3b": dict(routed=128, shared=0, top_k=8, hidden=2048, inter=768, norm_topk_prob=True),
+}
+
 def time_graph(fn, iters: int = 50) -> float:
     """Median ms of `fn` replayed in a CUDA graph (after warm-up), timed with events."""
     stream = torch.cuda.Stream()

@@ -1,11 +1,13 @@
-"""(a) MoE layer time vs its floor at DeepSeek-V2-Lite shapes, per kernel, CUDA-graph replays.
+"""(a) MoE layer time vs its floor at a sample model's shapes, per kernel, CUDA-graph replays.
 
-    python3 bench/moe_layer.py        # prints a table, writes $OUT/moe_layer.json
+    python3 bench/moe_layer.py        # prints a table, writes $OUT/moe_layer.json (or moe_layer-SHAPE.json)
     python3 bench/moe_layer.py --before OLD_TABLE.json   # also the Triton kernel on another tuned table
+    python3 bench/moe_layer.py --shape qwen3-30b-a3b
 
-The layer is router + top-6 routing + 64 routed experts + 2 shared experts (folded in as
-experts), hidden 2048, expert width 1408, bf16. Floor = max(bytes of the touched expert
-weights / measured copy bandwidth, matmul FLOPs / measured bf16 rate).
+The layer is router + top-k routing + routed experts + shared experts (folded in as experts),
+bf16: by default DeepSeek-V2-Lite's (top-6 of 64, 2 shared, hidden 2048, width 1408), or
+Qwen3-30B-A3B's (top-8 of 128, normalized, no shared, hidden 2048, width 768). Floor = max(bytes
+of the touched expert weights / measured copy bandwidth, matmul FLOPs / measured bf16 rate).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 from pathlib import Path
 
 import torch
-from common import V2_LITE, ceilings, time_graph, write_json
+from common import MOE_SHAPES, ceilings, time_graph, write_json
 
 from afd.models.moe_prep import fuse_shared_experts
 from afd.models.layers import MoE, Routing
@@ -25,16 +27,17 @@ from afd.models.layers import MoE, Routing
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 
 
-def build_layer() -> MoE:
-    hidden, width, experts = V2_LITE["hidden_size"], V2_LITE["moe_intermediate_size"], V2_LITE["n_routed_experts"]
-    routing = Routing(top_k=V2_LITE["num_experts_per_tok"], num_experts=experts)
-    layer = MoE(hidden, routing, width, width * V2_LITE["n_shared_experts"], fp32_logits=True).cuda()
+def build_layer(shape: dict) -> MoE:
+    hidden, width = shape["hidden"], shape["inter"]
+    routing = Routing(top_k=shape["top_k"], num_experts=shape["routed"], norm_topk_prob=shape["norm_topk_prob"])
+    layer = MoE(hidden, routing, width, width * shape["shared"], fp32_logits=True).cuda()
     with torch.no_grad():
         for param in layer.parameters():
             param.normal_(0, 0.02)
     layer.gate.float()
     layer.experts.bfloat16()
-    layer.shared_experts.bfloat16()
+    if layer.shared_experts is not None:
+        layer.shared_experts.bfloat16()
     fuse_shared_experts(layer)
     return layer
 
@@ -65,13 +68,15 @@ def settings_from(path: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", help="a tuned table file (e.g. the one before a re-tune) to time Triton on as well")
+    parser.add_argument("--shape", default="deepseek-v2-lite", choices=sorted(MOE_SHAPES))
     args = parser.parse_args()
     limits = ceilings()
-    layer = build_layer()
+    shape = MOE_SHAPES[args.shape]
+    layer = build_layer(shape)
     rows = []
     with torch.inference_mode():
         for tokens in TOKENS:
-            x = torch.randn(tokens, V2_LITE["hidden_size"], dtype=torch.bfloat16, device="cuda")
+            x = torch.randn(tokens, shape["hidden"], dtype=torch.bfloat16, device="cuda")
             row = {"tokens": tokens, "floor_ms": floor_ms(layer, x, limits)}
             outputs = {}
             for kernel in ("triton", "grouped"):
@@ -84,7 +89,8 @@ def main() -> None:
                     row["before_ms"] = time_graph(lambda: layer(x))
             row["triton_vs_grouped_rel_err"] = float((outputs["triton"] - outputs["grouped"]).norm() / outputs["grouped"].norm())
             rows.append(row)
-    write_json("moe_layer", {"ceilings": limits, "before_table": args.before, "rows": rows})
+    name = "moe_layer" if args.shape == "deepseek-v2-lite" else f"moe_layer-{args.shape}"
+    write_json(name, {"shape": args.shape, "ceilings": limits, "before_table": args.before, "rows": rows})
     print(f"copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), bf16 matmul {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
     before = f" {'before ms':>10} {'x floor':>8} {'now/before':>10}" if args.before else ""
     print(f"{'tokens':>6} {'floor ms':>9} {'triton ms':>10} {'x floor':>8} {'grouped ms':>11} {'x floor':>8} {'rel err':>8}{before}")

@@ -1,6 +1,6 @@
-"""Tune the Triton MoE block sizes per token count at DeepSeek-V2-Lite shapes; write the table.
+"""Tune the Triton MoE block sizes per token count at a sample model's MoE shapes; write the table.
 
-    python3 bench/moe_tune.py [--tokens 1,16,64] [--workers 12]
+    python3 bench/moe_tune.py [--shape deepseek-v2-lite|qwen3-30b-a3b] [--tokens 1,16,64] [--workers 12]
 
 Every candidate of each kernel (gate_up, down) is compiled first in parallel worker
 processes (Triton's on-disk cache then serves the timing process), then timed alone
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import V2_LITE, time_graph, write_json
+from common import MOE_SHAPES, time_graph, write_json
 
 TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -91,14 +91,13 @@ def cfg_key(kernel: str, cfg: dict) -> tuple:
 class Problem:
     """One token count's routing and buffers, for timing either kernel under any setting."""
 
-    def __init__(self, gate_up, down, num_shared: int, tokens: int, seed: int = 0):
+    def __init__(self, gate_up, down, num_shared: int, top_k: int, tokens: int, seed: int = 0):
         from afd.kernels import moe_triton
 
         self.moe_triton = moe_triton
         self.gate_up, self.down, self.num_shared = gate_up, down, num_shared
         experts, hidden, inter = down.shape
         generator = torch.Generator(device="cuda").manual_seed(seed)
-        top_k = V2_LITE["num_experts_per_tok"]
         scores = torch.rand(tokens, experts - num_shared, device="cuda", generator=generator)
         self.weights, self.ids = scores.topk(top_k, dim=-1)
         self.weights = self.weights.to(torch.bfloat16)
@@ -126,22 +125,23 @@ class Problem:
             act, self.down, out, pairs, tiles, self.weights, self.num_pairs, self.top_k, self.slots, block_m, cfg)
 
 
-def random_experts(num_shared: int):
-    experts = V2_LITE["n_routed_experts"] + num_shared
-    hidden, inter = V2_LITE["hidden_size"], V2_LITE["moe_intermediate_size"]
+def random_experts(shape: dict):
+    """Random bf16 expert weights of `shape` (a `MOE_SHAPES` entry), shared experts last."""
+    experts, hidden, inter = shape["routed"] + shape["shared"], shape["hidden"], shape["inter"]
     gate_up = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02
     down = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02
     return gate_up, down
 
 
-def compile_jobs(jobs: list) -> list:
+def compile_jobs(shape_and_jobs: tuple[str, list]) -> list:
     """Worker: run each (kernel, layout block_m, cfg, tokens) once so Triton compiles and caches it."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-    num_shared = V2_LITE["n_shared_experts"]
-    gate_up, down = random_experts(num_shared)
+    shape_name, jobs = shape_and_jobs
+    shape = MOE_SHAPES[shape_name]
+    gate_up, down = random_experts(shape)
     problems, failed = {}, []
     for kernel, block_m, cfg, tokens in jobs:
-        problem = problems.setdefault(tokens, Problem(gate_up, down, num_shared, tokens))
+        problem = problems.setdefault(tokens, Problem(gate_up, down, shape["shared"], shape["top_k"], tokens))
         try:
             problem.launcher(kernel, block_m, cfg)()
             torch.cuda.synchronize()
@@ -150,7 +150,7 @@ def compile_jobs(jobs: list) -> list:
     return failed
 
 
-def precompile(sizes: list[int], slots: int, experts: int, workers: int, tma: bool) -> set:
+def precompile(shape_name: str, sizes: list[int], slots: int, experts: int, workers: int, tma: bool) -> set:
     """Compile every candidate in parallel; returns the `cfg_key`s that failed."""
     layouts = {bm for tokens in sizes for bm in block_ms(tokens, slots, experts)}
     jobs = []
@@ -161,7 +161,7 @@ def precompile(sizes: list[int], slots: int, experts: int, workers: int, tma: bo
                 if block_m == 16 and 1 in sizes:
                     jobs.append((kernel, block_m, cfg, 1))  # odd pair counts specialise differently
     started = time.monotonic()
-    chunks = [jobs[i::workers] for i in range(workers)]
+    chunks = [(shape_name, jobs[i::workers]) for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         results = pool.map(compile_jobs, chunks)
     failures = [failure for chunk in results for failure in chunk]
@@ -212,6 +212,7 @@ def describe(cfg: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="deepseek-v2-lite", choices=sorted(MOE_SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     args = parser.parse_args()
@@ -219,16 +220,17 @@ def main() -> None:
     from afd.kernels.moe import CONFIG_DIR, config_name
     from afd.kernels.moe_triton import tma_supported
 
-    num_shared = V2_LITE["n_shared_experts"]
-    slots = V2_LITE["num_experts_per_tok"] + num_shared
-    gate_up, down = random_experts(num_shared)
+    shape = MOE_SHAPES[args.shape]
+    num_shared, top_k = shape["shared"], shape["top_k"]
+    slots = top_k + num_shared
+    gate_up, down = random_experts(shape)
     experts, hidden, inter = down.shape
     tma = tma_supported(down.device)
     print(f"TMA descriptors {'tried' if tma else 'not available here'}", flush=True)
-    failed = precompile(sizes, slots, experts, args.workers, tma)
+    failed = precompile(args.shape, sizes, slots, experts, args.workers, tma)
     table, started = {}, time.monotonic()
     for tokens in sizes:
-        table[tokens] = tune(Problem(gate_up, down, num_shared, tokens), tokens, failed, tma)
+        table[tokens] = tune(Problem(gate_up, down, num_shared, top_k, tokens), tokens, failed, tma)
         row = table[tokens]
         print(f"tokens {tokens:>5}: BM {row['BLOCK_M']:>3} gate_up {row['gate_up_ms']:.3f} ms "
               f"(legacy {row['gate_up_legacy_ms']:.3f}) {describe(row['gate_up'])} | down {row['down_ms']:.3f} ms "

@@ -45,6 +45,43 @@ def test_moe_kernels_equal_the_reference(kernel, tokens, num_shared, monkeypatch
     assert float((out.double() - reference).norm() / reference.norm()) < 1e-2
 
 
+def shipped_tables() -> list:
+    from afd.kernels.moe import CONFIG_DIR
+
+    return sorted(CONFIG_DIR.glob("E*_H*_I*_*.json"))
+
+
+@pytest.mark.parametrize("path", shipped_tables(), ids=lambda path: path.stem)
+def test_every_entry_of_a_shipped_table_equals_the_reference(path, monkeypatch):
+    """The tuner only timed its winners: each entry must also compute the MoE, at the table's own shapes and token count."""
+    import re
+
+    from afd.kernels import moe
+    from afd.kernels.moe import add_shared
+    from afd.models.layers import Experts
+
+    num_experts, hidden, inter, device = re.fullmatch(r"E(\d+)_H(\d+)_I(\d+)_(.+)", path.stem).groups()
+    if device != torch.cuda.get_device_name().replace(" ", "_"):
+        pytest.skip(f"tuned for {device}")
+    num_experts, hidden, inter = int(num_experts), int(hidden), int(inter)
+    table = {int(tokens): cfg for tokens, cfg in json.loads(path.read_text())["configs"].items()}
+    monkeypatch.setenv("AFD_MOE_KERNEL", "triton")
+    torch.manual_seed(0)
+    experts = Experts(num_experts, hidden, inter).cuda()
+    experts.gate_up.data.normal_(0, 0.02)
+    experts.down.data.normal_(0, 0.02)
+    gate_up, down = experts.gate_up.bfloat16(), experts.down.bfloat16()
+    num_shared, top_k = 2, 6  # the kernels do not care which model the routing came from
+    for tokens, cfg in table.items():
+        monkeypatch.setattr(moe, "device_table", lambda *args: {tokens: cfg})
+        x = torch.randn(tokens, hidden, device="cuda")
+        weights, ids = torch.rand(tokens, num_experts - num_shared, device="cuda").topk(top_k, dim=-1)
+        reference = experts(x, *add_shared(weights, ids, num_experts - num_shared, num_shared))
+        out = moe.experts_cuda(x.bfloat16(), weights.bfloat16(), ids, gate_up, down, num_shared)
+        error = float((out.float() - reference).norm() / reference.norm())
+        assert error < 1e-2, f"{path.name}, {tokens} tokens: relative error {error:.2e}"
+
+
 def test_triton_moe_is_deterministic():
     """The alignment's atomics reorder rows inside an expert's run; the output bits must not change."""
     from afd.kernels.moe import experts_triton

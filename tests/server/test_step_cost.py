@@ -39,16 +39,27 @@ def test_a_curve_that_is_flat_then_rises_is_followed_where_one_straight_line_is_
     assert model.tokens_within(0.040) == pytest.approx(1012, rel=0.1)  # 2 × the decode step: 500 tokens past the knee
 
 
-def test_too_few_steps_predict_nothing():
+def test_steps_of_one_size_predict_nothing():
     model = StepCostModel()
     assert model.predict(64) is None and model.tokens_within(1.0) is None
     for _ in range(10):
         model.observe(64, 0.01)  # one bucket, however full: no slope
-    model.observe(2048, 0.05)
-    model.observe(2048, 0.05)  # two steps are not enough for a bucket
-    assert model.predict(64) is None
-    model.observe(2048, 0.05)
-    assert model.predict(64) == pytest.approx(0.01) and model.predict(2048) == pytest.approx(0.05)
+    assert model.predict(64) is None and PrefillPacer(2.0, cost=model).prefill_cap(64) == MIN_PREFILL_TOKENS
+
+
+def test_while_learning_one_step_of_a_second_size_gives_a_curve_and_full_buckets_then_outvote_it():
+    model = StepCostModel()
+    model.observe(2048, 0.050)  # a run's first prompt step
+    model.observe(100, 0.014)  # the first capped step beside decodes
+    assert model.predict(100) == pytest.approx(0.014) and model.predict(2048) == pytest.approx(0.050)
+    assert PrefillPacer(2.0, cost=model).prefill_cap(8, backlog=9000) > 700  # no longer the floor (141) alone
+    model.observe(2048, 0.500)  # a stall, while that bucket holds too few steps to outvote it
+    for _ in range(2):
+        model.observe(100, 0.014)
+        model.observe(400, 0.020)
+    assert model.predict(2048) == pytest.approx((0.050 + 0.500) / 2)  # one full bucket (100): every bucket counts
+    model.observe(400, 0.020)  # two full buckets: the line through them, the 2048 bucket's two steps no longer count
+    assert model.predict(400) == pytest.approx(0.020) and model.predict(2048) == pytest.approx(0.020 + 1648 * 0.006 / 300)
 
 
 def test_the_curve_never_falls_with_more_tokens_and_a_noisy_bucket_of_few_steps_weighs_little():

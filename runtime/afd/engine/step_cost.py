@@ -14,7 +14,11 @@ step's token count, through the medians of the last steps in each half-octave of
 collection, a first compile, a busy host); buckets keep the rare large steps from being drowned by
 the frequent decode-only ones; and a curve, unlike one straight line, follows a step time that is
 flat while the device is launch-bound and then rises (or jumps where decode graphs end). Until two
-buckets hold enough steps there is no prediction, and a step beside decodes takes only the floors.
+buckets hold `min_samples` steps each, every bucket's median counts, however few steps it holds: a
+run's first prompt step and the first capped step beside decodes already give a curve (a pacer that
+waited for more would cap every step to the floors while a burst of prompts waits, and capped steps
+all fall in one bucket: it would never learn). With steps of one size only, no prediction, and a step
+beside decodes takes only the floors.
 `StepClock` gives each step's own duration in a loop that runs one step ahead.
 """
 
@@ -74,13 +78,13 @@ class StepCostModel:
     def curve(self) -> list[tuple[float, float]]:
         """(tokens, seconds) points, tokens increasing, seconds never falling; fewer than two: nothing can be predicted."""
         if self._curve is None:
-            medians = []
-            for bucket in sorted(self._buckets):
-                recent = [(t, s) for step, t, s in self._buckets[bucket] if step > self._steps - self.horizon]
-                if len(recent) >= self.min_samples:
-                    medians.append((statistics.median(t for t, _ in recent), statistics.median(s for _, s in recent),
-                                    len(recent)))
-            self._curve = _monotone(medians)
+            recent = [[(t, s) for step, t, s in self._buckets[bucket] if step > self._steps - self.horizon]
+                      for bucket in sorted(self._buckets)]
+            full = [steps for steps in recent if len(steps) >= self.min_samples]
+            if len(full) < 2:  # still learning: every bucket's median counts, however few steps it holds
+                full = [steps for steps in recent if steps]
+            self._curve = _monotone([(statistics.median(t for t, _ in steps), statistics.median(s for _, s in steps),
+                                      len(steps)) for steps in full])
         return self._curve
 
     def predict(self, tokens: float) -> float | None:
@@ -149,9 +153,9 @@ class PrefillPacer:
 
     def prefill_cap(self, decodes: int, backlog: int = 0) -> int | None:
         """Prompt tokens for a step next to `decodes` decoding requests while `backlog` prompt tokens wait to be
-        prefilled; None: no limit (no decodes, or no cost that a step could reach). Before two step sizes are
-        learned, only the floors: the first steps beside decodes stay small (a run's first prompts arrive together,
-        and a full-budget step there is the longest gap its streams see) and teach the curve."""
+        prefilled; None: no limit (no decodes, or no cost that a step could reach). Before steps of two sizes
+        are timed, only the floors: a run's first steps beside decodes stay small (its first prompts arrive
+        together, and a full-budget step there is the longest gap its streams see) and teach the curve."""
         if not decodes:
             self.last_cap = None
             return None
