@@ -175,6 +175,24 @@ def test_a_pacer_that_learned_nothing_gives_prompts_beside_decodes_only_the_back
     assert all(sum(chunk for _, chunk in step[8:]) <= 2048 - 8 for step in steps)
 
 
+def test_a_burst_of_prompts_takes_the_whole_budget_until_the_decodes_outnumber_the_prompts_waiting():
+    sched = paced(ratio=1.0)  # capped, the ratio would let 32 prompt tokens a step in
+    decoding(sched, 3)
+    prompts = [make(600, max_tokens=4) for _ in range(13)]  # 16 streams: 3 decoding, 13 waiting for a first token
+    for p in prompts:
+        sched.add(p)
+    steps = []
+    while any(p.cached_tokens < len(p.prompt_ids) for p in prompts):
+        batch = sched.schedule()
+        steps.append(sum(r.chunk for r in batch if r.cached_tokens < len(r.prompt_ids)))
+        run_step(batch)
+    # 3 decoding, 13 waiting: the whole budget; 6 decoding, 10 waiting: the whole budget; 9 decoding, 7 waiting:
+    # capped, the floor: 1/16 of the 3,713 tokens left
+    assert steps[:3] == [2048 - 3, 2048 - 6, 233]
+    assert max(steps[3:]) <= 233
+    assert sched.pacer.prefill_cap(3, 600, prompts=3) is None and sched.pacer.prefill_cap(4, 600, prompts=3) == 38
+
+
 def test_prompts_piling_up_behind_the_cap_take_a_share_of_the_backlog_each_step():
     sched = paced(ratio=1.0)  # the ratio alone would let only 32 prompt tokens a step in
     decoding(sched, 16)

@@ -7,7 +7,8 @@ running, the step's token budget (chunked prefill), and KV-cache blocks for the 
 admission means a running request never has to be preempted. Admission is strictly
 first-come-first-served: a large request at the head is not overtaken. With a `PrefillPacer`,
 a step that has decodes takes only as many prompt tokens as keep it within the pacer's
-multiple of a decode-only step, or 1/`prefill_backlog_steps` of the prompt backlog if more (`afd.engine.step_cost`).
+multiple of a decode-only step, or 1/`prefill_backlog_steps` of the prompt backlog if more; none while as many
+requests wait for their first token as are decoding (`afd.engine.step_cost`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Scheduler:
         decodes = len(batch) - len(prefilling)
         budget = self.max_num_batched_tokens - decodes
         if decodes and self.pacer is not None and (prefilling or self.waiting):
-            cap = self.pacer.prefill_cap(decodes, self._backlog(prefilling))
+            cap = self.pacer.prefill_cap(decodes, *self._backlog(prefilling))
             budget = budget if cap is None else min(budget, cap)
         if prefilling:
             batch = [r for r in batch if r.cached_tokens >= len(r.prompt_ids)]
@@ -87,11 +88,11 @@ class Scheduler:
             budget -= head.chunk
         return batch
 
-    def _backlog(self, prefilling: list[Request]) -> int:
-        """Prompt tokens still to prefill: the running prompts' rest and the waiting prompts that have a seat."""
-        seats = max(0, self.max_num_seqs - len(self.running))
-        return (sum(len(r.prompt_ids) - r.cached_tokens for r in prefilling)
-                + sum(len(r.prompt_ids) for r in islice(self.waiting, seats)))
+    def _backlog(self, prefilling: list[Request]) -> tuple[int, int]:
+        """(prompt tokens, requests) still to prefill: the running prompts' rest and the waiting prompts that have a seat."""
+        seated = list(islice(self.waiting, max(0, self.max_num_seqs - len(self.running))))
+        tokens = sum(len(r.prompt_ids) - r.cached_tokens for r in prefilling) + sum(len(r.prompt_ids) for r in seated)
+        return tokens, len(prefilling) + len(seated)
 
     def finish(self, request: Request) -> None:
         """Remove a running or waiting request and free its blocks."""

@@ -6,7 +6,8 @@ that has decodes, so that its predicted time stays within `itl_ratio` × the pre
 the decode-only step; but never below `min_tokens` (prompts always progress), nor below
 1/`backlog_steps` of the prompt tokens waiting: when prompts arrive faster than the cap lets them
 in, the backlog (and so the time to first token, about `backlog_steps` steps) stays bounded
-instead of growing while the batch empties, and the steps grow as much as the load needs.
+instead of growing while the batch empties, and the steps grow as much as the load needs. While
+as many requests wait for their first token as are decoding (a burst of new prompts), no cap.
 
 The prediction is `StepCostModel`: a monotone piecewise-linear curve, seconds against the
 step's token count, through the medians of the last steps in each half-octave of token counts
@@ -151,12 +152,13 @@ class PrefillPacer:
     def observe(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
 
-    def prefill_cap(self, decodes: int, backlog: int = 0) -> int | None:
-        """Prompt tokens for a step next to `decodes` decoding requests while `backlog` prompt tokens wait to be
-        prefilled; None: no limit (no decodes, or no cost that a step could reach). Before steps of two sizes
-        are timed, only the floors: a run's first steps beside decodes stay small (its first prompts arrive
-        together, and a full-budget step there is the longest gap its streams see) and teach the curve."""
-        if not decodes:
+    def prefill_cap(self, decodes: int, backlog: int = 0, prompts: int = 0) -> int | None:
+        """Prompt tokens for a step next to `decodes` decoding requests while `prompts` requests with `backlog`
+        prompt tokens wait to be prefilled; None: no limit. No limit without decodes, nor while as many requests
+        wait for their first token as are decoding (a burst of prompts: one long gap for the few decoding streams
+        buys a first token for as many or more; the uncapped steps also teach the curve its large steps), nor
+        where no step could reach the limit. Before steps of two sizes are timed, only the floors."""
+        if not decodes or prompts >= decodes:
             self.last_cap = None
             return None
         decode_only = self.cost.predict(decodes)
