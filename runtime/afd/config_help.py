@@ -34,8 +34,9 @@ SETTING_HELP: dict[str, str] = {
                           "within this multiple of a decode-only step's (step times learned from the rank's own steps), "
                           "so arriving prompts do not stretch the running streams' inter-token latency; but at least 32, "
                           "and at least 1/`prefill_backlog_steps` of the prompt tokens waiting, so a backlog cannot grow "
-                          "without bound (below 1: only those floors). No cap while as many requests wait for their first token as are "
-                          "decoding (a burst of prompts). 0: off (prompts take all of "
+                          "without bound (below 1: only those floors). No cap where not even 32 prompt tokens fit the ratio while as "
+                          "many requests wait for their first token as decode (a burst beside a few short decode steps). "
+                          "0: off (prompts take all of "
                           "`max_num_batched_tokens`). Exported as `afd_prefill_cap_tokens`."),
     "prefill_backlog_steps": ("With `prefill_itl_ratio`: a step beside decodes still takes at least 1/N of the prompt "
                               "tokens waiting, so a burst of prompts is prefilled within about N steps. Larger N: "

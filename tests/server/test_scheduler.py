@@ -175,8 +175,8 @@ def test_a_pacer_that_learned_nothing_gives_prompts_beside_decodes_only_the_back
     assert all(sum(chunk for _, chunk in step[8:]) <= 2048 - 8 for step in steps)
 
 
-def test_a_burst_of_prompts_takes_the_whole_budget_until_the_decodes_outnumber_the_prompts_waiting():
-    sched = paced(ratio=1.0)  # capped, the ratio would let 32 prompt tokens a step in
+def test_a_burst_beside_decodes_too_short_for_any_chunk_takes_the_whole_budget_until_the_decodes_outnumber_it():
+    sched = paced(ratio=1.0)  # beside decodes no prompt token fits the ratio: capped, the prompts would get the floor
     decoding(sched, 3)
     prompts = [make(600, max_tokens=4) for _ in range(13)]  # 16 streams: 3 decoding, 13 waiting for a first token
     for p in prompts:
@@ -191,6 +191,9 @@ def test_a_burst_of_prompts_takes_the_whole_budget_until_the_decodes_outnumber_t
     assert steps[:3] == [2048 - 3, 2048 - 6, 233]
     assert max(steps[3:]) <= 233
     assert sched.pacer.prefill_cap(3, 600, prompts=3) is None and sched.pacer.prefill_cap(4, 600, prompts=3) == 38
+    # where a chunk fits the ratio, a burst is capped like any step: 2 × the smallest step learned (8 tokens,
+    # 10.08 ms) holds 1,016 tokens, 3 of them decodes
+    assert paced().pacer.prefill_cap(3, 7800, prompts=13) == 1012
 
 
 def test_prompts_piling_up_behind_the_cap_take_a_share_of_the_backlog_each_step():

@@ -6,8 +6,9 @@ that has decodes, so that its predicted time stays within `itl_ratio` × the pre
 the decode-only step; but never below `min_tokens` (prompts always progress), nor below
 1/`backlog_steps` of the prompt tokens waiting: when prompts arrive faster than the cap lets them
 in, the backlog (and so the time to first token, about `backlog_steps` steps) stays bounded
-instead of growing while the batch empties, and the steps grow as much as the load needs. While
-as many requests wait for their first token as are decoding (a burst of new prompts), no cap.
+instead of growing while the batch empties, and the steps grow as much as the load needs. Where
+no prompt chunk fits the ratio (a few decodes, short graph-replayed steps) while as many requests
+wait for their first token as are decoding (a burst of new prompts), no cap.
 
 The prediction is `StepCostModel`: a monotone piecewise-linear curve, seconds against the
 step's token count, through the medians of the last steps in each half-octave of token counts
@@ -154,19 +155,25 @@ class PrefillPacer:
 
     def prefill_cap(self, decodes: int, backlog: int = 0, prompts: int = 0) -> int | None:
         """Prompt tokens for a step next to `decodes` decoding requests while `prompts` requests with `backlog`
-        prompt tokens wait to be prefilled; None: no limit. No limit without decodes, nor while as many requests
-        wait for their first token as are decoding (a burst of prompts: one long gap for the few decoding streams
-        buys a first token for as many or more; the uncapped steps also teach the curve its large steps), nor
-        where no step could reach the limit. Before steps of two sizes are timed, only the floors."""
-        if not decodes or prompts >= decodes:
+        prompt tokens wait to be prefilled; None: no limit. No limit without decodes, nor where no step could
+        reach the limit, nor where not even `min_tokens` fit (beside a few decodes whose graph-replayed step is
+        short, any step with a prompt chunk is over the ratio) while as many requests wait for their first token
+        as are decoding: there a cap would only starve the prompts of a burst, and one long gap for the few
+        decoding streams buys a first token for as many or more. Before steps of two sizes are timed, only
+        the floors."""
+        if not decodes:
             self.last_cap = None
             return None
         decode_only = self.cost.predict(decodes)
         total = None if decode_only is None else self.cost.tokens_within(self.itl_ratio * decode_only)
         floor = max(self.min_tokens, -(-backlog // self.backlog_steps))
-        if total is not None and math.isinf(total):
+        if total is None:
+            cap = floor
+        elif math.isinf(total):
             cap = None
+        elif total - decodes < self.min_tokens and prompts >= decodes and self.itl_ratio >= 1:
+            cap = None  # a burst beside a few short decode steps
         else:
-            cap = floor if total is None else max(floor, int(total) - decodes)
+            cap = max(floor, int(total) - decodes)
         self.last_cap = cap
         return cap
