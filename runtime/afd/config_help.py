@@ -31,16 +31,15 @@ SETTING_HELP: dict[str, str] = {
     "max_model_len": "Longest prompt + output in tokens (0: the model's `max_position_embeddings`).",
     "max_num_batched_tokens": "Most tokens (prefill + decode) in one engine step.",
     "prefill_itl_ratio": ("While requests decode, a step takes only as many prompt tokens as keep its predicted time "
-                          "within this multiple of a decode-only step's (step times learned from the rank's own steps), "
+                          "within this multiple of a decode-only step's (both learned from the rank's own steps), "
                           "so arriving prompts do not stretch the running streams' inter-token latency; but at least 32, "
-                          "and at least 1/`prefill_backlog_steps` of the prompt tokens waiting, so a backlog cannot grow "
-                          "without bound (below 1: only those floors). No cap where not even 32 prompt tokens fit the ratio while as "
-                          "many requests wait for their first token as decode (a burst beside a few short decode steps). "
-                          "0: off (prompts take all of "
-                          "`max_num_batched_tokens`). Exported as `afd_prefill_cap_tokens`."),
-    "prefill_backlog_steps": ("With `prefill_itl_ratio`: a step beside decodes still takes at least 1/N of the prompt "
-                              "tokens waiting, so a burst of prompts is prefilled within about N steps. Larger N: "
-                              "steadier inter-token latency during bursts, later first tokens."),
+                          "and enough that every prompt is in within `prefill_backlog_steps` steps of being queued "
+                          "(below 1: only those floors). No cap where no chunk is known to fit the ratio while as many "
+                          "requests wait for their first token as decode (a burst beside a few short decode steps). "
+                          "0: off (prompts take all of `max_num_batched_tokens`). Exported as `afd_prefill_cap_tokens`."),
+    "prefill_backlog_steps": ("With `prefill_itl_ratio`: every waiting prompt is prefilled within N steps of being "
+                              "queued (a step beside decodes takes at least what the most pressed deadline needs). "
+                              "Larger N: steadier inter-token latency during bursts, later first tokens."),
     "kv_cache_bytes": "KV-cache budget of an attention rank in bytes (0: sized from the device, see `gpu_memory_utilization`; 1 GiB on CPU). Capacity in tokens is logged at start and exported as `afd_kv_cache_capacity_tokens`.",
     "served_model_name": "Model id the API answers to (default: the checkpoint folder's name).",
     "failover_url": ("Attention: base URL (the client Service) where a request this rank answers with 503 before "

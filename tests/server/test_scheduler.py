@@ -187,13 +187,13 @@ def test_a_burst_beside_decodes_too_short_for_any_chunk_takes_the_whole_budget_u
         steps.append(sum(r.chunk for r in batch if r.cached_tokens < len(r.prompt_ids)))
         run_step(batch)
     # 3 decoding, 13 waiting: the whole budget; 6 decoding, 10 waiting: the whole budget; 9 decoding, 7 waiting:
-    # capped, the floor: 1/16 of the 3,713 tokens left
-    assert steps[:3] == [2048 - 3, 2048 - 6, 233]
-    assert max(steps[3:]) <= 233
-    assert sched.pacer.prefill_cap(3, 600, prompts=3) is None and sched.pacer.prefill_cap(4, 600, prompts=3) == 38
+    # capped, the floor: the 3,713 tokens left over the 14 steps left before the burst's deadline
+    assert steps[:3] == [2048 - 3, 2048 - 6, 266]
+    assert len(steps) <= 16
+    assert sched.pacer.prefill_cap(3, [(600, 0)] * 3) is None and sched.pacer.prefill_cap(4, [(600, 0)] * 3) == 113
     # where a chunk fits the ratio, a burst is capped like any step: 2 × the smallest step learned (8 tokens,
     # 10.08 ms) holds 1,016 tokens, 3 of them decodes
-    assert paced().pacer.prefill_cap(3, 7800, prompts=13) == 1012
+    assert paced().pacer.prefill_cap(3, [(600, 0)] * 13) == 1012
 
 
 def test_prompts_piling_up_behind_the_cap_take_a_share_of_the_backlog_each_step():

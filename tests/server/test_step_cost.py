@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from afd.engine.step_cost import MIN_PREFILL_TOKENS, PrefillPacer, StepClock, StepCostModel
+from afd.engine.step_cost import MIN_PREFILL_TOKENS, PrefillPacer, StepClock, StepCostModel, deadline_floor
 
 
 def line(tokens, base=0.010, per_token=10e-6):
@@ -52,7 +52,7 @@ def test_while_learning_one_step_of_a_second_size_gives_a_curve_and_full_buckets
     model.observe(2048, 0.050)  # a run's first prompt step
     model.observe(100, 0.014)  # the first capped step beside decodes
     assert model.predict(100) == pytest.approx(0.014) and model.predict(2048) == pytest.approx(0.050)
-    assert PrefillPacer(2.0, cost=model).prefill_cap(8, backlog=9000) > 700  # no longer the floor (141) alone
+    assert PrefillPacer(2.0, cost=model).prefill_cap(8, backlog=[(9000, 0)]) > 700  # no longer the floor (141) alone
     model.observe(2048, 0.500)  # a stall, while that bucket holds too few steps to outvote it
     for _ in range(2):
         model.observe(100, 0.014)
@@ -95,10 +95,10 @@ def test_the_cap_never_goes_below_the_minimum_chunk():
 
 def test_no_cap_without_decodes_and_only_the_floors_before_the_cost_is_learned():
     assert PrefillPacer(2.0, cost=learned()).prefill_cap(0) is None
-    assert PrefillPacer(2.0).prefill_cap(0, backlog=50000) is None
+    assert PrefillPacer(2.0).prefill_cap(0, backlog=[(50000, 0)]) is None
     unlearned = PrefillPacer(2.0, backlog_steps=64)
     assert unlearned.prefill_cap(64) == MIN_PREFILL_TOKENS
-    assert unlearned.prefill_cap(64, backlog=36000) == 563  # a run's first prompts: 1/64 of them a step
+    assert unlearned.prefill_cap(64, backlog=[(36000, 0)]) == 563  # a run's first prompts: 1/64 of them a step
 
 
 def test_a_cap_beyond_any_cost_is_no_cap():
@@ -141,8 +141,40 @@ def test_the_clock_of_asynchronous_steps_is_the_time_between_results():
 
 def test_a_backlog_raises_the_cap_to_a_share_of_it():
     pacer = PrefillPacer(2.0, cost=learned(), backlog_steps=16)
-    assert pacer.prefill_cap(64, backlog=8000) == pacer.prefill_cap(64)  # 500 a step: the ratio allows more
-    assert pacer.prefill_cap(64, backlog=32000) == 2000  # prompts arrive faster than the ratio lets them in
-    patient = PrefillPacer(2.0, cost=learned())  # the default: 1/64 (AFD_PREFILL_BACKLOG_STEPS)
-    assert patient.prefill_cap(64, backlog=32000) == pacer.prefill_cap(64)  # 500 a step: the ratio's cap holds
-    assert patient.prefill_cap(64, backlog=256000) == 4000
+    assert pacer.prefill_cap(64, backlog=[(8000, 0)]) == pacer.prefill_cap(64)  # 500 a step: the ratio allows more
+    assert pacer.prefill_cap(64, backlog=[(32000, 0)]) == 2000  # prompts arrive faster than the ratio lets them in
+    patient = PrefillPacer(2.0, cost=learned())  # the default: 64 steps (AFD_PREFILL_BACKLOG_STEPS)
+    assert patient.prefill_cap(64, backlog=[(32000, 0)]) == pacer.prefill_cap(64)  # 500 a step: the ratio's cap holds
+    assert patient.prefill_cap(64, backlog=[(256000, 0)]) == 4000
+
+
+def test_the_floor_meets_every_prompts_deadline_instead_of_decaying_with_the_backlog():
+    """Each prompt is in within `backlog_steps` steps of being queued: the floor is the rate the most pressed one needs."""
+    assert deadline_floor([(1600, 0)] * 4, 16) == 400  # a burst: its last prompt is due in 16 steps
+    assert deadline_floor([(100, 14), (160, 0)], 16) == 50  # an old prompt's rest is due in 2 steps
+    assert deadline_floor([(100, 15), (160, 0)], 16) == 100  # due now
+    assert deadline_floor([(100, 20), (160, 0)], 16) == 100  # overdue: all of it now
+    left, steps = [1600] * 4, 0  # a burst drained at the floor: done in 16 steps (1/16 of what is left: 48 steps)
+    while sum(left):
+        take = deadline_floor([(tokens, steps) for tokens in left if tokens], 16)
+        for i, tokens in enumerate(left):
+            left[i], take = tokens - min(tokens, take), take - min(tokens, take)
+        steps += 1
+    assert steps == 16
+
+
+
+
+def test_decode_only_steps_and_steps_with_prompt_tokens_are_learned_apart():
+    """A decode-only step replays a graph (7 ms at batch 1); any step with prompt tokens costs 14 ms and more:
+    one curve through both would slope from one kind to the other."""
+    pacer = PrefillPacer(2.0)
+    for _ in range(3):
+        for batch, seconds in ((1, 0.007), (16, 0.0125), (64, 0.016)):
+            pacer.observe(batch, seconds, prompt=False)
+        for tokens in (150, 600, 2048):
+            pacer.observe(tokens, 0.014 + 13e-6 * tokens)
+    assert pacer.decode_cost.predict(16) == pytest.approx(0.0125) and pacer.cost.predict(600) == pytest.approx(0.0218)
+    assert pacer.prefill_cap(3, [(600, 0)] * 13) is None  # no chunk fits 2 × 7 ms beside 3 decodes: the burst goes in
+    assert pacer.prefill_cap(3, [(600, 0)]) == MIN_PREFILL_TOKENS  # one prompt beside 3 decodes: the floors
+    assert pacer.prefill_cap(64, [(600, 0)] * 13) == pytest.approx(1320, abs=2)  # 2 × 16 ms: 1,384 tokens, 64 decodes

@@ -308,7 +308,8 @@ class Engine:
             self.scheduler.finish(request)
         self._outputs.tokens(launched.batch, tokens, logprobs, now)
         if (pacer := self.scheduler.pacer) is not None:
-            pacer.observe(launched.tokens, self._clock.done(launched.started, launched.launched, wait_from, waited))
+            seconds = self._clock.done(launched.started, launched.launched, wait_from, waited)
+            pacer.observe(launched.tokens, seconds, prompt=launched.tokens > len(launched.batch))
         if self.observer:
             self.observer.on_step(self, launched.tokens, now - launched.started)
 

@@ -97,6 +97,7 @@ class Request:
     detokenizer: object = None
     stop_checker: object = None
     chunk: int = 0  # prompt tokens the scheduler gave this step (chunked prefill)
+    queued_step: int = 0  # the scheduler's step count when it was queued (the prefill deadline counts from it)
     scheduled_outputs: int = 0  # tokens sampled or being sampled in a launched step
     final_scheduled: bool = False  # its last token is in a launched step: not scheduled again
     sample_step: int = -1  # the step whose sampled tokens hold this request's next input, and its row there

@@ -7,8 +7,8 @@ running, the step's token budget (chunked prefill), and KV-cache blocks for the 
 admission means a running request never has to be preempted. Admission is strictly
 first-come-first-served: a large request at the head is not overtaken. With a `PrefillPacer`,
 a step that has decodes takes only as many prompt tokens as keep it within the pacer's
-multiple of a decode-only step, or 1/`prefill_backlog_steps` of the prompt backlog if more; none while as many
-requests wait for their first token as are decoding (`afd.engine.step_cost`).
+multiple of a decode-only step, but enough that every prompt is in within `prefill_backlog_steps` steps of being
+queued (`afd.engine.step_cost`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class Scheduler:
         self.pacer = pacer  # None: prompts take all the budget the decodes leave
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.steps = 0  # schedule() calls so far: prompts' prefill deadlines count in them
 
     def reserved_tokens(self, request: Request) -> int:
         return min(len(request.prompt_ids) + request.params.max_tokens, self.max_model_len)
@@ -49,6 +50,7 @@ class Scheduler:
         return request
 
     def add(self, request: Request) -> None:
+        request.queued_step = self.steps
         self.waiting.append(request)
 
     def schedule(self) -> list[Request]:
@@ -66,7 +68,7 @@ class Scheduler:
         decodes = len(batch) - len(prefilling)
         budget = self.max_num_batched_tokens - decodes
         if decodes and self.pacer is not None and (prefilling or self.waiting):
-            cap = self.pacer.prefill_cap(decodes, *self._backlog(prefilling))
+            cap = self.pacer.prefill_cap(decodes, self._backlog(prefilling))
             budget = budget if cap is None else min(budget, cap)
         if prefilling:
             batch = [r for r in batch if r.cached_tokens >= len(r.prompt_ids)]
@@ -86,13 +88,15 @@ class Scheduler:
             self.running.append(head)
             batch.append(head)
             budget -= head.chunk
+        self.steps += 1
         return batch
 
-    def _backlog(self, prefilling: list[Request]) -> tuple[int, int]:
-        """(prompt tokens, requests) still to prefill: the running prompts' rest and the waiting prompts that have a seat."""
-        seated = list(islice(self.waiting, max(0, self.max_num_seqs - len(self.running))))
-        tokens = sum(len(r.prompt_ids) - r.cached_tokens for r in prefilling) + sum(len(r.prompt_ids) for r in seated)
-        return tokens, len(prefilling) + len(seated)
+    def _backlog(self, prefilling: list[Request]) -> list[tuple[int, int]]:
+        """(prompt tokens left, steps scheduled since queued) of the running prompts and of the waiting ones that
+        have a seat, oldest first."""
+        seated = islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
+        return ([(len(r.prompt_ids) - r.cached_tokens, self.steps - r.queued_step) for r in prefilling]
+                + [(len(r.prompt_ids), self.steps - r.queued_step) for r in seated])
 
     def finish(self, request: Request) -> None:
         """Remove a running or waiting request and free its blocks."""

@@ -3,12 +3,16 @@
 Running decodes see one inter-token gap per step, so a step that also prefills 2,000 prompt
 tokens is a gap several times the usual one. `PrefillPacer` caps the prompt tokens of a step
 that has decodes, so that its predicted time stays within `itl_ratio` × the predicted time of
-the decode-only step; but never below `min_tokens` (prompts always progress), nor below
-1/`backlog_steps` of the prompt tokens waiting: when prompts arrive faster than the cap lets them
-in, the backlog (and so the time to first token, about `backlog_steps` steps) stays bounded
-instead of growing while the batch empties, and the steps grow as much as the load needs. Where
-no prompt chunk fits the ratio (a few decodes, short graph-replayed steps) while as many requests
-wait for their first token as are decoding (a burst of new prompts), no cap.
+the decode-only step. It learns two curves: decode-only steps by batch (graph replays) and
+steps with prompt tokens by token count (a different, costlier kind: one curve through both
+would draw a slope from a 7 ms batch-1 replay to a 14 ms step of 150 tokens). The cap is never
+below `min_tokens` (prompts always progress), nor below the deadline floor: every waiting prompt
+gets its first token within `backlog_steps` steps of being queued, so when prompts arrive faster
+than the cap lets them in, the time to first token stays bounded and the steps grow as much as
+the load needs. Where no prompt chunk is known to fit the ratio (beside a few decodes whose
+replayed step is short, or before any decode-only step was timed) while as many requests wait for
+their first token as are decoding (a burst of new prompts), no cap: there a cap would only starve
+the burst, and one long gap for the few decoding streams buys a first token for as many or more.
 
 The prediction is `StepCostModel`: a monotone piecewise-linear curve, seconds against the
 step's token count, through the medians of the last steps in each half-octave of token counts
@@ -138,42 +142,50 @@ def _tail_slope(points: list[tuple[float, float]]) -> float:
     return max((yb - ya) / (xb - xa), (yb - y0) / (xb - x0))
 
 
+def deadline_floor(backlog: list[tuple[int, int]], steps: int) -> int:
+    """Prompt tokens a step must take so that each prompt of `backlog` ((tokens left, steps since it was
+    queued), oldest first, served in that order) is in within `steps` steps of being queued (pure)."""
+    need, ahead = 0, 0
+    for tokens, waited in backlog:
+        ahead += tokens
+        need = max(need, -(-ahead // max(1, steps - waited)))
+    return need
+
+
 class PrefillPacer:
     """The prompt tokens a step with running decodes may take, so the decodes' inter-token gap stays
     within `itl_ratio` × a decode-only step's."""
 
     def __init__(self, itl_ratio: float, min_tokens: int = MIN_PREFILL_TOKENS, cost: StepCostModel | None = None,
-                 backlog_steps: int = BACKLOG_STEPS):
+                 backlog_steps: int = BACKLOG_STEPS, decode_cost: StepCostModel | None = None):
         self.itl_ratio = itl_ratio  # below 1: only the floors below next to decodes
         self.min_tokens = min_tokens
         self.backlog_steps = backlog_steps
-        self.cost = cost or StepCostModel()
+        self.cost = cost or StepCostModel()  # steps with prompt tokens, by token count
+        self.decode_cost = decode_cost or (cost if cost is not None else StepCostModel())  # decode-only, by batch
         self.last_cap: int | None = None  # the last cap asked for (a metric); None: uncapped
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.cost.observe(tokens, seconds)
+    def observe(self, tokens: int, seconds: float, prompt: bool = True) -> None:
+        """A step of `tokens` took `seconds`; `prompt`: it held prompt tokens (else it only decoded)."""
+        (self.cost if prompt else self.decode_cost).observe(tokens, seconds)
 
-    def prefill_cap(self, decodes: int, backlog: int = 0, prompts: int = 0) -> int | None:
-        """Prompt tokens for a step next to `decodes` decoding requests while `prompts` requests with `backlog`
-        prompt tokens wait to be prefilled; None: no limit. No limit without decodes, nor where no step could
-        reach the limit, nor where not even `min_tokens` fit (beside a few decodes whose graph-replayed step is
-        short, any step with a prompt chunk is over the ratio) while as many requests wait for their first token
-        as are decoding: there a cap would only starve the prompts of a burst, and one long gap for the few
-        decoding streams buys a first token for as many or more. Before steps of two sizes are timed, only
-        the floors."""
+    def prefill_cap(self, decodes: int, backlog: list[tuple[int, int]] = ()) -> int | None:
+        """Prompt tokens for a step next to `decodes` decoding requests while the prompts of `backlog` ((tokens
+        left, steps since queued), oldest first) wait; None: no limit (no decodes, no cost a step could reach,
+        or a burst that no chunk is known to fit beside the decodes: see the module)."""
         if not decodes:
             self.last_cap = None
             return None
-        decode_only = self.cost.predict(decodes)
-        total = None if decode_only is None else self.cost.tokens_within(self.itl_ratio * decode_only)
-        floor = max(self.min_tokens, -(-backlog // self.backlog_steps))
-        if total is None:
-            cap = floor
-        elif math.isinf(total):
-            cap = None
-        elif total - decodes < self.min_tokens and prompts >= decodes and self.itl_ratio >= 1:
-            cap = None  # a burst beside a few short decode steps
+        decode_only = self.decode_cost.predict(decodes)
+        limit = None if decode_only is None else self.itl_ratio * decode_only
+        shortest = self.cost.predict(decodes + self.min_tokens)
+        floor = max(self.min_tokens, deadline_floor(list(backlog), self.backlog_steps))
+        if limit is not None and shortest is not None and shortest <= limit:
+            total = self.cost.tokens_within(limit)
+            cap = None if math.isinf(total) else max(floor, int(total) - decodes)
+        elif len(backlog) >= decodes and self.itl_ratio >= 1:
+            cap = None  # a burst: no chunk known to fit beside these decodes
         else:
-            cap = max(floor, int(total) - decodes)
+            cap = floor
         self.last_cap = cap
         return cap
