@@ -3,7 +3,7 @@
 Running decodes see one inter-token gap per step, so a step that also prefills 2,000 prompt
 tokens is a gap several times the usual one. `PrefillPacer` caps the prompt tokens of a step
 that has decodes, so that its predicted time stays within `itl_ratio` × the predicted time of
-the decode-only step. It learns two curves: decode-only steps by batch (graph replays) and
+the decode-only step (aiming at `AIM` of that, so that the steps it mispredicts stay within it too). It learns two curves: decode-only steps by batch (graph replays) and
 steps with prompt tokens by token count (a different, costlier kind: one curve through both
 would draw a slope from a 7 ms batch-1 replay to a 14 ms step of 150 tokens). The cap is never
 below `min_tokens` (prompts always progress), nor below the deadline floor: every waiting prompt
@@ -35,7 +35,8 @@ import statistics
 from collections import deque
 
 MIN_PREFILL_TOKENS = 32  # prompt tokens a capped step still takes (2 KV blocks of 16)
-BACKLOG_STEPS = 64  # a capped step still takes 1/64 of the prompt tokens waiting (AFD_PREFILL_BACKLOG_STEPS)
+BACKLOG_STEPS = 64  # every prompt is in within 64 steps of being queued (AFD_PREFILL_BACKLOG_STEPS)
+AIM = 0.85  # the cap aims at this share of the ratio: predictions err, and the ratio is a bound on the gaps users see
 
 
 class StepClock:
@@ -177,7 +178,7 @@ class PrefillPacer:
             self.last_cap = None
             return None
         decode_only = self.decode_cost.predict(decodes)
-        limit = None if decode_only is None else self.itl_ratio * decode_only
+        limit = None if decode_only is None else AIM * self.itl_ratio * decode_only
         shortest = self.cost.predict(decodes + self.min_tokens)
         floor = max(self.min_tokens, deadline_floor(list(backlog), self.backlog_steps))
         if limit is not None and shortest is not None and shortest <= limit:
