@@ -128,7 +128,7 @@ def test_with_decodes_prompts_are_capped_every_decode_still_runs_and_every_promp
         assert sched.pacer.cost.predict(running + chunks) <= 2.0 * sched.pacer.cost.predict(running) * 1.001
         run_step(batch)
         steps += 1
-    assert steps == 7  # 4,500 prompt tokens at ~711 a step, aiming at 0.85 × the ratio (uncapped: 3 steps of 2,032)
+    assert steps == 9  # 4,500 prompt tokens at ~508 a step, aiming at 0.75 × the ratio (uncapped: 3 steps of 2,032)
 
 
 def test_the_cap_never_starves_prompts():
@@ -191,9 +191,9 @@ def test_a_burst_beside_decodes_too_short_for_any_chunk_takes_the_whole_budget_u
     assert steps[:3] == [2048 - 3, 2048 - 6, 266]
     assert len(steps) <= 16
     assert sched.pacer.prefill_cap(3, [(600, 0)] * 3) is None and sched.pacer.prefill_cap(4, [(600, 0)] * 3) == 113
-    # where a chunk fits the ratio, a burst is capped like any step: 0.85 × 2 × the smallest step learned (8 tokens,
-    # 10.08 ms) holds 713 tokens, 3 of them decodes
-    assert paced().pacer.prefill_cap(3, [(600, 0)] * 13) == 710
+    # where a chunk fits the ratio, a burst is capped like any step: 0.75 × 2 × the smallest step learned (8 tokens,
+    # 10.08 ms) holds 512 tokens, 3 of them decodes
+    assert paced().pacer.prefill_cap(3, [(600, 0)] * 13) == 509
 
 
 def test_prompts_piling_up_behind_the_cap_take_a_share_of_the_backlog_each_step():

@@ -36,7 +36,7 @@ from collections import deque
 
 MIN_PREFILL_TOKENS = 32  # prompt tokens a capped step still takes (2 KV blocks of 16)
 BACKLOG_STEPS = 64  # every prompt is in within 64 steps of being queued (AFD_PREFILL_BACKLOG_STEPS)
-AIM = 0.85  # the cap aims at this share of the ratio: predictions err, and the ratio is a bound on the gaps users see
+AIM = 0.75  # the cap aims at this share of the ratio: predictions err, and the ratio is a bound on the gaps users see
 
 
 class StepClock:
