@@ -35,6 +35,7 @@ MOE_SHAPES = {
     "qwen3-30b-a3b": dict(routed=128, shared=0, top_k=8, hidden=2048, inter=768, norm_topk_prob=True),
 }
 
+
 def time_graph(fn, iters: int = 50) -> float:
     """Median ms of `fn` replayed in a CUDA graph (after warm-up), timed with events."""
     stream = torch.cuda.Stream()

@@ -3,7 +3,8 @@
 Running decodes see one inter-token gap per step, so a step that also prefills 2,000 prompt
 tokens is a gap several times the usual one. `PrefillPacer` caps the prompt tokens of a step
 that has decodes, so that its predicted time stays within `itl_ratio` × the predicted time of
-the decode-only step (aiming at `AIM` of that, so that the steps it mispredicts stay within it too). It learns two curves: decode-only steps by batch (graph replays) and
+the decode-only step (aiming at `AIM` of that, so that the steps it mispredicts stay within it
+too). It learns two curves: decode-only steps by batch (graph replays) and
 steps with prompt tokens by token count (a different, costlier kind: one curve through both
 would draw a slope from a 7 ms batch-1 replay to a 14 ms step of 150 tokens). The cap is never
 below `min_tokens` (prompts always progress), nor below the deadline floor: every waiting prompt
@@ -180,7 +181,7 @@ class PrefillPacer:
         decode_only = self.decode_cost.predict(decodes)
         limit = None if decode_only is None else AIM * self.itl_ratio * decode_only
         shortest = self.cost.predict(decodes + self.min_tokens)
-        floor = max(self.min_tokens, deadline_floor(list(backlog), self.backlog_steps))
+        floor = max(self.min_tokens, deadline_floor(backlog, self.backlog_steps))
         if limit is not None and shortest is not None and shortest <= limit:
             total = self.cost.tokens_within(limit)
             cap = None if math.isinf(total) else max(floor, int(total) - decodes)
