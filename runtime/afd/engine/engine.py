@@ -47,6 +47,7 @@ class _Launched:
     sampled: Sampled
     finals: list[Request]  # requests whose last token this step samples
     tokens: int
+    prompt_tokens: int
     started: float
     launched: float  # when the launch returned (`StepClock`)
     mark: object = None  # the link's end-of-step mark (`AttentionLink.end_step`), waited on before reading
@@ -280,7 +281,8 @@ class Engine:
             return None
         self._step_id, self._prev_tokens = step_id, sampled.tokens
         mark = self.link.end_step() if self.link is not None else None
-        return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, started, time.monotonic(), mark)
+        return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, inputs.prompt_tokens, started,
+                         time.monotonic(), mark)
 
     def _drain(self) -> None:
         """Wait for the launched step (the link first: it notices a lost FFN) and hand its tokens to the output side."""
@@ -309,7 +311,7 @@ class Engine:
         self._outputs.tokens(launched.batch, tokens, logprobs, now)
         if (pacer := self.scheduler.pacer) is not None:
             seconds = self._clock.done(launched.started, launched.launched, wait_from, waited)
-            pacer.observe(launched.tokens, seconds, prompt=launched.tokens > len(launched.batch))
+            pacer.observe(launched.tokens, seconds, prompt=launched.prompt_tokens > 0)
         if self.observer:
             self.observer.on_step(self, launched.tokens, now - launched.started)
 

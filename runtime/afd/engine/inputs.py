@@ -27,6 +27,7 @@ class StepInputs:
     generators: list
     finals: list[Request]  # requests whose last token this step samples
     num_tokens: int
+    prompt_tokens: int  # of them, prompt tokens (0: a decode-only step)
 
 
 def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, max_model_len: int,
@@ -66,7 +67,7 @@ def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, 
         if positions:
             input_ids[to_device(positions, device)] = prev_tokens[to_device(rows, device)]
     layout = SeqLayout(tuple(tables), tuple(context), tuple(new_lens))
-    return StepInputs(input_ids, layout, emit, params, generators, finals, len(ids))
+    return StepInputs(input_ids, layout, emit, params, generators, finals, len(ids), len(ids) - len(positions))
 
 
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
