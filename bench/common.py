@@ -31,8 +31,9 @@ V2_LITE = dict(
 MOE_SHAPES = {
     "deepseek-v2-lite": dict(routed=V2_LITE["n_routed_experts"], shared=V2_LITE["n_shared_experts"],
                              top_k=V2_LITE["num_experts_per_tok"], hidden=V2_LITE["hidden_size"],
-                             inter=V2_LITE["moe_intermediate_size"], norm_topk_prob=False),
-    "qwen3-30b-a3b": dict(routed=128, shared=0, top_k=8, hidden=2048, inter=768, norm_topk_prob=True),
+                             inter=V2_LITE["moe_intermediate_size"], norm_topk_prob=False, fp32_logits=True),
+    "qwen3-30b-a3b": dict(routed=128, shared=0, top_k=8, hidden=2048, inter=768, norm_topk_prob=True,
+                          fp32_logits=False),  # as afd.models.qwen3_moe builds it: a bf16 router
 }
 
 

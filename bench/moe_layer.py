@@ -5,8 +5,9 @@
     python3 bench/moe_layer.py --shape qwen3-30b-a3b
 
 The layer is router + top-k routing + routed experts + shared experts (folded in as experts),
-bf16: by default DeepSeek-V2-Lite's (top-6 of 64, 2 shared, hidden 2048, width 1408), or
-Qwen3-30B-A3B's (top-8 of 128, normalized, no shared, hidden 2048, width 768). Floor = max(bytes
+bf16: by default DeepSeek-V2-Lite's (top-6 of 64, 2 shared, hidden 2048, width 1408, fp32 router), or
+Qwen3-30B-A3B's (top-8 of 128, normalized, no shared, hidden 2048, width 768, bf16 router). `router ms`
+is the router and top-k routing alone. Floor = max(bytes
 of the touched expert weights / measured copy bandwidth, matmul FLOPs / measured bf16 rate).
 """
 
@@ -30,11 +31,14 @@ TOKENS = (1, 16, 64, 256, 1024, 4096)
 def build_layer(shape: dict) -> MoE:
     hidden, width = shape["hidden"], shape["inter"]
     routing = Routing(top_k=shape["top_k"], num_experts=shape["routed"], norm_topk_prob=shape["norm_topk_prob"])
-    layer = MoE(hidden, routing, width, width * shape["shared"], fp32_logits=True).cuda()
+    layer = MoE(hidden, routing, width, width * shape["shared"], fp32_logits=shape["fp32_logits"]).cuda()
     with torch.no_grad():
         for param in layer.parameters():
             param.normal_(0, 0.02)
-    layer.gate.float()
+    if shape["fp32_logits"]:
+        layer.gate.float()
+    else:
+        layer.gate.bfloat16()
     layer.experts.bfloat16()
     if layer.shared_experts is not None:
         layer.shared_experts.bfloat16()
@@ -46,7 +50,7 @@ def floor_ms(layer: MoE, x: torch.Tensor, limits: dict) -> float:
     weights, ids = layer.routing.select(layer.gate(x), x.dtype)
     touched = int(ids.unique().numel()) + layer.experts.num_shared
     hidden, width = layer.experts.down.shape[1], layer.experts.down.shape[2]
-    weight_bytes = touched * 3 * hidden * width * 2 + layer.gate.weight.numel() * 4
+    weight_bytes = touched * 3 * hidden * width * 2 + layer.gate.weight.numel() * layer.gate.weight.element_size()
     flops = 2 * x.shape[0] * (ids.shape[1] + layer.experts.num_shared) * 3 * hidden * width
     return 1e3 * max(weight_bytes / limits["copy_bytes_per_s"], flops / limits["bf16_flops"])
 
@@ -77,7 +81,8 @@ def main() -> None:
     with torch.inference_mode():
         for tokens in TOKENS:
             x = torch.randn(tokens, shape["hidden"], dtype=torch.bfloat16, device="cuda")
-            row = {"tokens": tokens, "floor_ms": floor_ms(layer, x, limits)}
+            row = {"tokens": tokens, "floor_ms": floor_ms(layer, x, limits),
+                   "router_ms": time_graph(lambda: layer.routing.select(layer.gate(x), x.dtype))}
             outputs = {}
             for kernel in ("triton", "grouped"):
                 os.environ["AFD_MOE_KERNEL"] = kernel
@@ -93,11 +98,12 @@ def main() -> None:
     write_json(name, {"shape": args.shape, "ceilings": limits, "before_table": args.before, "rows": rows})
     print(f"copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), bf16 matmul {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
     before = f" {'before ms':>10} {'x floor':>8} {'now/before':>10}" if args.before else ""
-    print(f"{'tokens':>6} {'floor ms':>9} {'triton ms':>10} {'x floor':>8} {'grouped ms':>11} {'x floor':>8} {'rel err':>8}{before}")
+    print(f"{'tokens':>6} {'floor ms':>9} {'router ms':>10} {'triton ms':>10} {'x floor':>8} {'grouped ms':>11} "
+          f"{'x floor':>8} {'rel err':>8}{before}")
     for r in rows:
         before = (f" {r['before_ms']:>10.3f} {r['before_ms'] / r['floor_ms']:>8.2f} {r['triton_ms'] / r['before_ms']:>10.2f}"
                   if args.before else "")
-        print(f"{r['tokens']:>6} {r['floor_ms']:>9.3f} {r['triton_ms']:>10.3f} {r['triton_ms'] / r['floor_ms']:>8.2f} "
+        print(f"{r['tokens']:>6} {r['floor_ms']:>9.3f} {r['router_ms']:>10.3f} {r['triton_ms']:>10.3f} {r['triton_ms'] / r['floor_ms']:>8.2f} "
               f"{r['grouped_ms']:>11.3f} {r['grouped_ms'] / r['floor_ms']:>8.2f} {r['triton_vs_grouped_rel_err']:>8.1e}{before}")
 
 

@@ -1,16 +1,17 @@
 """Tune the Triton MoE block sizes per token count at a sample model's MoE shapes; write the table.
 
     python3 bench/moe_tune.py [--shape deepseek-v2-lite|qwen3-30b-a3b] [--tokens 1,16,64] [--workers 12]
+    python3 bench/moe_tune.py --kernels down --tokens 1024,4096   # re-tune one kernel, keep the rest of each row
 
 Every candidate of each kernel (gate_up, down) is compiled first in parallel worker
 processes (Triton's on-disk cache then serves the timing process), then timed alone
 as a CUDA-graph replay on the real routing of each token count. Per token count the
 layout's block-M with the least gate_up + down time wins, each kernel with its own best
-tile height (the layout's or half of it), N/K/warps/stages and TMA loads (on Hopper), and
-gate_up with its rows pre-gathered or not (GATHER: timed with its copy kernel); then the
+tile height (the layout's or half of it), N/K/warps/stages, TMA loads and a persistent grid (on
+Hopper), and gate_up with its rows pre-gathered or not (GATHER: timed with its copy kernel); then the
 three best of each kernel are timed again under several program orders (GROUP_M; no
 recompile, it is a run-time argument). `legacy` times are the best of the old search space
-(layout tiles, column-major order, pointer loads, no GATHER) on today's code.
+(layout tiles, column-major order, pointer loads, no GATHER, one program per job) on today's code.
 The new rows are merged into the table in `runtime/afd/kernels/configs/` (read by
 `afd.kernels.moe.config_table`; token counts not tuned now keep their rows) and go to
 $OUT; a table of the winners is printed.
@@ -58,10 +59,13 @@ def kernel_block_ms(layout_m: int) -> tuple[int, ...]:
 
 
 def load_options(kernel: str, block_m: int, tma: bool) -> list[dict]:
-    """How a kernel may load its operands: pointers or TMA (where available); gate_up also from rows
-    gathered first (GATHER) — with TMA, which only that makes possible for its rows, and with
+    """How a kernel may load its operands: pointers or TMA (where available), one program per job or
+    persistent (with TMA: one program per multiprocessor looping over the used tiles' jobs); gate_up also
+    from rows gathered first (GATHER) — with TMA, which only that makes possible for its rows, and with
     pointers on tiles of 64+ rows."""
-    options = [{"TMA": t} for t in ((False, True) if tma else (False,))]
+    options = [{"TMA": False, "PERSISTENT": 0}]
+    if tma:
+        options += [{"TMA": True, "PERSISTENT": persistent} for persistent in (0, 1)]
     if kernel != "gate_up":
         return options
     return [{**option, "GATHER": gather} for option in options for gather in (False, True)
@@ -79,8 +83,10 @@ def candidates(kernel: str, block_m: int, tma: bool) -> list[dict]:
 
 
 def is_legacy(cfg: dict, layout_m: int) -> bool:
-    """Whether `cfg` was in the old search space (layout tiles, column-major order, pointer loads, no GATHER)."""
-    return cfg["BLOCK_M"] == layout_m and not cfg["GROUP_M"] and not cfg["TMA"] and not cfg.get("GATHER")
+    """Whether `cfg` was in the old search space (layout tiles, column-major order, pointer loads, no GATHER,
+    not persistent)."""
+    return (cfg["BLOCK_M"] == layout_m and not cfg["GROUP_M"] and not cfg["TMA"] and not cfg.get("GATHER")
+            and not cfg.get("PERSISTENT"))
 
 
 def cfg_key(kernel: str, cfg: dict) -> tuple:
@@ -109,20 +115,21 @@ class Problem:
 
     def layout(self, block_m: int):
         if block_m not in self.layouts:
-            pairs, tiles = self.moe_triton.align(self.ids, self.num_shared, self.down.shape[0], block_m)
-            act = torch.randn(pairs.shape[0], self.inter, dtype=torch.bfloat16, device="cuda")
+            layout = self.moe_triton.align(self.ids, self.num_shared, self.down.shape[0], block_m)
+            rows = layout[0].shape[0]
+            act = torch.randn(rows, self.inter, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(self.num_pairs, self.hidden, dtype=torch.bfloat16, device="cuda")
-            x_rows = torch.empty(pairs.shape[0], self.hidden, dtype=torch.bfloat16, device="cuda")  # for GATHER
-            self.layouts[block_m] = (pairs, tiles, act, out, x_rows)
+            x_rows = torch.empty(rows, self.hidden, dtype=torch.bfloat16, device="cuda")  # for GATHER
+            self.layouts[block_m] = (layout, act, out, x_rows)
         return self.layouts[block_m]
 
     def launcher(self, kernel: str, block_m: int, cfg: dict):
-        pairs, tiles, act, out, x_rows = self.layout(block_m)
+        layout, act, out, x_rows = self.layout(block_m)
         if kernel == "gate_up":
             return lambda: self.moe_triton.launch_gate_up(
-                self.x, self.gate_up, act, pairs, tiles, self.num_pairs, self.slots, block_m, cfg, x_rows)
+                self.x, self.gate_up, act, layout, self.num_pairs, self.slots, block_m, cfg, x_rows)
         return lambda: self.moe_triton.launch_down(
-            act, self.down, out, pairs, tiles, self.weights, self.num_pairs, self.top_k, self.slots, block_m, cfg)
+            act, self.down, out, layout, self.weights, self.num_pairs, self.top_k, self.slots, block_m, cfg)
 
 
 def random_experts(shape: dict):
@@ -150,15 +157,16 @@ def compile_jobs(shape_and_jobs: tuple[str, list]) -> list:
     return failed
 
 
-def precompile(shape_name: str, sizes: list[int], slots: int, experts: int, workers: int, tma: bool) -> set:
-    """Compile every candidate in parallel; returns the `cfg_key`s that failed."""
-    layouts = {bm for tokens in sizes for bm in block_ms(tokens, slots, experts)}
+def precompile(shape_name: str, layouts: set[int], kernels: tuple[str, ...], workers: int, tma: bool,
+               one_token: bool) -> set:
+    """Compile every candidate of `kernels` over the layouts' block-Ms in parallel; returns the `cfg_key`s
+    that failed."""
     jobs = []
     for block_m in sorted({sub for layout_m in layouts for sub in kernel_block_ms(layout_m)}):
-        for kernel in KERNELS:
+        for kernel in kernels:
             for cfg in candidates(kernel, block_m, tma):
                 jobs.append((kernel, block_m, cfg, 64))  # the variant does not depend on the layout: the smallest
-                if block_m == 16 and 1 in sizes:
+                if block_m == 16 and one_token:
                     jobs.append((kernel, block_m, cfg, 1))  # odd pair counts specialise differently
     started = time.monotonic()
     chunks = [(shape_name, jobs[i::workers]) for i in range(workers)]
@@ -185,15 +193,20 @@ def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: 
     return ms, cfg, legacy
 
 
-def tune(problem: Problem, tokens: int, failed: set, tma: bool) -> dict:
-    """The best settings for one token count, with their times."""
+def tune(problem: Problem, tokens: int, failed: set, tma: bool, kernels: tuple[str, ...], kept: dict | None) -> dict:
+    """The best settings for one token count, with their times: `kernels` tuned over every layout, or — when
+    `kept` (the table's row) is given — over its layout, the other kernel keeping its setting (timed again)."""
     best = None
     experts = problem.down.shape[0]
-    for block_m in block_ms(tokens, problem.slots, experts):
+    for block_m in block_ms(tokens, problem.slots, experts) if kept is None else (kept["BLOCK_M"],):
         entry = {"BLOCK_M": block_m}
         for kernel in KERNELS:
-            entry[f"{kernel}_ms"], entry[kernel], entry[f"{kernel}_legacy_ms"] = tune_kernel(
-                problem, kernel, block_m, failed, tma)
+            if kernel in kernels:
+                entry[f"{kernel}_ms"], entry[kernel], entry[f"{kernel}_legacy_ms"] = tune_kernel(
+                    problem, kernel, block_m, failed, tma)
+            else:
+                entry[kernel], entry[f"{kernel}_legacy_ms"] = kept[kernel], kept.get(f"{kernel}_legacy_ms")
+                entry[f"{kernel}_ms"] = time_graph(problem.launcher(kernel, block_m, kept[kernel]), iters=10)
         entry["align_ms"] = time_graph(lambda: problem.moe_triton.align(problem.ids, problem.num_shared, experts, block_m))
         entry["total_ms"] = entry["gate_up_ms"] + entry["down_ms"] + entry["align_ms"]
         if best is None or entry["total_ms"] < best["total_ms"]:
@@ -202,7 +215,8 @@ def tune(problem: Problem, tokens: int, failed: set, tma: bool) -> dict:
 
 
 def describe_loads(cfg: dict) -> str:
-    return ("TMA" if cfg["TMA"] else "pointers") + (" GATHER" if cfg.get("GATHER") else "")
+    return (("TMA" if cfg["TMA"] else "pointers") + (" GATHER" if cfg.get("GATHER") else "")
+            + (" persistent" if cfg.get("PERSISTENT") else ""))
 
 
 def describe(cfg: dict) -> str:
@@ -215,39 +229,56 @@ def main() -> None:
     parser.add_argument("--shape", default="deepseek-v2-lite", choices=sorted(MOE_SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help="the kernels to tune; one alone keeps the table's layout and the other kernel's setting")
     args = parser.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
+    kernels = tuple(args.kernels.split(","))
+    if not kernels or set(kernels) - set(KERNELS):
+        parser.error(f"--kernels {args.kernels!r}: a comma-separated subset of {','.join(KERNELS)}")
     from afd.kernels.moe import CONFIG_DIR, config_name
-    from afd.kernels.moe_triton import tma_supported
 
     shape = MOE_SHAPES[args.shape]
     num_shared, top_k = shape["shared"], shape["top_k"]
     slots = top_k + num_shared
     gate_up, down = random_experts(shape)
     experts, hidden, inter = down.shape
-    tma = tma_supported(down.device)
-    print(f"TMA descriptors {'tried' if tma else 'not available here'}", flush=True)
-    failed = precompile(args.shape, sizes, slots, experts, args.workers, tma)
-    table, started = {}, time.monotonic()
-    for tokens in sizes:
-        table[tokens] = tune(Problem(gate_up, down, num_shared, top_k, tokens), tokens, failed, tma)
-        row = table[tokens]
-        print(f"tokens {tokens:>5}: BM {row['BLOCK_M']:>3} gate_up {row['gate_up_ms']:.3f} ms "
-              f"(legacy {row['gate_up_legacy_ms']:.3f}) {describe(row['gate_up'])} | down {row['down_ms']:.3f} ms "
-              f"(legacy {row['down_legacy_ms']:.3f}) {describe(row['down'])} | align {row['align_ms']:.3f} ms", flush=True)
-    print(f"timed in {time.monotonic() - started:.0f} s")
     device = torch.cuda.get_device_name()
     name = config_name(experts, hidden, inter, device)
     path = CONFIG_DIR / name
     kept = json.loads(path.read_text())["configs"] if path.is_file() else {}  # token counts not tuned this time
-    configs = {**kept, **{str(t): row for t, row in table.items()}}
-    configs = dict(sorted(configs.items(), key=lambda item: int(item[0])))
-    document = {"device": device, "torch": torch.__version__, "configs": configs}
-    CONFIG_DIR.mkdir(exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n")
-    write_json("moe_tune", {"file": name, **document})
-    print(f"wrote {CONFIG_DIR / name}")
+    partial = set(kernels) != set(KERNELS)
+    if partial and (missing := [t for t in sizes if str(t) not in kept]):
+        parser.error(f"{path.name} has no row for {missing} tokens to keep the other kernel from; tune both kernels")
+    layouts = ({kept[str(t)]["BLOCK_M"] for t in sizes} if partial
+               else {bm for t in sizes for bm in block_ms(t, slots, experts)})
+    from afd.kernels.moe_triton import tma_supported
 
+    tma = tma_supported(down.device)
+    print(f"TMA descriptors {'tried' if tma else 'not available here'}", flush=True)
+    failed = precompile(args.shape, layouts, kernels, args.workers, tma, 1 in sizes)
+    table, started = {}, time.monotonic()
+    for tokens in sizes:
+        problem = Problem(gate_up, down, num_shared, top_k, tokens)
+        table[tokens] = tune(problem, tokens, failed, tma, kernels, kept[str(tokens)] if partial else None)
+        row = table[tokens]
+        print(f"tokens {tokens:>5}: BM {row['BLOCK_M']:>3} " + " | ".join(
+            f"{kernel} {row[f'{kernel}_ms']:.3f} ms (legacy {row[f'{kernel}_legacy_ms'] or float('nan'):.3f}) "
+            f"{describe(row[kernel])}" for kernel in KERNELS) + f" | align {row['align_ms']:.3f} ms", flush=True)
+        document = save_table(path, kept, table, device)  # after each token count: a cut-off run keeps its rows
+    print(f"timed in {time.monotonic() - started:.0f} s")
+    write_json("moe_tune" if args.shape == "deepseek-v2-lite" else f"moe_tune-{args.shape}", {"file": name, **document})
+    print(f"wrote {path}")
+
+
+def save_table(path: Path, kept: dict, table: dict, device: str) -> dict:
+    """Write the table file: `kept`'s rows with this run's rows merged in; returns its document."""
+    configs = {**kept, **{str(tokens): row for tokens, row in table.items()}}
+    document = {"device": device, "torch": torch.__version__,
+                "configs": dict(sorted(configs.items(), key=lambda item: int(item[0])))}
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    return document
 
 if __name__ == "__main__":
     main()

@@ -29,7 +29,7 @@ if DEVICE is not None:  # a kernel's helpers resolve through its module's global
     @triton.jit
     def order_kernel(out_ptr, num_tiles, num_cols, group_m):
         """Writes each program's (tile, column block)."""
-        tile, col = _tile_and_col(num_tiles, num_cols, group_m)
+        tile, col = _tile_and_col(tl.program_id(0), num_tiles, num_cols, group_m)
         tl.store(out_ptr + tl.program_id(0) * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, tile, col))
 
 
@@ -50,6 +50,10 @@ SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROU
     "gather-pointers": {"BLOCK_M": 64, "gate_up": kernel(16, 64, GROUP_M=1, GATHER=True),
                         "down": kernel(block_k=16, BLOCK_M=16, GROUP_M=3)},
     "gather-tma-layout-tiles": {"BLOCK_M": 16, "gate_up": kernel(64, 16, TMA=True, GATHER=True), "down": kernel()},
+    "persistent-pointers": {"BLOCK_M": 16, "gate_up": kernel(PERSISTENT=1), "down": kernel(PERSISTENT=1, GROUP_M=2)},
+    "persistent-gather-tma-half-tiles": {"BLOCK_M": 32,
+                                         "gate_up": kernel(BLOCK_M=16, TMA=True, GATHER=True, PERSISTENT=1),
+                                         "down": kernel(64, BLOCK_M=16, TMA=True, PERSISTENT=2, GROUP_M=3)},
 }
 
 
@@ -81,9 +85,27 @@ def test_triton_moe_equals_the_reference_under_each_setting(name, tokens, monkey
 def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
     from afd.kernels.moe_triton import kernel_settings
 
-    assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False, "GATHER": False}
+    assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False, "GATHER": False,
+                                             "PERSISTENT": 0}
     with pytest.raises(ValueError, match="divide the layout's BLOCK_M 64"):
         kernel_settings(kernel(BLOCK_M=48), 64)
+    with pytest.raises(ValueError, match="PERSISTENT -1 must be 0"):
+        kernel_settings(kernel(PERSISTENT=-1), 64)
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 130])
+def test_the_layout_counts_the_tiles_with_a_real_row(tokens):
+    """A persistent kernel loops over `used_tiles` tiles: exactly those with a real row, which come first."""
+    from afd.kernels import moe_triton
+
+    routed, num_shared, top_k, layout_m = 8, 2, 3, 32
+    torch.manual_seed(tokens)
+    ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
+    pairs, tile_expert, used_tiles = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+    has_real = (pairs < tokens * (top_k + num_shared)).view(-1, layout_m).any(dim=1)
+    used = int(used_tiles.item())
+    assert used == int(has_real.sum()) and bool(has_real[:used].all())
+    assert bool((tile_expert[:used] >= 0).all()) and bool((tile_expert[used:] == -1).all())
 
 
 @pytest.mark.parametrize("tma", [False, True])
@@ -99,12 +121,13 @@ def test_gate_up_on_pre_gathered_rows_writes_every_row_as_before(tokens, tma):
     x = torch.randn(tokens, hidden).to(DEVICE, DTYPE)
     w_gate_up = (0.1 * torch.randn(routed + num_shared, 2 * inter, hidden)).to(DEVICE, DTYPE)
     ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
-    pairs, tile_expert = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+    layout = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+    pairs = layout[0]
     x_rows = torch.full((pairs.shape[0], hidden), float("nan"), dtype=DTYPE, device=DEVICE)
     acts = {}
     for gather in (False, True):
         acts[gather] = torch.full((pairs.shape[0], inter), 7.0, dtype=DTYPE, device=DEVICE)  # kept where no tile writes
-        moe_triton.launch_gate_up(x, w_gate_up, acts[gather], pairs, tile_expert, num_pairs, slots, layout_m,
+        moe_triton.launch_gate_up(x, w_gate_up, acts[gather], layout, num_pairs, slots, layout_m,
                                   kernel(BLOCK_M=16, TMA=tma, GATHER=gather), x_rows)
     torch.testing.assert_close(acts[True], acts[False], rtol=1e-2, atol=1e-3)
     real = pairs < num_pairs
@@ -118,8 +141,8 @@ def test_gather_without_its_buffer_is_refused():
     from afd.kernels import moe_triton
 
     with pytest.raises(ValueError, match="GATHER needs x_rows"):
-        moe_triton.launch_gate_up(torch.zeros(1, 64), torch.zeros(1, 96, 64), None, torch.zeros(16, dtype=torch.int32),
-                                  None, 1, 1, 16, kernel(GATHER=True))
+        moe_triton.launch_gate_up(torch.zeros(1, 64), torch.zeros(1, 96, 64), None,
+                                  (torch.zeros(16, dtype=torch.int32), None, None), 1, 1, 16, kernel(GATHER=True))
 
 
 @pytest.mark.parametrize("tiles, cols, group_m", [(7, 3, 7), (7, 3, 1), (7, 3, 3), (10, 4, 4), (5, 2, 8)])

@@ -34,8 +34,8 @@ def kernel_choice() -> str:
 
 
 # tokens → settings: the layout's BLOCK_M, and per kernel BLOCK_N/BLOCK_K/num_warps/num_stages plus,
-# optionally, its own BLOCK_M, GROUP_M, TMA and (gate_up) GATHER (defaults in `moe_triton.kernel_settings`:
-# the old behaviour).
+# optionally, its own BLOCK_M, GROUP_M, TMA, PERSISTENT and (gate_up) GATHER (defaults in
+# `moe_triton.kernel_settings`: the old behaviour).
 DEFAULT_CONFIGS = {  # used where no tuned table fits the shapes and device
     1: {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
         "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}},
@@ -98,16 +98,16 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     num_pairs = tokens * slots
     cfg = pick_config(device_table(x.device, num_experts, hidden, inter), tokens)
     block_m = cfg["BLOCK_M"]
-    pairs, tile_expert = moe_triton.align(ids, num_shared, num_experts, block_m)
-    act = torch.empty(pairs.shape[0], inter, dtype=x.dtype, device=x.device)  # [padded rows, I]
+    layout = moe_triton.align(ids, num_shared, num_experts, block_m)
+    rows = layout[0].shape[0]
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # [padded rows, I]
     x_rows = None  # [padded rows, H]: each row's token row, for a gate_up that reads them pre-gathered
     if cfg["gate_up"].get("GATHER", False):
-        x_rows = torch.empty(pairs.shape[0], hidden, dtype=x.dtype, device=x.device)
-    moe_triton.launch_gate_up(x.contiguous(), gate_up, act, pairs, tile_expert, num_pairs, slots, block_m,
-                              cfg["gate_up"], x_rows)
+        x_rows = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    moe_triton.launch_gate_up(x.contiguous(), gate_up, act, layout, num_pairs, slots, block_m, cfg["gate_up"], x_rows)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T*(k+S), H] in pair order
-    moe_triton.launch_down(act, down, out, pairs, tile_expert, weights.contiguous(), num_pairs, top_k, slots,
-                           block_m, cfg["down"])
+    moe_triton.launch_down(act, down, out, layout, weights.contiguous(), num_pairs, top_k, slots, block_m,
+                           cfg["down"])
     return out.view(tokens, slots, hidden).sum(dim=1, dtype=sum_dtype)
 
 

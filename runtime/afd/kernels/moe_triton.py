@@ -62,14 +62,15 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, slots, num_routed, num_
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
-def _offsets_kernel(counts_ptr, starts_ptr, tile_expert_ptr, pairs_ptr, num_experts, num_pairs, max_tiles,
-                    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
+def _offsets_kernel(counts_ptr, starts_ptr, tile_expert_ptr, used_tiles_ptr, pairs_ptr, num_experts, num_pairs,
+                    max_tiles, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
     experts = tl.arange(0, NUM_BINS)
     valid = experts < num_experts
     counts = tl.load(counts_ptr + experts, mask=valid, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     tl.store(starts_ptr + experts, ends - padded, mask=valid)
+    tl.store(used_tiles_ptr, tl.sum(padded, 0) // BLOCK_M)
     ends = tl.where(valid, ends, 1 << 30)
     for first in tl.range(0, max_tiles, CHUNK):
         tiles = first + tl.arange(0, CHUNK)
@@ -98,15 +99,17 @@ def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
 
 
-def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """(`pairs` [max_rows] int32: pair index per padded row, `num_pairs` for padding;
-    `tile_expert` [max_rows / block_m] int32: each tile's expert, -1 past the used rows)."""
+    `tile_expert` [max_rows / block_m] int32: each tile's expert, -1 past the used rows;
+    `used_tiles` [1] int32: how many tiles have a real row — they come first)."""
     tokens, top_k = ids.shape
     slots = top_k + num_shared
     num_pairs, num_routed = tokens * slots, num_experts - num_shared
     rows = max_rows(num_pairs, num_experts, block_m)
     device = ids.device
     counters = torch.zeros(2, num_experts, dtype=torch.int32, device=device)  # counts, cursors
+    used_tiles = torch.empty(1, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
     pairs = torch.empty(rows, dtype=torch.int32, device=device)
     tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=device)
@@ -116,19 +119,18 @@ def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) ->
     _count_kernel[(triton.cdiv(num_pairs, block),)](
         ids, counters[0], num_pairs, top_k, slots, num_routed, num_experts, BLOCK=block, NUM_BINS=bins, num_warps=4)
     _offsets_kernel[(1,)](
-        counters[0], starts, tile_expert, pairs, num_experts, num_pairs, rows // block_m,
+        counters[0], starts, tile_expert, used_tiles, pairs, num_experts, num_pairs, rows // block_m,
         BLOCK_M=block_m, NUM_BINS=bins, CHUNK=max(16, 4096 // bins), num_warps=4)
     _scatter_kernel[(triton.cdiv(num_pairs, block),)](
         ids, starts, counters[1], pairs, num_pairs, top_k, slots, num_routed, BLOCK=block, num_warps=4)
-    return pairs, tile_expert
+    return pairs, tile_expert, used_tiles
 
 
 @triton.jit
-def _tile_and_col(num_tiles, num_cols, group_m):
-    """This program's (tile, column block). Groups of `group_m` tiles sweep every column block
+def _tile_and_col(pid, num_tiles, num_cols, group_m):
+    """(tile, column block) of job `pid`. Groups of `group_m` tiles sweep every column block
     with the tile fastest, so a group's A rows stay in L2 while its columns go by; a group of
     all tiles is plain column-major order (every tile of column block 0, then of 1, …)."""
-    pid = tl.program_id(0)
     per_group = group_m * num_cols
     first = pid // per_group * group_m
     size = tl.minimum(num_tiles - first, group_m)
@@ -182,19 +184,11 @@ def _gather_kernel(x_ptr, x_rows_ptr, pairs_ptr, num_pairs, slots, hidden, layou
     tl.store(x_rows_ptr + rows[:, None].to(tl.int64) * hidden + cols[None, :], values, mask=in_row)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
-def _gate_up_kernel(
-    x, w, act_ptr, pairs_ptr, tile_expert_ptr,
-    num_pairs, slots, hidden, inter, layout_m, group_m,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-    GATHER: tl.constexpr,
-):
-    """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
-    [rows, H] buffer (a TMA descriptor when TMA is on)."""
-    num_tiles = tl.num_programs(0) // tl.cdiv(inter, BLOCK_N)
-    tile, col = _tile_and_col(num_tiles, tl.cdiv(inter, BLOCK_N), group_m)
-    if tl.load(pairs_ptr + tile * BLOCK_M) >= num_pairs:  # an expert's real rows come first: all padding
-        return
+@triton.jit
+def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs, slots, hidden, inter, layout_m,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+                 GATHER: tl.constexpr):
+    """act[tile's rows, col's block] = SiLU(A @ gate) * (A @ up) for one tile and column block."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -224,19 +218,34 @@ def _gate_up_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
-def _down_kernel(
-    act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr,
-    num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
+def _gate_up_kernel(
+    x, w, act_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr,
+    num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+    GATHER: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
-    num_tiles = tl.num_programs(0) // tl.cdiv(hidden, BLOCK_N)
-    tile, col = _tile_and_col(num_tiles, tl.cdiv(hidden, BLOCK_N), group_m)
-    if tl.load(pairs_ptr + tile * BLOCK_M) >= num_pairs:
-        return
+    """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
+    [rows, H] buffer (a TMA descriptor when TMA is on)."""
+    num_cols = tl.cdiv(inter, BLOCK_N)
+    if PERSISTENT:  # every PROGRAMS-th job over the tiles of the used layout tiles
+        num_tiles = tl.load(used_tiles_ptr) * (layout_m // BLOCK_M)
+        for job in tl.range(tl.program_id(0), num_tiles * num_cols, PROGRAMS, flatten=True):
+            tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
+            _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs, slots, hidden, inter,
+                         layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER)
+    else:  # one job of the worst-case grid; a tile of padding only exits (an expert's real rows come first)
+        tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
+        if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
+            _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs, slots, hidden, inter,
+                         layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER)
+
+
+@triton.jit
+def _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, tile, col, num_pairs, top_k, slots, hidden,
+              inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              TMA: tl.constexpr):
+    """out[pair of each real row, col's block] = weight(pair) * act[row] @ down[e]ᵀ for one tile."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pairs_ptr + rows)
-    valid = pairs < num_pairs
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     down_row = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
@@ -245,6 +254,8 @@ def _down_kernel(
         a = _row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
         b = _weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
         acc = tl.dot(a, b, acc)
+    pairs = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
     slot = pairs % slots
     routed = valid & (slot < top_k)
     weight = tl.load(weights_ptr + (pairs // slots) * top_k + slot, mask=routed, other=1.0).to(tl.float32)
@@ -253,15 +264,40 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
+def _down_kernel(
+    act, w, out_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr,
+    num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    num_cols = tl.cdiv(hidden, BLOCK_N)
+    if PERSISTENT:
+        num_tiles = tl.load(used_tiles_ptr) * (layout_m // BLOCK_M)
+        for job in tl.range(tl.program_id(0), num_tiles * num_cols, PROGRAMS, flatten=True):
+            tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
+            _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, tile, col, num_pairs, top_k, slots,
+                      hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+    else:
+        tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
+        if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
+            _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, tile, col, num_pairs, top_k, slots,
+                      hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+
+
 def kernel_settings(cfg: dict, layout_m: int) -> dict:
     """One kernel's table entry with what older tables leave out filled in: its own BLOCK_M
     (default the layout's; it must divide it, so a tile still has one expert), GROUP_M (0: all
-    tiles in one group, the column-major order of old), TMA (off) and GATHER (off: gate_up
-    gathers its rows itself; on: from a buffer filled first; `down` ignores it)."""
-    settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, **cfg}
+    tiles in one group, the column-major order of old), TMA (off), GATHER (off: gate_up
+    gathers its rows itself; on: from a buffer filled first; `down` ignores it) and PERSISTENT
+    (0: one program per job of the worst-case grid; n: n programs per multiprocessor loop over
+    the used tiles' jobs)."""
+    settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "PERSISTENT": 0, **cfg}
     if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
         raise ValueError(f"kernel BLOCK_M {settings['BLOCK_M']} must be at least 16 and divide the layout's "
                          f"BLOCK_M {layout_m}; re-run bench/moe_tune.py or fix the table")
+    if not isinstance(settings["PERSISTENT"], int) or settings["PERSISTENT"] < 0:
+        raise ValueError(f"PERSISTENT {settings['PERSISTENT']!r} must be 0 (off) or programs per multiprocessor")
     return settings
 
 
@@ -278,6 +314,16 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(device: torch.device, per_multiprocessor: int) -> int:
+    """A persistent grid's size (Triton's CPU interpreter: 4 per "multiprocessor" of one)."""
+    return per_multiprocessor * (_multiprocessors(device.index) if device.type == "cuda" else 4)
+
+
 def _operand(tensor: torch.Tensor, block: list[int], tma: bool):
     """`tensor` as a 2-D TMA descriptor of `block` tiles, or itself for pointer loads."""
     if not tma:
@@ -286,11 +332,14 @@ def _operand(tensor: torch.Tensor, block: list[int], tma: bool):
     return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), block)
 
 
-def _launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, **constants) -> None:
+def _launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, device: torch.device,
+            **constants) -> None:
     tiles = rows // cfg["BLOCK_M"]
-    kernel[(tiles * cols,)](
+    programs = _programs(device, cfg["PERSISTENT"]) if cfg["PERSISTENT"] else tiles * cols
+    kernel[(min(programs, tiles * cols),)](
         *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **constants)
+        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(cfg["PERSISTENT"]), PROGRAMS=programs,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **constants)
 
 
 GATHER_ROWS, GATHER_COLS = 16, 512  # a gather program's block; 16 divides every layout block_m
@@ -305,10 +354,12 @@ def gather_rows(x, x_rows, pairs, num_pairs: int, slots: int, block_m: int) -> N
                          num_warps=4)
 
 
-def launch_gate_up(x, w_gate_up, act, pairs, tile_expert, num_pairs: int, slots: int, block_m: int, cfg: dict,
+def launch_gate_up(x, w_gate_up, act, layout: tuple, num_pairs: int, slots: int, block_m: int, cfg: dict,
                    x_rows=None) -> None:
-    """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage).
-    With GATHER the token rows are first copied into `x_rows` ([rows, H], x's dtype, the caller's)."""
+    """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage),
+    `layout` being `align`'s. With GATHER the token rows are first copied into `x_rows` ([rows, H], x's dtype,
+    the caller's)."""
+    pairs, tile_expert, used_tiles = layout
     inter, hidden = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
     cfg = kernel_settings(cfg, block_m)
     cfg["TMA"] = cfg["TMA"] and tma_supported(x.device)
@@ -318,18 +369,19 @@ def launch_gate_up(x, w_gate_up, act, pairs, tile_expert, num_pairs: int, slots:
         gather_rows(x, x_rows, pairs, num_pairs, slots, block_m)
         x = _operand(x_rows, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     w = _operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
-    args = (x, w, act, pairs, tile_expert, num_pairs, slots, hidden, inter)
-    _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
+    args = (x, w, act, pairs, tile_expert, used_tiles, num_pairs, slots, hidden, inter)
+    _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg, act.device,
             GATHER=cfg["GATHER"])
 
 
-def launch_down(act, w_down, out, pairs, tile_expert, weights, num_pairs: int, top_k: int, slots: int,
+def launch_down(act, w_down, out, layout: tuple, weights, num_pairs: int, top_k: int, slots: int,
                 block_m: int, cfg: dict) -> None:
     """out[pair, H] = weight(pair) * act[row of pair] @ down[e]ᵀ for every real pair (weight 1: shared)."""
+    pairs, tile_expert, used_tiles = layout
     hidden, inter = w_down.shape[1], w_down.shape[2]
     cfg = kernel_settings(cfg, block_m)
     cfg["TMA"] = cfg["TMA"] and tma_supported(act.device)
     a = _operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     w = _operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
-    args = (a, w, out, pairs, tile_expert, weights, num_pairs, top_k, slots, hidden, inter)
-    _launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg)
+    args = (a, w, out, pairs, tile_expert, used_tiles, weights, num_pairs, top_k, slots, hidden, inter)
+    _launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg, act.device)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from afd.kernels.moe import experts_cuda  # sync-free, capturable
+from afd.kernels.moe import experts_cuda, kernel_choice  # sync-free, capturable
 
 
 class RMSNorm(nn.Module):
@@ -54,12 +54,20 @@ class Routing:
     scale_when_normalized: bool = True  # DeepSeek-V2 scales only un-normalized weights
 
     def select(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[tokens, experts] logits → ([tokens, k] weights in `dtype`, [tokens, k] expert ids)."""
+        """[tokens, experts] logits → ([tokens, k] weights in `dtype`, [tokens, k] expert ids).
+        Greedy routing on a GPU with the Triton MoE kernel runs as one Triton kernel (`afd.kernels.routing`)."""
+        normalize = self.norm_topk_prob and self.top_k > 1
+        if self.topk_method == "greedy" and logits.is_cuda and kernel_choice() == "triton":
+            from afd.kernels.routing import MAX_EXPERTS, select_greedy
+
+            if logits.shape[-1] <= MAX_EXPERTS:
+                scale = not normalize or self.scale_when_normalized
+                return select_greedy(logits, self.top_k, normalize, scale, self.scaling_factor, dtype)
         scores = logits.softmax(dim=-1, dtype=torch.float32)
         if self.topk_method == "group_limited_greedy":
             scores = self._mask_to_top_groups(scores)
         weights, ids = torch.topk(scores, self.top_k, dim=-1)
-        if self.norm_topk_prob and self.top_k > 1:
+        if normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             if self.scale_when_normalized:
                 weights = weights * self.scaling_factor
