@@ -155,3 +155,38 @@ def test_the_program_order_visits_every_tile_and_column_once(tiles, cols, group_
     assert {tile for tile, _ in first_group} == set(range(min(group_m, tiles)))
     if group_m >= tiles:  # one group: the column-major order of old
         assert visited == [(tile, col) for col in range(cols) for tile in range(tiles)]
+
+
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_no_compile_time_constant_follows_the_token_count(persistent, monkeypatch):
+    """Serving meets every batch size: each distinct constexpr compiles a kernel, so none may follow the tokens."""
+    from afd.kernels import moe_triton
+
+    launched = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.setdefault(self.name, []).append(constants)
+
+    monkeypatch.setattr(moe_triton, "_gate_up_kernel", Recorder("gate_up"))
+    monkeypatch.setattr(moe_triton, "_down_kernel", Recorder("down"))
+    routed, num_shared, top_k, hidden, inter, layout_m = 8, 2, 3, 64, 48, 32
+    cfg = kernel(BLOCK_M=16, TMA=True, PERSISTENT=persistent)
+    for tokens in (37, 130, 1000):
+        ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
+        layout = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+        rows, num_pairs, slots = layout[0].shape[0], tokens * (top_k + num_shared), top_k + num_shared
+        act = torch.empty(rows, inter, dtype=DTYPE, device=DEVICE)
+        moe_triton.launch_gate_up(torch.zeros(tokens, hidden, dtype=DTYPE, device=DEVICE),
+                                  torch.zeros(routed + num_shared, 2 * inter, hidden, dtype=DTYPE, device=DEVICE),
+                                  act, layout, num_pairs, slots, layout_m, cfg)
+        moe_triton.launch_down(act, torch.zeros(routed + num_shared, hidden, inter, dtype=DTYPE, device=DEVICE),
+                               torch.empty(num_pairs, hidden, dtype=DTYPE, device=DEVICE), layout,
+                               torch.ones(tokens, top_k, dtype=DTYPE, device=DEVICE), num_pairs, top_k, slots,
+                               layout_m, cfg)
+    for name, constants in launched.items():
+        assert len(constants) == 3 and constants[0] == constants[1] == constants[2], (name, constants)
+        assert constants[0]["PERSISTENT"] == bool(persistent)

@@ -334,11 +334,13 @@ def _operand(tensor: torch.Tensor, block: list[int], tma: bool):
 
 def _launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, device: torch.device,
             **constants) -> None:
+    """One program per job of the worst-case grid, or a persistent grid (PROGRAMS is a compile-time
+    constant: the device's, never the token count's, so no token count compiles a variant of its own)."""
     tiles = rows // cfg["BLOCK_M"]
-    programs = _programs(device, cfg["PERSISTENT"]) if cfg["PERSISTENT"] else tiles * cols
-    kernel[(min(programs, tiles * cols),)](
+    programs = _programs(device, cfg["PERSISTENT"]) if cfg["PERSISTENT"] else 0
+    kernel[(min(programs, tiles * cols) if programs else tiles * cols,)](
         *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(cfg["PERSISTENT"]), PROGRAMS=programs,
+        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(programs), PROGRAMS=programs,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **constants)
 
 
