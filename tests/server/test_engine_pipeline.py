@@ -93,7 +93,7 @@ def test_a_pacer_squeezing_prompts_next_to_decodes_gives_the_same_tokens(parts):
     cost = StepCostModel()
     for tokens in (1, 4, 16, 64) * 3:
         cost.observe(tokens, 0.01 + 0.001 * tokens)
-    pacer = PrefillPacer(1.0, min_tokens=1, cost=cost)
+    pacer = PrefillPacer(1.0, min_tokens=1, cost=cost, decode_cost=cost)
     caps, cap_of = [], pacer.prefill_cap
     pacer.prefill_cap = lambda *args: caps.append(cap_of(*args)) or caps[-1]
     prompts = [list(range(3 + i, 3 + i + 4 + 3 * i)) for i in range(6)]

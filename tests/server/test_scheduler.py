@@ -94,7 +94,7 @@ def paced(budget=2048, ratio=2.0, min_tokens=32, learn=True, backlog_steps=16):
     cost = StepCostModel()
     for tokens in (8, 16, 64, 256, 1024, 2048) * 3 if learn else ():
         cost.observe(tokens, 0.010 + 10e-6 * tokens)
-    return Scheduler(cache, 64, budget, max_model_len=4096, pacer=PrefillPacer(ratio, min_tokens, cost, backlog_steps))
+    return Scheduler(cache, 64, budget, max_model_len=4096, pacer=PrefillPacer(ratio, min_tokens, cost, backlog_steps, decode_cost=cost))
 
 
 def run_step(batch):

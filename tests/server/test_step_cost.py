@@ -39,12 +39,17 @@ def test_a_curve_that_is_flat_then_rises_is_followed_where_one_straight_line_is_
     assert model.tokens_within(0.040) == pytest.approx(1012, rel=0.1)  # 2 × the decode step: 500 tokens past the knee
 
 
+
+def one_curve(itl_ratio: float, model: StepCostModel) -> PrefillPacer:
+    """A pacer whose decode-only and prompt steps share `model` (the engine learns one curve of each)."""
+    return PrefillPacer(itl_ratio, cost=model, decode_cost=model)
+
 def test_steps_of_one_size_predict_nothing():
     model = StepCostModel()
     assert model.predict(64) is None and model.tokens_within(1.0) is None
     for _ in range(10):
         model.observe(64, 0.01)  # one bucket, however full: no slope
-    assert model.predict(64) is None and PrefillPacer(2.0, cost=model).prefill_cap(64) == MIN_PREFILL_TOKENS
+    assert model.predict(64) is None and one_curve(2.0, model).prefill_cap(64) == MIN_PREFILL_TOKENS
 
 
 def test_while_learning_one_step_of_a_second_size_gives_a_curve_and_full_buckets_then_outvote_it():
@@ -52,7 +57,7 @@ def test_while_learning_one_step_of_a_second_size_gives_a_curve_and_full_buckets
     model.observe(2048, 0.050)  # a run's first prompt step
     model.observe(100, 0.014)  # the first capped step beside decodes
     assert model.predict(100) == pytest.approx(0.014) and model.predict(2048) == pytest.approx(0.050)
-    assert PrefillPacer(2.0, cost=model).prefill_cap(8, backlog=[(9000, 0)]) > 400  # no longer the floor (141) alone
+    assert one_curve(2.0, model).prefill_cap(8, backlog=[(9000, 0)]) > 400  # no longer the floor (141) alone
     model.observe(2048, 0.500)  # a stall, while that bucket holds too few steps to outvote it
     for _ in range(2):
         model.observe(100, 0.014)
@@ -81,7 +86,7 @@ def test_old_steps_stop_counting():
 
 
 def test_the_cap_keeps_a_predicted_mixed_step_within_the_ratio():
-    pacer = PrefillPacer(2.0, cost=learned())
+    pacer = one_curve(2.0, learned())
     cap = pacer.prefill_cap(64)
     assert cap == pytest.approx(532, rel=0.1)  # (0.75 × 2 × (10 ms + 64 × 10 µs) − 10 ms) / 10 µs − 64
     assert line(64 + cap) <= 2.0 * line(64) * 1.1
@@ -89,12 +94,12 @@ def test_the_cap_keeps_a_predicted_mixed_step_within_the_ratio():
 
 
 def test_the_cap_never_goes_below_the_minimum_chunk():
-    pacer = PrefillPacer(1.0, cost=learned())
+    pacer = one_curve(1.0, learned())
     assert pacer.prefill_cap(64) == MIN_PREFILL_TOKENS
 
 
 def test_no_cap_without_decodes_and_only_the_floors_before_the_cost_is_learned():
-    assert PrefillPacer(2.0, cost=learned()).prefill_cap(0) is None
+    assert one_curve(2.0, learned()).prefill_cap(0) is None
     assert PrefillPacer(2.0).prefill_cap(0, backlog=[(50000, 0)]) is None
     unlearned = PrefillPacer(2.0, backlog_steps=64)
     assert unlearned.prefill_cap(64) == MIN_PREFILL_TOKENS
@@ -105,11 +110,11 @@ def test_a_cap_beyond_any_cost_is_no_cap():
     model = StepCostModel()
     for tokens in (64, 128) * 3:
         model.observe(tokens, 0.01)  # step time flat as far as measured
-    assert model.tokens_within(0.02) == math.inf and PrefillPacer(2.0, cost=model).prefill_cap(64) is None
+    assert model.tokens_within(0.02) == math.inf and one_curve(2.0, model).prefill_cap(64) is None
 
 
 def test_a_ratio_below_one_leaves_prompts_the_minimum_chunk():
-    assert PrefillPacer(0.5, cost=learned()).prefill_cap(64) == MIN_PREFILL_TOKENS
+    assert one_curve(0.5, learned()).prefill_cap(64) == MIN_PREFILL_TOKENS
 
 
 def test_the_clock_of_synchronous_steps_is_each_launch():
@@ -140,10 +145,11 @@ def test_the_clock_of_asynchronous_steps_is_the_time_between_results():
 
 
 def test_a_backlog_raises_the_cap_to_a_share_of_it():
-    pacer = PrefillPacer(2.0, cost=learned(), backlog_steps=16)
+    model = learned()
+    pacer = PrefillPacer(2.0, cost=model, decode_cost=model, backlog_steps=16)
     assert pacer.prefill_cap(64, backlog=[(8000, 0)]) == pacer.prefill_cap(64)  # 500 a step: the ratio allows more
     assert pacer.prefill_cap(64, backlog=[(32000, 0)]) == 2000  # prompts arrive faster than the ratio lets them in
-    patient = PrefillPacer(2.0, cost=learned())  # the default: 64 steps (AFD_PREFILL_BACKLOG_STEPS)
+    patient = one_curve(2.0, learned())  # the default: 64 steps (AFD_PREFILL_BACKLOG_STEPS)
     assert patient.prefill_cap(64, backlog=[(32000, 0)]) == pacer.prefill_cap(64)  # 500 a step: the ratio's cap holds
     assert patient.prefill_cap(64, backlog=[(256000, 0)]) == 4000
 

@@ -164,7 +164,7 @@ class PrefillPacer:
         self.min_tokens = min_tokens
         self.backlog_steps = backlog_steps
         self.cost = cost or StepCostModel()  # steps with prompt tokens, by token count
-        self.decode_cost = decode_cost or (cost if cost is not None else StepCostModel())  # decode-only, by batch
+        self.decode_cost = decode_cost or StepCostModel()  # decode-only steps, by batch
         self.last_cap: int | None = None  # the last cap asked for (a metric); None: uncapped
 
     def observe(self, tokens: int, seconds: float, prompt: bool = True) -> None:
