@@ -58,6 +58,19 @@ def test_equal_scores_pick_the_lowest_expert_first_and_cast_to_the_dtype():
     torch.testing.assert_close(weights.float().cpu()[1], torch.full((2,), 0.2), rtol=1e-2, atol=0)
 
 
+def test_nan_logits_give_distinct_valid_experts_and_nan_weights():
+    """A NaN in the hidden states must not become an expert id past the table (an out-of-bounds read later)."""
+    from afd.kernels.routing import select_greedy
+
+    logits = torch.randn(3, 10)
+    logits[0, 4] = float("nan")
+    logits[1] = float("nan")
+    weights, ids = select_greedy(logits.to(DEVICE), 4, True, True, 1.0, torch.float32)
+    ids = ids.cpu()
+    assert bool(((ids >= 0) & (ids < 10)).all()) and all(len(set(row)) == 4 for row in ids.tolist())
+    assert bool(weights.cpu()[:2].isnan().all()) and not bool(weights.cpu()[2].isnan().any())
+
+
 def test_too_many_experts_are_refused():
     from afd.kernels.routing import select_greedy
 

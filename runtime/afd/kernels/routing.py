@@ -4,7 +4,9 @@
 (softmax, topk, sum, divide, multiply, cast), which at 1 to 4,096 tokens cost more than the
 arithmetic: each program here takes a block of tokens, holds their logits in registers and
 writes the k weights and expert ids. Experts come out in descending weight, the lowest
-expert id first among equal weights. Capturable in CUDA graphs (no host synchronisation).
+expert id first among equal weights; a row whose logits hold a NaN still gets k distinct,
+valid expert ids (with NaN weights, as torch gives), never an id that would index past the
+experts. Capturable in CUDA graphs (no host synchronisation).
 """
 
 from __future__ import annotations
@@ -28,17 +30,21 @@ def _select_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
                      mask=row_ok[:, None] & expert_ok, other=0.0).to(tl.float32)
     logits = tl.where(expert_ok, logits, float("-inf"))
     shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    scores = shifted / tl.sum(shifted, axis=1)[:, None]  # softmax; padding experts score 0
-    scores = tl.where(expert_ok, scores, -1.0)  # never picked
+    scores = shifted / tl.sum(shifted, axis=1)[:, None]  # softmax (NaN where the logits hold one)
+    # the rank to pick by: padding and picked experts never again, NaN scores after every real one
+    rank = tl.where(expert_ok, tl.where(scores == scores, scores, -1.0), float("-inf"))
     slots = tl.arange(0, K_PAD)
     top = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     top_ids = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(scores, axis=1)
-        best_id = tl.min(tl.where(scores == best[:, None], experts[None, :], BLOCK_E), axis=1)
-        top = tl.where(slots[None, :] == k, best[:, None], top)
+        best = tl.max(rank, axis=1)
+        best_id = tl.min(tl.where(rank == best[:, None], experts[None, :], BLOCK_E), axis=1)
+        best_id = tl.minimum(best_id, num_experts - 1)  # an id past the experts would index out of bounds later
+        picked = experts[None, :] == best_id[:, None]
+        weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)  # the score itself: NaN stays NaN
+        top = tl.where(slots[None, :] == k, weight[:, None], top)
         top_ids = tl.where(slots[None, :] == k, best_id[:, None], top_ids)
-        scores = tl.where(experts[None, :] == best_id[:, None], -1.0, scores)
+        rank = tl.where(picked, float("-inf"), rank)
     if NORMALIZE:
         top = top / (tl.sum(top, axis=1)[:, None] + 1e-20)
     if SCALE:
