@@ -10,8 +10,8 @@ from afd.connector.wire import ProtocolError
 from afd.kernels.moe import CONFIG_DIR, DEFAULT_CONFIGS, config_name, config_table, pick_config
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER"}  # newer tables: a kernel's own tile height, program order,
-# TMA loads, gate_up's rows pre-gathered
+OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "PERSISTENT"}  # newer tables: a kernel's own tile height,
+# program order, TMA loads, gate_up's rows pre-gathered, a persistent grid
 
 
 def assert_kernel_entry(kernel: dict, layout_m: int) -> None:
@@ -20,6 +20,8 @@ def assert_kernel_entry(kernel: dict, layout_m: int) -> None:
     assert block_m >= 16 and layout_m % block_m == 0  # a kernel tile lies inside one layout tile: one expert
     assert isinstance(kernel.get("GROUP_M", 0), int) and kernel.get("GROUP_M", 0) >= 0
     assert isinstance(kernel.get("TMA", False), bool) and isinstance(kernel.get("GATHER", False), bool)
+    persistent = kernel.get("PERSISTENT", 0)
+    assert isinstance(persistent, int) and not isinstance(persistent, bool) and persistent >= 0
 
 
 def test_pick_config_takes_the_nearest_token_count():
