@@ -57,11 +57,11 @@ class Routing:
         """[tokens, experts] logits → ([tokens, k] weights in `dtype`, [tokens, k] expert ids).
         Greedy routing on a GPU with the Triton MoE kernel runs as one Triton kernel (`afd.kernels.routing`)."""
         normalize = self.norm_topk_prob and self.top_k > 1
+        scale = not normalize or self.scale_when_normalized
         if self.topk_method == "greedy" and logits.is_cuda and kernel_choice() == "triton":
             from afd.kernels.routing import MAX_EXPERTS, select_greedy
 
             if logits.shape[-1] <= MAX_EXPERTS:
-                scale = not normalize or self.scale_when_normalized
                 return select_greedy(logits, self.top_k, normalize, scale, self.scaling_factor, dtype)
         scores = logits.softmax(dim=-1, dtype=torch.float32)
         if self.topk_method == "group_limited_greedy":
@@ -69,9 +69,7 @@ class Routing:
         weights, ids = torch.topk(scores, self.top_k, dim=-1)
         if normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            if self.scale_when_normalized:
-                weights = weights * self.scaling_factor
-        else:
+        if scale:
             weights = weights * self.scaling_factor
         return weights.to(dtype), ids
 
