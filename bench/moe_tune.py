@@ -116,7 +116,7 @@ class Problem:
     def layout(self, block_m: int):
         if block_m not in self.layouts:
             layout = self.moe_triton.align(self.ids, self.num_shared, self.down.shape[0], block_m)
-            rows = layout[0].shape[0]
+            rows = layout.pairs.shape[0]
             act = torch.randn(rows, self.inter, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(self.num_pairs, self.hidden, dtype=torch.bfloat16, device="cuda")
             x_rows = torch.empty(rows, self.hidden, dtype=torch.bfloat16, device="cuda")  # for GATHER

@@ -122,7 +122,7 @@ def test_gate_up_on_pre_gathered_rows_writes_every_row_as_before(tokens, tma):
     w_gate_up = (0.1 * torch.randn(routed + num_shared, 2 * inter, hidden)).to(DEVICE, DTYPE)
     ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
     layout = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
-    pairs = layout[0]
+    pairs = layout.pairs
     x_rows = torch.full((pairs.shape[0], hidden), float("nan"), dtype=DTYPE, device=DEVICE)
     acts = {}
     for gather in (False, True):
@@ -142,7 +142,8 @@ def test_gather_without_its_buffer_is_refused():
 
     with pytest.raises(ValueError, match="GATHER needs x_rows"):
         moe_triton.launch_gate_up(torch.zeros(1, 64), torch.zeros(1, 96, 64), None,
-                                  (torch.zeros(16, dtype=torch.int32), None, None), 1, 1, 16, kernel(GATHER=True))
+                                  moe_triton.Layout(torch.zeros(16, dtype=torch.int32), None, None), 1, 1, 16,
+                                  kernel(GATHER=True))
 
 
 @pytest.mark.parametrize("tiles, cols, group_m", [(7, 3, 7), (7, 3, 1), (7, 3, 3), (10, 4, 4), (5, 2, 8)])
@@ -178,7 +179,7 @@ def test_no_compile_time_constant_follows_the_token_count(persistent, monkeypatc
     for tokens in (37, 130, 1000):
         ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
         layout = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
-        rows, num_pairs, slots = layout[0].shape[0], tokens * (top_k + num_shared), top_k + num_shared
+        rows, num_pairs, slots = layout.pairs.shape[0], tokens * (top_k + num_shared), top_k + num_shared
         act = torch.empty(rows, inter, dtype=DTYPE, device=DEVICE)
         moe_triton.launch_gate_up(torch.zeros(tokens, hidden, dtype=DTYPE, device=DEVICE),
                                   torch.zeros(routed + num_shared, 2 * inter, hidden, dtype=DTYPE, device=DEVICE),

@@ -99,7 +99,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     cfg = pick_config(device_table(x.device, num_experts, hidden, inter), tokens)
     block_m = cfg["BLOCK_M"]
     layout = moe_triton.align(ids, num_shared, num_experts, block_m)
-    rows = layout[0].shape[0]
+    rows = layout.pairs.shape[0]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # [padded rows, I]
     x_rows = None  # [padded rows, H]: each row's token row, for a gate_up that reads them pre-gathered
     if cfg["gate_up"].get("GATHER", False):

@@ -29,6 +29,7 @@ a copy kernel first writes `gate_up`'s A rows in layout order into a caller's bu
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -99,10 +100,17 @@ def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
 
 
-def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """(`pairs` [max_rows] int32: pair index per padded row, `num_pairs` for padding;
-    `tile_expert` [max_rows / block_m] int32: each tile's expert, -1 past the used rows;
-    `used_tiles` [1] int32: how many tiles have a real row — they come first)."""
+class Layout(NamedTuple):
+    """Where `align` put the pairs, for the GEMM kernels."""
+
+    pairs: torch.Tensor  # [max_rows] int32: pair index per padded row, `num_pairs` for padding
+    tile_expert: torch.Tensor  # [max_rows / block_m] int32: each tile's expert, -1 past the used rows
+    used_tiles: torch.Tensor  # [1] int32: how many tiles have a real row (they come first)
+
+
+def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) -> Layout:
+    """Lay the pairs of `ids` ([tokens, k] routed experts; `num_shared` shared experts after them) out in
+    tiles of `block_m` rows of one expert each."""
     tokens, top_k = ids.shape
     slots = top_k + num_shared
     num_pairs, num_routed = tokens * slots, num_experts - num_shared
@@ -123,7 +131,7 @@ def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) ->
         BLOCK_M=block_m, NUM_BINS=bins, CHUNK=max(16, 4096 // bins), num_warps=4)
     _scatter_kernel[(triton.cdiv(num_pairs, block),)](
         ids, starts, counters[1], pairs, num_pairs, top_k, slots, num_routed, BLOCK=block, num_warps=4)
-    return pairs, tile_expert, used_tiles
+    return Layout(pairs, tile_expert, used_tiles)
 
 
 @triton.jit
@@ -356,7 +364,7 @@ def gather_rows(x, x_rows, pairs, num_pairs: int, slots: int, block_m: int) -> N
                          num_warps=4)
 
 
-def launch_gate_up(x, w_gate_up, act, layout: tuple, num_pairs: int, slots: int, block_m: int, cfg: dict,
+def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
                    x_rows=None) -> None:
     """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage),
     `layout` being `align`'s. With GATHER the token rows are first copied into `x_rows` ([rows, H], x's dtype,
@@ -376,7 +384,7 @@ def launch_gate_up(x, w_gate_up, act, layout: tuple, num_pairs: int, slots: int,
             GATHER=cfg["GATHER"])
 
 
-def launch_down(act, w_down, out, layout: tuple, weights, num_pairs: int, top_k: int, slots: int,
+def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,
                 block_m: int, cfg: dict) -> None:
     """out[pair, H] = weight(pair) * act[row of pair] @ down[e]ᵀ for every real pair (weight 1: shared)."""
     pairs, tile_expert, used_tiles = layout
