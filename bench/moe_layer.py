@@ -37,6 +37,7 @@ def build_layer(shape: dict) -> MoE:
             param.normal_(0, 0.02)
     if shape["fp32_logits"]:
         layer.gate.float()
+        layer.gate.split_weight()  # as afd.models.loader.finish_share does for bf16 on a GPU
     else:
         layer.gate.bfloat16()
     layer.experts.bfloat16()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd.kernels import split_linear
 from afd.kernels.moe import experts_cuda, kernel_choice  # sync-free, capturable
 
 
@@ -87,11 +88,20 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
         self.fp32_logits = fp32_logits
+        self.weight_parts: torch.Tensor | None = None  # split_weight(): the float32 weight as 3 bf16 parts
+
+    def split_weight(self) -> None:
+        """Once the float32 weight is loaded: keep it also as three bf16 parts, so that bf16 inputs on a GPU get
+        their float32 logits from one bf16 tensor-core GEMM (`afd.kernels.split_linear`)."""
+        if self.fp32_logits and self.weight.dtype == torch.float32:
+            self.weight_parts = split_linear.bf16_parts(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp32_logits:
-            return F.linear(x.float(), self.weight.float())
-        return F.linear(x, self.weight).float()
+        if not self.fp32_logits:
+            return F.linear(x, self.weight).float()
+        if self.weight_parts is not None and x.dtype == torch.bfloat16 and x.device == self.weight_parts.device:
+            return split_linear.linear_fp32(x, self.weight_parts)
+        return F.linear(x.float(), self.weight.float())
 
 
 class Experts(nn.Module):

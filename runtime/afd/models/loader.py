@@ -69,7 +69,8 @@ def build_share(config: dict, role: str, gate_on_attention: bool, dtype: torch.d
 
 
 def finish_share(model: MoECausalLM, dtype: torch.dtype, device: str | torch.device) -> None:
-    """Once the weights are set: inference mode, and on a GPU in bf16/fp16 one kernel pair per MoE layer."""
+    """Once the weights are set: inference mode, and on a GPU in bf16/fp16 one kernel pair per MoE layer
+    (and in bf16 float32 routers on tensor cores)."""
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         from afd.models.moe_prep import fuse_shared_experts
@@ -77,6 +78,8 @@ def finish_share(model: MoECausalLM, dtype: torch.dtype, device: str | torch.dev
         for module in model.modules():
             if isinstance(module, MoE):
                 fuse_shared_experts(module)
+            if isinstance(module, Router) and dtype == torch.bfloat16:
+                module.split_weight()
 
 
 def _load_weights(model: MoECausalLM, checkpoint: Checkpoint) -> None:
