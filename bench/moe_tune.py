@@ -8,9 +8,10 @@ processes (Triton's on-disk cache then serves the timing process), then timed al
 as a CUDA-graph replay on the real routing of each token count. Per token count the
 layout's block-M with the least gate_up + down time wins, each kernel with its own best
 tile height (the layout's or half of it), N/K/warps/stages, TMA loads and a persistent grid (on
-Hopper), and gate_up with its rows pre-gathered or not (GATHER: timed with its copy kernel); then the
-three best of each kernel are timed again under several program orders (GROUP_M; no
-recompile, it is a run-time argument). `legacy` times are the best of the old search space
+Hopper), and gate_up with its rows pre-gathered or not (GATHER: timed with its copy kernel) and its gate
+and up blocks in one dot or two (ONE_DOT). Every candidate is timed in two program orders, then the
+three best of each kernel are timed again, longer, under several (GROUP_M; no recompile, it is a
+run-time argument). `legacy` times are the best of the old search space
 (layout tiles, column-major order, pointer loads, no GATHER, one program per job) on today's code.
 The new rows are merged into the table in `runtime/afd/kernels/configs/` (read by
 `afd.kernels.moe.config_table`; token counts not tuned now keep their rows) and go to
@@ -50,7 +51,8 @@ def block_ms(tokens: int, slots: int, experts: int) -> tuple[int, ...]:
 
 
 KERNELS = ("gate_up", "down")
-GROUP_MS = (1, 4, 8, 16)  # tiles per program group tried on each kernel's leaders (0, the old order, always is)
+FIRST_GROUP_M = 8  # every candidate is timed in the old order (0: one group) and in groups of this many tiles
+GROUP_MS = (0, 1, 4, 8, 16)  # tiles per program group tried again on each kernel's three leaders
 
 
 def kernel_block_ms(layout_m: int) -> tuple[int, ...]:
@@ -62,14 +64,15 @@ def load_options(kernel: str, block_m: int, tma: bool) -> list[dict]:
     """How a kernel may load its operands: pointers or TMA (where available), one program per job or
     persistent (with TMA: one program per multiprocessor looping over the used tiles' jobs); gate_up also
     from rows gathered first (GATHER) — with TMA, which only that makes possible for its rows, and with
-    pointers on tiles of 64+ rows."""
+    pointers on tiles of 64+ rows — and, with TMA, its gate and up blocks in one box and one dot (ONE_DOT)."""
     options = [{"TMA": False, "PERSISTENT": 0}]
     if tma:
         options += [{"TMA": True, "PERSISTENT": persistent} for persistent in (0, 1)]
     if kernel != "gate_up":
         return options
-    return [{**option, "GATHER": gather} for option in options for gather in (False, True)
-            if not gather or option["TMA"] or block_m >= 64]
+    return [{**option, "GATHER": gather, "ONE_DOT": one_dot} for option in options for gather in (False, True)
+            for one_dot in (False, True) if (not gather or option["TMA"] or block_m >= 64)
+            and (not one_dot or option["TMA"])]
 
 
 def candidates(kernel: str, block_m: int, tma: bool) -> list[dict]:
@@ -79,7 +82,8 @@ def candidates(kernel: str, block_m: int, tma: bool) -> list[dict]:
     else:
         space = itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))
     return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads)
-            for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))]
+            for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))
+            if not (loads.get("ONE_DOT") and n > 128)]  # one dot of 2·256 columns: too wide to pay
 
 
 def is_legacy(cfg: dict, layout_m: int) -> bool:
@@ -181,15 +185,20 @@ def precompile(shape_name: str, layouts: set[int], kernels: tuple[str, ...], wor
 
 def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: bool) -> tuple[float, dict, float]:
     """(ms, settings) of the fastest candidate of `kernel` over the layout `layout_m`, and the legacy best ms."""
-    def timed(cfg: dict) -> tuple[float, dict]:
-        return time_graph(problem.launcher(kernel, layout_m, cfg), iters=10), cfg
+    def timed(cfg: dict, iters: int = 10) -> tuple[float, dict]:
+        return time_graph(problem.launcher(kernel, layout_m, cfg), iters=iters), cfg
 
-    times = [timed(cfg) for sub in kernel_block_ms(layout_m) for cfg in candidates(kernel, sub, tma)
-             if cfg_key(kernel, cfg) not in failed]
+    times = [timed({**cfg, "GROUP_M": group_m}) for sub in kernel_block_ms(layout_m)
+             for cfg in candidates(kernel, sub, tma) if cfg_key(kernel, cfg) not in failed
+             for group_m in (0, FIRST_GROUP_M)]
     legacy = min((ms for ms, cfg in times if is_legacy(cfg, layout_m)), default=float("nan"))
-    leaders = sorted(times, key=lambda pair: pair[0])[:3]
-    times += [timed({**cfg, "GROUP_M": group_m}) for _, cfg in leaders for group_m in GROUP_MS]
-    ms, cfg = min(times, key=lambda pair: pair[0])
+    leaders = {}  # the three fastest settings, whatever their order
+    for _, cfg in sorted(times, key=lambda pair: pair[0]):
+        if len(leaders) < 3:
+            leaders.setdefault(cfg_key(kernel, cfg), cfg)
+    final = [timed({**cfg, "GROUP_M": group_m}, iters=30) for cfg in leaders.values()
+             for group_m in sorted({FIRST_GROUP_M, *GROUP_MS})]  # the leaders under every order, timed longer
+    ms, cfg = min(final, key=lambda pair: pair[0])
     return ms, cfg, legacy
 
 
@@ -216,7 +225,7 @@ def tune(problem: Problem, tokens: int, failed: set, tma: bool, kernels: tuple[s
 
 def describe_loads(cfg: dict) -> str:
     return (("TMA" if cfg["TMA"] else "pointers") + (" GATHER" if cfg.get("GATHER") else "")
-            + (" persistent" if cfg.get("PERSISTENT") else ""))
+            + (" ONE_DOT" if cfg.get("ONE_DOT") else "") + (" persistent" if cfg.get("PERSISTENT") else ""))
 
 
 def describe(cfg: dict) -> str:

@@ -37,7 +37,8 @@ def kernel(block_n=32, block_k=32, **new_keys):
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3, **new_keys}
 
 
-SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROUP_M, TMA, GATHER (gate_up)
+SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROUP_M, TMA, PERSISTENT, GATHER and
+    # ONE_DOT (gate_up)
     "old-entry": {"BLOCK_M": 16, "gate_up": kernel(), "down": kernel()},
     "grouped-tma-down": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=2),
                          "down": kernel(64, BLOCK_M=32, GROUP_M=0, TMA=True)},
@@ -54,6 +55,10 @@ SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROU
     "persistent-gather-tma-half-tiles": {"BLOCK_M": 32,
                                          "gate_up": kernel(BLOCK_M=16, TMA=True, GATHER=True, PERSISTENT=1),
                                          "down": kernel(64, BLOCK_M=16, TMA=True, PERSISTENT=2, GROUP_M=3)},
+    "one-dot-half-tiles": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=2, TMA=True, ONE_DOT=True),
+                           "down": kernel(64, TMA=True)},
+    "one-dot-gather-persistent": {"BLOCK_M": 16, "gate_up": kernel(TMA=True, GATHER=True, ONE_DOT=True, PERSISTENT=1),
+                                  "down": kernel()},
 }
 
 
@@ -86,11 +91,13 @@ def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
     from afd.kernels.moe_triton import kernel_settings
 
     assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False, "GATHER": False,
-                                             "PERSISTENT": 0}
+                                             "ONE_DOT": False, "PERSISTENT": 0}
     with pytest.raises(ValueError, match="divide the layout's BLOCK_M 64"):
         kernel_settings(kernel(BLOCK_M=48), 64)
     with pytest.raises(ValueError, match="PERSISTENT -1 must be 0"):
         kernel_settings(kernel(PERSISTENT=-1), 64)
+    with pytest.raises(ValueError, match="ONE_DOT .* needs TMA on"):
+        kernel_settings(kernel(ONE_DOT=True), 64)
 
 
 @pytest.mark.parametrize("tokens", [1, 37, 130])
@@ -135,6 +142,29 @@ def test_gate_up_on_pre_gathered_rows_writes_every_row_as_before(tokens, tma):
     assert 0 < int(real.sum()) < int(used.sum())  # there is padding to get right
     assert torch.equal(x_rows[real], x[pairs[real].long() // slots])
     assert not x_rows[used & ~real].any()
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 130])
+def test_gate_up_in_one_dot_writes_what_two_dots_write(tokens):
+    """ONE_DOT changes how gate and up blocks are loaded and multiplied, not a value of a real row of `act`
+    (the last column block is partial: inter 48, BLOCK_N 32)."""
+    from afd.kernels import moe_triton
+
+    routed, num_shared, top_k, hidden, inter, layout_m = 8, 2, 3, 64, 48, 32
+    slots, num_pairs = top_k + num_shared, tokens * (top_k + num_shared)
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, hidden).to(DEVICE, DTYPE)
+    w_gate_up = (0.1 * torch.randn(routed + num_shared, 2 * inter, hidden)).to(DEVICE, DTYPE)
+    ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
+    layout = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+    acts = {}
+    for one_dot in (False, True):
+        acts[one_dot] = torch.zeros((layout.pairs.shape[0], inter), dtype=DTYPE, device=DEVICE)
+        moe_triton.launch_gate_up(x, w_gate_up, acts[one_dot], layout, num_pairs, slots, layout_m,
+                                  kernel(BLOCK_M=16, TMA=True, ONE_DOT=one_dot))
+    real = layout.pairs < num_pairs
+    assert acts[True][real].abs().sum() > 0
+    torch.testing.assert_close(acts[True][real], acts[False][real], rtol=1e-2, atol=1e-3)
 
 
 def test_gather_without_its_buffer_is_refused():

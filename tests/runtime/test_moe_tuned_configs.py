@@ -10,8 +10,8 @@ from afd.connector.wire import ProtocolError
 from afd.kernels.moe import CONFIG_DIR, DEFAULT_CONFIGS, config_name, config_table, pick_config
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "PERSISTENT"}  # newer tables: a kernel's own tile height,
-# program order, TMA loads, gate_up's rows pre-gathered, a persistent grid
+OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT"}  # newer tables: a kernel's own tile
+# height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot, a persistent grid
 
 
 def assert_kernel_entry(kernel: dict, layout_m: int) -> None:
@@ -20,6 +20,7 @@ def assert_kernel_entry(kernel: dict, layout_m: int) -> None:
     assert block_m >= 16 and layout_m % block_m == 0  # a kernel tile lies inside one layout tile: one expert
     assert isinstance(kernel.get("GROUP_M", 0), int) and kernel.get("GROUP_M", 0) >= 0
     assert isinstance(kernel.get("TMA", False), bool) and isinstance(kernel.get("GATHER", False), bool)
+    assert kernel.get("ONE_DOT", False) in (False, kernel.get("TMA", False))  # one dot needs TMA
     persistent = kernel.get("PERSISTENT", 0)
     assert isinstance(persistent, int) and not isinstance(persistent, bool) and persistent >= 0
 
@@ -44,7 +45,7 @@ def test_every_committed_table_is_complete(path):
         assert entry["BLOCK_M"] in (16, 32, 64, 128), tokens
         assert_kernel_entry(entry["gate_up"], entry["BLOCK_M"])
         assert_kernel_entry(entry["down"], entry["BLOCK_M"])
-        assert "GATHER" not in entry["down"], tokens  # down's rows are contiguous already
+        assert "GATHER" not in entry["down"] and "ONE_DOT" not in entry["down"], tokens  # gate_up's options
 
 
 def test_defaults_are_complete():

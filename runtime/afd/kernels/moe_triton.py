@@ -24,6 +24,8 @@ tile still has one expert; tiles that are all padding exit), its own program ord
 its weights — and `down` its A rows — through TMA descriptors on Hopper. With `GATHER`
 a copy kernel first writes `gate_up`'s A rows in layout order into a caller's buffer
 (`x_rows`, zeros for padding), which `gate_up` then reads contiguously: through TMA too.
+With `ONE_DOT` (TMA only) `gate_up` takes a column block's gate and up rows in one 3-D TMA
+box and multiplies them in one dot twice as wide, splitting the two halves after the loop.
 """
 
 from __future__ import annotations
@@ -193,33 +195,49 @@ def _gather_kernel(x_ptr, x_rows_ptr, pairs_ptr, num_pairs, slots, hidden, layou
 
 
 @triton.jit
+def _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  TMA: tl.constexpr, GATHER: tl.constexpr):
+    """[BM, BK]: gate_up's A tile at inputs k0.., from the pre-gathered rows (GATHER) or straight from x."""
+    if GATHER:
+        a = _row_tile(x, tile * BLOCK_M, k0, hidden, BLOCK_M, BLOCK_K, TMA)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x + tokens[:, None] * hidden + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < hidden),
+                    other=0.0)
+    return a
+
+
+@triton.jit
 def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs, slots, hidden, inter, layout_m,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-                 GATHER: tl.constexpr):
-    """act[tile's rows, col's block] = SiLU(A @ gate) * (A @ up) for one tile and column block."""
+                 GATHER: tl.constexpr, ONE_DOT: tl.constexpr):
+    """act[tile's rows, col's block] = SiLU(A @ gate) * (A @ up) for one tile and column block. With ONE_DOT,
+    `w` is a 3-D descriptor over [2E, I, H] and one TMA box brings the gate and up blocks of the column block
+    ([2, BN, BK]) for one dot of width 2·BN (the A tile is read once per step); else two loads and two dots."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
-    if not GATHER:
-        pairs = tl.load(pairs_ptr + rows)  # [BM] pair index, num_pairs = padding
-        valid = pairs < num_pairs
-        tokens = (pairs // slots).to(tl.int64)
-        a_ptrs = x + tokens[:, None] * hidden + offs_k[None, :]  # [BM, BK]
-    gate_row = expert * 2 * inter + col * BLOCK_N  # rows of w viewed as [E * 2I, H]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if GATHER:
-            a = _row_tile(x, tile * BLOCK_M, k0, hidden, BLOCK_M, BLOCK_K, TMA)
-        else:
-            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] + k0 < hidden), other=0.0)
-            a_ptrs += BLOCK_K
-        g = _weight_tile(w, gate_row, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
-        u = _weight_tile(w, gate_row + inter, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+    pairs = tl.load(pairs_ptr + rows)  # [BM] pair index, num_pairs = padding
+    valid = pairs < num_pairs
+    tokens = (pairs // slots).to(tl.int64)
+    if ONE_DOT:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            a = _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
+            b = tl.reshape(w.load([2 * expert, col * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K)).T  # [BK, gate | up]
+            acc = tl.dot(a, b, acc)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        gate_row = expert * 2 * inter + col * BLOCK_N  # rows of w viewed as [E * 2I, H]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            a = _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
+            g = _weight_tile(w, gate_row, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
+            u = _weight_tile(w, gate_row + inter, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, in float32
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -230,7 +248,7 @@ def _gate_up_kernel(
     x, w, act_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr,
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-    GATHER: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+    GATHER: tl.constexpr, ONE_DOT: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
     [rows, H] buffer (a TMA descriptor when TMA is on)."""
@@ -240,12 +258,12 @@ def _gate_up_kernel(
         for job in tl.range(tl.program_id(0), num_tiles * num_cols, PROGRAMS, flatten=True):
             tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs, slots, hidden, inter,
-                         layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER)
+                         layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT)
     else:  # one job of the worst-case grid; a tile of padding only exits (an expert's real rows come first)
         tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs, slots, hidden, inter,
-                         layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER)
+                         layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT)
 
 
 @triton.jit
@@ -297,15 +315,19 @@ def kernel_settings(cfg: dict, layout_m: int) -> dict:
     """One kernel's table entry with what older tables leave out filled in: its own BLOCK_M
     (default the layout's; it must divide it, so a tile still has one expert), GROUP_M (0: all
     tiles in one group, the column-major order of old), TMA (off), GATHER (off: gate_up
-    gathers its rows itself; on: from a buffer filled first; `down` ignores it) and PERSISTENT
-    (0: one program per job of the worst-case grid; n: n programs per multiprocessor loop over
-    the used tiles' jobs)."""
-    settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "PERSISTENT": 0, **cfg}
+    gathers its rows itself; on: from a buffer filled first; `down` ignores it), ONE_DOT (off:
+    gate_up loads and multiplies its gate and up blocks apart; on, with TMA only: as one; `down`
+    ignores it) and PERSISTENT (0: one program per job of the worst-case grid; n: n programs per
+    multiprocessor loop over the used tiles' jobs)."""
+    settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "ONE_DOT": False, "PERSISTENT": 0,
+                **cfg}
     if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
         raise ValueError(f"kernel BLOCK_M {settings['BLOCK_M']} must be at least 16 and divide the layout's "
                          f"BLOCK_M {layout_m}; re-run bench/moe_tune.py or fix the table")
     if not isinstance(settings["PERSISTENT"], int) or settings["PERSISTENT"] < 0:
         raise ValueError(f"PERSISTENT {settings['PERSISTENT']!r} must be 0 (off) or programs per multiprocessor")
+    if settings["ONE_DOT"] and not settings["TMA"]:
+        raise ValueError("ONE_DOT loads gate and up blocks in one TMA box: it needs TMA on")
     return settings
 
 
@@ -370,18 +392,23 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
     `layout` being `align`'s. With GATHER the token rows are first copied into `x_rows` ([rows, H], x's dtype,
     the caller's)."""
     pairs, tile_expert, used_tiles = layout
-    inter, hidden = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
+    experts, inter, hidden = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2]
     cfg = kernel_settings(cfg, block_m)
     cfg["TMA"] = cfg["TMA"] and tma_supported(x.device)
+    cfg["ONE_DOT"] = cfg["ONE_DOT"] and cfg["TMA"]
     if cfg["GATHER"]:
         if x_rows is None:
             raise ValueError("GATHER needs x_rows: a [layout rows, hidden] buffer of x's dtype")
         gather_rows(x, x_rows, pairs, num_pairs, slots, block_m)
         x = _operand(x_rows, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
-    w = _operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
+    if cfg["ONE_DOT"]:  # [2E, I, H]: block 2e is expert e's gate rows, 2e + 1 its up rows
+        blocks = w_gate_up.view(2 * experts, inter, hidden)
+        w = TensorDescriptor(blocks, list(blocks.shape), list(blocks.stride()), [2, cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    else:
+        w = _operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     args = (x, w, act, pairs, tile_expert, used_tiles, num_pairs, slots, hidden, inter)
     _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg, act.device,
-            GATHER=cfg["GATHER"])
+            GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"])
 
 
 def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,
