@@ -115,6 +115,45 @@ def test_the_layout_counts_the_tiles_with_a_real_row(tokens):
     assert bool((tile_expert[:used] >= 0).all()) and bool((tile_expert[used:] == -1).all())
 
 
+@pytest.mark.parametrize("layout_m", [16, 64])
+@pytest.mark.parametrize("tokens", [37, 1000])
+def test_the_layout_holds_every_pair_once_in_tiles_of_its_expert(tokens, layout_m):
+    """Past 1,024 rows the offsets kernel runs as several programs; together they must still mark every
+    tile's expert and every padding row."""
+    from afd.kernels import moe_triton
+
+    routed, num_shared, top_k = 8, 2, 3
+    slots, num_pairs = top_k + num_shared, tokens * (top_k + num_shared)
+    torch.manual_seed(tokens)
+    ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices
+    layout = moe_triton.align(ids.to(DEVICE), num_shared, routed + num_shared, layout_m)
+    pairs, tile_expert = layout.pairs.cpu().long(), layout.tile_expert.cpu().long()
+    assert pairs.shape[0] > 1024 or tokens == 37
+    real = pairs < num_pairs
+    assert sorted(pairs[real].tolist()) == list(range(num_pairs))
+    assert bool((pairs[~real] == num_pairs).all())
+    expert_of_pair = torch.cat((ids, torch.arange(routed, routed + num_shared).expand(tokens, -1)), 1).reshape(-1)
+    row_tile = torch.arange(pairs.shape[0]) // layout_m
+    assert torch.equal(tile_expert[row_tile[real]], expert_of_pair[pairs[real]])
+
+
+@pytest.mark.parametrize("dtype", ["input", "float32"])
+@pytest.mark.parametrize("tokens, hidden", [(1, 64), (37, 1100)])
+def test_the_slot_sum_adds_each_tokens_rows_in_float32_in_slot_order(tokens, hidden, dtype):
+    from afd.kernels import moe_triton
+
+    slots = 5
+    torch.manual_seed(tokens)
+    rows = torch.randn(tokens * slots, hidden).to(DEVICE, DTYPE)
+    out_dtype = DTYPE if dtype == "input" else torch.float32
+    got = moe_triton.sum_slots(rows, slots, out_dtype)
+    per_slot = rows.view(tokens, slots, hidden).float()
+    want = per_slot[:, 0]
+    for slot in range(1, slots):
+        want = want + per_slot[:, slot]
+    assert got.dtype == out_dtype and torch.equal(got, want.to(out_dtype))
+
+
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("tokens", [1, 37, 130])
 def test_gate_up_on_pre_gathered_rows_writes_every_row_as_before(tokens, tma):

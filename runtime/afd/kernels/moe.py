@@ -108,7 +108,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T*(k+S), H] in pair order
     moe_triton.launch_down(act, down, out, layout, weights.contiguous(), num_pairs, top_k, slots, block_m,
                            cfg["down"])
-    return out.view(tokens, slots, hidden).sum(dim=1, dtype=sum_dtype)
+    return moe_triton.sum_slots(out, slots, sum_dtype or x.dtype)
 
 
 def experts_grouped(x, weights, ids, gate_up, down, sum_dtype=None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Fused MoE in Triton: a three-kernel alignment, then two GEMM kernels.
+"""Fused MoE in Triton: a three-kernel alignment, two GEMM kernels, a sum over each token's pairs.
 
 A *pair* is one (token, slot): slots 0..k-1 are the token's routed experts, slots
 k..k+S-1 its S shared experts (folded in as experts every token visits with weight 1),
@@ -6,7 +6,7 @@ so pair p = token·(k+S) + slot and nothing is concatenated on the host side.
 
 `align` lays the pairs out so that every tile of `block_m` rows belongs to one expert,
 each expert's run padded to a tile multiple: count (a histogram per block, atomics
-across blocks), offsets (one program: padded prefix sum, the expert of every tile,
+across blocks), offsets (a few programs: padded prefix sum, the expert of every tile,
 padding rows marked), scatter (an atomic cursor per routed expert; shared experts'
 rows are in token order). That is four launches where a sort took about twenty.
 The order of pairs inside an expert's run depends on the atomics, but each row's
@@ -15,7 +15,7 @@ result does not: a GEMM row depends only on its own input row.
 `gate_up` gathers token rows straight from `x`, multiplies by the expert's gate and up
 weights and writes SiLU(gate)·up; `down` multiplies by the down weights, scales by
 the routing weight and writes each pair's row at its pair index (token order), so
-the final sum over a token's pairs is a plain deterministic reduction. No host
+the final sum over a token's pairs (`sum_slots`: float32, slot order) is deterministic. No host
 synchronisation anywhere: grid sizes come from the worst case and unused tiles exit.
 
 Each GEMM kernel has its own tile height (a divisor of the layout's `block_m`, so a
@@ -67,19 +67,23 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, slots, num_routed, num_
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
 def _offsets_kernel(counts_ptr, starts_ptr, tile_expert_ptr, used_tiles_ptr, pairs_ptr, num_experts, num_pairs,
                     max_tiles, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """Every program computes the padded prefix sum (a few hundred counts) and writes its share of the
+    tiles' experts and of the padding marks; program 0 also the starts and the used tile count."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
     experts = tl.arange(0, NUM_BINS)
     valid = experts < num_experts
     counts = tl.load(counts_ptr + experts, mask=valid, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    tl.store(starts_ptr + experts, ends - padded, mask=valid)
-    tl.store(used_tiles_ptr, tl.sum(padded, 0) // BLOCK_M)
+    if pid == 0:
+        tl.store(starts_ptr + experts, ends - padded, mask=valid)
+        tl.store(used_tiles_ptr, tl.sum(padded, 0) // BLOCK_M)
     ends = tl.where(valid, ends, 1 << 30)
-    for first in tl.range(0, max_tiles, CHUNK):
+    for first in tl.range(pid * CHUNK, max_tiles, programs * CHUNK):
         tiles = first + tl.arange(0, CHUNK)
         owner = tl.sum((ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), axis=1)
         tl.store(tile_expert_ptr + tiles, tl.where(owner < num_experts, owner, -1), mask=tiles < max_tiles)
-    for first in tl.range(0, max_tiles * BLOCK_M, 1024):  # every row starts as padding (pair index num_pairs)
+    for first in tl.range(pid * 1024, max_tiles * BLOCK_M, programs * 1024):  # every row starts as padding
         rows = first + tl.arange(0, 1024)
         tl.store(pairs_ptr + rows, tl.full((1024,), 0, tl.int32) + num_pairs, mask=rows < max_tiles * BLOCK_M)
 
@@ -95,6 +99,9 @@ def _scatter_kernel(ids_ptr, starts_ptr, cursor_ptr, pairs_ptr, num_pairs, top_k
     rank = tl.where(routed, taken, p // slots)  # a shared expert has exactly one pair per token
     dest = tl.load(starts_ptr + expert, mask=ok, other=0) + rank
     tl.store(pairs_ptr + dest, p.to(tl.int32), mask=ok)
+
+
+OFFSETS_PROGRAMS = 32  # the offsets kernel's grid at most: each program marks 1,024 rows a turn
 
 
 def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -128,7 +135,7 @@ def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) ->
     ids = ids.contiguous()
     _count_kernel[(triton.cdiv(num_pairs, block),)](
         ids, counters[0], num_pairs, top_k, slots, num_routed, num_experts, BLOCK=block, NUM_BINS=bins, num_warps=4)
-    _offsets_kernel[(1,)](
+    _offsets_kernel[(min(OFFSETS_PROGRAMS, triton.cdiv(rows, 1024)),)](
         counters[0], starts, tile_expert, used_tiles, pairs, num_experts, num_pairs, rows // block_m,
         BLOCK_M=block_m, NUM_BINS=bins, CHUNK=max(16, 4096 // bins), num_warps=4)
     _scatter_kernel[(triton.cdiv(num_pairs, block),)](
@@ -372,6 +379,32 @@ def _launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict,
         *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(programs), PROGRAMS=programs,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **constants)
+
+
+@triton.jit
+def _sum_slots_kernel(pair_rows, out, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[token, cols] = Σ over the token's SLOTS pair rows, in float32, slot 0 first, rounded once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for slot in tl.static_range(SLOTS):
+        acc += tl.load(pair_rows + (token * SLOTS + slot) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + token * hidden + cols, acc.to(out.dtype.element_ty), mask=ok)
+
+
+SUM_COLS = 1024  # columns per program of the slot sum
+
+
+def sum_slots(pair_rows: torch.Tensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] of `dtype`: each token's `slots` consecutive rows of `pair_rows` ([T·slots, H]) summed."""
+    hidden = pair_rows.shape[1]
+    tokens = pair_rows.shape[0] // slots
+    out = torch.empty(tokens, hidden, dtype=dtype, device=pair_rows.device)
+    if tokens:
+        _sum_slots_kernel[(tokens, triton.cdiv(hidden, SUM_COLS))](pair_rows, out, hidden, SLOTS=slots,
+                                                                    BLOCK=SUM_COLS, num_warps=4)
+    return out
 
 
 GATHER_ROWS, GATHER_COLS = 16, 512  # a gather program's block; 16 divides every layout block_m
