@@ -123,7 +123,7 @@ def test_the_layout_holds_every_pair_once_in_tiles_of_its_expert(tokens, layout_
     from afd.kernels import moe_triton
 
     routed, num_shared, top_k = 8, 2, 3
-    slots, num_pairs = top_k + num_shared, tokens * (top_k + num_shared)
+    num_pairs = tokens * (top_k + num_shared)
     torch.manual_seed(tokens)
     ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices
     layout = moe_triton.align(ids.to(DEVICE), num_shared, routed + num_shared, layout_m)
@@ -154,6 +154,23 @@ def test_the_slot_sum_adds_each_tokens_rows_in_float32_in_slot_order(tokens, hid
     assert got.dtype == out_dtype and torch.equal(got, want.to(out_dtype))
 
 
+GATE_UP_LAYOUT_M = 32
+
+
+def gate_up_problem(tokens: int):
+    """(x, gate_up weights, layout, slots, pairs) of a small routed + shared MoE whose width (48) is not a
+    multiple of the kernels' BLOCK_N (32)."""
+    from afd.kernels import moe_triton
+
+    routed, num_shared, top_k, hidden, inter = 8, 2, 3, 64, 48
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, hidden).to(DEVICE, DTYPE)
+    w_gate_up = (0.1 * torch.randn(routed + num_shared, 2 * inter, hidden)).to(DEVICE, DTYPE)
+    ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
+    layout = moe_triton.align(ids, num_shared, routed + num_shared, GATE_UP_LAYOUT_M)
+    return x, w_gate_up, layout, top_k + num_shared, tokens * (top_k + num_shared)
+
+
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("tokens", [1, 37, 130])
 def test_gate_up_on_pre_gathered_rows_writes_every_row_as_before(tokens, tma):
@@ -161,13 +178,8 @@ def test_gate_up_on_pre_gathered_rows_writes_every_row_as_before(tokens, tma):
     buffer holds each real row's token row and zeros in the padding of tiles with real rows."""
     from afd.kernels import moe_triton
 
-    routed, num_shared, top_k, hidden, inter, layout_m = 8, 2, 3, 64, 48, 32
-    slots, num_pairs = top_k + num_shared, tokens * (top_k + num_shared)
-    torch.manual_seed(tokens)
-    x = torch.randn(tokens, hidden).to(DEVICE, DTYPE)
-    w_gate_up = (0.1 * torch.randn(routed + num_shared, 2 * inter, hidden)).to(DEVICE, DTYPE)
-    ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
-    layout = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+    x, w_gate_up, layout, slots, num_pairs = gate_up_problem(tokens)
+    hidden, inter, layout_m = x.shape[1], w_gate_up.shape[1] // 2, GATE_UP_LAYOUT_M
     pairs = layout.pairs
     x_rows = torch.full((pairs.shape[0], hidden), float("nan"), dtype=DTYPE, device=DEVICE)
     acts = {}
@@ -189,17 +201,11 @@ def test_gate_up_in_one_dot_writes_what_two_dots_write(tokens):
     (the last column block is partial: inter 48, BLOCK_N 32)."""
     from afd.kernels import moe_triton
 
-    routed, num_shared, top_k, hidden, inter, layout_m = 8, 2, 3, 64, 48, 32
-    slots, num_pairs = top_k + num_shared, tokens * (top_k + num_shared)
-    torch.manual_seed(tokens)
-    x = torch.randn(tokens, hidden).to(DEVICE, DTYPE)
-    w_gate_up = (0.1 * torch.randn(routed + num_shared, 2 * inter, hidden)).to(DEVICE, DTYPE)
-    ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
-    layout = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+    x, w_gate_up, layout, slots, num_pairs = gate_up_problem(tokens)
     acts = {}
     for one_dot in (False, True):
-        acts[one_dot] = torch.zeros((layout.pairs.shape[0], inter), dtype=DTYPE, device=DEVICE)
-        moe_triton.launch_gate_up(x, w_gate_up, acts[one_dot], layout, num_pairs, slots, layout_m,
+        acts[one_dot] = torch.zeros((layout.pairs.shape[0], w_gate_up.shape[1] // 2), dtype=DTYPE, device=DEVICE)
+        moe_triton.launch_gate_up(x, w_gate_up, acts[one_dot], layout, num_pairs, slots, GATE_UP_LAYOUT_M,
                                   kernel(BLOCK_M=16, TMA=True, ONE_DOT=one_dot))
     real = layout.pairs < num_pairs
     assert acts[True][real].abs().sum() > 0
