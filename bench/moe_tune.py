@@ -52,7 +52,7 @@ def block_ms(tokens: int, slots: int, experts: int) -> tuple[int, ...]:
 
 KERNELS = ("gate_up", "down")
 FIRST_GROUP_M = 8  # every candidate is timed in the old order (0: one group) and in groups of this many tiles
-GROUP_MS = (0, 1, 4, 8, 16)  # tiles per program group tried again on each kernel's three leaders
+GROUP_MS = (0, 1, 4, FIRST_GROUP_M, 16)  # tiles per program group tried again on each kernel's three leaders
 
 
 def kernel_block_ms(layout_m: int) -> tuple[int, ...]:
@@ -194,10 +194,11 @@ def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: 
     legacy = min((ms for ms, cfg in times if is_legacy(cfg, layout_m)), default=float("nan"))
     leaders = {}  # the three fastest settings, whatever their order
     for _, cfg in sorted(times, key=lambda pair: pair[0]):
-        if len(leaders) < 3:
-            leaders.setdefault(cfg_key(kernel, cfg), cfg)
+        leaders.setdefault(cfg_key(kernel, cfg), cfg)
+        if len(leaders) == 3:
+            break
     final = [timed({**cfg, "GROUP_M": group_m}, iters=30) for cfg in leaders.values()
-             for group_m in sorted({FIRST_GROUP_M, *GROUP_MS})]  # the leaders under every order, timed longer
+             for group_m in GROUP_MS]  # the leaders under every order, timed longer
     ms, cfg = min(final, key=lambda pair: pair[0])
     return ms, cfg, legacy
 
@@ -246,6 +247,7 @@ def main() -> None:
     if not kernels or set(kernels) - set(KERNELS):
         parser.error(f"--kernels {args.kernels!r}: a comma-separated subset of {','.join(KERNELS)}")
     from afd.kernels.moe import CONFIG_DIR, config_name
+    from afd.kernels.moe_triton import tma_supported
 
     shape = MOE_SHAPES[args.shape]
     num_shared, top_k = shape["shared"], shape["top_k"]
@@ -261,8 +263,6 @@ def main() -> None:
         parser.error(f"{path.name} has no row for {missing} tokens to keep the other kernel from; tune both kernels")
     layouts = ({kept[str(t)]["BLOCK_M"] for t in sizes} if partial
                else {bm for t in sizes for bm in block_ms(t, slots, experts)})
-    from afd.kernels.moe_triton import tma_supported
-
     tma = tma_supported(down.device)
     print(f"TMA descriptors {'tried' if tma else 'not available here'}", flush=True)
     failed = precompile(args.shape, layouts, kernels, args.workers, tma, 1 in sizes)
@@ -288,6 +288,7 @@ def save_table(path: Path, kept: dict, table: dict, device: str) -> dict:
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(document, indent=1) + "\n")
     return document
+
 
 if __name__ == "__main__":
     main()
