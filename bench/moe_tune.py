@@ -102,9 +102,9 @@ class Problem:
     """One token count's routing and buffers, for timing either kernel under any setting."""
 
     def __init__(self, gate_up, down, num_shared: int, top_k: int, tokens: int, seed: int = 0):
-        from afd.kernels import moe_triton
+        from afd.kernels import moe_align, moe_triton
 
-        self.moe_triton = moe_triton
+        self.moe_align, self.moe_triton = moe_align, moe_triton
         self.gate_up, self.down, self.num_shared = gate_up, down, num_shared
         experts, hidden, inter = down.shape
         generator = torch.Generator(device="cuda").manual_seed(seed)
@@ -119,7 +119,7 @@ class Problem:
 
     def layout(self, block_m: int):
         if block_m not in self.layouts:
-            layout = self.moe_triton.align(self.ids, self.num_shared, self.down.shape[0], block_m)
+            layout = self.moe_align.align(self.ids, self.num_shared, self.down.shape[0], block_m)
             rows = layout.pairs.shape[0]
             act = torch.randn(rows, self.inter, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(self.num_pairs, self.hidden, dtype=torch.bfloat16, device="cuda")
@@ -217,7 +217,7 @@ def tune(problem: Problem, tokens: int, failed: set, tma: bool, kernels: tuple[s
             else:
                 entry[kernel], entry[f"{kernel}_legacy_ms"] = kept[kernel], kept.get(f"{kernel}_legacy_ms")
                 entry[f"{kernel}_ms"] = time_graph(problem.launcher(kernel, block_m, kept[kernel]), iters=10)
-        entry["align_ms"] = time_graph(lambda: problem.moe_triton.align(problem.ids, problem.num_shared, experts, block_m))
+        entry["align_ms"] = time_graph(lambda: problem.moe_align.align(problem.ids, problem.num_shared, experts, block_m))
         entry["total_ms"] = entry["gate_up_ms"] + entry["down_ms"] + entry["align_ms"]
         if best is None or entry["total_ms"] < best["total_ms"]:
             best = entry

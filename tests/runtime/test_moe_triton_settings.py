@@ -103,12 +103,12 @@ def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
 @pytest.mark.parametrize("tokens", [1, 37, 130])
 def test_the_layout_counts_the_tiles_with_a_real_row(tokens):
     """A persistent kernel loops over `used_tiles` tiles: exactly those with a real row, which come first."""
-    from afd.kernels import moe_triton
+    from afd.kernels import moe_align
 
     routed, num_shared, top_k, layout_m = 8, 2, 3, 32
     torch.manual_seed(tokens)
     ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
-    pairs, tile_expert, used_tiles = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+    pairs, tile_expert, used_tiles = moe_align.align(ids, num_shared, routed + num_shared, layout_m)
     has_real = (pairs < tokens * (top_k + num_shared)).view(-1, layout_m).any(dim=1)
     used = int(used_tiles.item())
     assert used == int(has_real.sum()) and bool(has_real[:used].all())
@@ -120,13 +120,13 @@ def test_the_layout_counts_the_tiles_with_a_real_row(tokens):
 def test_the_layout_holds_every_pair_once_in_tiles_of_its_expert(tokens, layout_m):
     """Past 1,024 rows the offsets kernel runs as several programs; together they must still mark every
     tile's expert and every padding row."""
-    from afd.kernels import moe_triton
+    from afd.kernels import moe_align
 
     routed, num_shared, top_k = 8, 2, 3
     num_pairs = tokens * (top_k + num_shared)
     torch.manual_seed(tokens)
     ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices
-    layout = moe_triton.align(ids.to(DEVICE), num_shared, routed + num_shared, layout_m)
+    layout = moe_align.align(ids.to(DEVICE), num_shared, routed + num_shared, layout_m)
     pairs, tile_expert = layout.pairs.cpu().long(), layout.tile_expert.cpu().long()
     assert pairs.shape[0] > 1024 or tokens == 37
     real = pairs < num_pairs
@@ -160,14 +160,14 @@ GATE_UP_LAYOUT_M = 32
 def gate_up_problem(tokens: int):
     """(x, gate_up weights, layout, slots, pairs) of a small routed + shared MoE whose width (48) is not a
     multiple of the kernels' BLOCK_N (32)."""
-    from afd.kernels import moe_triton
+    from afd.kernels import moe_align
 
     routed, num_shared, top_k, hidden, inter = 8, 2, 3, 64, 48
     torch.manual_seed(tokens)
     x = torch.randn(tokens, hidden).to(DEVICE, DTYPE)
     w_gate_up = (0.1 * torch.randn(routed + num_shared, 2 * inter, hidden)).to(DEVICE, DTYPE)
     ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
-    layout = moe_triton.align(ids, num_shared, routed + num_shared, GATE_UP_LAYOUT_M)
+    layout = moe_align.align(ids, num_shared, routed + num_shared, GATE_UP_LAYOUT_M)
     return x, w_gate_up, layout, top_k + num_shared, tokens * (top_k + num_shared)
 
 
@@ -213,11 +213,11 @@ def test_gate_up_in_one_dot_writes_what_two_dots_write(tokens):
 
 
 def test_gather_without_its_buffer_is_refused():
-    from afd.kernels import moe_triton
+    from afd.kernels import moe_align, moe_triton
 
     with pytest.raises(ValueError, match="GATHER needs x_rows"):
         moe_triton.launch_gate_up(torch.zeros(1, 64), torch.zeros(1, 96, 64), None,
-                                  moe_triton.Layout(torch.zeros(16, dtype=torch.int32), None, None), 1, 1, 16,
+                                  moe_align.Layout(torch.zeros(16, dtype=torch.int32), None, None), 1, 1, 16,
                                   kernel(GATHER=True))
 
 
@@ -236,7 +236,7 @@ def test_the_program_order_visits_every_tile_and_column_once(tiles, cols, group_
 @pytest.mark.parametrize("persistent", [0, 1])
 def test_no_compile_time_constant_follows_the_token_count(persistent, monkeypatch):
     """Serving meets every batch size: each distinct constexpr compiles a kernel, so none may follow the tokens."""
-    from afd.kernels import moe_triton
+    from afd.kernels import moe_align, moe_triton
 
     launched = {}
 
@@ -253,7 +253,7 @@ def test_no_compile_time_constant_follows_the_token_count(persistent, monkeypatc
     cfg = kernel(BLOCK_M=16, TMA=True, PERSISTENT=persistent)
     for tokens in (37, 130, 1000):
         ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
-        layout = moe_triton.align(ids, num_shared, routed + num_shared, layout_m)
+        layout = moe_align.align(ids, num_shared, routed + num_shared, layout_m)
         rows, num_pairs, slots = layout.pairs.shape[0], tokens * (top_k + num_shared), top_k + num_shared
         act = torch.empty(rows, inter, dtype=DTYPE, device=DEVICE)
         moe_triton.launch_gate_up(torch.zeros(tokens, hidden, dtype=DTYPE, device=DEVICE),

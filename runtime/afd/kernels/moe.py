@@ -1,7 +1,7 @@
 """Routed (and fused shared) experts on CUDA without a host synchronisation.
 
 Two implementations of one function, `experts(x, weights, ids, gate_up, down)`:
-`triton` (alignment + two fused GEMM kernels, `moe_triton`, with block sizes from a
+`triton` (alignment, `moe_align`, + two fused GEMM kernels, `moe_triton`, with block sizes from a
 table tuned per shape and device by `bench/moe_tune.py`) and `grouped` (`torch._grouped_mm` with a
 gather and a reordering pass). Both are capturable in CUDA graphs: every shape follows
 from the token count, never from the routing. `AFD_MOE_KERNEL` picks one
@@ -90,7 +90,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     """[T, H]: experts `ids` ([T, k]) weighted by `weights` ([T, k]), plus the last
     `num_shared` experts of `gate_up`/`down` at weight 1 for every token; summed into `sum_dtype`
     (default x's) — an expert-parallel shard returns its partial sum in float32."""
-    from afd.kernels import moe_triton
+    from afd.kernels import moe_align, moe_triton
 
     tokens, top_k = ids.shape
     num_experts, hidden, inter = down.shape
@@ -98,7 +98,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     num_pairs = tokens * slots
     cfg = pick_config(device_table(x.device, num_experts, hidden, inter), tokens)
     block_m = cfg["BLOCK_M"]
-    layout = moe_triton.align(ids, num_shared, num_experts, block_m)
+    layout = moe_align.align(ids, num_shared, num_experts, block_m)
     rows = layout.pairs.shape[0]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # [padded rows, I]
     x_rows = None  # [padded rows, H]: each row's token row, for a gate_up that reads them pre-gathered
