@@ -286,3 +286,44 @@ def test_launch_overhead_of_profiled_steps_still_predicts_the_current_topology()
     assert [level["within_tolerance"] for level in levels] == [True, True, True], levels
     middle = levels[1]["held_out"]  # 64 predicted from the 32 and 128 windows only
     assert middle["extrapolates"] and middle["prediction_error"] < 0.15, middle
+
+
+TABLE_FIELDS = ["current", "stages", "concurrency", "measured_tokens_per_s", "predicted_tokens_per_s", "prediction_error",
+                "recommended", "recommended_tokens_per_s", "predicted_gain", "why", "per_gpu"]
+
+
+def test_the_table_prints_an_idle_last_window():
+    """The last window idle (as `afd plan --prometheus` finds a quiet group): null error and no advice."""
+    from afd.planner.command import render_table
+
+    result = plan(Group("2A1F").scrapes([16, 32, 64, 0]))
+    assert result["prediction_error"] is None and result["recommended"] is None
+    table = render_table(result)
+    assert "model error -" in table and "recommended  -" in table and result["why"] in table
+
+
+# what the table shows for each field set to null: a dash where it stood, or the optional part left out
+NULL_SHOWN = {
+    "current": "current      - (stages 1)", "stages": "(stages -)", "concurrency": ", - decoding sequences",
+    "measured_tokens_per_s": "measured     - tokens/s", "predicted_tokens_per_s": "predicted    - tokens/s",
+    "prediction_error": "(model error -)", "recommended": "recommended  - (", "recommended_tokens_per_s": "recommended  5A1F, +",
+    "predicted_gain": "tokens/s)\nwhy", "why": "why          -\n", "per_gpu": "why",
+}
+
+
+@pytest.mark.parametrize("field", TABLE_FIELDS)
+def test_the_table_prints_a_dash_for_any_null_field(field):
+    from afd.planner.command import render_table
+
+    result = plan(Group("1A1F", attention=(2e-3, 8e-4), ffn=(1e-3, 1e-5)).scrapes([16, 32, 64]), Bounds(max_gpus=6))
+    assert result["recommended"] == "5A1F" and all(result.get(name) is not None for name in TABLE_FIELDS)
+    nulled = render_table({**result, field: None})
+    assert NULL_SHOWN[field] in nulled and nulled != render_table(result)
+    assert ("per GPU at the same load per GPU:" in nulled) == (field != "per_gpu")
+
+
+def test_the_table_prints_a_null_rate_per_gpu():
+    from afd.planner.command import render_table
+
+    table = render_table({"current": "2A1F", "per_gpu": {"2A1F": 10.0, "4A1F": None}})
+    assert table.splitlines()[-1].split() == ["4A1F", "-"] and "2A1F        10.0" in table

@@ -58,17 +58,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def render_table(result: dict) -> str:
+    """The human answer of `afd plan`; any field may be null (an idle window has no error, a fit no advice): "-"."""
+    recommended_rate = _number(result.get("recommended_tokens_per_s"), ".1f")
+    gain = _number(result.get("predicted_gain"), "+.0%")
     lines = [
-        f"current      {result['current']} (stages {result['stages']}), {result['concurrency']:.0f} decoding sequences",
-        f"measured     {result['measured_tokens_per_s']:.1f} tokens/s",
-        f"predicted    {result['predicted_tokens_per_s']:.1f} tokens/s (model error {result['prediction_error']:.1%})",
-        f"recommended  {result['recommended'] or '-'}"
-        + (f" ({result['recommended_tokens_per_s']:.1f} tokens/s)" if result.get("recommended_tokens_per_s") else "")
-        + (f", {result['predicted_gain']:+.0%} per GPU" if result.get("predicted_gain") else ""),
-        f"why          {result['why']}",
+        f"current      {_text(result.get('current'))} (stages {_text(result.get('stages'))}), "
+        f"{_number(result.get('concurrency'), '.0f')} decoding sequences",
+        f"measured     {_number(result.get('measured_tokens_per_s'), '.1f')} tokens/s",
+        f"predicted    {_number(result.get('predicted_tokens_per_s'), '.1f')} tokens/s "
+        f"(model error {_number(result.get('prediction_error'), '.1%')})",
+        f"recommended  {_text(result.get('recommended'))}"
+        + (f" ({recommended_rate} tokens/s)" if result.get("recommended_tokens_per_s") is not None else "")
+        + (f", {gain} per GPU" if result.get("predicted_gain") is not None else ""),
+        f"why          {_text(result.get('why'))}",
     ]
     if result.get("per_gpu"):
         lines.append("tokens/s per GPU at the same load per GPU:")
-        ranked = sorted(result["per_gpu"].items(), key=lambda item: -item[1])[:8]
-        lines += [f"  {topology:>6}  {value:10.1f}" for topology, value in ranked]
+        ranked = sorted(result["per_gpu"].items(), key=lambda item: -(item[1] if item[1] is not None else float("-inf")))[:8]
+        lines += [f"  {topology:>6}  {_number(value, '10.1f'):>10}" for topology, value in ranked]
     return "\n".join(lines)
+
+
+def _number(value, spec: str) -> str:
+    """`value` formatted with `spec`, or "-" where it is null."""
+    return "-" if value is None else format(value, spec)
+
+
+def _text(value) -> str:
+    return "-" if value is None or value == "" else str(value)
