@@ -134,13 +134,25 @@ class PairComm:
         NCCL connects peers lazily at their first group; if the two sides' first groups
         differ (attention: send + receive, FFN: receive only) its bootstrap exchange
         fails with "Message truncated". Connecting here makes later groups free to differ.
+
+        The exchange runs on a stream of its own and is waited for by an event on that stream,
+        never by a device-wide synchronize: the FFN builds pairs on helper threads while its
+        main thread may be capturing a CUDA graph, and a device-wide sync during a capture
+        fails (`cudaErrorStreamCaptureUnsupported`) and invalidates the capture. Captures
+        run in `thread_local` mode (`afd.graphs.capture`), so this thread's calls on its own
+        stream leave them alone. Not a lock between capture and setup: setup waits on the
+        peer, and a capture must not wait on a peer.
         """
-        probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        back = torch.empty_like(probe)
-        with Group():
-            self.send(probe)
-            self.recv(back)
-        torch.cuda.synchronize(self.device)
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            back = torch.empty_like(probe)
+            with Group():
+                self.send(probe)
+                self.recv(back)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
 
     def send(self, tensor: torch.Tensor) -> None:
         """Queue `tensor` (contiguous, on this device) to the peer on the current stream."""
