@@ -62,6 +62,16 @@ def mean(metric: str, by: str, extra: str = "") -> str:
             f"sum by ({by}) (rate({metric}_count{sel(extra)}[{RATE}]))")
 
 
+def ffn_busy() -> str:
+    """Share of the time each FFN process computes (the AFDFFNSaturated signal): the mean compute of
+    a profiled step, summed over layers, times the steps per second. Not the step's wall time, which
+    also counts the wait for attention."""
+    by = "namespace, afd_io_name, afd_io_group, rank, shard"
+    return (f"sum by ({by}) (rate(afd_layer_compute_seconds_sum{sel(FFN)}[{RATE}]) / "
+            f"rate(afd_layer_compute_seconds_count{sel(FFN)}[{RATE}])) * on ({by}) "
+            f"sum by ({by}) (rate(afd_ffn_steps_total{sel(FFN)}[{RATE}]))")
+
+
 def dashboard(uid: str, title: str, panels: list[dict], variables: list[dict] = VARIABLES) -> dict:
     x = y = 0
     for index, item in enumerate(panels):
@@ -108,6 +118,8 @@ def layers() -> dict:
         panel("Attention / FFN time ratio (> 1.5 attention-bound, < 0.67 FFN-bound)", [
             (f"sum(rate(afd_layer_compute_seconds_sum{sel(ATTENTION)}[{RATE}])) / "
              f"sum(rate(afd_layer_compute_seconds_sum{sel(FFN)}[{RATE}]))", "attention / ffn")]),
+        panel("FFN compute busy share (compute per step x steps/s; AFDFFNSaturated fires above 90%)", [
+            (ffn_busy(), "{{afd_io_name}} g{{afd_io_group}} ffn {{rank}} {{shard}}")], "percentunit"),
         panel("Per-layer compute p99 by role", [(quantile(0.99, "afd_layer_compute_seconds", "role, layer"), "{{role}} L{{layer}}")], "s", width=24),
         panel("Expert load per FFN shard (tokens/s routed to its experts, profiled steps)", [
             (f"sum by (rank, shard) (rate(afd_expert_tokens_total{sel(FFN)}[{RATE}]))", "ffn {{rank}} shard {{shard}}")]),

@@ -65,6 +65,16 @@ def test_alert_rules_check_and_unit_tests():
     assert {r["alert"] for r in alert_rules()} >= {"AFDPeerDown", "AFDStepTimeRegression", "AFDFFNSaturated", "AFDRankRestarts"}
 
 
+def test_no_alert_or_panel_reads_step_wall_time_as_busy_time():
+    """Issue 35: an FFN step's wall time holds its wait for attention, so the rate of its sum is no
+    busy share (it read 0.97 on an FFN computing 20% of the time). Busy shares come from compute."""
+    exprs = [("alert " + rule["alert"], rule["expr"]) for rule in alert_rules()]
+    exprs += [(f"{name}: {title}", expr) for name, board in dashboards().items() for title, expr in queries(board)]
+    assert not [where for where, expr in exprs if "afd_step_duration_seconds_sum" in expr]
+    saturated = next(rule["expr"] for rule in alert_rules() if rule["alert"] == "AFDFFNSaturated")
+    assert "afd_layer_compute_seconds_sum" in saturated and "afd_ffn_steps_total" in saturated
+
+
 def _traffic(api: str, model: str, stop: threading.Event) -> None:
     with httpx.Client(timeout=60) as client:
         while not stop.is_set():
