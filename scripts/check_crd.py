@@ -128,14 +128,18 @@ def _format(template: Any, args: Any) -> Any:
     return celpy.celtypes.StringType("".join(out))
 
 
-def evaluate(expression: str, value: Any) -> Any:
-    """Evaluate one CEL expression with `self` bound to `value` (JSON-like); raises RuleError."""
+def evaluate(expression: str, value: Any, old: Any = None) -> Any:
+    """Evaluate one CEL expression with `self` bound to `value` (JSON-like), and `oldSelf` to
+    `old` when given (a transition rule on an update); raises RuleError."""
     import celpy
 
     env = celpy.Environment()
+    bindings = {"self": celpy.json_to_cel(value)}
+    if old is not None:
+        bindings["oldSelf"] = celpy.json_to_cel(old)
     try:
         program = env.program(env.compile(expression), functions={"format": _format})
-        return program.evaluate({"self": celpy.json_to_cel(value)})
+        return program.evaluate(bindings)
     except Exception as err:  # celpy raises CELEvalError / CELParseError / ValueError
         raise RuleError(f"{expression!r} on {_short(value)}: {err.args[0] if err.args else err}") from None
 
@@ -146,11 +150,19 @@ def _short(value: Any, limit: int = 100) -> str:
 
 
 
-def rule_failure(rule: dict[str, Any], value: Any) -> str | None:
-    """None when `rule` holds on `value`, else the message the API server would give."""
+def is_transition_rule(rule: dict[str, Any]) -> bool:
+    """A rule that reads `oldSelf`: the API server evaluates it on updates only."""
+    return re.search(r"\boldSelf\b", rule["rule"]) is not None
+
+
+def rule_failure(rule: dict[str, Any], value: Any, old: Any = None) -> str | None:
+    """None when `rule` holds on `value` (a transition rule without `old`, i.e. on a create,
+    always holds), else the message the API server would give."""
     import celpy
 
-    result = evaluate(rule["rule"], value)
+    if is_transition_rule(rule) and old is None:
+        return None
+    result = evaluate(rule["rule"], value, old)
     if not isinstance(result, (bool, celpy.celtypes.BoolType)):
         raise RuleError(f"{rule['rule']!r} on {_short(value)}: gave {result!r}, not a boolean")
     if bool(result):
@@ -168,20 +180,21 @@ def message_of(rule: dict[str, Any], value: Any) -> str:
     return rule.get("message", f"failed rule: {rule['rule']}")
 
 
-def cel_failures(schema: dict[str, Any], obj: Any) -> list[str]:
+def cel_failures(schema: dict[str, Any], obj: Any, old: Any = None) -> list[str]:
     """Evaluate every CEL rule of `schema` on `obj` (already defaulted); the messages of the
-    rules that fail, as the API server would report them."""
+    rules that fail, as the API server would report them. With `old` (the stored object, an
+    update) transition rules run too, on the properties both have (lists are not correlated)."""
     failures = []
 
-    def visit(node_schema: dict[str, Any], node: Any) -> None:
+    def visit(node_schema: dict[str, Any], node: Any, before: Any = None) -> None:
         for rule in node_schema.get("x-kubernetes-validations") or []:
-            message = rule_failure(rule, node)
+            message = rule_failure(rule, node, before)
             if message is not None:
                 failures.append(message)
         if isinstance(node, dict):
             for key, sub in (node_schema.get("properties") or {}).items():
                 if key in node:
-                    visit(sub, node[key])
+                    visit(sub, node[key], before.get(key) if isinstance(before, dict) else None)
             if isinstance(node_schema.get("additionalProperties"), dict):
                 for item in node.values():
                     visit(node_schema["additionalProperties"], item)
@@ -189,7 +202,7 @@ def cel_failures(schema: dict[str, Any], obj: Any) -> list[str]:
             for item in node:
                 visit(node_schema["items"], item)
 
-    visit(schema, obj)
+    visit(schema, obj, old)
     return failures
 
 

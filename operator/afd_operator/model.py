@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from afd.topology import Topology
+from afd_operator.autoscaling_spec import Autoscaling
 from afd_operator.model_options import (
     DisruptionBudget, GangScheduling, ImagePullSecret, Monitoring, NetworkPolicy, Placement, PodSecurity, Ratio,
     SpecModel as _Model,
@@ -245,6 +246,7 @@ class AFDDeploymentSpec(_Model):
     pod_security: PodSecurity = Field(default_factory=PodSecurity)
     network_policy: NetworkPolicy = Field(default_factory=NetworkPolicy)
     ratio: Ratio = Field(default_factory=Ratio)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
 
     @model_validator(mode="after")
     def _check_shape(self) -> "AFDDeploymentSpec":
@@ -299,7 +301,7 @@ class AFDDeploymentSpec(_Model):
         """
         pod_fields = set(type(self).model_fields) - {
             "replicas", "rollout", "restart_policy", "pod_disruption_budget", "monitoring",
-            "network_policy", "ratio",
+            "network_policy", "ratio", "autoscaling",
         }
         data = self.model_dump(include=pod_fields, exclude_defaults=True, by_alias=True, mode="json")
         data = {"spec": data, "podContract": POD_CONTRACT}

@@ -104,6 +104,9 @@ CEL_REFUSED = [
      "afd.attentionEngine=vllm needs afd.connector=zmq"),
     ("demo", {"ratio": {"minAttentionPerFFN": 4, "maxAttentionPerFFN": 2}},
      "ratio.minAttentionPerFFN must not exceed ratio.maxAttentionPerFFN"),
+    ("demo", {"autoscaling": {"minGroups": 5, "maxGroups": 2}},
+     "autoscaling.minGroups must not exceed autoscaling.maxGroups (5 > 2)"),
+    ("demo", {"autoscaling": {"enabled": True}}, "autoscaling.enabled needs at least one target"),
 ]
 
 # Refused by the OpenAPI schema alone: (spec change, the field named in the refusal).
@@ -120,4 +123,7 @@ SCHEMA_REFUSED = [
     ({"podSecurity": {"runAsUser": 2**31}}, "runAsUser"),
     ({"ratio": {"mode": "On"}}, "mode"), ({"ratio": {"maxAttentionPerFFN": 0.5}}, "maxAttentionPerFFN"),
     ({"ratio": {"cooldownSeconds": 604801}}, "cooldownSeconds"), ({"ratio": {"prometheusURL": "ftp://x"}}, "prometheusURL"),
+    ({"autoscaling": {"maxGroups": 101}}, "maxGroups"), ({"autoscaling": {"targets": {"kvCacheUsage": 1.5}}}, "kvCacheUsage"),
+    ({"autoscaling": {"targets": {"ttftP90Seconds": 0}}}, "ttftP90Seconds"),
+    ({"autoscaling": {"scaleDownMarginPercent": 95}}, "scaleDownMarginPercent"),
 ]

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from afd_operator.autoscaling_spec import REPLICAS_MANAGED_MESSAGE as REPLICAS_MANAGED
 from afd_operator.model import AFDDeploymentSpec, SpecError, parse_spec
 from op_testkit import (
     CEL_REFUSED, SAMPLES, SCHEMA_REFUSED, apply_defaults, cel_failures, crd_schema, make_cr, walk_validations,
@@ -153,6 +154,8 @@ def test_cel_rules_reject_what_the_schema_cannot(name, change, message):
     {"restartPolicy": {"backoffSeconds": 60, "maxBackoffSeconds": 10}},
     {"podSecurity": {"runAsUser": 0}},
     {"ratio": {"minAttentionPerFFN": 4, "maxAttentionPerFFN": 2}},
+    {"autoscaling": {"minGroups": 5, "maxGroups": 2}},
+    {"autoscaling": {"enabled": True}},
 ])
 def test_cel_and_the_operator_say_the_same_thing(change):
     """If the API server runs an older CRD, the operator's own check gives the same message."""
@@ -161,6 +164,24 @@ def test_cel_and_the_operator_say_the_same_thing(change):
     with pytest.raises(SpecError) as err:
         parse_spec(defaulted["spec"])
     assert cel_message in str(err.value)
+
+
+AUTOSCALED = {"autoscaling": {"enabled": True, "targets": {"ttftP90Seconds": 1.0}}}
+
+
+@pytest.mark.parametrize("old, new, refused", [
+    (AUTOSCALED, {**AUTOSCALED, "replicas": 3}, True),  # kubectl scale while autoscaling: refused
+    (AUTOSCALED, AUTOSCALED, False),  # any other update keeps replicas: fine
+    ({}, {**AUTOSCALED, "replicas": 3}, False),  # turning it on may set replicas in the same write
+    (AUTOSCALED, {"replicas": 3}, False),  # turning it off may too
+])
+def test_replicas_cannot_change_while_autoscaling(old, new, refused):
+    """A transition rule: on an update the API server refuses a replicas change (a /scale write
+    included) while autoscaling stays on; creates never run it."""
+    stored, updated = (apply_defaults(crd_schema(), make_cr(**change)) for change in (old, new))
+    failures = cel_failures(crd_schema(), updated, stored)
+    assert failures == ([REPLICAS_MANAGED] if refused else [])
+    assert cel_failures(crd_schema(), updated) == []
 
 
 @pytest.mark.parametrize("change, where", SCHEMA_REFUSED)
