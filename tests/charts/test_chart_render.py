@@ -118,10 +118,12 @@ def test_monitors_scrape_the_operators_metrics_port():
     smon = one(objs, "ServiceMonitor")
     assert smon["apiVersion"] == "monitoring.coreos.com/v1" and smon["metadata"]["labels"]["release"] == "kps"
     assert smon["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    assert smon["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    # honorLabels (issue 35): the series' own `namespace` (the AFDDeployment's) is kept, not renamed
+    assert smon["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "honorLabels": True, "interval": "30s"}]
     pmon = one(objs, "PodMonitor")
     assert pmon["spec"]["selector"]["matchLabels"] == selector
-    assert pmon["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    assert pmon["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "honorLabels": True,
+                                                    "interval": "15s"}]
     assert not by_kind(render_objects({"metrics": {"enabled": True}}), "PodMonitor")  # opt-in
 
 

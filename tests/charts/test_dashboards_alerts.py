@@ -207,3 +207,45 @@ def test_every_operator_dashboard_query_runs_against_the_operators_metrics(tmp_p
         prometheus.send_signal(signal.SIGTERM)
         prometheus.wait(timeout=30)
         exporter.shutdown()
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing (Debian package prometheus; .ci/run installs it)")
+def test_the_operators_monitors_keep_each_deployments_namespace(tmp_path):
+    """Issue 35: a real Prometheus scrapes the operator as the chart's ServiceMonitor and PodMonitor
+    tell it (honorLabels → honor_labels; the target's `namespace` is the operator pod's, as the
+    Prometheus Operator sets it). The AFDDeployment's namespace survives, so the operator
+    dashboard's namespace filter finds its series, and nothing is renamed to exported_namespace."""
+    from chartkit import ALL_FEATURES, NAMESPACE, one, render_objects
+
+    from afd.local.children import free_port_block
+    from afd_operator.metrics import OperatorMetrics, serve_metrics
+
+    objs = render_objects(ALL_FEATURES)
+    endpoints = {"servicemonitor": one(objs, "ServiceMonitor")["spec"]["endpoints"][0],
+                 "podmonitor": one(objs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]}
+    metrics = OperatorMetrics()
+    exporter, prom_port = serve_metrics(0, metrics, address="127.0.0.1"), free_port_block(1)
+    target = f"127.0.0.1:{exporter.server_port}"
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [
+        {"job_name": job, "honor_labels": endpoint.get("honorLabels", False), "metrics_path": endpoint["path"],
+         "static_configs": [{"targets": [target], "labels": {"namespace": NAMESPACE}}]}
+        for job, endpoint in endpoints.items()]}))
+    prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        api = f"http://127.0.0.1:{prom_port}/api/v1/query"
+        started = time.monotonic()
+        while len(_query(api, "count by (job) (afd_operator_reconcile_total)")) < 2:
+            assert time.monotonic() - started < 60, "prometheus did not scrape the operator"
+            metrics.observe("team-a", "demo", 0.02, None, {"replicas": 1}, {"readyReplicas": 1})
+            time.sleep(1)
+        found = {row["metric"]["job"] for row in _query(api, 'afd_operator_reconcile_total{namespace="team-a"}')}
+        assert found == set(endpoints), _query(api, "afd_operator_reconcile_total")
+        assert not _query(api, '{exported_namespace!=""}')
+        groups = [expr for title, expr in queries(dashboards()["afd-operator"]) if "afd_operator_groups" in expr]
+        assert groups and all(_query(api, expr.replace(".*", "team-a")) for expr in groups)
+    finally:
+        prometheus.send_signal(signal.SIGTERM)
+        prometheus.wait(timeout=30)
+        exporter.shutdown()
