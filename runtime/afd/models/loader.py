@@ -60,11 +60,14 @@ def build_share(config: dict, role: str, gate_on_attention: bool, dtype: torch.d
         if role != "ffn":
             raise ValueError(f"only the ffn role is expert-parallel, not {role!r}")
         shard_ffn_model(model, *shard)
-    model.to_empty(device=device)
+    # dtypes first, on meta, then one allocation per tensor in its final dtype: allocating float32 and converting
+    # would briefly need twice the weights and leave the caching allocator's segments split (issue 33: ~40 GB the
+    # KV cache could not take at DeepSeek-V2-Lite shapes)
     model.to(dtype)
     for module in model.modules():
         if isinstance(module, Router) and module.fp32_logits:
             module.float()  # DeepSeek keeps its gate in float32
+    model.to_empty(device=device)
     return model, spec, crossing
 
 
