@@ -194,3 +194,41 @@ def test_link_heals_a_loss_while_idle(checkpoints):
         link.close()
         stop.set()
         thread.join(timeout=5)
+
+
+def test_link_leaves_a_draining_ffn_once_vllm_runs_nothing(checkpoints, monkeypatch):
+    """A rolling FFN restart behind vLLM attention (issue 35.3): the link honours the drain notice
+    as our engine does (one keeper, `LinkCare`), leaving once no step ran for a while, so the
+    FFN's drain ends at the goodbye instead of its fallback; the draining FFN is then unreachable."""
+    from afd.connector import ffn_link
+    from afd.connector.attention_link import LEAVE_AFTER_NOTICE_S
+    from afd.vllm_plugin import link as plugin_link
+
+    monkeypatch.setattr(ffn_link, "DRAIN_NOTICE_S", 600.0)  # only the goodbye can end this drain
+    monkeypatch.setattr(plugin_link, "IDLE_AFTER_S", 0.5, raising=False)
+    path = checkpoints["qwen3_moe"]
+    base = AFDConfig(model=str(path), connector="loopback", ffn_address_template="link-drain", dtype="float32",
+                     device="cpu", peer_timeout_s=5.0, heartbeat_interval_s=0.1)
+    runner = build_ffn(base.replace(role="ffn"))
+    stop = threading.Event()
+    thread = threading.Thread(target=runner.serve, args=(stop,), daemon=True)
+    thread.start()
+    link = FFNLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
+    try:
+        hidden = torch.randn(2, link.plan.spec.hidden_size)
+        for layer in link.plan.crossing:  # one whole step
+            assert link.exchange(layer, hidden).shape == hidden.shape
+        import time
+
+        started = time.monotonic()
+        runner.request_drain()
+        assert _wait(runner.drained, 10), "the idle vLLM attention rank did not leave the draining FFN"
+        left_after = time.monotonic() - started
+        assert LEAVE_AFTER_NOTICE_S <= left_after < 8, left_after
+        assert "stopping" in (link.lost or ""), link.lost
+        with pytest.raises(PeerLost, match="unreachable"):
+            link.exchange(link.plan.crossing[0], hidden)
+    finally:
+        link.close()
+        stop.set()
+        thread.join(timeout=5)

@@ -10,8 +10,11 @@ FFN as it does in our own runner's ping-pong. Stages split as everywhere (`afd.s
 `dboMinTokens` included). No vLLM import here: this is plain torch over our
 `AttentionLink`, tested against our FFN ranks without vLLM installed.
 
-Between steps a daemon thread calls the link's `keepalive` and, once it is lost, its
-`recover` (fresh sockets) until it is back: a loss while idle heals without vLLM noticing. A step
+Between steps a daemon thread tends the link with the engine's own keeper
+(`afd.engine.link_care.LinkCare`): heartbeats, leaving a draining FFN rank once this rank has
+run no step for `IDLE_AFTER_S` (vLLM steps back to back while any request runs), and once lost
+re-handshakes (fresh sockets) until it is back: a loss while idle heals without vLLM noticing,
+and a rolling FFN restart ends its drain without waiting out the fallback. A step
 while the FFN rank is lost raises `PeerLost` at once rather than waiting out the timeout;
 vLLM treats any model error as fatal (EngineDeadError: HTTP 500, /health 503, the server
 exits), so Kubernetes restarts the pod, which re-handshakes.
@@ -31,8 +34,9 @@ import torch
 from afd.config import AFDConfig, load_config
 from afd.connector import wire
 from afd.connector.attention_link import AttentionLink, LinkOptions
-from afd.connector.base import AttnTransfer, ConnectorError, PeerLost
+from afd.connector.base import AttnTransfer, PeerLost
 from afd.connector.tensors import DTYPE_NAMES
+from afd.engine.link_care import LinkCare
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import ModelSpec, parse_spec
 from afd.runners.handshake import make_hello
@@ -41,6 +45,7 @@ from afd.topology import crossing_layers
 
 log = logging.getLogger(__name__)
 RECONNECT_TIMEOUT_S = 2.0
+IDLE_AFTER_S = 2.0  # no step for this long: vLLM runs no request, so this rank may leave a draining FFN
 
 
 @dataclass(frozen=True)
@@ -69,8 +74,14 @@ class FFNLink:
         self.step_id = 0
         self._stage_rows: tuple[int, ...] = ()
         self.closed = False
-        self.lost: str | None = None  # why the FFN rank is unreachable, until a re-handshake succeeds
+        self.care = LinkCare(link, max(0.05, config.heartbeat_interval_s / 2))
+        self._last_step_at = time.monotonic()
         self._lock = threading.Lock()  # the link's sockets belong to one thread at a time
+
+    @property
+    def lost(self) -> str | None:
+        """Why the FFN rank is unreachable (lost, or left while draining), until a re-handshake succeeds."""
+        return self.care.error
 
     @classmethod
     def connect(cls, model_path: str, dtype: torch.dtype, config: AFDConfig | None = None) -> "FFNLink":
@@ -107,8 +118,10 @@ class FFNLink:
             try:
                 return self._exchange(layer, hidden, router_logits)
             except PeerLost as err:
-                self.lost = str(err)
+                self.care.lose(err)
                 raise
+            finally:
+                self._last_step_at = time.monotonic()
 
     def _exchange(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         if layer == self.first_layer:
@@ -132,29 +145,17 @@ class FFNLink:
         return torch.cat(outputs) if outputs else torch.empty_like(hidden)
 
     def _keepalive_loop(self) -> None:
-        interval = max(0.05, self.config.heartbeat_interval_s / 2)
         while not self.closed:
-            time.sleep(interval)
-            with self._lock:
+            time.sleep(self.care.check_s)
+            with self._lock:  # between steps (or between a step's layers: then not idle)
                 if self.closed:
                     return
-                if self.lost:
-                    self._try_recover()
-                    continue
-                try:
-                    self.link.keepalive()
-                except PeerLost as err:
-                    self.lost = str(err)
-                    log.warning("afd: %s; re-handshaking until it is back", err)
+                if self.care.due():
+                    self.care.tend(self._idle)
 
-    def _try_recover(self) -> None:
-        try:
-            self.link.recover()
-        except ConnectorError as err:
-            log.debug("afd: ffn rank %d not back yet: %s", self.link.ffn_rank, err)
-            return
-        log.warning("afd: ffn rank %d is back; serving again", self.link.ffn_rank)
-        self.lost = None
+    def _idle(self) -> bool:
+        """No step for `IDLE_AFTER_S`: vLLM runs steps back to back while it has any request."""
+        return time.monotonic() - self._last_step_at >= IDLE_AFTER_S
 
     def close(self, reason: str = "vllm attention shutting down") -> None:
         with self._lock:
