@@ -163,3 +163,21 @@ def test_plans_sent_ahead_each_run_one_step_in_order(checkpoints):
         assert link.next_plans() == {}
     finally:
         runner.link.close()
+
+
+def test_liveness_fails_while_the_loop_is_stuck_and_recovers_after(group):
+    """Issue 35: the FFN pod's liveness probe (/live) asks the worker whether its loop still comes
+    round. Idle, it does (every poll); stuck in a step waiting for rows that never come, it does
+    not, until the step gives up on the silent peer (its timeout) and the loop goes on."""
+    base, runner, stop, thread = group
+    time.sleep(0.5)
+    assert runner.stalled(0.4) is None  # idle: the loop polls and comes round
+    role = build_attention(base.replace(role="attention", rank=0), 256)
+    role.link.send_plan(wire.StepPlan(1, (3,)))  # promise rows that never come
+    time.sleep(1.5)
+    assert "has not come round for" in (runner.stalled(1.0) or "")
+    deadline = time.monotonic() + base.peer_timeout_s + 5
+    while runner.stalled(1.0) is not None:  # the step drops the silent peer, the loop goes on
+        assert time.monotonic() < deadline, "the ffn loop never came round after the peer timeout"
+        time.sleep(0.1)
+    assert thread.is_alive()

@@ -20,6 +20,9 @@ from afd.runners.step_order import LocalOrder
 
 log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0  # how often idle peers are probed (a peer whose process died is dropped)
+# The loop comes round within a poll interval when idle and after each step when busy (a step gives up
+# on a silent peer within its timeout): this long without a round, the worker is wedged (/live: 503).
+MIN_STALL_S = 120.0
 
 
 class FFNWorker:
@@ -30,6 +33,7 @@ class FFNWorker:
         # which plans a step runs (afd.runners.step_order); the batch window waits for every connected peer's plan
         self.order = order or LocalOrder(batch_window_s)
         link.watch_gone(executor.forget)
+        self.last_round = time.monotonic()  # when the serve loop last came round (liveness)
 
     def serve(self, stop: threading.Event) -> None:
         """The daemon loop; returns within one poll interval of `stop` being set, even mid-step."""
@@ -37,6 +41,7 @@ class FFNWorker:
         next_probe = time.monotonic() + PROBE_INTERVAL_S
         try:
             while not stop.is_set():
+                self.last_round = time.monotonic()
                 link.tell_draining()
                 if time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + PROBE_INTERVAL_S
@@ -57,6 +62,11 @@ class FFNWorker:
             failed = self.executor.run_step(plans, self.link, stop.is_set if stop else lambda: False)
         for peer, reason in failed.items():
             self.link.drop(peer, reason)
+
+    def stalled(self, limit_s: float) -> str | None:
+        """Liveness: why the worker counts as wedged (no loop round for `limit_s`), else None."""
+        idle = time.monotonic() - self.last_round
+        return f"the ffn worker loop has not come round for {idle:.0f} s" if idle > limit_s else None
 
     # the preStop drain and the counters, for the probes and the logs
     def request_drain(self) -> None:

@@ -12,6 +12,7 @@ from afd.metrics.expert_load import shard_labelled
 from afd.metrics.wiring import ffn_instruments, watch_ffn
 from afd.roles import build_ffn
 from afd.runners.device import resolve_device
+from afd.runners.ffn_worker import MIN_STALL_S
 from afd.server.probe_http import Probes, start_probe_server
 
 log = logging.getLogger(__name__)
@@ -22,8 +23,11 @@ def serve_ffn(config: AFDConfig, stop: threading.Event) -> int:
     registry = CollectorRegistry()
     worker = build_ffn(config, ffn_instruments(registry, config, resolve_device(config)))
     watch_ffn(registry, config, worker)
-    # preStop drain: tell the attention ranks, serve on until they have finished (or the hook's time is up)
-    probes = Probes(lambda: None, drained=worker.drained, on_drain=worker.request_drain)
+    # preStop drain: tell the attention ranks, serve on until they have finished (or the hook's time is up);
+    # /live fails once the worker loop stops coming round (a step hung past every peer timeout)
+    stall_s = max(MIN_STALL_S, 10 * config.peer_timeout_s)
+    probes = Probes(lambda: None, live=lambda: worker.stalled(stall_s), drained=worker.drained,
+                    on_drain=worker.request_drain)
     exposed = shard_labelled(registry, config.ffn_shard) if config.ffn_expert_parallel > 1 else registry
     probe = start_probe_server(config.http_host, config.metrics_port, probes, exposed)
     log.info("ffn rank %d ready (health and metrics on port %d)", config.rank, config.metrics_port)
