@@ -55,8 +55,8 @@ def test_numbers_in_range_pass():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"5": 100}), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("best_of", 3), ("suffix", "tail"), ("tool_choice", "required"), ("min_p", 0.1), ("whatever", 1),
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("best_of", 3), ("suffix", "tail"), ("tool_choice", "required"), ("whatever", 1),
 ])
 def test_unsupported_fields_are_refused_by_name(field, value):
     error = refused(validation.refuse_unsupported, {field: value})
@@ -64,7 +64,7 @@ def test_unsupported_fields_are_refused_by_name(field, value):
 
 
 def test_neutral_values_of_unsupported_fields_pass():
-    validation.refuse_unsupported({"logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "best_of": 1,
+    validation.refuse_unsupported({"response_format": {"type": "text"}, "tools": [], "best_of": 1,
                                    "suffix": None, "user": "alice", "tool_choice": "none"})
 
 
@@ -112,7 +112,9 @@ def test_request_models_refuse_wrong_types_by_field():
                         ({"model": 5, "prompt": "a"}, "model"),
                         ({"model": "m", "prompt": "a", "stream": "yes"}, "stream"),
                         ({"model": "m", "prompt": "a", "stream_options": {"bogus": 1}}, "stream_options.bogus"),
-                        ({"model": "m", "prompt": "a", "logit_bias": {"1": 1}}, "logit_bias")]:
+                        ({"model": "m", "prompt": "a", "logit_bias": {"1": "high"}}, "logit_bias.1"),
+                        ({"model": "m", "prompt": "a", "min_tokens": 1.5}, "min_tokens"),
+                        ({"model": "m", "prompt": "a", "bad_words": "x"}, "bad_words")]:
         assert refused(parse_request, CompletionRequest, body).param == field
     chat = {"model": "m", "messages": [{"role": "robot", "content": "x"}]}
     assert refused(parse_request, ChatRequest, chat).param == "messages[0].role"

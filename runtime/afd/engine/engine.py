@@ -27,6 +27,7 @@ import torch
 from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.engine.inputs import build_inputs, to_device
 from afd.engine.link_care import LinkCare
+from afd.engine.logits_controls import ControlState, StepControls, step_controls
 from afd.engine.outputs import OutputProcessor
 from afd.engine.sampler import Sampled, sample
 from afd.engine.scheduler import Scheduler
@@ -95,6 +96,7 @@ class Engine:
         self._inflight: _Launched | None = None
         self._step_id = 0
         self._prev_tokens = torch.empty(0, dtype=torch.long, device=self.device)
+        self._controls: ControlState | None = None  # device rows of requests with logits controls, made on first use
         self._outputs = OutputProcessor(set(eos_token_ids), max_model_len, observer, self._on_stopped, threaded=pipeline)
         self._wake = threading.Condition()
         self._stopped = False
@@ -126,8 +128,9 @@ class Engine:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if text:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer)
-            request.stop_checker = StopChecker(params.stop)
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                         params.spaces_between_special_tokens)
+            request.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         with self._wake:
             closed = self.dead or ("the server is shutting down" if self._stopped else None)
             if not closed:
@@ -273,7 +276,7 @@ class Engine:
         if len(emit) < len(batch):  # rows of unfinished prompt chunks sample nothing
             logits, sampling = logits[to_device(emit, logits.device)], [batch[i] for i in emit]
         try:
-            sampled = sample(logits, inputs.params, inputs.generators).to_host()
+            sampled = sample(logits, inputs.params, inputs.generators, self._step_controls(sampling, logits)).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up
             log.exception("sampling failed")
             self._drain()
@@ -283,6 +286,18 @@ class Engine:
         mark = self.link.end_step() if self.link is not None else None
         return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, inputs.prompt_tokens, started,
                          time.monotonic(), mark)
+
+    def _step_controls(self, sampling: list[Request], logits: torch.Tensor) -> StepControls | None:
+        """This step's logits controls (None for a batch that sets none: the plain sampler); slots of requests
+        that left are given back first."""
+        state = self._controls
+        if state is not None and state.slots:
+            state.release(set(self.scheduler.running))
+        if not any(r.params.adjusts_logits for r in sampling):
+            return None
+        if state is None:
+            state = self._controls = ControlState(logits.shape[1], logits.device)
+        return step_controls(state, sampling, self.eos_token_ids)
 
     def _drain(self) -> None:
         """Wait for the launched step (the link first: it notices a lost FFN) and hand its tokens to the output side."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 MAX_LOGPROBS = 20
+MAX_REPETITION_PENALTY = 100.0
 
 
 class InvalidRequest(ValueError):
@@ -31,6 +32,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report, 0 = only the chosen token
+    # Logits controls (`afd.engine.logits_controls`); a request that sets none takes the plain sampler.
+    presence_penalty: float = 0.0  # OpenAI: minus this once for each token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # transformers/vLLM: a token in the prompt or output is divided (>0) or multiplied
+    min_p: float = 0.0  # drop tokens whose probability is under min_p times the likeliest one's
+    min_tokens: int = 0  # EOS and stop tokens are held back until this many tokens are out
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled (empty: all)
+    banned_token_ids: tuple[int, ...] = ()  # never sampled (single-token `bad_words`)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -45,6 +58,28 @@ class SamplingParams:
             raise InvalidRequest(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must not be empty", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
+                                 f"{self.repetition_penalty}", "repetition_penalty")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                                 "min_tokens")
+
+    @property
+    def penalized(self) -> bool:
+        """Needs the sequence's token counts (presence, frequency or repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Any control that changes the logits before sampling (min_p acts in the sampler itself)."""
+        return bool(self.penalized or self.min_tokens or self.logit_bias or self.allowed_token_ids
+                    or self.banned_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,8 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Batched sampling on the device: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+
+Logits controls (penalties, logit_bias, allowed/banned tokens, min_tokens) are applied first
+when the step has any (`afd.engine.logits_controls`); logprobs are those of the raw logits,
+as vLLM reports them by default.
 
 `sample` never waits for the device: which masks apply is decided from the requests'
 parameters on the host, and its result is one packed tensor that `Sampled.to_host`
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from afd.engine.inputs import to_device
+from afd.engine.logits_controls import StepControls
 from afd.engine.request import SamplingParams, TokenLogprobs
 
 
@@ -59,13 +64,20 @@ class Sampled:
         return tokens, logprobs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Sampled:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           controls: StepControls | None = None) -> Sampled:
     """One token per row of `logits` [B, vocab] float32, plus logprobs where a request asked for them."""
     device, vocab = logits.device, logits.shape[1]
+    raw = logits
+    if controls is not None:
+        logits = controls.apply(logits)
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         chosen = _draw(logits, chosen, [params[i] for i in random_rows], random_rows, generators, device, vocab)
+    if controls is not None:
+        controls.record(chosen)
+    logits = raw
     wants = [p.logprobs for p in params]
     if all(w is None for w in wants):
         return Sampled(chosen, chosen, -1, wants)
@@ -81,6 +93,8 @@ def _draw(logits, chosen, params, rows, generators, device, vocab) -> torch.Tens
     """`chosen` with the non-greedy `rows` drawn from their temperature/top-k/top-p distributions."""
     index = to_device(rows, device)
     scores = logits[index] / to_device([max(p.temperature, 1e-6) for p in params], device, logits.dtype).unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
+        scores = mask_min_p(scores, to_device([p.min_p for p in params], device, logits.dtype))
     if any(0 < p.top_k < vocab for p in params):
         scores = _mask_top_k(scores, to_device([p.top_k if p.top_k > 0 else vocab for p in params], device))
     if any(p.top_p < 1 for p in params):
@@ -93,6 +107,13 @@ def _draw(logits, chosen, params, rows, generators, device, vocab) -> torch.Tens
     chosen = chosen.clone()
     chosen[index] = drawn
     return chosen
+
+
+def mask_min_p(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Tokens whose probability is below `min_p` [R] times their row's likeliest one's set to -inf."""
+    probs = scores.softmax(dim=-1)
+    floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return scores.masked_fill(probs < floor, float("-inf"))
 
 
 def _mask_top_k(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

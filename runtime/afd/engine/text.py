@@ -13,9 +13,9 @@ from afd.engine.tokenizer import text_decoder
 class IncrementalDetokenizer:
     """Turns one token at a time into new text, never emitting half a character."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.decode = text_decoder(tokenizer)
+        self.decode = text_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -32,10 +32,11 @@ class IncrementalDetokenizer:
 
 
 class StopChecker:
-    """Accumulates text; finds stop strings; says how much text is safe to stream."""
+    """Accumulates text; finds stop strings (kept in the text with `include_stop`); says how much text is safe to
+    stream."""
 
-    def __init__(self, stop: tuple[str, ...]):
-        self.stop = stop
+    def __init__(self, stop: tuple[str, ...], include_stop: bool = False):
+        self.stop, self.include_stop = stop, include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.sent = 0
@@ -48,9 +49,10 @@ class StopChecker:
             return
         start = max(0, len(self.text) - self.hold)
         self.text += delta
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            begin, end = min(hits)
+            self.text = self.text[: end if self.include_stop else begin]
             self.stopped = True
 
     def take(self, final: bool) -> str:

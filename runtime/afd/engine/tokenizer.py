@@ -29,15 +29,17 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids)
 
 
-def text_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)`, as a function of `ids`.
+def text_decoder(tokenizer, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=..., spaces_between_special_tokens=...)`, as a function of `ids`.
 
     For a Hugging Face fast tokenizer whose decoding transformers does not change afterwards
     (no subclass override, no `clean_up_tokenization_spaces`), the Rust tokenizer is called
     directly: the same text at a fifth of the cost (transformers' wrapper is ~10 µs per call,
     and streaming decodes twice per token). Anything else goes through `decode`.
     """
-    cached = _decoders.get(id(tokenizer))
+    key = (id(tokenizer), skip_special_tokens, spaces_between_special_tokens)
+    cached = _decoders.get(key)
     if cached is not None and cached[0] is tokenizer:
         return cached[1]
     backend = getattr(tokenizer, "_tokenizer", None)
@@ -45,9 +47,12 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     plain = (backend is not None and owner is not None and owner.__module__ in _FAST_DECODE_MODULES
              and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
              and not any("decode" in vars(k) for k in type(tokenizer).__mro__[: type(tokenizer).__mro__.index(owner)]))
-    if plain:
-        decode = lambda ids: backend.decode(ids, skip_special_tokens=True)  # noqa: E731
+    if plain:  # the Rust decoder has no spaces_between_special_tokens (transformers ignores it for fast tokenizers)
+        decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)  # noqa: E731
+    elif spaces_between_special_tokens:
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)  # noqa: E731
     else:
-        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    _decoders[id(tokenizer)] = (tokenizer, decode)
+        decode = lambda ids: tokenizer.decode(  # noqa: E731
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=False)
+    _decoders[key] = (tokenizer, decode)
     return decode

@@ -177,7 +177,8 @@ def _prepare_completion(state: ServerState, body: dict):
     if request.stream and len(prompts) > 1:
         raise InvalidRequest("streaming supports one prompt per request", "prompt")
     ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    params = [request.sampling(_max_tokens(state, p, request.max_tokens), request.logprobs, state.vocab_size, state.limits)
+    params = [request.sampling(_max_tokens(state, p, request.max_tokens), request.logprobs, state.vocab_size, state.limits,
+                               state.tokenizer)
               for p in ids]
     echo = [state.tokenizer.decode(p) if request.echo else "" for p in ids]
     return request, ids, params, echo
@@ -193,7 +194,8 @@ def _prepare_chat(state: ServerState, body: dict):
     prompt = chat_prompt_ids(state.tokenizer, messages)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    params = request.sampling(_max_tokens(state, prompt, max_tokens), logprobs, state.vocab_size, state.limits)
+    params = request.sampling(_max_tokens(state, prompt, max_tokens), logprobs, state.vocab_size, state.limits,
+                              state.tokenizer)
     return request, prompt, params
 
 

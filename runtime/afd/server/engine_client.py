@@ -55,7 +55,7 @@ class EngineClient:
         """Send a request to the core; `InvalidRequest` if it can never run there."""
         request = self._admission.check(Request(list(prompt_ids), params, on_output))
         self._waiting[request.request_id] = on_output
-        self._texts[request.request_id] = RequestText(self.tokenizer, params.stop)
+        self._texts[request.request_id] = RequestText(self.tokenizer, params.stop, params)
         if not self._send(core_wire.encode_submit(self.api, request.request_id, request.prompt_ids, params, request.arrival)):
             self._fail(request.request_id, "the engine core is not connected")
         return request

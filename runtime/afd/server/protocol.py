@@ -36,8 +36,17 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     stream_options: StreamOptions | None = None
 
     def check(self) -> None:
@@ -46,13 +55,14 @@ class _Common(BaseModel):
         validation.refuse_unsupported(self.model_extra or {})
         if self.n != 1:
             raise InvalidRequest(f"n={self.n}: only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name} is not supported; leave it at 0", name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
 
-    def sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int, limits: Limits) -> SamplingParams:
+    def sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int, limits: Limits,
+                 tokenizer=None) -> SamplingParams:
+        """The engine's parameters; `tokenizer` turns `bad_words` into token ids (required when they are set)."""
+        if self.min_tokens and self.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -63,6 +73,17 @@ class _Common(BaseModel):
             stop_token_ids=validation.stop_token_ids(self.stop_token_ids, vocab_size, limits),
             ignore_eos=self.ignore_eos,
             logprobs=None if logprobs is None else min(logprobs, vocab_size),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
+            logit_bias=validation.logit_bias(self.logit_bias, vocab_size, limits),
+            allowed_token_ids=validation.allowed_token_ids(self.allowed_token_ids, vocab_size, limits),
+            banned_token_ids=validation.bad_words(self.bad_words, tokenizer, limits),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
     @property

@@ -9,13 +9,17 @@ request here; the caller aborts it in the core.
 
 from __future__ import annotations
 
-from afd.engine.request import RequestOutput
+from afd.engine.request import RequestOutput, SamplingParams
 from afd.engine.text import IncrementalDetokenizer, StopChecker
 
 
 class RequestText:
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.detokenizer, self.checker = IncrementalDetokenizer(tokenizer), StopChecker(stop)
+    def __init__(self, tokenizer, stop: tuple[str, ...], params: SamplingParams | None = None):
+        """`params`: the request's text options (special tokens, whether the stop string is kept); default vLLM's."""
+        params = params or SamplingParams()
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens,
+                                                  params.spaces_between_special_tokens)
+        self.checker = StopChecker(stop, params.include_stop_str_in_output)
 
     def fill(self, output: RequestOutput) -> bool:
         """Put the text into `output` (finishing it on a stop string); whether a stop string ended it here."""

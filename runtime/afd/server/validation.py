@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from afd.engine.request import MAX_LOGPROBS, InvalidRequest
+from afd.engine.request import MAX_LOGPROBS, MAX_REPETITION_PENALTY, InvalidRequest
 from afd.server.json_body import check_text, short
 
 MAX_TEMPERATURE = 100.0
@@ -36,6 +36,9 @@ class Limits:
     max_stop: int = 64
     max_stop_chars: int = 1024
     max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024  # entries of logit_bias
+    max_bad_words: int = 256
+    max_allowed_token_ids: int = 1 << 20
 
     @classmethod
     def for_server(cls, max_request_bytes: int, max_prompts: int, max_prompt_chars: int, max_model_len: int) -> "Limits":
@@ -69,6 +72,8 @@ NUMBER_BOUNDS: dict[str, tuple[float, float, bool]] = {  # name: (low, high, low
     "top_p": (0.0, 1.0, True),
     "presence_penalty": (-2.0, 2.0, False),
     "frequency_penalty": (-2.0, 2.0, False),
+    "repetition_penalty": (0.0, MAX_REPETITION_PENALTY, True),
+    "min_p": (0.0, 1.0, False),
 }
 INT_BOUNDS: dict[str, tuple[int, int]] = {
     "top_k": (-1, INT32_MAX),
@@ -78,6 +83,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "max_completion_tokens": (1, INT64_MAX),
     "logprobs": (0, MAX_LOGPROBS),
     "top_logprobs": (0, MAX_LOGPROBS),
+    "min_tokens": (0, INT64_MAX),
 }
 
 
@@ -96,7 +102,6 @@ def check_bounds(values: Mapping[str, Any]) -> None:
 # Anything else not declared by the request model is refused: OpenAI does the same.
 _NEUTRAL: dict[str, tuple] = {
     "user": (),  # any string: metadata that never changes the output
-    "logit_bias": ({},),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "functions": ([],),
@@ -105,15 +110,11 @@ _NEUTRAL: dict[str, tuple] = {
     "parallel_tool_calls": (True, False),
     "best_of": (1,),
     "suffix": ("",),
-    "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0),
-    "min_tokens": (0,),
     "store": (False,),
     "metadata": ({},),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
     "prompt_logprobs": (),
-    "skip_special_tokens": (True,),
 }
 _WHY = {
     "response_format": "structured output is not supported; only {'type': 'text'}",
@@ -209,6 +210,61 @@ def stop_token_ids(ids: list[int] | None, vocab_size: int, limits: Limits) -> tu
     if not all(0 <= t < vocab_size for t in ids):
         raise InvalidRequest(f"stop_token_ids must be in 0..{vocab_size - 1}", "stop_token_ids")
     return tuple(ids)
+
+
+# -- logits controls -------------------------------------------------------------------
+MAX_LOGIT_BIAS = 100.0
+
+
+def logit_bias(bias: Mapping[str, float] | None, vocab_size: int, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token id as a string -> a bias in [-100, 100]) as sorted (id, bias) pairs."""
+    if not bias:
+        return ()
+    if len(bias) > limits.max_logit_bias:
+        raise InvalidRequest(f"logit_bias has {len(bias)} entries; at most {limits.max_logit_bias}", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        token = key.strip()
+        if not (token.isdigit() and int(token) < vocab_size):
+            raise InvalidRequest(f"logit_bias keys must be token ids in 0..{vocab_size - 1}, got {short(key, 40)!r}",
+                                 "logit_bias")
+        pairs.append((int(token), number_in("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)))
+    return tuple(sorted(pairs))
+
+
+def allowed_token_ids(ids: list[int] | None, vocab_size: int, limits: Limits) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not ids:
+        raise InvalidRequest("allowed_token_ids is empty: nothing could be sampled", "allowed_token_ids")
+    if len(ids) > limits.max_allowed_token_ids:
+        raise InvalidRequest(f"allowed_token_ids has {len(ids)} ids; at most {limits.max_allowed_token_ids}",
+                             "allowed_token_ids")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"allowed_token_ids must be in 0..{vocab_size - 1}", "allowed_token_ids")
+    return tuple(sorted(set(ids)))
+
+
+def bad_words(words: list[str] | None, tokenizer, limits: Limits) -> tuple[int, ...]:
+    """Token ids never to sample: each bad word, alone and after a space, must be one token (vLLM also bans the last
+    token of a longer word after its prefix; that needs the output's last tokens on the host, which we refuse)."""
+    if not words:
+        return ()
+    if len(words) > limits.max_bad_words:
+        raise InvalidRequest(f"bad_words has {len(words)} words; at most {limits.max_bad_words}", "bad_words")
+    banned = set()
+    for word in words:
+        if not word.strip():
+            raise InvalidRequest("bad_words entries must not be empty", "bad_words")
+        check_text("bad_words", word)
+        for variant in {word, " " + word.lstrip()}:
+            ids = tokenizer.encode(variant, add_special_tokens=False)
+            if len(ids) > 1 and variant == word:
+                raise InvalidRequest(f"bad_words: {short(word, 40)!r} is {len(ids)} tokens; only words of one token "
+                                     f"are supported", "bad_words")
+            if len(ids) == 1:
+                banned.add(ids[0])
+    return tuple(sorted(banned))
 
 
 # -- chat ------------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""What a vLLM user sends, through a rank's OpenAI API (a loopback AFD group): sampling controls, and a 400
+naming the field for each bad value."""
+
+import httpx
+import pytest
+import torch
+
+from afd.engine.request import SamplingParams
+from afd.server import core_wire
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def post(server, path, **body):
+    body.setdefault("model", server.model)
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def completion(server, **body):
+    response = post(server, "/v1/completions", **body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def token_texts(server, ids):
+    """What a completion's logprobs list as tokens for `ids`: each token's own text."""
+    return [server.state.tokenizer.decode([t]) for t in ids]
+
+
+def test_repetition_penalty_through_completions_equals_transformers(server, checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    want = model.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False, repetition_penalty=1.3,
+                          pad_token_id=0)[0, len(PROMPT):].tolist()
+    choice = completion(server, prompt=PROMPT, max_tokens=10, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                        logprobs=0)
+    assert choice["logprobs"]["tokens"] == token_texts(server, want)
+
+
+def test_logit_bias_and_bad_words_through_chat(server):
+    tokenizer = server.state.tokenizer
+    word = next(w for w in (" the", " fox", " and") if len(tokenizer.encode(w, add_special_tokens=False)) == 1)
+    target = tokenizer.encode(word, add_special_tokens=False)[0]
+    messages = [{"role": "user", "content": "Hi"}]
+    forced = post(server, "/v1/chat/completions", messages=messages, max_tokens=4, temperature=0.8, seed=1,
+                  logit_bias={str(target): 100}, logprobs=True).json()["choices"][0]
+    assert [c["token"] for c in forced["logprobs"]["content"]] == [word] * 4
+    banned = post(server, "/v1/chat/completions", messages=messages, max_tokens=4, temperature=0,
+                  logit_bias={str(target): 100}, bad_words=[word.strip()], logprobs=True).json()["choices"][0]
+    assert word not in [c["token"] for c in banned["logprobs"]["content"]]
+
+
+def test_min_p_penalties_top_k_together_are_served(server):
+    choice = completion(server, prompt="The quick brown fox", max_tokens=8, temperature=0.7, top_k=20, min_p=0.05,
+                        repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3, seed=7, ignore_eos=True)
+    again = completion(server, prompt="The quick brown fox", max_tokens=8, temperature=0.7, top_k=20, min_p=0.05,
+                       repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3, seed=7, ignore_eos=True)
+    assert choice["text"] == again["text"] and choice["finish_reason"] == "length"
+
+
+def test_allowed_token_ids_limit_what_is_sampled(server):
+    choice = completion(server, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=2, allowed_token_ids=[30, 31],
+                        ignore_eos=True, logprobs=0)
+    assert set(choice["logprobs"]["tokens"]) <= set(token_texts(server, [30, 31]))
+
+
+def test_stop_string_kept_and_special_tokens_shown_when_asked(server):
+    plain = completion(server, prompt=PROMPT, max_tokens=12, temperature=0, ignore_eos=True)["text"]
+    stop = plain[3:6]
+    kept = completion(server, prompt=PROMPT, max_tokens=12, temperature=0, ignore_eos=True, stop=[stop],
+                      include_stop_str_in_output=True)
+    assert kept["text"] == plain[: plain.index(stop) + len(stop)] and kept["finish_reason"] == "stop"
+    special = server.state.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    shown = completion(server, prompt=PROMPT, max_tokens=2, temperature=0, logit_bias={str(special): 100},
+                       skip_special_tokens=False)
+    hidden = completion(server, prompt=PROMPT, max_tokens=2, temperature=0, logit_bias={str(special): 100})
+    assert shown["text"] == "<|im_start|>" * 2 and hidden["text"] == ""
+
+
+@pytest.mark.parametrize("field, value", [
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("min_p", 1.5), ("presence_penalty", 3),
+    ("frequency_penalty", -2.5), ("min_tokens", -1), ("min_tokens", 99), ("logit_bias", {"abc": 1}),
+    ("logit_bias", {"999999": 1}), ("logit_bias", {"5": 101}), ("allowed_token_ids", []),
+    ("allowed_token_ids", [10**7]), ("bad_words", ["the quick brown fox"]), ("bad_words", [""]),
+    ("include_stop_str_in_output", "yes"), ("skip_special_tokens", 1),
+])
+def test_bad_values_are_400_naming_the_field(server, field, value):
+    response = post(server, "/v1/completions", prompt="Hi", max_tokens=4, **{field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(field)
+
+
+def test_sampling_controls_cross_the_api_process_wire():
+    params = SamplingParams(max_tokens=5, repetition_penalty=1.2, min_p=0.1, min_tokens=2, logit_bias=((3, 1.5),),
+                            allowed_token_ids=(1, 3), banned_token_ids=(4,), include_stop_str_in_output=True,
+                            skip_special_tokens=False, spaces_between_special_tokens=False)
+    decoded = core_wire.decode_request(core_wire.encode_submit(0, "r", [1, 2], params, 0.0))
+    assert decoded[4] == params
