@@ -1,0 +1,64 @@
+"""A vLLM user's requests through `afd up`'s front door (1A1F, tiny Qwen3-MoE, fp32 CPU): the answers equal
+transformers on the same checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import httpx
+import pytest
+import torch
+
+from afd.local.children import free_port_block
+from tests.server.test_up import answers_200, read_state, wait_for
+
+PROMPT = [5, 6, 7, 8, 9]
+pytestmark = pytest.mark.timeout(400)  # the first test also waits for `afd up` to start
+
+
+@pytest.fixture(scope="module")
+def front(checkpoints, tmp_path_factory):
+    """(front door URL, model name)."""
+    port = free_port_block(1)
+    state_file = tmp_path_factory.mktemp("vllm-front") / "state.json"
+    args = [sys.executable, "-m", "afd", "up", "--model", str(checkpoints["qwen3_moe"]), "--topology", "1A1F",
+            "--stages", "1", "--port", str(port), "--state-file", str(state_file), "--no-demo"]
+    process = subprocess.Popen(args, env={**os.environ, "AFD_TEST_MARKER": uuid.uuid4().hex},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: read_state(state_file), 240, "the state file")
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: answers_200(f"{url}/health"), 120, "the front door")
+        yield url, httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoints):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    return model, AutoTokenizer.from_pretrained(checkpoints["qwen3_moe"])
+
+
+def post(front, path, **body):
+    url, model = front
+    response = httpx.post(f"{url}{path}", json={"model": model, **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_repetition_penalty_through_the_front_door_equals_transformers(front, hf):
+    model, tokenizer = hf
+    want = model.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False, repetition_penalty=1.3,
+                          pad_token_id=0)[0, len(PROMPT):].tolist()
+    choice = post(front, "/v1/completions", prompt=PROMPT, max_tokens=10, temperature=0, ignore_eos=True,
+                  repetition_penalty=1.3, logprobs=0)["choices"][0]
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in want]
