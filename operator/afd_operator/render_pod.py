@@ -31,6 +31,12 @@ STOP_MARGIN_SECONDS = 10  # after the grace: the engine stops, the FFN link says
 # Readiness follows the FFN link (the runtime answers 503 as soon as it is lost): probed every
 # second, one failure is enough. The probe server is its own thread, so 2 s never times out a live pod.
 READINESS = {"periodSeconds": 1, "failureThreshold": 1, "successThreshold": 1, "timeoutSeconds": 2}
+# Liveness (/live): 503 only when the engine (attention) or the worker loop (FFN) is dead or stuck;
+# tolerant, so a blip never restarts a rank that holds minutes of warm-up.
+LIVENESS = {"failureThreshold": 3, "timeoutSeconds": 5}
+# The hf:// download init container when model.downloadResources is empty: a ResourceQuota that
+# requires requests and limits refuses a pod any of whose containers lacks them.
+DOWNLOAD_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
 
 
 def ffn_address_template(owner: Owner, index: int) -> str:
@@ -99,6 +105,8 @@ def render_pod_template(
     metadata: dict[str, Any] = {"labels": L.role_labels(owner.name, index, role, revision)}
     pod: dict[str, Any] = {
         "enableServiceLinks": False,  # dozens of *_SERVICE_HOST variables help no one here
+        # No container of a role pod talks to the Kubernetes API: no token in the pod to steal.
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec, role),
         "securityContext": pod_security_context(spec),
         "containers": [_container(spec, owner, index, role, revision)],
@@ -149,16 +157,14 @@ def _probes(spec: AFDDeploymentSpec, role: str) -> dict:
     # Our probe server (afd.server.probe_http) on the metrics port: /health is readiness (after
     # warm-up; 503 as soon as the FFN link is lost), /live fails only when the engine is dead.
     health = {"path": "/health", "port": "metrics"}
+    live = {"httpGet": {"path": "/live", "port": "metrics"}, "periodSeconds": period, **LIVENESS}
     if role == "attention":
         drain = DRAIN_SECONDS  # unready at once, serving on while the endpoint removal spreads
-        probes = {
-            "readinessProbe": {"httpGet": health, **READINESS},
-            "livenessProbe": {"httpGet": {"path": "/live", "port": "metrics"}, "periodSeconds": period,
-                              "failureThreshold": 3, "timeoutSeconds": 5},
-        }
+        probes = {"readinessProbe": {"httpGet": health, **READINESS}, "livenessProbe": live}
     else:
         drain = termination_grace_seconds(spec, "attention")  # returns early once its attention ranks left
-        probes = {"readinessProbe": {"httpGet": health, "periodSeconds": period, "failureThreshold": 3}}
+        probes = {"readinessProbe": {"httpGet": health, "periodSeconds": period, "failureThreshold": 3},
+                  "livenessProbe": live}
     # Loading weights and capturing graphs takes minutes: hold the other probes off until then.
     probes["startupProbe"] = {"httpGet": health, **startup}
     probes["lifecycle"] = {"preStop": {"httpGet": {"path": f"/drain?seconds={drain}", "port": "metrics"}}}
@@ -171,7 +177,7 @@ def _container(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         container_ports = [("http", ports.http), ("metrics", ports.metrics)]
     else:
         container_ports = [("control", ports.control), ("data", ports.data), ("metrics", ports.metrics)]
-    resources = _role(spec, role).resources.model_dump(exclude_defaults=True)
+    resources = _resources(_role(spec, role).resources)
     container = {
         "name": role,
         "image": (spec.afd.attention_image or spec.image) if role == "attention" else spec.image,
@@ -189,8 +195,14 @@ def _container(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         ],
     }
     if resources:
-        container["resources"] = {k: {r: _quantity(q) for r, q in v.items()} for k, v in resources.items()}
+        container["resources"] = resources
     return container
+
+
+def _resources(resources) -> dict:
+    """A container's `resources` from a spec's Resources ({} when it sets none); quantities as strings."""
+    given = resources.model_dump(exclude_defaults=True)
+    return {k: {r: _quantity(q) for r, q in v.items()} for k, v in given.items()}
 
 
 def _download_container(spec: AFDDeploymentSpec) -> dict:
@@ -204,6 +216,7 @@ def _download_container(spec: AFDDeploymentSpec) -> dict:
         "imagePullPolicy": spec.image_pull_policy,
         "command": command,
         "env": scratch_env(),
+        "resources": _resources(spec.model.download_resources) or DOWNLOAD_RESOURCES,
         "securityContext": container_security_context(),
         "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, *scratch_mounts()],
     }

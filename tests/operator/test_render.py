@@ -171,13 +171,66 @@ def test_a_degraded_attention_rank_is_unready_within_a_second_but_stays_alive(ca
     liveness is another endpoint, so a rank waiting for its FFN is never restarted."""
     for sts, container in _pods(CASES[case]):
         if sts["metadata"]["labels"][L.ROLE] != "attention":
-            assert "livenessProbe" not in container
             continue
         ready, live = container["readinessProbe"], container["livenessProbe"]
         assert ready["periodSeconds"] == 1 and ready["failureThreshold"] == 1
         assert live["httpGet"] == {"path": "/live", "port": "metrics"}
         assert live["httpGet"]["path"] != ready["httpGet"]["path"]
         assert live["periodSeconds"] * live["failureThreshold"] >= 15  # tolerant: a stuck engine, not a blip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_wedged_ffn_rank_is_restarted(case):
+    """Issue 35: FFN pods are probed on /live (503 once the worker loop stops coming round), as
+    tolerant as the attention pods' probe; readiness stays on /health."""
+    ffn = [container for sts, container in _pods(CASES[case]) if sts["metadata"]["labels"][L.ROLE] == "ffn"]
+    assert ffn
+    for container in ffn:
+        live = container["livenessProbe"]
+        assert live["httpGet"] == {"path": "/live", "port": "metrics"}
+        assert live["periodSeconds"] * live["failureThreshold"] >= 15 and live["timeoutSeconds"] >= 5
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_role_pods_mount_no_service_account_token(case):
+    """Issue 35: no role container talks to the Kubernetes API, so no pod carries a token, even
+    with a spec.serviceAccountName (workload identity injects its own projected token)."""
+    for obj in _render(CASES[case]):
+        if obj["kind"] == "StatefulSet":
+            assert obj["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def _containers(body):
+    for obj in _render(body):
+        if obj["kind"] == "StatefulSet":
+            pod = obj["spec"]["template"]["spec"]
+            yield from pod.get("initContainers", []) + pod["containers"]
+
+
+def test_the_model_download_container_has_requests_and_limits():
+    """Issue 35: a namespace whose ResourceQuota requires requests and limits refuses a pod any of
+    whose containers lacks them, the hf:// download init container included; the spec may set them."""
+    downloads = [c for c in _containers(CASES["1g-2a1f-zmq-hf-cpu"]) if c["name"] == "model-download"]
+    assert len(downloads) == 2  # the pod templates of both roles
+    for container in downloads:
+        assert set(container["resources"]["requests"]) >= {"cpu", "memory"}
+        assert set(container["resources"]["limits"]) >= {"cpu", "memory"}
+    own = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": 4, "memory": "8Gi"}}
+    body = make_cr(model={"uri": "hf://org/name", "downloadResources": own})
+    downloads = [c for c in _containers(body) if c["name"] == "model-download"]
+    assert downloads and all(c["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"},
+                                                 "limits": {"cpu": "4", "memory": "8Gi"}} for c in downloads)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "crds" / "samples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_sample_pod_requests_cpu_and_memory_and_limits_memory(path):
+    """Issue 35: the GPU samples requested no memory, so the scheduler placed their pods by GPUs
+    alone; every container of every sample now requests CPU and memory and has a memory limit."""
+    for container in _containers(_sample(path.name)):
+        resources = container.get("resources", {})
+        assert set(resources.get("requests", {})) >= {"cpu", "memory"}, (path.name, container["name"])
+        assert "memory" in resources.get("limits", {}), (path.name, container["name"])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
