@@ -32,6 +32,10 @@ ALL_FEATURES: dict[str, Any] = {
     "metrics": {"enabled": True, "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
                 "podMonitor": {"enabled": True, "interval": "15s"}},
     "dashboards": {"enabled": True, "namespace": "monitoring"},
+    "networkPolicy": {"enabled": True,
+                      "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+                      "egress": [{"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+                                 {"to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}], "ports": [{"protocol": "TCP", "port": 443}]}]},
 }
 
 VALUE_SETS: dict[str, dict[str, Any]] = {

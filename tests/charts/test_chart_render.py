@@ -127,6 +127,28 @@ def test_monitors_scrape_the_operators_metrics_port():
     assert not by_kind(render_objects({"metrics": {"enabled": True}}), "PodMonitor")  # opt-in
 
 
+def test_the_operators_network_policy_is_opt_in_and_admits_only_metrics_scrapes():
+    """Issue 35: with networkPolicy.enabled, nothing reaches the operator pod but scrapes of its
+    metrics port from `metricsFrom` (default: the release namespace); egress is restricted only
+    when rules are given. The CRD upgrade hook's pod is not selected."""
+    assert not by_kind(render_objects(), "NetworkPolicy")
+    objs = render_objects({"networkPolicy": {"enabled": True}})
+    policy = one(objs, "NetworkPolicy")
+    pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    hook_labels = one(objs, "Job")["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items() and not selector.items() <= hook_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"] and policy["spec"]["ingress"] == []  # no metrics: no way in
+    same_namespace = one(render_objects({"networkPolicy": {"enabled": True}, "metrics": {"enabled": True}}),
+                         "NetworkPolicy")["spec"]
+    assert same_namespace["ingress"] == [{"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 9090}]}]
+    spec = one(render_objects(ALL_FEATURES), "NetworkPolicy")["spec"]
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    assert spec["ingress"] == [{"from": ALL_FEATURES["networkPolicy"]["metricsFrom"],
+                                "ports": [{"protocol": "TCP", "port": 9090}]}]
+    assert spec["egress"] == ALL_FEATURES["networkPolicy"]["egress"]
+
+
 def test_image_digest_wins_over_tag():
     deploy = one(render_objects({"image": {"tag": "9.9.9", "digest": "sha256:" + "0" * 64}}), "Deployment")
     assert deploy["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/afd-operator@sha256:" + "0" * 64
@@ -148,6 +170,7 @@ BAD_VALUES = {
     "bad scrape interval": ({"metrics": {"enabled": True, "podMonitor": {"enabled": True, "interval": "soon"}}},
                             "/metrics/podMonitor/interval"),
     "null resync": ({"operator": {"resyncSeconds": 0}}, "/operator/resyncSeconds"),
+    "network policy egress not a list": ({"networkPolicy": {"enabled": True, "egress": {"to": []}}}, "/networkPolicy/egress"),
 }
 
 
