@@ -46,23 +46,61 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
+# the defaults of the group flags of `afd generate` and `afd up` (lowest of their sources)
+GENERATE_DEFAULTS = {"topology": "1A1F", "stages": 1, "gate": "ffn", "dtype": "float32", "device": "cpu"}
+UP_DEFAULTS = {"topology": "2A1F", "stages": 2, "gate": "ffn"}
+LOCAL_SETTINGS_EPILOG = (
+    "Settings as for `afd serve` (docs/configuration.md), later ones winning: these defaults < --config FILE "
+    "(or AFD_CONFIG_FILE) < AFD_* variables < flags; every rank gets them. {own} "
+    "are afd {command}'s own: a file, variable or flag setting one is refused.")
+UP_LOGS_EPILOG = ("Each run logs every rank into its own $TMPDIR/afd-local-* folder (default /tmp; printed at start); "
+                  "the newest {keep} folders of finished runs are kept, older ones are removed.")
+
+
+def _add_group_flags(parser: argparse.ArgumentParser, defaults: dict, model_default: str) -> None:
+    """The flags `afd generate` and `afd up` share, each naming its default and its variable."""
+    parser.add_argument("--model", help=f"Hugging Face checkpoint folder (default: {model_default}; AFD_MODEL)")
+    parser.add_argument("--config", metavar="FILE", help="YAML/JSON settings file, as for `afd serve` (AFD_CONFIG_FILE)")
+    parser.add_argument("--topology", help=f"attention and FFN ranks, e.g. 4A2F: A attention ranks, F FFN ranks, A >= F "
+                                           f"(default {defaults['topology']}; AFD_TOPOLOGY)")
+    parser.add_argument("--stages", type=int, help="micro-batches per layer: 1, or 2 to overlap attention with the FFN "
+                                                   f"(ping-pong) (default {defaults['stages']}; AFD_STAGES)")
+    parser.add_argument("--gate", choices=("ffn", "attention"), help="where the MoE router runs "
+                        f"(default {defaults['gate']}; AFD_GATE_ON_ATTENTION=true: attention)")
+    parser.add_argument("--ffn-expert-parallel", type=int, metavar="G",
+                        help="shards per FFN rank, each holding 1/G of the routed experts (default 1; AFD_FFN_EXPERT_PARALLEL)")
+
+
+def _group_config(args: argparse.Namespace, command: str, defaults: dict, **flags):
+    """The config of `afd generate` / `afd up` from their flags, built as `afd serve` builds its own."""
+    from afd.config import values_from_topology
+    from afd.local.command_config import local_config
+
+    defaults = dict(defaults)
+    flags.update(model=args.model, stages=args.stages, ffn_expert_parallel=args.ffn_expert_parallel,
+                 gate_on_attention=None if args.gate is None else args.gate == "attention")
+    if args.topology is not None:
+        flags.update(values_from_topology(args.topology, "--topology"))
+    start = {**values_from_topology(defaults.pop("topology")), "gate_on_attention": defaults.pop("gate") == "attention",
+             **defaults}
+    return local_config(command, flags, start, monolithic=args.monolithic, file=args.config)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from afd.local.log_folders import KEEP
+
     parser = _Parser(prog="afd", description="Attention-FFN disaggregated MoE serving.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    generate = commands.add_parser("generate", help="greedy-decode token-id prompts on a local AFD deployment")
-    generate.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
-    generate.add_argument("--topology", default="1A1F", help="e.g. 2A1F: attention ranks A, FFN ranks F (A >= F)")
-    generate.add_argument("--stages", type=int, default=1, help="micro-batches per layer: 1, or 2 (ping-pong)")
-    generate.add_argument("--gate", default="ffn", help="where the MoE router runs: ffn or attention")
-    generate.add_argument("--connector", default="zmq", help="zmq (one process per rank) or loopback (threads)")
-    generate.add_argument("--ffn-expert-parallel", type=int, default=1, metavar="G",
-                          help="shards per FFN rank, each holding 1/G of the routed experts")
+    generate = commands.add_parser("generate", help="greedy-decode token-id prompts on a local AFD deployment",
+                                    epilog=LOCAL_SETTINGS_EPILOG.format(command="generate", own="Roles, ranks, ports and hosts"))
+    _add_group_flags(generate, GENERATE_DEFAULTS, model_default="none, one is needed")
+    generate.add_argument("--connector", help="zmq (one process per rank) or loopback (threads) (default zmq; AFD_CONNECTOR)")
     generate.add_argument("--prompt-ids", type=_prompt_ids, action="append", required=True, metavar="IDS")
     generate.add_argument("--max-tokens", type=int, default=16)
     generate.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
-    generate.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    generate.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    generate.add_argument("--dtype", help="float32, bfloat16, float16 or auto (default float32; AFD_DTYPE)")
+    generate.add_argument("--device", help="cpu, cuda or auto (default cpu; AFD_DEVICE)")
     generate.add_argument("--ffn-model", help="checkpoint of the FFN ranks (default: --model)")
     generate.add_argument("--monolithic", action="store_true", help="the whole model in this process, no FFN rank (the A/B baseline)")
     generate.add_argument("--json", action="store_true", help="print one JSON line")
@@ -78,19 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stages", type=int)
 
     tiny = commands.add_parser("make-tiny-model", help="write a small random MoE checkpoint with a tokenizer")
-    tiny.add_argument("--arch", required=True, help="deepseek_v2 or qwen3_moe")
+    tiny.add_argument("--arch", required=True, help="deepseek_v2, deepseek_v3 or qwen3_moe")
+    tiny.add_argument("--fp8", action="store_true",
+                      help="FP8 block-quantized weights (128x128 blocks, weight_scale_inv) as the published FP8 "
+                           "checkpoints: deepseek_v3 or qwen3_moe")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
 
-    up = commands.add_parser("up", help="run a supervised local AFD deployment behind one OpenAI URL")
-    up.add_argument("--model", help="checkpoint folder (default: a tiny qwen3_moe made and cached on first use)")
-    up.add_argument("--topology", default="2A1F")
-    up.add_argument("--stages", type=int, default=2)
-    up.add_argument("--gate", default="ffn", help="ffn or attention")
-    up.add_argument("--ffn-expert-parallel", type=int, default=1, metavar="G",
-                    help="shards per FFN rank, each holding 1/G of the routed experts")
-    up.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible URL")
+    up = commands.add_parser("up", help="run a supervised local AFD deployment behind one OpenAI URL",
+                             epilog=LOCAL_SETTINGS_EPILOG.format(command="up", own="Roles, ranks, ports, hosts and the connector") + " " + UP_LOGS_EPILOG.format(keep=KEEP))
+    _add_group_flags(up, UP_DEFAULTS, model_default="a tiny qwen3_moe with random weights, made and cached on first use")
+    up.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible URL (default 8000)")
     up.add_argument("--monolithic", action="store_true",
                     help="one process with the whole model (FFN local), same engine and API: the A/B baseline")
     up.add_argument("--state-file", help="JSON file describing the API URL and every rank, kept current")
@@ -117,32 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from afd.config import AFDConfig, values_from_env, values_from_topology
     from afd.models.checkpoint import Checkpoint
     from afd.models.spec import parse_spec
 
-    if args.gate not in ("ffn", "attention"):
-        raise ConfigError(f"--gate {args.gate!r}: must be ffn or attention")
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens {args.max_tokens}: must be at least 1")
-    config = AFDConfig(
-        role="attention",
-        **values_from_topology(args.topology, "--topology"),
-        connector=args.connector,
-        stages=args.stages,
-        gate_on_attention=args.gate == "attention",
-        model=str(Path(args.model).resolve()),
-        dtype=args.dtype,
-        device=args.device,
-        ffn_address_template="127.0.0.1",
-        port_stride=2,  # local ranks share one host; each FFN process gets its own ports
-        ffn_expert_parallel=args.ffn_expert_parallel,
-        # the link's patience, as `afd serve` takes it (a slow machine is not a lost peer)
-        **{k: v for k, v in values_from_env(os.environ).items() if k in ("peer_timeout_s", "connect_timeout_s")},
-    )
+    config = _group_config(args, "generate", GENERATE_DEFAULTS, connector=args.connector, dtype=args.dtype,
+                           device=args.device)
+    if not config.model:
+        raise ConfigError("no model: pass --model or set AFD_MODEL")
+    if config.attention_engine != "afd":
+        raise ConfigError(f"attention_engine={config.attention_engine} (AFD_ATTENTION_ENGINE): afd generate runs "
+                          "afd's own engine (vLLM attention serves through `afd serve` or `afd up`)")
     if config.connector == "nccl":
-        raise ConfigError("--connector nccl: afd generate runs zmq or loopback groups")
-    for path in {args.model, args.ffn_model or args.model}:
+        raise ConfigError("connector=nccl (--connector or AFD_CONNECTOR): afd generate runs zmq or loopback groups")
+    for path in {config.model, args.ffn_model or config.model}:
         spec = parse_spec(Checkpoint(path).config)
         bad = [i for prompt in args.prompt_ids for i in prompt if i >= spec.vocab_size]
         if bad:
@@ -150,8 +176,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.monolithic:
         from afd.monolithic import generate_monolithic
 
-        result = generate_monolithic(config.replace(role="monolithic", num_attention_ranks=1, num_ffn_ranks=1),
-                                     args.prompt_ids, args.max_tokens, args.ignore_eos)
+        result = generate_monolithic(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
     elif config.connector == "loopback":
         from afd.local.group_threads import generate_in_threads
@@ -209,44 +234,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from afd.tiny import ARCHES, make_tiny_model
+    from afd.tiny import ARCHES, FP8_ARCHES, make_tiny_model
 
     if args.arch not in ARCHES:
         raise ConfigError(f"--arch {args.arch!r}: must be one of {', '.join(ARCHES)}")
+    if args.fp8 and args.arch not in FP8_ARCHES:
+        raise ConfigError(f"--fp8: FP8 checkpoints are made for {', '.join(FP8_ARCHES)}, not {args.arch!r}")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"--out {out}: folder is not empty (pass --force to overwrite)")
-    make_tiny_model(args.arch, out, args.seed)
+    make_tiny_model(args.arch, out, args.seed, fp8=args.fp8)
     print(out)
     return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from afd.config import AFDConfig, values_from_env, values_from_topology
     from afd.models.checkpoint import Checkpoint
     from afd.server.front import FrontSettings
     from afd.up import ensure_tiny_model, run_up
 
-    if args.gate not in ("ffn", "attention"):
-        raise ConfigError(f"--gate {args.gate!r}: must be ffn or attention")
-    model = Path(args.model).resolve() if args.model else ensure_tiny_model()
-    Checkpoint(model)  # a clear error now rather than in every rank's log
-    flags = {"max_request_bytes": args.max_request_bytes, "max_prompts": args.max_prompts,
-             "max_prompt_chars": args.max_prompt_chars}
-    # AFD_MAX_*, AFD_API_PROCESS and AFD_API_SERVERS as for `afd serve`
-    limits = {k: v for k, v in values_from_env(os.environ).items() if k in flags or k in ("api_process", "api_servers")}
-    limits.update({k: v for k, v in flags.items() if v is not None})
-    config = AFDConfig(
-        **values_from_topology("1A1F" if args.monolithic else args.topology, "--topology"),
-        **limits,
-        role="monolithic" if args.monolithic else "attention",
-        stages=args.stages,
-        gate_on_attention=args.gate == "attention",
-        model=str(model),
-        ffn_address_template="127.0.0.1",
-        port_stride=2,
-        ffn_expert_parallel=1 if args.monolithic else args.ffn_expert_parallel,
-    )
+    config = _group_config(args, "up", UP_DEFAULTS, max_request_bytes=args.max_request_bytes,
+                           max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars)
+    if not config.model:
+        config = config.replace(model=str(ensure_tiny_model()))
+    Checkpoint(config.model)  # a clear error now rather than in every rank's log
     if args.read_timeout <= 0:
         raise ConfigError(f"--read-timeout {args.read_timeout}: must be positive")
     front = FrontSettings(max_request_bytes=config.max_request_bytes, read_timeout_s=args.read_timeout)

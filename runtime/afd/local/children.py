@@ -14,9 +14,10 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from afd.local.log_folders import LogFolder
 
 _PR_SET_PDEATHSIG = 1
 
@@ -49,7 +50,8 @@ class LocalProcesses:
 
     def __init__(self, grace_s: float = 5.0):
         self.grace_s = grace_s
-        self.workdir = Path(tempfile.mkdtemp(prefix="afd-local-"))
+        self._logs = LogFolder()  # kept after the run; older runs' folders are pruned (afd.local.log_folders)
+        self.workdir = self._logs.path
         self.children: dict[str, subprocess.Popen] = {}
 
     def __enter__(self) -> "LocalProcesses":
@@ -57,6 +59,7 @@ class LocalProcesses:
 
     def __exit__(self, *exc) -> None:
         self.stop_all()
+        self._logs.release()
 
     def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         log = open(self.log_path(name), "ab")
