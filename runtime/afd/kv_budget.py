@@ -35,6 +35,8 @@ class DeviceMemory(Protocol):
 
     def allocated(self) -> int: ...
 
+    def reserved(self) -> int: ...
+
     def reset_peak(self) -> None: ...
 
     def peak(self) -> int: ...
@@ -53,6 +55,9 @@ class CudaMemory:
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -80,19 +85,52 @@ def profile_peak(run: Callable[[], None], memory: DeviceMemory) -> int:
 
 @dataclass(frozen=True)
 class KVBudget:
-    """A KV-cache size and what it was derived from (logged at start)."""
+    """A KV-cache size and the device memory account it was derived from (logged at start).
+
+    `in_use_bytes` = `allocated_bytes` (weights and buffers) + `held_bytes` (segments the caching allocator
+    keeps but no tensor uses: fragments a KV tensor cannot take) + `other_bytes` (outside torch's allocator:
+    CUDA context, NCCL, library workspaces).
+    """
 
     tokens: int
     total_bytes: int
     in_use_bytes: int
     activation_bytes: int
     margin_bytes: int
+    allocated_bytes: int = 0
+    held_bytes: int = 0
+    utilization: float = 0.0
+
+    @property
+    def other_bytes(self) -> int:
+        return self.in_use_bytes - self.allocated_bytes - self.held_bytes
+
+    def describe(self, bytes_per_token: int) -> str:
+        """One log line: every part of the utilization budget in GiB."""
+        gib = 2**30
+        kv = self.tokens * bytes_per_token
+        return (f"{self.tokens:,} tokens: {self.utilization:.2f} of {self.total_bytes / gib:.1f} GiB = "
+                f"{self.allocated_bytes / gib:.2f} weights and buffers + {self.other_bytes / gib:.2f} outside torch "
+                f"(CUDA context, NCCL, workspaces) + {self.held_bytes / gib:.2f} held unused by the allocator + "
+                f"{self.activation_bytes / gib:.2f} activation peak + {self.margin_bytes / gib:.2f} graphs + "
+                f"{kv / gib:.2f} KV cache")
 
 
 def plan_kv_budget(memory: DeviceMemory, utilization: float, activation_bytes: int, bytes_per_token: int,
                    margin_bytes: int = GRAPH_MARGIN_BYTES) -> KVBudget:
     """Tokens that fit in `utilization` of the device, less what is in use, the profiled peak and the margin."""
     free, total = memory.free_and_total()
+    return kv_budget_from(total, free, memory.allocated(), memory.reserved(), utilization, activation_bytes,
+                          bytes_per_token, margin_bytes)
+
+
+def kv_budget_from(total: int, free: int, allocated: int, reserved: int, utilization: float, activation_bytes: int,
+                   bytes_per_token: int, margin_bytes: int) -> KVBudget:
+    """`plan_kv_budget` on numbers read from the device (pure): the device's used bytes split into torch's
+    allocations, what its allocator holds unused, and the rest."""
+    if not 0 <= allocated <= reserved <= total - free:
+        raise ValueError(f"inconsistent device memory: allocated {allocated} <= reserved {reserved} <= used "
+                         f"{total - free} does not hold")
     in_use = total - free
     budget = int(utilization * total) - in_use - activation_bytes - margin_bytes
     if budget < bytes_per_token * DEFAULT_BLOCK_SIZE * 2:
@@ -101,4 +139,5 @@ def plan_kv_budget(memory: DeviceMemory, utilization: float, activation_bytes: i
             f"{in_use / 2**30:.1f} GiB are in use, the largest step peaked at {activation_bytes / 2**30:.1f} GiB and "
             f"{margin_bytes / 2**30:.1f} GiB are kept for the graphs (raise gpu_memory_utilization, lower "
             f"max_num_batched_tokens, max_num_seqs or mixed_graph_tokens, or set kv_cache_bytes)")
-    return KVBudget(budget // bytes_per_token, total, in_use, activation_bytes, margin_bytes)
+    return KVBudget(budget // bytes_per_token, total, in_use, activation_bytes, margin_bytes, allocated,
+                    reserved - allocated, utilization)

@@ -5,7 +5,7 @@ import torch
 
 import afd.runners.profile_step as profile_step
 from afd.config import AFDConfig
-from afd.kv_budget import GRAPH_MARGIN_BYTES, graph_margin_bytes, plan_kv_budget, profile_peak
+from afd.kv_budget import GRAPH_MARGIN_BYTES, graph_margin_bytes, kv_budget_from, plan_kv_budget, profile_peak
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.profile_step import plan_profile_shapes
@@ -26,6 +26,9 @@ class FakeMemory:
     def allocated(self):
         return GIB
 
+    def reserved(self):
+        return 3 * GIB
+
     def reset_peak(self):
         self.log.append("reset")
 
@@ -43,6 +46,19 @@ def test_the_budget_is_the_utilization_less_what_is_in_use_the_profiled_peak_and
     assert (budget.in_use_bytes, budget.activation_bytes) == (20 * GIB, 2 * GIB)
     with pytest.raises(RuntimeError, match="the largest step peaked at 60.0 GiB.*lower max_num_batched_tokens"):
         plan_kv_budget(FakeMemory([]), 0.9, 60 * GIB, bytes_per_token=1024)
+
+
+def test_the_account_splits_what_is_in_use_into_tensors_allocator_fragments_and_the_rest():
+    budget = kv_budget_from(total=80 * GIB, free=50 * GIB, allocated=20 * GIB, reserved=28 * GIB, utilization=0.9,
+                            activation_bytes=2 * GIB, bytes_per_token=GIB // 1024, margin_bytes=GIB)
+    assert (budget.allocated_bytes, budget.held_bytes, budget.other_bytes) == (20 * GIB, 8 * GIB, 2 * GIB)
+    kv = budget.tokens * (GIB // 1024)
+    parts = budget.allocated_bytes + budget.held_bytes + budget.other_bytes + 2 * GIB + GIB + kv
+    assert int(0.9 * 80 * GIB) - GIB // 1024 < parts <= int(0.9 * 80 * GIB)
+    assert "20.00 weights and buffers + 2.00 outside torch" in budget.describe(GIB // 1024)
+    assert "8.00 held unused by the allocator" in budget.describe(GIB // 1024)
+    with pytest.raises(ValueError, match="inconsistent device memory"):
+        kv_budget_from(80 * GIB, 50 * GIB, 29 * GIB, 28 * GIB, 0.9, 0, 1024, 0)
 
 
 def test_the_peak_is_read_after_the_run_and_counted_above_what_was_allocated_before():

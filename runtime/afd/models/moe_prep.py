@@ -22,11 +22,17 @@ def fuse_shared_experts(moe) -> None:
     gate = shared.gate_proj.weight.view(count, inter, -1)  # [n, I, H]
     up = shared.up_proj.weight.view(count, inter, -1)
     down = shared.down_proj.weight.view(-1, count, inter).transpose(0, 1)  # [n, H, I]
-    with torch.no_grad():
-        experts.gate_up = torch.nn.Parameter(torch.cat((experts.gate_up, torch.cat((gate, up), 1))), requires_grad=False)
-        experts.down = torch.nn.Parameter(torch.cat((experts.down, down.contiguous())), requires_grad=False)
+    with torch.no_grad():  # both new tensors before either old one is freed (see below)
+        gate_up = torch.cat((experts.gate_up, torch.cat((gate, up), 1)))
+        down = torch.cat((experts.down, down.contiguous()))
+    experts.gate_up = torch.nn.Parameter(gate_up, requires_grad=False)
+    experts.down = torch.nn.Parameter(down, requires_grad=False)
     experts.num_shared = count
     moe.shared_experts = None
+    if gate_up.is_cuda:
+        # hand the old tensors' segments back now: left cached, the next layer's tensors would be carved out of
+        # them and pin the rest, which no KV cache could use (9 GiB at DeepSeek-V2-Lite shapes, issue 33)
+        torch.cuda.empty_cache()
 
 
 def warm_up(model: torch.nn.Module) -> int:

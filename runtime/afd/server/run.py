@@ -57,10 +57,11 @@ def profiled_cache_tokens(config: AFDConfig, loaded, memory: DeviceMemory, dtype
         per_token += 4 * config.max_num_seqs // DEFAULT_BLOCK_SIZE + 1
     mixed_tokens = config.piecewise_graph_tokens
     budget = plan_kv_budget(memory, config.gpu_memory_utilization, peak, per_token, graph_margin_bytes(mixed_tokens))
-    log.info("KV cache sized from the GPU: %d tokens (%.2f of %.1f GiB, less %.1f GiB in use, %.2f GiB at the peak of "
-             "a %d-token step and %.1f GiB for graphs)", budget.tokens, config.gpu_memory_utilization,
-             budget.total_bytes / 2**30, budget.in_use_bytes / 2**30, peak / 2**30, config.max_num_batched_tokens,
-             budget.margin_bytes / 2**30)
+    log.info("KV cache sized from the GPU (activation peak of a %d-token step): %s", config.max_num_batched_tokens,
+             budget.describe(per_token))
+    if budget.held_bytes > 1 << 30:
+        log.warning("the CUDA caching allocator holds %.1f GiB that no tensor uses (fragments left by loading): the KV "
+                    "cache cannot take them", budget.held_bytes / 2**30)
     return budget.tokens
 
 

@@ -1,0 +1,43 @@
+"""bench/step_floor.py's floor: what a decode step must read and compute, from the model's own tensors."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from step_floor import ModelTraffic, ExpertLayer, model_traffic, step_floor  # noqa: E402
+
+from afd.models.loader import load_model  # noqa: E402
+
+
+def test_the_floor_reads_dense_weights_once_hit_experts_and_the_kv_of_every_sequence():
+    traffic = ModelTraffic(dense_bytes=1000, dense_params=400, experts=(ExpertLayer(100, 50, 2),) * 2,
+                           embed_row_bytes=8, kv_bytes_per_token=4, attention_flops_per_cached_token=10)
+    floor = step_floor(traffic, batch=3, context=9, experts_hit=[2, 5], copy_bytes_per_s=1e3, flops_per_s=1e6)
+    assert floor.bytes == 1000 + 3 * 8 + 3 * 10 * 4 + (2 + 5) * 100
+    assert floor.flops == 2 * 3 * 400 + 3 * 10 * 10 + 2 * (2 * 3 * 2 * 50)
+    assert floor.ms == pytest.approx(max(floor.bytes, floor.flops / 1e3))
+    with pytest.raises(ValueError, match="2 MoE layers"):
+        step_floor(traffic, 1, 0, [1], 1e3, 1e6)
+    with pytest.raises(ValueError, match="batch 0"):
+        step_floor(traffic, 0, 0, [1, 1], 1e3, 1e6)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "qwen3_moe"])
+def test_model_traffic_counts_every_weight_once(arch, checkpoints):
+    model = load_model(str(checkpoints[arch]), "monolithic").model
+    traffic = model_traffic(model)
+    moe = [layer.mlp for layer in model.layers if layer.is_moe]
+    routed = sum(m.experts.gate_up.numel() + m.experts.down.numel() for m in moe)
+    shared = sum(p.numel() for m in moe if m.shared_experts is not None for p in m.shared_experts.parameters())
+    embed = model.model.embed_tokens.weight
+    total = sum(p.numel() for p in model.parameters())
+    element = embed.element_size()
+    assert traffic.dense_bytes == (total - routed - embed.numel()) * element
+    assert sum(e.expert_bytes * m.experts.num_experts for e, m in zip(traffic.experts, moe)) == routed * element
+    assert [e.top_k for e in traffic.experts] == [m.routing.top_k for m in moe]
+    assert shared == 0 or traffic.dense_params > shared
+    assert traffic.kv_bytes_per_token == sum(l.elements_per_token for l in model.kv_layouts()) * element
