@@ -26,6 +26,16 @@ V2_LITE = dict(
 )
 
 
+# Qwen3-30B-A3B's config.json dims (https://huggingface.co/Qwen/Qwen3-30B-A3B): GQA 32/4 heads of 128, 48 MoE layers
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+    rope_theta=1000000.0, max_position_embeddings=40960, hidden_act="silu", attention_bias=False,
+    tie_word_embeddings=False,
+)
+
+
 # The MoE layers of the sample models, as the MoE benchmarks and the tuner take them (`--shape`); Qwen3-30B-A3B's
 # config.json dims (https://huggingface.co/Qwen/Qwen3-30B-A3B): 128 experts, top-8, width 768, no shared experts.
 MOE_SHAPES = {
