@@ -22,7 +22,7 @@ import httpx
 
 from afd.config import AFDConfig, config_to_env
 from afd.local.group_processes import local_zmq_config
-from afd.local.children import LocalProcesses, free_port_block, threads_per_rank
+from afd.local.children import LocalProcesses, exit_summary, free_port_block, threads_per_rank
 
 if TYPE_CHECKING:  # the front door (fastapi) loads only when `afd up` runs
     from afd.server.front import FrontSettings
@@ -100,6 +100,7 @@ class Supervisor:
         self.api = api
         self.restarts = 0
         self._stop = threading.Event()
+        self._released = threading.Event()
 
     def start_all(self) -> None:
         for rank in self.ranks.values():
@@ -152,7 +153,15 @@ class Supervisor:
 
         Only the dead rank restarts: attention ranks whose FFN rank died re-handshake with
         the new one by themselves, and an FFN rank drops a dead attention peer on its own.
+        After `stop` the thread waits for `release`: the ranks it restarted die with the
+        thread that started them (PR_SET_PDEATHSIG), so it outlives their orderly stop.
         """
+        try:
+            self._restart_dead()
+        finally:
+            self._released.wait()
+
+    def _restart_dead(self) -> None:
         while not self._stop.wait(0.5):
             dead = [name for name, child in self.processes.children.items() if child.poll() is not None]
             for name in sorted(dead, key=lambda n: not n.startswith("ffn")):
@@ -168,7 +177,12 @@ class Supervisor:
             self.write_state()
 
     def stop(self) -> None:
+        """No more restarts (the ranks are about to be stopped)."""
         self._stop.set()
+
+    def release(self) -> None:
+        """Every rank has stopped: the watch thread may end."""
+        self._released.set()
 
 
 def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = True, start_timeout_s: float = 600,
@@ -206,6 +220,9 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
             progress("stopping every rank")
             # Attention ranks first: they say Goodbye to a live FFN rank instead of chasing a lost one.
             processes.stop(*(rank.name for rank in ranks if rank.role != "ffn"))
+            processes.stop_all()
+            progress(f"stopped every rank: {exit_summary({n: c.returncode for n, c in processes.children.items()})}")
+            supervisor.release()
     return 0
 
 

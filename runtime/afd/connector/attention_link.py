@@ -17,7 +17,7 @@ import torch
 
 from afd.config import AFDConfig
 from afd.connector import registry, wire
-from afd.connector.base import AttnTransfer, HandshakeError, PeerLost
+from afd.connector.base import AttnTransfer, HandshakeError, PeerLeft, PeerLost
 from afd.connector.plane import AttentionPlane, PlaneOptions
 from afd.connector.transport import PeerTransport
 
@@ -208,7 +208,7 @@ class AttentionLink:
     def _named(self, err: PeerLost) -> PeerLost:
         """`err` naming the FFN rank (the data plane does not know it)."""
         text = str(err)
-        return err if text.startswith(f"ffn rank {self.ffn_rank}") else PeerLost(f"ffn rank {self.ffn_rank}: {text}")
+        return err if text.startswith(f"ffn rank {self.ffn_rank}") else type(err)(f"ffn rank {self.ffn_rank}: {text}")
 
     def end_step(self) -> object | None:
         """Mark the end of the step just launched, for `wait_step`: the host may prepare the next one meanwhile."""
@@ -237,7 +237,7 @@ class AttentionLink:
             return True
         message = self._decode_control(frames)
         if isinstance(message, wire.Goodbye):
-            raise PeerLost(f"ffn rank {self.ffn_rank} closed the link: {message.reason}")
+            raise PeerLeft(f"ffn rank {self.ffn_rank} closed the link: {message.reason}")
         if isinstance(message, wire.Draining) and self.ffn_draining is None:
             log.warning("ffn rank %d is about to stop (%s): unready, finishing the running requests",
                         self.ffn_rank, message.reason)

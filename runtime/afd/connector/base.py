@@ -17,6 +17,10 @@ class PeerLost(ConnectorError):
     """A peer said goodbye, stopped answering, or sent something unusable."""
 
 
+class PeerLeft(PeerLost):
+    """A peer said goodbye: it stopped on purpose (a planned stop or restart), not a failure."""
+
+
 @dataclass(frozen=True)
 class AttnTransfer:
     """Attention side: one (step, layer, stage) exchange with its FFN rank."""

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Callable
 
+from afd.connector.base import PeerLeft
+
 log = logging.getLogger(__name__)
 
 
@@ -47,6 +49,10 @@ class LinkCare:
         self.error = None
 
     def lose(self, err: Exception) -> None:
+        """Record the loss; a goodbye from the FFN rank (a planned stop) is logged at INFO, anything else at ERROR."""
         if self.error is None:
-            log.error("ffn link lost: %s", err)
+            if isinstance(err, PeerLeft):
+                log.info("ffn link closed by its ffn rank (%s); waiting for it to come back", err)
+            else:
+                log.error("ffn link lost: %s", err)
         self.error = f"{type(err).__name__}: {err}"

@@ -2,7 +2,12 @@
 
 Each child gets PR_SET_PDEATHSIG so the kernel kills it if the parent dies without
 cleaning up (even on SIGKILL); `LocalProcesses` terminates everything on exit,
-error or Ctrl-C, escalating from SIGTERM to SIGKILL after a grace period.
+error or Ctrl-C, escalating from SIGTERM to SIGKILL after a grace period. Each child
+runs in a session of its own: a terminal's Ctrl-C reaches the parent alone, which stops
+the children in its own order with one SIGTERM each (a second signal reaching a child
+already on its way out kills it: Python restores the default handlers as it finalizes).
+PR_SET_PDEATHSIG fires when the *thread* that started the child ends: start children
+from a thread that outlives them.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class LocalProcesses:
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
+            start_new_session=True,
         )
         log.close()
         self.children[name] = child
@@ -119,6 +125,21 @@ class LocalProcesses:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+
+
+def exit_summary(codes: dict[str, int | None]) -> str:
+    """How each child ended, in one line: `name exit N`, `name killed by SIGNAME` or `name still running`."""
+    def ended(code: int | None) -> str:
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit {code}"
+
+    return ", ".join(f"{name} {ended(code)}" for name, code in codes.items())
 
 
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
