@@ -25,6 +25,8 @@ def checkpoints(tmp_path_factory):
             seed=2,
             overrides={"q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
         ),
+        # DeepSeek-V3: query LoRA, n_group 4 / topk_group 2, a dense first layer, YaRN, an MTP layer in the files
+        "deepseek_v3": make_tiny_model("deepseek_v3", root / "deepseek_v3", seed=0),
     }
 
 

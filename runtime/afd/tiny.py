@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ARCHES = ("deepseek_v2", "qwen3_moe")
+ARCHES = ("deepseek_v2", "deepseek_v3", "qwen3_moe")
+FP8_ARCHES = ("deepseek_v3", "qwen3_moe")  # --fp8: the published FP8 checkpoints' format
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -92,6 +93,8 @@ def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
         )
         values.update(overrides)
         return DeepseekV2Config(**values)
+    if arch == "deepseek_v3":
+        return _deepseek_v3_config(common, overrides)
     from transformers import Qwen3MoeConfig
 
     values = dict(
@@ -109,10 +112,78 @@ def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
     return Qwen3MoeConfig(**values)
 
 
-def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None) -> Path:
-    """Write a random `arch` checkpoint (float32) with tokenizer and chat template to `out`."""
+def _deepseek_v3_config(common: dict, overrides: dict):
+    """DeepSeek-V3's features at toy size: query LoRA, 4 expert groups of which 2 are searched, one dense first
+    layer, a shared expert, YaRN as V3 sets it, one MTP layer in the files (written by `_add_mtp_layers`); widths
+    over one 128-column FP8 block (hidden 160: a partial block) so the FP8 layout is exercised."""
+    from transformers import DeepseekV3Config
+
+    values = dict(
+        common,
+        hidden_size=160,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_mtp_layers=1,
+        max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},  # DeepSeek-V3's
+    )
+    values.update(overrides)
+    return DeepseekV3Config(**values)
+
+
+def _randomize_router_biases(model) -> None:
+    """transformers starts e_score_correction_bias at zero; a trained one is not, and it must change choices only."""
+    import torch
+
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn_like(buffer) * 0.1)
+
+
+def _add_mtp_layers(folder: Path, config) -> None:
+    """Append DeepSeek-V3's next-token-prediction layers (`model.layers.{N..}`, N = num_hidden_layers) to the
+    weights, as the published checkpoints carry them: a decoder layer plus enorm, hnorm, eh_proj and a shared
+    head. transformers does not read them; neither do we."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = folder / "model.safetensors"
+    tensors = load_file(str(file))
+    last = config.num_hidden_layers - 1
+    template = {k.split(f"model.layers.{last}.", 1)[1]: v for k, v in tensors.items() if k.startswith(f"model.layers.{last}.")}
+    hidden, vocab = config.hidden_size, config.vocab_size
+    template.update({"enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
+                     "eh_proj.weight": torch.empty(hidden, 2 * hidden), "embed_tokens.weight": torch.empty(vocab, hidden),
+                     "shared_head.norm.weight": torch.ones(hidden), "shared_head.head.weight": torch.empty(vocab, hidden)})
+    for index in range(config.num_hidden_layers, config.num_hidden_layers + getattr(config, "num_mtp_layers", 0)):
+        for name, like in template.items():
+            tensors[f"model.layers.{index}.{name}"] = torch.randn(like.shape) * 0.08
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None, fp8: bool = False) -> Path:
+    """Write a random `arch` checkpoint (float32) with tokenizer and chat template to `out`; with `fp8` its
+    projection weights FP8 block-quantized as the published FP8 checkpoints (`afd.fp8_convert`)."""
     if arch not in ARCHES:
         raise ValueError(f"--arch {arch!r}: must be one of {', '.join(ARCHES)}")
+    if fp8 and arch not in FP8_ARCHES:
+        raise ValueError(f"--fp8: FP8 checkpoints are made for {', '.join(FP8_ARCHES)}, not {arch!r}")
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -123,7 +194,15 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
     config = _config(arch, vocab_size, eos_ids, overrides or {})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        _randomize_router_biases(model)
     model.save_pretrained(out)
+    if arch == "deepseek_v3":
+        _add_mtp_layers(out, config)
+    if fp8:
+        from afd.fp8_convert import quantize_folder
+
+        quantize_folder(out)
     tokenizer.save_pretrained(out)
     _make_world_readable(out)
     return out

@@ -44,3 +44,39 @@ def test_eos_stops_generation_unless_ignored(checkpoints):
     stopped = greedy_generate(runner, kv_cache, [PROMPTS[0]], NEW_TOKENS, eos_token_ids=[eos]).tokens[0]
     assert stopped == free_run[: free_run.index(eos) + 1]
     assert kv_cache.free_blocks == 8  # blocks come back after generation
+
+
+def test_deepseek_v3_monolith_equals_transformers(checkpoints, hf_reference):
+    tokens, logits = hf_reference("deepseek_v3")
+    result = monolithic_generate(checkpoints["deepseek_v3"])
+    assert result.tokens == tokens
+    assert max_relative_error(result.last_logits, logits) < 1e-4
+
+
+def test_kimi_k2_is_served_as_deepseek_v3(checkpoints, tmp_path):
+    """Kimi-K2's config.json says model_type kimi_k2 for the DeepSeek-V3 architecture."""
+    import json
+    import shutil
+
+    shutil.copytree(checkpoints["deepseek_v3"], tmp_path / "kimi", dirs_exist_ok=True)
+    config = json.loads((tmp_path / "kimi" / "config.json").read_text())
+    config["model_type"] = "kimi_k2"
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(config))
+    assert monolithic_generate(tmp_path / "kimi").tokens == monolithic_generate(checkpoints["deepseek_v3"]).tokens
+
+
+def test_mtp_layers_are_neither_read_nor_resident(checkpoints, caplog):
+    import logging
+
+    from afd.models.checkpoint import Checkpoint
+
+    path = checkpoints["deepseek_v3"]
+    mtp = [key for key in Checkpoint(path).keys() if key.startswith("model.layers.3.")]
+    assert any(key.endswith("eh_proj.weight") for key in mtp) and any(".mlp.experts." in key for key in mtp)
+    with caplog.at_level(logging.INFO, logger="afd.models.loader"):
+        loaded = load_model(str(path))
+    assert not set(mtp) & set(loaded.loaded_keys)
+    assert len(loaded.model.layers) == 3
+    assert not any(name.startswith("model.layers.3.") for name in loaded.model.state_dict())
+    assert [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()] == [
+        f"checkpoint holds 1 next-token-prediction (MTP) layer (model.layers.3, {len(mtp)} tensors): not read, not resident"]

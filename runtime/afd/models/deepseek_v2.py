@@ -118,9 +118,10 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
         return self.finish(self.attend(self.project(x, batch.positions), batch, cache_k, cache_v))
 
-def build(config: dict, spec: ModelSpec) -> MoECausalLM:
+def build(config: dict, spec: ModelSpec, routing: Routing | None = None) -> MoECausalLM:
+    """The model of a DeepSeek-V2 config; DeepSeek-V3 passes its own `routing` (afd.models.deepseek_v3)."""
     hidden = spec.hidden_size
-    routing = Routing(
+    routing = routing or Routing(
         top_k=config["num_experts_per_tok"] if spec.num_experts else 1,
         num_experts=spec.num_experts,
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),

@@ -49,14 +49,19 @@ class Routing:
     num_experts: int
     norm_topk_prob: bool = False
     scaling_factor: float = 1.0
-    topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2)
+    topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2), "noaux_tc" (DeepSeek-V3)
     num_groups: int = 1
     topk_groups: int = 1
     scale_when_normalized: bool = True  # DeepSeek-V2 scales only un-normalized weights
 
-    def select(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, logits: torch.Tensor, dtype: torch.dtype,
+               correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, experts] logits → ([tokens, k] weights in `dtype`, [tokens, k] expert ids).
-        Greedy routing on a GPU with the Triton MoE kernel runs as one Triton kernel (`afd.kernels.routing`)."""
+        Greedy routing on a GPU with the Triton MoE kernel runs as one Triton kernel (`afd.kernels.routing`).
+        `correction_bias` [experts] (noaux_tc only) shifts the scores that choose experts, not their weights."""
+        if self.topk_method == "noaux_tc":
+            weights, ids = self.noaux_tc(logits, correction_bias)
+            return weights.to(dtype), ids
         normalize = self.norm_topk_prob and self.top_k > 1
         scale = not normalize or self.scale_when_normalized
         if self.topk_method == "greedy" and logits.is_cuda and kernel_choice() == "triton":
@@ -73,6 +78,24 @@ class Routing:
         if scale:
             weights = weights * self.scaling_factor
         return weights.to(dtype), ids
+
+    def noaux_tc(self, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's router, the reference for the GPU kernel: sigmoid scores; experts chosen by score +
+        bias among the `topk_groups` groups whose two best biased scores sum highest; weights are the chosen
+        experts' unbiased scores, normalized if `norm_topk_prob`, always times `scaling_factor` (float32)."""
+        scores = logits.float().sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if self.num_groups > 1:
+            grouped = choice.view(choice.shape[0], self.num_groups, -1)  # [tokens, groups, experts/group]
+            best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+            top_groups = best_two.topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, top_groups, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling_factor, ids
 
     def _mask_to_top_groups(self, scores: torch.Tensor) -> torch.Tensor:
         grouped = scores.view(scores.shape[0], self.num_groups, -1)  # [tokens, groups, experts/group]
@@ -168,13 +191,17 @@ class MoE(nn.Module):
         self.gate: Router | None = Router(hidden, routing.num_experts, fp32_logits)
         self.experts: Experts | None = Experts(routing.num_experts, hidden, expert_width)
         self.shared_experts: GatedMLP | None = GatedMLP(hidden, shared_width) if shared_width else None
+        # noaux_tc's per-expert score bias (checkpoint: mlp.gate.e_score_correction_bias); it chooses experts, so it
+        # lives with the routing, on the experts' side, wherever the gate runs; float32 as transformers keeps it
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(routing.num_experts))
+                                        if routing.topk_method == "noaux_tc" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.from_logits(x, self.gate(x))
 
     def from_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The expert half of the layer given router logits (shipped by attention or local)."""
-        weights, ids = self.routing.select(router_logits, x.dtype)
+        weights, ids = self.routing.select(router_logits, x.dtype, self.e_score_correction_bias)
         if self.experts.num_experts != self.routing.num_experts:  # an expert-parallel shard: its experts only
             weights, ids = self.experts.localize(weights, ids)
         out = self.experts(x, weights, ids)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
 import torch
 
-from afd.models import deepseek_v2, qwen3_moe
+from afd.models import deepseek_v2, deepseek_v3, qwen3_moe
 from afd.models.base import MoECausalLM
 from afd.models.checkpoint import Checkpoint
 from afd.models.expert_shard import shard_ffn_model, shard_parts
@@ -16,7 +17,9 @@ from afd.models.spec import ModelSpec, parse_spec
 from afd.models.split import prune_for_role
 from afd.topology import crossing_layers
 
-FAMILIES = {"deepseek_v2": deepseek_v2.build, "qwen3_moe": qwen3_moe.build}
+log = logging.getLogger(__name__)
+FAMILIES = {"deepseek_v2": deepseek_v2.build, "qwen3_moe": qwen3_moe.build,
+            **{arch: deepseek_v3.build for arch in deepseek_v3.ARCHES}}
 _EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up|down)$")
 
 
@@ -43,6 +46,7 @@ def load_model(
     G shards loads shard `shard = (s, G)` of it (`afd.models.expert_shard`)."""
     checkpoint = Checkpoint(path)
     model, spec, crossing = build_share(checkpoint.config, role, gate_on_attention, dtype, device, shard)
+    _log_unread_mtp_layers(checkpoint, spec.num_layers)
     _load_weights(model, checkpoint)
     finish_share(model, dtype, device)
     return LoadedModel(model, spec, crossing, checkpoint.fingerprint(), list(checkpoint.loaded_keys))
@@ -67,6 +71,8 @@ def build_share(config: dict, role: str, gate_on_attention: bool, dtype: torch.d
     for module in model.modules():
         if isinstance(module, Router) and module.fp32_logits:
             module.float()  # DeepSeek keeps its gate in float32
+        if isinstance(module, MoE) and module.e_score_correction_bias is not None:
+            module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()  # as transformers
     model.to_empty(device=device)
     return model, spec, crossing
 
@@ -83,6 +89,21 @@ def finish_share(model: MoECausalLM, dtype: torch.dtype, device: str | torch.dev
                 fuse_shared_experts(module)
             if isinstance(module, Router) and dtype == torch.bfloat16:
                 module.split_weight()
+
+
+def _log_unread_mtp_layers(checkpoint: Checkpoint, num_layers: int) -> None:
+    """One line naming the next-token-prediction layers (`model.layers.{N..}`, N = num_hidden_layers) that a
+    DeepSeek-V3 checkpoint carries for speculative decoding: this runtime neither reads nor keeps them."""
+    layers: dict[int, int] = {}
+    for key in checkpoint.keys():
+        match = re.match(r"model\.layers\.(\d+)\.", key)
+        if match and int(match[1]) >= num_layers:
+            layers[int(match[1])] = layers.get(int(match[1]), 0) + 1
+    if layers:
+        names = ", ".join(f"model.layers.{index}" for index in sorted(layers))
+        plural = "s" if len(layers) > 1 else ""
+        log.info("checkpoint holds %d next-token-prediction (MTP) layer%s (%s, %d tensors): not read, not resident",
+                 len(layers), plural, names, sum(layers.values()))
 
 
 def _load_weights(model: MoECausalLM, checkpoint: Checkpoint) -> None:
@@ -118,6 +139,8 @@ def _sources(name: str, param: torch.nn.Parameter, checkpoint: Checkpoint, parts
             return [f"{prefix}.{e}.down_proj.weight" for e in experts], torch.stack
         keys = [f"{prefix}.{e}.{proj}.weight" for e in experts for proj in ("gate_proj", "up_proj")]
         return keys, lambda tensors: torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
+    if name.endswith(".mlp.e_score_correction_bias"):  # the checkpoint keeps it in the gate
+        return [name.replace(".mlp.", ".mlp.gate.")], lambda tensors: tensors[0]
     if name in parts:
         part = parts[name]
         if part is None:

@@ -9,6 +9,11 @@ class UnsupportedModelError(ValueError):
     """A config.json this runtime cannot serve, with the reason."""
 
 
+V3_ARCHES = ("deepseek_v3", "kimi_k2")  # Kimi-K2 is the DeepSeek-V3 architecture
+MLA_ARCHES = ("deepseek_v2", *V3_ARCHES)
+ARCHES = (*MLA_ARCHES, "qwen3_moe")
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What one layer caches per token: `heads` rows of `key_dim` keys and `value_dim` values.
@@ -47,7 +52,7 @@ class ModelSpec:
 
 def kv_layout(config: dict) -> KVLayout:
     """What each layer caches per token; MLA caches its latent and rotary key, not per-head K/V."""
-    if config.get("model_type") == "deepseek_v2":
+    if config.get("model_type") in MLA_ARCHES:
         latent = config["kv_lora_rank"]
         return KVLayout(1, latent + config["qk_rope_head_dim"], latent, values_in_keys=True)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -58,7 +63,7 @@ def moe_layer_mask(config: dict) -> tuple[bool, ...]:
     """Which decoder layers hold routed experts, by each family's own rule."""
     arch = config.get("model_type")
     layers = range(config["num_hidden_layers"])
-    if arch == "deepseek_v2":
+    if arch in MLA_ARCHES:
         experts = config.get("n_routed_experts") or 0
         first_dense = config.get("first_k_dense_replace", 0)
         every = config.get("moe_layer_freq", 1) or 1
@@ -68,11 +73,11 @@ def moe_layer_mask(config: dict) -> tuple[bool, ...]:
         dense_only = set(config.get("mlp_only_layers") or [])
         step = config.get("decoder_sparse_step", 1) or 1
         return tuple(i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in layers)
-    raise UnsupportedModelError(f"model_type={arch!r} is not supported (supported: deepseek_v2, qwen3_moe)")
+    raise UnsupportedModelError(f"model_type={arch!r} is not supported (supported: {', '.join(ARCHES)})")
 
 
 def num_experts(config: dict) -> int:
-    if config.get("model_type") == "deepseek_v2":
+    if config.get("model_type") in MLA_ARCHES:
         return int(config.get("n_routed_experts") or 0)
     return int(config.get("num_experts") or config.get("num_local_experts") or 0)
 
@@ -93,6 +98,8 @@ def parse_spec(config: dict) -> ModelSpec:
         raise UnsupportedModelError("use_sliding_window=true: sliding-window attention is not supported")
     if config.get("model_type") == "deepseek_v2" and config.get("scoring_func", "softmax") != "softmax":
         raise UnsupportedModelError(f"scoring_func={config['scoring_func']!r}: only softmax routing is supported")
+    if config.get("model_type") in V3_ARCHES:
+        check_deepseek_v3(config)
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     try:
@@ -111,3 +118,22 @@ def parse_spec(config: dict) -> ModelSpec:
         )
     except KeyError as err:
         raise UnsupportedModelError(f"config.json lacks {err.args[0]!r}") from None
+
+
+def check_deepseek_v3(config: dict) -> None:
+    """The DeepSeek-V3 settings this runtime serves: noaux_tc sigmoid routing over equal expert groups,
+    interleaved rotary dims; anything else is refused by name."""
+    if config.get("scoring_func", "sigmoid") != "sigmoid":
+        raise UnsupportedModelError(f"scoring_func={config['scoring_func']!r}: DeepSeek-V3 routing supports sigmoid only")
+    if config.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise UnsupportedModelError(f"topk_method={config['topk_method']!r}: DeepSeek-V3 routing supports noaux_tc only")
+    if config.get("rope_interleave", True) is False:
+        raise UnsupportedModelError("rope_interleave=false is not supported (DeepSeek-V3 checkpoints interleave)")
+    experts, groups = int(config.get("n_routed_experts") or 0), int(config.get("n_group") or 1)
+    topk_groups = int(config.get("topk_group") or 1)
+    if experts and (experts % groups or not 1 <= topk_groups <= groups):
+        raise UnsupportedModelError(f"n_group={groups}, topk_group={topk_groups} do not divide "
+                                    f"n_routed_experts={experts} into groups to choose from")
+    if experts and topk_groups * (experts // groups) < int(config.get("num_experts_per_tok") or 8):
+        raise UnsupportedModelError(f"topk_group={topk_groups} groups of {experts // groups} experts hold fewer than "
+                                    f"num_experts_per_tok={config.get('num_experts_per_tok')}")

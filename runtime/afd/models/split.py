@@ -30,9 +30,10 @@ def prune_for_role(model: MoECausalLM, role: str, crossing: Sequence[int], gate_
 
 
 def _prune_attention_layer(layer, gate_on_attention: bool) -> None:
-    if gate_on_attention:  # keep the norm and the gate; the experts are remote
+    if gate_on_attention:  # keep the norm and the gate; the experts (and what chooses among them) are remote
         layer.mlp.experts = None
         layer.mlp.shared_experts = None
+        layer.mlp.e_score_correction_bias = None
     else:
         layer.post_attention_layernorm = None
         layer.mlp = None
