@@ -23,6 +23,7 @@ import httpx
 from afd.config import AFDConfig, config_to_env
 from afd.local.group_processes import local_zmq_config
 from afd.local.children import LocalProcesses, exit_summary, free_port_block, threads_per_rank
+from afd.up_messages import WaitReport, demo_answer
 
 if TYPE_CHECKING:  # the front door (fastapi) loads only when `afd up` runs
     from afd.server.front import FrontSettings
@@ -119,7 +120,7 @@ class Supervisor:
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         pending = set(self.attention_urls())
-        last_report = 0.0
+        report = WaitReport(len(pending), time.monotonic())
         while pending:
             self._check_alive()
             for url in list(pending):
@@ -130,10 +131,10 @@ class Supervisor:
                     pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"attention ranks at {sorted(pending)} not healthy after {timeout_s:.0f} s")
-            if pending and time.monotonic() - last_report > 5:
-                progress(f"waiting for {len(pending)} attention rank(s) to load, connect and warm up")
-                last_report = time.monotonic()
-            time.sleep(0.2)
+            if line := report.update(len(pending), time.monotonic()):  # at first, on news, or after 30 s
+                progress(line)
+            if pending:
+                time.sleep(0.2)
 
     def _check_alive(self) -> None:
         for name, child in self.processes.children.items():
@@ -210,7 +211,7 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
         # The state file names the API URL: write it once that URL answers, so its readers can use it at once.
         threading.Thread(target=_when_serving, args=(server, supervisor.write_state), daemon=True).start()
         if demo:
-            threading.Thread(target=_demo_request, args=(api, Path(base.model).name, server), daemon=True).start()
+            threading.Thread(target=_demo_request, args=(api, base.model, server), daemon=True).start()
         try:
             server.run()
         except KeyboardInterrupt:
@@ -238,11 +239,12 @@ def _demo_request(api: str, model: str, server) -> None:
     """Once the front door is up, answer one real request so a newcomer sees it work."""
     while not server.started:
         time.sleep(0.1)
-    body = {"model": model, "messages": [{"role": "user", "content": "Hello! What is AFD?"}], "max_tokens": 24, "temperature": 0}
+    body = {"model": Path(model).name, "messages": [{"role": "user", "content": "Hello! What is AFD?"}],
+            "max_tokens": 24, "temperature": 0}
     try:
         reply = httpx.post(f"{api}/chat/completions", json=body, timeout=120).json()
-        text = reply["choices"][0]["message"]["content"]
-        progress(f"demo request answered ({reply['usage']['completion_tokens']} tokens): {text!r}")
+        for line in demo_answer(reply, model, DEFAULT_CACHE):  # saying so where the weights are random
+            progress(line)
     except Exception as err:  # the demo must never take the deployment down
         progress(f"demo request failed: {err}")
     progress(f"ready: {api}  (try: curl {api}/models ; Ctrl-C stops everything)")
