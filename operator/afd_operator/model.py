@@ -154,7 +154,7 @@ class AFDSettings(_Model):
     max_model_len: int = Field(default=0, ge=0)
     dbo_min_tokens: int = Field(default=0, ge=0)
     max_num_batched_tokens: int = Field(default=8192, ge=1, le=1 << 20)
-    prefill_itl_ratio: float = Field(default=2.0, ge=0, le=100)
+    prefill_itl_ratio: float = Field(default=0.0, ge=0, le=100)
     api_servers: int = Field(default=0, ge=0, le=16)  # 0: the API in the engine's process
     kv_cache_bytes: int = Field(default=0, ge=0, le=1 << 50)
     gpu_memory_utilization: float = Field(default=0.9, ge=0.01, le=1)

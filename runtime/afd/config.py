@@ -59,7 +59,7 @@ class AFDConfig:
     max_num_seqs: int = 64
     max_model_len: int = 0
     max_num_batched_tokens: int = 8192
-    prefill_itl_ratio: float = 2.0  # a step with decodes takes prompt tokens up to this × a decode-only step's time (0: off)
+    prefill_itl_ratio: float = 0.0  # a step with decodes takes prompt tokens up to this × a decode-only step's time (0: off, the default: issue 33)
     prefill_backlog_steps: int = 64  # ... but at least 1/N of the prompt tokens waiting (the backlog drains in ~N steps)
     kv_cache_bytes: int = 0
     served_model_name: str = ""
