@@ -27,7 +27,7 @@ ENV = "AFD_KUBECONFIG"
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "afd-operator"
 # Helm's InstallOrder, for the kinds this chart renders (helm/pkg/release/util/kind_sorter.go).
-INSTALL_ORDER = ["Namespace", "ServiceAccount", "Secret", "ConfigMap", "ClusterRole", "ClusterRoleBinding",
+INSTALL_ORDER = ["Namespace", "NetworkPolicy", "ServiceAccount", "Secret", "ConfigMap", "ClusterRole", "ClusterRoleBinding",
                  "Role", "RoleBinding", "Service", "Deployment", "Job"]
 HOOK = "helm.sh/hook"
 FIELD_MANAGER = "afd-tests"
@@ -50,6 +50,8 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "ReplicaSet": ("/apis/apps/v1", "replicasets", True),
     "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
     "Job": ("/apis/batch/v1", "jobs", True),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
+    "ResourceQuota": ("/api/v1", "resourcequotas", True),
     "AFDDeployment": ("/apis/afd.io/v1alpha1", "afddeployments", True),
 }
 

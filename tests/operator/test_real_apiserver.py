@@ -166,6 +166,32 @@ def test_the_rendered_probes_and_prestop_drain_are_kept_by_the_api_server(cluste
             assert _subset(want, got), f"{sts['metadata']['name']} {key}: rendered {want}, stored {got}"
 
 
+def test_a_namespace_whose_quota_requires_requests_and_limits_admits_the_role_pods(cluster, namespace):
+    """Issue 35: a ResourceQuota on requests and memory limits refuses a pod any of whose containers
+    lacks them; the hf:// download init container has them now, so the rendered pods are admitted
+    (dry run), and they carry no service-account token."""
+    from afd_operator.model import parse_owner, parse_spec
+    from afd_operator.render import render_group
+
+    cluster.create({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "needs-resources", "namespace": namespace},
+                    "spec": {"hard": {"requests.cpu": "64", "requests.memory": "256Gi", "limits.memory": "512Gi"}}})
+    eventually(lambda: (cluster.get("ResourceQuota", "needs-resources", namespace).get("status") or {}).get("hard"), 30,
+               "the quota controller to compute the quota")
+    own = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+    body = make_cr(name="quota", namespace=namespace, model={"uri": "hf://org/name"}, attention={"resources": own},
+                   ffn={"resources": own})
+    for sts in (o for o in render_group(parse_spec(body["spec"]), parse_owner(body), 0, "r1") if o["kind"] == "StatefulSet"):
+        template = sts["spec"]["template"]
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{sts['metadata']['name']}-0", "namespace": namespace,
+                                                               "labels": template["metadata"]["labels"]},
+               "spec": template["spec"]}
+        stored = cluster.create(pod, dry_run=True)["spec"]
+        assert [c["name"] for c in stored["initContainers"]] == ["model-download"]
+        assert stored["automountServiceAccountToken"] is False
+        assert not [m for c in stored["containers"] + stored["initContainers"] for m in c.get("volumeMounts", [])
+                    if m["mountPath"].startswith("/var/run/secrets/kubernetes.io")]
+
+
 def _subset(want, got) -> bool:
     """`want` is in `got` (the API server adds defaults such as scheme: HTTP)."""
     if isinstance(want, dict):
@@ -239,6 +265,29 @@ def test_helm_install_creates_the_crd_and_the_operator_and_uninstall_removes_it(
     eventually(lambda: not cluster.list("Pod", release.namespace), 60, "the GC to remove the operator's Pod")
     print(f"install {installed:.2f}s, uninstall (with GC) {time.monotonic() - started:.2f}s")
     assert cluster.get("CustomResourceDefinition", CRD_NAME) is not None  # Helm never deletes crds/
+
+
+def test_the_operators_network_policy_is_kept_and_selects_only_the_operator_pod(cluster, crd, new_namespace):
+    """Issue 35: the chart's opt-in NetworkPolicy (metrics on, scrapes from a monitoring namespace,
+    egress rules) is stored as rendered, and its selector finds the operator's Pod and nothing else."""
+    values = {"metrics": {"enabled": True}, "networkPolicy": {
+        "enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        "egress": [{"ports": [{"protocol": "UDP", "port": 53}]}, {"to": [{"ipBlock": {"cidr": "10.96.0.1/32"}}]}]}}
+    release = HelmRelease(cluster, "afd-netpol", new_namespace("afd-system"), values)
+    rendered = next(o for o in release.objects if o["kind"] == "NetworkPolicy")
+    release.install()
+    try:
+        stored = cluster.get("NetworkPolicy", rendered["metadata"]["name"], release.namespace)
+        assert stored["spec"]["ingress"] == rendered["spec"]["ingress"]
+        assert stored["spec"]["egress"] == rendered["spec"]["egress"]
+        assert stored["spec"]["policyTypes"] == ["Ingress", "Egress"]
+        selector = ",".join(f"{k}={v}" for k, v in stored["spec"]["podSelector"]["matchLabels"].items())
+        pods = eventually(lambda: cluster.list("Pod", release.namespace, selector=selector), 30, "the operator's Pod")
+        assert [p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods] == ["operator"]
+    finally:
+        release.uninstall()
+    eventually(lambda: cluster.get("NetworkPolicy", rendered["metadata"]["name"], release.namespace) is None, 30,
+               "uninstall to remove the NetworkPolicy")
 
 
 def test_the_crd_upgrade_hook_objects_are_accepted(cluster, crd, new_namespace):
