@@ -381,9 +381,9 @@ def test_the_prefill_itl_ratio_reaches_the_runtime_only_when_set():
         return yaml.safe_load(config_map["data"]["afd.yaml"])
 
     assert "prefill_itl_ratio" not in runtime_of({})  # existing groups' config and revision stay as they were
-    runtime = runtime_of({"prefillItlRatio": 0})
-    assert runtime["prefill_itl_ratio"] == 0
-    assert afd_config.AFDConfig(**runtime).prefill_itl_ratio == 0
+    runtime = runtime_of({"prefillItlRatio": 2})  # the default is 0 (off): a ratio turns the pacer on
+    assert runtime["prefill_itl_ratio"] == 2
+    assert afd_config.AFDConfig(**runtime).prefill_itl_ratio == 2
 
 
 def test_api_servers_reach_the_runtime_as_api_processes_only_when_set():
