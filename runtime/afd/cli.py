@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     epilog=LOCAL_SETTINGS_EPILOG.format(command="generate", own="Roles, ranks, ports and hosts"))
     _add_group_flags(generate, GENERATE_DEFAULTS, model_default="none, one is needed")
     generate.add_argument("--connector", help="zmq (one process per rank) or loopback (threads) (default zmq; AFD_CONNECTOR)")
-    generate.add_argument("--prompt-ids", type=_prompt_ids, action="append", required=True, metavar="IDS")
-    generate.add_argument("--max-tokens", type=int, default=16)
+    generate.add_argument("--prompt-ids", type=_prompt_ids, action="append", required=True, metavar="IDS",
+                          help="one prompt as comma-separated token ids; repeat for more prompts")
+    generate.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
     generate.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     generate.add_argument("--dtype", help="float32, bfloat16, float16 or auto (default float32; AFD_DTYPE)")
     generate.add_argument("--device", help="cpu, cuda or auto (default cpu; AFD_DEVICE)")

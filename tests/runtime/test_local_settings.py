@@ -185,3 +185,31 @@ def test_monolithic_refuses_a_topology(clean_env, checkpoints):
     clean_env.setenv("AFD_KV_CACHE_BYTES", "8192")
     _, children = up_children(["--monolithic", "--model", str(checkpoints["qwen3_moe"])], clean_env)
     assert [(name, load_config(env=env).kv_cache_bytes) for name, env in children] == [("monolithic-0", 8192)]
+
+
+def _subcommand(name):
+    import argparse
+
+    commands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[name]
+
+
+@pytest.mark.parametrize("command, defaults", [("up", cli.UP_DEFAULTS), ("generate", cli.GENERATE_DEFAULTS)])
+def test_help_names_the_default_and_variable_of_every_group_flag(command, defaults):
+    options = {a.option_strings[-1]: a for a in _subcommand(command)._actions if a.option_strings}
+    assert all(action.help for action in options.values()), [o for o, a in options.items() if not a.help]
+    for flag in ("--topology", "--stages", "--gate"):
+        assert f"(default {defaults[flag[2:]]}; AFD_" in options[flag].help, options[flag].help
+    assert options["--gate"].choices == ("ffn", "attention")
+
+
+def test_up_help_says_how_many_log_folders_are_kept():
+    from afd.local.log_folders import KEEP
+
+    assert f"the newest {KEEP} folders of finished runs are kept" in _subcommand("up").format_help().replace("\n", " ")
+
+
+def test_the_defaults_the_help_names_are_the_ones_used(clean_env, checkpoints):
+    _, children = up_children(["--model", str(checkpoints["qwen3_moe"])], clean_env)
+    configs = [load_config(env=env) for _, env in children]
+    assert {(str(c.topology), c.stages, c.gate_on_attention) for c in configs} == {("2A1F", 2, False)}
