@@ -8,9 +8,11 @@ and returns the desired group count, the new status and the Event of a change:
   under their targets, up to `maxGroups`;
 - down by one group when, at every evaluation for `scaleDownWindowSeconds`, the load would fit
   in one group fewer with `scaleDownMarginPercent` to spare: waiting requests and KV use
-  projected onto n-1 groups (×n/(n-1)), latencies below their targets with the margin, and, once a
-  latency target has been missed, the requests per group projected below the load at that miss
-  (latency does not scale with load, so that load is what a group was seen to carry);
+  projected onto n-1 groups (×n/(n-1)), latencies over the span of scrapes kept (the feed keeps
+  the scale-down window) below their targets with the margin, and, once a
+  latency miss has added a group, the requests per group projected below the load at that decision
+  (latency does not scale with load, so that load is what a group was seen not to carry; a lone
+  spike does not set it, as it never lasts a window);
 - never outside minGroups..maxGroups, never while a group warms up or drains (the windows
   restart once the groups have settled), at most one change per `cooldownSeconds`.
 """
@@ -75,8 +77,6 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
     misses = {name: signals[name] / target for name, target in targets.items()
               if name in signals and signals[name] > target}
     saturation = previous.get("saturationConcurrencyPerGroup")
-    if any(name in LATENCIES for name in misses):
-        saturation = round(load.concurrency_per_group, 3)
     room, binding = _room(policy, load, signals, targets, saturation)
     status |= {
         "lastSampleTime": format_time(math.floor(load.at)),
@@ -103,6 +103,8 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
             proportional = [misses[name] for name in misses if name in PROPORTIONAL]
             wanted = math.ceil(load.groups * max(proportional)) if proportional else before + 1
             after = policy.clamp(max(before + 1, wanted))
+            if any(name in LATENCIES for name in misses):  # what a group was seen to carry, missing a latency
+                status["saturationConcurrencyPerGroup"] = round(load.concurrency_per_group, 3)
             return _changed(status, before, after, worst, f"{what} for {now - missed_since:.0f}s", now, "AutoscaleUp")
         return Decision(before, status)
     if room_since is not None:
@@ -124,6 +126,8 @@ def _room(policy: Autoscaling, load: Load, signals: Mapping[str, float], targets
     if n <= 1:
         return False, "one group left"
     keep = 1 - policy.scale_down_margin_percent / 100
+    spans = {"ttftP90Seconds": load.ttft_p90_span, "itlP90Seconds": load.itl_p90_span}
+    signals = {**signals, **{k: v for k, v in spans.items() if v is not None}}  # latencies over the span kept
     projected = {name: signals.get(name, 0.0) * (n / (n - 1) if name in PROPORTIONAL else 1.0)
                  for name in targets}
     limits = dict(targets)

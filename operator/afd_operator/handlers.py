@@ -29,6 +29,7 @@ from afd_operator.model import API_GROUP, PLURAL
 from afd_operator.observe import pod_facts
 from afd_operator.ratio_feed import RatioFeed
 from afd_operator.reconcile import Outcome, reconcile
+from afd_operator.slo_feed import ServiceFeed
 
 VERSION = "v1alpha1"
 RESYNC_ENV = "AFD_OPERATOR_RESYNC_SECONDS"
@@ -50,6 +51,7 @@ class OperatorMemo(kopf.Memo):
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, owner) → name → PodFacts
         self.wakeup: Optional[asyncio.Event] = None
         self.feed = RatioFeed()  # spec.ratio's metric scrapes
+        self.service = ServiceFeed()  # spec.autoscaling's serving samples, and the drain of leaving groups
 
 
 def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegistry:
@@ -101,6 +103,7 @@ def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegis
             for store in (memo.bodies, memo.last_status, memo.locks):
                 store.pop(uid, None)
             memo.feed.forget(uid)
+            memo.service.forget(uid)
             memo.metrics.forget(body.metadata.namespace, body.metadata.name)
         else:
             memo.bodies[uid] = dict(body)
@@ -129,7 +132,9 @@ async def reconcile_one(memo: OperatorMemo, body: dict[str, Any], full: bool) ->
             store = memo.store
             assert store is not None, "the startup handler sets the store"
             scrapes = await asyncio.to_thread(memo.feed.collect, current, pods, time.time())
-            outcome = await asyncio.to_thread(reconcile, current, pods, store, time.time(), full, scrapes)
+            service = await asyncio.to_thread(memo.service.collect, current, pods, time.time())
+            outcome = await asyncio.to_thread(reconcile, current, pods, store, time.time(), full, scrapes, service,
+                                              memo.service.drain)
             if outcome.status != memo.last_status.get(uid):
                 await asyncio.to_thread(store.patch_status, meta["namespace"], meta["name"], outcome.status)
                 memo.last_status[uid] = outcome.status

@@ -22,6 +22,9 @@ ERROR_REASONS = ("api", "invalid_spec", "internal")
 GROUP_STATES = ("desired", "ready", "failed")
 RATIO_TOPOLOGIES = ("current", "recommended")
 SIDES = ("attention", "ffn")
+AUTOSCALE_STATES = ("desired", "current")
+DIRECTIONS = ("up", "down")
+SIGNALS = ("ttftP90Seconds", "itlP90Seconds", "waitingPerGroup", "kvCacheUsage", "concurrencyPerGroup")
 # Reconciles are API round trips: milliseconds to tens of seconds under a slow API server.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -44,7 +47,7 @@ class OperatorMetrics:
             LABELS, buckets=DURATION_BUCKETS, registry=self.registry)
         self.groups = Gauge(
             "afd_operator_groups",
-            "AFD groups of an AFDDeployment: desired (spec.replicas), ready (every rank Ready), "
+            "AFD groups of an AFDDeployment: desired (spec.replicas, or the autoscaler's count), ready (every rank Ready), "
             "failed (restart budget spent).",
             (*LABELS, "state"), registry=self.registry)
         self.ratio = Gauge(
@@ -60,6 +63,22 @@ class OperatorMetrics:
             "spec.ratio: share of a decode step each side computes, per group, from the fitted cost model.",
             (*LABELS, "group", "side"), registry=self.registry)
         self._busy_groups: dict[tuple[str, str], set[str]] = {}
+        self.autoscale_groups = Gauge(
+            "afd_operator_autoscale_groups",
+            "spec.autoscaling: the group count it wants (desired) and the groups serving now, leaving ones "
+            "excluded (current).", (*LABELS, "state"), registry=self.registry)
+        self.autoscale_decisions = Counter(
+            "afd_operator_autoscale_decisions",
+            "spec.autoscaling: changes of the desired group count, by direction (up or down).",
+            (*LABELS, "direction"), registry=self.registry)
+        self.autoscale_signal = Gauge(
+            "afd_operator_autoscale_signal",
+            "spec.autoscaling: each signal at the last evaluation (TTFT and ITL p90 in seconds, waiting and "
+            "in-flight requests per group, KV-cache use as a ratio).", (*LABELS, "signal"), registry=self.registry)
+        self.autoscale_target = Gauge(
+            "afd_operator_autoscale_target",
+            "spec.autoscaling: the target of each signal that has one.", (*LABELS, "signal"), registry=self.registry)
+        self._decisions: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def observe(self, namespace: str, name: str, seconds: float, error: Optional[str],
                 spec: Mapping[str, Any], status: Optional[Mapping[str, Any]]) -> None:
@@ -71,7 +90,7 @@ class OperatorMetrics:
             self.errors.labels(namespace, name, error).inc()
         if status is None:
             return
-        desired = spec.get("replicas", 1)
+        desired = (status.get("autoscaling") or {}).get("desiredGroups", spec.get("replicas", 1))
         if isinstance(desired, int):
             self.groups.labels(namespace, name, "desired").set(desired)
         if "readyReplicas" in status:
@@ -79,6 +98,35 @@ class OperatorMetrics:
             failed = sum(1 for g in status.get("groups") or [] if g.get("phase") == "Failed")
             self.groups.labels(namespace, name, "failed").set(failed)
         self._observe_ratio(namespace, name, status.get("ratio"))
+        self._observe_autoscaling(namespace, name, status.get("autoscaling"), spec)
+
+    def _observe_autoscaling(self, namespace: str, name: str, state: Optional[Mapping[str, Any]],
+                             spec: Mapping[str, Any]) -> None:
+        """status.autoscaling → its gauges; a new lastDecisionTime counts a decision."""
+        key = (namespace, name)
+        if not state:
+            for which in AUTOSCALE_STATES:
+                _remove(self.autoscale_groups, namespace, name, which)
+            for signal in SIGNALS:
+                _remove(self.autoscale_signal, namespace, name, signal)
+                _remove(self.autoscale_target, namespace, name, signal)
+            self._decisions.pop(key, None)
+            return
+        self.autoscale_groups.labels(namespace, name, "desired").set(state.get("desiredGroups", 0))
+        self.autoscale_groups.labels(namespace, name, "current").set(state.get("currentGroups", 0))
+        observed = state.get("observed") or {}
+        targets = ((spec.get("autoscaling") or {}).get("targets")) or {}
+        for signal in SIGNALS:
+            for gauge, value in ((self.autoscale_signal, observed.get(signal)), (self.autoscale_target, targets.get(signal))):
+                if isinstance(value, (int, float)):
+                    gauge.labels(namespace, name, signal).set(value)
+                else:
+                    _remove(gauge, namespace, name, signal)
+        stamp = (state.get("lastDecisionTime"), state.get("desiredGroups"))
+        last = self._decisions.get(key)
+        if last is not None and stamp[0] and stamp[0] != last[0] and stamp[1] != last[1]:
+            self.autoscale_decisions.labels(namespace, name, "up" if stamp[1] > last[1] else "down").inc()
+        self._decisions[key] = stamp
 
     def _observe_ratio(self, namespace: str, name: str, ratio: Optional[Mapping[str, Any]]) -> None:
         """status.ratio → the ratio gauges; series that no longer apply are removed."""
@@ -106,10 +154,12 @@ class OperatorMetrics:
         """Drop every series of a deleted AFDDeployment."""
         for metric, extra in ((self.reconciles, [(r,) for r in RESULTS]), (self.duration, [()]),
                               (self.errors, [(r,) for r in ERROR_REASONS]),
-                              (self.groups, [(s,) for s in GROUP_STATES])):
+                              (self.groups, [(s,) for s in GROUP_STATES]),
+                              (self.autoscale_decisions, [(d,) for d in DIRECTIONS])):
             for values in extra:
                 _remove(metric, namespace, name, *values)
         self._observe_ratio(namespace, name, None)
+        self._observe_autoscaling(namespace, name, None, {})
         self._busy_groups.pop((namespace, name), None)
 
 

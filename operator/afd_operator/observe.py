@@ -45,6 +45,7 @@ class GroupMemory:
     restart_baseline: int = 0  # container restarts already counted when the group became Ready
     failed: bool = False
     topology: Optional[str] = None  # the shape it was created with (ratio changes roll out group by group)
+    draining_since: Optional[float] = None  # spec.autoscaling removes it once drained (epoch seconds)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class Desired:
     backoff_seconds: float = 30.0
     max_backoff_seconds: float = 600.0
     max_restarts: Optional[int] = None
+    reserved: frozenset[int] = frozenset()  # indices of groups outside the plan (draining): never reused
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def plan_groups(desired: Desired, groups: list[GroupState], now: float) -> Plan:
 
     # Create up to `replicas`, plus surge groups while old ones remain to be replaced.
     target = desired.replicas + min(desired.max_surge, len(updatable))
-    used = {g.index for g in live}
+    used = {g.index for g in live} | desired.reserved
     free = (i for i in range(10**6) if i not in used)
     created = [next(free) for _ in range(max(0, target - len(live)))]
     actions += [Action("create", i, desired.revision, reason="ScaleUp") for i in created]

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from afd_operator import labels as L
 from afd_operator.kube import Store
 from afd_operator.model import AFDDeploymentSpec, Owner, SpecError, parse_owner, parse_spec
 from afd_operator.observe import GroupMemory, GroupView, PodFacts, observe_groups, remember
+from afd_operator.scale_step import History, scale_step
 from afd_operator.plan import RECREATE, Action, Desired, Plan, plan_groups
 from afd_operator.ratio import Fleet, Scrapes, decide, effective_spec, max_unavailable
 from afd_operator.render import optional_shared_kinds, render_group, render_shared, unwanted_group_objects
@@ -70,11 +71,14 @@ def desired_of(spec: AFDDeploymentSpec) -> Desired:
 
 def reconcile(
     body: Mapping[str, Any], pods: Iterable[PodFacts], store: Store, now: float, full: bool = False,
-    scrapes: Optional[Mapping[int, Scrapes]] = None,
+    scrapes: Optional[Mapping[int, Scrapes]] = None, service: Optional[Mapping[int, History]] = None,
+    drain: Optional[Callable[[PodFacts, int], None]] = None,
 ) -> Outcome:
     """One reconcile step. `full` re-applies every current-revision group (after a spec
     change or an operator restart) and prunes optional objects the spec no longer wants.
-    `scrapes`: recent metric scrapes per group, for spec.ratio (oldest first)."""
+    `scrapes`: recent metric scrapes per group, for spec.ratio (oldest first); `service`: each
+    group's last two serving samples, for spec.autoscaling; `drain(pod, metrics port)` asks an
+    attention rank of a leaving group to stop taking requests."""
     previous = body.get("status") or {}
     generation = body.get("metadata", {}).get("generation")
     try:
@@ -83,17 +87,22 @@ def reconcile(
     except SpecError as err:
         return _invalid(str(err), previous, generation, now)
     spec = effective_spec(asked, previous)  # the ranks spec.ratio Auto chose, if any
-
+    pods = list(pods)
     views = observe_groups(memories_from_status(previous), pods, spec.pods("attention"), spec.pods("ffn"),
                            spec.ffn.expert_parallel)
     reset_after = float(spec.restart_policy.max_backoff_seconds)
     recovers = spec.restart_type != RECREATE
     memories = {v.state.index: _shaped(remember(v, now, reset_after, recovers), spec) for v in views}
     states = [replace(v.state, restarts=memories[v.state.index].restarts) for v in views]
-    plan = plan_groups(desired_of(spec), states, now)
+    scaling = scale_step(spec, views, memories, states, pods, service or {}, previous.get("autoscaling") or {}, now)
+    spec, memories = scaling.spec, scaling.memories  # spec.replicas: the autoscaler's count when it is on
+    plan = plan_groups(replace(desired_of(spec), reserved=scaling.reserved), scaling.planned, now)
+    plan = replace(plan, actions=plan.actions + tuple(scaling.deletes))
 
     secret = ensure_group_secret(store, owner)  # before any pod can be created
     _apply(plan, spec, owner, views, store, full)
+    for pod in scaling.drain_pods if drain is not None else ():
+        drain(pod, spec.ports.metrics)
     reports, problems = _report(spec, views, memories, plan, now)
     problems += [secret.problem] if secret.problem else []
     status = render_status(StatusInput(spec, owner.name, generation, reports, problems), previous, now)
@@ -102,6 +111,9 @@ def reconcile(
     if ratio.status is not None or previous.get("ratio"):
         status["ratio"] = ratio.status  # None: merge-patched as null, which removes it
     events += [Event(*e) for e in ratio.events]
+    if scaling.status is not None or previous.get("autoscaling"):
+        status["autoscaling"] = scaling.status  # None: merge-patched as null, which removes it
+    events += [Event(*e) for e in scaling.events]
     if secret.created and previous.get("groups"):
         events.append(Event("Warning", "GroupSecretRecreated", (
             "the group Secret was missing and has been created with a new value; ranks started "
@@ -171,6 +183,10 @@ def _report(spec: AFDDeploymentSpec, views: list[GroupView], memories: dict[int,
         memory, action = memories[v.state.index], by_index.get(v.state.index)
         phase, ready, message = ("Ready" if v.state.ready else "Starting"), v.state.ready, v.lost_reason
         if action is not None and action.kind == "delete":
+            continue
+        if memory.draining_since is not None:
+            reports.append(GroupReport(memory, "Draining", False, v.ready_attention, v.ready_ffn,
+                                       "scale-down: finishing its requests, then deleted"))
             continue
         if action is not None and action.kind == "replace":
             memory, phase, ready = GroupMemory(v.state.index, spec.revision, topology=str(spec.topology)), "Replacing", False

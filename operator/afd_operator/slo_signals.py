@@ -3,8 +3,9 @@
 One scrape of a group (every attention rank's /metrics, or the same series from Prometheus)
 becomes a `ServiceSample`: the time-to-first-token and inter-token-latency histograms summed
 over the ranks (cumulative bucket counts), and the gauges of requests running and waiting and
-of KV-cache use. Two scrapes of each serving group make a `Load`: the 90th percentiles over the
-interval between them (the way Prometheus' `histogram_quantile` reads a rate of buckets), the
+of KV-cache use. Each serving group's recent scrapes make a `Load`: the 90th percentiles over the
+interval between the last two (the way Prometheus' `histogram_quantile` reads a rate of buckets)
+and over the whole span kept (the scale-down window: one slow interval does not outweigh it), the
 waiting requests and running + waiting requests per group, and the mean KV-cache use.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -54,6 +55,8 @@ class Load:
     concurrency_per_group: float  # running + waiting requests per group
     kv_usage: float  # mean over the attention ranks
     in_flight: dict[int, float] = field(default_factory=dict)  # group → running + waiting now
+    ttft_p90_span: Optional[float] = None  # over every scrape kept, not only the last interval
+    itl_p90_span: Optional[float] = None
 
     def signals(self) -> dict[str, float]:
         """The measured signals, named as spec.autoscaling.targets names them."""
@@ -126,20 +129,25 @@ def merge(histograms: list[Buckets]) -> Buckets:
     return tuple(sorted(total.items()))
 
 
-def load_of(pairs: Mapping[int, tuple[ServiceSample, ServiceSample]]) -> Optional[Load]:
-    """The Load over the groups' latest interval: group → (earlier, later) sample. None without groups."""
-    if not pairs:
+def load_of(history: Mapping[int, Sequence[ServiceSample]]) -> Optional[Load]:
+    """The Load of the groups: group → its scrapes, oldest first (at least two each). None without groups."""
+    if not history:
         return None
-    latest = [after for _, after in pairs.values()]
-    ttft = merge([delta(after.ttft, before.ttft) for before, after in pairs.values()])
-    itl = merge([delta(after.itl, before.itl) for before, after in pairs.values()])
+    if any(len(samples) < 2 for samples in history.values()):
+        raise ValueError("a Load needs at least two scrapes of every group")
+    latest = [samples[-1] for samples in history.values()]
+
+    def p90(kind: str, first: int) -> Optional[float]:
+        return quantile(QUANTILE, merge([delta(getattr(s[-1], kind), getattr(s[first], kind)) for s in history.values()]))
+
     kv = [u for s in latest for u in s.kv_usage]
-    n = len(pairs)
+    n = len(history)
     return Load(
         at=max(s.at for s in latest), groups=n,
-        ttft_p90=quantile(QUANTILE, ttft), itl_p90=quantile(QUANTILE, itl),
+        ttft_p90=p90("ttft", -2), itl_p90=p90("itl", -2),
         waiting_per_group=sum(s.waiting for s in latest) / n,
         concurrency_per_group=sum(s.in_flight for s in latest) / n,
         kv_usage=sum(kv) / len(kv) if kv else 0.0,
-        in_flight={index: after.in_flight for index, (_, after) in pairs.items()},
+        in_flight={index: samples[-1].in_flight for index, samples in history.items()},
+        ttft_p90_span=p90("ttft", 0), itl_p90_span=p90("itl", 0),
     )

@@ -61,6 +61,7 @@ def memories_from_status(status: Mapping[str, Any]) -> list[GroupMemory]:
             restart_baseline=int(g.get("restartBaseline", 0)),
             failed=g.get("phase") == "Failed",
             topology=g.get("topology"),
+            draining_since=parse_time(g.get("drainingSince")),
         ))
     return result
 
@@ -186,6 +187,6 @@ def _group_status(g: GroupReport) -> dict[str, Any]:
         "restartBaseline": m.restart_baseline,
     }
     optional = {"lastRestartTime": format_time(m.last_restart), "readySince": format_time(m.ready_since),
-                "message": g.message, "topology": m.topology}
+                "message": g.message, "topology": m.topology, "drainingSince": format_time(m.draining_since)}
     entry.update({k: v for k, v in optional.items() if v})
     return entry

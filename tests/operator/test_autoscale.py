@@ -62,6 +62,16 @@ def test_load_of_two_groups_merges_histograms_and_averages_per_group():
     assert load.in_flight == {0: 6.0, 1: 4.0}
 
 
+def test_the_span_percentile_covers_every_scrape_kept_and_the_interval_only_the_last_two():
+    def sample(at, fast, slow):
+        return ServiceSample(at, ((0.5, fast), (2.0, fast + slow), (float("inf"), fast + slow)), (), 0.0, 0.0, ())
+    load = load_of({0: [sample(0, 0, 0), sample(15, 100, 0), sample(30, 100, 5)]})
+    assert load.ttft_p90 == pytest.approx(0.5 + 1.5 * 0.9)  # the last interval: 5 first tokens, all in (0.5, 2]
+    assert load.ttft_p90_span == pytest.approx(0.5 * 94.5 / 100)  # the span: 100 fast, 5 slow
+    with pytest.raises(ValueError, match="at least two scrapes"):
+        load_of({0: [sample(0, 0, 0)]})
+
+
 POLICY = Autoscaling(enabled=True, min_groups=1, max_groups=3, targets={"ttftP90Seconds": 1.0},
                      scale_up_window_seconds=60, scale_down_window_seconds=120, cooldown_seconds=30)
 
@@ -120,8 +130,8 @@ def test_down_only_when_the_load_fits_in_one_group_fewer_for_the_window():
     assert decisions[-1].event[1] == "AutoscaleDown" and "fits in 1 group(s)" in decisions[-1].event[2]
 
 
-def test_down_is_refused_where_the_projected_load_passes_the_load_of_a_miss():
-    # a miss at 4 requests per group was seen: 2 groups x 3 requests would be 6 per group in one
+def test_down_is_refused_where_the_projected_load_passes_the_load_that_added_a_group():
+    # a group was added at 4 requests per group: 2 groups x 3 requests would be 6 per group in one
     start = {"desiredGroups": 2, "saturationConcurrencyPerGroup": 4.0}
     decisions = run(POLICY, [load(t, 0.2, groups=2, concurrency=3.0) for t in range(0, 300, 15)], Groups(2), start)
     assert {d.desired for d in decisions} == {2}

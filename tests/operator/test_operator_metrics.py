@@ -71,6 +71,36 @@ def test_the_ratio_series_follow_status_ratio_and_go_with_it():
     assert [(s.labels["topology"], s.value) for s in left] == [("current", 4)]
 
 
+def test_the_autoscaling_series_count_decisions_and_follow_status_autoscaling():
+    metrics = OperatorMetrics()
+    spec = {"replicas": 1, "autoscaling": {"enabled": True, "targets": {"ttftP90Seconds": 1.5}}}
+
+    def observe(desired, decided, observed=None):
+        state = {"desiredGroups": desired, "currentGroups": 1, "lastDecisionTime": decided,
+                 "observed": observed or {"ttftP90Seconds": 2.5, "concurrencyPerGroup": 6.0}}
+        metrics.observe("ns", "demo", 0.01, None, spec, {"readyReplicas": 1, "autoscaling": state})
+
+    def samples():
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("namespace", "deployment")))): s.value
+                for f in text_string_to_metric_families(_scrape(metrics)) for s in f.samples
+                if s.name.startswith(("afd_operator_autoscale", "afd_operator_groups"))}
+
+    observe(1, None)
+    observe(2, "2026-01-01T00:00:00Z")  # a scale-up
+    observe(2, "2026-01-01T00:00:00Z")  # the same decision seen again
+    observe(1, "2026-01-01T00:05:00Z", {"ttftP90Seconds": 0.2})  # a scale-down
+    got = samples()
+    assert got[("afd_operator_autoscale_decisions_total", (("direction", "up"),))] == 1
+    assert got[("afd_operator_autoscale_decisions_total", (("direction", "down"),))] == 1
+    assert got[("afd_operator_autoscale_groups", (("state", "desired"),))] == 1
+    assert got[("afd_operator_groups", (("state", "desired"),))] == 1
+    assert got[("afd_operator_autoscale_signal", (("signal", "ttftP90Seconds"),))] == 0.2
+    assert ("afd_operator_autoscale_signal", (("signal", "concurrencyPerGroup"),)) not in got
+    assert got[("afd_operator_autoscale_target", (("signal", "ttftP90Seconds"),))] == 1.5
+    metrics.observe("ns", "demo", 0.01, None, {"replicas": 3}, {"readyReplicas": 1})  # autoscaling turned off
+    assert not [k for k in samples() if k[0].startswith("afd_operator_autoscale_") and "decisions" not in k[0]]
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
 def test_the_exposition_passes_promtool():
     metrics = OperatorMetrics()
