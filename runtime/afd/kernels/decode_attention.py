@@ -2,9 +2,15 @@
 
 Graph-friendly: every shape is (batch, heads, dims); each sequence's length is read on
 the device, so one captured graph serves any mix of context lengths up to the table width.
+A program serves every query head that shares a key head (MLA: a block of 16 heads of the one
+latent row), so each cached row is read once per key head, and each sequence's keys are cut
+into as many slices as fill the device (`plan_splits`: many at batch 1, one from ~132 programs
+up), merged by a second small kernel (flash-decoding).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -13,38 +19,123 @@ import triton.language as tl
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr,
-    table_width, block_size, group, scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr,
+    heads, table_width, block_size, group, scale,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ob, stride_oh,
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    seq, head = tl.program_id(0), tl.program_id(1)
-    kv_head = head // group
+    """One program: the `group` query heads of one key head of one sequence, over one of SPLITS slices of
+    its keys (each key and value row is read once per key head, on tensor cores)."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + seq)
+    begin, end = _split_range(length, split, SPLITS, BLOCK_N)
+    rows_h = tl.arange(0, BLOCK_H)
+    live_h = rows_h < group
+    offs_h = kv_head * group + rows_h
     offs_dk, offs_dv = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + seq * stride_qb + head * stride_qh + offs_dk, mask=offs_dk < DK, other=0.0).to(tl.float32)
-    m_i = tl.full((), float("-inf"), tl.float32)
-    l_i = tl.zeros((), tl.float32)
-    acc = tl.zeros((BLOCK_DV,), tl.float32)
-    for start in range(0, length, BLOCK_N):
+    q = tl.load(q_ptr + seq * stride_qb + offs_h[:, None] * stride_qh + offs_dk[None, :],
+                mask=live_h[:, None] & (offs_dk[None, :] < DK), other=0.0)  # [BH, BDK]
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    for start in range(begin, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BN] key positions
-        live = pos < length
+        live = pos < end
         block = tl.load(table_ptr + seq * table_width + pos // block_size, mask=live, other=0)
         rows = (block * block_size + pos % block_size).to(tl.int64)
         k = tl.load(k_ptr + rows[:, None] * stride_kr + kv_head * stride_kh + offs_dk[None, :],
-                    mask=live[:, None] & (offs_dk[None, :] < DK), other=0.0).to(tl.float32)  # [BN, DK]
-        scores = tl.sum(k * q[None, :], axis=1) * scale
-        scores = tl.where(live, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
+                    mask=live[:, None] & (offs_dk[None, :] < DK), other=0.0)  # [BN, BDK]
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale  # [BH, BN]
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         v = tl.load(v_ptr + rows[:, None] * stride_vr + kv_head * stride_vh + offs_dv[None, :],
-                    mask=live[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)  # [BN, DV]
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+                    mask=live[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)  # [BN, BDV]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    out = acc / l_i
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty), mask=offs_dv < DV)
+    _finish(acc, m_i, l_i, out_ptr, part_ptr, stat_ptr, seq, offs_h, live_h, split, heads, stride_ob, stride_oh,
+            offs_dv, DV, BLOCK_DV, SPLITS)
+
+
+@triton.jit
+def _split_range(length, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key positions [begin, end) of slice `split` of a sequence of `length` keys (whole BLOCK_N steps)."""
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * chunk
+    return begin, tl.minimum(length, begin + chunk)
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, out_ptr, part_ptr, stat_ptr, seq, offs_h, live_h, split, heads, stride_ob, stride_oh,
+            offs_dv, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr):
+    """One slice: the output itself, or its unnormalised sum, running max and denominator for `_combine_kernel`."""
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live_h[:, None] & (offs_dv[None, :] < DV))
+    else:
+        slot = ((seq * heads + offs_h) * SPLITS + split).to(tl.int64)  # [BH]
+        tl.store(part_ptr + slot[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=live_h[:, None])
+        tl.store(stat_ptr + slot * 2, m_i, mask=live_h)
+        tl.store(stat_ptr + slot * 2 + 1, l_i, mask=live_h)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, stat_ptr, out_ptr, heads, stride_ob, stride_oh,
+                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One (sequence, head): the softmax-weighted sum of its slices' partial outputs."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    slices = tl.arange(0, BLOCK_S)
+    live_s = slices < SPLITS
+    slot = ((seq * heads + head) * SPLITS + slices).to(tl.int64)
+    m = tl.load(stat_ptr + slot * 2, mask=live_s, other=float("-inf"))
+    l = tl.load(stat_ptr + slot * 2 + 1, mask=live_s, other=0.0)
+    weight = tl.where(l > 0, tl.exp(m - tl.max(m, axis=0)), 0.0)  # an empty slice (m = -inf, l = 0) weighs nothing
+    offs_dv = tl.arange(0, BLOCK_DV)
+    parts = tl.load(part_ptr + slot[:, None] * BLOCK_DV + offs_dv[None, :], mask=(l > 0)[:, None], other=0.0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight * l, axis=0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty),
+             mask=offs_dv < DV)
+
+
+MAX_SPLITS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def plan_splits(programs: int, multiprocessors: int, max_splits: int = MAX_SPLITS) -> int:
+    """Slices of every sequence's keys so that `programs` (sequences × head groups) fill the device: a step of
+    few sequences reads a long context on many multiprocessors, not one (pure; from shapes only, so a
+    captured graph serves any context length)."""
+    if programs < 1 or multiprocessors < 1:
+        raise ValueError(f"programs {programs} and multiprocessors {multiprocessors} must be positive")
+    return max(1, min(max_splits, -(-multiprocessors // programs)))
+
+
+def _partials(batch: int, heads: int, splits: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Workspaces of the slices: unnormalised outputs [B, H, S, width] and (max, denominator) [B, H, S, 2]."""
+    if splits == 1:
+        empty = torch.empty(0, dtype=torch.float32, device=device)
+        return empty, empty
+    return (torch.empty(batch, heads, splits, width, dtype=torch.float32, device=device),
+            torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=device))
+
+
+def _combine(part, stat, out, splits: int, dv: int, block_dv: int) -> None:
+    if splits > 1:
+        batch, heads = out.shape[0], out.shape[1]
+        _combine_kernel[(batch, heads)](part, stat, out, heads, out.stride(0), out.stride(1), DV=dv, BLOCK_DV=block_dv,
+                                        SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays fp32 (parity runs); bf16 ignores it
 
 
 def paged_decode_attention(
@@ -55,34 +146,42 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32 keys per sequence, the new one included
     block_size: int,
     scale: float,
+    splits: int | None = None,  # slices of each sequence's keys (None: `plan_splits`)
 ) -> torch.Tensor:
     """Attention of each sequence's one new query over its cached keys: [B, Hq, Dv]."""
     batch, heads, dk = q.shape
     kv_heads, dv = cache_k.shape[1], cache_v.shape[2]
-    out = torch.empty(batch, heads, dv, dtype=q.dtype, device=q.device)
     if cache_k.stride(2) != 1 or cache_v.stride(2) != 1 or q.stride(2) != 1:
         raise ValueError("paged_decode_attention needs unit stride on the head dimension")
-    _decode_kernel[(batch, heads)](
-        q, cache_k, cache_v, out, block_table, seq_lens,
-        block_table.shape[1], block_size, heads // kv_heads, scale,
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not share {kv_heads} key heads evenly")
+    group = heads // kv_heads
+    splits = splits or plan_splits(batch * kv_heads, _multiprocessors(q.device))
+    block_dv = max(16, triton.next_power_of_2(dv))
+    out = torch.empty(batch, heads, dv, dtype=q.dtype, device=q.device)
+    part, stat = _partials(batch, heads, splits, block_dv, q.device)
+    _decode_kernel[(batch, kv_heads, splits)](
+        q, cache_k, cache_v, out, part, stat, block_table, seq_lens,
+        heads, block_table.shape[1], block_size, group, scale,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1),
         out.stride(0), out.stride(1),
-        DK=dk, DV=dv, BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=triton.next_power_of_2(dv), BLOCK_N=32,
-        num_warps=4,
+        DK=dk, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_DK=max(16, triton.next_power_of_2(dk)),
+        BLOCK_DV=block_dv, BLOCK_N=32, SPLITS=splits, PRECISION=_precision(q.dtype), num_warps=4,
     )
+    _combine(part, stat, out, splits, dv, block_dv)
     return out
 
 
 @triton.jit
 def _latent_decode_kernel(
-    q_ptr, cache_ptr, out_ptr, table_ptr, lens_ptr,
+    q_ptr, cache_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr,
     heads, table_width, block_size, scale,
     stride_qb, stride_qh, stride_cr, stride_ob, stride_oh,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    seq, head_block = tl.program_id(0), tl.program_id(1)
-    length = tl.load(lens_ptr + seq)
+    seq, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    begin, end = _split_range(tl.load(lens_ptr + seq), split, SPLITS, BLOCK_N)
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     offs_l, offs_r = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_R)
     live_h = offs_h < heads
@@ -92,9 +191,9 @@ def _latent_decode_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
-    for start in range(0, length, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BN] key positions
-        live = pos < length
+        live = pos < end
         block = tl.load(table_ptr + seq * table_width + pos // block_size, mask=live, other=0)
         rows = cache_ptr + (block * block_size + pos % block_size).to(tl.int64)[:, None] * stride_cr
         latent = tl.load(rows + offs_l[None, :], mask=live[:, None] & (offs_l[None, :] < LATENT), other=0.0)  # [BN, BL]
@@ -108,9 +207,8 @@ def _latent_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=PRECISION)  # [BH, BL]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + seq * stride_ob + offs_h[:, None] * stride_oh + offs_l[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=live_h[:, None] & (offs_l[None, :] < LATENT))
+    _finish(acc, m_i, l_i, out_ptr, part_ptr, stat_ptr, seq, offs_h, live_h, split, heads, stride_ob, stride_oh,
+            offs_l, LATENT, BLOCK_L, SPLITS)
 
 
 def paged_latent_decode_attention(
@@ -121,6 +219,7 @@ def paged_latent_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32 keys per sequence, the new one included
     block_size: int,
     scale: float,
+    splits: int | None = None,  # slices of each sequence's keys (None: `plan_splits`)
 ) -> torch.Tensor:
     """MLA decode over a paged latent cache: [B, H, latent], the latent doubling as the value.
 
@@ -133,12 +232,17 @@ def paged_latent_decode_attention(
     rope = width - latent_dim
     out = torch.empty(batch, heads, latent_dim, dtype=q.dtype, device=q.device)
     block_h = 16  # tl.dot needs 16 rows; fewer heads are masked
-    _latent_decode_kernel[(batch, triton.cdiv(heads, block_h))](
-        q, cache, out, block_table, seq_lens,
+    head_blocks = triton.cdiv(heads, block_h)
+    splits = splits or plan_splits(batch * head_blocks, _multiprocessors(q.device))
+    block_l = max(16, triton.next_power_of_2(latent_dim))
+    part, stat = _partials(batch, heads, splits, block_l, q.device)
+    _latent_decode_kernel[(batch, head_blocks, splits)](
+        q, cache, out, part, stat, block_table, seq_lens,
         heads, block_table.shape[1], block_size, scale,
         q.stride(0), q.stride(1), cache.stride(0), out.stride(0), out.stride(1),
-        LATENT=latent_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_L=max(16, triton.next_power_of_2(latent_dim)),
-        BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=32, num_warps=4,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (parity runs); bf16 ignores it
+        LATENT=latent_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_L=block_l,
+        BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=32, SPLITS=splits, PRECISION=_precision(q.dtype),
+        num_warps=4,
     )
+    _combine(part, stat, out, splits, latent_dim, block_l)
     return out

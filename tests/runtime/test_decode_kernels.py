@@ -1,0 +1,76 @@
+"""The paged decode kernels (key heads shared by their query heads, keys cut in slices and merged) equal plain
+attention. Runs on a GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1 before Triton is imported)."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    DEVICE = "cuda"
+elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
+    DEVICE = "cpu"
+else:
+    DEVICE = None
+needs_triton = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1 with Triton installed")
+
+
+def _case(seed: int, heads: int, kv_heads: int, dk: int, dv: int, lens: list[int], block_size: int = 4):
+    torch.manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens) + 1
+    rows = (len(lens) * width + 1) * block_size
+    cache_k, cache_v = torch.randn(rows, kv_heads, dk), torch.randn(rows, kv_heads, dv)
+    tables = torch.tensor([[s * width + b for b in range(width)][::-1] for s in range(len(lens))], dtype=torch.int32)
+    return torch.randn(len(lens), heads, dk), cache_k, cache_v, tables, torch.tensor(lens, dtype=torch.int32), block_size
+
+
+def _reference(q, cache_k, cache_v, tables, lens, block_size, scale):
+    """Per sequence and head: softmax(q·k) v over its cached rows, in float64."""
+    group = q.shape[1] // cache_k.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], cache_v.shape[2], dtype=torch.float64)
+    for s, length in enumerate(lens.tolist()):
+        pos = torch.arange(length)
+        rows = tables[s, pos // block_size].long() * block_size + pos % block_size
+        for h in range(q.shape[1]):
+            keys, values = cache_k[rows, h // group].double(), cache_v[rows, h // group].double()
+            out[s, h] = torch.softmax(q[s, h].double() @ keys.T * scale, dim=-1) @ values
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3, 16])
+@pytest.mark.parametrize("heads, kv_heads, dk, dv", [(8, 2, 32, 32), (4, 4, 48, 32), (32, 4, 16, 16)])
+def test_grouped_decode_kernel_equals_attention(heads, kv_heads, dk, dv, splits):
+    from afd.kernels.decode_attention import paged_decode_attention
+
+    q, cache_k, cache_v, tables, lens, block_size = _case(splits, heads, kv_heads, dk, dv, [9, 1, 70])
+    want = _reference(q, cache_k, cache_v, tables, lens, block_size, 0.2)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    got = paged_decode_attention(to(q), to(cache_k), to(cache_v), to(tables), to(lens), block_size, 0.2, splits=splits)
+    assert got.shape == want.shape
+    assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 5])
+def test_latent_decode_kernel_in_slices_equals_attention(splits):
+    from afd.kernels.decode_attention import paged_latent_decode_attention
+
+    latent, rope = 32, 16
+    q, cache, _, tables, lens, block_size = _case(7, 4, 1, latent + rope, 1, [5, 1, 66])
+    want = _reference(q, cache, cache[:, :, :latent], tables, lens, block_size, 0.3)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    got = paged_latent_decode_attention(to(q), to(cache), latent, to(tables), to(lens), block_size, 0.3, splits=splits)
+    assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-4
+
+
+def test_slices_fill_the_device_from_shapes_alone():
+    pytest.importorskip("triton")
+    from afd.kernels.decode_attention import MAX_SPLITS, plan_splits
+
+    assert plan_splits(1, 132) == MAX_SPLITS  # one sequence: its keys over many multiprocessors
+    assert plan_splits(64, 132) == 3
+    assert plan_splits(256, 132) == 1  # enough programs: no slices, no merge kernel
+    with pytest.raises(ValueError, match="must be positive"):
+        plan_splits(0, 132)
