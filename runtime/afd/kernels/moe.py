@@ -9,6 +9,12 @@ from the token count, never from the routing. `AFD_MOE_KERNEL` picks one
 
 Shared experts of width n·I are folded in as n extra experts that every token visits
 with weight 1 (`fuse_shared_experts`), so one kernel pair does the whole MoE layer.
+
+FP8 experts (e4m3 stacks with 128×128 block scales, `gate_up_scale` [E, 2I/128, H/128] and
+`down_scale` [E, H/128, I/128]) run in the same Triton kernels in FP8: the tokens are quantized
+per 128 columns once (`fp8_gemm.per_token_group_quant`), gate_up writes SiLU·up quantized the
+same way for down, each from its own tuned table (`..._fp8_DEVICE.json`). The `grouped` choice
+multiplies FP8 experts by their dequantized weights (a reference, not a fast path).
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ def kernel_choice() -> str:
 # tokens → settings: the layout's BLOCK_M, and per kernel BLOCK_N/BLOCK_K/num_warps/num_stages plus,
 # optionally, its own BLOCK_M, GROUP_M, TMA, PERSISTENT and (gate_up) GATHER (defaults in
 # `moe_triton.kernel_settings`: the old behaviour).
+FP8_DEFAULT_CONFIGS = {  # FP8 experts where no tuned table fits: gate_up's BLOCK_N a multiple of 128, BLOCK_K 128
+    1: {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+        "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}},
+    256: {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+          "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}},
+    1024: {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+           "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}},
+}
 DEFAULT_CONFIGS = {  # used where no tuned table fits the shapes and device
     1: {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
         "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}},
@@ -47,17 +61,17 @@ DEFAULT_CONFIGS = {  # used where no tuned table fits the shapes and device
 CONFIG_DIR = Path(__file__).with_name("configs")
 
 
-def config_name(num_experts: int, hidden: int, inter: int, device_name: str) -> str:
-    """File name of a tuned table (written by `bench/moe_tune.py`)."""
-    return f"E{num_experts}_H{hidden}_I{inter}_{device_name.replace(' ', '_')}.json"
+def config_name(num_experts: int, hidden: int, inter: int, device_name: str, fp8: bool = False) -> str:
+    """File name of a tuned table (written by `bench/moe_tune.py`); FP8 experts have tables of their own."""
+    return f"E{num_experts}_H{hidden}_I{inter}_{'fp8_' if fp8 else ''}{device_name.replace(' ', '_')}.json"
 
 
 @functools.lru_cache(maxsize=None)
-def config_table(num_experts: int, hidden: int, inter: int, device_name: str) -> dict[int, dict]:
-    """The tuned table for these shapes on this device, else the defaults."""
-    path = CONFIG_DIR / config_name(num_experts, hidden, inter, device_name)
+def config_table(num_experts: int, hidden: int, inter: int, device_name: str, fp8: bool = False) -> dict[int, dict]:
+    """The tuned table for these shapes (and weight format) on this device, else the defaults."""
+    path = CONFIG_DIR / config_name(num_experts, hidden, inter, device_name, fp8)
     if not path.is_file():
-        return DEFAULT_CONFIGS
+        return FP8_DEFAULT_CONFIGS if fp8 else DEFAULT_CONFIGS
     return {int(tokens): cfg for tokens, cfg in json.loads(path.read_text())["configs"].items()}
 
 
@@ -66,9 +80,9 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def device_table(device: torch.device, num_experts: int, hidden: int, inter: int) -> dict[int, dict]:
+def device_table(device: torch.device, num_experts: int, hidden: int, inter: int, fp8: bool = False) -> dict[int, dict]:
     """`config_table` for the GPU `device` is on."""
-    return config_table(num_experts, hidden, inter, _device_name(device.index))
+    return config_table(num_experts, hidden, inter, _device_name(device.index), fp8)
 
 
 def pick_config(table: dict[int, dict], tokens: int) -> dict:
@@ -86,29 +100,58 @@ def add_shared(weights: torch.Tensor, ids: torch.Tensor, num_routed: int, num_sh
     return torch.cat((weights, shared_w), 1), torch.cat((ids, shared_ids), 1)
 
 
-def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype=None) -> torch.Tensor:
+def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype=None, gate_up_scale=None,
+                   down_scale=None) -> torch.Tensor:
     """[T, H]: experts `ids` ([T, k]) weighted by `weights` ([T, k]), plus the last
     `num_shared` experts of `gate_up`/`down` at weight 1 for every token; summed into `sum_dtype`
-    (default x's) — an expert-parallel shard returns its partial sum in float32."""
-    from afd.kernels import moe_align, moe_triton
+    (default x's) — an expert-parallel shard returns its partial sum in float32. FP8 experts come
+    with their block scales (`gate_up_scale`, `down_scale`)."""
+    from afd.kernels import fp8_gemm, moe_align, moe_triton
 
     tokens, top_k = ids.shape
     num_experts, hidden, inter = down.shape
     slots = top_k + num_shared
     num_pairs = tokens * slots
-    cfg = pick_config(device_table(x.device, num_experts, hidden, inter), tokens)
+    fp8 = check_fp8(gate_up, down, gate_up_scale, down_scale)
+    cfg = pick_config(device_table(x.device, num_experts, hidden, inter, fp8), tokens)
     block_m = cfg["BLOCK_M"]
     layout = moe_align.align(ids, num_shared, num_experts, block_m)
     rows = layout.pairs.shape[0]
-    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # [padded rows, I]
+    x_in, scales = x.contiguous(), {}
+    if fp8:  # each token quantized once per 128 columns; gate_up writes act in e4m3 with its scales
+        x_in, x_scale = fp8_gemm.per_token_group_quant(x_in)
+        act_scale = torch.empty(rows, inter // fp8_gemm.GROUP, dtype=torch.float32, device=x.device)
+        scales = {"x_scale": x_scale, "w_scale": gate_up_scale, "act_scale": act_scale}
+    act = torch.empty(rows, inter, dtype=x_in.dtype, device=x.device)  # [padded rows, I]
     x_rows = None  # [padded rows, H]: each row's token row, for a gate_up that reads them pre-gathered
     if cfg["gate_up"].get("GATHER", False):
-        x_rows = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    moe_triton.launch_gate_up(x.contiguous(), gate_up, act, layout, num_pairs, slots, block_m, cfg["gate_up"], x_rows)
+        x_rows = torch.empty(rows, hidden, dtype=x_in.dtype, device=x.device)
+    moe_triton.launch_gate_up(x_in, gate_up, act, layout, num_pairs, slots, block_m, cfg["gate_up"], x_rows,
+                              **scales)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T*(k+S), H] in pair order
     moe_triton.launch_down(act, down, out, layout, weights.contiguous(), num_pairs, top_k, slots, block_m,
-                           cfg["down"])
+                           cfg["down"], **({"act_scale": act_scale, "w_scale": down_scale} if fp8 else {}))
     return moe_triton.sum_slots(out, slots, sum_dtype or x.dtype)
+
+
+def check_fp8(gate_up, down, gate_up_scale, down_scale) -> bool:
+    """Whether the experts are FP8 (e4m3 stacks with both block scales, of the shapes that fit them); a mix
+    of FP8 and other weights, a missing scale or a misshapen one is an error naming it."""
+    fp8_dtype = torch.float8_e4m3fn
+    fp8 = gate_up.dtype == fp8_dtype
+    if fp8 != (down.dtype == fp8_dtype) or fp8 != (gate_up_scale is not None) or fp8 != (down_scale is not None):
+        raise ValueError(f"FP8 experts need e4m3 gate_up and down with both block scales; got gate_up {gate_up.dtype}, "
+                         f"down {down.dtype}, gate_up_scale {'set' if gate_up_scale is not None else 'None'}, "
+                         f"down_scale {'set' if down_scale is not None else 'None'}")
+    if fp8:
+        experts, hidden, inter = down.shape
+        blocks = -(-hidden // 128), -(-inter // 128)
+        if inter % 128 or gate_up_scale.shape != (experts, 2 * blocks[1], blocks[0]) or \
+                down_scale.shape != (experts, *blocks):
+            raise ValueError(f"FP8 experts [E={experts}, H={hidden}, I={inter}] need I % 128 == 0, gate_up_scale "
+                             f"{(experts, 2 * blocks[1], blocks[0])} and down_scale {(experts, *blocks)}; got "
+                             f"{tuple(gate_up_scale.shape)} and {tuple(down_scale.shape)}")
+    return fp8
 
 
 def experts_grouped(x, weights, ids, gate_up, down, sum_dtype=None) -> torch.Tensor:
@@ -128,9 +171,16 @@ def experts_grouped(x, weights, ids, gate_up, down, sum_dtype=None) -> torch.Ten
     return torch.bmm(weights.unsqueeze(1).to(unsorted.dtype), unsorted).squeeze(1)  # [T, H]
 
 
-def experts_cuda(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype=None) -> torch.Tensor:
-    """The MoE output with the kernel `AFD_MOE_KERNEL` picks; the last `num_shared` experts are shared."""
+def experts_cuda(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype=None, gate_up_scale=None,
+                 down_scale=None) -> torch.Tensor:
+    """The MoE output with the kernel `AFD_MOE_KERNEL` picks; the last `num_shared` experts are shared.
+    FP8 experts pass their block scales."""
     if kernel_choice() == "triton":
-        return experts_triton(x, weights, ids, gate_up, down, num_shared, sum_dtype)
+        return experts_triton(x, weights, ids, gate_up, down, num_shared, sum_dtype, gate_up_scale, down_scale)
+    if check_fp8(gate_up, down, gate_up_scale, down_scale):  # the reference path: dequantized weights
+        from afd.models.fp8 import dequantize_block_fp8
+
+        gate_up = dequantize_block_fp8(gate_up, gate_up_scale, x.dtype)
+        down = dequantize_block_fp8(down, down_scale, x.dtype)
     weights, ids = add_shared(weights, ids, gate_up.shape[0] - num_shared, num_shared)
     return experts_grouped(x, weights, ids, gate_up, down, sum_dtype)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.kernels.fp8_gemm import FP8, FP8_MAX, GROUP, quant_groups
 from afd.kernels.moe_align import Layout
 
 try:
@@ -108,12 +109,15 @@ def _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M: tl.constexpr, BLO
 
 
 @triton.jit
-def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs, slots, hidden, inter, layout_m,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-                 GATHER: tl.constexpr, ONE_DOT: tl.constexpr):
+def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col, num_pairs, slots,
+                 hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr):
     """act[tile's rows, col's block] = SiLU(A @ gate) * (A @ up) for one tile and column block. With ONE_DOT,
     `w` is a 3-D descriptor over [2E, I, H] and one TMA box brings the gate and up blocks of the column block
-    ([2, BN, BK]) for one dot of width 2·BN (the A tile is read once per step); else two loads and two dots."""
+    ([2, BN, BK]) for one dot of width 2·BN (the A tile is read once per step); else two loads and two dots.
+    With FP8, A and the weights are e4m3: each step's product is added times the A rows' group scales
+    (`x_scale` [T, H/128], by token) and the weight blocks' (`w_scale` [E, 2I/128, H/128]), and act is written
+    in e4m3 with one scale per row per 128 columns (`act_scale` [rows, I/128])."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,34 +125,60 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs
     pairs = tl.load(pairs_ptr + rows)  # [BM] pair index, num_pairs = padding
     valid = pairs < num_pairs
     tokens = (pairs // slots).to(tl.int64)
+    h_groups = tl.cdiv(hidden, 128)
+    i_groups = inter // 128  # FP8 needs I % 128 == 0 (the gate's scale rows, then the up's)
     if ONE_DOT:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        if FP8:  # each column's weight scale row: gate's then up's, as the box holds them
+            both = tl.arange(0, 2 * BLOCK_N)
+            both_n = col * BLOCK_N + both % BLOCK_N
+            b_scale_rows = (expert * 2 * i_groups + both // BLOCK_N * i_groups + both_n // 128) * h_groups
         for k0 in range(0, hidden, BLOCK_K):
             a = _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
             b = tl.reshape(w.load([2 * expert, col * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K)).T  # [BK, gate | up]
-            acc = tl.dot(a, b, acc)
+            if FP8:
+                a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=0.0)
+                b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=both_n < inter, other=0.0)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            else:
+                acc = tl.dot(a, b, acc)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     else:
         gate_row = expert * 2 * inter + col * BLOCK_N  # rows of w viewed as [E * 2I, H]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        gate_scale_rows = (expert * 2 * i_groups + offs_n // 128) * h_groups
         for k0 in range(0, hidden, BLOCK_K):
             a = _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
             g = _weight_tile(w, gate_row, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
             u = _weight_tile(w, gate_row + inter, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
+            if FP8:
+                a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=0.0)[:, None]
+                g_s = tl.load(w_scale + gate_scale_rows + k0 // 128, mask=n_ok, other=0.0)
+                u_s = tl.load(w_scale + gate_scale_rows + i_groups * h_groups + k0 // 128, mask=n_ok, other=0.0)
+                acc_g += tl.dot(a, g) * (a_s * g_s[None, :])
+                acc_u += tl.dot(a, u) * (a_s * u_s[None, :])
+            else:
+                acc_g = tl.dot(a, g, acc_g)
+                acc_u = tl.dot(a, u, acc_u)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, in float32
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + offs_n[None, :]
-    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
+    if FP8:  # quantized per row per 128 columns here, for the down GEMM (BLOCK_N is a multiple of 128)
+        quant, scale = quant_groups(tl.reshape(act, (BLOCK_M, BLOCK_N // 128, 128)), FP8_MAX)
+        tl.store(out_ptrs, tl.reshape(quant, (BLOCK_M, BLOCK_N)), mask=n_ok[None, :])
+        groups = col * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+        tl.store(act_scale + rows[:, None].to(tl.int64) * i_groups + groups[None, :], scale,
+                 mask=groups[None, :] < i_groups)
+    else:
+        tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
 def _gate_up_kernel(
-    x, w, act_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr,
+    x, w, act_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, x_scale, w_scale, act_scale,
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-    GATHER: tl.constexpr, ONE_DOT: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+    GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
     [rows, H] buffer (a TMA descriptor when TMA is on)."""
@@ -157,29 +187,41 @@ def _gate_up_kernel(
         num_tiles = tl.load(used_tiles_ptr) * (layout_m // BLOCK_M)
         for job in tl.range(tl.program_id(0), num_tiles * num_cols, PROGRAMS, flatten=True):
             tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
-            _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs, slots, hidden, inter,
-                         layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT)
+            _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
+                         num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
+                         FP8)
     else:  # one job of the worst-case grid; a tile of padding only exits (an expert's real rows come first)
         tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
-            _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, tile, col, num_pairs, slots, hidden, inter,
-                         layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT)
+            _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
+                         num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
+                         FP8)
 
 
 @triton.jit
-def _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, tile, col, num_pairs, top_k, slots, hidden,
-              inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              TMA: tl.constexpr):
-    """out[pair of each real row, col's block] = weight(pair) * act[row] @ down[e]ᵀ for one tile."""
+def _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col, num_pairs,
+              top_k, slots, hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr):
+    """out[pair of each real row, col's block] = weight(pair) * act[row] @ down[e]ᵀ for one tile. With FP8 each
+    step's product is added times act's row group scales (`act_scale` [rows, I/128]) and the weight blocks'
+    (`w_scale` [E, H/128, I/128])."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     down_row = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    i_groups = tl.cdiv(inter, 128)
+    a_scale_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * i_groups
+    b_scale_rows = (expert * tl.cdiv(hidden, 128) + offs_n // 128) * i_groups
     for k0 in range(0, inter, BLOCK_K):
         a = _row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
         b = _weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
-        acc = tl.dot(a, b, acc)
+        if FP8:
+            a_s = tl.load(act_scale + a_scale_rows + k0 // 128)
+            b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        else:
+            acc = tl.dot(a, b, acc)
     pairs = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     slot = pairs % slots
@@ -192,9 +234,9 @@ def _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, tile, co
 
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
 def _down_kernel(
-    act, w, out_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr,
+    act, w, out_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr, act_scale, w_scale,
     num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
     PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     num_cols = tl.cdiv(hidden, BLOCK_N)
@@ -202,23 +244,24 @@ def _down_kernel(
         num_tiles = tl.load(used_tiles_ptr) * (layout_m // BLOCK_M)
         for job in tl.range(tl.program_id(0), num_tiles * num_cols, PROGRAMS, flatten=True):
             tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
-            _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, tile, col, num_pairs, top_k, slots,
-                      hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col,
+                      num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8)
     else:
         tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
-            _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, tile, col, num_pairs, top_k, slots,
-                      hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+            _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col,
+                      num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8)
 
 
-def kernel_settings(cfg: dict, layout_m: int) -> dict:
+def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "") -> dict:
     """One kernel's table entry with what older tables leave out filled in: its own BLOCK_M
     (default the layout's; it must divide it, so a tile still has one expert), GROUP_M (0: all
     tiles in one group, the column-major order of old), TMA (off), GATHER (off: gate_up
     gathers its rows itself; on: from a buffer filled first; `down` ignores it), ONE_DOT (off:
     gate_up loads and multiplies its gate and up blocks apart; on, with TMA only: as one; `down`
     ignores it) and PERSISTENT (0: one program per job of the worst-case grid; n: n programs per
-    multiprocessor loop over the used tiles' jobs)."""
+    multiprocessor loop over the used tiles' jobs). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
+    stays in one scale group) and gate_up's BLOCK_N a multiple of 128 (act is quantized per 128 columns there)."""
     settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "ONE_DOT": False, "PERSISTENT": 0,
                 **cfg}
     if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
@@ -228,6 +271,10 @@ def kernel_settings(cfg: dict, layout_m: int) -> dict:
         raise ValueError(f"PERSISTENT {settings['PERSISTENT']!r} must be 0 (off) or programs per multiprocessor")
     if settings["ONE_DOT"] and not settings["TMA"]:
         raise ValueError("ONE_DOT loads gate and up blocks in one TMA box: it needs TMA on")
+    if fp8 and (GROUP % settings["BLOCK_K"] or (kernel == "gate_up" and settings["BLOCK_N"] % GROUP)):
+        raise ValueError(f"FP8 {kernel} settings BLOCK_K {settings['BLOCK_K']} / BLOCK_N {settings['BLOCK_N']}: "
+                         f"BLOCK_K must divide {GROUP} (and gate_up's BLOCK_N be a multiple of {GROUP}); "
+                         "re-run bench/moe_tune.py --fp8 or fix the table")
     return settings
 
 
@@ -313,13 +360,18 @@ def gather_rows(x, x_rows, pairs, num_pairs: int, slots: int, block_m: int) -> N
 
 
 def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
-                   x_rows=None) -> None:
+                   x_rows=None, x_scale=None, w_scale=None, act_scale=None) -> None:
     """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage),
     `layout` being `align`'s. With GATHER the token rows are first copied into `x_rows` ([rows, H], x's dtype,
-    the caller's)."""
+    the caller's). FP8 (an e4m3 `w_gate_up`): `x` is e4m3 with `x_scale` [T, H/128], `w_scale` the weight's
+    [E, 2I/128, H/128] block scales, and act is written in e4m3 with `act_scale` [rows, I/128]."""
     pairs, tile_expert, used_tiles = layout
     experts, inter, hidden = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2]
-    cfg = kernel_settings(cfg, block_m)
+    fp8 = w_gate_up.dtype == FP8
+    if fp8 and (x_scale is None or w_scale is None or act_scale is None or inter % GROUP):
+        raise ValueError(f"FP8 gate_up needs x_scale, w_scale and act_scale, and a width that is a multiple of "
+                         f"{GROUP} (got {inter})")
+    cfg = kernel_settings(cfg, block_m, fp8, "gate_up")
     cfg["TMA"] = cfg["TMA"] and tma_supported(x.device)
     cfg["ONE_DOT"] = cfg["ONE_DOT"] and cfg["TMA"]
     if cfg["GATHER"]:
@@ -332,19 +384,26 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
         w = TensorDescriptor(blocks, list(blocks.shape), list(blocks.stride()), [2, cfg["BLOCK_N"], cfg["BLOCK_K"]])
     else:
         w = _operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
-    args = (x, w, act, pairs, tile_expert, used_tiles, num_pairs, slots, hidden, inter)
+    scales = (x_scale, w_scale, act_scale) if fp8 else (act, act, act)  # unread placeholders without FP8
+    args = (x, w, act, pairs, tile_expert, used_tiles, *scales, num_pairs, slots, hidden, inter)
     _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg, act.device,
-            GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"])
+            GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8)
 
 
 def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,
-                block_m: int, cfg: dict) -> None:
-    """out[pair, H] = weight(pair) * act[row of pair] @ down[e]ᵀ for every real pair (weight 1: shared)."""
+                block_m: int, cfg: dict, act_scale=None, w_scale=None) -> None:
+    """out[pair, H] = weight(pair) * act[row of pair] @ down[e]ᵀ for every real pair (weight 1: shared).
+    FP8 (an e4m3 `w_down`): act is e4m3 with `act_scale` [rows, I/128], `w_scale` [E, H/128, I/128]."""
     pairs, tile_expert, used_tiles = layout
     hidden, inter = w_down.shape[1], w_down.shape[2]
-    cfg = kernel_settings(cfg, block_m)
+    fp8 = w_down.dtype == FP8
+    if fp8 and (act_scale is None or w_scale is None):
+        raise ValueError("FP8 down needs act_scale and w_scale")
+    cfg = kernel_settings(cfg, block_m, fp8, "down")
     cfg["TMA"] = cfg["TMA"] and tma_supported(act.device)
     a = _operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     w = _operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
-    args = (a, w, out, pairs, tile_expert, used_tiles, weights, num_pairs, top_k, slots, hidden, inter)
-    _launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg, act.device)
+    scales = (act_scale, w_scale) if fp8 else (out, out)  # unread placeholders without FP8
+    args = (a, w, out, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden, inter)
+    _launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg, act.device,
+            FP8=fp8)
