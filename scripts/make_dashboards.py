@@ -162,6 +162,13 @@ def operator() -> dict:
             (f"max by (deployment, topology) (afd_operator_ratio_attention_per_ffn{where})", "{{deployment}} {{topology}}")]),
         panel("spec.ratio: predicted tokens/s per GPU gain of the recommendation", [
             (f"max by (deployment) (afd_operator_ratio_predicted_gain_ratio{where})", "{{deployment}}")], "percentunit", width=24),
+        panel("spec.autoscaling: groups desired vs serving, and decisions", [
+            (f"max by (deployment, state) (afd_operator_autoscale_groups{where})", "{{deployment}} {{state}}"),
+            (f"sum by (deployment, direction) (increase(afd_operator_autoscale_decisions_total{where}[{RATE}]))",
+             "{{deployment}} scaled {{direction}}")]),
+        panel("spec.autoscaling: each signal against its target", [
+            (f"max by (deployment, signal) (afd_operator_autoscale_signal{where})", "{{deployment}} {{signal}}"),
+            (f"max by (deployment, signal) (afd_operator_autoscale_target{where})", "{{deployment}} {{signal}} target")]),
     ], variables)
 
 

@@ -174,8 +174,9 @@ def test_chart_renders_the_alerts_as_a_prometheus_rule():
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing (Debian package prometheus; .ci/run installs it)")
 def test_every_operator_dashboard_query_runs_against_the_operators_metrics(tmp_path):
-    """A real Prometheus scrapes the operator's /metrics after a reconcile that wrote status.ratio;
-    every query of the operator dashboard (the spec.ratio panels included) returns data."""
+    """A real Prometheus scrapes the operator's /metrics after a reconcile that wrote status.ratio and
+    status.autoscaling; every query of the operator dashboard (the spec.ratio and spec.autoscaling
+    panels included) returns data."""
     from afd.local.children import free_port_block
     from afd_operator.metrics import OperatorMetrics, serve_metrics
 
@@ -183,7 +184,11 @@ def test_every_operator_dashboard_query_runs_against_the_operators_metrics(tmp_p
     ratio = {"current": "2A1F", "recommended": "4A1F", "predictedGainPercent": 22,
              "groups": [{"index": 0, "attentionBusyPercent": 70, "ffnBusyPercent": 12}]}
     metrics.observe("ns", "demo", 0.02, "api", {"replicas": 1}, None)
-    metrics.observe("ns", "demo", 0.02, None, {"replicas": 1}, {"readyReplicas": 1, "ratio": ratio})
+    spec = {"replicas": 1, "autoscaling": {"enabled": True, "targets": {"ttftP90Seconds": 1.0}}}
+    scaled = {"desiredGroups": 2, "currentGroups": 1, "lastDecisionTime": "2026-01-01T00:01:00Z",
+              "observed": {"ttftP90Seconds": 1.6, "concurrencyPerGroup": 9.0}}
+    for state in ({**scaled, "desiredGroups": 1, "lastDecisionTime": None}, scaled):  # one scale-up decision
+        metrics.observe("ns", "demo", 0.02, None, spec, {"readyReplicas": 1, "ratio": ratio, "autoscaling": state})
     exporter, prom_port = serve_metrics(0, metrics, address="127.0.0.1"), free_port_block(1)
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [
         {"job_name": "operator", "static_configs": [{"targets": [f"127.0.0.1:{exporter.server_port}"],
@@ -197,7 +202,7 @@ def test_every_operator_dashboard_query_runs_against_the_operators_metrics(tmp_p
         while time.monotonic() - started < 10 or not _query(api, "afd_operator_reconcile_total"):
             assert time.monotonic() - started < 60, "prometheus did not scrape the operator"
             time.sleep(1)  # the rate() panels need a few scrapes of moving counters
-            metrics.observe("ns", "demo", 0.02, None, {"replicas": 1}, {"readyReplicas": 1, "ratio": ratio})
+            metrics.observe("ns", "demo", 0.02, None, spec, {"readyReplicas": 1, "ratio": ratio, "autoscaling": scaled})
         empty = [title for title, expr in queries(dashboards()["afd-operator"]) if not _query(api, expr)]
         assert not empty, f"operator dashboard panels without data: {empty}"
         shares = {row["metric"]["side"]: float(row["value"][1])
