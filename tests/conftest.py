@@ -10,11 +10,12 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """name → folder of a tiny checkpoint (two seeds of DeepSeek-V2, one variant, Qwen3-MoE)."""
+    """name → folder of a tiny checkpoint (two seeds of DeepSeek-V2, one variant, Qwen3-MoE, DeepSeek-V3, FP8 ones)."""
+    from afd.fp8_convert import dequantize_folder
     from afd.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("checkpoints")
-    return {
+    folders = {
         "deepseek_v2": make_tiny_model("deepseek_v2", root / "deepseek_v2", seed=0),
         "qwen3_moe": make_tiny_model("qwen3_moe", root / "qwen3_moe", seed=0),
         "deepseek_v2_seed1": make_tiny_model("deepseek_v2", root / "deepseek_v2_seed1", seed=1),
@@ -27,7 +28,13 @@ def checkpoints(tmp_path_factory):
         ),
         # DeepSeek-V3: query LoRA, n_group 4 / topk_group 2, a dense first layer, YaRN, an MTP layer in the files
         "deepseek_v3": make_tiny_model("deepseek_v3", root / "deepseek_v3", seed=0),
+        # FP8 block-quantized (the published FP8 format) and, for transformers on CPU, their dequantized copies
+        "deepseek_v3_fp8": make_tiny_model("deepseek_v3", root / "deepseek_v3_fp8", seed=3, fp8=True),
+        "qwen3_moe_fp8": make_tiny_model("qwen3_moe", root / "qwen3_moe_fp8", seed=4, fp8=True),
     }
+    for name in ("deepseek_v3_fp8", "qwen3_moe_fp8"):
+        folders[f"{name}_dequantized"] = dequantize_folder(folders[name], root / f"{name}_dequantized")
+    return folders
 
 
 @pytest.fixture(scope="session")

@@ -73,6 +73,7 @@ class Checkpoint:
         if not self.files:
             raise CheckpointError(f"checkpoint {self.path}: no *.safetensors weight files")
         self._index = self._build_index()
+        self._dtypes: dict[str, str] | None = None
         self.loaded_keys: list[str] = []
 
     def _build_index(self) -> dict[str, Path]:
@@ -88,6 +89,16 @@ class Checkpoint:
             except Exception as err:  # safetensors raises several types for a bad header
                 raise CheckpointError(f"checkpoint {file}: unreadable safetensors file ({err})") from None
         return index
+
+    def dtypes(self) -> dict[str, str]:
+        """Tensor name → its safetensors dtype ("BF16", "F8_E4M3", ...), from the files' headers alone."""
+        if self._dtypes is None:
+            self._dtypes = {}
+            for file in self.files:
+                with file.open("rb") as handle:
+                    header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+                self._dtypes.update({k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
+        return self._dtypes
 
     def __contains__(self, key: str) -> bool:
         return key in self._index

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from afd.kernels import split_linear
+from afd.kernels import split_linear, triton_available
 from afd.kernels.moe import experts_cuda, kernel_choice  # sync-free, capturable
 
 
@@ -22,10 +23,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_glue(x):  # one Triton launch instead of seven (afd.kernels.norm_rope)
+            from afd.kernels.norm_rope import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def fused_glue(x: torch.Tensor) -> bool:
+    """Whether norms and rotary embeddings of `x` run as one Triton kernel each (`afd.kernels.norm_rope`)."""
+    if not x.is_cuda or not triton_available():
+        return False
+    from afd.kernels.norm_rope import enabled
+
+    return enabled(x)
 
 
 class GatedMLP(nn.Module):
@@ -143,6 +157,19 @@ class Experts(nn.Module):
         self.num_shared = 0  # shared experts folded in after loading (afd.models.moe_prep.fuse_shared_experts)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
+        # FP8 weights kept FP8 (afd.models.quantization.convert_to_fp8): float32 scales per 128x128 block,
+        # [E, 2I/128, ceil(H/128)] (gate's rows, then up's) and [E, ceil(H/128), ceil(I/128)]; None otherwise
+        self.register_buffer("gate_up_scale", None)
+        self.register_buffer("down_scale", None)
+
+    def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) in `dtype`: FP8 stacks dequantized, others as they are (the CPU path)."""
+        if self.gate_up_scale is None:
+            return self.gate_up, self.down
+        from afd.models.fp8 import dequantize_block_fp8
+
+        return (dequantize_block_fp8(self.gate_up, self.gate_up_scale, dtype),
+                dequantize_block_fp8(self.down, self.down_scale, dtype))
 
     def localize(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global (weights, ids) [T, k] → this shard's: other shards' experts get weight 0 and local id 0.
@@ -163,9 +190,10 @@ class Experts(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         rows = order // top_k  # source token of each sorted pair
         counts = torch.bincount(flat_ids, minlength=self.num_experts)
-        hidden = _grouped_matmul(x.index_select(0, rows), counts, self.gate_up)  # [T*k, 2I]
+        gate_up, down = self.dense_weights(x.dtype)
+        hidden = _grouped_matmul(x.index_select(0, rows), counts, gate_up)  # [T*k, 2I]
         gate, up = hidden.chunk(2, dim=-1)
-        out = _grouped_matmul(F.silu(gate) * up, counts, self.down)  # [T*k, H]
+        out = _grouped_matmul(F.silu(gate) * up, counts, down)  # [T*k, H]
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         # each token's pairs summed in float32 and rounded once, as the CUDA kernels do
         total = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, out.float())
@@ -245,13 +273,29 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # Rotary.table's, per setting and device
+
+
 class Rotary:
     """cos/sin of token positions for one RoPE setting; frequencies computed once, on first use."""
 
-    def __init__(self, rope: dict, dim: int):
+    def __init__(self, rope: dict, dim: int, max_positions: int = 0):
         self.rope, self.dim = rope, dim
+        self.max_positions = max_positions  # rows of `table`; 0: no table
         self._inv_freq: torch.Tensor | None = None  # never a parameter: nothing to load
         self.factor = 1.0
+
+    def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin [P, dim/2] of every position below `max_positions`, by `rope_cos_sin` itself (the rotary
+        kernel's input), shared by every layer of one setting; None where that kernel cannot use one."""
+        half = self.dim // 2
+        if not self.max_positions or self.dim % 2 or half & (half - 1):
+            return None
+        key = (json.dumps(self.rope, sort_keys=True, default=str), self.dim, self.max_positions, str(device))
+        if key not in _ROPE_TABLES:
+            inv_freq, factor = rope_inv_freq(self.rope, self.dim)
+            _ROPE_TABLES[key] = rope_cos_sin(inv_freq.to(device), torch.arange(self.max_positions, device=device), factor)
+        return _ROPE_TABLES[key]
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq is None:

@@ -1,0 +1,126 @@
+"""FP8 block-quantized checkpoints (DeepSeek-V3 and Qwen3-MoE, the published format): on CPU the weights are
+dequantized at load, so our model equals transformers run on the dequantized weights."""
+
+import re
+
+import pytest
+
+from tests.conftest import max_relative_error
+from tests.runtime.test_models import monolithic_generate
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_fp8", "deepseek_v3_fp8"])
+def test_fp8_monolith_equals_transformers_on_the_dequantized_weights(name, checkpoints, hf_reference):
+    tokens, logits = hf_reference(f"{name}_dequantized")
+    result = monolithic_generate(checkpoints[name])
+    assert result.tokens == tokens
+    assert max_relative_error(result.last_logits, logits) < 1e-4
+
+
+def test_kept_fp8_layout_computes_what_the_dequantized_model_does(checkpoints):
+    """What a GPU rank holds (keep_fp8): FP8 Linear layers and FP8 expert stacks with block scales, kv_b_proj
+    dequantized; on CPU they compute exactly what the model dequantized at load computes, in fewer bytes."""
+    import torch
+
+    from afd.models.fp8 import FP8_DTYPE, Fp8Linear
+    from afd.models.layers import Experts
+    from afd.models.loader import load_model
+
+    path = str(checkpoints["deepseek_v3_fp8"])
+    kept, plain = load_model(path, keep_fp8=True), load_model(path)
+    attention = kept.model.layers[1].self_attn
+    assert isinstance(attention.q_a_proj, Fp8Linear) and isinstance(attention.o_proj, Fp8Linear)
+    assert type(attention.kv_b_proj) is torch.nn.Linear and attention.kv_b_proj.weight.dtype == torch.float32
+    assert isinstance(kept.model.layers[0].mlp.down_proj, Fp8Linear)  # the dense first layer
+    experts = kept.model.layers[1].mlp.experts
+    assert isinstance(experts, Experts) and experts.gate_up.dtype == FP8_DTYPE and experts.down.dtype == FP8_DTYPE
+    # hidden 160, width 128: gate_up [16, 256, 160] in blocks [2, 2]; down [16, 160, 128] in blocks [2, 1]
+    assert experts.gate_up_scale.shape == (16, 2, 2) and experts.down_scale.shape == (16, 2, 1)
+    assert plain.model.layers[1].mlp.experts.gate_up_scale is None
+    torch.testing.assert_close(experts.dense_weights(torch.float32)[0], plain.model.layers[1].mlp.experts.gate_up,
+                               rtol=0, atol=0)
+    assert kept.resident_bytes < plain.resident_bytes * 0.45
+    torch.manual_seed(0)
+    hidden = torch.randn(9, 160)
+    for index in (0, 1, 2):
+        torch.testing.assert_close(kept.model.layers[index].ffn_half(hidden), plain.model.layers[index].ffn_half(hidden),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_fp8_expert_shards_read_their_experts_and_scales_only(gate_on_attention, checkpoints):
+    """A shard of G reads 1/G of the routed experts' FP8 weights and their scales, kept FP8 or dequantized."""
+    import re
+
+    from afd.models.checkpoint import Checkpoint
+    from afd.models.loader import load_model
+    from afd.topology import shard_range
+
+    path = str(checkpoints["deepseek_v3_fp8"])
+    routed = {k for k in Checkpoint(path).keys() if re.search(r"^model\.layers\.[12]\.mlp\.experts\.", k)}
+    for keep in (False, True):
+        for shard in range(2):
+            read = set(load_model(path, "ffn", gate_on_attention, shard=(shard, 2), keep_fp8=keep).loaded_keys)
+            start, stop = shard_range(16, 2, shard)
+            mine = {k for k in routed if start <= int(k.split(".")[5]) < stop}
+            assert read & routed == mine
+            assert any(k.endswith("weight_scale_inv") for k in mine)
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"quant_method": "awq", "bits": 4}, "quantization_config.quant_method='awq' is not supported"),
+    ({"quant_method": "gptq"}, "quant_method='gptq' is not supported"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "activation_scheme='static' (static activation scales) is not supported"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "without weight_block_size (per-tensor FP8)"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size=[64, 64] is not supported"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt='e5m2' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "kv_cache_scheme": {"num_bits": 8}},
+     "settings this runtime does not honour: kv_cache_scheme"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["model.layers.1.self_attn"]},
+     "is float8 although quantization_config.modules_to_not_convert lists 'model.layers.1.self_attn'"),
+    (None, "is float8 but config.json has no quantization_config"),
+])
+def test_unsupported_quantization_is_refused_by_name(quantization, message, checkpoints, tmp_path):
+    import json
+    import shutil
+
+    from afd.models.loader import load_model
+    from afd.models.spec import UnsupportedModelError
+
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoints["deepseek_v3_fp8"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization
+    if quantization is None:
+        del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        load_model(str(folder))
+
+
+def test_a_float8_weight_without_its_scale_is_refused(checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from afd.models.loader import load_model
+    from afd.models.spec import UnsupportedModelError
+
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoints["qwen3_moe_fp8"], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=re.escape("model.layers.1.self_attn.o_proj.weight is float8 "
+                                                              "without model.layers.1.self_attn.o_proj.weight_scale_inv")):
+        load_model(str(folder))
+
+
+def test_published_quantization_configs_are_written(checkpoints):
+    import json
+
+    qwen = json.loads((checkpoints["qwen3_moe_fp8"] / "config.json").read_text())["quantization_config"]
+    v3 = json.loads((checkpoints["deepseek_v3_fp8"] / "config.json").read_text())["quantization_config"]
+    assert v3 == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert qwen["modules_to_not_convert"][0] == "lm_head" and "model.layers.1.mlp.gate" in qwen["modules_to_not_convert"]
