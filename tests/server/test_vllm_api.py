@@ -98,3 +98,86 @@ def test_sampling_controls_cross_the_api_process_wire():
                             skip_special_tokens=False, spaces_between_special_tokens=False)
     decoded = core_wire.decode_request(core_wire.encode_submit(0, "r", [1, 2], params, 0.0))
     assert decoded[4] == params
+
+
+# -- /tokenize and /detokenize --------------------------------------------------------------------------------
+def test_tokenize_a_prompt_and_messages_as_vllm_answers(server):
+    tokenizer = server.state.tokenizer
+    answer = post(server, "/tokenize", prompt="Hello world", return_token_strs=True).json()
+    ids = tokenizer.encode("Hello world")
+    assert answer == {"count": len(ids), "max_model_len": server.state.max_model_len, "tokens": ids,
+                      "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30).json()  # model is optional
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert chat["tokens"] == list(rendered) and chat["token_strs"] is None
+    bare = post(server, "/tokenize", messages=messages, add_generation_prompt=False).json()
+    assert bare["tokens"] == list(rendered)[: bare["count"]] and bare["count"] < chat["count"]
+
+
+def test_detokenize_inverts_tokenize(server):
+    ids = post(server, "/tokenize", prompt="The quick brown fox").json()["tokens"]
+    assert post(server, "/detokenize", tokens=ids).json() == {"prompt": "The quick brown fox"}
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "messages"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "bogus": 1}, 400, "bogus"),
+    ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+    ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
+    ("/detokenize", {}, 400, "tokens"),
+])
+def test_bad_tokenize_bodies_name_the_field(server, path, body, status, param):
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"].startswith(param)
+
+
+# -- echo with logprobs, prompt_logprobs ---------------------------------------------------------------------
+def hf_prompt_logprobs(checkpoint, prompt):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+
+
+def test_echo_with_logprobs_gives_the_prompt_logprobs_of_transformers(server, checkpoints):
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    want = hf_prompt_logprobs(checkpoints["qwen3_moe"], prompt)
+    choice = completion(server, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1, ignore_eos=True)
+    shown = choice["logprobs"]
+    assert shown["tokens"][: len(prompt)] == token_texts(server, prompt) and len(shown["tokens"]) == len(prompt) + 2
+    assert shown["token_logprobs"][0] is None and shown["top_logprobs"][0] is None
+    for p in range(1, len(prompt)):
+        assert shown["token_logprobs"][p] == pytest.approx(float(want[p - 1, prompt[p]]), abs=1e-4)
+        best = int(want[p - 1].argmax())
+        assert shown["top_logprobs"][p] == pytest.approx({token_texts(server, [best])[0]: float(want[p - 1, best])},
+                                                         abs=1e-4)
+    assert choice["text"].startswith(server.state.tokenizer.decode(prompt))
+    assert shown["text_offset"][len(prompt)] == len(server.state.tokenizer.decode(prompt))
+
+
+def test_prompt_logprobs_field_as_vllm_gives_it(server, checkpoints):
+    prompt = [5, 6, 7, 8]
+    want = hf_prompt_logprobs(checkpoints["qwen3_moe"], prompt)
+    choice = completion(server, prompt=prompt, max_tokens=1, temperature=0, prompt_logprobs=0)
+    shown = choice["prompt_logprobs"]
+    assert shown[0] is None and len(shown) == len(prompt) and choice["logprobs"] is None
+    for p in range(1, len(prompt)):
+        entry = shown[p][str(prompt[p])]
+        assert entry["logprob"] == pytest.approx(float(want[p - 1, prompt[p]]), abs=1e-4)
+        assert entry["rank"] == int((want[p - 1] > want[p - 1, prompt[p]]).sum()) + 1
+        assert entry["decoded_token"] == token_texts(server, [prompt[p]])[0]
+    chat = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                prompt_logprobs=2).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(item) >= 2 for item in chat["prompt_logprobs"][1:])
+
+
+def test_streams_refuse_prompt_logprobs_by_name(server):
+    for body, field in [({"echo": True, "logprobs": 1}, "echo"), ({"prompt_logprobs": 1}, "prompt_logprobs")]:
+        response = post(server, "/v1/completions", prompt="Hi", max_tokens=2, stream=True, **body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == field

@@ -62,3 +62,22 @@ def test_repetition_penalty_through_the_front_door_equals_transformers(front, hf
     choice = post(front, "/v1/completions", prompt=PROMPT, max_tokens=10, temperature=0, ignore_eos=True,
                   repetition_penalty=1.3, logprobs=0)["choices"][0]
     assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in want]
+
+
+def test_tokenize_and_detokenize_through_the_front_door(front, hf):
+    _, tokenizer = hf
+    answer = post(front, "/tokenize", prompt="Hello world")
+    assert answer["tokens"] == tokenizer.encode("Hello world") and answer["count"] == len(answer["tokens"])
+    assert post(front, "/detokenize", tokens=answer["tokens"])["prompt"] == "Hello world"
+
+
+def test_echo_logprobs_through_the_front_door_equal_transformers(front, hf):
+    model, tokenizer = hf
+    prompt = [5, 6, 7, 8, 9, 10]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    shown = post(front, "/v1/completions", prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                 logprobs=0)["choices"][0]["logprobs"]
+    assert shown["token_logprobs"][0] is None
+    assert shown["token_logprobs"][1: len(prompt)] == pytest.approx(
+        [float(want[p - 1, prompt[p]]) for p in range(1, len(prompt))], abs=1e-4)

@@ -24,7 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd.engine.request import Request, RequestOutput, SamplingParams
+from afd.engine.prompt_logprobs import PromptLogprobs, prompt_rows
+from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from afd.engine.inputs import build_inputs, to_device
 from afd.engine.link_care import LinkCare
 from afd.engine.logits_controls import ControlState, StepControls, step_controls
@@ -52,6 +53,7 @@ class _Launched:
     started: float
     launched: float  # when the launch returned (`StepClock`)
     mark: object = None  # the link's end-of-step mark (`AttentionLink.end_step`), waited on before reading
+    prompt: PromptLogprobs | None = None  # prompt logprobs of the step's prompt rows that asked for them
 
 
 class Engine:
@@ -125,6 +127,8 @@ class Engine:
         if arrival is not None:
             request.arrival = min(arrival, request.arrival)
         request = self.scheduler.check(request)
+        if params.prompt_logprobs is not None and not hasattr(self.step, "logit_rows"):
+            raise InvalidRequest("prompt logprobs are not available with this attention engine", "prompt_logprobs")
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if text:
@@ -262,8 +266,16 @@ class Engine:
         inputs = build_inputs(batch, step_id, self._prev_tokens, self.max_model_len, self.device)
         input_ids, layout, emit = inputs.input_ids, inputs.layout, inputs.emit
         started = time.monotonic()
+        rows = prompt_rows(batch, layout) if any(r.params.prompt_logprobs is not None for r in batch) else None
         try:
-            logits = self.step(input_ids, layout)
+            if rows is not None:
+                self.step.logit_rows = to_device(rows.rows, self.device)
+            try:
+                logits = self.step(input_ids, layout)
+            finally:
+                if rows is not None:
+                    self.step.logit_rows = None
+            prompt = PromptLogprobs.compute(self.step.row_logits, rows).to_host() if rows is not None else None
             if self.on_logits is not None:
                 self.on_logits(batch, logits)
         except Exception as err:  # a lost FFN peer, or a bug: fail loudly, never hang
@@ -285,7 +297,7 @@ class Engine:
         self._step_id, self._prev_tokens = step_id, sampled.tokens
         mark = self.link.end_step() if self.link is not None else None
         return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, inputs.prompt_tokens, started,
-                         time.monotonic(), mark)
+                         time.monotonic(), mark, prompt)
 
     def _step_controls(self, sampling: list[Request], logits: torch.Tensor) -> StepControls | None:
         """This step's logits controls (None for a batch that sets none: the plain sampler); slots of requests
@@ -316,6 +328,7 @@ class Engine:
             launched.sampled.wait()
             waited = time.monotonic()
             tokens, logprobs = launched.sampled.result()
+            prompt = launched.prompt.result() if launched.prompt is not None else None
         except Exception as err:
             log.exception("sampling failed")
             self._fail(launched.batch, f"sampling failed: {type(err).__name__}: {err}")
@@ -323,6 +336,8 @@ class Engine:
         now = time.monotonic()
         for request in launched.finals:  # their last token is in: seats and blocks go back
             self.scheduler.finish(request)
+        if prompt:
+            self._outputs.prompt_logprobs(prompt)
         self._outputs.tokens(launched.batch, tokens, logprobs, now)
         if (pacer := self.scheduler.pacer) is not None:
             seconds = self._clock.done(launched.started, launched.launched, wait_from, waited)

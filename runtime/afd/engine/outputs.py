@@ -37,6 +37,10 @@ class OutputProcessor:
         """One step's results: row i of `tokens` belongs to `batch[i]`."""
         self._put((self._deliver, batch, tokens, logprobs, now))
 
+    def prompt_logprobs(self, entries: list) -> None:
+        """One step's prompt logprobs: (request, its entries) pairs, delivered with each request's first token."""
+        self._put((self._gather_prompt, entries))
+
     def fail(self, requests: list[Request], message: str) -> None:
         """End `requests` with an error output each (after every output already handed over)."""
         self._put((self._fail, requests, message))
@@ -64,6 +68,11 @@ class OutputProcessor:
                 self.on_burst()
         except Exception:  # noqa: BLE001 — never let one bad step stop every later output
             log.exception("output processing failed")
+
+    @staticmethod
+    def _gather_prompt(entries: list) -> None:
+        for request, found in entries:
+            request.prompt_logprobs.extend(found)
 
     def _deliver(self, batch: list[Request], tokens: list[int], logprobs: list, now: float) -> None:
         for request, token, token_logprobs in zip(batch, tokens, logprobs):
@@ -99,6 +108,8 @@ class OutputProcessor:
             [token_logprobs] if token_logprobs else [],
             finished=request.done, finish_reason=reason,
             prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.output_ids),
+            prompt_logprobs=[None, *request.prompt_logprobs] if (
+                params.prompt_logprobs is not None and len(request.output_ids) == 1) else None,
         ))
         if stopped:
             self.on_stopped(request)

@@ -44,6 +44,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # the prompt's logprobs from the prefill, with this many alternatives
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,6 +57,9 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be -1 (off) or positive, got {self.top_k}", "top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs}",
+                                 "prompt_logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must not be empty", "stop")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -91,6 +95,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # of token_id among the vocabulary (1: the likeliest); prompt logprobs only
 
 
 @dataclass
@@ -106,6 +111,7 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first output, when asked: None first
 
 
 @dataclass(eq=False)  # identity: `in` and `remove` on batches must not compare prompts
@@ -138,6 +144,7 @@ class Request:
     sample_step: int = -1  # the step whose sampled tokens hold this request's next input, and its row there
     sample_row: int = -1
     done: bool = False  # its final output (or error) was delivered; later tokens are dropped
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # gathered over its prompt chunks
 
     @property
     def num_tokens(self) -> int:

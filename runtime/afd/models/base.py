@@ -88,10 +88,11 @@ class MoECausalLM(nn.Module):
         """What each layer caches per token."""
         return [layer.self_attn.kv_layout for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache) -> torch.Tensor:
-        """The monolithic path: every layer whole, logits of each sequence's last token."""
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The monolithic path: every layer whole, logits of each sequence's last token (or of token `rows`)."""
         h = self.embed(input_ids)
         for index, layer in enumerate(self.layers):
             h = layer.attention_half(h, batch, kv_cache.layer(index))
             h = h + layer.ffn_half(h)
-        return self.compute_logits(h[batch.last_token])
+        return self.compute_logits(h[batch.last_token if rows is None else rows])

@@ -66,6 +66,10 @@ class AttentionRunner:
         self.on_layers = instruments.on_layers  # receives (kind, layer, seconds) of each profiled step
         self.transfer_bytes = {"send": 0, "recv": 0}
         self.capture_seconds = 0.0  # wall time of the last warm-up and capture
+        # Prompt logprobs: token rows of the next step whose logits are wanted too (set by the engine; the step then
+        # runs eagerly), and those logits once it ran.
+        self.logit_rows: torch.Tensor | None = None
+        self.row_logits: torch.Tensor | None = None
         self._lost_buckets: tuple[int, ...] | None = None  # decode graphs to capture again once relinked
         self._lost_mixed_tokens = 0  # and the piecewise graphs' largest token count
         hidden = loaded.spec.hidden_size
@@ -85,7 +89,7 @@ class AttentionRunner:
         self._count_bytes(layout.num_tokens, self.kv_cache.keys[0].element_size())
         profiling = self.clock.should_profile(self.step_id + 1)
         if self.graphs is not None:
-            if not profiling:
+            if not profiling and self.logit_rows is None:
                 logits = self.graphs.run(input_ids, layout)
                 if logits is None and self.mixed_graphs is not None:
                     logits = self.mixed_graphs.run(input_ids, layout)
@@ -107,7 +111,7 @@ class AttentionRunner:
                 )
                 micro.append((stage, batch, slice(start, start + part.num_tokens)))
             start += part.num_tokens
-        logits = self.forward(input_ids, micro)
+        logits = self.forward(input_ids, micro, self.logit_rows)
         if profiling:  # its layer timings are read once it has ended (a profiled step is eager anyway)
             self.link.wait_step()
             if self.on_layers is not None:
@@ -122,8 +126,9 @@ class AttentionRunner:
         self.transfer_bytes["send"] += self._shards * sent
         self.transfer_bytes["recv"] += self._shards * returned
 
-    def forward(self, input_ids: torch.Tensor, micro: list) -> torch.Tensor:
-        """The step's tensor work for (stage, batch, rows) micro-batches; capturable in a graph."""
+    def forward(self, input_ids: torch.Tensor, micro: list, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's tensor work for (stage, batch, rows) micro-batches; capturable in a graph. With `logit_rows`
+        (token rows of the step) their logits are kept in `row_logits` as well."""
         micro = [_MicroBatch(stage, batch, self.model.embed(input_ids[rows])) for stage, batch, rows in micro]
         clock = self.clock
         for index, layer in enumerate(self.model.layers):
@@ -140,7 +145,12 @@ class AttentionRunner:
         for mb in micro:
             self._collect(mb)
         last = torch.cat([mb.hidden[mb.batch.last_token] for mb in micro])
-        return self.model.compute_logits(last)
+        if logit_rows is None:
+            return self.model.compute_logits(last)
+        every = torch.cat([mb.hidden for mb in micro])
+        logits = self.model.compute_logits(torch.cat([last, every[logit_rows]]))
+        self.row_logits = logits[len(last):]
+        return logits[: len(last)]
 
     def _ship(self, layer, hidden: torch.Tensor, transfer: AttnTransfer, started: float) -> None:
         """Send layer `transfer.layer`'s FFN input: the residual stream, or with the gate here its norm and router logits."""

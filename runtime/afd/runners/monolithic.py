@@ -18,6 +18,8 @@ class MonolithicRunner:
         self.model, self.kv_cache = loaded.model, kv_cache
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.logit_rows: torch.Tensor | None = None  # as `AttentionRunner.logit_rows` (prompt logprobs)
+        self.row_logits: torch.Tensor | None = None
 
     @torch.inference_mode()
     def capture_graphs(self, max_batch: int, mixed_tokens: int = 0) -> DecodeGraphs:
@@ -35,11 +37,17 @@ class MonolithicRunner:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        if self.graphs is not None and (logits := self.graphs.run(input_ids, layout)) is not None:
+        rows = self.logit_rows
+        if rows is None and self.graphs is not None and (logits := self.graphs.run(input_ids, layout)) is not None:
             return logits
-        if self.mixed_graphs is not None and (logits := self.mixed_graphs.run(input_ids, layout)) is not None:
+        if rows is None and self.mixed_graphs is not None and (logits := self.mixed_graphs.run(input_ids, layout)) is not None:
             return logits
         batch = AttentionBatch.build(
             layout.block_tables, layout.context_lens, layout.new_lens, self.kv_cache.block_size, input_ids.device
         )
-        return self.model(input_ids, batch, self.kv_cache)
+        if rows is None:
+            return self.model(input_ids, batch, self.kv_cache)
+        last = len(layout.new_lens)
+        logits = self.model(input_ids, batch, self.kv_cache, torch.cat([batch.last_token, rows]))
+        self.row_logits = logits[last:]
+        return logits[:last]

@@ -22,8 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest, RequestOutput
 from afd.engine.tokenizer import chat_prompt_ids
-from afd.server import json_body, validation
-from afd.server.formatting import chat_response, completion_response
+from afd.server import json_body, tokenize_api, validation
+from afd.server.formatting import PromptShown, chat_response, completion_response
 from afd.server.handoff import LoopHandoff, OutputSink
 from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.liveness import LoopWatch
@@ -101,6 +101,22 @@ def create_app(state: ServerState) -> FastAPI:
         card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "afd", "max_model_len": state.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> JSONResponse:
+        body = await _json_body(state, http)
+        model, answer = await _off_loop(state, tokenize_api.tokenize, body, state.tokenizer, state.limits,
+                                        state.max_model_len)
+        _check_model(state, model)
+        return JSONResponse(answer)
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request) -> JSONResponse:
+        body = await _json_body(state, http)
+        model, answer = await _off_loop(state, tokenize_api.detokenize, body, state.tokenizer, state.limits,
+                                        state.vocab_size)
+        _check_model(state, model)
+        return JSONResponse(answer)
+
     @app.post("/v1/completions")
     async def completions(http: Request):
         body = await _off_loop(state, _prepare_completion, state, await _json_body(state, http))
@@ -111,7 +127,10 @@ def create_app(state: ServerState) -> FastAPI:
             make = lambda out, first: events.completion(out, echo[0] if first else "")  # noqa: E731
             return _sse(outputs, events, make, request.include_usage)
         results = await _complete(http, _submit_all(state, prompts, params))
-        return JSONResponse(completion_response(state, results, echo)) if results is not None else Response(status_code=499)
+        if results is None:
+            return Response(status_code=499)
+        return JSONResponse(completion_response(state, results, echo, PromptShown(prompts, request.echo_logprobs,
+                                                                                  request.prompt_logprobs)))
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
@@ -123,7 +142,7 @@ def create_app(state: ServerState) -> FastAPI:
         results = await _complete(http, [outputs])
         if results is None:
             return Response(status_code=499)
-        return JSONResponse(chat_response(state, outputs.request.request_id, results[0]))
+        return JSONResponse(chat_response(state, outputs.request.request_id, results[0], request.prompt_logprobs))
 
     return app
 
@@ -178,7 +197,7 @@ def _prepare_completion(state: ServerState, body: dict):
         raise InvalidRequest("streaming supports one prompt per request", "prompt")
     ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     params = [request.sampling(_max_tokens(state, p, request.max_tokens), request.logprobs, state.vocab_size, state.limits,
-                               state.tokenizer)
+                               state.tokenizer, request.engine_prompt_logprobs)
               for p in ids]
     echo = [state.tokenizer.decode(p) if request.echo else "" for p in ids]
     return request, ids, params, echo
@@ -199,9 +218,14 @@ def _prepare_chat(state: ServerState, body: dict):
     return request, prompt, params
 
 
-def _check_model_and_health(state: ServerState, model: str) -> None:
-    if model != state.model_name:
+def _check_model(state: ServerState, model: str | None) -> None:
+    """404 unless `model` is the served one (None: not named, as /tokenize allows)."""
+    if model is not None and model != state.model_name:
         raise ModelNotFound(f"the model {json_body.short(model)!r} does not exist; this server serves {state.model_name!r}")
+
+
+def _check_model_and_health(state: ServerState, model: str) -> None:
+    _check_model(state, model)
     reason = state.problem()
     if reason:
         raise Unavailable(f"the server cannot take requests: {reason}")

@@ -14,7 +14,7 @@ from dataclasses import astuple, dataclass
 
 from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
 
-VERSION = 1
+VERSION = 2  # 2: outputs carry prompt logprobs
 SUBMIT, ABORT, BEAT = "submit", "abort", "beat"
 
 
@@ -54,7 +54,9 @@ def decode_request(message: bytes) -> tuple:
 
 def encode_outputs(state: CoreState, outputs: list[RequestOutput]) -> bytes:
     rows = [(o.request_id, o.text, o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs] if o.logprobs
-             else None, o.finished, o.finish_reason, o.error, o.prompt_tokens, o.completion_tokens) for o in outputs]
+             else None, o.finished, o.finish_reason, o.error, o.prompt_tokens, o.completion_tokens,
+             None if o.prompt_logprobs is None else [None if lp is None else astuple(lp) for lp in o.prompt_logprobs])
+            for o in outputs]
     return pickle.dumps((VERSION, state.problem, state.unready, rows), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -64,6 +66,7 @@ def decode_outputs(message: bytes) -> tuple[CoreState, list[RequestOutput]]:
         raise ValueError(f"engine core message version {version}, this API process reads {VERSION}: "
                          "both processes must come from one image")
     outputs = [RequestOutput(rid, text, ids, [TokenLogprobs(*lp) for lp in lps] if lps else [], finished, reason, error,
-                             prompt, completion)
-               for rid, text, ids, lps, finished, reason, error, prompt, completion in rows]
+                             prompt, completion,
+                             None if shown is None else [None if lp is None else TokenLogprobs(*lp) for lp in shown])
+               for rid, text, ids, lps, finished, reason, error, prompt, completion, shown in rows]
     return CoreState(problem, unready), outputs

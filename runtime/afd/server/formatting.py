@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from afd.engine.request import RequestOutput, TokenLogprobs
@@ -57,17 +58,69 @@ def _chat_logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict | None:
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 
 
-def completion_response(state, results: list[list[RequestOutput]], echo: list[str]) -> dict:
+@dataclass(frozen=True)
+class PromptShown:
+    """What a completions response shows of its prompts: their token ids, the echo's logprobs (alternatives per
+    prompt token, None: no echo with logprobs) and vLLM's `prompt_logprobs` field (None: absent)."""
+
+    prompts: list[list[int]]
+    echo_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+def _prompt_entries(outputs: Sequence[RequestOutput]) -> list[TokenLogprobs | None]:
+    return next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), [])
+
+
+def _echo_logprobs(tokenizer, prompt: list[int], entries: list, top: int) -> dict:
+    """The echoed prompt's part of a completion's logprobs: the first token's are null, as OpenAI gives them."""
+    tokens = [_token_text(tokenizer, t) for t in prompt]
+    offsets, position = [], 0
+    for text in tokens:
+        offsets.append(position)
+        position += len(text)
+    return {"tokens": tokens,
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else _top_by_text(tokenizer, e.top[:top]) for e in entries],
+            "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tokenizer, entries: list, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null first, then {token id: {logprob, rank, decoded_token}} for
+    the prompt token and the `top` likeliest."""
+    shown: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            shown.append(None)
+            continue
+        item = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank,
+                                      "decoded_token": _token_text(tokenizer, entry.token_id)}}
+        for rank, (token, logprob) in enumerate(entry.top[:top], start=1):
+            item.setdefault(str(token), {"logprob": logprob, "rank": rank, "decoded_token": _token_text(tokenizer, token)})
+        shown.append(item)
+    return shown
+
+
+def completion_response(state, results: list[list[RequestOutput]], echo: list[str],
+                        shown: PromptShown | None = None) -> dict:
     choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for index, (outputs, prefix) in enumerate(zip(results, echo)):
         text = prefix + "".join(o.text for o in outputs)
         entries = [e for o in outputs for e in o.logprobs]
-        choices.append({
+        logprobs = _completion_logprobs(state.tokenizer, entries, len(prefix))
+        if shown is not None and shown.echo_logprobs is not None:
+            echoed = _echo_logprobs(state.tokenizer, shown.prompts[index], _prompt_entries(outputs), shown.echo_logprobs)
+            logprobs = echoed if logprobs is None else {key: echoed[key] + logprobs[key] for key in echoed}
+        choice = {
             "index": index,
             "text": text,
-            "logprobs": _completion_logprobs(state.tokenizer, entries, len(prefix)),
+            "logprobs": logprobs,
             "finish_reason": outputs[-1].finish_reason if outputs else "abort",
-        })
+        }
+        if shown is not None and shown.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, _prompt_entries(outputs),
+                                                             shown.prompt_logprobs)
+        choices.append(choice)
         for key, value in _usage(outputs).items():
             usage[key] += value
     request_id = results[0][-1].request_id if results and results[0] else "cmpl"
@@ -86,7 +139,7 @@ def completion_chunk(state, request_id: str, output: RequestOutput, prefix: str)
             "model": state.model_name, "choices": [choice]}
 
 
-def chat_response(state, request_id: str, outputs: list[RequestOutput]) -> dict:
+def chat_response(state, request_id: str, outputs: list[RequestOutput], prompt_logprobs: int | None = None) -> dict:
     entries = [e for o in outputs for e in o.logprobs]
     choice = {
         "index": 0,
@@ -94,8 +147,11 @@ def chat_response(state, request_id: str, outputs: list[RequestOutput]) -> dict:
         "logprobs": _chat_logprobs(state.tokenizer, entries),
         "finish_reason": outputs[-1].finish_reason if outputs else "abort",
     }
-    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
-            "model": state.model_name, "choices": [choice], "usage": _usage(outputs)}
+    response = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
+                "model": state.model_name, "choices": [choice], "usage": _usage(outputs)}
+    if prompt_logprobs is not None:  # vLLM's field, beside the choices
+        response["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, _prompt_entries(outputs), prompt_logprobs)
+    return response
 
 
 def chat_chunk(state, request_id: str, output: RequestOutput, first: bool) -> dict:

@@ -82,13 +82,25 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST"])
     async def relay(path: str, request: Request) -> Response:
+        return await relay_to(f"/v1/{path}", request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:  # vLLM's, outside /v1
+        return await relay_to("/tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await relay_to("/detokenize", request)
+
+    async def relay_to(target: str, request: Request) -> Response:
+        """`request` answered by the least busy rank that serves, at `target` there."""
         body = await read_body(request, settings.max_request_bytes)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         gone = asyncio.ensure_future(client_gone(request))
         try:
             urls = backends.order()
             for index, url in enumerate(urls):
-                upstream = client.build_request(request.method, f"{url}/v1/{path}", content=body, headers=headers)
+                upstream = client.build_request(request.method, f"{url}{target}", content=body, headers=headers)
                 response = await _send(client, upstream, gone, backends, url)
                 if response is None:  # the client left: the cancelled send closed the rank's connection
                     metrics.count(None)

@@ -47,6 +47,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
     stream_options: StreamOptions | None = None
 
     def check(self) -> None:
@@ -55,12 +56,16 @@ class _Common(BaseModel):
         validation.refuse_unsupported(self.model_extra or {})
         if self.n != 1:
             raise InvalidRequest(f"n={self.n}: only n=1 is supported", "n")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs is not supported with stream=true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
 
     def sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int, limits: Limits,
-                 tokenizer=None) -> SamplingParams:
-        """The engine's parameters; `tokenizer` turns `bad_words` into token ids (required when they are set)."""
+                 tokenizer=None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters; `tokenizer` turns `bad_words` into token ids (required when they are set);
+        `prompt_logprobs`: alternatives per prompt token (default the request's own field)."""
+        prompt_logprobs = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
         if self.min_tokens and self.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
         return SamplingParams(
@@ -84,6 +89,7 @@ class _Common(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            prompt_logprobs=None if prompt_logprobs is None else min(prompt_logprobs, vocab_size),
         )
 
     @property
@@ -99,8 +105,19 @@ class CompletionRequest(_Common):
 
     def check(self) -> None:
         super().check()
-        if self.echo and self.logprobs is not None:  # OpenAI would add the prompt's logprobs; we have none
-            raise InvalidRequest("echo with logprobs (prompt logprobs) is not supported", "echo")
+        if self.stream and self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo with logprobs is not supported with stream=true", "echo")
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """Alternatives per echoed prompt token (echo with logprobs), or None."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine must compute for the prompt: the larger of prompt_logprobs and the echo's logprobs."""
+        wanted = [n for n in (self.prompt_logprobs, self.echo_logprobs) if n is not None]
+        return max(wanted) if wanted else None
 
 
 class ChatMessage(BaseModel):

@@ -83,6 +83,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "max_completion_tokens": (1, INT64_MAX),
     "logprobs": (0, MAX_LOGPROBS),
     "top_logprobs": (0, MAX_LOGPROBS),
+    "prompt_logprobs": (0, MAX_LOGPROBS),
     "min_tokens": (0, INT64_MAX),
 }
 
@@ -114,7 +115,6 @@ _NEUTRAL: dict[str, tuple] = {
     "metadata": ({},),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
-    "prompt_logprobs": (),
 }
 _WHY = {
     "response_format": "structured output is not supported; only {'type': 'text'}",
