@@ -76,3 +76,68 @@ def test_too_many_experts_are_refused():
 
     with pytest.raises(ValueError, match="up to 512 experts"):
         select_greedy(torch.zeros(2, 513, device=DEVICE), 2, False, False, 1.0, torch.float32)
+
+
+NOAUX_CASES = {  # id → (experts, top_k, groups, groups kept, norm_topk_prob, scaling_factor, with a bias)
+    "deepseek-v3": (256, 8, 8, 4, True, 2.5, True),
+    "small-groups-of-two": (16, 3, 8, 3, True, 1.0, True),
+    "one-group-not-normalized": (64, 6, 1, 1, False, 16.0, True),
+    "kimi-k2-no-groups": (384, 8, 1, 1, True, 2.827, True),
+    "no-bias": (32, 4, 4, 2, True, 1.0, False),
+    "top-1": (8, 1, 2, 1, True, 1.0, True),
+}
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+@pytest.mark.parametrize("case", sorted(NOAUX_CASES))
+def test_select_noaux_tc_equals_the_torch_routing(case, tokens):
+    """DeepSeek-V3's router: sigmoid, the correction bias for choosing only, group-limited top-k."""
+    from afd.kernels.routing import select_noaux_tc
+    from afd.models.layers import Routing
+
+    experts, top_k, groups, kept, normalize, scaling, with_bias = NOAUX_CASES[case]
+    routing = Routing(top_k=top_k, num_experts=experts, norm_topk_prob=normalize, scaling_factor=scaling,
+                      topk_method="noaux_tc", num_groups=groups, topk_groups=kept)
+    torch.manual_seed(tokens)
+    logits = torch.randn(tokens, experts) * 2
+    bias = torch.randn(experts) * 0.5 if with_bias else None  # large enough to change choices, some negative
+    expected_weights, expected_ids = routing.select(logits, torch.float32, bias)  # CPU: the torch path
+    weights, ids = select_noaux_tc(logits.to(DEVICE), bias.to(DEVICE) if with_bias else None, top_k, groups, kept,
+                                   normalize, scaling, torch.float32)
+    assert ids.dtype == torch.int64 and weights.shape == (tokens, top_k)
+    assert torch.equal(ids.cpu(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-7)
+    if with_bias:  # the bias changes which experts are chosen, never their weights
+        unbiased = torch.sigmoid(logits).gather(1, ids.cpu())
+        if normalize:
+            unbiased = unbiased / unbiased.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights.cpu(), unbiased * scaling, rtol=1e-5, atol=1e-7)
+
+
+def test_noaux_tc_keeps_only_the_best_groups():
+    """Group 1 holds the best single expert, but group 0's two best sum higher: group 0 alone is kept."""
+    from afd.kernels.routing import select_noaux_tc
+
+    logits = torch.tensor([[2.0, 1.9, -5.0, -5.0, 3.0, -5.0, -5.0, -5.0]])
+    weights, ids = select_noaux_tc(logits.to(DEVICE), None, 2, 2, 1, False, 1.0, torch.float32)
+    assert ids.cpu().tolist() == [[0, 1]]
+
+
+def test_noaux_tc_nan_logits_give_distinct_valid_experts():
+    from afd.kernels.routing import select_noaux_tc
+
+    logits = torch.randn(2, 16)
+    logits[0, 3] = float("nan")
+    logits[1] = float("nan")
+    weights, ids = select_noaux_tc(logits.to(DEVICE), torch.zeros(16, device=DEVICE), 4, 4, 2, True, 1.0,
+                                   torch.float32)
+    ids = ids.cpu()
+    assert bool(((ids >= 0) & (ids < 16)).all()) and all(len(set(row)) == 4 for row in ids.tolist())
+
+
+def test_noaux_tc_refuses_groups_of_an_odd_expert_count():
+    from afd.kernels.routing import noaux_tc_fits, select_noaux_tc
+
+    assert noaux_tc_fits(256, 8, 8, 4) and noaux_tc_fits(384, 8, 1, 1) and not noaux_tc_fits(96, 8, 3, 2)
+    with pytest.raises(ValueError, match="power-of-two"):
+        select_noaux_tc(torch.zeros(2, 96, device=DEVICE), None, 8, 3, 2, True, 1.0, torch.float32)

@@ -1,4 +1,4 @@
-"""Greedy top-k routing in one Triton kernel: softmax, top-k, renormalise or scale, cast.
+"""Top-k routing in one Triton kernel: softmax or sigmoid, (group-limited) top-k, renormalise or scale, cast.
 
 `afd.models.layers.Routing.select` does the same in torch with six to eight launches
 (softmax, topk, sum, divide, multiply, cast), which at 1 to 4,096 tokens cost more than the
@@ -7,6 +7,10 @@ writes the k weights and expert ids. Experts come out in descending weight, the 
 expert id first among equal weights; a row whose logits hold a NaN still gets k distinct,
 valid expert ids (with NaN weights, as torch gives), never an id that would index past the
 experts. Capturable in CUDA graphs (no host synchronisation).
+
+`select_noaux_tc` is DeepSeek-V3's router (`Routing.noaux_tc` in torch): sigmoid scores, the
+correction bias added for choosing only, experts chosen among the `topk_groups` groups whose two
+best biased scores sum highest, weights the chosen experts' unbiased scores.
 """
 
 from __future__ import annotations
@@ -18,10 +22,39 @@ import triton.language as tl
 MAX_EXPERTS = 512  # one program holds a token's logits in registers
 
 
+NAN_RANK = tl.constexpr(-2.0e38)  # a NaN score ranks after every real one (sigmoid + bias may be negative)
+OUT_OF_GROUP_RANK = tl.constexpr(-3.0e38)  # experts of groups not kept: after NaN ones, before padding and picked (-inf)
+
+
+@triton.jit
+def _group_mask(choice, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, GROUPS: tl.constexpr,
+                TOPK_GROUPS: tl.constexpr):
+    """[BT, E] bool: whether each expert's group is among the TOPK_GROUPS groups (of E/GROUPS consecutive
+    experts) whose two best `choice` values sum highest (the lowest group first among equal sums)."""
+    SIZE: tl.constexpr = BLOCK_E // GROUPS
+    grouped = tl.reshape(tl.where(choice == choice, choice, NAN_RANK), (BLOCK_T, GROUPS, SIZE))
+    best = tl.max(grouped, axis=2)
+    score = best
+    if SIZE > 1:
+        pos = tl.arange(0, SIZE)[None, None, :]
+        first = tl.min(tl.where(grouped == best[:, :, None], pos, SIZE), axis=2)
+        score = best + tl.max(tl.where(pos == first[:, :, None], float("-inf"), grouped), axis=2)
+    groups = tl.arange(0, GROUPS)[None, :]
+    keep = tl.zeros((BLOCK_T, GROUPS), dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUPS):
+        top = tl.max(score, axis=1)
+        top_id = tl.min(tl.where(score == top[:, None], groups, GROUPS), axis=1)
+        hit = groups == top_id[:, None]
+        keep = tl.where(hit, 1, keep)
+        score = tl.where(hit, float("-inf"), score)
+    return tl.reshape(tl.broadcast_to(keep[:, :, None], (BLOCK_T, GROUPS, SIZE)), (BLOCK_T, BLOCK_E)) != 0
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
-def _select_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride, scaling,
+def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_experts, stride, scaling,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                   NORMALIZE: tl.constexpr, SCALE: tl.constexpr):
+                   NORMALIZE: tl.constexpr, SCALE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -29,10 +62,19 @@ def _select_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
     logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride + experts[None, :],
                      mask=row_ok[:, None] & expert_ok, other=0.0).to(tl.float32)
     logits = tl.where(expert_ok, logits, float("-inf"))
-    shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    scores = shifted / tl.sum(shifted, axis=1)[:, None]  # softmax (NaN where the logits hold one)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+        choice = scores
+        if HAS_BIAS:  # for choosing only
+            choice = scores + tl.load(bias_ptr + experts, mask=experts < num_experts, other=0.0).to(tl.float32)[None, :]
+    else:
+        shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = shifted / tl.sum(shifted, axis=1)[:, None]  # softmax (NaN where the logits hold one)
+        choice = scores
     # the rank to pick by: padding and picked experts never again, NaN scores after every real one
-    rank = tl.where(expert_ok, tl.where(scores == scores, scores, -1.0), float("-inf"))
+    rank = tl.where(expert_ok, tl.where(choice == choice, choice, NAN_RANK), float("-inf"))
+    if GROUPS > 1:
+        rank = tl.where(_group_mask(choice, BLOCK_T, BLOCK_E, GROUPS, TOPK_GROUPS), rank, OUT_OF_GROUP_RANK)
     slots = tl.arange(0, K_PAD)
     top = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     top_ids = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
@@ -41,7 +83,7 @@ def _select_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, st
         best_id = tl.min(tl.where(rank == best[:, None], experts[None, :], BLOCK_E), axis=1)
         best_id = tl.minimum(best_id, num_experts - 1)  # an id past the experts would index out of bounds later
         picked = experts[None, :] == best_id[:, None]
-        weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)  # the score itself: NaN stays NaN
+        weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)  # the (unbiased) score itself: NaN stays NaN
         top = tl.where(slots[None, :] == k, weight[:, None], top)
         top_ids = tl.where(slots[None, :] == k, best_id[:, None], top_ids)
         rank = tl.where(picked, float("-inf"), rank)
@@ -70,7 +112,45 @@ def select_greedy(logits: torch.Tensor, top_k: int, normalize: bool, scale: bool
     block_t = max(1, min(64, 4096 // block_e))
     if tokens:
         _select_kernel[(triton.cdiv(tokens, block_t),)](
-            logits, weights, ids, tokens, num_experts, logits.stride(0), float(scaling_factor), TOP_K=top_k,
+            logits, weights, ids, logits, tokens, num_experts, logits.stride(0), float(scaling_factor), TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=scale,
-            num_warps=4)
+            SIGMOID=False, HAS_BIAS=False, GROUPS=1, TOPK_GROUPS=1, num_warps=4)
+    return weights, ids
+
+
+def noaux_tc_fits(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> bool:
+    """Whether `select_noaux_tc` takes this router: up to MAX_EXPERTS experts and, with groups, a power-of-two
+    expert count split into a power-of-two number of groups, of which topk_groups are kept."""
+    if num_experts > MAX_EXPERTS or not 0 < top_k <= num_experts:
+        return False
+    if num_groups <= 1:
+        return True
+    power_of_two = num_experts & (num_experts - 1) == 0 and num_groups & (num_groups - 1) == 0
+    return power_of_two and num_experts % num_groups == 0 and 0 < topk_groups <= num_groups
+
+
+def select_noaux_tc(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_groups: int,
+                    topk_groups: int, normalize: bool, scaling_factor: float,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits → ([T, k] weights in `dtype`, [T, k] int64 ids) as DeepSeek-V3 routes: sigmoid scores in
+    float32, `correction_bias` [E] added for choosing only, the choice limited to the `topk_groups` best of
+    `num_groups` groups (by the sum of each group's two best biased scores), the k best biased experts weighted
+    by their unbiased scores, divided by their sum when `normalize`, times `scaling_factor`."""
+    tokens, num_experts = logits.shape
+    if not noaux_tc_fits(num_experts, top_k, num_groups, topk_groups):
+        raise ValueError(f"select_noaux_tc takes up to {MAX_EXPERTS} experts, 0 < top_k <= experts and, with "
+                         f"groups, power-of-two expert and group counts; got {num_experts} experts, top_k {top_k}, "
+                         f"{num_groups} groups keeping {topk_groups}")
+    logits = logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(64, 4096 // block_e))
+    if tokens:
+        bias = correction_bias.contiguous() if correction_bias is not None else logits
+        _select_kernel[(triton.cdiv(tokens, block_t),)](
+            logits, weights, ids, bias, tokens, num_experts, logits.stride(0), float(scaling_factor), TOP_K=top_k,
+            K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=True,
+            SIGMOID=True, HAS_BIAS=correction_bias is not None, GROUPS=max(1, num_groups),
+            TOPK_GROUPS=max(1, topk_groups), num_warps=4)
     return weights, ids
