@@ -24,7 +24,7 @@ class Clock:
 
 
 def test_waiting_for_ranks_says_what_changed_not_the_same_line_again(monkeypatch):
-    """Two attention ranks ready after 20 s and 95 s: five lines, not one every 5 s (20 on main)."""
+    """Two attention ranks ready after 20 s and 95 s: five lines, not one every 5 s."""
     clock, said = Clock(), []
     ranks = afd.up.plan_ranks(AFDConfig(num_attention_ranks=2, num_ffn_ranks=1, model="m"))
     supervisor = afd.up.Supervisor(ranks, SimpleNamespace(children={}), None, "http://127.0.0.1:1/v1")
@@ -60,3 +60,11 @@ def test_the_demo_answer_says_when_the_weights_are_random(default_model, tmp_pat
     assert posted[0]["model"] == model.name  # the served model's name, as /v1/models lists it
     assert said[0].startswith("demo request answered (24 tokens): ") and said[-1].startswith("ready: ")
     assert (RANDOM_WEIGHTS_NOTE in said) == default_model and "random weights" in RANDOM_WEIGHTS_NOTE
+
+
+def test_the_readme_first_screen_says_the_demo_model_is_random():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    make_up = next(line for line in readme.splitlines() if line.startswith("make up"))
+    assert "random weights" in make_up and "noise" in make_up
