@@ -74,6 +74,12 @@ class Routing:
         Greedy routing on a GPU with the Triton MoE kernel runs as one Triton kernel (`afd.kernels.routing`).
         `correction_bias` [experts] (noaux_tc only) shifts the scores that choose experts, not their weights."""
         if self.topk_method == "noaux_tc":
+            if logits.is_cuda and kernel_choice() == "triton":
+                from afd.kernels.routing import noaux_tc_fits, select_noaux_tc
+
+                if noaux_tc_fits(logits.shape[-1], self.top_k, self.num_groups, self.topk_groups):
+                    return select_noaux_tc(logits, correction_bias, self.top_k, self.num_groups, self.topk_groups,
+                                           self.norm_topk_prob, self.scaling_factor, dtype)
             weights, ids = self.noaux_tc(logits, correction_bias)
             return weights.to(dtype), ids
         normalize = self.norm_topk_prob and self.top_k > 1
@@ -184,7 +190,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             sum_dtype = torch.float32 if self.partial_fp32 else None
-            return experts_cuda(x, weights, ids, self.gate_up, self.down, self.num_shared, sum_dtype)
+            return experts_cuda(x, weights, ids, self.gate_up, self.down, self.num_shared, sum_dtype,
+                                self.gate_up_scale, self.down_scale)
         top_k = ids.shape[1]
         flat_ids = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat_ids, stable=True)
