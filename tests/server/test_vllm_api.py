@@ -181,3 +181,38 @@ def test_streams_refuse_prompt_logprobs_by_name(server):
     for body, field in [({"echo": True, "logprobs": 1}, "echo"), ({"prompt_logprobs": 1}, "prompt_logprobs")]:
         response = post(server, "/v1/completions", prompt="Hi", max_tokens=2, stream=True, **body)
         assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+# -- n and best_of -------------------------------------------------------------------------------------------
+def test_n_choices_each_reproducible_with_its_own_seed(server):
+    body = dict(prompt="The quick brown fox", max_tokens=6, temperature=1.0, ignore_eos=True)
+    answer = post(server, "/v1/completions", n=4, seed=11, **body).json()
+    texts = [c["text"] for c in answer["choices"]]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3] and len(set(texts)) > 1
+    assert texts == [completion(server, seed=11 + j, **body)["text"] for j in range(4)]
+    prompt_tokens = len(server.state.tokenizer.encode("The quick brown fox"))
+    assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 24, "total_tokens": prompt_tokens + 24}
+    chat_body = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=1.0, ignore_eos=True)
+    chat = post(server, "/v1/chat/completions", n=2, seed=5, **chat_body).json()
+    alone = [post(server, "/v1/chat/completions", seed=5 + j, **chat_body).json()["choices"][0] for j in range(2)]
+    assert [c["message"] for c in chat["choices"]] == [c["message"] for c in alone]
+    assert chat["usage"]["completion_tokens"] == 8
+
+
+def test_best_of_returns_the_likeliest_candidate_and_counts_them_all(server):
+    body = dict(prompt=PROMPT, max_tokens=5, temperature=1.0, ignore_eos=True)
+    candidates = [completion(server, seed=3 + j, logprobs=0, **body) for j in range(3)]
+    likeliest = max(candidates, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
+    answer = post(server, "/v1/completions", best_of=3, seed=3, **body).json()
+    (choice,) = answer["choices"]
+    assert choice["text"] == likeliest["text"] and choice["logprobs"] is None
+    assert answer["usage"]["completion_tokens"] == 15
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"n": 2, "stream": True}, "n"), ({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"best_of": 0}, "best_of"), ({"n": 100, "prompt": ["a", "b"]}, "n"),
+])
+def test_bad_n_and_best_of_name_their_field(server, body, field):
+    response = post(server, "/v1/completions", **{"prompt": "Hi", "max_tokens": 2, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text

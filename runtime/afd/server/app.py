@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest, RequestOutput
 from afd.engine.tokenizer import chat_prompt_ids
-from afd.server import json_body, tokenize_api, validation
+from afd.server import choices, json_body, tokenize_api, validation
 from afd.server.formatting import PromptShown, chat_response, completion_response
 from afd.server.handoff import LoopHandoff, OutputSink
 from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
@@ -126,23 +126,32 @@ def create_app(state: ServerState) -> FastAPI:
             events = StreamEvents(state, outputs.request.request_id, "text_completion")
             make = lambda out, first: events.completion(out, echo[0] if first else "")  # noqa: E731
             return _sse(outputs, events, make, request.include_usage)
-        results = await _complete(http, _submit_all(state, prompts, params))
+        count = max(request.n, request.best_of or 1)  # engine requests per prompt
+        candidates = [c for sampling in params for c in choices.candidate_params(sampling, request.n, request.best_of)]
+        results = await _complete(http, _submit_all(state, [p for p in prompts for _ in range(count)], candidates))
         if results is None:
             return Response(status_code=499)
-        return JSONResponse(completion_response(state, results, echo, PromptShown(prompts, request.echo_logprobs,
-                                                                                  request.prompt_logprobs)))
+        picked = [choice for i in range(len(prompts)) for choice in choices.pick_best(
+            results[i * count: (i + 1) * count], request.n, request.logprobs is not None)]
+        per_choice = lambda values: [v for v in values for _ in range(request.n)]  # noqa: E731
+        shown = PromptShown(per_choice(prompts), request.echo_logprobs, request.prompt_logprobs)
+        usage = _usage_of(sum(map(len, prompts)), choices.completion_tokens(results))
+        return JSONResponse(completion_response(state, picked, per_choice(echo), shown, usage))
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
         request, prompt, params = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
-        outputs = _Outputs(state, prompt, params)
         if request.stream:
+            outputs = _Outputs(state, prompt, params)
             events = StreamEvents(state, outputs.request.request_id, "chat.completion.chunk")
             return _sse(outputs, events, events.chat, request.include_usage)
-        results = await _complete(http, [outputs])
+        submitted = _submit_all(state, [prompt] * request.n, choices.candidate_params(params, request.n, None))
+        results = await _complete(http, submitted)
         if results is None:
             return Response(status_code=499)
-        return JSONResponse(chat_response(state, outputs.request.request_id, results[0], request.prompt_logprobs))
+        usage = _usage_of(len(prompt), choices.completion_tokens(results))
+        return JSONResponse(chat_response(state, submitted[0].request.request_id, results, request.prompt_logprobs,
+                                          usage))
 
     return app
 
@@ -195,6 +204,10 @@ def _prepare_completion(state: ServerState, body: dict):
     prompts = validation.completion_prompts(request.prompt, state.limits, state.vocab_size, state.max_model_len)
     if request.stream and len(prompts) > 1:
         raise InvalidRequest("streaming supports one prompt per request", "prompt")
+    if len(prompts) * max(request.n, request.best_of or 1) > state.limits.max_prompts:
+        raise InvalidRequest(f"{len(prompts)} prompts x {max(request.n, request.best_of or 1)} choices exceed "
+                             f"{state.limits.max_prompts} sequences per request (AFD_MAX_PROMPTS)",
+                             "best_of" if (request.best_of or 1) > request.n else "n")
     ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     params = [request.sampling(_max_tokens(state, p, request.max_tokens), request.logprobs, state.vocab_size, state.limits,
                                state.tokenizer, request.engine_prompt_logprobs)
@@ -207,6 +220,8 @@ def _prepare_chat(state: ServerState, body: dict):
     """(request, prompt ids, sampling params), or InvalidRequest. Runs on a worker."""
     request = parse_request(ChatRequest, body)
     _check_model_and_health(state, request.model)
+    if request.n > state.limits.max_prompts:
+        raise InvalidRequest(f"n={request.n}: at most {state.limits.max_prompts} choices (AFD_MAX_PROMPTS)", "n")
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
     messages = validation.chat_messages([m.model_dump(exclude_none=True) for m in request.messages], state.limits)
@@ -216,6 +231,11 @@ def _prepare_chat(state: ServerState, body: dict):
     params = request.sampling(_max_tokens(state, prompt, max_tokens), logprobs, state.vocab_size, state.limits,
                               state.tokenizer)
     return request, prompt, params
+
+
+def _usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _check_model(state: ServerState, model: str | None) -> None:

@@ -102,8 +102,9 @@ def vllm_prompt_logprobs(tokenizer, entries: list, top: int) -> list[dict | None
 
 
 def completion_response(state, results: list[list[RequestOutput]], echo: list[str],
-                        shown: PromptShown | None = None) -> dict:
-    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+                        shown: PromptShown | None = None, usage: dict | None = None) -> dict:
+    """One choice per entry of `results` (its prefix in `echo`); `usage` when it is not the choices' sum (n > 1)."""
+    choices, totals = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for index, (outputs, prefix) in enumerate(zip(results, echo)):
         text = prefix + "".join(o.text for o in outputs)
         entries = [e for o in outputs for e in o.logprobs]
@@ -122,7 +123,8 @@ def completion_response(state, results: list[list[RequestOutput]], echo: list[st
                                                              shown.prompt_logprobs)
         choices.append(choice)
         for key, value in _usage(outputs).items():
-            usage[key] += value
+            totals[key] += value
+    usage = usage or totals
     request_id = results[0][-1].request_id if results and results[0] else "cmpl"
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name, "choices": choices, "usage": usage}
@@ -139,18 +141,20 @@ def completion_chunk(state, request_id: str, output: RequestOutput, prefix: str)
             "model": state.model_name, "choices": [choice]}
 
 
-def chat_response(state, request_id: str, outputs: list[RequestOutput], prompt_logprobs: int | None = None) -> dict:
-    entries = [e for o in outputs for e in o.logprobs]
-    choice = {
-        "index": 0,
+def chat_response(state, request_id: str, results: list[list[RequestOutput]], prompt_logprobs: int | None = None,
+                  usage: dict | None = None) -> dict:
+    """One choice per entry of `results` (n of them); `usage` default: the first choice's."""
+    choices = [{
+        "index": index,
         "message": {"role": "assistant", "content": "".join(o.text for o in outputs)},
-        "logprobs": _chat_logprobs(state.tokenizer, entries),
+        "logprobs": _chat_logprobs(state.tokenizer, [e for o in outputs for e in o.logprobs]),
         "finish_reason": outputs[-1].finish_reason if outputs else "abort",
-    }
+    } for index, outputs in enumerate(results)]
     response = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
-                "model": state.model_name, "choices": [choice], "usage": _usage(outputs)}
+                "model": state.model_name, "choices": choices, "usage": usage or _usage(results[0])}
     if prompt_logprobs is not None:  # vLLM's field, beside the choices
-        response["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, _prompt_entries(outputs), prompt_logprobs)
+        response["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, _prompt_entries(results[0]),
+                                                           prompt_logprobs)
     return response
 
 

@@ -54,8 +54,8 @@ class _Common(BaseModel):
         """Ranges and unsupported fields; 400 naming the field."""
         validation.check_bounds(self.__dict__)
         validation.refuse_unsupported(self.model_extra or {})
-        if self.n != 1:
-            raise InvalidRequest(f"n={self.n}: only n=1 is supported", "n")
+        if self.stream and self.n > 1:
+            raise InvalidRequest(f"n={self.n}: streaming returns one choice; use stream=false for n > 1", "n")
         if self.stream and self.prompt_logprobs is not None:
             raise InvalidRequest("prompt_logprobs is not supported with stream=true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
@@ -102,9 +102,14 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
 
     def check(self) -> None:
         super().check()
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequest(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.stream and (self.best_of or 1) > 1:
+            raise InvalidRequest("best_of > 1 cannot be streamed", "best_of")
         if self.stream and self.echo and self.logprobs is not None:
             raise InvalidRequest("echo with logprobs is not supported with stream=true", "echo")
 

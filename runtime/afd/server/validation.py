@@ -79,6 +79,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "top_k": (-1, INT32_MAX),
     "seed": SEED_RANGE,
     "n": (1, 128),
+    "best_of": (1, 128),
     "max_tokens": (1, INT64_MAX),  # the context length bounds it further, with its own message
     "max_completion_tokens": (1, INT64_MAX),
     "logprobs": (0, MAX_LOGPROBS),
@@ -120,7 +121,7 @@ _WHY = {
     "response_format": "structured output is not supported; only {'type': 'text'}",
     "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
-    "best_of": "only 1 is supported",
+    "best_of": "best_of is for /v1/completions",
     "suffix": "insertion is not supported",
 }
 
