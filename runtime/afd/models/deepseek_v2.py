@@ -8,7 +8,7 @@ from torch import nn
 from afd.models.attention import (AttentionBatch, cached_attention, one_token_attention, prompts_attention,
                                   single_tokens)
 from afd.models.base import DecoderLayer, MoECausalLM
-from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_pairs, yarn_mscale
+from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_pairs, fused_glue, yarn_mscale
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters
 
 
@@ -49,7 +49,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = qk_dim**-0.5
         if self.rope["rope_type"] != "default" and self.rope.get("mscale_all_dim"):
             self.scale *= yarn_mscale(self.rope["factor"], self.rope["mscale_all_dim"]) ** 2
-        self.rotary = Rotary(self.rope, self.rope_dim)
+        self.rotary = Rotary(self.rope, self.rope_dim, int(config.get("max_position_embeddings") or 0))
         self.kv_layout = KVLayout(1, self.kv_lora_rank + self.rope_dim, self.kv_lora_rank, values_in_keys=True)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +62,17 @@ class MultiHeadLatentAttention(nn.Module):
         rotary key, None: the values are the latent part of the keys)."""
         tokens = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        table = self.rotary.table(x.device) if fused_glue(x) else None
+        if table is not None:  # in place on the projections' fresh outputs: 3 launches instead of ~30
+            from afd.kernels.norm_rope import rms_norm, rope_
+
+            query, row = q.view(tokens, self.heads, -1), self.kv_a_proj_with_mqa(x)  # [T, heads, nope + rope], [T, latent + rope]
+            rope_(query[..., self.nope_dim :], positions, *table, interleaved=True)
+            latent = row[:, : self.kv_lora_rank]
+            rms_norm(latent, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, out=latent)
+            key = row.view(tokens, 1, -1)
+            rope_(key[..., self.kv_lora_rank :], positions, *table, interleaved=True)
+            return query, key, None
         q_nope, q_pe = q.view(tokens, self.heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         cos, sin = self.rotary(positions)

@@ -7,7 +7,7 @@ from torch import nn
 
 from afd.models.attention import AttentionBatch, cached_attention
 from afd.models.base import DecoderLayer, MoECausalLM
-from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_halves
+from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_halves, fused_glue
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters
 
 
@@ -32,7 +32,7 @@ class GroupedQueryAttention(nn.Module):
         self.rope_dim = int(self.head_dim * self.rope.get("partial_rotary_factor", 1.0))
         if self.rope_dim != self.head_dim:
             raise ValueError("partial_rotary_factor < 1 is not supported for qwen3_moe")
-        self.rotary = Rotary(self.rope, self.head_dim)
+        self.rotary = Rotary(self.rope, self.head_dim, int(config.get("max_position_embeddings") or 0))
         self.kv_layout = KVLayout(self.kv_heads, self.head_dim, self.head_dim)
         self.scale = self.head_dim**-0.5
 
@@ -42,6 +42,11 @@ class GroupedQueryAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(tokens, self.heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(tokens, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
+        table = self.rotary.table(x.device) if fused_glue(x) else None
+        if table is not None:  # in place on the norms' fresh outputs: one launch each instead of ~12
+            from afd.kernels.norm_rope import rope_
+
+            return rope_(q, positions, *table, interleaved=False), rope_(k, positions, *table, interleaved=False), v
         cos, sin = self.rotary(positions)
         return apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v
 
