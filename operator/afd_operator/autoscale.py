@@ -31,7 +31,7 @@ PROPORTIONAL = ("waitingPerGroup", "kvCacheUsage")  # signals that grow with the
 LATENCIES = ("ttftP90Seconds", "itlP90Seconds")
 # Written as null when they do not apply: the status is merge-patched, and only null removes a key.
 OPTIONAL = ("signal", "lastDecisionTime", "lastSampleTime", "missedSince", "roomSince", "observed",
-            "saturationConcurrencyPerGroup")
+            "saturationConcurrencyPerGroup", "saturationTopology")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Groups:
     serving: int  # existing groups that are not leaving
     warming: int = 0  # of those, not Ready yet
     draining: int = 0  # groups leaving
+    shape: str = ""  # the groups' topology (a group of another shape carries another load)
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,13 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
     misses = {name: signals[name] / target for name, target in targets.items()
               if name in signals and signals[name] > target}
     saturation = previous.get("saturationConcurrencyPerGroup")
+    if saturation is not None and previous.get("saturationTopology") != groups.shape:  # spec.ratio changed the groups
+        saturation = status["saturationConcurrencyPerGroup"] = status["saturationTopology"] = None
     room, binding = _room(policy, load, signals, targets, saturation)
     status |= {
         "lastSampleTime": format_time(math.floor(load.at)),
         "observed": {k: round(v, 4) for k, v in signals.items()} | {
             "concurrencyPerGroup": round(load.concurrency_per_group, 3)},
-        "saturationConcurrencyPerGroup": saturation,
     }
     hold = _hold(policy, groups, previous, now)
     if hold:  # the windows restart once the groups have settled
@@ -104,7 +106,8 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
             wanted = math.ceil(load.groups * max(proportional)) if proportional else before + 1
             after = policy.clamp(max(before + 1, wanted))
             if any(name in LATENCIES for name in misses):  # what a group was seen to carry, missing a latency
-                status["saturationConcurrencyPerGroup"] = round(load.concurrency_per_group, 3)
+                status |= {"saturationConcurrencyPerGroup": round(load.concurrency_per_group, 3),
+                           "saturationTopology": groups.shape}
             return _changed(status, before, after, worst, f"{what} for {now - missed_since:.0f}s", now, "AutoscaleUp")
         return Decision(before, status)
     if room_since is not None:

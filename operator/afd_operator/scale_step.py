@@ -10,6 +10,9 @@ A group leaves in three steps, so no request fails:
    out of the client Service, while the rank serves on and finishes what it runs;
 3. once no attention pod of it is Ready and a scrape taken after the drain began shows no
    request running or waiting on it (or `drainTimeoutSeconds` has passed), it is deleted.
+
+With `afd.attentionEngine: vllm` (whose server has no `/drain`) the group is deleted at once and
+its pods' preStop sleep and shutdown grace are all the drain there is.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def scale_step(spec: AFDDeploymentSpec, views: list[GroupView], memories: dict[i
         ready = [v.state.index for v in staying if v.state.ready]
         missing = [i for i in ready if i not in service]
         load = load_of({i: service[i] for i in ready}) if ready and not missing else None
-        groups = Groups(len(staying), sum(not v.state.ready for v in staying), len(draining))
+        groups = Groups(len(staying), sum(not v.state.ready for v in staying), len(draining), str(spec.topology))
         decision = decide(policy, load, previous, groups, spec.replicas, now)
         step.status, desired = decision.status, decision.desired
         if load is None and decision.event is None and not decision.status["reason"].startswith("holding"):
@@ -74,7 +77,9 @@ def scale_step(spec: AFDDeploymentSpec, views: list[GroupView], memories: dict[i
         sample = service[index][-1] if service.get(index) else None
         idle = sample is not None and sample.at > since and sample.in_flight == 0
         timed_out = now - since >= policy.drain_timeout_seconds
-        if not ready and (idle or timed_out or not attention):
+        if spec.afd.attention_engine == "vllm":  # vLLM's server has no /drain: its pods' preStop sleep is all
+            step.deletes.append(Action("delete", index, reason="ScaleDown (vLLM attention ranks: preStop only)"))
+        elif not ready and (idle or timed_out or not attention):
             why = "drained" if idle or not attention else f"drain timed out after {now - since:.0f}s"
             step.deletes.append(Action("delete", index, reason=f"ScaleDown ({why})"))
         else:

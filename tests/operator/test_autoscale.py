@@ -90,8 +90,9 @@ def run(policy, loads, groups=Groups(1), start=None):
 
 
 def test_up_only_after_the_target_is_missed_for_the_whole_window():
-    decisions = run(POLICY, [load(t, 2.0) for t in (0, 15, 30, 45, 60)])
+    decisions = run(POLICY, [load(t, 2.0) for t in (0, 15, 30, 45, 60)], Groups(1, shape="2A1F"))
     assert [d.desired for d in decisions] == [1, 1, 1, 1, 2]
+    assert decisions[-1].status["saturationTopology"] == "2A1F"
     assert decisions[-1].event[1] == "AutoscaleUp" and "ttftP90Seconds 2 > target 1" in decisions[-1].event[2]
     assert decisions[-1].status["signal"] == "ttftP90Seconds"
     assert decisions[-1].status["saturationConcurrencyPerGroup"] == 4.0
@@ -132,10 +133,14 @@ def test_down_only_when_the_load_fits_in_one_group_fewer_for_the_window():
 
 def test_down_is_refused_where_the_projected_load_passes_the_load_that_added_a_group():
     # a group was added at 4 requests per group: 2 groups x 3 requests would be 6 per group in one
-    start = {"desiredGroups": 2, "saturationConcurrencyPerGroup": 4.0}
-    decisions = run(POLICY, [load(t, 0.2, groups=2, concurrency=3.0) for t in range(0, 300, 15)], Groups(2), start)
+    start = {"desiredGroups": 2, "saturationConcurrencyPerGroup": 4.0, "saturationTopology": "2A1F"}
+    quiet = [load(t, 0.2, groups=2, concurrency=3.0) for t in range(0, 300, 15)]
+    decisions = run(POLICY, quiet, Groups(2, shape="2A1F"), start)
     assert {d.desired for d in decisions} == {2}
     assert "concurrencyPerGroup would be 6" in decisions[-1].status["reason"]
+    # spec.ratio has since made the groups 4A1F: what a 2A1F group carried says nothing of them
+    reshaped = run(POLICY, quiet, Groups(2, shape="4A1F"), start)
+    assert reshaped[-1].desired == 1 and reshaped[0].status["saturationConcurrencyPerGroup"] is None
 
 
 def test_kv_use_is_projected_onto_the_remaining_groups():

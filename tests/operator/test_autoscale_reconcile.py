@@ -111,6 +111,14 @@ def test_a_ready_rank_of_a_draining_group_is_asked_again():
     assert drained == [("demo-g1-attn-1", 9090)] and store.deleted == []
 
 
+def test_vllm_attention_ranks_have_no_drain_endpoint_so_the_group_goes_at_once():
+    cr = body([0, 1], {"desiredGroups": 1}, draining=(1,))
+    cr["spec"]["afd"] = {"attentionEngine": "vllm"}
+    outcome, store, drained = step(cr, pods(0) + pods(1, ip="10.0.0.2"), NOW, service([0, 1], NOW))
+    deletes = [(a.index, a.reason) for a in outcome.actions if a.kind == "delete"]  # (group 0 rolls: a new revision)
+    assert drained == [] and deletes == [(1, "ScaleDown (vLLM attention ranks: preStop only)")]
+
+
 def test_new_groups_never_take_a_draining_groups_index():
     plan = plan_groups(Desired(replicas=2, revision="r", reserved=frozenset({1})), [GroupState(0, "r", ready=True)], NOW)
     assert [(a.kind, a.index) for a in plan.actions] == [("create", 2)]
