@@ -44,6 +44,10 @@ MOE_SHAPES = {
                              inter=V2_LITE["moe_intermediate_size"], norm_topk_prob=False, fp32_logits=True),
     "qwen3-30b-a3b": dict(routed=128, shared=0, top_k=8, hidden=2048, inter=768, norm_topk_prob=True,
                           fp32_logits=False),  # as afd.models.qwen3_moe builds it: a bf16 router
+    # DeepSeek-V3's (https://huggingface.co/deepseek-ai/DeepSeek-V3 config.json): 256 routed + 1 shared, top-8,
+    # noaux_tc routing over 8 groups keeping 4, normalized, scaled by 2.5
+    "deepseek-v3": dict(routed=256, shared=1, top_k=8, hidden=7168, inter=2048, norm_topk_prob=True,
+                        fp32_logits=True, n_group=8, topk_group=4, routed_scaling_factor=2.5),
 }
 
 

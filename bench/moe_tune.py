@@ -2,6 +2,7 @@
 
     python3 bench/moe_tune.py [--shape deepseek-v2-lite|qwen3-30b-a3b] [--tokens 1,16,64] [--workers 12]
     python3 bench/moe_tune.py --kernels down --tokens 1024,4096   # re-tune one kernel, keep the rest of each row
+    python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 64,256,1024,4096 --deadline 120   # FP8 experts
 
 Every candidate of each kernel (gate_up, down) is compiled first in parallel worker
 processes (Triton's on-disk cache then serves the timing process), then timed alone
@@ -15,7 +16,9 @@ run-time argument). `legacy` times are the best of the old search space
 (layout tiles, column-major order, pointer loads, no GATHER, one program per job) on today's code.
 The new rows are merged into the table in `runtime/afd/kernels/configs/` (read by
 `afd.kernels.moe.config_table`; token counts not tuned now keep their rows) and go to
-$OUT; a table of the winners is printed.
+$OUT; a table of the winners is printed. `--fp8` tunes FP8 experts (e4m3, 128×128 block scales, tokens and
+SiLU·up quantized per 128 columns) over a smaller space (gate_up's BLOCK_N 128, BLOCK_K 128 or 64) into
+their own table; `--deadline` stops before a token count once that many seconds of timing have passed.
 """
 
 from __future__ import annotations
@@ -75,8 +78,18 @@ def load_options(kernel: str, block_m: int, tma: bool) -> list[dict]:
             and (not one_dot or option["TMA"])]
 
 
-def candidates(kernel: str, block_m: int, tma: bool) -> list[dict]:
-    """Settings tried for `kernel` at a tile height: small tiles stream weights, large ones feed the tensor cores."""
+def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[dict]:
+    """Settings tried for `kernel` at a tile height: small tiles stream weights, large ones feed the tensor cores.
+    FP8: gate_up's columns in blocks of 128 (its epilogue quantizes per 128), steps of 128 or 64 (one scale group),
+    down 64 or 128 columns; TMA or pointers, persistent or not, as for bf16."""
+    if fp8:
+        if kernel == "gate_up":
+            space = itertools.product((128,), (128, 64) if block_m <= 32 else (128,), (4, 8), (3, 4))
+        else:
+            space = itertools.product((64, 128), (128,), (4, 8), (3, 4))
+        return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads)
+                for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))
+                if not (w == 8 and block_m < 64)]
     if block_m <= 32:
         space = itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
@@ -101,17 +114,21 @@ def cfg_key(kernel: str, cfg: dict) -> tuple:
 class Problem:
     """One token count's routing and buffers, for timing either kernel under any setting."""
 
-    def __init__(self, gate_up, down, num_shared: int, top_k: int, tokens: int, seed: int = 0):
-        from afd.kernels import moe_align, moe_triton
+    def __init__(self, gate_up, down, num_shared: int, top_k: int, tokens: int, seed: int = 0, scales=None):
+        from afd.kernels import fp8_gemm, moe_align, moe_triton
 
         self.moe_align, self.moe_triton = moe_align, moe_triton
         self.gate_up, self.down, self.num_shared = gate_up, down, num_shared
+        self.scales = scales  # FP8: (gate_up_scale, down_scale)
         experts, hidden, inter = down.shape
         generator = torch.Generator(device="cuda").manual_seed(seed)
         scores = torch.rand(tokens, experts - num_shared, device="cuda", generator=generator)
         self.weights, self.ids = scores.topk(top_k, dim=-1)
         self.weights = self.weights.to(torch.bfloat16)
         self.x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", generator=generator)
+        self.x_scale = None
+        if scales is not None:  # the kernels read the tokens quantized (per_token_group_quant runs once per layer)
+            self.x, self.x_scale = fp8_gemm.per_token_group_quant(self.x)
         self.top_k, self.slots = top_k, top_k + num_shared
         self.num_pairs = tokens * self.slots
         self.layouts = {}
@@ -121,38 +138,54 @@ class Problem:
         if block_m not in self.layouts:
             layout = self.moe_align.align(self.ids, self.num_shared, self.down.shape[0], block_m)
             rows = layout.pairs.shape[0]
-            act = torch.randn(rows, self.inter, dtype=torch.bfloat16, device="cuda")
+            act = torch.randn(rows, self.inter, dtype=torch.bfloat16, device="cuda").to(self.x.dtype)
             out = torch.empty(self.num_pairs, self.hidden, dtype=torch.bfloat16, device="cuda")
-            x_rows = torch.empty(rows, self.hidden, dtype=torch.bfloat16, device="cuda")  # for GATHER
-            self.layouts[block_m] = (layout, act, out, x_rows)
+            x_rows = torch.empty(rows, self.hidden, dtype=self.x.dtype, device="cuda")  # for GATHER
+            act_scale = torch.rand(rows, self.inter // 128, device="cuda") * 1e-2 if self.scales else None
+            self.layouts[block_m] = (layout, act, out, x_rows, act_scale)
         return self.layouts[block_m]
 
     def launcher(self, kernel: str, block_m: int, cfg: dict):
-        layout, act, out, x_rows = self.layout(block_m)
+        layout, act, out, x_rows, act_scale = self.layout(block_m)
+        gate_up_scale, down_scale = self.scales or (None, None)
         if kernel == "gate_up":
+            scales = {"x_scale": self.x_scale, "w_scale": gate_up_scale, "act_scale": act_scale} if self.scales else {}
             return lambda: self.moe_triton.launch_gate_up(
-                self.x, self.gate_up, act, layout, self.num_pairs, self.slots, block_m, cfg, x_rows)
+                self.x, self.gate_up, act, layout, self.num_pairs, self.slots, block_m, cfg, x_rows, **scales)
+        scales = {"act_scale": act_scale, "w_scale": down_scale} if self.scales else {}
         return lambda: self.moe_triton.launch_down(
-            act, self.down, out, layout, self.weights, self.num_pairs, self.top_k, self.slots, block_m, cfg)
+            act, self.down, out, layout, self.weights, self.num_pairs, self.top_k, self.slots, block_m, cfg, **scales)
 
 
-def random_experts(shape: dict):
-    """Random bf16 expert weights of `shape` (a `MOE_SHAPES` entry), shared experts last."""
-    experts, hidden, inter = shape["routed"] + shape["shared"], shape["hidden"], shape["inter"]
+def random_experts(shape: dict, fp8: bool = False, max_routed: int | None = None):
+    """Random expert weights of `shape` (a `MOE_SHAPES` entry), shared experts last: (gate_up, down) bf16, or with
+    `fp8` e4m3 with random block scales ((gate_up_scale, down_scale) third). `max_routed` caps the routed experts
+    (a compile worker needs the shapes, not every expert)."""
+    routed = min(shape["routed"], max_routed or shape["routed"])
+    experts, hidden, inter = routed + shape["shared"], shape["hidden"], shape["inter"]
     gate_up = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02
     down = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02
-    return gate_up, down
+    if not fp8:
+        return gate_up, down, None
+    blocks = -(-hidden // 128), inter // 128
+    scales = (torch.rand(experts, 2 * blocks[1], blocks[0], device="cuda") * 1e-3,
+              torch.rand(experts, *blocks, device="cuda") * 1e-3)
+    return (gate_up * 1e3).to(torch.float8_e4m3fn), (down * 1e3).to(torch.float8_e4m3fn), scales
 
 
-def compile_jobs(shape_and_jobs: tuple[str, list]) -> list:
+COMPILE_ROUTED = 16  # routed experts of a compile worker's FP8 problem (the variants do not depend on the count)
+
+
+def compile_jobs(shape_and_jobs: tuple) -> list:
     """Worker: run each (kernel, layout block_m, cfg, tokens) once so Triton compiles and caches it."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-    shape_name, jobs = shape_and_jobs
+    shape_name, fp8, jobs = shape_and_jobs
     shape = MOE_SHAPES[shape_name]
-    gate_up, down = random_experts(shape)
+    gate_up, down, scales = random_experts(shape, fp8, COMPILE_ROUTED if fp8 else None)
     problems, failed = {}, []
     for kernel, block_m, cfg, tokens in jobs:
-        problem = problems.setdefault(tokens, Problem(gate_up, down, shape["shared"], shape["top_k"], tokens))
+        problem = problems.setdefault(tokens, Problem(gate_up, down, shape["shared"], shape["top_k"], tokens,
+                                                      scales=scales))
         try:
             problem.launcher(kernel, block_m, cfg)()
             torch.cuda.synchronize()
@@ -162,18 +195,18 @@ def compile_jobs(shape_and_jobs: tuple[str, list]) -> list:
 
 
 def precompile(shape_name: str, layouts: set[int], kernels: tuple[str, ...], workers: int, tma: bool,
-               one_token: bool) -> set:
+               one_token: bool, fp8: bool = False) -> set:
     """Compile every candidate of `kernels` over the layouts' block-Ms in parallel; returns the `cfg_key`s
     that failed."""
     jobs = []
     for block_m in sorted({sub for layout_m in layouts for sub in kernel_block_ms(layout_m)}):
         for kernel in kernels:
-            for cfg in candidates(kernel, block_m, tma):
+            for cfg in candidates(kernel, block_m, tma, fp8):
                 jobs.append((kernel, block_m, cfg, 64))  # the variant does not depend on the layout: the smallest
                 if block_m == 16 and one_token:
                     jobs.append((kernel, block_m, cfg, 1))  # odd pair counts specialise differently
     started = time.monotonic()
-    chunks = [(shape_name, jobs[i::workers]) for i in range(workers)]
+    chunks = [(shape_name, fp8, jobs[i::workers]) for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         results = pool.map(compile_jobs, chunks)
     failures = [failure for chunk in results for failure in chunk]
@@ -183,13 +216,14 @@ def precompile(shape_name: str, layouts: set[int], kernels: tuple[str, ...], wor
     return {cfg_key(kernel, cfg) for kernel, cfg, _ in failures}
 
 
-def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: bool) -> tuple[float, dict, float]:
+def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: bool,
+                fp8: bool = False) -> tuple[float, dict, float]:
     """(ms, settings) of the fastest candidate of `kernel` over the layout `layout_m`, and the legacy best ms."""
     def timed(cfg: dict, iters: int = 10) -> tuple[float, dict]:
         return time_graph(problem.launcher(kernel, layout_m, cfg), iters=iters), cfg
 
     times = [timed({**cfg, "GROUP_M": group_m}) for sub in kernel_block_ms(layout_m)
-             for cfg in candidates(kernel, sub, tma) if cfg_key(kernel, cfg) not in failed
+             for cfg in candidates(kernel, sub, tma, fp8) if cfg_key(kernel, cfg) not in failed
              for group_m in (0, FIRST_GROUP_M)]
     legacy = min((ms for ms, cfg in times if is_legacy(cfg, layout_m)), default=float("nan"))
     leaders = {}  # the three fastest settings, whatever their order
@@ -203,7 +237,8 @@ def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: 
     return ms, cfg, legacy
 
 
-def tune(problem: Problem, tokens: int, failed: set, tma: bool, kernels: tuple[str, ...], kept: dict | None) -> dict:
+def tune(problem: Problem, tokens: int, failed: set, tma: bool, kernels: tuple[str, ...], kept: dict | None,
+         fp8: bool = False) -> dict:
     """The best settings for one token count, with their times: `kernels` tuned over every layout, or — when
     `kept` (the table's row) is given — over its layout, the other kernel keeping its setting (timed again)."""
     best = None
@@ -213,7 +248,7 @@ def tune(problem: Problem, tokens: int, failed: set, tma: bool, kernels: tuple[s
         for kernel in KERNELS:
             if kernel in kernels:
                 entry[f"{kernel}_ms"], entry[kernel], entry[f"{kernel}_legacy_ms"] = tune_kernel(
-                    problem, kernel, block_m, failed, tma)
+                    problem, kernel, block_m, failed, tma, fp8)
             else:
                 entry[kernel], entry[f"{kernel}_legacy_ms"] = kept[kernel], kept.get(f"{kernel}_legacy_ms")
                 entry[f"{kernel}_ms"] = time_graph(problem.launcher(kernel, block_m, kept[kernel]), iters=10)
@@ -241,6 +276,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help="the kernels to tune; one alone keeps the table's layout and the other kernel's setting")
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts (block scales), into their own table")
+    parser.add_argument("--deadline", type=float, default=0,
+                        help="seconds of timing after which no further token count is started (0: none)")
     args = parser.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
     kernels = tuple(args.kernels.split(","))
@@ -252,10 +290,10 @@ def main() -> None:
     shape = MOE_SHAPES[args.shape]
     num_shared, top_k = shape["shared"], shape["top_k"]
     slots = top_k + num_shared
-    gate_up, down = random_experts(shape)
+    gate_up, down, scales = random_experts(shape, args.fp8)
     experts, hidden, inter = down.shape
     device = torch.cuda.get_device_name()
-    name = config_name(experts, hidden, inter, device)
+    name = config_name(experts, hidden, inter, device, args.fp8)
     path = CONFIG_DIR / name
     kept = json.loads(path.read_text())["configs"] if path.is_file() else {}  # token counts not tuned this time
     partial = set(kernels) != set(KERNELS)
@@ -265,25 +303,29 @@ def main() -> None:
                else {bm for t in sizes for bm in block_ms(t, slots, experts)})
     tma = tma_supported(down.device)
     print(f"TMA descriptors {'tried' if tma else 'not available here'}", flush=True)
-    failed = precompile(args.shape, layouts, kernels, args.workers, tma, 1 in sizes)
+    failed = precompile(args.shape, layouts, kernels, args.workers, tma, 1 in sizes, args.fp8)
     table, started = {}, time.monotonic()
     for tokens in sizes:
-        problem = Problem(gate_up, down, num_shared, top_k, tokens)
-        table[tokens] = tune(problem, tokens, failed, tma, kernels, kept[str(tokens)] if partial else None)
+        if args.deadline and time.monotonic() - started > args.deadline:
+            print(f"deadline: {tokens} tokens and after not tuned", flush=True)
+            break
+        problem = Problem(gate_up, down, num_shared, top_k, tokens, scales=scales)
+        table[tokens] = tune(problem, tokens, failed, tma, kernels, kept[str(tokens)] if partial else None, args.fp8)
         row = table[tokens]
         print(f"tokens {tokens:>5}: BM {row['BLOCK_M']:>3} " + " | ".join(
             f"{kernel} {row[f'{kernel}_ms']:.3f} ms (legacy {row[f'{kernel}_legacy_ms'] or float('nan'):.3f}) "
             f"{describe(row[kernel])}" for kernel in KERNELS) + f" | align {row['align_ms']:.3f} ms", flush=True)
-        document = save_table(path, kept, table, device)  # after each token count: a cut-off run keeps its rows
+        document = save_table(path, kept, table, device, args.fp8)  # after each token count: a cut-off run keeps its rows
     print(f"timed in {time.monotonic() - started:.0f} s")
-    write_json("moe_tune" if args.shape == "deepseek-v2-lite" else f"moe_tune-{args.shape}", {"file": name, **document})
+    json_name = "moe_tune" if args.shape == "deepseek-v2-lite" else f"moe_tune-{args.shape}"
+    write_json(json_name + ("-fp8" if args.fp8 else ""), {"file": name, **document})
     print(f"wrote {path}")
 
 
-def save_table(path: Path, kept: dict, table: dict, device: str) -> dict:
+def save_table(path: Path, kept: dict, table: dict, device: str, fp8: bool = False) -> dict:
     """Write the table file: `kept`'s rows with this run's rows merged in; returns its document."""
     configs = {**kept, **{str(tokens): row for tokens, row in table.items()}}
-    document = {"device": device, "torch": torch.__version__,
+    document = {"device": device, "torch": torch.__version__, **({"fp8": True} if fp8 else {}),
                 "configs": dict(sorted(configs.items(), key=lambda item: int(item[0])))}
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(document, indent=1) + "\n")

@@ -7,15 +7,19 @@ import torch
 
 from afd.connector.tensors import pack_rows, unpack_rows
 from afd.connector.wire import ProtocolError
-from afd.kernels.moe import CONFIG_DIR, DEFAULT_CONFIGS, config_name, config_table, pick_config
+from afd.kernels.moe import CONFIG_DIR, DEFAULT_CONFIGS, FP8_DEFAULT_CONFIGS, config_name, config_table, pick_config
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
 OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT"}  # newer tables: a kernel's own tile
 # height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot, a persistent grid
 
 
-def assert_kernel_entry(kernel: dict, layout_m: int) -> None:
+def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:
+    """`fp8`: the kernel's name when the table is for FP8 experts (BLOCK_K divides 128; gate_up's BLOCK_N is a
+    multiple of 128)."""
     assert KERNEL_KEYS <= set(kernel) <= KERNEL_KEYS | OPTIONAL_KEYS
+    if fp8:
+        assert 128 % kernel["BLOCK_K"] == 0 and (fp8 != "gate_up" or kernel["BLOCK_N"] % 128 == 0)
     block_m = kernel.get("BLOCK_M", layout_m)
     assert block_m >= 16 and layout_m % block_m == 0  # a kernel tile lies inside one layout tile: one expert
     assert isinstance(kernel.get("GROUP_M", 0), int) and kernel.get("GROUP_M", 0) >= 0
@@ -38,19 +42,29 @@ def test_an_unknown_device_gets_the_defaults():
 def test_every_committed_table_is_complete(path):
     document = json.loads(path.read_text())
     experts, hidden, inter = (int(part[1:]) for part in path.stem.split("_")[:3])
-    assert config_name(experts, hidden, inter, document["device"]) == path.name
-    table = config_table(experts, hidden, inter, document["device"])
-    assert table is not DEFAULT_CONFIGS and 1 in table
+    fp8 = document.get("fp8", False)
+    assert config_name(experts, hidden, inter, document["device"], fp8) == path.name
+    table = config_table(experts, hidden, inter, document["device"], fp8)
+    assert table is not DEFAULT_CONFIGS and table is not FP8_DEFAULT_CONFIGS
+    assert 1 in table or fp8  # FP8 tables are tuned from 64 tokens; the nearest row serves fewer
     for tokens, entry in table.items():
         assert entry["BLOCK_M"] in (16, 32, 64, 128), tokens
-        assert_kernel_entry(entry["gate_up"], entry["BLOCK_M"])
-        assert_kernel_entry(entry["down"], entry["BLOCK_M"])
+        assert_kernel_entry(entry["gate_up"], entry["BLOCK_M"], "gate_up" if fp8 else "")
+        assert_kernel_entry(entry["down"], entry["BLOCK_M"], "down" if fp8 else "")
         assert "GATHER" not in entry["down"] and "ONE_DOT" not in entry["down"], tokens  # gate_up's options
 
 
 def test_defaults_are_complete():
     for entry in DEFAULT_CONFIGS.values():
         assert set(entry["gate_up"]) == KERNEL_KEYS and set(entry["down"]) == KERNEL_KEYS
+    for entry in FP8_DEFAULT_CONFIGS.values():
+        assert_kernel_entry(entry["gate_up"], entry["BLOCK_M"], "gate_up")
+        assert_kernel_entry(entry["down"], entry["BLOCK_M"], "down")
+
+
+def test_fp8_experts_have_tables_of_their_own():
+    assert config_name(257, 7168, 2048, "NVIDIA H200", fp8=True) == "E257_H7168_I2048_fp8_NVIDIA_H200.json"
+    assert config_table(128, 2048, 768, "Some GPU", fp8=True) is FP8_DEFAULT_CONFIGS
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -66,9 +66,13 @@ def config_name(num_experts: int, hidden: int, inter: int, device_name: str, fp8
     return f"E{num_experts}_H{hidden}_I{inter}_{'fp8_' if fp8 else ''}{device_name.replace(' ', '_')}.json"
 
 
-@functools.lru_cache(maxsize=None)
 def config_table(num_experts: int, hidden: int, inter: int, device_name: str, fp8: bool = False) -> dict[int, dict]:
-    """The tuned table for these shapes (and weight format) on this device, else the defaults."""
+    """The tuned table for these shapes (and weight format) on this device, else the defaults (read once)."""
+    return _read_table(num_experts, hidden, inter, device_name, bool(fp8))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_table(num_experts: int, hidden: int, inter: int, device_name: str, fp8: bool) -> dict[int, dict]:
     path = CONFIG_DIR / config_name(num_experts, hidden, inter, device_name, fp8)
     if not path.is_file():
         return FP8_DEFAULT_CONFIGS if fp8 else DEFAULT_CONFIGS

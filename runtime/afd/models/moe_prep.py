@@ -10,21 +10,24 @@ from afd.models.layers import MoE
 
 
 def fuse_shared_experts(moe) -> None:
-    """Fold `moe.shared_experts` (width n·I) into `moe.experts` as n extra experts; frees the MLP."""
+    """Fold `moe.shared_experts` (width n·I) into `moe.experts` as n extra experts; frees the MLP. FP8 experts
+    take FP8 shared projections (`Fp8Linear`) with their block scales; a mix of formats stays apart."""
     shared, experts = moe.shared_experts, moe.experts
     if shared is None or experts is None:
         return
     inter = experts.down.shape[2]
     width = shared.down_proj.weight.shape[1]
-    if width % inter or shared.gate_proj.bias is not None:
-        return  # not expressible as whole experts: keep the separate MLP
+    fp8 = experts.gate_up_scale is not None
+    if width % inter or shared.gate_proj.bias is not None or fp8 != hasattr(shared.down_proj, "weight_scale_inv"):
+        return  # not expressible as whole experts of the same format: keep the separate MLP
     count = width // inter
-    gate = shared.gate_proj.weight.view(count, inter, -1)  # [n, I, H]
-    up = shared.up_proj.weight.view(count, inter, -1)
-    down = shared.down_proj.weight.view(-1, count, inter).transpose(0, 1)  # [n, H, I]
     with torch.no_grad():  # both new tensors before either old one is freed (see below)
-        gate_up = torch.cat((experts.gate_up, torch.cat((gate, up), 1)))
-        down = torch.cat((experts.down, down.contiguous()))
+        gate_up = torch.cat((experts.gate_up, _rows(shared.gate_proj.weight, shared.up_proj.weight, count)))
+        down = torch.cat((experts.down, _columns(shared.down_proj.weight, count)))
+        if fp8:  # [n, 2I/128, H/128] and [n, H/128, I/128]: the projections' block scales cut the same way
+            experts.gate_up_scale = torch.cat((experts.gate_up_scale, _rows(
+                shared.gate_proj.weight_scale_inv, shared.up_proj.weight_scale_inv, count)))
+            experts.down_scale = torch.cat((experts.down_scale, _columns(shared.down_proj.weight_scale_inv, count)))
     experts.gate_up = torch.nn.Parameter(gate_up, requires_grad=False)
     experts.down = torch.nn.Parameter(down, requires_grad=False)
     experts.num_shared = count
@@ -35,6 +38,17 @@ def fuse_shared_experts(moe) -> None:
         torch.cuda.empty_cache()
 
 
+def _rows(gate: torch.Tensor, up: torch.Tensor, count: int) -> torch.Tensor:
+    """[n·R, C] gate and up → [n, 2R, C]: each of n experts' gate rows then its up rows (R whole scale blocks
+    for FP8)."""
+    return torch.cat((gate.view(count, -1, gate.shape[1]), up.view(count, -1, up.shape[1])), 1)
+
+
+def _columns(matrix: torch.Tensor, count: int) -> torch.Tensor:
+    """[R, n·C] → [n, R, C] (contiguous): a projection's column blocks as n experts'."""
+    return matrix.view(matrix.shape[0], count, -1).transpose(0, 1).contiguous()
+
+
 def warm_up(model: torch.nn.Module) -> int:
     """Compile and load the MoE kernels of every tuned token count before serving.
 
@@ -43,16 +57,26 @@ def warm_up(model: torch.nn.Module) -> int:
     transfers in flight that could stall both ends. Returns the number of sizes run.
     """
     moe = next((m for m in model.modules() if isinstance(m, MoE) and m.experts is not None), None)
-    if moe is None or not moe.experts.gate_up.is_cuda or moe.experts.gate_up.dtype not in (torch.bfloat16, torch.float16):
+    if moe is None or not moe.experts.gate_up.is_cuda:
         return 0
     experts = moe.experts
+    fp8 = experts.gate_up_scale is not None
+    dtype = _compute_dtype(model) if fp8 else experts.down.dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return 0
     num_experts, hidden, inter = experts.down.shape
     device = experts.down.device
-    sizes = sorted(device_table(device, num_experts, hidden, inter))
+    sizes = sorted(device_table(device, num_experts, hidden, inter, fp8))
     with torch.inference_mode():
         for tokens in sizes:
-            x = torch.zeros(tokens, hidden, dtype=experts.down.dtype, device=device)
+            x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
             logits = torch.randn(tokens, moe.routing.num_experts, device=device)
             moe.from_logits(x, logits)
     torch.cuda.synchronize(device)
     return len(sizes)
+
+
+def _compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the activations beside FP8 weights: the model's first bf16/fp16 parameter or buffer's."""
+    tensors = (*model.parameters(), *model.buffers())
+    return next((t.dtype for t in tensors if t.dtype in (torch.bfloat16, torch.float16)), None)
