@@ -11,7 +11,7 @@ from tests.runtime.test_models import monolithic_generate
 
 @pytest.mark.parametrize("name", ["qwen3_moe_fp8", "deepseek_v3_fp8"])
 def test_fp8_monolith_equals_transformers_on_the_dequantized_weights(name, checkpoints, hf_reference):
-    tokens, logits = hf_reference(f"{name}_dequantized")
+    tokens, logits = hf_reference(name)
     result = monolithic_generate(checkpoints[name])
     assert result.tokens == tokens
     assert max_relative_error(result.last_logits, logits) < 1e-4
@@ -124,3 +124,21 @@ def test_published_quantization_configs_are_written(checkpoints):
     v3 = json.loads((checkpoints["deepseek_v3_fp8"] / "config.json").read_text())["quantization_config"]
     assert v3 == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
     assert qwen["modules_to_not_convert"][0] == "lm_head" and "model.layers.1.mlp.gate" in qwen["modules_to_not_convert"]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_fp8"])
+def test_resident_bytes_of_the_roles_add_up_and_are_exported(name, checkpoints):
+    """Attention and FFN (gate on the FFN) partition the monolith's bytes; the exported gauge is the loader's count."""
+    from prometheus_client import CollectorRegistry
+
+    from afd.config import AFDConfig
+    from afd.metrics.wiring import export_resident_bytes
+    from afd.models.loader import load_model
+
+    path = str(checkpoints[name])
+    whole = load_model(path).resident_bytes
+    parts = [load_model(path, role).resident_bytes for role in ("attention", "ffn")]
+    assert sum(parts) == whole
+    registry = CollectorRegistry()
+    export_resident_bytes(registry, AFDConfig(role="ffn", rank=0, model=path), parts[1])
+    assert registry.get_sample_value("afd_weights_resident_bytes", {"role": "ffn", "rank": "0"}) == parts[1]

@@ -32,6 +32,22 @@ def test_loopback_split_equals_transformers(name, topology, stages, gate, checkp
     assert max_relative_error(result.last_logits, logits) < 1e-4
 
 
+# DeepSeek-V3 (query LoRA, expert groups, a dense first layer, YaRN, an MTP layer in the files) in float32
+# and as an FP8 checkpoint (transformers runs its dequantized copy): 1A1F, 2A1F, 3A2F, both stage counts,
+# the gate on either side; zmq and expert parallelism in test_expert_parallel's group cases
+V3_CASES = list(itertools.product(["deepseek_v3", "deepseek_v3_fp8"], ["1A1F", "2A1F", "3A2F"], [1, 2],
+                                  ["ffn", "attention"]))
+
+
+@pytest.mark.parametrize("name, topology, stages, gate", V3_CASES)
+def test_deepseek_v3_split_equals_transformers(name, topology, stages, gate, checkpoints, hf_reference):
+    tokens, logits = hf_reference(name)
+    config = loopback_config(checkpoints[name], topology, stages, gate, tag=f"{name}-")
+    result = generate_in_threads(config, PROMPTS, NEW_TOKENS, ignore_eos=True)
+    assert result.tokens == tokens
+    assert max_relative_error(result.last_logits, logits) < 1e-4
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_split_equals_our_monolithic_model(stages, checkpoints):
     from tests.runtime.test_models import monolithic_generate

@@ -203,7 +203,7 @@ def _cases() -> list[Case]:
         Case("logit-bias-10000", COMPLETIONS, {"logit_bias": {str(i): 1 for i in range(10_000)}}, 400, "logit_bias"),
         # fields we do not implement
         Case("logit-bias", COMPLETIONS, {"logit_bias": {"5": 100}}, 400, "logit_bias"),
-        Case("response-format", CHAT, {"response_format": {"type": "json_object"}}, 400, "response_format"),
+        Case("response-format", CHAT, {"response_format": {"type": "xml"}}, 400, "response_format"),
         Case("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         Case("best-of", COMPLETIONS, {"best_of": 2}, 400, "best_of"),
         Case("suffix", COMPLETIONS, {"suffix": "tail"}, 400, "suffix"),
@@ -318,7 +318,8 @@ def test_the_front_door_serves_every_ranks_metrics(up):
     text = httpx.get(f"{up.url}/metrics", timeout=TIMEOUT).text
     for needle in ('afd_front_requests_total{status="4xx"}', 'afd_front_scrape_up{target="ffn-0"} 1.0',
                    'afd_requests_running{rank="0",role="attention"}', 'afd_rejected_messages_total{rank="0",reason="control",role="ffn"} 0.0',
-                   'afd_peer_up{peer="0",rank="0",role="ffn"}'):
+                   'afd_peer_up{peer="0",rank="0",role="ffn"}', 'afd_weights_resident_bytes{rank="0",role="attention"}',
+                   'afd_weights_resident_bytes{rank="0",role="ffn"}'):
         assert needle in text, needle
     assert text.count("# TYPE afd_step_duration_seconds histogram") == 1  # one family, both roles' series
 

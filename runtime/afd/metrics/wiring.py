@@ -18,6 +18,13 @@ def export_group_info(registry: CollectorRegistry, config: AFDConfig) -> None:
                                     connector=config.connector).set(1)
 
 
+def export_resident_bytes(registry: CollectorRegistry, config: AFDConfig, resident_bytes: int) -> None:
+    """`afd_weights_resident_bytes{role,rank}`: the model bytes this rank holds (weights, FP8 scales, norms; an
+    expert-parallel FFN shard's series also carry its `shard`), as the loader counted them."""
+    Gauge("afd_weights_resident_bytes", "Bytes of model weights (FP8 scales included) resident on this rank",
+          ["role", "rank"], registry=registry).labels(role=config.role, rank=str(config.rank)).set(resident_bytes)
+
+
 def attention_instruments(registry: CollectorRegistry, config: AFDConfig, device) -> StepInstruments:
     """The per-layer series of an attention rank, to build its runner with."""
     export_group_info(registry, config)

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from afd.config import AFDConfig
 from afd.metrics.expert_load import shard_labelled
-from afd.metrics.wiring import ffn_instruments, watch_ffn
-from afd.roles import build_ffn
+from afd.metrics.wiring import export_resident_bytes, ffn_instruments, watch_ffn
+from afd.roles import assemble_ffn, load_share
 from afd.runners.device import resolve_device
 from afd.runners.ffn_worker import MIN_STALL_S
 from afd.server.probe_http import Probes, start_probe_server
@@ -21,8 +21,10 @@ log = logging.getLogger(__name__)
 def serve_ffn(config: AFDConfig, stop: threading.Event) -> int:
     """Serve FFN rank `config.rank` until `stop` is set; the exit code."""
     registry = CollectorRegistry()
-    worker = build_ffn(config, ffn_instruments(registry, config, resolve_device(config)))
+    share = load_share(config)
+    worker = assemble_ffn(config, share, ffn_instruments(registry, config, resolve_device(config)))
     watch_ffn(registry, config, worker)
+    export_resident_bytes(registry, config, share.loaded.resident_bytes)
     # preStop drain: tell the attention ranks, serve on until they have finished (or the hook's time is up);
     # /live fails once the worker loop stops coming round (a step hung past every peer timeout)
     stall_s = max(MIN_STALL_S, 10 * config.peer_timeout_s)

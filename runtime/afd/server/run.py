@@ -19,7 +19,7 @@ from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
-from afd.metrics.wiring import attention_instruments, watch_attention
+from afd.metrics.wiring import attention_instruments, export_resident_bytes, watch_attention
 from afd.server.app import ServerState, create_app, http_server
 from afd.server.failover import Failover, FailoverSettings
 from afd.server.probe_http import Probes, start_probe_server
@@ -102,6 +102,9 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
     )
     if role.link is not None:  # a monolithic rank has no FFN link
         watch_attention(registry, config, role, engine)
+    loaded = getattr(role, "loaded", None)
+    if loaded is not None:
+        export_resident_bytes(registry, config, loaded.resident_bytes)
     return state, engine
 
 
