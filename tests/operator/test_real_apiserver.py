@@ -219,6 +219,27 @@ def test_the_api_server_refuses_what_the_schema_refuses(cluster, namespace, chan
     assert err.value.status == 422 and where in err.value.message, err.value.message
 
 
+def test_replicas_cannot_change_while_autoscaling_not_even_through_scale(cluster, namespace):
+    """spec.autoscaling owns the group count: a /scale write (kubectl scale) and an edit of
+    spec.replicas are refused with the rule's message; other edits, and turning it off, are not."""
+    from afd_operator.autoscaling_spec import REPLICAS_MANAGED_MESSAGE
+
+    autoscaling = {"enabled": True, "maxGroups": 3, "targets": {"ttftP90Seconds": 2.0}}
+    cluster.create(_cr(namespace, "scaled", autoscaling=autoscaling))
+    for attempt in (lambda: cluster.merge_patch("AFDDeployment", "scaled", namespace, {"spec": {"replicas": 2}}, "scale"),
+                    lambda: cluster.merge_patch("AFDDeployment", "scaled", namespace, {"spec": {"replicas": 2}})):
+        with pytest.raises(ApiError) as err:
+            attempt()
+        assert err.value.status == 422 and REPLICAS_MANAGED_MESSAGE in err.value.message, err.value.message
+    kept = cluster.merge_patch("AFDDeployment", "scaled", namespace, {"spec": {"autoscaling": {"maxGroups": 4}}})
+    assert (kept["spec"]["replicas"], kept["spec"]["autoscaling"]["maxGroups"]) == (1, 4)
+    off = cluster.merge_patch("AFDDeployment", "scaled", namespace,
+                              {"spec": {"replicas": 3, "autoscaling": {"enabled": False}}})
+    assert off["spec"]["replicas"] == 3
+    scaled = cluster.merge_patch("AFDDeployment", "scaled", namespace, {"spec": {"replicas": 2}}, "scale")
+    assert scaled["spec"]["replicas"] == 2  # off: /scale works again
+
+
 def test_missing_required_fields_are_all_refused(cluster, namespace):
     body = _cr(namespace)
     body["spec"] = {"replicas": 1}
