@@ -112,9 +112,10 @@ def now_text() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-async def run_statefulsets(server: Any, ready: bool = True) -> list[str]:
+async def run_statefulsets(server: Any, ready: bool = True, ips: bool = False) -> list[str]:
     """What the StatefulSet controller and the kubelets would do: create every missing pod
-    from its StatefulSet's template (Running, and Ready if asked). Returns created names."""
+    from its StatefulSet's template (Running, and Ready if asked; with a pod IP if asked: the
+    n-th pod created gets 10.9.0.n). Returns created names."""
     created = []
     pods = {p["metadata"]["name"] for p in await items(server, f"/api/v1/namespaces/{NS}/pods")}
     for sts in await items(server, f"/apis/apps/v1/namespaces/{NS}/statefulsets"):
@@ -132,6 +133,9 @@ async def run_statefulsets(server: Any, ready: bool = True) -> list[str]:
                            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                            "containerStatuses": [{"name": "main", "restartCount": 0, "ready": ready}]},
             }
+            if ips:
+                pod["status"]["podIP"] = f"10.9.{len(pods) // 250}.{len(pods) % 250 + 1}"
+                pods.add(name)
             await send(server, "POST", f"/api/v1/namespaces/{NS}/pods", pod)
             created.append(name)
     return created
