@@ -79,3 +79,31 @@ def test_drain_calls_the_ranks_drain_endpoint_at_once_and_survives_a_refusal():
     pod = PodFacts("demo-g1-attn-0", 1, "attention", "r", "Running", True, 0, T0, ip="fd00::5")
     ServiceFeed(get).drain(pod, 9090)
     assert asked == ["http://[fd00::5]:9090/drain?seconds=0"]
+
+
+def test_the_drain_call_turns_a_real_probe_server_unready_at_once_while_it_serves_on():
+    """The contract with the runtime (afd.server.probe_http): /drain?seconds=0 answers at once,
+    and readiness is 503 from then on."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from afd.server.probe_http import Probes, start_probe_server
+
+    probes = Probes(lambda: None)
+    server = start_probe_server("127.0.0.1", 0, probes, CollectorRegistry())
+    try:
+        port = server.server_address[1]
+        pod = PodFacts("demo-g1-attn-0", 1, "attention", "r", "Running", True, 0, T0, ip="127.0.0.1")
+        started = time.monotonic()
+        ServiceFeed().drain(pod, port)
+        assert time.monotonic() - started < 2.0
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+            raise AssertionError("still ready after the drain")
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and b"draining" in err.read()
+    finally:
+        server.shutdown()
