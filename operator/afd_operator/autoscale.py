@@ -80,7 +80,7 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
     saturation = previous.get("saturationConcurrencyPerGroup")
     if saturation is not None and previous.get("saturationTopology") != groups.shape:  # spec.ratio changed the groups
         saturation = status["saturationConcurrencyPerGroup"] = status["saturationTopology"] = None
-    room, binding = _room(policy, load, signals, targets, saturation)
+    room, binding = _room(policy, load, signals, targets, saturation, before - 1)
     status |= {
         "lastSampleTime": format_time(math.floor(load.at)),
         "observed": {k: round(v, 4) for k, v in signals.items()} | {
@@ -123,19 +123,20 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
 
 
 def _room(policy: Autoscaling, load: Load, signals: Mapping[str, float], targets: Mapping[str, float],
-          saturation: Optional[float]) -> tuple[bool, str]:
-    """Whether the load would fit in one group fewer with the margin, and the tightest signal as text."""
-    n = load.groups
-    if n <= 1:
+          saturation: Optional[float], after: int) -> tuple[bool, str]:
+    """Whether the load of the `load.groups` serving groups would fit in `after` groups with the
+    margin (a group that serves nothing leaves for free), and the tightest signal as text."""
+    if after < 1:
         return False, "one group left"
+    n = load.groups
+    scale = n / min(n, after)  # the load each remaining group would carry, relative to now
     keep = 1 - policy.scale_down_margin_percent / 100
     spans = {"ttftP90Seconds": load.ttft_p90_span, "itlP90Seconds": load.itl_p90_span}
     signals = {**signals, **{k: v for k, v in spans.items() if v is not None}}  # latencies over the span kept
-    projected = {name: signals.get(name, 0.0) * (n / (n - 1) if name in PROPORTIONAL else 1.0)
-                 for name in targets}
+    projected = {name: signals.get(name, 0.0) * (scale if name in PROPORTIONAL else 1.0) for name in targets}
     limits = dict(targets)
     if saturation:
-        projected["concurrencyPerGroup"] = load.concurrency_per_group * n / (n - 1)
+        projected["concurrencyPerGroup"] = load.concurrency_per_group * scale
         limits["concurrencyPerGroup"] = saturation
     ratios = {name: projected[name] / (limits[name] * keep) if limits[name] * keep > 0 else math.inf
               for name in limits}

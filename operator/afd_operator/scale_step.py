@@ -2,7 +2,7 @@
 
 A group leaves in three steps, so no request fails:
 
-1. it is chosen (the highest index among the groups that stay otherwise) and marked draining
+1. it is chosen (a group that is not Ready first, else the highest index) and marked draining
    (`status.groups[].drainingSince`); from then on it is outside the group planner (no
    rollout, restart or scale touches it, and its index is not reused);
 2. while any of its attention pods is Ready the operator calls that rank's `/drain?seconds=0`
@@ -54,14 +54,18 @@ def scale_step(spec: AFDDeploymentSpec, views: list[GroupView], memories: dict[i
         ready = [v.state.index for v in staying if v.state.ready]
         missing = [i for i in ready if i not in service]
         load = load_of({i: service[i] for i in ready}) if ready and not missing else None
-        groups = Groups(len(staying), sum(not v.state.ready for v in staying), len(draining), str(spec.topology))
+        # warming: not Ready since it was made (created, restarted or replaced); a group that lost a
+        # rank after being Ready is not, or a broken group would hold the autoscaler forever
+        warming = sum(not v.state.ready and step.memories[v.state.index].ready_since is None for v in staying)
+        groups = Groups(len(staying), warming, len(draining), str(spec.topology))
         decision = decide(policy, load, previous, groups, spec.replicas, now)
         step.status, desired = decision.status, decision.desired
         if load is None and decision.event is None and not decision.status["reason"].startswith("holding"):
             decision.status["reason"] = (f"waiting for the metrics of group(s) {missing}" if missing
                                          else "no Ready group to read metrics from")
         step.events += [decision.event] if decision.event else []
-        leaving = sorted((v.state.index for v in staying), reverse=True)[:max(0, len(staying) - desired)]
+        by_choice = sorted(staying, key=lambda v: (not v.state.ready, v.state.index), reverse=True)  # broken ones first
+        leaving = [v.state.index for v in by_choice][:max(0, len(staying) - desired)]
         for index in leaving:
             step.memories[index] = replace(memories[index], draining_since=now)
             draining.add(index)

@@ -131,3 +131,16 @@ def test_turning_autoscaling_off_removes_its_status_and_spec_replicas_rules_agai
     outcome, _, _ = step(cr, pods(0), NOW, {})
     assert outcome.status["autoscaling"] is None
     assert [a.kind for a in outcome.actions] == ["create"]
+
+
+def test_a_broken_group_leaves_first_and_does_not_hold_the_autoscaler():
+    """Group 0 lost its FFN after being Ready: it is not warming (the autoscaler decides) and it is
+    the one that goes when the load fits in fewer groups."""
+    cr = body([0, 1], {"desiredGroups": 2})
+    broken = [replace(p, ready=p.role != "ffn") for p in pods(0)]
+    everything = broken + pods(1, ip="10.0.0.2")
+    for t in (NOW, NOW + 15, NOW + 30):
+        outcome, _, _ = step(cr, everything, t, service([1], t))
+        cr["status"] = outcome.status
+    assert outcome.status["autoscaling"]["desiredGroups"] == 1
+    assert [g["index"] for g in outcome.status["groups"] if g.get("drainingSince")] == [0]
