@@ -147,6 +147,7 @@ def count_kernels(run) -> dict:
         run()
         torch.cuda.synchronize()
     names: dict[str, int] = {}
+    micros: dict[str, float] = {}
     copies = 0
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -155,7 +156,8 @@ def count_kernels(run) -> dict:
             copies += 1
         else:
             names[event.name] = names.get(event.name, 0) + 1
-    return {"kernels": sum(names.values()), "copies": copies, "by_name": names}
+            micros[event.name] = micros.get(event.name, 0.0) + event.time_range.elapsed_us()
+    return {"kernels": sum(names.values()), "copies": copies, "by_name": names, "us_by_name": micros}
 
 
 def _layout(kv, batch: int, context: int):
@@ -263,11 +265,13 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
 
 def _row(shape, mode, batch, context, got, floor: Floor, layers: int, hits: list[int]) -> dict:
     top = sorted(got["by_name"].items(), key=lambda kv: -kv[1])[:25]
+    slowest = sorted(got["us_by_name"].items(), key=lambda kv: -kv[1])[:15]
     return {"shape": shape, "mode": mode, "batch": batch, "context": context, "gpu_ms": got["gpu_ms"],
             "wall_ms": got["wall_ms"], "floor_ms": floor.ms, "bytes_floor_ms": floor.bytes_ms,
             "flops_floor_ms": floor.flops_ms, "floor": asdict(floor), "ratio": got["gpu_ms"] / floor.ms,
             "kernels": got["kernels"], "kernels_per_layer": got["kernels"] / layers, "copies": got["copies"],
-            "experts_hit_mean": sum(hits) / len(hits) if hits else 0, "top_kernels": top}
+            "experts_hit_mean": sum(hits) / len(hits) if hits else 0, "top_kernels": top,
+            "slowest_kernels_us": slowest}
 
 
 def _line(row: dict) -> str:

@@ -78,3 +78,34 @@ def test_fused_projections_equal_the_torch_path(arch, checkpoints, monkeypatch):
             assert g is None
         else:
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_add_and_norm_in_one_launch_equals_the_add_then_the_norm_kernel():
+    from afd.kernels.norm_rope import add_rms_norm, rms_norm
+
+    torch.manual_seed(3)
+    x, residual = torch.randn(9, 2048, device=DEVICE), torch.randn(9, 2048, device=DEVICE)
+    weight = torch.randn(2048, device=DEVICE)
+    total, normed = add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, rms_norm(residual + x, weight, 1e-6))  # AFD adds, then norms: the same bits
+    with pytest.raises(ValueError, match="cannot be added"):
+        add_rms_norm(x, residual[:3], weight, 1e-6)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "qwen3_moe"])
+def test_the_monolithic_forward_with_fused_glue_equals_the_torch_path(arch, checkpoints, monkeypatch):
+    from afd.kv_cache import KVCache
+    from afd.models.attention import AttentionBatch
+
+    model = load_model(str(checkpoints[arch]), "monolithic").model.to(DEVICE)
+    ids = torch.tensor([3, 5, 7, 11, 13, 17], device=DEVICE)
+    logits = {}
+    for fused in (False, True):
+        for module in (deepseek_v2, qwen3_moe, layers):
+            monkeypatch.setattr(module, "fused_glue", lambda t, fused=fused: fused)
+        cache = KVCache(model.kv_layouts(), 4, torch.float32, DEVICE)
+        batch = AttentionBatch.build([(0,), (1,)], [0, 0], [4, 2], cache.block_size, DEVICE)
+        with torch.no_grad():
+            logits[fused] = model(ids, batch, cache)
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)

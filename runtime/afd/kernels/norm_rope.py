@@ -24,12 +24,16 @@ def enabled(x: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, count, size, stride_x, stride_out, eps,
-                     BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, count, size, stride_x, stride_out, stride_res, stride_sum,
+                     eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     live = (rows[:, None] < count) & (cols[None, :] < size)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=live, other=0.0)
+    if RESIDUAL:  # x + residual, rounded to x's dtype as torch's add rounds, then normed
+        res = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_res + cols[None, :], mask=live, other=0.0)
+        x = (res.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + rows[:, None].to(tl.int64) * stride_sum + cols[None, :], x, mask=live)
     xf = x.to(tl.float32)
     rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / size + eps)
     normed = (xf * rms[:, None]).to(x.dtype).to(tl.float32)  # rounded to the input's dtype, as torch does
@@ -38,27 +42,50 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, count, size, stride_x, stride_out, e
              (weight[None, :] * normed).to(out_ptr.dtype.element_ty), mask=live)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    rows = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """`RMSNorm` of `x` [..., D]: weight * (x * rsqrt(mean(x²) + eps)) in float32, rounded to x's dtype before
     the weight; into `out` when given (it may be `x` itself: each row is read before it is written)."""
+    return _launch(x, weight, eps, out, None)[1]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, its RMSNorm) in one launch: the sum rounded to x's dtype, as `residual + x` is, then normed
+    exactly as `rms_norm` norms it."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"a residual {tuple(residual.shape)} {residual.dtype} cannot be added to {tuple(x.shape)} {x.dtype}")
+    return _launch(x, weight, eps, None, residual)
+
+
+def _launch(x, weight, eps, out, residual):
     size = x.shape[-1]
     if weight.shape != (size,):
         raise ValueError(f"an RMSNorm weight of shape {tuple(weight.shape)} cannot scale rows of {size}")
-    rows2d = x if x.dim() == 2 else x.reshape(-1, size)
-    if rows2d.stride(-1) != 1:
-        rows2d = rows2d.contiguous()
+    rows2d = _rows(x)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
     out2d = out if out.dim() == 2 else out.view(-1, size)
     if out2d.stride(-1) != 1:
         raise ValueError("rms_norm writes rows with unit stride")
+    total = res2d = sum2d = None
+    if residual is not None:
+        res2d = _rows(residual)
+        total = torch.empty_like(x, memory_format=torch.contiguous_format)
+        sum2d = total.view(-1, size)
     count = rows2d.shape[0]
     if count:
         rows_per_program = 4 if size <= 256 else 1
         _rms_norm_kernel[(triton.cdiv(count, rows_per_program),)](
-            rows2d, weight, out2d, count, size, rows2d.stride(0), out2d.stride(0), eps,
-            BLOCK=triton.next_power_of_2(size), ROWS=rows_per_program, num_warps=4 if size <= 1024 else 8)
-    return out
+            rows2d, weight, out2d, rows2d if res2d is None else res2d, rows2d if sum2d is None else sum2d, count, size,
+            rows2d.stride(0), out2d.stride(0), 0 if res2d is None else res2d.stride(0),
+            0 if sum2d is None else sum2d.stride(0), eps,
+            BLOCK=triton.next_power_of_2(size), ROWS=rows_per_program, RESIDUAL=residual is not None,
+            num_warps=4 if size <= 1024 else 8)
+    return total, out
 
 
 @triton.jit

@@ -90,9 +90,13 @@ class MoECausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_cache,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The monolithic path: every layer whole, logits of each sequence's last token (or of token `rows`)."""
+        """The monolithic path: every layer whole, logits of each sequence's last token (or of token `rows`).
+        Each residual add is one launch with the norm after it (`RMSNorm.add_forward`): the same sums and norms
+        as `attention_half` then `ffn_half`, two launches a layer fewer."""
         h = self.embed(input_ids)
-        for index, layer in enumerate(self.layers):
-            h = layer.attention_half(h, batch, kv_cache.layer(index))
-            h = h + layer.ffn_half(h)
-        return self.compute_logits(h[batch.last_token if rows is None else rows])
+        x = self.layers[0].input_layernorm(h)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.model.norm]
+        for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            h, x = layer.post_attention_layernorm.add_forward(layer.self_attn(x, batch, *kv_cache.layer(index)), h)
+            h, x = next_norm.add_forward(layer.mlp(x), h)
+        return self.lm_head(x[batch.last_token if rows is None else rows]).float()  # x: every token's final norm

@@ -32,6 +32,15 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, norm of it): one Triton launch where the glue is fused, else an add and `forward`."""
+        if fused_glue(x) and residual.dtype == x.dtype:
+            from afd.kernels.norm_rope import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        total = residual + x
+        return total, self(total)
+
 
 def fused_glue(x: torch.Tensor) -> bool:
     """Whether norms and rotary embeddings of `x` run as one Triton kernel each (`afd.kernels.norm_rope`)."""
