@@ -17,7 +17,7 @@ run-time argument). `legacy` times are the best of the old search space
 The new rows are merged into the table in `runtime/afd/kernels/configs/` (read by
 `afd.kernels.moe.config_table`; token counts not tuned now keep their rows) and go to
 $OUT; a table of the winners is printed. `--fp8` tunes FP8 experts (e4m3, 128×128 block scales, tokens and
-SiLU·up quantized per 128 columns) over a smaller space (gate_up's BLOCK_N 128, BLOCK_K 128 or 64) into
+SiLU·up quantized per 128 columns) over a smaller space (BLOCK_K 128, gate_up's BLOCK_N 128) into
 their own table; `--deadline` stops before a token count once that many seconds of timing have passed.
 """
 
@@ -80,11 +80,11 @@ def load_options(kernel: str, block_m: int, tma: bool) -> list[dict]:
 
 def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[dict]:
     """Settings tried for `kernel` at a tile height: small tiles stream weights, large ones feed the tensor cores.
-    FP8: gate_up's columns in blocks of 128 (its epilogue quantizes per 128), steps of 128 or 64 (one scale group),
-    down 64 or 128 columns; TMA or pointers, persistent or not, as for bf16."""
+    FP8: gate_up's columns in blocks of 128 (its epilogue quantizes per 128), steps of 128 (one scale group), down
+    64 or 128 columns, 8 warps only on tiles of 64+ rows; TMA or pointers, persistent or not, as for bf16."""
     if fp8:
         if kernel == "gate_up":
-            space = itertools.product((128,), (128, 64) if block_m <= 32 else (128,), (4, 8), (3, 4))
+            space = itertools.product((128,), (128,), (4, 8), (3, 4))
         else:
             space = itertools.product((64, 128), (128,), (4, 8), (3, 4))
         return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads)
