@@ -8,8 +8,10 @@ detokenization, stop strings and callbacks run on the output thread (`afd.engine
 A request that stops early (EOS, stop string) may so run one step more, whose token is
 dropped. The step function is the attention runner (remote FFN) or the monolithic model. A
 step failing because the FFN peer is gone ends every request in flight with an explicit
-error until the link is back (`afd.engine.link_care`); any other exception fails only the
-requests it touched; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
+error until the link is back (`afd.engine.link_care`), unless `hold_s` > 0: then the lost
+steps are taken back (`afd.engine.rewind`), every request is held (KV cache intact) while the link
+re-handshakes, and each goes on from where it stopped once it is back, failing only if it is not
+back within `hold_s`; any other exception fails only the requests it touched; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
 With `prefill_itl_ratio`, every step's own duration (`StepClock`) teaches the scheduler's
 `PrefillPacer` what a step costs (`afd.engine.step_cost`).
 """
@@ -26,6 +28,8 @@ import torch
 
 from afd.engine.prompt_logprobs import PromptLogprobs, prompt_rows
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
+from afd.engine.carry import carried_params, prime_text, seeded_generator
+from afd.engine.rewind import StepUndo, rewind, snapshot
 from afd.engine.inputs import build_inputs, to_device
 from afd.engine.link_care import LinkCare
 from afd.engine.logits_controls import ControlState, StepControls, step_controls
@@ -33,6 +37,7 @@ from afd.engine.outputs import OutputProcessor
 from afd.engine.sampler import Sampled, sample
 from afd.engine.scheduler import Scheduler
 from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
+from afd.engine.structured import Grammars, StepMask, consume, fill_bitmask
 from afd.engine.text import IncrementalDetokenizer, StopChecker
 from afd.kv_cache import KVCache
 from afd.runners.microbatch import SeqLayout
@@ -54,6 +59,7 @@ class _Launched:
     launched: float  # when the launch returned (`StepClock`)
     mark: object = None  # the link's end-of-step mark (`AttentionLink.end_step`), waited on before reading
     prompt: PromptLogprobs | None = None  # prompt logprobs of the step's prompt rows that asked for them
+    structured: bool = False  # some rows follow a grammar: their matchers take the tokens when they are read
 
 
 class Engine:
@@ -76,6 +82,8 @@ class Engine:
         on_logits: Callable[[list[Request], torch.Tensor], None] | None = None,
         prefill_itl_ratio: float = 0.0,
         prefill_backlog_steps: int = BACKLOG_STEPS,
+        vocab_size: int | None = None,
+        hold_s: float = 0.0,
     ):
         self.step = step
         self.kv_cache = kv_cache
@@ -89,6 +97,9 @@ class Engine:
         self.link = link  # the FFN link: end_step/wait_step per step, tended between steps; None when local
         self.link_check_s = link_check_s
         self._care = LinkCare(link, link_check_s)
+        self.hold_s = hold_s  # a lost FFN: hold every request this long for it to come back (0: fail them at once)
+        self._held_since: float | None = None  # requests are held for the FFN since then
+        self._unread: list[StepUndo] = []  # launched steps whose tokens are not read yet, oldest first
         self.dead: str | None = None  # the engine thread ended unexpectedly (not recoverable)
         self.pipeline = pipeline
         self.on_logits = on_logits  # sees each step's batch and logits (`afd generate --with-logits`)
@@ -99,6 +110,10 @@ class Engine:
         self._step_id = 0
         self._prev_tokens = torch.empty(0, dtype=torch.long, device=self.device)
         self._controls: ControlState | None = None  # device rows of requests with logits controls, made on first use
+        spec = getattr(getattr(step, "model", None), "spec", None)  # a runner's model knows its vocabulary
+        self.vocab_size = vocab_size or getattr(spec, "vocab_size", None) or len(tokenizer)  # the grammar masks' width
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self._outputs = OutputProcessor(set(eos_token_ids), max_model_len, observer, self._on_stopped, threaded=pipeline)
         self._wake = threading.Condition()
         self._stopped = False
@@ -117,11 +132,15 @@ class Engine:
         self._outputs.close(timeout_s)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
-               request_id: str | None = None, text: bool = True, arrival: float | None = None) -> Request:
+               request_id: str | None = None, text: bool = True, arrival: float | None = None,
+               carried: Sequence[int] = ()) -> Request:
         """Queue a request; `InvalidRequest` if it can never run here. `request_id`: the caller's id for it;
         `text=False`: outputs carry no text and stop strings are not looked for (the caller detokenizes);
-        `arrival`: when the caller took it (`time.monotonic()`; default now), where its time to first token starts."""
-        request = Request(list(prompt_ids), params, on_output)
+        `arrival`: when the caller took it (`time.monotonic()`; default now), where its time to first token starts;
+        `carried`: output tokens the client already has from another rank, continued from (`afd.engine.carry`)."""
+        sampling = carried_params(params, len(carried)) if carried else params
+        request = Request(list(prompt_ids) + list(carried), sampling, on_output)
+        request.carried = len(carried)
         if request_id is not None:
             request.request_id = request_id
         if arrival is not None:
@@ -129,12 +148,18 @@ class Engine:
         request = self.scheduler.check(request)
         if params.prompt_logprobs is not None and not hasattr(self.step, "logit_rows"):
             raise InvalidRequest("prompt logprobs are not available with this attention engine", "prompt_logprobs")
+        if params.grammar is not None:
+            request.grammar = self.grammars.matcher(params.grammar)
+        if carried and getattr(request, "grammar", None) is not None:
+            raise InvalidRequest("a structured-output request cannot be continued from carried tokens", "response_format")
         if params.seed is not None:
-            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            draws = 0 if params.greedy else len(carried)  # the seed stream goes on where the carried tokens left it
+            request.generator = seeded_generator(params.seed, draws, self.vocab_size, self.device)
         if text:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                          params.spaces_between_special_tokens)
             request.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+            prime_text(request.detokenizer, request.stop_checker, carried)
         with self._wake:
             closed = self.dead or ("the server is shutting down" if self._stopped else None)
             if not closed:
@@ -149,6 +174,14 @@ class Engine:
         with self._wake:
             self._aborts.add(request_id)
             self._wake.notify()
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured outputs' grammar cache, made on first use (any thread)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -205,6 +238,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self._inbox)
 
+    @property
+    def held_since(self) -> float | None:
+        """Since when (`time.monotonic()`) requests wait for a lost FFN rank to come back; None: none wait."""
+        return self._held_since
+
     # -- engine thread ---------------------------------------------------------
     def _loop(self) -> None:
         try:
@@ -237,8 +275,14 @@ class Engine:
                 self._care.tend(self._idle)
             if self.error is not None:
                 self._drain()
+                if self._hold():
+                    with self._wake:  # wait for the link's next check (aborts and the stop still wake the loop)
+                        self._wake.wait(timeout=self.link_check_s)
+                    continue
                 self._fail_all(f"the server cannot take requests: {self.error}")
                 continue
+            if self._held_since is not None:
+                self._resumed()
             try:
                 batch = self.scheduler.schedule()
                 launched = self._launch(batch) if batch else None
@@ -263,6 +307,8 @@ class Engine:
     def _launch(self, batch: list[Request]) -> _Launched | None:
         """Build the step's inputs (one pass over `batch`), run it, start sampling; None if it failed."""
         step_id = self._step_id + 1
+        undo = snapshot(batch, self._step_id, self._prev_tokens)
+        self._unread.append(undo)
         inputs = build_inputs(batch, step_id, self._prev_tokens, self.max_model_len, self.device)
         input_ids, layout, emit = inputs.input_ids, inputs.layout, inputs.emit
         started = time.monotonic()
@@ -283,21 +329,38 @@ class Engine:
             self._drain()  # the previous step's tokens, if it finished, are good: deliver them first
             if self.error is None:  # (else that drain found the link lost and failed everything)
                 self._step_failed(batch, err)
+            self._forget(undo)
             return None
         sampling = batch
         if len(emit) < len(batch):  # rows of unfinished prompt chunks sample nothing
             logits, sampling = logits[to_device(emit, logits.device)], [batch[i] for i in emit]
         try:
-            sampled = sample(logits, inputs.params, inputs.generators, self._step_controls(sampling, logits)).to_host()
+            mask = self._grammar_mask(sampling, logits.device)
+            controls = self._step_controls(sampling, logits)
+            sampled = sample(logits, inputs.params, inputs.generators, controls,
+                             mask).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up
             log.exception("sampling failed")
             self._drain()
             self._fail(batch, f"sampling failed: {type(err).__name__}: {err}")
+            self._forget(undo)
             return None
         self._step_id, self._prev_tokens = step_id, sampled.tokens
+        undo.controls, undo.chosen = controls, sampled.tokens
         mark = self.link.end_step() if self.link is not None else None
         return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, inputs.prompt_tokens, started,
-                         time.monotonic(), mark, prompt)
+                         time.monotonic(), mark, prompt, mask is not None)
+
+    def _grammar_mask(self, sampling: list[Request], device: torch.device) -> StepMask | None:
+        """The grammar masks of this step's structured rows (None: there are none). Their matchers need the previous
+        step's tokens first: that step is read now, while the device already runs this one."""
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        if not rows:
+            return None
+        if self._inflight is not None:
+            self._drain()
+        bitmask = fill_bitmask([sampling[i].grammar for i in rows], self.vocab_size, self.eos_token_ids)
+        return StepMask(rows, bitmask, device)
 
     def _step_controls(self, sampling: list[Request], logits: torch.Tensor) -> StepControls | None:
         """This step's logits controls (None for a batch that sets none: the plain sampler); slots of requests
@@ -324,6 +387,8 @@ class Engine:
                 log.error("waiting for step failed: %s", err)
                 self._step_failed(launched.batch, err)
                 return
+        if self._unread:
+            self._unread.pop(0)  # read (or failed below): never taken back
         try:
             launched.sampled.wait()
             waited = time.monotonic()
@@ -333,6 +398,10 @@ class Engine:
             log.exception("sampling failed")
             self._fail(launched.batch, f"sampling failed: {type(err).__name__}: {err}")
             return
+        if launched.structured:
+            for request, token in zip(launched.batch, tokens):
+                if request.grammar is not None:
+                    consume(request.grammar, token)
         now = time.monotonic()
         for request in launched.finals:  # their last token is in: seats and blocks go back
             self.scheduler.finish(request)
@@ -352,11 +421,57 @@ class Engine:
             self._fail(batch, f"the step failed: {type(err).__name__}: {err}")
             return
         self._care.lose(err)
+        if self.hold_s > 0:
+            self._rewind()
+            return
         self._fail_all(f"the step failed: {err}")
+
+    def _forget(self, undo: StepUndo) -> None:
+        """`undo`'s step ended without a launch to read (failed, or taken back)."""
+        if undo in self._unread:
+            self._unread.remove(undo)
+
+    def _rewind(self) -> None:
+        """The FFN was lost with steps unread: take them back and hold every request for its return."""
+        self._inflight = None
+        if self._unread:
+            self._step_id, self._prev_tokens, _ = rewind(self._unread, self.vocab_size, self.device)
+            self._unread = []
+        if self._held_since is None:
+            self._held_since = time.monotonic()
+            log.warning("holding %d requests for up to %.0f s until the ffn rank is back", self._holding(), self.hold_s)
+
+    def _holding(self) -> int:
+        with self._wake:
+            return len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._inbox)
+
+    def _hold(self) -> bool:
+        """Whether requests still wait for the lost FFN (else they fail now: not held, or held too long)."""
+        if self.hold_s <= 0 or (self._held_since is None and not self._holding()):
+            return False
+        if self._held_since is None:  # lost between steps (a heartbeat): nothing in flight to take back
+            self._rewind()
+        if time.monotonic() - self._held_since < self.hold_s:
+            return True
+        log.error("the ffn rank did not come back within %.0f s: failing %d held requests", self.hold_s,
+                  self._holding())
+        if self.observer is not None and hasattr(self.observer, "on_hold_expired"):
+            self.observer.on_hold_expired(self._holding())
+        self._held_since = None
+        return False
+
+    def _resumed(self) -> None:
+        """The FFN is back: the held requests go on."""
+        waited, self._held_since = time.monotonic() - self._held_since, None
+        held = self._holding()
+        log.info("ffn rank back after %.1f s: %d held requests go on", waited, held)
+        if self.observer is not None and hasattr(self.observer, "on_resumed"):
+            self.observer.on_resumed(held, waited)
 
     def _fail_all(self, message: str) -> None:
         with self._wake:
             inbox, self._inbox = self._inbox, []
+        self._unread = []
         self._fail(list(self.scheduler.running) + list(self.scheduler.waiting) + inbox, message)
 
     def _fail(self, requests: list[Request], message: str) -> None:

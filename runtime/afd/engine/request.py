@@ -45,6 +45,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None  # the prompt's logprobs from the prefill, with this many alternatives
+    grammar: str | None = None  # structured output: an llguidance grammar (`afd.engine.structured`)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -145,6 +146,8 @@ class Request:
     sample_row: int = -1
     done: bool = False  # its final output (or error) was delivered; later tokens are dropped
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # gathered over its prompt chunks
+    grammar: object = None  # its llguidance matcher (structured output), advanced by the engine thread
+    carried: int = 0  # output tokens produced on an earlier rank, at the end of prompt_ids (`afd.engine.carry`)
 
     @property
     def num_tokens(self) -> int:

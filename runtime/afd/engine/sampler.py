@@ -19,6 +19,7 @@ import torch
 
 from afd.engine.inputs import to_device
 from afd.engine.logits_controls import StepControls
+from afd.engine.structured import StepMask
 from afd.engine.request import SamplingParams, TokenLogprobs
 
 
@@ -65,12 +66,15 @@ class Sampled:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           controls: StepControls | None = None) -> Sampled:
-    """One token per row of `logits` [B, vocab] float32, plus logprobs where a request asked for them."""
+           controls: StepControls | None = None, mask: StepMask | None = None) -> Sampled:
+    """One token per row of `logits` [B, vocab] float32, plus logprobs where a request asked for them; `controls`
+    and the grammar `mask` (structured outputs) adjust the logits first."""
     device, vocab = logits.device, logits.shape[1]
     raw = logits
     if controls is not None:
         logits = controls.apply(logits)
+    if mask is not None:
+        logits = mask.apply(logits if controls is not None else logits.clone())
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

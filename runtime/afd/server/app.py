@@ -209,8 +209,9 @@ def _prepare_completion(state: ServerState, body: dict):
                              f"{state.limits.max_prompts} sequences per request (AFD_MAX_PROMPTS)",
                              "best_of" if (request.best_of or 1) > request.n else "n")
     ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    grammar = _grammar(state, request)
     params = [request.sampling(_max_tokens(state, p, request.max_tokens), request.logprobs, state.vocab_size, state.limits,
-                               state.tokenizer, request.engine_prompt_logprobs)
+                               state.tokenizer, request.engine_prompt_logprobs, grammar)
               for p in ids]
     echo = [state.tokenizer.decode(p) if request.echo else "" for p in ids]
     return request, ids, params, echo
@@ -229,8 +230,20 @@ def _prepare_chat(state: ServerState, body: dict):
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params = request.sampling(_max_tokens(state, prompt, max_tokens), logprobs, state.vocab_size, state.limits,
-                              state.tokenizer)
+                              state.tokenizer, grammar=_grammar(state, request))
     return request, prompt, params
+
+
+def _grammar(state: ServerState, request) -> str | None:
+    """The request's structured-output grammar, compiled (and cached) here on the worker, or None."""
+    found = request.grammar()
+    if found is None:
+        return None
+    grammar, field = found
+    grammars = getattr(state.engine, "grammars", None)  # an API process compiles it in the engine core
+    if grammars is not None:
+        grammars.check(grammar, field)
+    return grammar
 
 
 def _usage_of(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from afd.engine.request import InvalidRequest, SamplingParams
-from afd.server import json_body, validation
+from afd.server import json_body, structured, validation
 from afd.server.validation import Limits
 
 
@@ -48,6 +48,13 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    # structured outputs (`afd.server.structured`): OpenAI's, and vLLM's older and current forms
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
     stream_options: StreamOptions | None = None
 
     def check(self) -> None:
@@ -61,10 +68,15 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
 
+    def grammar(self) -> tuple[str, str] | None:
+        """(llguidance grammar, the field it came from) of the structured-output fields, or None."""
+        return structured.grammar_of(self.__dict__)
+
     def sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int, limits: Limits,
-                 tokenizer=None, prompt_logprobs: int | None = None) -> SamplingParams:
+                 tokenizer=None, prompt_logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
         """The engine's parameters; `tokenizer` turns `bad_words` into token ids (required when they are set);
-        `prompt_logprobs`: alternatives per prompt token (default the request's own field)."""
+        `prompt_logprobs`: alternatives per prompt token (default the request's own field); `grammar`: the
+        compiled-once structured-output grammar."""
         prompt_logprobs = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
         if self.min_tokens and self.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
@@ -90,6 +102,7 @@ class _Common(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             prompt_logprobs=None if prompt_logprobs is None else min(prompt_logprobs, vocab_size),
+            grammar=grammar,
         )
 
     @property

@@ -104,7 +104,6 @@ def check_bounds(values: Mapping[str, Any]) -> None:
 # Anything else not declared by the request model is refused: OpenAI does the same.
 _NEUTRAL: dict[str, tuple] = {
     "user": (),  # any string: metadata that never changes the output
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none", "auto"),
@@ -118,7 +117,6 @@ _NEUTRAL: dict[str, tuple] = {
     "modalities": (["text"],),
 }
 _WHY = {
-    "response_format": "structured output is not supported; only {'type': 'text'}",
     "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
     "best_of": "best_of is for /v1/completions",

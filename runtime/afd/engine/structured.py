@@ -1,0 +1,101 @@
+"""Structured outputs with llguidance: grammars compiled once and cached, a matcher per request, masks on the device.
+
+A request's `SamplingParams.grammar` is an llguidance grammar (made from a JSON schema, a
+regex, a choice list or a Lark grammar by `afd.server.structured`). `Grammars.matcher` gives
+each request its own matcher, a copy of a cached prototype, so a grammar is compiled once per
+process (the API compiles it on its worker pool first: `Grammars.check`). Each step, the
+structured rows' allowed-token bitmasks are filled on the host ([R, ceil(V / 32)] int32),
+copied to the device without waiting, and unpacked there into -inf on disallowed logits.
+A grammar that is complete allows only EOS, so the request ends there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from afd.engine.request import InvalidRequest
+from afd.host_copy import host_to_device
+
+CACHED_GRAMMARS = 128
+
+
+class Grammars:
+    """llguidance's view of the tokenizer and a cache of compiled grammar prototypes (thread-safe)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        import llguidance.hf
+
+        eos = sorted(eos_token_ids) or [tokenizer.eos_token_id]
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._prototypes: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, grammar: str, field: str) -> None:
+        """Compile `grammar` (cached) or raise `InvalidRequest` naming `field`."""
+        self._prototype(grammar, field)
+
+    def matcher(self, grammar: str, field: str = "response_format"):
+        """A fresh matcher of `grammar` for one request."""
+        return self._prototype(grammar, field).deep_copy()
+
+    def _prototype(self, grammar: str, field: str):
+        from llguidance import LLMatcher
+
+        with self._lock:
+            found = self._prototypes.get(grammar)
+            if found is not None:
+                self._prototypes.move_to_end(grammar)
+                return found
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"{field}: the grammar does not compile: {matcher.get_error()}", field)
+        with self._lock:
+            self._prototypes[grammar] = matcher
+            while len(self._prototypes) > CACHED_GRAMMARS:
+                self._prototypes.popitem(last=False)
+        return matcher
+
+
+def consume(matcher, token: int) -> None:
+    """Advance `matcher` by a sampled token (a stopped or failed matcher stays as it is)."""
+    if not matcher.is_stopped() and not matcher.is_error():
+        matcher.consume_token(token)
+
+
+def fill_bitmask(matchers: list, vocab_size: int, eos_token_ids) -> torch.Tensor:
+    """[R, ceil(V / 32)] int32 on the host: bit t of row r set when token t is allowed for `matchers[r]`. A failed
+    matcher (it cannot happen with its own mask) allows only EOS, so the request ends."""
+    words = (vocab_size + 31) // 32
+    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    for row, matcher in enumerate(matchers):
+        if matcher.is_error():
+            bitmask[row].zero_()
+            for token in eos_token_ids:
+                bit = token % 32
+                bitmask[row, token // 32] |= -(1 << 31) if bit == 31 else 1 << bit  # int32: bit 31 is the sign
+        else:  # llguidance writes the row in place (its torch helper does the same)
+            matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), words * 4)
+    return bitmask
+
+
+class StepMask:
+    """One step's grammar masks on the device, for rows `rows` of the sampled logits."""
+
+    def __init__(self, rows: list[int], bitmask: torch.Tensor, device: torch.device):
+        self.rows = host_to_device(torch.tensor(rows, dtype=torch.long), device)
+        self.bitmask = host_to_device(bitmask, device)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the disallowed tokens of the masked rows at -inf (in place on a tensor the sampler owns)."""
+        vocab = logits.shape[1]
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        unpacked = ((self.bitmask.unsqueeze(-1) >> bits) & 1).flatten(1).bool()
+        allowed = torch.zeros((len(self.rows), vocab), dtype=torch.bool, device=logits.device)
+        width = min(vocab, unpacked.shape[1])
+        allowed[:, :width] = unpacked[:, :width]
+        logits[self.rows] = logits[self.rows].masked_fill(~allowed, float("-inf"))
+        return logits
