@@ -34,18 +34,23 @@ def shard_ffn_model(model: MoECausalLM, shard: int, shards: int) -> None:
     for layer in model.layers:
         mlp = layer.mlp
         if isinstance(mlp, MoE):
-            if mlp.experts is not None:
-                total = mlp.routing.num_experts
-                if shards > total:
-                    raise ShardError(f"ffn_expert_parallel={shards} exceeds the model's {total} routed experts")
-                start, stop = shard_range(total, shards, shard)
-                _, hidden, inter = mlp.experts.down.shape
-                mlp.experts = Experts(stop - start, hidden, inter, first=start)
-                mlp.experts.partial_fp32 = True
-            if mlp.shared_experts is not None:
-                mlp.shared_experts = _column_slice(mlp.shared_experts, shard, shards)
+            with torch.device(next(mlp.parameters()).device):  # the slices where the model is (meta: no bytes yet)
+                _shard_moe(mlp, shard, shards)
         elif isinstance(mlp, GatedMLP) and shard != 0:
             layer.mlp = ZeroFFN()
+
+
+def _shard_moe(mlp: MoE, shard: int, shards: int) -> None:
+    if mlp.experts is not None:
+        total = mlp.routing.num_experts
+        if shards > total:
+            raise ShardError(f"ffn_expert_parallel={shards} exceeds the model's {total} routed experts")
+        start, stop = shard_range(total, shards, shard)
+        _, hidden, inter = mlp.experts.down.shape
+        mlp.experts = Experts(stop - start, hidden, inter, first=start)
+        mlp.experts.partial_fp32 = True
+    if mlp.shared_experts is not None:
+        mlp.shared_experts = _column_slice(mlp.shared_experts, shard, shards)
 
 
 class ZeroFFN(nn.Module):

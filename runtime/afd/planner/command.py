@@ -16,6 +16,12 @@ def add_parser(commands) -> None:
     source.add_argument("--scrape", nargs="+", metavar="URL", help="every rank's /metrics URL (one group)")
     source.add_argument("--state-file", help="the JSON state file of `afd up --state-file`")
     source.add_argument("--prometheus", metavar="URL", help="a Prometheus that scrapes the group (PodMonitor labels)")
+    source.add_argument("--fit", metavar="CR", help="size an AFDDeployment file instead: what each rank holds (weights, "
+                                                    "FP8 scales, KV tokens) for --model-config; exit 1 if a rank "
+                                                    "cannot hold its share (docs: README, supported models)")
+    plan.add_argument("--model-config", metavar="PATH", help="with --fit: the checkpoint folder or its config.json")
+    plan.add_argument("--gpu-memory-gib", type=float,
+                      help="with --fit: GPU memory per rank (default: from nodeSelector nvidia.com/gpu.product)")
     plan.add_argument("--deployment", help="with --prometheus: the AFDDeployment (label afd_io_name)")
     plan.add_argument("--group", type=int, default=0, help="with --prometheus: the group (label afd_io_group)")
     plan.add_argument("--namespace", help="with --prometheus: the namespace (label namespace)")
@@ -29,7 +35,40 @@ def add_parser(commands) -> None:
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def cmd_fit(args: argparse.Namespace) -> int:
+    """`afd plan --fit CR --model-config PATH`: the sizing table; 1 when a rank cannot hold its share."""
+    from pathlib import Path
+
+    import yaml
+
+    from afd.models.spec import UnsupportedModelError
+    from afd.planner.fit import FitError, fit, render_fit
+
+    if not args.model_config:
+        raise ConfigError("--fit needs --model-config PATH (a checkpoint folder or its config.json)")
+    config_path = Path(args.model_config)
+    config_path = config_path / "config.json" if config_path.is_dir() else config_path
+    try:
+        config = json.loads(config_path.read_text())
+        cr = yaml.safe_load(Path(args.fit).read_text())
+        gpu_bytes = int(args.gpu_memory_gib * (1 << 30)) if args.gpu_memory_gib else None
+        report = fit(config, cr, gpu_bytes, model_name=str(args.model_config))
+    except (OSError, json.JSONDecodeError, yaml.YAMLError, FitError, UnsupportedModelError, KeyError) as err:
+        raise ConfigError(f"cannot size: {err}") from None
+    print(json.dumps(_fit_json(report)) if args.json else render_fit(report))
+    return 1 if report.refused else 0
+
+
+def _fit_json(report) -> dict:
+    from dataclasses import asdict
+
+    return {"model": report.model, "dtype": report.dtype, "fp8": report.fp8, "refused": report.refused,
+            "ranks": [asdict(rank) for rank in report.ranks]}
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.fit:
+        return cmd_fit(args)
     from afd.planner.advice import Bounds, TooFewMetrics, plan
     from afd.planner.collect import ScrapeError, scrape_series, urls_from_state_file
     from afd.planner.prometheus import PrometheusError, scrape_history, selector
