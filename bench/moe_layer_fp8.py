@@ -67,7 +67,8 @@ def main() -> None:
     limits = {**ceilings(), "fp8_flops": fp8_rate()}
     routed, shared, top_k, hidden, inter = (shape[key] for key in ("routed", "shared", "top_k", "hidden", "inter"))
     fp8 = quantized_experts(shape)
-    bf16 = None if args.no_bf16 else {name: dequantized(fp8[name], fp8[f"{name}_scale"]) for name in ("gate_up", "down")}
+    bf16 = None if args.no_bf16 else {name: dequantized(fp8[name], fp8[f"{name}_scale"])
+                                      for name in ("gate_up", "down")}
     generator = torch.Generator(device="cuda").manual_seed(1)
     router = torch.randn(routed, hidden, device="cuda", generator=generator) * 0.02
     parts = split_linear.bf16_parts(router) if shape["fp32_logits"] else None  # as the model's float32 gate runs

@@ -315,7 +315,8 @@ def main() -> None:
         print(f"tokens {tokens:>5}: BM {row['BLOCK_M']:>3} " + " | ".join(
             f"{kernel} {row[f'{kernel}_ms']:.3f} ms (legacy {row[f'{kernel}_legacy_ms'] or float('nan'):.3f}) "
             f"{describe(row[kernel])}" for kernel in KERNELS) + f" | align {row['align_ms']:.3f} ms", flush=True)
-        document = save_table(path, kept, table, device, args.fp8)  # after each token count: a cut-off run keeps its rows
+        # after each token count: a cut-off run keeps its rows
+        document = save_table(path, kept, table, device, args.fp8)
     print(f"timed in {time.monotonic() - started:.0f} s")
     json_name = "moe_tune" if args.shape == "deepseek-v2-lite" else f"moe_tune-{args.shape}"
     write_json(json_name + ("-fp8" if args.fp8 else ""), {"file": name, **document})

@@ -69,7 +69,8 @@ def write_v3_shaped(bf16_out: Path, fp8_out: Path, seed: int = 0, device: str = 
 
     tiny = ensure_tiny_model()
     tiny_config = json.loads((tiny / "config.json").read_text())
-    config = {**V3_SHAPED, **(overrides or {}), "bos_token_id": tiny_config.get("bos_token_id"), "eos_token_id": tiny_config.get("eos_token_id")}
+    config = {**V3_SHAPED, **(overrides or {}), "bos_token_id": tiny_config.get("bos_token_id"),
+              "eos_token_id": tiny_config.get("eos_token_id")}
     with torch.device("meta"):
         model = deepseek_v3.build(config, parse_spec(config))
     for out in (bf16_out, fp8_out):

@@ -7,7 +7,8 @@ import torch
 
 from afd.connector.tensors import pack_rows, unpack_rows
 from afd.connector.wire import ProtocolError
-from afd.kernels.moe import CONFIG_DIR, DEFAULT_CONFIGS, FP8_DEFAULT_CONFIGS, config_name, config_table, pick_config
+from afd.kernels.moe import (CONFIG_DIR, DEFAULT_CONFIGS, FP8_DEFAULT_CONFIGS, config_name, config_table,
+                             pick_config)
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
 OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT"}  # newer tables: a kernel's own tile
@@ -19,7 +20,8 @@ def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:
     multiple of 128)."""
     assert KERNEL_KEYS <= set(kernel) <= KERNEL_KEYS | OPTIONAL_KEYS
     if fp8:
-        assert 128 % kernel["BLOCK_K"] == 0 and (fp8 != "gate_up" or kernel["BLOCK_N"] % 128 == 0)
+        assert 128 % kernel["BLOCK_K"] == 0
+        assert fp8 != "gate_up" or kernel["BLOCK_N"] % 128 == 0
     block_m = kernel.get("BLOCK_M", layout_m)
     assert block_m >= 16 and layout_m % block_m == 0  # a kernel tile lies inside one layout tile: one expert
     assert isinstance(kernel.get("GROUP_M", 0), int) and kernel.get("GROUP_M", 0) >= 0

@@ -23,7 +23,7 @@ MAX_EXPERTS = 512  # one program holds a token's logits in registers
 
 
 NAN_RANK = tl.constexpr(-2.0e38)  # a NaN score ranks after every real one (sigmoid + bias may be negative)
-OUT_OF_GROUP_RANK = tl.constexpr(-3.0e38)  # experts of groups not kept: after NaN ones, before padding and picked (-inf)
+OUT_OF_GROUP_RANK = tl.constexpr(-3.0e38)  # experts of groups not kept: after NaN ones, before padding/picked (-inf)
 
 
 @triton.jit
