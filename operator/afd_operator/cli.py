@@ -38,7 +38,10 @@ def render_file(path: str, namespace: Optional[str] = None) -> str:
         meta.setdefault("uid", "00000000-0000-0000-0000-000000000000")  # the API server assigns the real one
         body["metadata"] = meta
         owner = parse_owner(body)
-        objects += render_all(parse_spec(body.get("spec")), owner)
+        spec = parse_spec(body.get("spec"))
+        if spec.autoscaling.enabled:  # the operator starts from spec.replicas within minGroups..maxGroups
+            spec = spec.model_copy(update={"replicas": spec.autoscaling.clamp(spec.replicas)})
+        objects += render_all(spec, owner)
         # The operator creates this once per resource; here, a fresh value on every call.
         objects.append(render_group_secret(owner, new_secret_value()))
     return dump_yaml(objects)

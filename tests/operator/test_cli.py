@@ -54,3 +54,14 @@ def test_run_help(capsys):
         assert exit_.code == 0
     out = capsys.readouterr().out
     assert "--namespace" in out and "--peering" in out
+
+
+def test_render_with_autoscaling_shows_the_groups_the_operator_starts_with(tmp_path):
+    """spec.replicas 1 with minGroups 2: the operator starts with 2 groups, and so does render."""
+    body = yaml.safe_load((ROOT / "crds/samples/cpu-zmq-tiny-autoscaling.yaml").read_text())
+    body["spec"]["autoscaling"]["minGroups"] = 2
+    path = tmp_path / "cr.yaml"
+    path.write_text(yaml.safe_dump(body))
+    names = {o["metadata"]["name"] for o in yaml.safe_load_all(render_file(str(path), namespace="ns"))
+             if o and o["kind"] == "StatefulSet"}
+    assert names == {f"tiny-cpu-autoscaled-g{g}-{role}" for g in (0, 1) for role in ("attn", "ffn")}
