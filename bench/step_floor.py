@@ -280,7 +280,7 @@ def _line(row: dict) -> str:
             f"  ratio {row['ratio']:5.2f}  kernels {row['kernels']:5d} ({row['kernels_per_layer']:.1f}/layer)")
 
 
-def memory_probe(layers: int) -> dict:
+def memory_probe(layers: int, before: bool = True) -> dict:
     """Bytes allocated, held by the allocator and used on the device after building the DeepSeek-V2-Lite-shaped model,
     the caching allocator emptied: as the loader did before issue 33 (float32, then converted) and as it does now."""
     from afd.models import loader
@@ -311,7 +311,8 @@ def memory_probe(layers: int) -> dict:
     config = {**V2_LITE, "num_hidden_layers": layers or V2_LITE["num_hidden_layers"]}
     out = [state("empty")]
     new_build = loader.build_share
-    for label, build in (("float32 then bf16 (before)", old_build_share), ("bf16 at once (now)", new_build)):
+    builds = [("float32 then bf16 (before)", old_build_share)] if before else []
+    for label, build in builds + [("bf16 at once (now)", new_build)]:
         loader.build_share = build
         try:
             model, spec, crossing = random_model(config, "monolithic")
@@ -349,12 +350,13 @@ def main() -> None:
     parser.add_argument("--contexts", default="128,2048")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--memory-probe", action="store_true")
+    parser.add_argument("--probe-now-only", action="store_true", help="--memory-probe without the old loading order")
     args = parser.parse_args()
     if args.memory_probe:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-        write_json("memory_probe", memory_probe(args.layers))
+        write_json("memory_probe", memory_probe(args.layers, before=not args.probe_now_only))
         return
     batches = sorted({int(b) for b in args.batches.split(",")})
     contexts = [int(c) for c in args.contexts.split(",")]
