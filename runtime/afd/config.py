@@ -71,6 +71,7 @@ class AFDConfig:
     group_secret: str = field(default="", repr=False)  # from the operator's Secret; never logged, never sent
     connect_timeout_s: float = 60.0
     peer_timeout_s: float = 5.0
+    ffn_hold_s: float = 60.0  # attention: a lost FFN rank's requests wait this long for it to come back, then fail (0: at once)
     heartbeat_interval_s: float = 1.0
     shutdown_grace_s: float = 30.0
     profile_every: int = 16  # per-layer timings on every N-th step (0: off)
@@ -121,7 +122,7 @@ class AFDConfig:
                 f"all {self.num_ffn_ranks * self.ffn_expert_parallel} FFN processes would share one address"
             )
         for name in ("max_model_len", "port_stride", "kv_cache_bytes", "profile_every", "ffn_batch_window_s", "dbo_min_tokens",
-                     "mixed_graph_tokens", "max_prompt_chars", "prefill_itl_ratio"):
+                     "mixed_graph_tokens", "max_prompt_chars", "prefill_itl_ratio", "ffn_hold_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must not be negative")
         if not 1 <= self.api_servers <= MAX_API_SERVERS:
@@ -222,6 +223,7 @@ ENV_VARS: dict[str, str] = {
     "AFD_GROUP_SECRET": "group_secret",
     "AFD_CONNECT_TIMEOUT_S": "connect_timeout_s",
     "AFD_PEER_TIMEOUT_S": "peer_timeout_s",
+    "AFD_FFN_HOLD_S": "ffn_hold_s",
     "AFD_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "AFD_SHUTDOWN_GRACE_S": "shutdown_grace_s",
     "AFD_PROFILE_EVERY": "profile_every",

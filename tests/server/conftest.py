@@ -58,6 +58,7 @@ class LiveServer:
         self.config = AFDConfig(
             connector="loopback", model=str(checkpoint), stages=stages, max_num_seqs=max_num_seqs,
             ffn_address_template=f"server-test-{next(_groups)}", peer_timeout_s=3.0,
+            ffn_hold_s=0.0,  # a lost FFN fails requests at once here (tests/server/test_engine_hold.py holds them)
         )
         self.ffn = build_ffn(self.config.replace(role="ffn"))
         self.ffn_stop = threading.Event()

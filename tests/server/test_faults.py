@@ -87,7 +87,8 @@ def test_kill_ffn_and_attention_ranks_under_load(tmp_path):
     marker = uuid.uuid4().hex
     port = free_port_block(1)
     state_file = tmp_path / "state.json"
-    env = {**os.environ, "AFD_TEST_MARKER": marker, "AFD_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "AFD_TEST_MARKER": marker, "AFD_CACHE_DIR": str(tmp_path / "cache"),
+           "AFD_FFN_HOLD_S": "0"}  # requests fail at once when their FFN dies (test_rank_loss.py: they are held)
     up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", "2A2F", "--port", str(port),
                            "--state-file", str(state_file), "--no-demo"], env=env, stdout=subprocess.DEVNULL,
                           stderr=open(tmp_path / "up.log", "w"))

@@ -55,8 +55,12 @@ class ControlState:
         params = request.params
         self.counts[slot].zero_()
         self.in_prompt[slot].zero_()
+        prompt = len(request.prompt_ids) - request.carried  # carried: output tokens of an earlier rank, after the prompt
         if params.repetition_penalty != 1:
-            self.in_prompt[slot, to_device(request.prompt_ids, self.device)] = True
+            self.in_prompt[slot, to_device(request.prompt_ids[:prompt], self.device)] = True
+        if request.carried:
+            self.counts[slot].index_add_(0, to_device(request.prompt_ids[prompt:], self.device),
+                                         torch.ones(request.carried, dtype=torch.int32, device=self.device))
         self.bias[slot] = static_bias(params, self.vocab, self.device)
         return slot
 

@@ -107,7 +107,7 @@ class OutputProcessor:
             request.request_id, checker.take(final=request.done) if checker is not None else "", [token],
             [token_logprobs] if token_logprobs else [],
             finished=request.done, finish_reason=reason,
-            prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.output_ids),
+            prompt_tokens=len(request.prompt_ids) - request.carried, completion_tokens=len(request.output_ids) + request.carried,
             prompt_logprobs=[None, *request.prompt_logprobs] if (
                 params.prompt_logprobs is not None and len(request.output_ids) == 1) else None,
         ))

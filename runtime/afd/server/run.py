@@ -88,6 +88,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         link=role.link,
         prefill_itl_ratio=config.prefill_itl_ratio,
         prefill_backlog_steps=config.prefill_backlog_steps,
+        hold_s=config.ffn_hold_s,
     )
     metrics.track(engine)
     state = ServerState(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_HOLD_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -34,6 +35,14 @@ class ServingMetrics:
         self.step_duration = make(Histogram, "afd_step_duration_seconds", "Wall time of one engine step", buckets=_LATENCY_BUCKETS)
         self.step_tokens = make(Histogram, "afd_step_tokens", "Tokens computed in one step", buckets=_TOKEN_BUCKETS)
         self.request_errors = make(Counter, "afd_request_errors", "Requests ended by an error")
+        self.resumed = make(Counter, "afd_requests_resumed", "Requests held through the loss of their FFN rank that went on "
+                            "once it was back (AFD_FFN_HOLD_S)")
+        self.hold_expired = make(Counter, "afd_requests_hold_expired", "Held requests that failed: their FFN rank was not "
+                                 "back within AFD_FFN_HOLD_S")
+        self.hold_wait = make(Histogram, "afd_request_hold_seconds", "How long each resumed request waited for its FFN "
+                              "rank", buckets=_HOLD_BUCKETS)
+        self.carried = make(Counter, "afd_requests_carried", "Requests moved here from a lost attention rank, going on "
+                            "after the tokens their client already had")
         self.prefill_cap = make(Gauge, "afd_prefill_cap_tokens",
                                 "Prompt tokens the last step with decodes could take (prefill_itl_ratio); 0: uncapped")
 
@@ -57,6 +66,17 @@ class ServingMetrics:
     def on_step(self, engine, tokens: int, seconds: float) -> None:
         self.step_duration.observe(seconds)
         self.step_tokens.observe(tokens)
+
+    def on_resumed(self, requests: int, waited_s: float) -> None:
+        self.resumed.inc(requests)
+        for _ in range(requests):
+            self.hold_wait.observe(waited_s)
+
+    def on_hold_expired(self, requests: int) -> None:
+        self.hold_expired.inc(requests)
+
+    def on_carried(self) -> None:
+        self.carried.inc()
 
     def on_error(self) -> None:
         self.request_errors.inc()
