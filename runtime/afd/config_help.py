@@ -21,7 +21,7 @@ SETTING_HELP: dict[str, str] = {
     "connector": "`zmq` (any network, CPU or GPU), `nccl` (GPU data plane, zmq control plane) or `loopback` (tests).",
     "stages": "Micro-batches per layer: 1, or 2 for dual-batch overlap (attention computes one while the FFN runs the other).",
     "gate_on_attention": "`true`: the MoE router runs on attention and ships router logits; dense layers stay on attention.",
-    "model": "Checkpoint folder (a Hugging Face DeepSeek-V2 or Qwen3-MoE layout).",
+    "model": "Checkpoint folder (a Hugging Face DeepSeek-V2, DeepSeek-V3/Kimi-K2 or Qwen3-MoE layout; FP8 block-quantized too).",
     "dtype": "`auto` (bfloat16 on CUDA, float32 on CPU), `float32`, `bfloat16` or `float16`.",
     "device": "`auto`, `cpu` or `cuda`.",
     "http_host": "Address of the OpenAI-compatible API (attention ranks).",
