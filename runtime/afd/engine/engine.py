@@ -312,7 +312,8 @@ class Engine:
         inputs = build_inputs(batch, step_id, self._prev_tokens, self.max_model_len, self.device)
         input_ids, layout, emit = inputs.input_ids, inputs.layout, inputs.emit
         started = time.monotonic()
-        rows = prompt_rows(batch, layout) if any(r.params.prompt_logprobs is not None for r in batch) else None
+        plain = all(r.params.plain for r in batch)  # no controls, prompt logprobs or grammar: today's path
+        rows = None if plain else prompt_rows(batch, layout)
         try:
             if rows is not None:
                 self.step.logit_rows = to_device(rows.rows, self.device)
@@ -335,10 +336,9 @@ class Engine:
         if len(emit) < len(batch):  # rows of unfinished prompt chunks sample nothing
             logits, sampling = logits[to_device(emit, logits.device)], [batch[i] for i in emit]
         try:
-            mask = self._grammar_mask(sampling, logits.device)
-            controls = self._step_controls(sampling, logits)
-            sampled = sample(logits, inputs.params, inputs.generators, controls,
-                             mask).to_host()
+            mask = None if plain else self._grammar_mask(sampling, logits.device)
+            controls = None if plain and not self._controls_held() else self._step_controls(sampling, logits)
+            sampled = sample(logits, inputs.params, inputs.generators, controls, mask).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up
             log.exception("sampling failed")
             self._drain()
@@ -361,6 +361,10 @@ class Engine:
             self._drain()
         bitmask = fill_bitmask([sampling[i].grammar for i in rows], self.vocab_size, self.eos_token_ids)
         return StepMask(rows, bitmask, device)
+
+    def _controls_held(self) -> bool:
+        """Some request still holds a controls slot (given back at the next step that looks at controls)."""
+        return self._controls is not None and bool(self._controls.slots)
 
     def _step_controls(self, sampling: list[Request], logits: torch.Tensor) -> StepControls | None:
         """This step's logits controls (None for a batch that sets none: the plain sampler); slots of requests

@@ -74,6 +74,10 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}",
                                  "min_tokens")
+        # Read per row and step: worked out once. `plain`: none of logits controls, prompt logprobs, grammar.
+        object.__setattr__(self, "_adjusts", bool(self.penalized or self.min_tokens or self.logit_bias
+                                                  or self.allowed_token_ids or self.banned_token_ids))
+        object.__setattr__(self, "plain", not (self._adjusts or self.prompt_logprobs is not None or self.grammar))
 
     @property
     def penalized(self) -> bool:
@@ -83,8 +87,7 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Any control that changes the logits before sampling (min_p acts in the sampler itself)."""
-        return bool(self.penalized or self.min_tokens or self.logit_bias or self.allowed_token_ids
-                    or self.banned_token_ids)
+        return self._adjusts
 
     @property
     def greedy(self) -> bool:
