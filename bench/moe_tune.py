@@ -81,15 +81,12 @@ def load_options(kernel: str, block_m: int, tma: bool) -> list[dict]:
 def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[dict]:
     """Settings tried for `kernel` at a tile height: small tiles stream weights, large ones feed the tensor cores.
     FP8: gate_up's columns in blocks of 128 (its epilogue quantizes per 128), steps of 128 (one scale group), down
-    64 or 128 columns, 8 warps only on tiles of 64+ rows; TMA or pointers, persistent or not, as for bf16."""
+    64-256 columns, 8 warps only on tiles of 64+ rows; TMA or pointers, persistent or not, as for bf16."""
     if fp8:
-        if kernel == "gate_up":
-            space = itertools.product((128,), (128,), (4, 8), (3, 4))
-        else:
-            space = itertools.product((64, 128), (128,), (4, 8), (3, 4))
+        columns = (128,) if kernel == "gate_up" else (64, 128) if block_m <= 32 else (128, 256)
+        space = itertools.product(columns, (128,), (4,) if block_m <= 32 else (4, 8), (3, 4))
         return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads)
-                for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))
-                if not (w == 8 and block_m < 64)]
+                for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))]
     if block_m <= 32:
         space = itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
