@@ -162,3 +162,15 @@ def test_make_tiny_model_cli(tmp_path):
     assert again.returncode == 1 and "not empty" in again.stderr
     wrong = afd("make-tiny-model", "--arch", "llama", "--out", tmp_path / "x")
     assert wrong.returncode == 1 and "--arch 'llama'" in wrong.stderr
+
+
+def test_make_tiny_model_cli_writes_fp8_deepseek_v3_and_refuses_fp8_elsewhere(tmp_path):
+    import json
+
+    out = tmp_path / "v3"
+    done = afd("make-tiny-model", "--arch", "deepseek_v3", "--fp8", "--out", out)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["quantization_config"]["weight_block_size"] == [128, 128]
+    wrong = afd("make-tiny-model", "--arch", "deepseek_v2", "--fp8", "--out", tmp_path / "v2")
+    assert wrong.returncode == 1 and "--fp8: FP8 checkpoints are made for deepseek_v3, qwen3_moe" in wrong.stderr

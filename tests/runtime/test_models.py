@@ -80,3 +80,17 @@ def test_mtp_layers_are_neither_read_nor_resident(checkpoints, caplog):
     assert not any(name.startswith("model.layers.3.") for name in loaded.model.state_dict())
     assert [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()] == [
         f"checkpoint holds 1 next-token-prediction (MTP) layer (model.layers.3, {len(mtp)} tensors): not read, not resident"]
+
+
+def test_deepseek_v3_without_a_query_lora_equals_transformers(tmp_path):
+    """DeepSeek-V3's MLA with q_proj (q_lora_rank null), as well as the query LoRA of the shared fixture."""
+    from afd.tiny import make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model("deepseek_v3", tmp_path / "v3", seed=5, overrides={"q_lora_rank": None})
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    result = monolithic_generate(path)
+    for prompt, tokens in zip(PROMPTS, result.tokens):
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)
+        assert out[0, len(prompt):].tolist() == tokens
