@@ -48,7 +48,7 @@ def test_moe_kernels_equal_the_reference(kernel, tokens, num_shared, monkeypatch
 def shipped_tables() -> list:
     from afd.kernels.moe import CONFIG_DIR
 
-    return sorted(CONFIG_DIR.glob("E*_H*_I*_*.json"))
+    return sorted(path for path in CONFIG_DIR.glob("E*_H*_I*_*.json") if "_fp8_" not in path.name)  # FP8: test_gpu_fp8
 
 
 @pytest.mark.parametrize("path", shipped_tables(), ids=lambda path: path.stem)
