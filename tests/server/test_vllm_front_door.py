@@ -81,3 +81,25 @@ def test_echo_logprobs_through_the_front_door_equal_transformers(front, hf):
     assert shown["token_logprobs"][0] is None
     assert shown["token_logprobs"][1: len(prompt)] == pytest.approx(
         [float(want[p - 1, prompt[p]]) for p in range(1, len(prompt))], abs=1e-4)
+
+
+def test_openai_client_parse_with_a_pydantic_model_through_the_front_door(front):
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=30)
+        kind: Literal["cat", "dog", "fish"]
+        vaccinated: bool
+
+    url, model = front
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    for seed in range(3):
+        reply = client.beta.chat.completions.parse(
+            model=model, messages=[{"role": "user", "content": "Describe a pet."}], response_format=Pet,
+            max_tokens=100, temperature=1.0, seed=seed)
+        pet = reply.choices[0].message.parsed
+        assert isinstance(pet, Pet) and reply.choices[0].finish_reason == "stop"
