@@ -124,6 +124,8 @@ SCHEMA_REFUSED = [
     ({"ratio": {"mode": "On"}}, "mode"), ({"ratio": {"maxAttentionPerFFN": 0.5}}, "maxAttentionPerFFN"),
     ({"ratio": {"cooldownSeconds": 604801}}, "cooldownSeconds"), ({"ratio": {"prometheusURL": "ftp://x"}}, "prometheusURL"),
     ({"autoscaling": {"maxGroups": 101}}, "maxGroups"), ({"autoscaling": {"targets": {"kvCacheUsage": 1.5}}}, "kvCacheUsage"),
+    # JSON integer 0: a real API server lets it past `minimum: 0.001` (it truncates the minimum); a CEL rule refuses it
     ({"autoscaling": {"targets": {"ttftP90Seconds": 0}}}, "ttftP90Seconds"),
+    ({"autoscaling": {"targets": {"kvCacheUsage": 0}}}, "kvCacheUsage"),
     ({"autoscaling": {"scaleDownMarginPercent": 95}}, "scaleDownMarginPercent"),
 ]
