@@ -39,7 +39,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_reference(checkpoints):
-    """name → (tokens, last-step logits) of transformers' greedy `generate`, one prompt at a time."""
+    """name → (tokens, last-step logits) of transformers' greedy `generate`, one prompt at a time; for an FP8
+    checkpoint, of its dequantized copy (transformers does not run FP8 on CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -47,7 +48,8 @@ def hf_reference(checkpoints):
 
     def reference(name):
         if name not in cache:
-            model = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
+            folder = checkpoints.get(f"{name}_dequantized", checkpoints[name])
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
             model.generation_config.eos_token_id = None  # like --ignore-eos: exactly NEW_TOKENS tokens
             tokens, logits = [], []
             for prompt in PROMPTS:
