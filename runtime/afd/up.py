@@ -8,9 +8,11 @@ or SIGTERM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -193,6 +195,9 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
     from afd.server.front import Backends, FrontSettings, create_front_app
 
     front = front or FrontSettings(max_request_bytes=base.max_request_bytes)
+    if not base.group_secret:  # the ranks' secret: signs the handshake and the streams the front door moves
+        base = base.replace(group_secret=secrets.token_hex(16))
+    front = dataclasses.replace(front, resume_key=base.group_secret.encode())
 
     ranks = plan_ranks(base)
     api = f"http://127.0.0.1:{port}/v1"

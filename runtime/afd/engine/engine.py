@@ -141,6 +141,8 @@ class Engine:
         sampling = carried_params(params, len(carried)) if carried else params
         request = Request(list(prompt_ids) + list(carried), sampling, on_output)
         request.carried = len(carried)
+        if carried and self.observer is not None and hasattr(self.observer, "on_carried"):
+            self.observer.on_carried()
         if request_id is not None:
             request.request_id = request_id
         if arrival is not None:

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest, RequestOutput
 from afd.engine.tokenizer import chat_prompt_ids
-from afd.server import choices, json_body, tokenize_api, validation
+from afd.server import choices, json_body, resume as resumes, tokenize_api, validation
 from afd.server.formatting import PromptShown, chat_response, completion_response
 from afd.server.handoff import LoopHandoff, OutputSink
 from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
@@ -57,6 +57,7 @@ class ServerState:
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="api-cpu"))
     # The /metrics body when the series live elsewhere (the API process shows the engine core's); None: `registry`'s.
     exposition: Callable[[], bytes] | None = None
+    resume_key: bytes = field(default=b"", repr=False)  # the group secret: signs streams moved here (`resume`)
 
     def problem(self) -> str | None:
         """Why this rank cannot serve (engine, FFN link or event loop), or None."""
@@ -121,11 +122,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(http: Request):
         body = await _off_loop(state, _prepare_completion, state, await _json_body(state, http))
         request, prompts, params, echo = body
+        resume = _resume_of(state, http, request.stream)
         if request.stream:
-            outputs = _Outputs(state, prompts[0], params[0])
-            events = StreamEvents(state, outputs.request.request_id, "text_completion")
-            make = lambda out, first: events.completion(out, echo[0] if first else "")  # noqa: E731
-            return _sse(outputs, events, make, request.include_usage)
+            outputs = _Outputs(state, prompts[0], params[0], resume)
+            events = StreamEvents(state, resume.request_id("text_completion") if resume else outputs.request.request_id,
+                                  "text_completion")
+            make = lambda out, first: events.completion(out, echo[0] if first and not resume else "")  # noqa: E731
+            return _sse(outputs, events, make, request.include_usage, _wants_ids(http))
         count = max(request.n, request.best_of or 1)  # engine requests per prompt
         candidates = [c for sampling in params for c in choices.candidate_params(sampling, request.n, request.best_of)]
         results = await _complete(http, _submit_all(state, [p for p in prompts for _ in range(count)], candidates))
@@ -141,10 +144,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
         request, prompt, params = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
+        resume = _resume_of(state, http, request.stream)
         if request.stream:
-            outputs = _Outputs(state, prompt, params)
-            events = StreamEvents(state, outputs.request.request_id, "chat.completion.chunk")
-            return _sse(outputs, events, events.chat, request.include_usage)
+            outputs = _Outputs(state, prompt, params, resume)
+            events = StreamEvents(state, resume.request_id("chat.completion.chunk") if resume else
+                                  outputs.request.request_id, "chat.completion.chunk")
+            make = lambda out, first: events.chat(out, first and not resume)  # noqa: E731
+            return _sse(outputs, events, make, request.include_usage, _wants_ids(http))
         submitted = _submit_all(state, [prompt] * request.n, choices.candidate_params(params, request.n, None))
         results = await _complete(http, submitted)
         if results is None:
@@ -264,6 +270,22 @@ def _check_model_and_health(state: ServerState, model: str) -> None:
         raise Unavailable(f"the server cannot take requests: {reason}")
 
 
+def _resume_of(state: ServerState, http: Request, stream: bool) -> resumes.Resume | None:
+    """The stream a relay moves here from a lost rank (`afd.server.resume`), or None; InvalidRequest if unfit."""
+    resume = resumes.verify(state.resume_key, http.headers.get(resumes.RESUME_HEADER), state.vocab_size)
+    if resume is not None and not stream:
+        raise InvalidRequest(f"{resumes.RESUME_HEADER} continues streams only", resumes.RESUME_HEADER)
+    if resume is not None and not isinstance(state.engine, Engine):
+        raise InvalidRequest("a moved stream needs the engine in the API's process (AFD_API_PROCESS off)",
+                             resumes.RESUME_HEADER)
+    return resume
+
+
+def _wants_ids(http: Request) -> bool:
+    """A relay asks for each event's token ids (SSE comments), to move the stream should this rank die."""
+    return http.headers.get(resumes.IDS_HEADER) == "1"
+
+
 def _max_tokens(state: ServerState, prompt: list[int], requested: int | None) -> int:
     room = state.max_model_len - len(prompt)
     if room < 1:
@@ -281,11 +303,12 @@ def _max_tokens(state: ServerState, prompt: list[int], requested: int | None) ->
 class _Outputs:
     """One request's engine outputs on the event loop, taken as they arrive (see `handoff`)."""
 
-    def __init__(self, state: ServerState, prompt: list[int], params):
+    def __init__(self, state: ServerState, prompt: list[int], params, resume: resumes.Resume | None = None):
         handoff, sink = LoopHandoff.of(asyncio.get_running_loop()), OutputSink()
         self.sink = sink
         self.engine = state.engine
-        self.request = state.engine.submit(prompt, params, lambda out: handoff.put(sink, out))
+        carried = {"carried": resume.token_ids} if resume is not None else {}  # a stream moved from a lost rank
+        self.request = state.engine.submit(prompt, params, lambda out: handoff.put(sink, out), **carried)
         self.finished = False
         self.first = True
 
@@ -345,9 +368,10 @@ async def _complete(http: Request, outputs: list[_Outputs]) -> list[list[Request
             output.abort()  # the engine drops them at its next step
 
 
-def _sse(outputs: _Outputs, events: StreamEvents, make_event, include_usage: bool) -> StreamingResponse:
+def _sse(outputs: _Outputs, events: StreamEvents, make_event, include_usage: bool, ids: bool = False) -> StreamingResponse:
     """Server-sent events: one per output, an error event if the request fails, then [DONE]. The
-    events of every output that arrived together go out in one write."""
+    events of every output that arrived together go out in one write. `ids`: each event says its token ids in an
+    SSE comment (for a relay that may move the stream)."""
 
     async def stream():
         last = None
@@ -360,7 +384,8 @@ def _sse(outputs: _Outputs, events: StreamEvents, make_event, include_usage: boo
                         yield "".join(lines)
                         return
                     last = output
-                    lines.append(make_event(output, first))
+                    lines.append(resumes.ids_comment(output.token_ids) + make_event(output, first) if ids
+                                 else make_event(output, first))
                 if outputs.finished:
                     if include_usage and last is not None:
                         lines.append(events.usage(last))

@@ -4,14 +4,17 @@ Each request goes to the healthy attention rank with the fewest requests in flig
 responses (streamed or not) are relayed as they come. A rank that refuses the
 connection, or answers 503 (not serving), is skipped; with none left the client gets an
 OpenAI-style 503. Bodies are bounded, every call to a rank has a read timeout, and a
-client that leaves closes its relay, which the rank sees and aborts at its next step.
+client that leaves closes its relay, which the rank sees and aborts at its next step. A stream
+whose rank dies mid-stream goes on from another rank (`afd.server.splice`); a non-streamed request
+whose rank dies is sent to the next rank.
 `/metrics` answers the front door's series and every rank's, merged.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
@@ -22,6 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from afd.server.front_metrics import FrontMetrics
 from afd.server.http_body import HOP_HEADERS, OWN_HEADERS, BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.protocol import error_response
+from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
+from afd.server.splice import spliced
 
 
 
@@ -33,6 +38,8 @@ class FrontSettings:
     read_timeout_s: float = 600.0  # longest silence from a rank: a whole non-streamed generation, or between chunks
     probe_timeout_s: float = 2.0  # /health and /metrics of each rank
     shutdown_grace_s: float = 5.0  # SIGTERM: in-flight relays get this long, then are cut
+    move_timeout_s: float = 30.0  # a stream whose rank died waits this long for another rank to continue it
+    resume_key: bytes = field(default=b"", repr=False)  # the ranks' group secret: signs moved streams; b"": none move
 
 
 class Backends:
@@ -95,7 +102,9 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
     async def relay_to(target: str, request: Request) -> Response:
         """`request` answered by the least busy rank that serves, at `target` there."""
         body = await read_body(request, settings.max_request_bytes)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in HOP_HEADERS and not k.lower().startswith("x-afd-")}
+        headers[IDS_HEADER] = "1"  # streams say their token ids, so one can move should its rank die
         gone = asyncio.ensure_future(client_gone(request))
         try:
             urls = backends.order()
@@ -113,6 +122,14 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
                         await _done(response, backends, url)
                     continue  # that rank is down, restarting, not serving, or closed the connection
                 metrics.count(response.status_code)
+                if settings.resume_key and response.status_code == 200 and \
+                        response.headers.get("content-type", "").startswith("text/event-stream"):
+                    return StreamingResponse(
+                        _moving_stream(client, request.method, target, body, headers, response, url, backends,
+                                       settings, metrics),
+                        status_code=200,
+                        headers={k: v for k, v in response.headers.items() if k.lower() not in OWN_HEADERS},
+                    )
                 return StreamingResponse(
                     _relay_body(response, backends, url),
                     status_code=response.status_code,
@@ -164,6 +181,35 @@ async def _send(client, upstream, gone: asyncio.Future, backends: Backends, url:
 async def _done(response: httpx.Response, backends: Backends, url: str) -> None:
     backends.in_flight[url] -= 1
     await response.aclose()
+
+
+def _moving_stream(client, method: str, target: str, body: bytes, headers: dict, response: httpx.Response, url: str,
+                   backends: Backends, settings: FrontSettings, metrics: FrontMetrics):
+    """`response`'s stream, moved to another rank each time its rank is lost (`afd.server.splice`)."""
+    owners = {id(response): url}
+
+    async def reopen(resume: Resume | None) -> httpx.Response | None:
+        extra = {RESUME_HEADER: sign(settings.resume_key, resume)} if resume is not None else {}
+        never = asyncio.get_running_loop().create_future()  # the client leaving cancels the whole stream instead
+        deadline = time.monotonic() + settings.move_timeout_s
+        while time.monotonic() < deadline:
+            for candidate in backends.order():
+                upstream = client.build_request(method, f"{candidate}{target}", content=body, headers={**headers, **extra})
+                answer = await _send(client, upstream, never, backends, candidate)
+                if isinstance(answer, httpx.Response):
+                    if answer.status_code == 200:
+                        owners[id(answer)] = candidate
+                        return answer
+                    await _done(answer, backends, candidate)
+                    if answer.status_code != 503:
+                        return None  # refused (a 400 names why in that rank's log): no other rank would differ
+            await asyncio.sleep(0.25)  # every rank is down or restarting: wait for one within the deadline
+        return None
+
+    async def release(done: httpx.Response) -> None:
+        await _done(done, backends, owners.pop(id(done)))
+
+    return spliced(response, reopen, release, metrics.moved)
 
 
 async def _relay_body(response: httpx.Response, backends: Backends, url: str):

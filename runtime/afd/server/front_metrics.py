@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 STATUS_CLASSES = ("2xx", "4xx", "5xx", "client_gone")
@@ -31,6 +31,15 @@ class FrontMetrics:
                                ["target"], registry=self.registry)
         for target in targets:
             self.scrape_up.labels(target=target)
+        self.moves = Counter("afd_front_requests_moved", "Streams moved to another attention rank after theirs was "
+                             "lost mid-stream", registry=self.registry)
+        self.move_wait = Histogram("afd_front_move_wait_seconds", "From a stream's cut to another rank's answer",
+                                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=self.registry)
+
+    def moved(self, seconds: float) -> None:
+        """A stream moved to another rank after waiting `seconds`."""
+        self.moves.inc()
+        self.move_wait.observe(seconds)
 
     def count(self, status: int | None) -> None:
         """One relayed request; None when the client left before the answer."""

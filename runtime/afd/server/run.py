@@ -100,6 +100,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         health=lambda: engine.problem,
         registry=registry,
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
+        resume_key=config.group_secret.encode(),
     )
     if role.link is not None:  # a monolithic rank has no FFN link
         watch_attention(registry, config, role, engine)

@@ -1,0 +1,135 @@
+"""Moving a stream to another attention rank (issue 38): the internal resume header, and reading a relayed stream.
+
+A relay (the front door of `afd up`, or a rank's failover relay) asks the rank for each event's token
+ids (`x-afd-token-ids: 1`: the rank puts an SSE comment line `: afd-ids 12,34` in the event, which
+clients ignore and the relay strips). When the rank dies mid-stream, the relay sends the same request
+to another rank with `x-afd-resume`: the stream's id and the token ids its client already has, signed
+with the deployment's group secret (HMAC-SHA256), so no outside client can make a rank continue a
+made-up output. That rank prefills prompt + those tokens, re-emits none of them (no role chunk, no
+echo), and streams the rest under the same id; its usage counts every token once.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+
+from afd.engine.request import InvalidRequest
+
+RESUME_HEADER = "x-afd-resume"
+IDS_HEADER = "x-afd-token-ids"
+IDS_COMMENT = b": afd-ids "
+MAX_CARRIED = 2048  # token ids in one resume header (it must stay within the HTTP server's header limit)
+_PREFIXES = {"text_completion": "cmpl-", "chat.completion.chunk": "chatcmpl-"}
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A stream to continue: its id (as the client saw it) and the token ids the client already has."""
+
+    stream_id: str
+    token_ids: tuple[int, ...]
+
+    def request_id(self, kind: str) -> str:
+        """The engine request id that gives this stream id for events of `kind`."""
+        prefix = _PREFIXES[kind]
+        if not self.stream_id.startswith(prefix):
+            raise InvalidRequest(f"the resumed stream id {self.stream_id[:64]!r} is not a {kind} id", RESUME_HEADER)
+        return self.stream_id[len(prefix):]
+
+
+def sign(key: bytes, resume: Resume) -> str:
+    """The header value for `resume`."""
+    payload = base64.urlsafe_b64encode(json.dumps({"id": resume.stream_id, "ids": list(resume.token_ids)},
+                                                  separators=(",", ":")).encode()).decode()
+    return f"{payload}.{_mac(key, payload)}"
+
+
+def verify(key: bytes, value: str | None, vocab_size: int) -> Resume | None:
+    """The resume a header value asks for (None without the header); `InvalidRequest` naming what is wrong."""
+    if value is None:
+        return None
+    if not key:
+        raise InvalidRequest(f"{RESUME_HEADER} is internal to a deployment and this rank has no group secret",
+                             RESUME_HEADER)
+    payload, _, mac = value.partition(".")
+    if not hmac.compare_digest(mac, _mac(key, payload)):
+        raise InvalidRequest(f"{RESUME_HEADER} is not signed by this deployment's group secret", RESUME_HEADER)
+    try:
+        body = json.loads(base64.urlsafe_b64decode(payload.encode()))
+        stream_id, ids = body["id"], body["ids"]
+    except (ValueError, KeyError, TypeError):
+        raise InvalidRequest(f"{RESUME_HEADER} is not a valid resume", RESUME_HEADER) from None
+    if not isinstance(stream_id, str) or not isinstance(ids, list) or not 0 < len(ids) <= MAX_CARRIED:
+        raise InvalidRequest(f"{RESUME_HEADER} needs a stream id and 1..{MAX_CARRIED} token ids", RESUME_HEADER)
+    if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"{RESUME_HEADER} holds a token id outside the vocabulary", RESUME_HEADER)
+    return Resume(stream_id, tuple(ids))
+
+
+def _mac(key: bytes, payload: str) -> str:
+    return hmac.new(key, payload.encode(), hashlib.sha256).hexdigest()
+
+
+def ids_comment(token_ids: list[int]) -> str:
+    """The comment line a rank puts in an event for a relay that asked for token ids."""
+    return f": afd-ids {','.join(map(str, token_ids))}\n"
+
+
+class StreamReader:
+    """What of a relayed SSE stream reached the client: whole events only, id comments stripped and gathered."""
+
+    def __init__(self):
+        self._pending = b""
+        self.stream_id: str | None = None
+        self.token_ids: list[int] = []
+        self.done = False  # [DONE] went out: nothing to resume
+        self.failed = False  # an error event went out: the rank's own answer, not resumed either
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete events in `chunk` (with what was pending), ready for the client."""
+        data = self._pending + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        self._pending = data[end + 2:]
+        out = []
+        for event in data[: end].split(b"\n\n"):
+            lines = []
+            for line in event.split(b"\n"):
+                if line.startswith(IDS_COMMENT):
+                    self.token_ids.extend(int(t) for t in line[len(IDS_COMMENT):].split(b",") if t)
+                    continue
+                if line.startswith(b"data: "):
+                    self._look(line[6:])
+                lines.append(line)
+            if lines:
+                out.append(b"\n".join(lines) + b"\n\n")
+        return b"".join(out)
+
+    def _look(self, data: bytes) -> None:
+        if data == b"[DONE]":
+            self.done = True
+        elif data.startswith(b'{"error"'):
+            self.failed = True
+        elif self.stream_id is None:
+            self.stream_id = json.loads(data).get("id")
+
+    def drop_partial(self) -> None:
+        """Forget a cut event's first bytes (the client never got them)."""
+        self._pending = b""
+
+    @property
+    def resumable(self) -> bool:
+        """Cut before its end (and not by an error event): it can go on elsewhere, from its tokens if it has any."""
+        return not (self.done or self.failed)
+
+    def resume(self) -> Resume | None:
+        """What to continue from; None: nothing reached the client, so the request is simply sent again."""
+        if not self.token_ids or self.stream_id is None:
+            return None
+        return Resume(self.stream_id, tuple(self.token_ids))

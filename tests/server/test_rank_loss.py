@@ -1,0 +1,148 @@
+"""No request lost when a rank dies (issue 38), on real processes behind `afd up`'s front door.
+
+8 concurrent streams of 64 tokens; kill -9 an FFN rank mid-stream (its attention ranks hold their requests and
+go on once it is restarted), then an attention rank mid-stream (the front door moves its streams to another
+rank): every stream completes, no error event, each text equal to the same request's undisturbed text, usage
+counting every token once. Greedy, and seeded with temperature 1.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from afd.local.children import free_port_block
+from tests.runtime.test_generate_cli import processes_with_marker
+from tests.server.test_up import read_state, wait_for
+
+STREAMS, TOKENS = 8, 64
+
+
+class Stream:
+    """One streamed request through the front door: its text, events, error and longest pause."""
+
+    def __init__(self, api: str, model: str, index: int, sampling: dict):
+        self.index, self.chat = index, index % 2 == 1
+        prompt = f"Tell me story number {index}"
+        body = {"model": model, "max_tokens": TOKENS, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}, **sampling}
+        if self.chat:
+            self.url, self.body = f"{api}/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+        else:
+            self.url, self.body = f"{api}/completions", {**body, "prompt": prompt}
+        self.text, self.ids, self.indexes, self.roles = "", set(), set(), 0
+        self.events, self.error, self.usage, self.finish, self.done, self.longest_pause = 0, None, None, None, False, 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last = None
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=120) as response:
+                for line in response.iter_lines():
+                    now = time.monotonic()
+                    if last is not None:
+                        self.longest_pause = max(self.longest_pause, now - last)
+                    last = now
+                    if line == "data: [DONE]":
+                        self.done = True
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]["message"]
+                        return
+                    self.ids.add(chunk["id"])
+                    if chunk.get("usage"):
+                        self.usage = chunk["usage"]
+                    for choice in chunk["choices"]:
+                        self.indexes.add(choice["index"])
+                        self.events += 1
+                        if self.chat:
+                            self.roles += "role" in choice["delta"]
+                            self.text += choice["delta"].get("content") or ""
+                        else:
+                            self.text += choice["text"]
+                        self.finish = choice["finish_reason"] or self.finish
+        except httpx.HTTPError as err:
+            self.error = f"{type(err).__name__}: {err}"
+
+
+def run_all(api, model, sampling, during=None) -> list[Stream]:
+    streams = [Stream(api, model, i, sampling) for i in range(STREAMS)]
+    for stream in streams:
+        stream.thread.start()
+    if during is not None:
+        during(streams)
+    for stream in streams:
+        stream.thread.join(180)
+    return streams
+
+
+def pid_of(state_file, role, rank):
+    state = read_state(state_file)
+    return next(r["pid"] for r in state["ranks"] if r["role"] == role and r["rank"] == rank) if state else None
+
+
+def healthy(api) -> bool:
+    try:
+        return httpx.get(api.removesuffix("/v1") + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def front_series(api, name) -> float:
+    text = httpx.get(api.removesuffix("/v1") + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("topology", ["2A1F", "2A2F"])
+def test_killing_the_ffn_then_an_attention_rank_mid_stream_loses_no_request(tmp_path, topology):
+    marker = uuid.uuid4().hex
+    port = free_port_block(1)
+    state_file = tmp_path / "state.json"
+    env = {**os.environ, "AFD_TEST_MARKER": marker, "AFD_CACHE_DIR": str(tmp_path / "cache")}
+    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", topology, "--port", str(port),
+                           "--state-file", str(state_file), "--no-demo"], env=env, stdout=subprocess.DEVNULL,
+                          stderr=open(tmp_path / "up.log", "w"))
+    try:
+        state = wait_for(lambda: read_state(state_file), 240, "the state file")
+        api = state["api"]
+        rank = {(r["role"], r["rank"]): r for r in state["ranks"]}
+        attention0 = rank[("attention", 0)]["api"]
+        model = httpx.get(f"{api}/models").json()["data"][0]["id"]
+
+        def kill_ffn_then_attention(streams):
+            wait_for(lambda: min(s.events for s in streams) >= 4, 60, "every stream under way")
+            ffn_pid = pid_of(state_file, "ffn", 0)
+            os.kill(ffn_pid, signal.SIGKILL)
+            wait_for(lambda: pid_of(state_file, "ffn", 0) not in (None, ffn_pid) and healthy(attention0), 120,
+                     "the FFN rank restarted and attention rank 0 serving again")
+            os.kill(pid_of(state_file, "attention", 0), signal.SIGKILL)  # its held streams have just gone on
+
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1234}):
+            undisturbed = run_all(api, model, sampling)
+            assert all(s.error is None and s.done for s in undisturbed), [s.error for s in undisturbed]
+            moved_before = front_series(api, "afd_front_requests_moved_total")
+            disturbed = run_all(api, model, sampling, kill_ffn_then_attention)
+            for before, after in zip(undisturbed, disturbed):
+                assert after.error is None and after.done and after.finish == "length", (after.index, after.error)
+                assert after.text == before.text, (after.index, before.text, after.text)
+                assert len(after.ids) == 1 and after.indexes == {0} and after.roles == (1 if after.chat else 0)
+                assert after.usage["completion_tokens"] == TOKENS == before.usage["completion_tokens"]
+                assert after.usage["prompt_tokens"] == before.usage["prompt_tokens"]
+            assert max(s.longest_pause for s in disturbed) > 0.5  # streams were held while the FFN was down
+            assert front_series(api, "afd_front_requests_moved_total") > moved_before  # and moved from the killed rank
+            wait_for(lambda: healthy(attention0) and healthy(api), 120, "attention rank 0 back")
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+    assert wait_for(lambda: processes_with_marker(marker) == [] or None, 15, "every process to stop")
