@@ -142,3 +142,24 @@ def test_resident_bytes_of_the_roles_add_up_and_are_exported(name, checkpoints):
     registry = CollectorRegistry()
     export_resident_bytes(registry, AFDConfig(role="ffn", rank=0, model=path), parts[1])
     assert registry.get_sample_value("afd_weights_resident_bytes", {"role": "ffn", "rank": "0"}) == parts[1]
+
+
+def test_fp8_experts_stacked_in_one_tensor_are_refused(checkpoints, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from afd.models.fp8 import quantize_block_fp8
+    from afd.models.loader import load_model
+    from afd.models.spec import UnsupportedModelError
+
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoints["qwen3_moe_fp8"], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    stacked, scale = quantize_block_fp8(torch.randn(8, 64, 64))
+    tensors["model.layers.1.mlp.experts.gate_up_proj"] = stacked
+    tensors["model.layers.1.mlp.experts.gate_up_proj_scale_inv"] = scale
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="model.layers.1.mlp.experts.gate_up_proj: FP8 experts stacked"):
+        load_model(str(folder))

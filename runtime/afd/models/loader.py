@@ -15,7 +15,7 @@ from afd.models.expert_shard import shard_ffn_model, shard_parts
 from afd.models.fp8 import FP8_DTYPE, Fp8Linear, dequantize_block_fp8
 from afd.models.layers import MoE, Router
 from afd.models.quantization import SCALE_SUFFIX, check_fp8_tensors, convert_to_fp8, parse_quantization, resident_bytes
-from afd.models.spec import ModelSpec, parse_spec
+from afd.models.spec import ModelSpec, UnsupportedModelError, parse_spec
 from afd.models.split import prune_for_role
 from afd.topology import crossing_layers
 
@@ -159,6 +159,9 @@ def _sources(name: str, param: torch.Tensor, checkpoint: Checkpoint, parts: dict
         count = stop - first
         fused = f"{prefix}.{kind}_proj"
         if fused in checkpoint:  # already stacked on disk (newer transformers layout)
+            if fused + SCALE_SUFFIX in checkpoint:
+                raise UnsupportedModelError(f"{fused}: FP8 experts stacked in one tensor are not supported (the "
+                                            "published FP8 checkpoints store one tensor per expert)")
             return [], lambda tensors: checkpoint.read_part(fused, 0, first, first + count)
         suffix = "weight" + (SCALE_SUFFIX if match["scale"] else "")
         experts = range(first, first + count)
