@@ -171,7 +171,8 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, facts["max_model_len"]),
         exposition=lambda: urllib.request.urlopen(facts["metrics_url"], timeout=5).read(),  # the core's series
     )
-    app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(config.failover_url))
+    app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(
+        config.failover_url, resume_key=config.group_secret.encode()))
     server = http_server(app, config)
     for signum in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal it stopped on: exit 0, not by it
         signal.signal(signum, lambda *_: setattr(server, "should_exit", True))

@@ -14,19 +14,23 @@ middleware around the rank's API:
   seconds while the Service's endpoints catch up. A relayed request carries `x-afd-failover`
   and is never relayed again, so requests cannot circle.
 
-Client errors (400, 404, 413, ...) are answered here as before: only a 503 moves on.
+Client errors (400, 404, 413, ...) are answered here as before: only a 503 moves on. A relayed stream
+whose rank dies mid-stream goes on from another rank of the Service (`afd.server.splice`), signed with
+the group secret; a relayed non-streamed request whose rank dies is sent again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
 
 from afd.server.http_body import HOP_HEADERS, OWN_HEADERS
+from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
+from afd.server.splice import spliced
 
 log = logging.getLogger(__name__)
 RELAYED = b"x-afd-failover"
@@ -38,6 +42,7 @@ class FailoverSettings:
     attempts: int = 20  # tries of the failover URL before the client gets the 503
     backoff_s: float = 0.25  # between tries: the Service drops this rank's endpoint meanwhile
     read_timeout_s: float = 600.0
+    resume_key: bytes = field(default=b"", repr=False)  # the group secret: a relayed stream cut mid-way moves on
 
 
 def first_byte_failed(status: int, content_type: str, first_chunk: bytes) -> bool:
@@ -57,6 +62,7 @@ class Failover:
         # one pool for every relay, as long as the rank serves
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(settings.read_timeout_s, connect=2.0))
         self.relayed = 0  # requests sent on to the failover URL (tests, logs)
+        self.moves = 0  # relayed streams moved on after their rank was lost mid-stream
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -81,26 +87,57 @@ class Failover:
 
     async def _relay(self, scope, body: bytes, send, refusal: tuple[dict, bytes]) -> None:
         """Send the request on; the client gets the first answer that is not a 503, else this rank's."""
-        client = self.client
         target = self.settings.url.rstrip("/") + scope["path"] + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                   if k != RELAYED and k.decode("latin-1").lower() not in HOP_HEADERS]
-        headers.append((RELAYED.decode(), "1"))
-        for _ in range(self.settings.attempts):
-            try:
-                response = await client.send(client.build_request("POST", target, content=body, headers=headers), stream=True)
-            except httpx.TransportError as err:
-                log.debug("failover to %s: %s", target, err)
+                   if k != RELAYED and k.decode("latin-1").lower() not in HOP_HEADERS
+                   and not k.decode("latin-1").lower().startswith("x-afd-")]
+        headers += [(RELAYED.decode(), "1"), (IDS_HEADER, "1")]
+        response = await self._first_answer(target, body, headers)
+        if response is not None:
+            self.relayed += 1
+            if self.settings.resume_key and response.status_code == 200 and \
+                    response.headers.get("content-type", "").startswith("text/event-stream"):
+                await _forward(response, send, self._moving(response, target, body, headers))
             else:
-                if response.status_code != 503:
-                    self.relayed += 1
-                    await _forward(response, send)
-                    return
-                await response.aclose()
-            await asyncio.sleep(self.settings.backoff_s)
+                await _forward(response, send)
+            return
         start, first = refusal  # nobody else could take it either: the client gets this rank's answer
         await send(start)
         await send({"type": "http.response.body", "body": first, "more_body": False})
+
+    async def _first_answer(self, target: str, body: bytes, headers: list, ok=lambda status: status != 503):
+        """The failover URL's first answer whose status is `ok` (a streaming response), or None after every try."""
+        client = self.client
+        for _ in range(self.settings.attempts):
+            try:
+                response = await client.send(client.build_request("POST", target, content=body, headers=headers), stream=True)
+            except httpx.TransportError as err:  # refused, or the rank died before answering: try again
+                log.debug("failover to %s: %s", target, err)
+            else:
+                if ok(response.status_code):
+                    return response
+                await response.aclose()
+                if response.status_code != 503:
+                    return None
+            await asyncio.sleep(self.settings.backoff_s)
+        return None
+
+    def _moving(self, response: httpx.Response, target: str, body: bytes, headers: list):
+        """`response`'s stream, moved on through the failover URL each time its rank is lost."""
+
+        async def reopen(resume: Resume | None) -> httpx.Response | None:
+            extra = [(RESUME_HEADER, sign(self.settings.resume_key, resume))] if resume is not None else []
+            return await self._first_answer(target, body, headers + extra, ok=lambda status: status == 200)
+
+        async def release(done: httpx.Response) -> None:
+            await done.aclose()
+
+        return spliced(response, reopen, release, self.moved)
+
+    def moved(self, seconds: float) -> None:
+        """A relayed stream moved to another rank after `seconds` (counted for tests and logs)."""
+        self.moves += 1
+        log.info("a relayed stream moved to another attention rank after %.2f s", seconds)
 
 
 class _HeldResponse:
@@ -145,12 +182,13 @@ def _closing(send, leaving: Callable[[], bool]):
     return send_closing
 
 
-async def _forward(response: httpx.Response, send) -> None:
+async def _forward(response: httpx.Response, send, chunks=None) -> None:
+    """`response` to the client: its body as it comes, or `chunks` (a stream that may move, which closes it)."""
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()
                if k.lower() not in OWN_HEADERS]
     try:
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-        async for chunk in response.aiter_raw():
+        async for chunk in (chunks if chunks is not None else response.aiter_raw()):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:

@@ -170,7 +170,8 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         finally:
             role.close(f"{config.role} rank shutting down")
     # `probes` is bound below, before the server takes its first request
-    app = Failover(create_app(state), lambda: probes.readiness() is not None, FailoverSettings(config.failover_url))
+    failover = FailoverSettings(config.failover_url, resume_key=config.group_secret.encode())
+    app = Failover(create_app(state), lambda: probes.readiness() is not None, failover)
     server = http_server(app, config)
     probes = attention_probes(state, lambda: server.started, stop, ffn_draining)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)

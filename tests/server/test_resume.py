@@ -1,0 +1,165 @@
+"""Moving a stream (issue 38): the signed resume header, the relay's reading of a stream, a rank continuing a
+stream it did not start, and the failover relay moving a relayed stream whose rank dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from afd.engine.request import InvalidRequest
+from afd.server.failover import Failover, FailoverSettings
+from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, sign, verify
+
+KEY = b"group-secret"
+
+
+def test_a_signed_resume_verifies_and_anything_else_is_refused_by_name():
+    resume = Resume("chatcmpl-abc", (5, 6, 7))
+    assert verify(KEY, sign(KEY, resume), 100) == resume
+    assert verify(KEY, None, 100) is None
+    with pytest.raises(InvalidRequest, match="not signed"):
+        verify(KEY, sign(b"another", resume), 100)
+    with pytest.raises(InvalidRequest, match="no group secret"):
+        verify(b"", sign(KEY, resume), 100)
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        verify(KEY, sign(KEY, resume), 7)
+    with pytest.raises(InvalidRequest, match="1..2048 token ids"):
+        verify(KEY, sign(KEY, Resume("cmpl-x", ())), 100)
+    with pytest.raises(InvalidRequest, match="not a text_completion id"):
+        resume.request_id("text_completion")
+    assert resume.request_id("chat.completion.chunk") == "abc"
+
+
+def test_the_reader_passes_whole_events_strips_id_comments_and_knows_when_a_stream_is_over():
+    reader = StreamReader()
+    first = b': afd-ids 1,2\ndata: {"id": "cmpl-9", "choices": []}\n\n: afd-ids 3\ndata: {"id": "cm'
+    assert reader.feed(first) == b'data: {"id": "cmpl-9", "choices": []}\n\n'
+    assert reader.feed(b'pl-9"}\n\n') == b'data: {"id": "cmpl-9"}\n\n'
+    assert reader.token_ids == [1, 2, 3] and reader.resume() == Resume("cmpl-9", (1, 2, 3)) and reader.resumable
+    reader.feed(b"data: [DONE]\n\n")
+    assert not reader.resumable
+    failed = StreamReader()
+    failed.feed(b'data: {"error": {"message": "x"}}\n\n')
+    assert not failed.resumable and failed.resume() is None
+
+
+def _events(stream_id: str, tokens: list[tuple[int, str]], done: bool) -> list[bytes]:
+    out = [f': afd-ids {t}\ndata: {json.dumps({"id": stream_id, "choices": [{"index": 0, "text": s}]})}\n\n'.encode()
+           for t, s in tokens]
+    return out + ([b"data: [DONE]\n\n"] if done else [])
+
+
+class _CutStream(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes], cut: bool):
+        self.chunks, self.cut = chunks, cut
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            yield chunk
+        if self.cut:
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+class _Service(httpx.AsyncBaseTransport):
+    """The client Service: the first rank it picks dies after two tokens; the next continues from the resume."""
+
+    def __init__(self):
+        self.seen: list[httpx.Headers] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request.headers)
+        headers = {"content-type": "text/event-stream"}
+        if len(self.seen) == 1:
+            return httpx.Response(200, headers=headers, stream=_CutStream(_events("cmpl-1", [(7, "a"), (8, "b")], False)
+                                                                         + [b': afd-ids 9\ndata: {"id"'], True))
+        resume = verify(KEY, request.headers.get(RESUME_HEADER), 100)
+        assert resume == Resume("cmpl-1", (7, 8))
+        return httpx.Response(200, headers=headers, stream=_CutStream(_events("cmpl-1", [(9, "c"), (10, "d")], True), False))
+
+
+def _rank_that_cannot_serve():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": {"message": "ffn lost"}}'})
+    return app
+
+
+def _relay(key: bytes) -> tuple[Failover, _Service]:
+    service = _Service()
+    settings = FailoverSettings(url="http://service", attempts=3, backoff_s=0.01, resume_key=key)
+    return Failover(_rank_that_cannot_serve(), lambda: False, settings, httpx.AsyncClient(transport=service)), service
+
+
+def _post(app) -> str:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rank") as client:
+            response = await client.post("/v1/completions", json={"prompt": "hi", "stream": True},
+                                         headers={RESUME_HEADER: "forged.0"})
+            return response.text
+    return asyncio.run(go())
+
+
+def test_a_relayed_stream_whose_rank_dies_goes_on_from_another_rank_with_nothing_twice():
+    relay, service = _relay(KEY)
+    body = _post(relay)
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in body.split("\n") if line.startswith("data: {")]
+    assert texts == ["a", "b", "c", "d"] and body.endswith("data: [DONE]\n\n") and "afd-ids" not in body
+    assert relay.moves == 1 and all(h[IDS_HEADER] == "1" for h in service.seen)
+    assert RESUME_HEADER not in service.seen[0]  # the client's own x-afd-* headers never pass
+
+
+def test_without_the_group_secret_a_cut_relayed_stream_stays_cut():
+    relay, service = _relay(b"")
+    with pytest.raises(httpx.RemoteProtocolError):  # the cut reaches the client, as before
+        _post(relay)
+    assert len(service.seen) == 1 and relay.moves == 0
+
+
+def _stream(server, headers: dict, body: dict) -> tuple[int, list[dict], list[list[int]], str]:
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    chunks, ids = [], []
+    for event in response.text.split("\n\n"):
+        lines = event.split("\n")
+        ids += [[int(t) for t in line[len(": afd-ids "):].split(",")] for line in lines if line.startswith(": afd-ids ")]
+        chunks += [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    return response.status_code, chunks, ids, response.text
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 77}], ids=["greedy", "seeded"])
+def test_a_rank_continues_a_moved_stream_under_its_id_as_the_undisturbed_one_goes_on(server, sampling):
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, **sampling}
+    status, full, ids, _ = _stream(server, {IDS_HEADER: "1"}, body)
+    assert status == 200 and len(ids) == 12
+    carried = [t for per_event in ids[:5] for t in per_event]
+    server.state.resume_key = KEY
+    try:
+        header = sign(KEY, Resume(full[0]["id"], tuple(carried)))
+        status, rest, rest_ids, _ = _stream(server, {RESUME_HEADER: header}, body)
+    finally:
+        server.state.resume_key = b""
+    assert status == 200 and rest_ids == []  # no ids asked for this time
+    text = lambda chunks: "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])  # noqa: E731
+    assert text(full[:5]) + text(rest) == text(full)
+    assert {c["id"] for c in rest} == {full[0]["id"]} and all("role" not in c["choices"][0]["delta"] for c in rest[:-1])
+    assert rest[-1]["usage"] == full[-1]["usage"]
+
+
+def test_an_outside_client_cannot_resume_a_stream(server):
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    status, _, _, text = _stream(server, {RESUME_HEADER: sign(KEY, Resume("chatcmpl-x", (1, 2)))}, body)
+    assert status == 400 and RESUME_HEADER in text and "no group secret" in text
+    server.state.resume_key = KEY
+    try:
+        forged = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30,
+                            headers={RESUME_HEADER: sign(b"guess", Resume("chatcmpl-x", (1, 2)))})
+        not_streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False}, timeout=30,
+                                  headers={RESUME_HEADER: sign(KEY, Resume("chatcmpl-x", (1, 2)))})
+    finally:
+        server.state.resume_key = b""
+    assert forged.status_code == 400 and "not signed" in forged.json()["error"]["message"]
+    assert not_streamed.status_code == 400 and "streams only" in not_streamed.json()["error"]["message"]
