@@ -18,6 +18,8 @@ PROCESS_CASES = [
     ("qwen3_moe", "3A2F", 1, "ffn"),
     ("qwen3_moe", "2A2F", 2, "attention"),
     ("deepseek_v2", "1A1F", 1, "ffn"),
+    ("deepseek_v3", "3A2F", 2, "ffn"),
+    ("deepseek_v3_fp8", "2A1F", 1, "attention"),
 ]
 
 
