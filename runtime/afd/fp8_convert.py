@@ -20,9 +20,15 @@ from afd.models.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_bloc
 SCALE_SUFFIX = "_scale_inv"
 
 
+def is_projection_weight(key: str) -> bool:
+    """By name, the weights the published FP8 checkpoints store in FP8: projections (`*_proj.weight`), not the
+    router (`mlp.gate.weight`), embeddings, norms or the LM head."""
+    return key.endswith("_proj.weight")
+
+
 def is_quantized_weight(key: str, tensor: torch.Tensor) -> bool:
-    """The tensors the published FP8 checkpoints store in FP8: 2-D projection weights outside the router."""
-    return tensor.dim() == 2 and key.endswith("_proj.weight")
+    """The tensors our quantizer writes in FP8: 2-D projection weights."""
+    return tensor.dim() == 2 and is_projection_weight(key)
 
 
 def quantization_config(model_type: str, gate_modules: list[str]) -> dict:

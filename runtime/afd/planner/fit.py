@@ -98,9 +98,7 @@ def role_device(role_spec: dict, gpu_memory_bytes: int | None, role: str) -> Dev
 def share_bytes(config: dict, role: str, gate_on_attention: bool, dtype, shard: tuple[int, int], keep_fp8: bool):
     """(weight bytes, FP8 scale bytes, KV bytes per token) of one role's share, built on the meta device as the
     loader builds it."""
-    import torch
-
-    from afd.fp8_convert import is_quantized_weight
+    from afd.fp8_convert import is_projection_weight
     from afd.kv_cache import KVCache
     from afd.models.loader import build_share
     from afd.models.quantization import parse_quantization
@@ -110,7 +108,7 @@ def share_bytes(config: dict, role: str, gate_on_attention: bool, dtype, shard: 
     if fmt is not None and keep_fp8:
         def fp8_weights(key: str) -> bool:
             module = key.rsplit(".", 1)[0]
-            return is_quantized_weight(key, torch.empty(1, 1)) and not any(
+            return is_projection_weight(key) and not any(
                 module == name or module.startswith(name + ".") for name in fmt.not_converted)
     model, _, _ = build_share(config, role, gate_on_attention, dtype, "meta", shard, fp8_weights)
     weights = scales = 0
