@@ -70,26 +70,27 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
                    "reason": f"minGroups..maxGroups is {policy.min_groups}..{policy.max_groups} now"}
         return Decision(before, status, ("Normal", "AutoscaleBounds",
                                          f"{previous['desiredGroups']} -> {before} group(s): {status['reason']}"))
-    if load is None or load.at <= (parse_time(previous.get("lastSampleTime")) or float("-inf")):
+    saturation = previous.get("saturationConcurrencyPerGroup")
+    if saturation is not None and previous.get("saturationTopology") != groups.shape:  # spec.ratio changed the groups
+        saturation = status["saturationConcurrencyPerGroup"] = status["saturationTopology"] = None
+    fresh = load is not None and load.at > (parse_time(previous.get("lastSampleTime")) or float("-inf"))
+    if fresh:
+        status |= {"lastSampleTime": format_time(math.floor(load.at)),
+                   "observed": {k: round(v, 4) for k, v in load.signals().items()} | {
+                       "concurrencyPerGroup": round(load.concurrency_per_group, 3)}}
+    hold = _hold(policy, groups, previous, now)
+    if hold:  # the windows restart once the groups have settled
+        status |= {"missedSince": None, "roomSince": None, "reason": f"holding: {hold}"}
+        return Decision(before, status)
+    if not fresh:
         return Decision(before, status)  # nothing new to judge
+    assert load is not None
 
     targets = policy.targets.configured()
     signals = load.signals()
     misses = {name: signals[name] / target for name, target in targets.items()
               if name in signals and signals[name] > target}
-    saturation = previous.get("saturationConcurrencyPerGroup")
-    if saturation is not None and previous.get("saturationTopology") != groups.shape:  # spec.ratio changed the groups
-        saturation = status["saturationConcurrencyPerGroup"] = status["saturationTopology"] = None
     room, binding = _room(policy, load, signals, targets, saturation, before - 1)
-    status |= {
-        "lastSampleTime": format_time(math.floor(load.at)),
-        "observed": {k: round(v, 4) for k, v in signals.items()} | {
-            "concurrencyPerGroup": round(load.concurrency_per_group, 3)},
-    }
-    hold = _hold(policy, groups, previous, now)
-    if hold:  # the windows restart once the groups have settled
-        status |= {"missedSince": None, "roomSince": None, "reason": f"holding: {hold}"}
-        return Decision(before, status)
     missed_since = _since(previous.get("missedSince"), bool(misses), now)
     room_since = _since(previous.get("roomSince"), room and before > policy.min_groups, now)
     status |= {"missedSince": format_time(missed_since), "roomSince": format_time(room_since)}

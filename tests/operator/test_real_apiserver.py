@@ -381,7 +381,7 @@ def deployment(cluster, operator):
     """The CPU sample, created by the admin in its own namespace for the operator to reconcile."""
     namespace = cluster.new_namespace("afd-app")
     try:
-        body = yaml.safe_load(SAMPLES[0].read_text())
+        body = yaml.safe_load(next(p for p in SAMPLES if p.name == "cpu-zmq-tiny.yaml").read_text())
         body["metadata"]["namespace"] = namespace
         yield namespace, cluster.create(body)
     finally:
@@ -505,3 +505,23 @@ def test_the_operator_was_never_forbidden(operator, deployment):
     # last two into one update when they come close together)
     assert text.count("Handler 'build_registry.<locals>.on_change' succeeded") == 1, text[-3000:]
     assert text.count("Handler 'build_registry.<locals>.on_change/spec' succeeded") >= 2, text[-3000:]
+
+
+def test_an_autoscaled_sample_starts_at_min_groups_and_its_status_is_kept(cluster, operator, new_namespace):
+    """The operator's status.autoscaling and kubectl scale's refusal against the real API server
+    (fields the CRD did not declare would be pruned silently). No pod runs: no metrics to judge.
+    Last in the file: test_the_operator_was_never_forbidden counts the creates it saw."""
+    namespace = new_namespace("afd-scaled")
+    body = yaml.safe_load(next(p for p in SAMPLES if p.name == "cpu-zmq-tiny-autoscaling.yaml").read_text())
+    body["metadata"]["namespace"] = namespace
+    body["spec"]["autoscaling"]["minGroups"] = 2
+    cluster.create(body)
+    name = body["metadata"]["name"]
+    eventually(lambda: len(_children(cluster, namespace, "StatefulSet", name)) == 4, 60, "two groups (minGroups)")
+    state = eventually(lambda: ((s := cluster.get("AFDDeployment", name, namespace).get("status", {}).get("autoscaling"))
+                                and s["currentGroups"] == 2 and s), 30, "status.autoscaling with both groups")
+    assert state["desiredGroups"] == 2
+    assert state["reason"] == "holding: 2 group(s) warming up" and state["lastEvaluationTime"]
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        _kubectl(cluster, "-n", namespace, "scale", f"afd/{name}", "--replicas=3")
+    assert "spec.replicas cannot change while spec.autoscaling.enabled is true" in err.value.stderr
