@@ -178,3 +178,12 @@ def test_the_requests_of_a_gone_api_process_are_aborted_in_the_engine(tmp_path):
     link.forget(0)
     assert engine.aborted == ["a"]
     link.close()
+
+
+def test_the_api_side_holds_stop_strings_back_until_min_tokens():
+    from afd.engine.request import SamplingParams
+
+    text = RequestText(Letters(), ("b",), SamplingParams(max_tokens=8, stop=("b",), min_tokens=3))
+    steps = [RequestOutput("r", "", [t], [], completion_tokens=i + 1) for i, t in enumerate([1, 0, 1])]
+    ended = [text.fill(o) for o in steps]  # "b" at the first token does not stop it; at the third it does
+    assert ended == [False, False, True] and "".join(o.text for o in steps) == "ba"

@@ -216,3 +216,16 @@ def test_best_of_returns_the_likeliest_candidate_and_counts_them_all(server):
 def test_bad_n_and_best_of_name_their_field(server, body, field):
     response = post(server, "/v1/completions", **{"prompt": "Hi", "max_tokens": 2, **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+def test_min_tokens_holds_stop_strings_back_too(server):
+    tokenizer = server.state.tokenizer
+    words = [w for w in (" the", " fox", " and", " dog") if len(tokenizer.encode(w, add_special_tokens=False)) == 1]
+    allowed = [tokenizer.encode(w, add_special_tokens=False)[0] for w in words]
+    body = dict(prompt=PROMPT, max_tokens=12, temperature=0, ignore_eos=True, allowed_token_ids=allowed, logprobs=0)
+    first = completion(server, **body)  # whole words only, so text and tokens line up
+    plain, tokens = first["text"], first["logprobs"]["tokens"]
+    stop = tokens[0]
+    assert completion(server, stop=[stop], **body)["text"] == ""  # found at once without min_tokens
+    held = completion(server, stop=[stop], min_tokens=4, **body)["text"]
+    assert held.startswith("".join(tokens[:3])) and plain.startswith(held)

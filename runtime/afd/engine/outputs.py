@@ -97,7 +97,7 @@ class OutputProcessor:
             reason = stopped = "stop"
         else:
             if checker is not None:  # None: the caller makes the text (the API process, `afd.server.request_text`)
-                checker.add(request.detokenizer.add(token))
+                checker.add(request.detokenizer.add(token), look=len(request.output_ids) >= params.min_tokens)
             if checker is not None and checker.stopped:
                 reason = stopped = "stop"
             elif len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:

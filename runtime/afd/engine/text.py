@@ -42,13 +42,16 @@ class StopChecker:
         self.sent = 0
         self.stopped = False
 
-    def add(self, delta: str) -> None:
+    def add(self, delta: str, look: bool = True) -> None:
+        """Append `delta`; `look=False`: stop strings are not looked for yet (before `min_tokens`, as vLLM does)."""
         if not self.stop:  # nothing to look for: keep only what is not sent yet (the whole text is never needed)
             self.text = self.text[self.sent:] + delta
             self.sent = 0
             return
         start = max(0, len(self.text) - self.hold)
         self.text += delta
+        if not look:
+            return
         hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if hits:
             begin, end = min(hits)

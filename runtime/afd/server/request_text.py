@@ -20,13 +20,15 @@ class RequestText:
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens,
                                                   params.spaces_between_special_tokens)
         self.checker = StopChecker(stop, params.include_stop_str_in_output)
+        self.min_tokens = params.min_tokens  # stop strings count only after this many tokens
 
     def fill(self, output: RequestOutput) -> bool:
         """Put the text into `output` (finishing it on a stop string); whether a stop string ended it here."""
         checker = self.checker
         if output.finish_reason != "stop":  # the core's "stop" is EOS or a stop token: not shown as text
-            for token in output.token_ids:
-                checker.add(self.detokenizer.add(token))
+            before = output.completion_tokens - len(output.token_ids)  # tokens of earlier outputs
+            for index, token in enumerate(output.token_ids, start=1):
+                checker.add(self.detokenizer.add(token), look=before + index >= self.min_tokens)
         ended_here = checker.stopped and not output.finished
         if checker.stopped:  # a stop string wins over the length, as in the engine
             output.finished, output.finish_reason = True, "stop"
