@@ -228,6 +228,8 @@ def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: 
         leaders.setdefault(cfg_key(kernel, cfg), cfg)
         if len(leaders) == 3:
             break
+    if not leaders:
+        raise RuntimeError(f"every {kernel} candidate failed to compile at block_m {layout_m} (see the compile line)")
     final = [timed({**cfg, "GROUP_M": group_m}, iters=30) for cfg in leaders.values()
              for group_m in GROUP_MS]  # the leaders under every order, timed longer
     ms, cfg = min(final, key=lambda pair: pair[0])

@@ -172,3 +172,15 @@ def test_fp8_experts_without_their_scales_are_refused():
         check_fp8(fp8, fp8.view(2, 128, 256), None, None)
     with pytest.raises(ValueError, match="need I % 128 == 0"):
         check_fp8(fp8, fp8.view(2, 128, 256), torch.ones(2, 2, 1), torch.ones(2, 2, 2))
+
+
+def test_padded_quantization_adds_rows_of_zeros():
+    from afd.kernels.fp8_gemm import per_token_group_quant
+
+    x = torch.randn(7, 256, dtype=DTYPE).to(DEVICE)
+    q, scales = per_token_group_quant(x, column_major_scales=True, pad_rows_to=4)
+    assert q.shape == (8, 256) and scales.shape == (8, 2) and scales.stride() == (1, 8)
+    assert not bool(q[7].float().any())
+    unpadded_q, unpadded_scales = per_token_group_quant(x)
+    assert torch.equal(q[:7].view(torch.uint8), unpadded_q.view(torch.uint8))
+    assert torch.equal(scales[:7], unpadded_scales)

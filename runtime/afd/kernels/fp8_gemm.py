@@ -47,30 +47,35 @@ def quant_groups(values, FP8_MAX_C: tl.constexpr):
     return quant.to(tl.float8e4nv), scale  # round to nearest even, saturated by the clamp
 
 
-@triton.jit(do_not_specialize=["rows"])
-def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, cols, x_stride, s_row_stride, s_col_stride,
+@triton.jit(do_not_specialize=["rows", "x_rows"])
+def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, x_rows, cols, x_stride, s_row_stride, s_col_stride,
                   BLOCK_R: tl.constexpr, GROUP_C: tl.constexpr, FP8_MAX_C: tl.constexpr):
-    """q[r, g·128 + i] = x / scale[r, g] for a block of rows and one column group (columns past `cols`: none)."""
+    """q[r, g·128 + i] = x / scale[r, g] for a block of rows and one column group (columns past `cols`: none);
+    rows from `x_rows` to `rows` (padding) are written as zeros."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     group = tl.program_id(1)
     c = group * GROUP_C + tl.arange(0, GROUP_C)
     ok = (r[:, None] < rows) & (c[None, :] < cols)
-    x = tl.load(x_ptr + r[:, None].to(tl.int64) * x_stride + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * x_stride + c[None, :], mask=ok & (r[:, None] < x_rows),
+                other=0.0).to(tl.float32)
     quant, scale = quant_groups(tl.reshape(x, (BLOCK_R, 1, GROUP_C)), FP8_MAX_C)
     tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], tl.reshape(quant, (BLOCK_R, GROUP_C)), mask=ok)
     tl.store(s_ptr + r.to(tl.int64) * s_row_stride + group * s_col_stride, tl.reshape(scale, (BLOCK_R,)),
              mask=r < rows)
 
 
-def per_token_group_quant(x: torch.Tensor, group: int = GROUP, column_major_scales: bool = False):
+def per_token_group_quant(x: torch.Tensor, group: int = GROUP, column_major_scales: bool = False,
+                          pad_rows_to: int = 1):
     """[M, K] → (float8_e4m3fn [M, K], float32 scales [M, ceil(K/group)]): each row's columns in groups of
     `group`, each group divided by its largest magnitude / 448 (the real value is q · scale). With
-    `column_major_scales` the scales are laid out M-fastest (stride (1, M)), as `torch._scaled_mm` wants them."""
+    `column_major_scales` the scales are laid out M-fastest (stride (1, M)), as `torch._scaled_mm` wants them;
+    `pad_rows_to` rounds M up to a multiple (rows of zeros), as cuBLAS's block-scaled GEMM wants it (4)."""
     if x.dim() != 2:
         raise ValueError(f"per_token_group_quant takes a 2-D [tokens, columns] tensor, got shape {tuple(x.shape)}")
     if group != GROUP:
         raise ValueError(f"only groups of {GROUP} columns are supported (got {group})")
-    rows, cols = x.shape
+    x_rows, cols = x.shape
+    rows = triton.cdiv(x_rows, pad_rows_to) * pad_rows_to
     groups = triton.cdiv(cols, group)
     x = x if x.stride(1) == 1 else x.contiguous()
     quant = torch.empty(rows, cols, dtype=FP8, device=x.device)
@@ -81,7 +86,7 @@ def per_token_group_quant(x: torch.Tensor, group: int = GROUP, column_major_scal
     if rows:
         block_r = 16
         _quant_kernel[(triton.cdiv(rows, block_r), groups)](
-            x, quant, scales, rows, cols, x.stride(0), scales.stride(0), scales.stride(1),
+            x, quant, scales, rows, x_rows, cols, x.stride(0), scales.stride(0), scales.stride(1),
             BLOCK_R=block_r, GROUP_C=group, FP8_MAX_C=FP8_MAX, num_warps=4)
     return quant, scales
 
@@ -143,6 +148,9 @@ def fp8_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tens
     return out
 
 
+SCALED_MM_ROWS = 4  # torch._scaled_mm's block-scaled GEMM takes row counts in multiples of this
+
+
 def gemm_choice() -> str:
     choice = os.environ.get("AFD_FP8_GEMM", "auto")
     if choice not in ("auto", "scaled_mm", "triton"):
@@ -175,9 +183,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     x2 = x.reshape(-1, k)
     choice = gemm_choice()
     use_scaled_mm = choice == "scaled_mm" or (choice == "auto" and scaled_mm_fits(x2, weight))
-    if use_scaled_mm:
-        x_q, x_scale = per_token_group_quant(x2, column_major_scales=True)
+    if use_scaled_mm:  # cuBLASLt refuses row counts that are not a multiple of 4 (seen with 1 and 7 on an H200)
+        x_q, x_scale = per_token_group_quant(x2, column_major_scales=True, pad_rows_to=SCALED_MM_ROWS)
         out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=scale_inv.t(), out_dtype=x.dtype)
+        out = out[: x2.shape[0]]
         if bias is not None:
             out = out + bias
     else:

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 
 from afd.kernels.fp8_gemm import FP8, FP8_MAX, GROUP, quant_groups
+
+E4M3_MAX = tl.constexpr(FP8_MAX)  # a kernel reads only constexpr globals
 from afd.kernels.moe_align import Layout
 
 try:
@@ -164,7 +166,7 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, in float32
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + offs_n[None, :]
     if FP8:  # quantized per row per 128 columns here, for the down GEMM (BLOCK_N is a multiple of 128)
-        quant, scale = quant_groups(tl.reshape(act, (BLOCK_M, BLOCK_N // 128, 128)), FP8_MAX)
+        quant, scale = quant_groups(tl.reshape(act, (BLOCK_M, BLOCK_N // 128, 128)), E4M3_MAX)
         tl.store(out_ptrs, tl.reshape(quant, (BLOCK_M, BLOCK_N)), mask=n_ok[None, :])
         groups = col * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
         tl.store(act_scale + rows[:, None].to(tl.int64) * i_groups + groups[None, :], scale,
