@@ -140,8 +140,9 @@ def _deepseek_v3_config(common: dict, overrides: dict):
         routed_scaling_factor=2.5,
         num_mtp_layers=1,
         max_position_embeddings=163840,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},  # DeepSeek-V3's
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,  # DeepSeek-V3's
+                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0},
     )
     values.update(overrides)
     return DeepseekV3Config(**values)
@@ -166,18 +167,21 @@ def _add_mtp_layers(folder: Path, config) -> None:
     file = folder / "model.safetensors"
     tensors = load_file(str(file))
     last = config.num_hidden_layers - 1
-    template = {k.split(f"model.layers.{last}.", 1)[1]: v for k, v in tensors.items() if k.startswith(f"model.layers.{last}.")}
+    prefix = f"model.layers.{last}."
+    template = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
     hidden, vocab = config.hidden_size, config.vocab_size
     template.update({"enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
-                     "eh_proj.weight": torch.empty(hidden, 2 * hidden), "embed_tokens.weight": torch.empty(vocab, hidden),
-                     "shared_head.norm.weight": torch.ones(hidden), "shared_head.head.weight": torch.empty(vocab, hidden)})
+                     "eh_proj.weight": torch.empty(hidden, 2 * hidden),
+                     "embed_tokens.weight": torch.empty(vocab, hidden), "shared_head.norm.weight": torch.ones(hidden),
+                     "shared_head.head.weight": torch.empty(vocab, hidden)})
     for index in range(config.num_hidden_layers, config.num_hidden_layers + getattr(config, "num_mtp_layers", 0)):
         for name, like in template.items():
             tensors[f"model.layers.{index}.{name}"] = torch.randn(like.shape) * 0.08
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
-def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None, fp8: bool = False) -> Path:
+def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None,
+                    fp8: bool = False) -> Path:
     """Write a random `arch` checkpoint (float32) with tokenizer and chat template to `out`; with `fp8` its
     projection weights FP8 block-quantized as the published FP8 checkpoints (`afd.fp8_convert`)."""
     if arch not in ARCHES:

@@ -43,8 +43,8 @@ def test_kept_fp8_layout_computes_what_the_dequantized_model_does(checkpoints):
     torch.manual_seed(0)
     hidden = torch.randn(9, 160)
     for index in (0, 1, 2):
-        torch.testing.assert_close(kept.model.layers[index].ffn_half(hidden), plain.model.layers[index].ffn_half(hidden),
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(kept.model.layers[index].ffn_half(hidden),
+                                   plain.model.layers[index].ffn_half(hidden), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True])
@@ -112,8 +112,9 @@ def test_a_float8_weight_without_its_scale_is_refused(checkpoints, tmp_path):
     tensors = load_file(str(folder / "model.safetensors"))
     del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(UnsupportedModelError, match=re.escape("model.layers.1.self_attn.o_proj.weight is float8 "
-                                                              "without model.layers.1.self_attn.o_proj.weight_scale_inv")):
+    message = ("model.layers.1.self_attn.o_proj.weight is float8 without "
+               "model.layers.1.self_attn.o_proj.weight_scale_inv")
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
         load_model(str(folder))
 
 
@@ -123,7 +124,8 @@ def test_published_quantization_configs_are_written(checkpoints):
     qwen = json.loads((checkpoints["qwen3_moe_fp8"] / "config.json").read_text())["quantization_config"]
     v3 = json.loads((checkpoints["deepseek_v3_fp8"] / "config.json").read_text())["quantization_config"]
     assert v3 == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-    assert qwen["modules_to_not_convert"][0] == "lm_head" and "model.layers.1.mlp.gate" in qwen["modules_to_not_convert"]
+    not_converted = qwen["modules_to_not_convert"]
+    assert not_converted[0] == "lm_head" and "model.layers.1.mlp.gate" in not_converted
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_fp8"])

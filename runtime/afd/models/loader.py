@@ -59,8 +59,8 @@ def load_model(
     _load_weights(model, checkpoint)
     finish_share(model, dtype, device)
     held = resident_bytes(model)
-    log.info("%s%s holds %.3f GiB of weights (%d bytes%s)", role, f" shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "",
-             held / 2**30, held, ", FP8 with block scales" if keep else ", FP8 dequantized at load" if fmt else "")
+    log.info("%s%s holds %.3f GiB of weights (%d bytes%s)", role,
+             f" shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "", held / 2**30, held, ", FP8 with block scales" if keep else ", FP8 dequantized at load" if fmt else "")
     return LoadedModel(model, spec, crossing, checkpoint.fingerprint(), list(checkpoint.loaded_keys), held)
 
 

@@ -53,8 +53,8 @@ def parse_quantization(config: dict) -> Fp8Format | None:
         raise UnsupportedModelError(f"quantization_config.quant_method={method!r} is not supported; served: {_SERVED}")
     unknown = sorted(set(quant) - _KNOWN_KEYS)
     if unknown:
-        raise UnsupportedModelError(f"quantization_config has settings this runtime does not honour: {', '.join(unknown)}"
-                                    f"; served: {_SERVED}")
+        raise UnsupportedModelError(f"quantization_config has settings this runtime does not honour: "
+                                    f"{', '.join(unknown)}; served: {_SERVED}")
     if quant.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedModelError(f"quantization_config.fmt={quant['fmt']!r} is not supported; served: {_SERVED}")
     if quant.get("activation_scheme", "dynamic") != "dynamic":
@@ -103,8 +103,9 @@ def convert_to_fp8(model: nn.Module, is_fp8, block: int = BLOCK) -> None:
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is nn.Linear and child_name not in DEQUANTIZED_ALWAYS and is_fp8(f"{full}.weight") \
                     and _block_aligned_slice(module, block):
-                setattr(module, child_name, Fp8Linear(child.in_features, child.out_features, child.bias is not None,
-                                                      device=child.weight.device, dtype=child.weight.dtype, block=block))
+                fp8 = Fp8Linear(child.in_features, child.out_features, child.bias is not None,
+                                device=child.weight.device, dtype=child.weight.dtype, block=block)
+                setattr(module, child_name, fp8)
 
 
 def _block_aligned_slice(module: nn.Module, block: int) -> bool:
@@ -116,7 +117,8 @@ def _block_aligned_slice(module: nn.Module, block: int) -> bool:
 def _convert_experts(name: str, experts: nn.Module, is_fp8, block: int) -> None:
     count, hidden, width = experts.down.shape
     first = experts.first
-    keys = [f"{name}.{e}.{proj}.weight" for e in range(first, first + count) for proj in ("gate_proj", "up_proj", "down_proj")]
+    keys = [f"{name}.{e}.{proj}.weight" for e in range(first, first + count)
+            for proj in ("gate_proj", "up_proj", "down_proj")]
     if not all(is_fp8(key) for key in keys):
         return
     if width % block:

@@ -148,7 +148,8 @@ def fit(config: dict, cr: dict, gpu_memory_bytes: int | None = None, model_name:
     ranks = [_attention_fit(config, gate, dtype, attention, attention_device, utilization, kv_cache_bytes, fp8,
                             GRAPH_MARGIN_BYTES, int(afd.get("maxModelLen", 0) or 0))]
     for shard in sorted({0, shards - 1}):  # shard 0 also holds the dense layers: the largest
-        ranks.append(_ffn_fit(config, gate, dtype, ffn, ffn_device, utilization, fp8, (shard, shards), GRAPH_MARGIN_BYTES))
+        ranks.append(_ffn_fit(config, gate, dtype, ffn, ffn_device, utilization, fp8, (shard, shards),
+                              GRAPH_MARGIN_BYTES))
     return FitReport(model_name or config.get("model_type", "?"), dtype_name, fp8, ranks)
 
 
@@ -175,7 +176,8 @@ def _attention_fit(config, gate, dtype, role_spec, device, utilization, kv_cache
     verdict = "fits"
     if over or tokens == 0:
         verdict = "does not fit"
-        arithmetic = f"{held / GIB:.2f} GiB held leaves no KV cache on {device.total_bytes / GIB:.1f} GiB; " + arithmetic
+        arithmetic = (f"{held / GIB:.2f} GiB held leaves no KV cache on {device.total_bytes / GIB:.1f} GiB; "
+                      + arithmetic)
     elif max_model_len and tokens < max_model_len:
         verdict, arithmetic = "does not fit", arithmetic + f" < maxModelLen {max_model_len:,}"
     pods = int(role_spec.get("ranks", 1))
