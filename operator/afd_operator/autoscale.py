@@ -13,8 +13,9 @@ and returns the desired group count, the new status and the Event of a change:
   latency miss has added a group, the requests per group projected below the load at that decision
   (latency does not scale with load, so that load is what a group was seen not to carry; a lone
   spike does not set it, as it never lasts a window);
-- never outside minGroups..maxGroups, never while a group warms up or drains (the windows
-  restart once the groups have settled), at most one change per `cooldownSeconds`.
+- never outside minGroups..maxGroups, never while a group warms up (the windows restart once it
+  serves), no removal while another group still drains (an addition may come), at most one change
+  per `cooldownSeconds`.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
               if name in signals and signals[name] > target}
     room, binding = _room(policy, load, signals, targets, saturation, before - 1)
     missed_since = _since(previous.get("missedSince"), bool(misses), now)
-    room_since = _since(previous.get("roomSince"), room and before > policy.min_groups, now)
+    # a draining group still carries requests: the next removal waits until it has gone (a surge may add one)
+    room_since = _since(previous.get("roomSince"), room and before > policy.min_groups and not groups.draining, now)
     status |= {"missedSince": format_time(missed_since), "roomSince": format_time(room_since)}
 
     if misses:
@@ -119,6 +121,7 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
         return _changed(status, before, before - 1, binding.split(" ")[0], f"{fits} for {now - room_since:.0f}s", now,
                         "AutoscaleDown")
     status["reason"] = ("every target met" + (f"; at minGroups ({policy.min_groups})" if before <= policy.min_groups
+                                               else f"; {groups.draining} group(s) still draining" if groups.draining
                                                else f"; {binding}"))
     return Decision(before, status)
 
@@ -150,8 +153,6 @@ def _hold(policy: Autoscaling, groups: Groups, previous: Mapping[str, Any], now:
     """Why no change may be made now, or ''."""
     if groups.warming:
         return f"{groups.warming} group(s) warming up"
-    if groups.draining:
-        return f"{groups.draining} group(s) draining"
     last = parse_time(previous.get("lastDecisionTime"))
     if last is not None and now - last < policy.cooldown_seconds:
         return f"cool-down, {policy.cooldown_seconds - (now - last):.0f}s left"

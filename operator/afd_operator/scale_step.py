@@ -9,7 +9,8 @@ A group leaves in three steps, so no request fails:
    (the endpoint of the pods' preStop hook): readiness turns 503, so the kubelet takes the pod
    out of the client Service, while the rank serves on and finishes what it runs;
 3. once no attention pod of it is Ready and a scrape taken after the drain began shows no
-   request running or waiting on it (or `drainTimeoutSeconds` has passed), it is deleted.
+   request running or waiting on it, it is deleted; after `drainTimeoutSeconds` it is deleted
+   anyway (a rank the operator cannot reach stays Ready).
 
 With `afd.attentionEngine: vllm` (whose server has no `/drain`) the group is deleted at once and
 its pods' preStop sleep and shutdown grace are all the drain there is.
@@ -83,7 +84,7 @@ def scale_step(spec: AFDDeploymentSpec, views: list[GroupView], memories: dict[i
         timed_out = now - since >= policy.drain_timeout_seconds
         if spec.afd.attention_engine == "vllm":  # vLLM's server has no /drain: its pods' preStop sleep is all
             step.deletes.append(Action("delete", index, reason="ScaleDown (vLLM attention ranks: preStop only)"))
-        elif not ready and (idle or timed_out or not attention):
+        elif timed_out or (not ready and (idle or not attention)):  # past the timeout even if a rank stays Ready
             why = "drained" if idle or not attention else f"drain timed out after {now - since:.0f}s"
             step.deletes.append(Action("delete", index, reason=f"ScaleDown ({why})"))
         else:

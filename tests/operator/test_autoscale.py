@@ -109,11 +109,16 @@ def test_proportional_signals_add_as_many_groups_as_needed_up_to_max():
     assert decisions[-1].desired == 3  # 7/2 → 4 groups wanted, maxGroups 3
 
 
-def test_no_change_while_warming_or_draining_and_the_window_restarts_after():
+def test_no_change_while_warming_and_no_removal_while_another_group_drains():
     loads = [load(t, 2.0) for t in (0, 15, 30, 45, 60)]
-    assert [d.desired for d in run(POLICY, loads, Groups(2, warming=1))] == [1] * 5
-    held = run(POLICY, loads, Groups(2, draining=1))[-1]
-    assert held.status["reason"].startswith("holding: 1 group(s) draining") and held.status["missedSince"] is None
+    warming = run(POLICY, loads, Groups(2, warming=1))
+    assert [d.desired for d in warming] == [1] * 5 and warming[-1].status["missedSince"] is None
+    assert warming[-1].status["reason"] == "holding: 1 group(s) warming up"
+    assert run(POLICY, loads, Groups(1, draining=1))[-1].desired == 2  # a surge during a drain adds a group
+    start = {"desiredGroups": 2}
+    quiet = run(POLICY, [load(t, 0.2, groups=2, concurrency=1.0) for t in range(0, 300, 15)], Groups(2, draining=1), start)
+    assert {d.desired for d in quiet} == {2} and quiet[-1].status["roomSince"] is None
+    assert quiet[-1].status["reason"] == "every target met; 1 group(s) still draining"
 
 
 def test_cooldown_after_a_change():
