@@ -31,8 +31,8 @@ from afd_operator.slo_signals import Load
 PROPORTIONAL = ("waitingPerGroup", "kvCacheUsage")  # signals that grow with the load per group
 LATENCIES = ("ttftP90Seconds", "itlP90Seconds")
 # Written as null when they do not apply: the status is merge-patched, and only null removes a key.
-OPTIONAL = ("signal", "lastDecisionTime", "lastSampleTime", "missedSince", "roomSince", "observed",
-            "saturationConcurrencyPerGroup", "saturationTopology")
+OPTIONAL = ("signal", "lastDecisionTime", "lastEvaluationTime", "lastSampleTime", "missedSince", "roomSince",
+            "observed", "saturationConcurrencyPerGroup", "saturationTopology")
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,12 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
     """The desired group count, status.autoscaling and the Event of this evaluation."""
     before = initial_groups(policy, previous, replicas)
     status = dict.fromkeys(OPTIONAL) | {k: previous[k] for k in OPTIONAL if previous.get(k) is not None} | {
-        "desiredGroups": before, "currentGroups": groups.serving, "lastEvaluationTime": format_time(now),
+        "desiredGroups": before, "currentGroups": groups.serving,
         "reason": previous.get("reason") or "waiting for the attention ranks' metrics",
-    }
+    }  # what changes only with news, so that a resync with nothing new writes no status
     if previous.get("desiredGroups") is not None and before != previous["desiredGroups"]:
-        status |= {"signal": "bounds", "lastDecisionTime": format_time(now), "missedSince": None, "roomSince": None,
+        status |= {"signal": "bounds", "lastDecisionTime": format_time(now), "lastEvaluationTime": format_time(now),
+                   "missedSince": None, "roomSince": None,
                    "reason": f"minGroups..maxGroups is {policy.min_groups}..{policy.max_groups} now"}
         return Decision(before, status, ("Normal", "AutoscaleBounds",
                                          f"{previous['desiredGroups']} -> {before} group(s): {status['reason']}"))
@@ -76,7 +77,7 @@ def decide(policy: Autoscaling, load: Optional[Load], previous: Mapping[str, Any
         saturation = status["saturationConcurrencyPerGroup"] = status["saturationTopology"] = None
     fresh = load is not None and load.at > (parse_time(previous.get("lastSampleTime")) or float("-inf"))
     if fresh:
-        status |= {"lastSampleTime": format_time(math.floor(load.at)),
+        status |= {"lastSampleTime": format_time(math.floor(load.at)), "lastEvaluationTime": format_time(now),
                    "observed": {k: round(v, 4) for k, v in load.signals().items()} | {
                        "concurrencyPerGroup": round(load.concurrency_per_group, 3)}}
     hold = _hold(policy, groups, previous, now)
@@ -155,7 +156,7 @@ def _hold(policy: Autoscaling, groups: Groups, previous: Mapping[str, Any], now:
         return f"{groups.warming} group(s) warming up"
     last = parse_time(previous.get("lastDecisionTime"))
     if last is not None and now - last < policy.cooldown_seconds:
-        return f"cool-down, {policy.cooldown_seconds - (now - last):.0f}s left"
+        return f"cool-down until {format_time(last + policy.cooldown_seconds)}"
     return ""
 
 

@@ -156,6 +156,19 @@ def test_kv_use_is_projected_onto_the_remaining_groups():
     assert run(policy, [load(t, 0.1, 2, 1.0, kv=0.3) for t in range(0, 300, 15)], Groups(2), start)[-1].desired == 1
 
 
+def test_a_resync_with_nothing_new_changes_nothing_in_the_status():
+    """The operator writes status only when it changed: an evaluation without a new sample (a resync
+    every 10 s, warming or cooling down or not) must give the same status.autoscaling."""
+    first = decide(POLICY, load(10, 2.0), {}, Groups(1), 1, 10)
+    for groups in (Groups(1), Groups(2, warming=1)):
+        settled = decide(POLICY, load(10, 2.0), first.status, groups, 1, 20).status
+        assert decide(POLICY, load(10, 2.0), settled, groups, 1, 30).status == settled
+    cooling = {**first.status, "lastDecisionTime": "1970-01-01T00:00:05Z"}
+    held = decide(POLICY, load(10, 2.0), cooling, Groups(1), 1, 20).status
+    assert held["reason"] == "holding: cool-down until 1970-01-01T00:00:35Z"
+    assert decide(POLICY, load(10, 2.0), held, Groups(1), 1, 25).status == held
+
+
 def test_stale_samples_are_not_judged_twice():
     first = decide(POLICY, load(10, 2.0), {}, Groups(1), 1, 10)
     again = decide(POLICY, load(10, 2.0), first.status, Groups(1), 1, 200)
