@@ -298,6 +298,7 @@ class Rotary:
     def __init__(self, rope: dict, dim: int, max_positions: int = 0):
         self.rope, self.dim = rope, dim
         self.max_positions = max_positions  # rows of `table`; 0: no table
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._inv_freq: torch.Tensor | None = None  # never a parameter: nothing to load
         self.factor = 1.0
 
@@ -307,11 +308,14 @@ class Rotary:
         half = self.dim // 2
         if not self.max_positions or self.dim % 2 or half & (half - 1):
             return None
+        if self._table is not None and self._table[0].device == device:  # the step's hot path: no key built
+            return self._table
         key = (json.dumps(self.rope, sort_keys=True, default=str), self.dim, self.max_positions, str(device))
         if key not in _ROPE_TABLES:
             inv_freq, factor = rope_inv_freq(self.rope, self.dim)
             _ROPE_TABLES[key] = rope_cos_sin(inv_freq.to(device), torch.arange(self.max_positions, device=device), factor)
-        return _ROPE_TABLES[key]
+        self._table = _ROPE_TABLES[key]
+        return self._table
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq is None:
