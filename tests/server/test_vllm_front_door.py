@@ -130,3 +130,61 @@ def test_vllm_bench_serve_with_sampling_controls_has_no_failed_request(front, ch
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert (result["completed"], result["failed"]) == (8, 0), result.get("errors")
+
+
+TASK = """task: afd_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+QUESTIONS = [{"question": "The quick brown", "choices": [" fox", " dog", " cat"], "answer": 0},
+             {"question": "What is the capital of France?", "choices": [" Paris", " Rome"], "answer": 0}]
+
+
+@pytest.fixture(scope="module")
+def lm_eval_env():
+    """The environment that runs lm-eval, which is not a dependency: AFD_LM_EVAL_PATH names a folder holding it
+    (`pip install --target DIR lm-eval tenacity`); without it the test skips (before `afd up` starts)."""
+    env = {**os.environ, "PYTHONPATH": os.environ.get("AFD_LM_EVAL_PATH", ""), "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1"}
+    if subprocess.run([sys.executable, "-c", "import lm_eval, tenacity"], env=env, capture_output=True).returncode:
+        pytest.skip("lm-eval is not installed (AFD_LM_EVAL_PATH)")
+    return env
+
+
+def test_lm_eval_local_completions_loglikelihoods_equal_transformers(lm_eval_env, front, hf, tmp_path):
+    """lm-evaluation-harness's `local-completions` model (echo + logprobs) on a small local multiple-choice task:
+    every log-likelihood equals transformers'."""
+    env = lm_eval_env
+    model, tokenizer = hf
+    url, name = front
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    (tmp_path / "afd_tiny_mc.yaml").write_text(TASK.format(data=tmp_path / "data.jsonl"))
+    checkpoint = tokenizer.name_or_path
+    args = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+            f"model={name},base_url={url}/v1/completions,tokenizer={checkpoint},tokenizer_backend=huggingface,"
+            "num_concurrent=1,max_retries=1", "--tasks", "afd_tiny_mc", "--include_path", str(tmp_path),
+            "--output_path", str(tmp_path / "out"), "--log_samples"]
+    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (samples,) = (tmp_path / "out").rglob("samples_afd_tiny_mc_*.jsonl")
+    compared = 0
+    for line in samples.read_text().splitlines():
+        sample = json.loads(line)
+        for args_, response in zip(sample["arguments"].values(), sample["resps"]):
+            context, continuation = args_["arg_0"], args_["arg_1"]
+            ids, known = tokenizer.encode(context + continuation), len(tokenizer.encode(context))
+            with torch.no_grad():
+                logprobs = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            want = sum(float(logprobs[p - 1, ids[p]]) for p in range(known, len(ids)))
+            assert float(response[0][0]) == pytest.approx(want, abs=1e-4)
+            compared += 1
+    assert compared == 5
