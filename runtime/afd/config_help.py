@@ -47,7 +47,10 @@ SETTING_HELP: dict[str, str] = {
     "group_token": "Identifies the AFD group; a peer of another group is refused at the handshake.",
     "group_secret": "Shared secret of the group (from the operator's Secret); proves a peer in the handshake, never sent or logged.",
     "connect_timeout_s": "How long an attention rank waits for its FFN rank at start-up and on reconnect.",
-    "peer_timeout_s": "A peer silent this long is lost: its in-flight requests fail with an error.",
+    "peer_timeout_s": "A peer silent this long is lost (an FFN rank's requests are then held for `ffn_hold_s`).",
+    "ffn_hold_s": ("Attention: when the FFN rank is lost, its requests are held (KV cache intact) this many seconds "
+                   "for it (its restarted pod, at the same address) to come back, and go on from where they stopped, with no error and no "
+                   "token lost or sent twice; past it they fail with an error event (0: at once)."),
     "heartbeat_interval_s": "Heartbeat period between steps.",
     "shutdown_grace_s": "On SIGTERM, how long in-flight requests may finish before they are failed.",
     "profile_every": "Per-layer timings on every N-th step (0: off).",
