@@ -109,3 +109,25 @@ def test_the_monolithic_forward_with_fused_glue_equals_the_torch_path(arch, chec
         with torch.no_grad():
             logits[fused] = model(ids, batch, cache)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_the_attention_rank_with_fused_glue_equals_the_torch_path(stages, checkpoints, monkeypatch):
+    """Each FFN output comes back added to the residual stream in one launch with the next layer's norm."""
+    from afd.kv_cache import KVCache
+    from afd.runners.attention_runner import AttentionRunner, StepOptions
+    from afd.runners.microbatch import SeqLayout
+    from afd.runners.profile_step import StandInFFN
+
+    loaded = load_model(str(checkpoints["deepseek_v2"]), "attention")
+    loaded.model.to(DEVICE)
+    ids = torch.tensor([3, 5, 7, 11, 13, 17], device=DEVICE)
+    logits = {}
+    for fused in (False, True):
+        for module in (deepseek_v2, layers):
+            monkeypatch.setattr(module, "fused_glue", lambda t, fused=fused: fused)
+        cache = KVCache(loaded.model.kv_layouts(), 4, torch.float32, DEVICE)
+        runner = AttentionRunner(loaded, StandInFFN(), cache, StepOptions(stages))
+        with torch.no_grad():
+            logits[fused] = runner(ids, SeqLayout(((0,), (1,)), (0, 0), (4, 2)))
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)

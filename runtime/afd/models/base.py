@@ -26,9 +26,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm: RMSNorm | None = RMSNorm(hidden, eps)
         self.mlp: nn.Module | None = mlp
 
-    def attention_half(self, h: torch.Tensor, batch: AttentionBatch, cache: tuple) -> torch.Tensor:
-        """h + attention(norm(h)): the part that always stays on attention ranks."""
-        return h + self.self_attn(self.input_layernorm(h), batch, *cache)
+    def attention_half(self, h: torch.Tensor, batch: AttentionBatch, cache: tuple,
+                       normed: torch.Tensor | None = None) -> torch.Tensor:
+        """h + attention(norm(h)): the part that always stays on attention ranks (`normed`: norm(h), when known)."""
+        return h + self.self_attn(self.input_layernorm(h) if normed is None else normed, batch, *cache)
 
     # The attention half in three pieces, for piecewise graphs (afd.graphs.mixed): the first and the
     # last are shaped by the token count alone; the middle one reads the step's cache metadata.

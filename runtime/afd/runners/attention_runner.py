@@ -43,6 +43,7 @@ class _MicroBatch:
     batch: AttentionBatch
     hidden: torch.Tensor  # [tokens, hidden] residual stream
     waiting: AttnTransfer | None = None
+    normed: torch.Tensor | None = None  # the next layer's input norm of `hidden`, when the collect computed it
 
 
 class AttentionRunner:
@@ -133,9 +134,10 @@ class AttentionRunner:
         clock = self.clock
         for index, layer in enumerate(self.model.layers):
             for mb in micro:
-                self._collect(mb)
+                self._collect(mb, layer.input_layernorm)
                 started = clock.now()
-                mb.hidden = layer.attention_half(mb.hidden, mb.batch, self.kv_cache.layer(index))
+                mb.hidden = layer.attention_half(mb.hidden, mb.batch, self.kv_cache.layer(index), mb.normed)
+                mb.normed = None
                 if index in self.crossing:
                     mb.waiting = AttnTransfer(self.step_id, index, mb.stage)
                     self._ship(layer, mb.hidden, mb.waiting, started)
@@ -216,9 +218,15 @@ class AttentionRunner:
             self.capture_graphs(buckets=self._lost_buckets, mixed_tokens=self._lost_mixed_tokens)
             self._lost_buckets, self._lost_mixed_tokens = None, 0
 
-    def _collect(self, mb: _MicroBatch) -> None:
+    def _collect(self, mb: _MicroBatch, norm=None) -> None:
+        """Add the FFN output awaited to the residual stream; with the next layer's input `norm`, in one launch
+        with that norm (`RMSNorm.add_forward`: the same bits as the add, then the norm)."""
         if mb.waiting is not None:
             waiting = self.clock.now()
-            mb.hidden = mb.hidden + self.link.recv(mb.waiting).to(mb.hidden.dtype)
+            output = self.link.recv(mb.waiting).to(mb.hidden.dtype)
+            if norm is None:
+                mb.hidden = mb.hidden + output
+            else:
+                mb.hidden, mb.normed = norm.add_forward(output, mb.hidden)
             self.clock.lap("recv", mb.waiting.layer, waiting)
             mb.waiting = None
