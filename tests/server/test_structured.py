@@ -125,3 +125,20 @@ def test_masks_unpack_on_the_device_and_a_failed_matcher_allows_only_eos(server)
     consume(digits, allowed[0][0])
     consume(failed, letter)  # a failed matcher is left alone
     assert digits.is_accepting() and failed.is_error()
+
+
+def test_an_api_process_checks_grammars_itself(server):
+    """Where the engine is in another process (`AFD_API_PROCESS`), the API compiles the grammar on its own cache, so a
+    bad one is still a 400 naming the field, not a failure in the engine core."""
+    from dataclasses import replace
+
+    from afd.server.app import _grammar
+    from afd.server.protocol import CompletionRequest, parse_request
+
+    state = replace(server.state, engine=object())  # an engine client: no grammars of its own
+    good = parse_request(CompletionRequest, {"model": "m", "prompt": "a", "guided_regex": "[ab]+"})
+    assert _grammar(state, good) and state.grammars is not None
+    bad = parse_request(CompletionRequest, {"model": "m", "prompt": "a", "guided_regex": "[ab"})
+    with pytest.raises(InvalidRequest) as caught:
+        _grammar(state, bad)
+    assert caught.value.param == "guided_regex"

@@ -28,7 +28,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         import llguidance.hf
 
-        eos = sorted(eos_token_ids) or [tokenizer.eos_token_id]
+        eos = sorted(eos_token_ids) or None  # None: the tokenizer's own EOS
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         self._prototypes: OrderedDict[str, object] = OrderedDict()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest, RequestOutput
+from afd.engine.structured import Grammars
 from afd.engine.tokenizer import chat_prompt_ids
 from afd.server import choices, json_body, resume as resumes, tokenize_api, validation
 from afd.server.formatting import PromptShown, chat_response, completion_response
@@ -32,6 +34,7 @@ from afd.server.sse import DONE, StreamEvents, error_event
 from afd.server.validation import Limits
 
 log = logging.getLogger(__name__)
+_GRAMMARS_LOCK = threading.Lock()
 
 
 class Unavailable(Exception):
@@ -57,6 +60,7 @@ class ServerState:
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="api-cpu"))
     # The /metrics body when the series live elsewhere (the API process shows the engine core's); None: `registry`'s.
     exposition: Callable[[], bytes] | None = None
+    grammars: Grammars | None = None  # structured-output grammars checked here when the engine is in another process
     resume_key: bytes = field(default=b"", repr=False)  # the group secret: signs streams moved here (`resume`)
 
     def problem(self) -> str | None:
@@ -246,9 +250,13 @@ def _grammar(state: ServerState, request) -> str | None:
     if found is None:
         return None
     grammar, field = found
-    grammars = getattr(state.engine, "grammars", None)  # an API process compiles it in the engine core
-    if grammars is not None:
-        grammars.check(grammar, field)
+    grammars = getattr(state.engine, "grammars", None)
+    if grammars is None:  # an API process: checked here on its own cache (the engine core compiles it again)
+        with _GRAMMARS_LOCK:
+            if state.grammars is None:
+                state.grammars = Grammars(state.tokenizer, state.vocab_size, ())
+        grammars = state.grammars
+    grammars.check(grammar, field)
     return grammar
 
 
