@@ -119,7 +119,7 @@ BAD_NUMBERS = {"nan": NAN, "inf": INF, "-inf": -INF, "huge": 10**30, "huge_float
                "string": "1", "list": [1], "object": {"a": 1}, "bool": True}
 NUMERIC_FIELDS = {
     COMPLETIONS: ("temperature", "top_p", "top_k", "seed", "max_tokens", "n", "logprobs", "presence_penalty",
-                  "frequency_penalty"),
+                  "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "best_of", "prompt_logprobs"),
     CHAT: ("temperature", "top_p", "top_k", "seed", "max_tokens", "max_completion_tokens", "top_logprobs"),
 }
 VALID = {("seed", "negative")}  # seeds take -2**63..2**64-1, as torch does
@@ -202,15 +202,15 @@ def _cases() -> list[Case]:
              400, "messages[0].content"),
         Case("logit-bias-10000", COMPLETIONS, {"logit_bias": {str(i): 1 for i in range(10_000)}}, 400, "logit_bias"),
         # fields we do not implement
-        Case("logit-bias", COMPLETIONS, {"logit_bias": {"5": 100}}, 400, "logit_bias"),
+        Case("logit-bias-out-of-range", COMPLETIONS, {"logit_bias": {"5": 500}}, 400, "logit_bias"),
         Case("response-format", CHAT, {"response_format": {"type": "xml"}}, 400, "response_format"),
         Case("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-        Case("best-of", COMPLETIONS, {"best_of": 2}, 400, "best_of"),
+        Case("best-of-streamed", COMPLETIONS, {"best_of": 2, "stream": True}, 400, "best_of"),
         Case("suffix", COMPLETIONS, {"suffix": "tail"}, 400, "suffix"),
         Case("unknown-field", COMPLETIONS, {"frobnicate": True}, 400, "frobnicate"),
         Case("stream-many-prompts", COMPLETIONS, {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
         Case("top-logprobs-without-logprobs", CHAT, {"logprobs": False, "top_logprobs": 2}, 400, "top_logprobs"),
-        Case("echo-with-logprobs", COMPLETIONS, {"echo": True, "logprobs": 1}, 400, "echo"),
+        Case("echo-with-logprobs-streamed", COMPLETIONS, {"echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
         Case("stream-options-without-stream", COMPLETIONS, {"stream_options": {"include_usage": True}}, 400,
              "stream_options"),
         # broken bodies
