@@ -229,3 +229,11 @@ def test_min_tokens_holds_stop_strings_back_too(server):
     assert completion(server, stop=[stop], **body)["text"] == ""  # found at once without min_tokens
     held = completion(server, stop=[stop], min_tokens=4, **body)["text"]
     assert held.startswith("".join(tokens[:3])) and plain.startswith(held)
+
+
+def test_tokenize_messages_with_special_tokens_encodes_the_rendered_text(server):
+    tokenizer = server.state.tokenizer
+    messages = [{"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    answer = post(server, "/tokenize", messages=messages, add_special_tokens=True).json()
+    assert answer["tokens"] == tokenizer.encode(text, add_special_tokens=True)

@@ -58,9 +58,10 @@ def tokenize(body: dict, tokenizer, limits: Limits, max_model_len: int) -> tuple
         messages = validation.chat_messages([m.model_dump(exclude_none=True) for m in request.messages], limits)
         ids = chat_prompt_ids(tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
                               continue_final_message=request.continue_final_message)
-        if request.add_special_tokens:  # the template holds its own special tokens; vLLM adds BOS on request
-            ids = list(tokenizer.build_inputs_with_special_tokens(ids)) if hasattr(
-                tokenizer, "build_inputs_with_special_tokens") else ids
+        if request.add_special_tokens:  # as vLLM: the rendered text encoded with the tokenizer's special tokens too
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                                 continue_final_message=request.continue_final_message, tokenize=False)
+            ids = list(tokenizer.encode(text, add_special_tokens=True))
     answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
               "token_strs": tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None}
     return request.model, answer
