@@ -16,6 +16,13 @@ from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, s
 KEY = b"group-secret"
 
 
+def _mac_of(payload: str) -> str:
+    import hashlib
+    import hmac
+
+    return hmac.new(KEY, payload.encode(), hashlib.sha256).hexdigest()
+
+
 def test_a_signed_resume_verifies_and_anything_else_is_refused_by_name():
     resume = Resume("chatcmpl-abc", (5, 6, 7))
     assert verify(KEY, sign(KEY, resume), 100) == resume
@@ -28,6 +35,10 @@ def test_a_signed_resume_verifies_and_anything_else_is_refused_by_name():
         verify(KEY, sign(KEY, resume), 7)
     with pytest.raises(InvalidRequest, match="1..2048 token ids"):
         verify(KEY, sign(KEY, Resume("cmpl-x", ())), 100)
+    with pytest.raises(InvalidRequest, match="1..2048 token ids"):
+        verify(KEY, sign(KEY, Resume("cmpl x\r\n", (1,))), 100)
+    with pytest.raises(InvalidRequest, match="not a valid resume"):
+        verify(KEY, "cmpl-x.@@@." + _mac_of("cmpl-x.@@@"), 100)
     with pytest.raises(InvalidRequest, match="not a text_completion id"):
         resume.request_id("text_completion")
     assert resume.request_id("chat.completion.chunk") == "abc"
@@ -163,3 +174,11 @@ def test_an_outside_client_cannot_resume_a_stream(server):
         server.state.resume_key = b""
     assert forged.status_code == 400 and "not signed" in forged.json()["error"]["message"]
     assert not_streamed.status_code == 400 and "streams only" in not_streamed.json()["error"]["message"]
+    longest = sign(KEY, Resume("chatcmpl-x", tuple(i % 100 for i in range(2048))))  # the most a resume carries passes the HTTP server
+    server.state.resume_key = KEY
+    try:
+        at_most = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False}, timeout=30,
+                             headers={RESUME_HEADER: longest})
+    finally:
+        server.state.resume_key = b""
+    assert at_most.status_code == 400 and "streams only" in at_most.json()["error"]["message"]

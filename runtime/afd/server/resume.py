@@ -12,9 +12,13 @@ echo), and streams the rest under the same id; its usage counts every token once
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import hmac
 import json
+import re
+import sys
+from array import array
 from dataclasses import dataclass
 
 from afd.engine.request import InvalidRequest
@@ -22,7 +26,8 @@ from afd.engine.request import InvalidRequest
 RESUME_HEADER = "x-afd-resume"
 IDS_HEADER = "x-afd-token-ids"
 IDS_COMMENT = b": afd-ids "
-MAX_CARRIED = 2048  # token ids in one resume header (it must stay within the HTTP server's header limit)
+MAX_CARRIED = 2048  # token ids in one resume header: 11 KB, within the HTTP servers' 16 KB header limit
+_STREAM_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _PREFIXES = {"text_completion": "cmpl-", "chat.completion.chunk": "chatcmpl-"}
 
 
@@ -42,9 +47,11 @@ class Resume:
 
 
 def sign(key: bytes, resume: Resume) -> str:
-    """The header value for `resume`."""
-    payload = base64.urlsafe_b64encode(json.dumps({"id": resume.stream_id, "ids": list(resume.token_ids)},
-                                                  separators=(",", ":")).encode()).decode()
+    """The header value for `resume`: `stream id.token ids (int32 little-endian, base64url).MAC`."""
+    ids = array("i", resume.token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    payload = f"{resume.stream_id}.{base64.urlsafe_b64encode(ids.tobytes()).decode()}"
     return f"{payload}.{_mac(key, payload)}"
 
 
@@ -55,17 +62,20 @@ def verify(key: bytes, value: str | None, vocab_size: int) -> Resume | None:
     if not key:
         raise InvalidRequest(f"{RESUME_HEADER} is internal to a deployment and this rank has no group secret",
                              RESUME_HEADER)
-    payload, _, mac = value.partition(".")
-    if not hmac.compare_digest(mac, _mac(key, payload)):
+    payload, _, mac = value.rpartition(".")
+    if not hmac.compare_digest(mac.encode(), _mac(key, payload).encode()):
         raise InvalidRequest(f"{RESUME_HEADER} is not signed by this deployment's group secret", RESUME_HEADER)
+    stream_id, _, packed = payload.partition(".")
+    ids = array("i")
     try:
-        body = json.loads(base64.urlsafe_b64decode(payload.encode()))
-        stream_id, ids = body["id"], body["ids"]
-    except (ValueError, KeyError, TypeError):
+        ids.frombytes(base64.b64decode(packed.encode(), altchars=b"-_", validate=True))
+    except (ValueError, binascii.Error):
         raise InvalidRequest(f"{RESUME_HEADER} is not a valid resume", RESUME_HEADER) from None
-    if not isinstance(stream_id, str) or not isinstance(ids, list) or not 0 < len(ids) <= MAX_CARRIED:
+    if sys.byteorder != "little":
+        ids.byteswap()
+    if not _STREAM_ID.fullmatch(stream_id) or not 0 < len(ids) <= MAX_CARRIED:
         raise InvalidRequest(f"{RESUME_HEADER} needs a stream id and 1..{MAX_CARRIED} token ids", RESUME_HEADER)
-    if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
+    if any(not 0 <= t < vocab_size for t in ids):
         raise InvalidRequest(f"{RESUME_HEADER} holds a token id outside the vocabulary", RESUME_HEADER)
     return Resume(stream_id, tuple(ids))
 
