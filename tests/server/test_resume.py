@@ -55,6 +55,13 @@ def test_the_reader_passes_whole_events_strips_id_comments_and_knows_when_a_stre
     failed = StreamReader()
     failed.feed(b'data: {"error": {"message": "x"}}\n\n')
     assert not failed.resumable and failed.resume() is None
+    silent = StreamReader()  # a rank that does not say its token ids (vLLM's): nothing to continue from
+    assert silent.resumable and silent.resume() is None  # nothing went out: sent again whole
+    silent.feed(b'data: {"id": "cmpl-2", "choices": [{"text": "a", "finish_reason": null}]}\n\n')
+    assert not silent.resumable
+    ended = StreamReader()
+    ended.feed(b': afd-ids 4\ndata: {"id": "cmpl-3", "choices": [{"text": "a", "finish_reason": "length"}]}\n\n')
+    assert ended.finished and not ended.resumable
 
 
 def _events(stream_id: str, tokens: list[tuple[int, str]], done: bool) -> list[bytes]:
@@ -182,3 +189,30 @@ def test_an_outside_client_cannot_resume_a_stream(server):
     finally:
         server.state.resume_key = b""
     assert at_most.status_code == 400 and "streams only" in at_most.json()["error"]["message"]
+
+
+def _collect(response: httpx.Response, reopen) -> bytes:
+    from afd.server.splice import spliced
+
+    async def release(_):
+        pass
+
+    async def go():
+        return b"".join([chunk async for chunk in spliced(response, reopen, release)])
+    return asyncio.run(go())
+
+
+def test_a_stream_cut_after_its_last_token_only_gets_its_end_and_one_no_rank_takes_gets_an_error_event():
+    async def never(_):
+        raise AssertionError("nothing to move")
+
+    last = _events("cmpl-1", [(7, "a")], False)[0].replace(b'"text": "a"}', b'"text": "a", "finish_reason": "length"}')
+    ended = _collect(httpx.Response(200, stream=_CutStream([last], True)), never)
+    assert ended.endswith(b"data: [DONE]\n\n") and b"error" not in ended
+
+    async def nobody(resume):
+        assert resume == Resume("cmpl-1", (7,))
+        return None
+
+    cut = _collect(httpx.Response(200, stream=_CutStream(_events("cmpl-1", [(7, "a")], False), True)), nobody)
+    assert b'"error"' in cut and cut.endswith(b"data: [DONE]\n\n")

@@ -98,6 +98,8 @@ class StreamReader:
         self.token_ids: list[int] = []
         self.done = False  # [DONE] went out: nothing to resume
         self.failed = False  # an error event went out: the rank's own answer, not resumed either
+        self.events = 0  # data events that went out
+        self.finished = False  # an event with a finish reason went out: only [DONE] (and usage) can be missing
 
     def feed(self, chunk: bytes) -> bytes:
         """The complete events in `chunk` (with what was pending), ready for the client."""
@@ -124,9 +126,13 @@ class StreamReader:
     def _look(self, data: bytes) -> None:
         if data == b"[DONE]":
             self.done = True
-        elif data.startswith(b'{"error"'):
+            return
+        self.events += 1
+        if data.startswith(b'{"error"'):
             self.failed = True
-        elif self.stream_id is None:
+            return
+        self.finished = self.finished or b'"finish_reason": "' in data
+        if self.stream_id is None:
             self.stream_id = json.loads(data).get("id")
 
     def drop_partial(self) -> None:
@@ -135,8 +141,11 @@ class StreamReader:
 
     @property
     def resumable(self) -> bool:
-        """Cut before its end (and not by an error event): it can go on elsewhere, from its tokens if it has any."""
-        return not (self.done or self.failed)
+        """Cut before its end (not by an error event, not after its last token), and either nothing went out yet or
+        the token ids of what did are known (a rank that does not say them, e.g. vLLM's, cannot be continued)."""
+        if self.done or self.failed or self.finished:
+            return False
+        return self.events == 0 or (bool(self.token_ids) and self.stream_id is not None)
 
     def resume(self) -> Resume | None:
         """What to continue from; None: nothing reached the client, so the request is simply sent again."""

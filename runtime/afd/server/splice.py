@@ -42,6 +42,9 @@ async def spliced(response: httpx.Response, reopen: Callable[[Resume | None], Aw
             log.warning("attention rank lost mid-stream (%s: %s)", type(err).__name__, err)
         finally:
             await release(response)
+        if reader.finished and not reader.done:  # cut after its last token: only the end of the stream is missing
+            yield DONE.encode()
+            return
         if not reader.resumable:
             return
         if move == MAX_MOVES:
