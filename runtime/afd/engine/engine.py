@@ -111,7 +111,8 @@ class Engine:
         self._prev_tokens = torch.empty(0, dtype=torch.long, device=self.device)
         self._controls: ControlState | None = None  # device rows of requests with logits controls, made on first use
         spec = getattr(getattr(step, "model", None), "spec", None)  # a runner's model knows its vocabulary
-        self.vocab_size = vocab_size or getattr(spec, "vocab_size", None) or len(tokenizer)  # the grammar masks' width
+        self.vocab_size = (vocab_size or getattr(spec, "vocab_size", None)  # the logits' width (grammar masks)
+                           or (len(tokenizer) if hasattr(tokenizer, "__len__") else None))
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
         self._outputs = OutputProcessor(set(eos_token_ids), max_model_len, observer, self._on_stopped, threaded=pipeline)
