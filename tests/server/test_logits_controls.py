@@ -204,3 +204,10 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_eos_back(checkpoints):
     got, reasons = engine_outputs(checkpoints["qwen3_moe"], [(PROMPTS[0], forced), (PROMPTS[1], eos_first)], eos=(23,))
     assert got[0] == [17] * 6 and reasons[0] == "length"
     assert len(got[1]) == 4 and 23 not in got[1][:3] and got[1][3] == 23 and reasons[1] == "stop"
+
+
+def test_an_engine_over_a_bare_step_and_no_tokenizer_length_still_builds():
+    from afd.engine.offline import _NoText
+
+    engine = Engine(lambda ids, layout: None, object(), _NoText(), (), max_num_seqs=1, max_model_len=8)
+    assert engine.vocab_size is None  # no grammar masks possible; nothing else needs it
