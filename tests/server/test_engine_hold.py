@@ -107,8 +107,16 @@ def test_past_the_hold_time_the_held_requests_fail_with_the_error_of_today(parts
         assert [len(o.token_ids) for o in outs[:-1]] == [1, 1]  # the tokens of steps 1 and 2, none twice
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"])
+def _structured():
+    from afd.server.structured import grammar_of
+
+    return SamplingParams(max_tokens=12, temperature=0, grammar=grammar_of({"guided_regex": "q[a-z]{8,60}"})[0])
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, PENALIZED, "structured"],
+                         ids=["greedy", "seeded", "penalized", "structured"])
 def test_a_request_carried_over_with_its_first_tokens_goes_on_as_the_undisturbed_one(parts, params):  # noqa: F811
+    params = _structured() if params == "structured" else params
     expected = reference(parts, params)
     engine = make_engine(parts).start()
     try:
@@ -127,3 +135,18 @@ def test_carried_tokens_that_leave_nothing_to_generate_are_refused(parts):  # no
     engine = make_engine(parts)
     with pytest.raises(InvalidRequest, match="nothing to generate"):
         engine.submit([1, 2, 3], GREEDY, lambda o: None, carried=list(range(12)))
+
+
+def test_a_structured_step_that_reads_the_previous_one_when_the_ffn_is_lost_is_taken_back_too(parts):  # noqa: F811
+    params = _structured()
+    expected = reference(parts, params)
+    events = []
+    link = FakeLink(events, lose_at=4)  # found while step 5's grammar masks wait for step 4's tokens
+    engine = make_engine(parts, link, events, link_check_s=0.05)
+    engine.hold_s = 10.0
+    try:
+        held = run(engine, params)
+        assert no_errors(held) and link.recovered == 1
+    finally:
+        engine.stop()
+    assert tokens(held) == expected

@@ -153,8 +153,9 @@ class Engine:
             raise InvalidRequest("prompt logprobs are not available with this attention engine", "prompt_logprobs")
         if params.grammar is not None:
             request.grammar = self.grammars.matcher(params.grammar)
-        if carried and getattr(request, "grammar", None) is not None:
-            raise InvalidRequest("a structured-output request cannot be continued from carried tokens", "response_format")
+        if carried and request.grammar is not None:  # the grammar goes on from where the carried tokens left it
+            for token in carried:
+                consume(request.grammar, token)
         if params.seed is not None:
             draws = 0 if params.greedy else len(carried)  # the seed stream goes on where the carried tokens left it
             request.generator = seeded_generator(params.seed, draws, self.vocab_size, self.device)
@@ -340,6 +341,8 @@ class Engine:
             logits, sampling = logits[to_device(emit, logits.device)], [batch[i] for i in emit]
         try:
             mask = None if plain else self._grammar_mask(sampling, logits.device)
+            if undo not in self._unread:  # the FFN was lost while that read the previous step: this one is taken back
+                return None
             controls = None if plain and not self._controls_held() else self._step_controls(sampling, logits)
             sampled = sample(logits, inputs.params, inputs.generators, controls, mask).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up
