@@ -216,3 +216,12 @@ def test_a_stream_cut_after_its_last_token_only_gets_its_end_and_one_no_rank_tak
 
     cut = _collect(httpx.Response(200, stream=_CutStream(_events("cmpl-1", [(7, "a")], False), True)), nobody)
     assert b'"error"' in cut and cut.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_cut_stream_that_cannot_move_ends_with_an_error_event_not_silence():
+    async def never(_):
+        raise AssertionError("no token ids: nothing to move")
+
+    chunk = b'data: {"id": "cmpl-5", "choices": [{"text": "a", "finish_reason": null}]}\n\n'
+    cut = _collect(httpx.Response(200, stream=_CutStream([chunk], True)), never)
+    assert cut.startswith(chunk) and b'"error"' in cut and cut.endswith(b"data: [DONE]\n\n")

@@ -42,13 +42,13 @@ async def spliced(response: httpx.Response, reopen: Callable[[Resume | None], Aw
             log.warning("attention rank lost mid-stream (%s: %s)", type(err).__name__, err)
         finally:
             await release(response)
-        if reader.finished and not reader.done:  # cut after its last token: only the end of the stream is missing
+        if reader.done or reader.failed:
+            return
+        if reader.finished:  # cut after its last token: only the end of the stream is missing
             yield DONE.encode()
             return
-        if not reader.resumable:
-            return
-        if move == MAX_MOVES:
-            break
+        if not reader.resumable or move == MAX_MOVES:
+            break  # (a rank that does not say its token ids cannot be continued: the client is told, not left cut)
         cut_at = time.monotonic()
         reader.drop_partial()
         following = await reopen(reader.resume())
