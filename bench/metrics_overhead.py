@@ -22,7 +22,7 @@ from afd.config import AFDConfig
 from afd.metrics.layer_clock import LayerClock, NullClock
 from afd.metrics.layer_metrics import LayerMetrics
 from afd.roles import build_attention, build_ffn
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 
 def main() -> int:

@@ -161,7 +161,7 @@ def count_kernels(run) -> dict:
 
 
 def _layout(kv, batch: int, context: int):
-    from afd.runners.microbatch import SeqLayout
+    from afd.layout import SeqLayout
 
     tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
     return tables, SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from afd.kv_cache import KVCache
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 Stepper = Callable[[torch.Tensor, SeqLayout], torch.Tensor]
 

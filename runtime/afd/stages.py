@@ -1,6 +1,6 @@
 """How a step splits into stages (micro-batches): the one policy, pure and torch-free.
 
-Used by the attention runner (`afd.runners.microbatch.split_layout`), the decode-graph
+Used by the attention runner (`afd.layout.split_layout`), the decode-graph
 buckets (`afd.graphs.buckets.stage_split`) and the vLLM plugin's link, so `dboMinTokens`
 means the same on every attention engine.
 """

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from afd.graphs.mixed import token_buckets
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 
 def test_token_buckets_double_to_256_then_step_by_256_then_512():

@@ -116,7 +116,7 @@ def test_the_attention_rank_with_fused_glue_equals_the_torch_path(stages, checkp
     """Each FFN output comes back added to the residual stream in one launch with the next layer's norm."""
     from afd.kv_cache import KVCache
     from afd.runners.attention_runner import AttentionRunner, StepOptions
-    from afd.runners.microbatch import SeqLayout
+    from afd.layout import SeqLayout
     from afd.runners.profile_step import StandInFFN
 
     loaded = load_model(str(checkpoints["deepseek_v2"]), "attention")

@@ -3,7 +3,7 @@
 import pytest
 
 from afd.graphs.buckets import stage_split
-from afd.runners.microbatch import SeqLayout, split_layout
+from afd.layout import SeqLayout, split_layout
 from afd.stages import stage_cut, stage_rows, stage_tokens
 from afd.vllm_plugin.link import LinkPlan
 

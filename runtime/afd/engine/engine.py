@@ -40,7 +40,7 @@ from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
 from afd.engine.structured import Grammars, StepMask, consume, fill_bitmask
 from afd.engine.text import IncrementalDetokenizer, StopChecker
 from afd.kv_cache import KVCache
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 Step = Callable[[torch.Tensor, SeqLayout], torch.Tensor]

@@ -15,7 +15,7 @@ import torch
 
 from afd.engine.request import Request
 from afd.host_copy import host_to_device
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 
 @dataclass

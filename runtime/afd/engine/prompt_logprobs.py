@@ -16,7 +16,7 @@ import torch
 
 from afd.engine.inputs import to_device
 from afd.engine.request import Request, TokenLogprobs
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 
 @dataclass

@@ -22,7 +22,7 @@ from afd.graphs.buckets import bucket_for, capture_order, is_decode, stage_split
 from afd.graphs.capture import make_pool
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 Body = Callable[[torch.Tensor, list], torch.Tensor]

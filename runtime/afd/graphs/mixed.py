@@ -31,7 +31,7 @@ from afd.graphs.capture import make_pool
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.base import MoECausalLM
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 

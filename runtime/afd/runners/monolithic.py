@@ -10,7 +10,7 @@ from afd.graphs.mixed import MixedGraphs, token_buckets
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 
 class MonolithicRunner:

@@ -17,7 +17,7 @@ from afd.engine.request import MAX_LOGPROBS, SamplingParams
 from afd.engine.sampler import sample
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel
-from afd.runners.microbatch import SeqLayout
+from afd.layout import SeqLayout
 
 
 def plan_profile_shapes(max_tokens: int, max_seqs: int, max_model_len: int) -> list[tuple[int, ...]]:

@@ -1,4 +1,6 @@
-"""Splitting a step's sequences into micro-batches (stages) for the attention/FFN ping-pong."""
+"""The sequences of one step (`SeqLayout`) and their split into micro-batches (stages).
+
+Pure and torch-free, below the engine, the graphs and the runners that all build or read it."""
 
 from __future__ import annotations
 
