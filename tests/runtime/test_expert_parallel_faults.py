@@ -10,7 +10,8 @@ import pytest
 
 from afd.config import AFDConfig, config_to_env
 from afd.connector.base import HandshakeError
-from afd.runners.handshake import check_hello, make_hello
+from afd.connector.hello_check import check_hello
+from afd.runners.handshake import make_hello
 from afd.models.spec import parse_spec
 from afd.models.checkpoint import Checkpoint
 

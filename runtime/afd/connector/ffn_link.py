@@ -15,10 +15,10 @@ from collections import Counter, deque
 from typing import Callable
 
 from afd.connector import wire
+from afd.connector.hello_check import check_hello
 from afd.connector.identity import check_identity, show
 from afd.connector.plane import FFNPlane
 from afd.connector.transport import ServerTransport
-from afd.runners.handshake import check_hello
 
 log = logging.getLogger(__name__)
 DRAIN_NOTICE_S = 5.0  # after the notice, attention pods need this long to leave every proxy's endpoints
