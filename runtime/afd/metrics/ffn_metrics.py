@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from afd.server.serving_metrics import _LATENCY_BUCKETS, _TOKEN_BUCKETS
+from afd.metrics.buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
 def _labels(rank: int) -> dict[str, str]:
@@ -18,9 +18,9 @@ class FFNStepMetrics:
     def __init__(self, registry: CollectorRegistry, rank: int):
         labels = _labels(rank)
         self.step_duration = Histogram("afd_step_duration_seconds", "Wall time of one FFN step", list(labels),
-                                       registry=registry, buckets=_LATENCY_BUCKETS).labels(**labels)
+                                       registry=registry, buckets=LATENCY_BUCKETS).labels(**labels)
         self.step_tokens = Histogram("afd_step_tokens", "Rows served in one FFN step (all peers, all layers' batch)",
-                                     list(labels), registry=registry, buckets=_TOKEN_BUCKETS).labels(**labels)
+                                     list(labels), registry=registry, buckets=TOKEN_BUCKETS).labels(**labels)
         self.steps = Counter("afd_ffn_steps", "FFN steps run", list(labels), registry=registry).labels(**labels)
 
     def on_step(self, seconds: float, rows: int) -> None:

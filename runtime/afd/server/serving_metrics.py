@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+from afd.metrics.buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
+
 _HOLD_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
-_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class ServingMetrics:
@@ -26,14 +26,14 @@ class ServingMetrics:
 
         self.running = make(Gauge, "afd_requests_running", "Requests in the running batch")
         self.waiting = make(Gauge, "afd_requests_waiting", "Requests waiting for admission")
-        self.ttft = make(Histogram, "afd_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS)
-        self.itl = make(Histogram, "afd_inter_token_latency_seconds", "Time between two tokens of a request", buckets=_LATENCY_BUCKETS)
+        self.ttft = make(Histogram, "afd_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS)
+        self.itl = make(Histogram, "afd_inter_token_latency_seconds", "Time between two tokens of a request", buckets=LATENCY_BUCKETS)
         self.prompt_tokens = make(Counter, "afd_prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = make(Counter, "afd_generation_tokens", "Tokens generated")
         self.kv_usage = make(Gauge, "afd_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use")
         self.kv_capacity = make(Gauge, "afd_kv_cache_capacity_tokens", "Tokens the KV cache holds")
-        self.step_duration = make(Histogram, "afd_step_duration_seconds", "Wall time of one engine step", buckets=_LATENCY_BUCKETS)
-        self.step_tokens = make(Histogram, "afd_step_tokens", "Tokens computed in one step", buckets=_TOKEN_BUCKETS)
+        self.step_duration = make(Histogram, "afd_step_duration_seconds", "Wall time of one engine step", buckets=LATENCY_BUCKETS)
+        self.step_tokens = make(Histogram, "afd_step_tokens", "Tokens computed in one step", buckets=TOKEN_BUCKETS)
         self.request_errors = make(Counter, "afd_request_errors", "Requests ended by an error")
         self.resumed = make(Counter, "afd_requests_resumed", "Requests held through the loss of their FFN rank that went on "
                             "once it was back (AFD_FFN_HOLD_S)")
