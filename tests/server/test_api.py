@@ -168,7 +168,7 @@ def test_models_and_health(server):
         ({"prompt": [1] * 5000}, 400, "maximum context length"),
         ({"prompt": [10**7]}, 400, "token ids"),
         ({"prompt": "a", "model": "gpt-4"}, 404, "does not exist"),
-        ({"prompt": "a", "n": 2, "stream": True}, 400, "n=2"),
+        ({"prompt": "a", "n": 2, "best_of": 3, "stream": True}, 400, "cannot be streamed"),
         ({"prompt": "a", "top_p": 0}, 400, "top_p"),
     ],
 )

@@ -210,7 +210,6 @@ def _cases() -> list[Case]:
         Case("unknown-field", COMPLETIONS, {"frobnicate": True}, 400, "frobnicate"),
         Case("stream-many-prompts", COMPLETIONS, {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
         Case("top-logprobs-without-logprobs", CHAT, {"logprobs": False, "top_logprobs": 2}, 400, "top_logprobs"),
-        Case("echo-with-logprobs-streamed", COMPLETIONS, {"echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
         Case("stream-options-without-stream", COMPLETIONS, {"stream_options": {"include_usage": True}}, 400,
              "stream_options"),
         # broken bodies

@@ -1,6 +1,8 @@
 """What a vLLM user sends, through a rank's OpenAI API (a loopback AFD group): sampling controls, and a 400
 naming the field for each bad value."""
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -177,10 +179,37 @@ def test_prompt_logprobs_field_as_vllm_gives_it(server, checkpoints):
     assert chat["prompt_logprobs"][0] is None and all(len(item) >= 2 for item in chat["prompt_logprobs"][1:])
 
 
-def test_streams_refuse_prompt_logprobs_by_name(server):
-    for body, field in [({"echo": True, "logprobs": 1}, "echo"), ({"prompt_logprobs": 1}, "prompt_logprobs")]:
-        response = post(server, "/v1/completions", prompt="Hi", max_tokens=2, stream=True, **body)
-        assert response.status_code == 400 and response.json()["error"]["param"] == field
+def streamed(server, path, headers=None, **body):
+    """(the data chunks, the raw text) of a streamed request."""
+    body = {"model": server.model, "stream": True, **body}
+    response = httpx.post(f"{server.url}{path}", json=body, headers=headers or {}, timeout=60)
+    assert response.status_code == 200, response.text
+    chunks = [json.loads(line[6:]) for line in response.text.split("\n") if line.startswith("data: {")]
+    assert response.text.endswith("data: [DONE]\n\n")
+    return chunks, response.text
+
+
+def test_echo_logprobs_and_prompt_logprobs_streamed_equal_the_unstreamed_answer(server, checkpoints):
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    body = dict(prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1, prompt_logprobs=2, ignore_eos=True)
+    whole = completion(server, **body)
+    chunks, _ = streamed(server, "/v1/completions", **body)
+    first = chunks[0]["choices"][0]
+    assert first["text"].startswith(server.state.tokenizer.decode(prompt))
+    assert first["logprobs"]["token_logprobs"][0] is None and first["prompt_logprobs"] == whole["prompt_logprobs"]
+    assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
+    joined = {key: [v for c in chunks for v in c["choices"][0]["logprobs"][key]] for key in whole["logprobs"]}
+    assert joined == whole["logprobs"]  # prompt and generated tokens, their offsets running on over the chunks
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    want = hf_prompt_logprobs(checkpoints["qwen3_moe"], prompt)
+    assert first["logprobs"]["token_logprobs"][1] == pytest.approx(float(want[0, prompt[1]]), abs=1e-4)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_whole = post(server, "/v1/chat/completions", messages=messages, max_tokens=3, temperature=0,
+                      prompt_logprobs=1).json()
+    chat_chunks, _ = streamed(server, "/v1/chat/completions", messages=messages, max_tokens=3, temperature=0,
+                              prompt_logprobs=1)
+    assert chat_chunks[0]["prompt_logprobs"] == chat_whole["prompt_logprobs"]
+    assert all("prompt_logprobs" not in c for c in chat_chunks[1:])
 
 
 # -- n and best_of -------------------------------------------------------------------------------------------
@@ -209,8 +238,52 @@ def test_best_of_returns_the_likeliest_candidate_and_counts_them_all(server):
     assert answer["usage"]["completion_tokens"] == 15
 
 
+def test_n_choices_streamed_each_under_its_index_equal_the_unstreamed_ones(server):
+    body = dict(prompt="The quick brown fox", max_tokens=6, temperature=1.0, ignore_eos=True, seed=11, n=3)
+    whole = post(server, "/v1/completions", **body).json()
+    chunks, text = streamed(server, "/v1/completions", stream_options={"include_usage": True}, **body)
+    *events, last = chunks
+    assert all(len(c["choices"]) == 1 for c in events) and len({c["id"] for c in chunks}) == 1
+    by_index = {i: [c["choices"][0] for c in events if c["choices"][0]["index"] == i] for i in range(3)}
+    assert sorted({c["choices"][0]["index"] for c in events}) == [0, 1, 2]
+    assert [("".join(p["text"] for p in by_index[i]), [p["finish_reason"] for p in by_index[i]][-1])
+            for i in range(3)] == [(c["text"], c["finish_reason"]) for c in whole["choices"]]
+    assert last["choices"] == [] and last["usage"] == whole["usage"]  # the prompt once, every choice's tokens
+    assert "afd-" not in text
+    chat = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=1.0, ignore_eos=True, seed=5,
+                n=2)
+    chat_whole = post(server, "/v1/chat/completions", **chat).json()
+    chat_chunks, _ = streamed(server, "/v1/chat/completions", **chat)
+    for i, choice in enumerate(chat_whole["choices"]):
+        deltas = [c["choices"][0]["delta"] for c in chat_chunks if c["choices"][0]["index"] == i]
+        assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+        assert "".join(d["content"] for d in deltas) == choice["message"]["content"]
+
+
+def test_a_relay_is_told_an_n_stream_has_no_ids_and_cannot_resume_it(server):
+    from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, sign
+
+    _, text = streamed(server, "/v1/completions", headers={IDS_HEADER: "1"}, prompt="Hi", max_tokens=3, n=2,
+                       temperature=1.0, ignore_eos=True)
+    assert text.startswith(": afd-choices 2\n") and "afd-ids" not in text
+    reader = StreamReader()
+    cut = text.encode()[: text.encode().rindex(b"data: {")]  # every event but the last one
+    reader.feed(cut)
+    assert reader.choices == 2 and not reader.finished and not reader.resumable
+    reader.feed(text.encode()[len(cut):])
+    assert reader.finished  # both choices' last events went out
+    server.state.resume_key = b"secret"
+    try:
+        header = sign(b"secret", Resume("cmpl-x", (1, 2)))
+        response = httpx.post(f"{server.url}/v1/completions", headers={RESUME_HEADER: header}, timeout=30,
+                              json={"model": server.model, "prompt": "Hi", "max_tokens": 3, "n": 2, "stream": True})
+    finally:
+        server.state.resume_key = b""
+    assert response.status_code == 400 and response.json()["error"]["param"] == RESUME_HEADER
+
+
 @pytest.mark.parametrize("body, field", [
-    ({"n": 2, "stream": True}, "n"), ({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
+    ({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
     ({"n": 0}, "n"), ({"n": 129}, "n"), ({"best_of": 0}, "best_of"), ({"n": 100, "prompt": ["a", "b"]}, "n"),
 ])
 def test_bad_n_and_best_of_name_their_field(server, body, field):

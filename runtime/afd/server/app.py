@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -126,13 +127,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(http: Request):
         body = await _off_loop(state, _prepare_completion, state, await _json_body(state, http))
         request, prompts, params, echo = body
-        resume = _resume_of(state, http, request.stream)
+        resume = _resume_of(state, http, request.stream, request.n)
         if request.stream:
-            outputs = _Outputs(state, prompts[0], params[0], resume)
-            events = StreamEvents(state, resume.request_id("text_completion") if resume else outputs.request.request_id,
-                                  "text_completion")
-            make = lambda out, first: events.completion(out, echo[0] if first and not resume else "")  # noqa: E731
-            return _sse(outputs, events, make, request.include_usage, _wants_ids(http))
+            shown = PromptShown(prompts, request.echo_logprobs, request.prompt_logprobs)
+            choices_ = _StreamedChoices(state, prompts[0], choices.candidate_params(params[0], request.n, None), resume)
+            events = StreamEvents(state, resume.request_id("text_completion") if resume else choices_.request_id,
+                                  "text_completion", None if resume else shown)
+            make = lambda index, out, first: events.completion(  # noqa: E731
+                out, echo[0] if first and not resume else "", index, first and not resume)
+            return _sse(choices_, events, make, request.include_usage, _wants_ids(http))
         count = max(request.n, request.best_of or 1)  # engine requests per prompt
         candidates = [c for sampling in params for c in choices.candidate_params(sampling, request.n, request.best_of)]
         results = await _complete(http, _submit_all(state, [p for p in prompts for _ in range(count)], candidates))
@@ -148,13 +151,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
         request, prompt, params = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
-        resume = _resume_of(state, http, request.stream)
+        resume = _resume_of(state, http, request.stream, request.n)
         if request.stream:
-            outputs = _Outputs(state, prompt, params, resume)
-            events = StreamEvents(state, resume.request_id("chat.completion.chunk") if resume else
-                                  outputs.request.request_id, "chat.completion.chunk")
-            make = lambda out, first: events.chat(out, first and not resume)  # noqa: E731
-            return _sse(outputs, events, make, request.include_usage, _wants_ids(http))
+            choices_ = _StreamedChoices(state, prompt, choices.candidate_params(params, request.n, None), resume)
+            events = StreamEvents(state, resume.request_id("chat.completion.chunk") if resume else choices_.request_id,
+                                  "chat.completion.chunk", PromptShown([prompt], None, request.prompt_logprobs))
+            make = lambda index, out, first: events.chat(out, first and not resume, index, not resume)  # noqa: E731
+            return _sse(choices_, events, make, request.include_usage, _wants_ids(http))
         submitted = _submit_all(state, [prompt] * request.n, choices.candidate_params(params, request.n, None))
         results = await _complete(http, submitted)
         if results is None:
@@ -278,11 +281,13 @@ def _check_model_and_health(state: ServerState, model: str) -> None:
         raise Unavailable(f"the server cannot take requests: {reason}")
 
 
-def _resume_of(state: ServerState, http: Request, stream: bool) -> resumes.Resume | None:
+def _resume_of(state: ServerState, http: Request, stream: bool, n: int = 1) -> resumes.Resume | None:
     """The stream a relay moves here from a lost rank (`afd.server.resume`), or None; InvalidRequest if unfit."""
     resume = resumes.verify(state.resume_key, http.headers.get(resumes.RESUME_HEADER), state.vocab_size)
     if resume is not None and not stream:
         raise InvalidRequest(f"{resumes.RESUME_HEADER} continues streams only", resumes.RESUME_HEADER)
+    if resume is not None and n > 1:  # its ids would be every choice's, interleaved: such a stream is never moved
+        raise InvalidRequest(f"{resumes.RESUME_HEADER} continues one choice (n=1), not n={n}", resumes.RESUME_HEADER)
     if resume is not None and not isinstance(state.engine, Engine):
         raise InvalidRequest("a moved stream needs the engine in the API's process (AFD_API_PROCESS off)",
                              resumes.RESUME_HEADER)
@@ -311,12 +316,11 @@ def _max_tokens(state: ServerState, prompt: list[int], requested: int | None) ->
 class _Outputs:
     """One request's engine outputs on the event loop, taken as they arrive (see `handoff`)."""
 
-    def __init__(self, state: ServerState, prompt: list[int], params, resume: resumes.Resume | None = None):
+    def __init__(self, state: ServerState, prompt: list[int], params):
         handoff, sink = LoopHandoff.of(asyncio.get_running_loop()), OutputSink()
         self.sink = sink
         self.engine = state.engine
-        carried = {"carried": resume.token_ids} if resume is not None else {}  # a stream moved from a lost rank
-        self.request = state.engine.submit(prompt, params, lambda out: handoff.put(sink, out), **carried)
+        self.request = state.engine.submit(prompt, params, lambda out: handoff.put(sink, out))
         self.finished = False
         self.first = True
 
@@ -376,30 +380,85 @@ async def _complete(http: Request, outputs: list[_Outputs]) -> list[list[Request
             output.abort()  # the engine drops them at its next step
 
 
-def _sse(outputs: _Outputs, events: StreamEvents, make_event, include_usage: bool, ids: bool = False) -> StreamingResponse:
-    """Server-sent events: one per output, an error event if the request fails, then [DONE]. The
-    events of every output that arrived together go out in one write. `ids`: each event says its token ids in an
-    SSE comment (for a relay that may move the stream)."""
+class _StreamedChoices:
+    """The choices of one streamed prompt (n engine requests, queued together), their outputs taken together as they
+    arrive, each with its choice's index; a moved stream (`resume`, n=1) goes on from the carried tokens."""
+
+    def __init__(self, state: ServerState, prompt: list[int], params: list, resume: resumes.Resume | None = None):
+        handoff, self.sink = LoopHandoff.of(asyncio.get_running_loop()), OutputSink()
+        self.engine = state.engine
+        carried = {"carried": resume.token_ids} if resume is not None else {}
+        if resume is not None:  # nothing of the prompt is shown again: its logprobs are not computed again
+            params = [dataclasses.replace(p, prompt_logprobs=None) for p in params]
+        self.request_ids: list[str] = []
+        self.open = set(range(len(params)))  # choices not finished yet
+        try:
+            for index, sampling in enumerate(params):
+                submitted = state.engine.submit(prompt, sampling, self._deliver(handoff, index), **carried)
+                self.request_ids.append(submitted.request_id)
+        except BaseException:
+            self.abort()
+            raise
+        self.request_id = self.request_ids[0]  # the stream's id
+        self.started: set[int] = set()  # choices that gave an output
+        self.tokens = [0] * len(params)  # each choice's completion tokens so far
+        self.prompt_tokens = 0
+
+    def _deliver(self, handoff: LoopHandoff, index: int):
+        return lambda output: handoff.put(self.sink, (index, output))
+
+    @property
+    def finished(self) -> bool:
+        return not self.open
+
+    async def take(self) -> list[tuple[int, RequestOutput, bool]]:
+        """Every output that arrived since the last call (waits for one): (choice index, output, whether it is the
+        choice's first); nothing after a choice's last."""
+        taken = []
+        for index, output in await self.sink.take():
+            if index not in self.open:
+                continue
+            taken.append((index, output, index not in self.started))
+            self.started.add(index)
+            self.tokens[index], self.prompt_tokens = output.completion_tokens, output.prompt_tokens
+            if output.finished:
+                self.open.discard(index)
+        return taken
+
+    def abort(self) -> None:
+        for index, request_id in enumerate(self.request_ids):
+            if index in self.open:
+                self.engine.abort(request_id)
+
+
+def _sse(outputs: _StreamedChoices, events: StreamEvents, make_event, include_usage: bool,
+         ids: bool = False) -> StreamingResponse:
+    """Server-sent events: one per output of any choice, an error event if one fails (the others are aborted), then
+    the usage (the prompt once, every choice's tokens) and [DONE]. The events of every output that arrived together
+    go out in one write. `ids`: a relay asked, to move the stream should this rank die: each event of one choice
+    says its token ids in an SSE comment; a stream of n > 1 choices says n instead, once (it is not moved mid-way)."""
+    n = len(outputs.request_ids)
+    note = (lambda output: resumes.ids_comment(output.token_ids)) if ids and n == 1 else lambda output: ""
+    opening = resumes.choices_comment(n) if ids and n > 1 else ""
 
     async def stream():
-        last = None
+        nonlocal opening
         try:
             while not outputs.finished:
                 lines = []
-                for output, first in await outputs.take():
+                for index, output, first in await outputs.take():
                     if output.error:
                         lines.append(error_event(output.error))
                         yield "".join(lines)
                         return
-                    last = output
-                    lines.append(resumes.ids_comment(output.token_ids) + make_event(output, first) if ids
-                                 else make_event(output, first))
+                    lines.append(opening + note(output) + make_event(index, output, first))
+                    opening = ""
                 if outputs.finished:
-                    if include_usage and last is not None:
-                        lines.append(events.usage(last))
+                    if include_usage:
+                        lines.append(events.usage(outputs.prompt_tokens, sum(outputs.tokens)))
                     lines.append(DONE)
                 yield "".join(lines)
         finally:
-            outputs.abort()  # a client that disconnects mid-stream frees its sequence
+            outputs.abort()  # a client that disconnects mid-stream frees its sequences
 
     return StreamingResponse(stream(), media_type="text/event-stream")

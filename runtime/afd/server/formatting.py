@@ -67,6 +67,11 @@ class PromptShown:
     echo_logprobs: int | None = None
     prompt_logprobs: int | None = None
 
+    @property
+    def wanted(self) -> bool:
+        """Whether any prompt logprobs are shown."""
+        return self.echo_logprobs is not None or self.prompt_logprobs is not None
+
 
 def _prompt_entries(outputs: Sequence[RequestOutput]) -> list[TokenLogprobs | None]:
     return next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), [])
@@ -130,13 +135,19 @@ def completion_response(state, results: list[list[RequestOutput]], echo: list[st
             "model": state.model_name, "choices": choices, "usage": usage}
 
 
-def completion_chunk(state, request_id: str, output: RequestOutput, prefix: str) -> dict:
-    choice = {
-        "index": 0,
-        "text": prefix + output.text,
-        "logprobs": _completion_logprobs(state.tokenizer, output.logprobs, 0),
-        "finish_reason": output.finish_reason,
-    }
+def completion_chunk(state, request_id: str, output: RequestOutput, prefix: str, index: int = 0, offset: int = 0,
+                     shown: PromptShown | None = None) -> dict:
+    """One streamed choice's chunk: its text after `prefix` (the echo, on its first chunk); token offsets from
+    `offset`; `shown` (first chunk only): the echoed prompt's logprobs and vLLM's `prompt_logprobs`, as non-streamed."""
+    logprobs = _completion_logprobs(state.tokenizer, output.logprobs, offset + len(prefix))
+    choice = {"index": index, "text": prefix + output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+    if shown is not None:
+        entries = output.prompt_logprobs or []
+        if shown.echo_logprobs is not None:
+            echoed = _echo_logprobs(state.tokenizer, shown.prompts[0], entries, shown.echo_logprobs)
+            choice["logprobs"] = echoed if logprobs is None else {key: echoed[key] + logprobs[key] for key in echoed}
+        if shown.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, entries, shown.prompt_logprobs)
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name, "choices": [choice]}
 
@@ -158,9 +169,15 @@ def chat_response(state, request_id: str, results: list[list[RequestOutput]], pr
     return response
 
 
-def chat_chunk(state, request_id: str, output: RequestOutput, first: bool) -> dict:
+def chat_chunk(state, request_id: str, output: RequestOutput, first: bool, index: int = 0,
+               prompt_logprobs: int | None = None) -> dict:
+    """One streamed choice's chunk (the role on its `first`); `prompt_logprobs`: vLLM's field beside the choices, from
+    this output's prompt entries (the stream's first chunk only)."""
     delta = {"role": "assistant", "content": output.text} if first else {"content": output.text}
-    choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(state.tokenizer, output.logprobs),
+    choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(state.tokenizer, output.logprobs),
               "finish_reason": output.finish_reason}
-    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": state.model_name, "choices": [choice]}
+    chunk = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+             "model": state.model_name, "choices": [choice]}
+    if prompt_logprobs is not None:
+        chunk["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, output.prompt_logprobs or [], prompt_logprobs)
+    return chunk

@@ -61,10 +61,6 @@ class _Common(BaseModel):
         """Ranges and unsupported fields; 400 naming the field."""
         validation.check_bounds(self.__dict__)
         validation.refuse_unsupported(self.model_extra or {})
-        if self.stream and self.n > 1:
-            raise InvalidRequest(f"n={self.n}: streaming returns one choice; use stream=false for n > 1", "n")
-        if self.stream and self.prompt_logprobs is not None:
-            raise InvalidRequest("prompt_logprobs is not supported with stream=true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
 
@@ -121,10 +117,9 @@ class CompletionRequest(_Common):
         super().check()
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidRequest(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
-        if self.stream and (self.best_of or 1) > 1:
-            raise InvalidRequest("best_of > 1 cannot be streamed", "best_of")
-        if self.stream and self.echo and self.logprobs is not None:
-            raise InvalidRequest("echo with logprobs is not supported with stream=true", "echo")
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise InvalidRequest(f"best_of ({self.best_of}) > n ({self.n}) cannot be streamed: the likeliest "
+                                 "candidates are known only at the end", "best_of")
 
     @property
     def echo_logprobs(self) -> int | None:

@@ -26,6 +26,7 @@ from afd.engine.request import InvalidRequest
 RESUME_HEADER = "x-afd-resume"
 IDS_HEADER = "x-afd-token-ids"
 IDS_COMMENT = b": afd-ids "
+CHOICES_COMMENT = b": afd-choices "  # a stream of n > 1 choices says n (its first event): it has no ids and never moves
 MAX_CARRIED = 2048  # token ids in one resume header: 11 KB, within the HTTP servers' 16 KB header limit
 _STREAM_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _PREFIXES = {"text_completion": "cmpl-", "chat.completion.chunk": "chatcmpl-"}
@@ -89,6 +90,12 @@ def ids_comment(token_ids: list[int]) -> str:
     return f": afd-ids {','.join(map(str, token_ids))}\n"
 
 
+def choices_comment(n: int) -> str:
+    """The comment line a rank puts in the first event of a stream of `n` > 1 choices for a relay that asked for ids:
+    such a stream says no ids (they would be every choice's, interleaved), so it is not moved mid-way."""
+    return f": afd-choices {n}\n"
+
+
 class StreamReader:
     """What of a relayed SSE stream reached the client: whole events only, id comments stripped and gathered."""
 
@@ -99,7 +106,8 @@ class StreamReader:
         self.done = False  # [DONE] went out: nothing to resume
         self.failed = False  # an error event went out: the rank's own answer, not resumed either
         self.events = 0  # data events that went out
-        self.finished = False  # an event with a finish reason went out: only [DONE] (and usage) can be missing
+        self.choices = 1  # the stream's choices (n), as its rank said
+        self.finished_choices: set[int] = set()  # indexes of the choices whose last event went out
 
     def feed(self, chunk: bytes) -> bytes:
         """The complete events in `chunk` (with what was pending), ready for the client."""
@@ -116,6 +124,9 @@ class StreamReader:
                 if line.startswith(IDS_COMMENT):
                     self.token_ids.extend(int(t) for t in line[len(IDS_COMMENT):].split(b",") if t)
                     continue
+                if line.startswith(CHOICES_COMMENT):
+                    self.choices = max(1, int(line[len(CHOICES_COMMENT):]))
+                    continue
                 if line.startswith(b"data: "):
                     self._look(line[6:])
                 lines.append(line)
@@ -131,9 +142,17 @@ class StreamReader:
         if data.startswith(b'{"error"'):
             self.failed = True
             return
-        self.finished = self.finished or b'"finish_reason": "' in data
-        if self.stream_id is None:
-            self.stream_id = json.loads(data).get("id")
+        ended = b'"finish_reason": "' in data
+        if self.stream_id is None or ended:
+            chunk = json.loads(data)
+            self.stream_id = self.stream_id or chunk.get("id")
+            if ended:
+                self.finished_choices.update(c.get("index", 0) for c in chunk.get("choices", ()) if c.get("finish_reason"))
+
+    @property
+    def finished(self) -> bool:
+        """Every choice's last event went out: only [DONE] (and usage) can be missing."""
+        return len(self.finished_choices) >= self.choices
 
     def drop_partial(self) -> None:
         """Forget a cut event's first bytes (the client never got them)."""
@@ -142,10 +161,11 @@ class StreamReader:
     @property
     def resumable(self) -> bool:
         """Cut before its end (not by an error event, not after its last token), and either nothing went out yet or
-        the token ids of what did are known (a rank that does not say them, e.g. vLLM's, cannot be continued)."""
+        the token ids of what did are known (a rank that does not say them, e.g. vLLM's, or a stream of n > 1 choices,
+        cannot be continued)."""
         if self.done or self.failed or self.finished:
             return False
-        return self.events == 0 or (bool(self.token_ids) and self.stream_id is not None)
+        return self.events == 0 or (self.choices == 1 and bool(self.token_ids) and self.stream_id is not None)
 
     def resume(self) -> Resume | None:
         """What to continue from; None: nothing reached the client, so the request is simply sent again."""

@@ -2,8 +2,8 @@
 
 A streamed token is one event, and building the chunk dict then `json.dumps` was a large
 part of the loop's cost per token. The common event (no logprobs) is filled into a template
-built once per stream; an event with logprobs still goes through `formatting`. Only the text
-and the finish reason vary, and `created` is read per event as before.
+built once per stream; an event with logprobs (or the prompt's, on a first chunk) still goes through
+`formatting`. Only the choice's index, the text and the finish reason vary, and `created` is read per event.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from json.encoder import encode_basestring_ascii as _quote  # what json.dumps uses for a str
 
 from afd.engine.request import RequestOutput
-from afd.server.formatting import chat_chunk, completion_chunk
+from afd.server.formatting import PromptShown, chat_chunk, completion_chunk
 
 DONE = "data: [DONE]\n\n"
 
@@ -28,31 +28,50 @@ def error_event(message: str) -> str:
 
 
 class StreamEvents:
-    """Events of one stream: `kind` is "text_completion" or "chat.completion.chunk"."""
+    """Events of one stream: `kind` is "text_completion" or "chat.completion.chunk". Its choices (n of them) each
+    carry their `index`; a choice's token offsets (completions' logprobs) run on over its chunks.
+    `shown`: what a completions stream shows of the prompt on each choice's first chunk (echo logprobs, vLLM's
+    `prompt_logprobs`), or for chat the `prompt_logprobs` alternatives given once, on the stream's first chunk."""
 
-    def __init__(self, state, request_id: str, kind: str):
-        self.state, self.request_id, self.kind = state, request_id, kind
+    def __init__(self, state, request_id: str, kind: str, shown: PromptShown | None = None):
+        self.state, self.request_id, self.kind, self.shown = state, request_id, kind, shown
         prefix = {"text_completion": "cmpl", "chat.completion.chunk": "chatcmpl"}[kind]
         self.chunk_id = f"{prefix}-{request_id}"
         self._head = f'data: {{"id": {_quote(self.chunk_id)}, "object": {_quote(kind)}, "created": '
-        self._model = f', "model": {_quote(state.model_name)}, "choices": [{{"index": 0, '
+        self._model = f', "model": {_quote(state.model_name)}, "choices": [{{"index": '
+        self._offsets: dict[int, int] = {}  # each choice's next text offset, once it has shown logprobs
+        self._prompt_shown = False
 
-    def completion(self, output: RequestOutput, prefix: str) -> str:
-        if output.logprobs:
-            return f"data: {json.dumps(completion_chunk(self.state, self.request_id, output, prefix))}\n\n"
-        return (f'{self._head}{int(time.time())}{self._model}"text": {_quote(prefix + output.text)}, "logprobs": null, '
-                f'"finish_reason": {_json(output.finish_reason)}}}]}}\n\n')
-
-    def chat(self, output: RequestOutput, first: bool) -> str:
-        if output.logprobs:
-            return f"data: {json.dumps(chat_chunk(self.state, self.request_id, output, first))}\n\n"
-        role = '"role": "assistant", ' if first else ""
-        return (f'{self._head}{int(time.time())}{self._model}"delta": {{{role}"content": {_quote(output.text)}}}, '
+    def completion(self, output: RequestOutput, prefix: str, index: int = 0, first: bool = False) -> str:
+        """`first`: the choice's first chunk on this stream (its echo `prefix` and the prompt's logprobs with it)."""
+        shown = self.shown if first and self.shown is not None and self.shown.wanted else None
+        if output.logprobs or shown is not None:
+            chunk = completion_chunk(self.state, self.request_id, output, prefix, index, self._offsets.get(index, 0),
+                                     shown)
+            logprobs = chunk["choices"][0]["logprobs"]
+            if logprobs and logprobs["tokens"]:
+                self._offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            return f"data: {json.dumps(chunk)}\n\n"
+        return (f'{self._head}{int(time.time())}{self._model}{index}, "text": {_quote(prefix + output.text)}, '
                 f'"logprobs": null, "finish_reason": {_json(output.finish_reason)}}}]}}\n\n')
 
-    def usage(self, last: RequestOutput) -> str:
-        usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                 "total_tokens": last.prompt_tokens + last.completion_tokens}
+    def chat(self, output: RequestOutput, first: bool, index: int = 0, show_prompt: bool = False) -> str:
+        """`first`: the choice's first chunk (its role); `show_prompt`: this stream may show the prompt's logprobs
+        (not a moved stream), given on the first chunk that carries them."""
+        prompt_logprobs = None
+        if show_prompt and not self._prompt_shown and self.shown is not None and output.prompt_logprobs is not None:
+            prompt_logprobs, self._prompt_shown = self.shown.prompt_logprobs, True
+        if output.logprobs or prompt_logprobs is not None:
+            chunk = chat_chunk(self.state, self.request_id, output, first, index, prompt_logprobs)
+            return f"data: {json.dumps(chunk)}\n\n"
+        role = '"role": "assistant", ' if first else ""
+        return (f'{self._head}{int(time.time())}{self._model}{index}, "delta": {{{role}"content": {_quote(output.text)}}}, '
+                f'"logprobs": null, "finish_reason": {_json(output.finish_reason)}}}]}}\n\n')
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        """The last chunk's usage: the prompt once, every choice's tokens."""
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
         chunk = {"id": self.chunk_id, "object": self.kind, "created": int(time.time()),
                  "model": self.state.model_name, "choices": [], "usage": usage}
         return f"data: {json.dumps(chunk)}\n\n"
