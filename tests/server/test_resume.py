@@ -225,3 +225,44 @@ def test_a_cut_stream_that_cannot_move_ends_with_an_error_event_not_silence():
     chunk = b'data: {"id": "cmpl-5", "choices": [{"text": "a", "finish_reason": null}]}\n\n'
     cut = _collect(httpx.Response(200, stream=_CutStream([chunk], True)), never)
     assert cut.startswith(chunk) and b'"error"' in cut and cut.endswith(b"data: [DONE]\n\n")
+
+
+def _choice_events(stream_id: str, choices: list[tuple[int, str, str | None]]) -> list[bytes]:
+    """A stream of n > 1 choices as a rank gives it to a relay: n said once, no token ids."""
+    out = [f'data: {json.dumps({"id": stream_id, "choices": [{"index": i, "text": s, "finish_reason": r}]})}\n\n'.encode()
+           for i, s, r in choices]
+    return [b": afd-choices 2\n" + out[0], *out[1:]]
+
+
+def test_a_cut_stream_of_n_choices_is_not_moved_mid_way_but_ends_with_an_error_event():
+    async def never(_):
+        raise AssertionError("an n > 1 stream is not moved")
+
+    one_done = _choice_events("cmpl-6", [(0, "a", None), (1, "b", None), (0, "c", "length")])
+    cut = _collect(httpx.Response(200, stream=_CutStream(one_done, True)), never)
+    assert b"afd-choices" not in cut and b'"error"' in cut and cut.endswith(b"data: [DONE]\n\n")  # not just [DONE]
+    both_done = one_done + _choice_events("cmpl-6", [(1, "d", "length")])[0:1]
+    ended = _collect(httpx.Response(200, stream=_CutStream(both_done, True)), never)
+    assert b'"error"' not in ended and ended.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_moved_echo_stream_shows_the_prompt_once(server):
+    body = {"model": server.model, "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 1, "prompt_logprobs": 1, "stream": True}
+
+    def stream(headers):
+        response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+        events = [e.split("\n") for e in response.text.split("\n\n")]
+        ids = [[int(t) for t in line[len(": afd-ids "):].split(",")] for e in events for line in e
+               if line.startswith(": afd-ids ")]
+        return [json.loads(line[6:])["choices"][0] for e in events for line in e if line.startswith("data: {")], ids
+
+    full, ids = stream({IDS_HEADER: "1"})
+    server.state.resume_key = KEY
+    try:
+        rest, _ = stream({RESUME_HEADER: sign(KEY, Resume("cmpl-" + "x", tuple(t for i in ids[:2] for t in i)))})
+    finally:
+        server.state.resume_key = b""
+    assert "prompt_logprobs" in full[0] and all("prompt_logprobs" not in c for c in rest)
+    assert "".join(c["text"] for c in full[:2]) + "".join(c["text"] for c in rest) == "".join(c["text"] for c in full)
+    assert [t for c in rest for t in c["logprobs"]["tokens"]] == [t for c in full[2:] for t in c["logprobs"]["tokens"]]
