@@ -85,6 +85,31 @@ def test_echo_logprobs_through_the_front_door_equal_transformers(front, hf):
         [float(want[p - 1, prompt[p]]) for p in range(1, len(prompt))], abs=1e-4)
 
 
+def test_openai_client_streams_n_choices_and_echo_logprobs_through_the_front_door(front, hf):
+    import openai
+
+    model, tokenizer = hf
+    url, name = front
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    body = dict(model=name, prompt="The quick brown fox", max_tokens=5, temperature=1.0, seed=3, n=2,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**body)
+    texts, usage = {0: "", 1: ""}, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **body):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices] and usage.completion_tokens == 10
+    prompt = [5, 6, 7, 8, 9, 10]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    first = next(iter(client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                                logprobs=0, stream=True)))
+    shown = first.choices[0].logprobs.token_logprobs
+    assert shown[0] is None and shown[1: len(prompt)] == pytest.approx(
+        [float(want[p - 1, prompt[p]]) for p in range(1, len(prompt))], abs=1e-4)
+
+
 def test_openai_client_parse_with_a_pydantic_model_through_the_front_door(front):
     from typing import Literal
 
