@@ -39,6 +39,7 @@ import urllib.request
 from afd.config import AFDConfig, config_to_env
 from afd.server.api_link import ApiLink
 from afd.server.core_wire import CoreState
+from afd.server.lifecycle import engine_died, stop_serving
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -65,7 +66,6 @@ def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engi
     engine or a spent `RestartBudget`; the exit code.
     `probes_for(listening)` builds the rank's probes (`run.attention_probes`)."""
     from afd.server.probe_http import start_probe_server
-    from afd.server.run import engine_died, stop_serving
 
     folder = tempfile.mkdtemp(prefix="afd-api-")
     probes = None

@@ -22,6 +22,7 @@ from afd.runners.profile_step import run_largest_steps
 from afd.metrics.wiring import attention_instruments, export_resident_bytes, watch_attention
 from afd.server.app import ServerState, create_app, http_server
 from afd.server.failover import Failover, FailoverSettings
+from afd.server.lifecycle import engine_died, exit_if_engine_dies, stop_serving
 from afd.server.probe_http import Probes, start_probe_server
 from afd.server.serving_metrics import ServingMetrics
 from afd.server.validation import Limits
@@ -177,7 +178,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     probes = attention_probes(state, lambda: server.started, stop, ffn_draining)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
-    threading.Thread(target=_exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
+    threading.Thread(target=exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
     log.info("%s rank %d serving on http://%s:%d/v1", config.role, config.rank, config.http_host, config.http_port)
     try:
         server.run()
@@ -188,26 +189,3 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         return 1
     log.info("%s rank %d stopped", config.role, config.rank)
     return 0
-
-
-def stop_serving(config: AFDConfig, engine: Engine, probe) -> None:
-    """After the HTTP server: the probes go, and the engine stops, failing what the grace did not finish."""
-    log.info("%s rank %d stopping: %d running, %d waiting requests", config.role, config.rank, engine.num_running,
-             engine.num_waiting)
-    probe.shutdown()
-    engine.stop()
-
-
-def engine_died(config: AFDConfig, engine: Engine) -> bool:
-    """Whether the engine thread died (logged: the process then exits non-zero and is restarted)."""
-    if engine.dead:
-        log.error("%s rank %d exits because %s (a supervisor or the kubelet restarts it)", config.role, config.rank, engine.dead)
-    return engine.dead is not None
-
-
-def _exit_if_engine_dies(engine: Engine, server, stop: threading.Event) -> None:
-    """A dead engine thread cannot come back: stop serving so the process exits and is restarted."""
-    while not stop.wait(0.5):
-        if engine.dead:
-            server.should_exit = True
-            return
