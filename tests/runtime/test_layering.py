@@ -1,0 +1,193 @@
+"""The runtime's layers point one way: every import of `runtime/afd` (module-level and function-local,
+read with `ast`) goes to the same layer or one below, and no two packages or modules import each other.
+
+The layer order is written once, here (`LAYERS`), and drawn in docs/architecture.md. A unit is a
+top-level module (`afd/config.py` → `config`) or package (`afd/engine/` → `engine`) of `afd`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+
+# From the entry points down. A unit imports units of its own layer or of layers below it; within a
+# layer the cycle check keeps the imports one way.
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("entry points", frozenset({"__main__", "cli", "up"})),
+    ("processes and tools", frozenset({"server", "local", "planner", "vllm_plugin"})),
+    ("role wiring", frozenset({"roles", "monolithic"})),
+    ("runners", frozenset({"runners"})),
+    ("engine", frozenset({"engine", "generation"})),
+    ("step graphs", frozenset({"graphs"})),
+    ("links, metrics, KV cache, checkpoint tools",
+     frozenset({"connector", "metrics", "kv_cache", "kv_budget", "fp8_convert", "tiny"})),
+    ("models", frozenset({"models"})),
+    ("kernels", frozenset({"kernels"})),
+    ("foundation", frozenset({"__init__", "config", "config_help", "topology", "stages", "layout", "host_copy",
+                              "up_messages"})),
+)
+
+# Imports still pointing up, each with why it is left and what removes it. A listed import that is gone
+# fails the test too, so this list only shrinks.
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("afd.kernels.moe", "afd.models.fp8"):
+        "the MoE kernels' reference FP8 path dequantizes with models.fp8 (function-local); moving the FP8 "
+        "block format (scale_shape, quantize/dequantize) under kernels/ removes it (issue 36)",
+}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit_of(module: str) -> str:
+    """`afd.engine.engine` → `engine`; `afd` itself → `__init__`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
+    """(imported afd module, line) for every import in `path`, at any depth (functions, `TYPE_CHECKING`)."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]  # `from afd.x import submodule`
+        else:
+            continue
+        found += [(name, node.lineno) for name in names if name == "afd" or name.startswith("afd.")]
+    return found
+
+
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """module → {afd module it imports: line} over every `.py` under `root/afd` (names that are not modules,
+    like `from afd.x import function`, resolve to `afd.x`)."""
+    paths = {module_name(path, root): path for path in sorted((root / "afd").rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in paths.items():
+        graph[module] = {}
+        for name, line in imports_of(path, module):
+            if name in paths and name != module:
+                graph[module].setdefault(name, line)
+    return graph
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif target not in index:
+                index[target] = low[target] = len(index)
+                stack.append(target)
+                on_stack.add(target)
+                work.append((target, iter(sorted(edges.get(target, ())))))
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+    return found
+
+
+def layer_problems(root: Path, layers=LAYERS, exceptions=EXCEPTIONS) -> list[str]:
+    """Every unit missing from `layers`, import pointing up, package or module cycle, and stale exception."""
+    depth = {unit: level for level, (_, units) in enumerate(layers) for unit in units}
+    graph = import_graph(root)
+    problems = [f"{unit} is in no layer: add it to LAYERS" for unit in sorted({unit_of(m) for m in graph} - set(depth))]
+    if problems:
+        return problems
+    kept: dict[str, set[str]] = {}
+    packages: dict[str, set[str]] = {}
+    for source, targets in graph.items():
+        kept[source] = set()
+        for target, line in targets.items():
+            if (source, target) in exceptions:
+                continue
+            kept[source].add(target)
+            up, down = unit_of(source), unit_of(target)
+            if up == down:
+                continue
+            packages.setdefault(up, set()).add(down)
+            if depth[down] < depth[up]:
+                problems.append(f"{source} (line {line}, layer '{layers[depth[up]][0]}') imports {target} "
+                                f"(layer '{layers[depth[down]][0]}', above it)")
+    problems += [f"units import each other: {' ⇄ '.join(group)}" for group in cycles(packages)]
+    problems += [f"modules import each other: {' ⇄ '.join(group)}" for group in cycles(kept)]
+    problems += [f"exception {source} → {target} is gone: remove it from EXCEPTIONS"
+                 for source, target in exceptions if target not in graph.get(source, {})]
+    return problems
+
+
+def test_runtime_imports_point_down_and_never_in_a_circle():
+    problems = layer_problems(RUNTIME)
+    assert not problems, "\n".join(problems)
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "afd" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+_TOY_LAYERS = (("top", frozenset({"server"})), ("middle", frozenset({"engine"})),
+               ("bottom", frozenset({"__init__", "layout"})))
+
+
+def test_an_import_pointing_up_is_named_even_inside_a_function(tmp_path):
+    root = _write(tmp_path, {"__init__.py": "", "layout.py": "", "server/__init__.py": "",
+                             "server/run.py": "from afd.engine.engine import Engine\n",
+                             "engine/__init__.py": "",
+                             "engine/engine.py": "import afd.layout\n\ndef f():\n    from afd.server import run\n"})
+    problems = layer_problems(root, _TOY_LAYERS, {})
+    assert problems == ["afd.engine.engine (line 4, layer 'middle') imports afd.server (layer 'top', above it)",
+                        "afd.engine.engine (line 4, layer 'middle') imports afd.server.run (layer 'top', above it)",
+                        "units import each other: engine ⇄ server",
+                        "modules import each other: afd.engine.engine ⇄ afd.server.run"]
+
+
+def test_a_circle_inside_one_package_and_relative_imports_are_seen(tmp_path):
+    root = _write(tmp_path, {"__init__.py": "", "layout.py": "", "engine/__init__.py": "",
+                             "engine/a.py": "from . import b\n", "engine/b.py": "def f():\n    from .a import x\n"})
+    assert layer_problems(root, _TOY_LAYERS, {}) == ["modules import each other: afd.engine.a ⇄ afd.engine.b"]
+
+
+def test_an_unplaced_unit_and_a_stale_exception_are_named(tmp_path):
+    root = _write(tmp_path, {"__init__.py": "", "layout.py": "", "planner/__init__.py": ""})
+    assert layer_problems(root, _TOY_LAYERS, {}) == ["planner is in no layer: add it to LAYERS"]
+    root = _write(tmp_path / "stale", {"__init__.py": "", "layout.py": ""})
+    assert layer_problems(root, _TOY_LAYERS, {("afd.layout", "afd.server"): "why"}) == [
+        "exception afd.layout → afd.server is gone: remove it from EXCEPTIONS"]
