@@ -1,7 +1,7 @@
 """The runtime's layers point one way: every import of `runtime/afd` (module-level and function-local,
 read with `ast`) goes to the same layer or one below, and no two packages or modules import each other.
 
-The layer order is written once, here (`LAYERS`), and drawn in docs/architecture.md. A unit is a
+The layer order is written once, here (`LAYERS`); docs/architecture.md's table must match it. A unit is a
 top-level module (`afd/config.py` → `config`) or package (`afd/engine/` → `engine`) of `afd`.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIME = ROOT / "runtime"
 
 # From the entry points down. A unit imports units of its own layer or of layers below it; within a
 # layer the cycle check keeps the imports one way.
@@ -153,6 +154,19 @@ def layer_problems(root: Path, layers=LAYERS, exceptions=EXCEPTIONS) -> list[str
 def test_runtime_imports_point_down_and_never_in_a_circle():
     problems = layer_problems(RUNTIME)
     assert not problems, "\n".join(problems)
+
+
+def documented_layers(text: str) -> list[tuple[str, frozenset[str]]]:
+    """The rows of the table under "## The layers" (after its header): (layer, units named in backquotes,
+    without `.py` or `/`)."""
+    section = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| ") and "`" in line][1:]
+    return [(layer.strip(), frozenset(name.removesuffix(".py").removesuffix("/") for name in units.split("`")[1::2]))
+            for layer, units in rows]
+
+
+def test_the_architecture_page_draws_the_same_layers():
+    assert documented_layers((ROOT / "docs" / "architecture.md").read_text()) == list(LAYERS)
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
