@@ -10,7 +10,7 @@ import torch
 from common import time_graph, write_json
 
 from afd.kernels import fp8_gemm
-from afd.models.fp8 import dequantize_block_fp8, quantize_block_fp8
+from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 
 SHAPES = [(rows, n, k) for rows in (7, 64, 4096) for n, k in ((2048, 7168), (7168, 2048))]
 

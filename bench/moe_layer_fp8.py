@@ -6,7 +6,7 @@
 The layer is the router, the routing (DeepSeek-V3: noaux_tc in the Triton kernel; Qwen3: greedy softmax) and
 the routed + shared experts (shared folded in as experts) in FP8: e4m3 weights with 128×128 block scales,
 activations quantized per token per 128 columns (`afd.kernels.moe`, `afd.kernels.fp8_gemm`). Weights are random
-bf16, quantized by `afd.models.fp8.quantize_block_fp8`; the bf16 layer multiplies the dequantized weights.
+bf16, quantized by `afd.kernels.fp8_blocks.quantize_block_fp8`; the bf16 layer multiplies the dequantized weights.
 `experts ms` is the experts alone on a fixed routing (both layers get the same one, so `rel err` — the FP8
 output against the bf16 one, by norm — is the experts' arithmetic only). Floor = max(FP8 bytes of the touched
 experts and their scales / the measured copy rate, matmul FLOPs / the measured FP8 rate (cuBLAS, 8192³)).
@@ -22,7 +22,7 @@ from common import MOE_SHAPES, ceilings, time_callable, time_graph, write_json
 from afd.kernels import split_linear
 from afd.kernels.moe import experts_cuda
 from afd.kernels.routing import select_greedy, select_noaux_tc
-from afd.models.fp8 import dequantize_block_fp8, quantize_block_fp8
+from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 
 TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from afd.models.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+from afd.kernels.fp8_blocks import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
 SCALE_SUFFIX = "_scale_inv"
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from afd.models.fp8 import dequantize_block_fp8, quantize_block_fp8
+from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -63,7 +63,7 @@ def write_v3_shaped(bf16_out: Path, fp8_out: Path, seed: int = 0, device: str = 
 
     from afd.fp8_convert import SCALE_SUFFIX, is_quantized_weight, quantization_config
     from afd.models import deepseek_v3
-    from afd.models.fp8 import quantize_block_fp8
+    from afd.kernels.fp8_blocks import quantize_block_fp8
     from afd.models.spec import parse_spec
     from afd.up import ensure_tiny_model
 

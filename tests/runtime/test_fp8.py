@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from afd.models.fp8 import FP8_DTYPE, Fp8Linear, dequantize_block_fp8, quantize_block_fp8
+from afd.kernels.fp8_blocks import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+from afd.models.fp8 import Fp8Linear
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (130, 70), (3, 200, 129)])

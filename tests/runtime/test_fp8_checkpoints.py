@@ -22,7 +22,8 @@ def test_kept_fp8_layout_computes_what_the_dequantized_model_does(checkpoints):
     dequantized; on CPU they compute exactly what the model dequantized at load computes, in fewer bytes."""
     import torch
 
-    from afd.models.fp8 import FP8_DTYPE, Fp8Linear
+    from afd.kernels.fp8_blocks import FP8_DTYPE
+    from afd.models.fp8 import Fp8Linear
     from afd.models.layers import Experts
     from afd.models.loader import load_model
 
@@ -152,7 +153,7 @@ def test_fp8_experts_stacked_in_one_tensor_are_refused(checkpoints, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from afd.models.fp8 import quantize_block_fp8
+    from afd.kernels.fp8_blocks import quantize_block_fp8
     from afd.models.loader import load_model
     from afd.models.spec import UnsupportedModelError
 

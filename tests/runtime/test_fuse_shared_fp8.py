@@ -3,7 +3,8 @@
 import torch
 
 from afd.kernels.moe import add_shared
-from afd.models.fp8 import Fp8Linear, dequantize_block_fp8, quantize_block_fp8
+from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
+from afd.models.fp8 import Fp8Linear
 from afd.models.layers import MoE, Routing
 from afd.models.moe_prep import fuse_shared_experts
 

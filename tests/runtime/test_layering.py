@@ -32,11 +32,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
 
 # Imports still pointing up, each with why it is left and what removes it. A listed import that is gone
 # fails the test too, so this list only shrinks.
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("afd.kernels.moe", "afd.models.fp8"):
-        "the MoE kernels' reference FP8 path dequantizes with models.fp8 (function-local); moving the FP8 "
-        "block format (scale_shape, quantize/dequantize) under kernels/ removes it (issue 36)",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}  # none left
 
 
 def module_name(path: Path, root: Path) -> str:

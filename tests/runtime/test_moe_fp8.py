@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from afd.models.fp8 import dequantize_block_fp8, quantize_block_fp8
+from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 
 if torch.cuda.is_available():
     DEVICE, DTYPE = "cuda", torch.bfloat16

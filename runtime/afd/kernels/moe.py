@@ -187,7 +187,7 @@ def experts_cuda(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype=
     if kernel_choice() == "triton":
         return experts_triton(x, weights, ids, gate_up, down, num_shared, sum_dtype, gate_up_scale, down_scale)
     if check_fp8(gate_up, down, gate_up_scale, down_scale):  # the reference path: dequantized weights
-        from afd.models.fp8 import dequantize_block_fp8
+        from afd.kernels.fp8_blocks import dequantize_block_fp8
 
         gate_up = dequantize_block_fp8(gate_up, gate_up_scale, x.dtype)
         down = dequantize_block_fp8(down, down_scale, x.dtype)

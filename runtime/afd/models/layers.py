@@ -181,7 +181,7 @@ class Experts(nn.Module):
         """(gate_up, down) in `dtype`: FP8 stacks dequantized, others as they are (the CPU path)."""
         if self.gate_up_scale is None:
             return self.gate_up, self.down
-        from afd.models.fp8 import dequantize_block_fp8
+        from afd.kernels.fp8_blocks import dequantize_block_fp8
 
         return (dequantize_block_fp8(self.gate_up, self.gate_up_scale, dtype),
                 dequantize_block_fp8(self.down, self.down_scale, dtype))

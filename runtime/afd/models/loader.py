@@ -12,7 +12,8 @@ from afd.models import deepseek_v2, deepseek_v3, qwen3_moe
 from afd.models.base import MoECausalLM
 from afd.models.checkpoint import Checkpoint
 from afd.models.expert_shard import shard_ffn_model, shard_parts
-from afd.models.fp8 import FP8_DTYPE, Fp8Linear, dequantize_block_fp8
+from afd.kernels.fp8_blocks import FP8_DTYPE, dequantize_block_fp8
+from afd.models.fp8 import Fp8Linear
 from afd.models.layers import MoE, Router
 from afd.models.quantization import SCALE_SUFFIX, check_fp8_tensors, convert_to_fp8, parse_quantization, resident_bytes
 from afd.models.spec import ModelSpec, UnsupportedModelError, parse_spec

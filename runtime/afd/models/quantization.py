@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from afd.models.fp8 import BLOCK, FP8_DTYPE, Fp8Linear, scale_shape
+from afd.kernels.fp8_blocks import BLOCK, FP8_DTYPE, scale_shape
+from afd.models.fp8 import Fp8Linear
 from afd.models.spec import UnsupportedModelError
 
 log = logging.getLogger(__name__)
