@@ -126,6 +126,22 @@ def test_a_stream_carries_the_same_text_and_ends_with_done(servers):
     assert chunks[-1]["usage"]["completion_tokens"] == 10
 
 
+def test_n_choices_with_echo_logprobs_streamed_from_the_api_process_equal_the_one_process_server(servers):
+    def streamed(served) -> tuple[list, dict]:
+        body = {"model": served.model, "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 1.0, "seed": 9, "n": 2,
+                "ignore_eos": True, "echo": True, "logprobs": 1, "stream": True,
+                "stream_options": {"include_usage": True}}
+        text = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).text
+        chunks = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+        by_index = [[c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == i] for i in range(2)]
+        return [("".join(p["text"] for p in parts), [t for p in parts for t in p["logprobs"]["tokens"]])
+                for parts in by_index], chunks[-1]["usage"]
+
+    one, split = servers
+    expected, got = streamed(one), streamed(split)
+    assert got == expected and len(got[0][0][1]) == 4 + 4 and got[1]["completion_tokens"] == 8
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_sequence_in_the_core(servers):
     _, split = servers
     body = {"model": split.model, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
