@@ -94,13 +94,14 @@ def observe_groups(
 ) -> list[GroupView]:
     """Join remembered groups with their pods (`ffn_ranks` counts FFN pods; a group's remembered
     topology counts ranks, each of `ffn_shards` pods). Groups seen only through pods are adopted
-    (e.g. after the status was lost), with the revision their pods carry."""
+    (e.g. after the status was lost), with the revision their pods carry, unless all of those
+    pods are being deleted (a group just deleted, its pods in their preStop drain)."""
     by_group: dict[int, list[PodFacts]] = {}
     for pod in pods:
         by_group.setdefault(pod.group, []).append(pod)
     known = {m.index: m for m in memories}
     for index, group_pods in by_group.items():
-        if index not in known:
+        if index not in known and not all(p.deleting for p in group_pods):  # a deleted group's pods stopping
             known[index] = GroupMemory(index=index, revision=group_pods[0].revision)
     return [
         _observe_one(known[i], by_group.get(i, []), attention_ranks, ffn_ranks, ffn_shards) for i in sorted(known)

@@ -69,6 +69,14 @@ class TestObservation:
         [view] = observe_groups([], ready_pods("r7", group=3), 2, 1)
         assert (view.state.index, view.state.revision, view.state.ready) == (3, "r7", True)
 
+    def test_a_deleted_groups_stopping_pods_are_not_adopted_again(self):
+        """After a scale-down the group's pods run their preStop drain for seconds: not a group."""
+        from dataclasses import replace
+        stopping = [replace(p, deleting=True) for p in ready_pods("r7", group=1)]
+        assert observe_groups([], stopping, 2, 1) == []
+        [view] = observe_groups([], stopping[:2] + ready_pods("r7", group=1)[2:], 2, 1)  # one pod still live
+        assert view.state.index == 1
+
     def test_runtime_recovery_rebaselines_when_the_policy_leaves_it_to_the_runtime(self):
         memory = GroupMemory(0, "r1", ready_since=NOW - 50)
         pods = ready_pods("r1")
