@@ -211,3 +211,27 @@ def test_an_engine_over_a_bare_step_and_no_tokenizer_length_still_builds():
 
     engine = Engine(lambda ids, layout: None, object(), _NoText(), (), max_num_seqs=1, max_model_len=8)
     assert engine.vocab_size is None  # no grammar masks possible; nothing else needs it
+
+
+def test_multi_token_bad_words_ban_the_last_token_only_after_their_prefix():
+    words = ((3, 4, 5), (9, 5), (7, 8))
+    logits = torch.zeros(4, VOCAB)
+    outputs = [[1, 3, 4], [2, 9, 4], [0, 9, 3], [3, 4, 7]]  # row 0 ends with 3 4; row 1 with 4; 2 with 9 3; 3 with 7
+    got = controlled(logits, [request([3, 4], banned_sequences=words) for _ in outputs], outputs)
+    banned = [set(torch.nonzero(row.isinf()).flatten().tolist()) for row in got]
+    assert banned == [{5}, set(), set(), {8}]  # row 2: 9 then 3 is no prefix; the prompt's 3 4 never counts
+    carried = Request([3, 4, 9], SamplingParams(max_tokens=8, banned_sequences=words), lambda out: None)
+    carried.carried = 1  # 9 came from an earlier rank: it is output
+    assert set(torch.nonzero(controlled(torch.zeros(1, VOCAB), [carried])[0].isinf()).flatten().tolist()) == {5}
+
+
+def test_a_taken_back_step_takes_its_tokens_out_of_the_bad_words_tail():
+    state = ControlState(VOCAB, "cpu")
+    requests = [request([1], banned_sequences=((3, 4, 5),))]
+    for token in (3, 4):
+        step_controls(state, requests, set()).record(torch.tensor([token]))
+    lost = step_controls(state, requests, set())
+    lost.record(torch.tensor([6]))
+    assert not lost.apply(torch.zeros(1, VOCAB)).isinf().any()  # the tail is 3 4 6 now
+    lost.words.undo(state.written)
+    assert torch.nonzero(step_controls(state, requests, set()).apply(torch.zeros(1, VOCAB))[0].isinf()).tolist() == [[5]]

@@ -54,6 +54,37 @@ def test_logit_bias_and_bad_words_through_chat(server):
     assert word not in [c["token"] for c in banned["logprobs"]["content"]]
 
 
+def output_ids(server, **body) -> list[int]:
+    """The output token ids of a streamed completion (the ids a relay asks for)."""
+    from afd.server.resume import IDS_HEADER
+
+    _, text = streamed(server, "/v1/completions", headers={IDS_HEADER: "1"}, **body)
+    return [int(t) for line in text.split("\n") if line.startswith(": afd-ids ") for t in line[10:].split(",")]
+
+
+def occurs(sequence: list[int], ids: list[int]) -> bool:
+    return any(ids[j: j + len(sequence)] == sequence for j in range(len(ids)))
+
+
+def test_a_bad_word_of_several_tokens_is_banned_only_after_its_prefix(server):
+    tokenizer = server.state.tokenizer
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    body = dict(prompt=PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+    ids = output_ids(server, **body)
+    chosen = None
+    for at in range(1, len(ids) - 1):  # a word of two output tokens, the first time they follow each other
+        pair, word = ids[at: at + 2], tokenizer.decode(ids[at: at + 2]).lstrip()
+        spaced = encode(" " + word)  # vLLM bans this form too (same token count, other first token)
+        if encode(word) == pair and not occurs(pair, ids[: at + 1]) and (spaced == pair or not occurs(spaced, ids)):
+            chosen = at, pair, word
+            break
+    assert chosen, f"no two output tokens that tokenize back to themselves in {ids}"
+    at, pair, word = chosen
+    banned = output_ids(server, bad_words=[word], **body)
+    assert banned[: at + 1] == ids[: at + 1] and banned[at + 1] != ids[at + 1]  # the word's end is banned after its start
+    assert not occurs(pair, banned) and len(banned) == 16
+
+
 def test_min_p_penalties_top_k_together_are_served(server):
     choice = completion(server, prompt="The quick brown fox", max_tokens=8, temperature=0.7, top_k=20, min_p=0.05,
                         repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3, seed=7, ignore_eos=True)
@@ -85,7 +116,7 @@ def test_stop_string_kept_and_special_tokens_shown_when_asked(server):
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("min_p", 1.5), ("presence_penalty", 3),
     ("frequency_penalty", -2.5), ("min_tokens", -1), ("min_tokens", 99), ("logit_bias", {"abc": 1}),
     ("logit_bias", {"999999": 1}), ("logit_bias", {"5": 101}), ("allowed_token_ids", []),
-    ("allowed_token_ids", [10**7]), ("bad_words", ["the quick brown fox"]), ("bad_words", [""]),
+    ("allowed_token_ids", [10**7]), ("bad_words", ["the quick brown fox jumps over the lazy dog " * 3]), ("bad_words", [""]),
     ("include_stop_str_in_output", "yes"), ("skip_special_tokens", 1),
 ])
 def test_bad_values_are_400_naming_the_field(server, field, value):
@@ -96,7 +127,8 @@ def test_bad_values_are_400_naming_the_field(server, field, value):
 
 def test_sampling_controls_cross_the_api_process_wire():
     params = SamplingParams(max_tokens=5, repetition_penalty=1.2, min_p=0.1, min_tokens=2, logit_bias=((3, 1.5),),
-                            allowed_token_ids=(1, 3), banned_token_ids=(4,), include_stop_str_in_output=True,
+                            allowed_token_ids=(1, 3), banned_token_ids=(4,), banned_sequences=((5, 6, 7),),
+                            include_stop_str_in_output=True,
                             skip_special_tokens=False, spaces_between_special_tokens=False)
     decoded = core_wire.decode_request(core_wire.encode_submit(0, "r", [1, 2], params, 0.0))
     assert decoded[4] == params

@@ -4,7 +4,8 @@ Only requests that set one of them (`SamplingParams.adjusts_logits`) take part; 
 none never builds a `StepControls` and samples exactly as before. Each such request holds a
 slot of `ControlState` for its life: a row of output-token counts (int32), a row saying
 which tokens its prompt holds, and a row of static additive bias (logit_bias, -inf outside
-`allowed_token_ids` and on banned tokens). Counts are updated on the device from the sampled
+`allowed_token_ids` and on banned tokens), and for multi-token bad words the output's last tokens
+(`afd.engine.banned_words`). Counts are updated on the device from the sampled
 tokens (`StepControls.record`), in stream order right after sampling, so the pipelined loop
 never waits for the host; min_tokens is decided on the host from the scheduled output count,
 which the engine knows in advance.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.engine.banned_words import RING, BannedWords, step_words, tail_row
 from afd.engine.inputs import to_device
 from afd.engine.request import Request
 from afd.host_copy import host_to_device
@@ -38,6 +40,8 @@ class ControlState:
         self.counts = torch.zeros((0, vocab), dtype=torch.int32, device=self.device)
         self.in_prompt = torch.zeros((0, vocab), dtype=torch.bool, device=self.device)
         self.bias = torch.zeros((0, vocab), dtype=torch.float32, device=self.device)
+        self.history = torch.zeros((0, RING), dtype=torch.long, device=self.device)  # multi-token bad words' tails
+        self.written = torch.zeros(0, dtype=torch.long, device=self.device)  # (`afd.engine.banned_words`)
 
     def release(self, live: set) -> None:
         """Give back the slots of requests no longer in `live` (finished, aborted, failed)."""
@@ -62,6 +66,10 @@ class ControlState:
             self.counts[slot].index_add_(0, to_device(request.prompt_ids[prompt:], self.device),
                                          torch.ones(request.carried, dtype=torch.int32, device=self.device))
         self.bias[slot] = static_bias(params, self.vocab, self.device)
+        if params.banned_sequences:
+            row, written = tail_row(request.prompt_ids[prompt:])
+            self.history[slot] = to_device(row, self.device)
+            self.written[slot] = written
         return slot
 
     def _grow(self) -> None:
@@ -70,6 +78,8 @@ class ControlState:
         self.counts = torch.cat([self.counts, self.counts.new_zeros((new - old, self.vocab))])
         self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros((new - old, self.vocab))])
         self.bias = torch.cat([self.bias, self.bias.new_zeros((new - old, self.vocab))])
+        self.history = torch.cat([self.history, self.history.new_full((new - old, RING), -1)])
+        self.written = torch.cat([self.written, self.written.new_zeros(new - old)])
         self.free.extend(range(new - 1, old - 1, -1))
 
 
@@ -99,6 +109,7 @@ class StepControls:
     penalized: bool  # any row has a penalty
     held_rows: torch.Tensor | None  # min_tokens: (row, token) pairs set to -inf this step
     held_tokens: torch.Tensor | None
+    words: BannedWords | None = None  # multi-token bad words
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [B, vocab] float32 with the controls applied (a new tensor; the input is left alone)."""
@@ -113,6 +124,8 @@ class StepControls:
         logits[self.rows] = sub
         if self.held_rows is not None:
             logits[self.held_rows, self.held_tokens] = float("-inf")
+        if self.words is not None:
+            self.words.apply(logits, self.state.history, self.state.written)
         return logits
 
     def record(self, chosen: torch.Tensor) -> None:
@@ -120,6 +133,8 @@ class StepControls:
         if self.penalized:
             ones = torch.ones(len(self.slots), dtype=torch.int32, device=chosen.device)
             self.state.counts.index_put_((self.slots, chosen[self.rows]), ones, accumulate=True)
+        if self.words is not None:
+            self.words.record(chosen, self.state.history, self.state.written)
 
 
 def step_controls(state: ControlState, requests: list[Request], eos_token_ids: set[int]) -> StepControls | None:
@@ -145,4 +160,5 @@ def step_controls(state: ControlState, requests: list[Request], eos_token_ids: s
         state, to_device(rows, device), to_device(slots, device),
         column([p.presence_penalty for p in params]), column([p.frequency_penalty for p in params]),
         column([p.repetition_penalty for p in params]), any(p.penalized for p in params),
-        to_device(held_rows, device) if held_rows else None, to_device(held_tokens, device) if held_tokens else None)
+        to_device(held_rows, device) if held_rows else None, to_device(held_tokens, device) if held_tokens else None,
+        step_words(requests, state.slots, device))

@@ -9,6 +9,7 @@ from typing import Callable
 
 MAX_LOGPROBS = 20
 MAX_REPETITION_PENALTY = 100.0
+MAX_BANNED_SEQUENCE = 16  # tokens of one multi-token bad word (the device keeps this many of each output's last tokens)
 
 
 class InvalidRequest(ValueError):
@@ -41,6 +42,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled (empty: all)
     banned_token_ids: tuple[int, ...] = ()  # never sampled (single-token `bad_words`)
+    # multi-token `bad_words` (vLLM's rule): a word's last token is banned when its other tokens end the output
+    banned_sequences: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -71,12 +74,15 @@ class SamplingParams:
                                  f"{self.repetition_penalty}", "repetition_penalty")
         if not 0 <= self.min_p <= 1:
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if any(not 2 <= len(s) <= MAX_BANNED_SEQUENCE for s in self.banned_sequences):
+            raise InvalidRequest(f"bad_words: a word is 2..{MAX_BANNED_SEQUENCE} tokens", "bad_words")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}",
                                  "min_tokens")
         # Read per row and step: worked out once. `plain`: none of logits controls, prompt logprobs, grammar.
         object.__setattr__(self, "_adjusts", bool(self.penalized or self.min_tokens or self.logit_bias
-                                                  or self.allowed_token_ids or self.banned_token_ids))
+                                                  or self.allowed_token_ids or self.banned_token_ids
+                                                  or self.banned_sequences))
         object.__setattr__(self, "plain", not (self._adjusts or self.prompt_logprobs is not None or self.grammar))
 
     @property

@@ -4,9 +4,9 @@ The pipelined loop advances each request's scheduling state when it builds a ste
 outputs scheduled, where its next input lies). A step lost with its FFN rank never delivered a
 token, so that state is put back as it was before the step: the KV cache still holds every
 token of the steps that were read (what the lost step wrote beyond them is written again), and
-the next step is built from the last step that was read. A seeded request's generator, and the
-device token counts of the logits controls, are put back too, so the stream goes on exactly as
-if the FFN had never left.
+the next step is built from the last step that was read. A seeded request's generator, the
+device token counts of the logits controls and the output tails of multi-token bad words are put
+back too, so the stream goes on exactly as if the FFN had never left.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def rewind(undos: list[StepUndo], vocab: int, device: torch.device) -> tuple[int
         if controls is not None and controls.penalized and undo.chosen is not None:
             minus = torch.full((len(controls.slots),), -1, dtype=torch.int32, device=undo.chosen.device)
             controls.state.counts.index_put_((controls.slots, undo.chosen[controls.rows]), minus, accumulate=True)
+        if controls is not None and controls.words is not None and undo.chosen is not None:
+            controls.words.undo(controls.state.written)
         for request, cached, outputs, final, step, row in undo.rows:
             request.cached_tokens, request.scheduled_outputs, request.final_scheduled = cached, outputs, final
             request.sample_step, request.sample_row = step, row

@@ -76,6 +76,7 @@ class _Common(BaseModel):
         prompt_logprobs = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
         if self.min_tokens and self.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+        banned, sequences = validation.bad_words(self.bad_words, tokenizer, limits)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -93,7 +94,7 @@ class _Common(BaseModel):
             min_tokens=self.min_tokens or 0,
             logit_bias=validation.logit_bias(self.logit_bias, vocab_size, limits),
             allowed_token_ids=validation.allowed_token_ids(self.allowed_token_ids, vocab_size, limits),
-            banned_token_ids=validation.bad_words(self.bad_words, tokenizer, limits),
+            banned_token_ids=banned, banned_sequences=sequences,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from afd.engine.request import MAX_LOGPROBS, MAX_REPETITION_PENALTY, InvalidRequest
+from afd.engine.request import MAX_BANNED_SEQUENCE, MAX_LOGPROBS, MAX_REPETITION_PENALTY, InvalidRequest
 from afd.server.json_body import check_text, short
 
 MAX_TEMPERATURE = 100.0
@@ -244,26 +244,33 @@ def allowed_token_ids(ids: list[int] | None, vocab_size: int, limits: Limits) ->
     return tuple(sorted(set(ids)))
 
 
-def bad_words(words: list[str] | None, tokenizer, limits: Limits) -> tuple[int, ...]:
-    """Token ids never to sample: each bad word, alone and after a space, must be one token (vLLM also bans the last
-    token of a longer word after its prefix; that needs the output's last tokens on the host, which we refuse)."""
+def bad_words(words: list[str] | None, tokenizer, limits: Limits) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(token ids never to sample, multi-token words) of `bad_words`, tokenized as vLLM does: each word with its
+    leading spaces stripped, and after one space when that gives other tokens of the same count. A word of
+    several tokens bans its last token where the others end the output (`afd.engine.banned_words`)."""
     if not words:
-        return ()
+        return (), ()
     if len(words) > limits.max_bad_words:
         raise InvalidRequest(f"bad_words has {len(words)} words; at most {limits.max_bad_words}", "bad_words")
-    banned = set()
+    banned, sequences = set(), set()
     for word in words:
         if not word.strip():
             raise InvalidRequest("bad_words entries must not be empty", "bad_words")
         check_text("bad_words", word)
-        for variant in {word, " " + word.lstrip()}:
-            ids = tokenizer.encode(variant, add_special_tokens=False)
-            if len(ids) > 1 and variant == word:
-                raise InvalidRequest(f"bad_words: {short(word, 40)!r} is {len(ids)} tokens; only words of one token "
-                                     f"are supported", "bad_words")
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise InvalidRequest(f"bad_words: {short(word, 40)!r} gives no token", "bad_words")
+        variants = [bare] + ([spaced] if spaced and spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+        for ids in variants:
+            if len(ids) > MAX_BANNED_SEQUENCE:
+                raise InvalidRequest(f"bad_words: {short(word, 40)!r} is {len(ids)} tokens; at most "
+                                     f"{MAX_BANNED_SEQUENCE}", "bad_words")
             if len(ids) == 1:
                 banned.add(ids[0])
-    return tuple(sorted(banned))
+            else:
+                sequences.add(tuple(ids))
+    return tuple(sorted(banned)), tuple(sorted(sequences))
 
 
 # -- chat ------------------------------------------------------------------------------
