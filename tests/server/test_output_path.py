@@ -33,11 +33,12 @@ def test_stream_events_are_the_bytes_json_dumps_gave(frozen_clock, model):
     for text in TEXTS:
         for reason in (None, "stop", "length"):
             output = RequestOutput("abc123", text, [7], [], finished=reason is not None, finish_reason=reason)
-            for prefix in ("", "echo: é"):
-                expected = f"data: {json.dumps(completion_chunk(state, 'abc123', output, prefix))}\n\n"
-                assert completions.completion(output, prefix) == expected
-            for first in (True, False):
-                assert chats.chat(output, first) == f"data: {json.dumps(chat_chunk(state, 'abc123', output, first))}\n\n"
+            for prefix, index in (("", 0), ("echo: é", 0), ("", 3)):
+                expected = f"data: {json.dumps(completion_chunk(state, 'abc123', output, prefix, index))}\n\n"
+                assert completions.completion(output, prefix, index) == expected
+            for first, index in ((True, 0), (False, 0), (True, 2)):
+                expected = f"data: {json.dumps(chat_chunk(state, 'abc123', output, first, index))}\n\n"
+                assert chats.chat(output, first, index) == expected
 
 
 def test_stream_events_with_logprobs_keep_their_logprobs(frozen_clock, checkpoints):
