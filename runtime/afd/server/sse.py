@@ -39,12 +39,14 @@ class StreamEvents:
         self.chunk_id = f"{prefix}-{request_id}"
         self._head = f'data: {{"id": {_quote(self.chunk_id)}, "object": {_quote(kind)}, "created": '
         self._model = f', "model": {_quote(state.model_name)}, "choices": [{{"index": '
+        self._first_choice = f'{self._model}0, '  # n = 1: the index is always 0
+        self._shows_prompt = shown is not None and shown.wanted
         self._offsets: dict[int, int] = {}  # each choice's next text offset, once it has shown logprobs
         self._prompt_shown = False
 
     def completion(self, output: RequestOutput, prefix: str, index: int = 0, first: bool = False) -> str:
         """`first`: the choice's first chunk on this stream (its echo `prefix` and the prompt's logprobs with it)."""
-        shown = self.shown if first and self.shown is not None and self.shown.wanted else None
+        shown = self.shown if first and self._shows_prompt else None
         if output.logprobs or shown is not None:
             chunk = completion_chunk(self.state, self.request_id, output, prefix, index, self._offsets.get(index, 0),
                                      shown)
@@ -52,20 +54,22 @@ class StreamEvents:
             if logprobs and logprobs["tokens"]:
                 self._offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             return f"data: {json.dumps(chunk)}\n\n"
-        return (f'{self._head}{int(time.time())}{self._model}{index}, "text": {_quote(prefix + output.text)}, '
+        choice = self._first_choice if index == 0 else f"{self._model}{index}, "
+        return (f'{self._head}{int(time.time())}{choice}"text": {_quote(prefix + output.text)}, '
                 f'"logprobs": null, "finish_reason": {_json(output.finish_reason)}}}]}}\n\n')
 
     def chat(self, output: RequestOutput, first: bool, index: int = 0, show_prompt: bool = False) -> str:
         """`first`: the choice's first chunk (its role); `show_prompt`: this stream may show the prompt's logprobs
         (not a moved stream), given on the first chunk that carries them."""
         prompt_logprobs = None
-        if show_prompt and not self._prompt_shown and self.shown is not None and output.prompt_logprobs is not None:
+        if show_prompt and self._shows_prompt and not self._prompt_shown and output.prompt_logprobs is not None:
             prompt_logprobs, self._prompt_shown = self.shown.prompt_logprobs, True
         if output.logprobs or prompt_logprobs is not None:
             chunk = chat_chunk(self.state, self.request_id, output, first, index, prompt_logprobs)
             return f"data: {json.dumps(chunk)}\n\n"
         role = '"role": "assistant", ' if first else ""
-        return (f'{self._head}{int(time.time())}{self._model}{index}, "delta": {{{role}"content": {_quote(output.text)}}}, '
+        choice = self._first_choice if index == 0 else f"{self._model}{index}, "
+        return (f'{self._head}{int(time.time())}{choice}"delta": {{{role}"content": {_quote(output.text)}}}, '
                 f'"logprobs": null, "finish_reason": {_json(output.finish_reason)}}}]}}\n\n')
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
