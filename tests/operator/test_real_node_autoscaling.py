@@ -5,9 +5,6 @@ The operator runs in the cluster (the chart), reads the attention ranks' /metric
 IPs, and drains the leaving group's ranks over /drain. Each step is timed and printed
 (`pytest -s`), and written to $AFD_E2E_REPORT when set. Needs the kit with a node (node_kit.py);
 skips otherwise. AFD_E2E_REUSE_IMAGES=1 skips the image build (the node keeps the last import).
-
-Not yet run on a node: the session that wrote it (issue 37) had none (the machine's one node slot
-was taken); its timeouts are guesses for a 2-CPU node.
 """
 
 from __future__ import annotations
@@ -23,7 +20,8 @@ from test_real_node_e2e import SERVED, Steps, _answers, _operator_ready, _sample
 
 pytestmark = pytest.mark.timeout(1800)
 NAME = "tiny-cpu"
-# Few sequences per rank, so that a handful of clients leaves requests waiting: the signal here.
+# Few sequences per rank, so that a handful of clients leaves requests waiting: the signal here
+# (6 clients: 4 run, 2 wait; more overloads a 2-CPU node past the clients' 60 s read timeout).
 AUTOSCALING = {"enabled": True, "minGroups": 1, "maxGroups": 2, "targets": {"waitingPerGroup": 1},
                "scaleUpWindowSeconds": 15, "scaleDownWindowSeconds": 30, "cooldownSeconds": 10,
                "sampleIntervalSeconds": 5, "drainTimeoutSeconds": 300}
@@ -79,14 +77,14 @@ def test_load_adds_a_group_and_a_light_load_drains_it_away_without_a_failed_requ
         url = service_url(cluster, namespace, NAME)
         steps.run("the Service answers", eventually, lambda: _answers(url), 60, "GET /health through the Service", 1)
 
-        with Load(url, SERVED, clients=12, max_tokens=24) as heavy:
-            steps.run("12 clients: the autoscaler asks for 2 groups", eventually,
+        with Load(url, SERVED, clients=6, max_tokens=16) as heavy:
+            steps.run("6 clients: the autoscaler asks for 2 groups", eventually,
                       lambda: _desired(cluster, namespace, 2), 300, "desiredGroups 2", 1)
             steps.run("group 1 warmed up; Ready 2/2", eventually, lambda: _groups_ready(cluster, namespace, 2), 600,
                       "2 groups Ready", 1)
             time.sleep(10)  # both groups serve the load
-        steps.run("12 clients while scaling up", lambda: heavy)
-        with Load(url, SERVED, clients=1, max_tokens=24) as light:
+        steps.run("6 clients while scaling up", lambda: heavy)
+        with Load(url, SERVED, clients=1, max_tokens=16) as light:
             steps.run("1 client: the autoscaler asks for 1 group", eventually,
                       lambda: _desired(cluster, namespace, 1), 300, "desiredGroups 1", 1)
             steps.run("group 1 drained and deleted; Ready 1/1", eventually,
