@@ -229,8 +229,8 @@ def test_a_cut_stream_that_cannot_move_ends_with_an_error_event_not_silence():
 
 def _choice_events(stream_id: str, choices: list[tuple[int, str, str | None]]) -> list[bytes]:
     """A stream of n > 1 choices as a rank gives it to a relay: n said once, no token ids."""
-    out = [f'data: {json.dumps({"id": stream_id, "choices": [{"index": i, "text": s, "finish_reason": r}]})}\n\n'.encode()
-           for i, s, r in choices]
+    chunks = [{"id": stream_id, "choices": [{"index": i, "text": s, "finish_reason": r}]} for i, s, r in choices]
+    out = [f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks]
     return [b": afd-choices 2\n" + out[0], *out[1:]]
 
 

@@ -81,7 +81,8 @@ def test_a_bad_word_of_several_tokens_is_banned_only_after_its_prefix(server):
     assert chosen, f"no two output tokens that tokenize back to themselves in {ids}"
     at, pair, word = chosen
     banned = output_ids(server, bad_words=[word], **body)
-    assert banned[: at + 1] == ids[: at + 1] and banned[at + 1] != ids[at + 1]  # the word's end is banned after its start
+    assert banned[: at + 1] == ids[: at + 1]  # the same up to the word's first token
+    assert banned[at + 1] != ids[at + 1]  # then its last token is banned
     assert not occurs(pair, banned) and len(banned) == 16
 
 
@@ -116,7 +117,8 @@ def test_stop_string_kept_and_special_tokens_shown_when_asked(server):
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("min_p", 1.5), ("presence_penalty", 3),
     ("frequency_penalty", -2.5), ("min_tokens", -1), ("min_tokens", 99), ("logit_bias", {"abc": 1}),
     ("logit_bias", {"999999": 1}), ("logit_bias", {"5": 101}), ("allowed_token_ids", []),
-    ("allowed_token_ids", [10**7]), ("bad_words", ["the quick brown fox jumps over the lazy dog " * 3]), ("bad_words", [""]),
+    ("allowed_token_ids", [10**7]), ("bad_words", ["the quick brown fox jumps over the lazy dog " * 3]),
+    ("bad_words", [""]),
     ("include_stop_str_in_output", "yes"), ("skip_special_tokens", 1),
 ])
 def test_bad_values_are_400_naming_the_field(server, field, value):

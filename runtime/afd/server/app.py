@@ -130,12 +130,12 @@ def create_app(state: ServerState) -> FastAPI:
         resume = _resume_of(state, http, request.stream, request.n)
         if request.stream:
             shown = PromptShown(prompts, request.echo_logprobs, request.prompt_logprobs)
-            choices_ = _StreamedChoices(state, prompts[0], choices.candidate_params(params[0], request.n, None), resume)
-            events = StreamEvents(state, resume.request_id("text_completion") if resume else choices_.request_id,
+            streamed = _StreamedChoices(state, prompts[0], choices.candidate_params(params[0], request.n, None), resume)
+            events = StreamEvents(state, resume.request_id("text_completion") if resume else streamed.request_id,
                                   "text_completion", None if resume else shown)
             make = lambda index, out, first: events.completion(  # noqa: E731
                 out, echo[0] if first and not resume else "", index, first and not resume)
-            return _sse(choices_, events, make, request.include_usage, _wants_ids(http))
+            return _sse(streamed, events, make, request.include_usage, _wants_ids(http))
         count = max(request.n, request.best_of or 1)  # engine requests per prompt
         candidates = [c for sampling in params for c in choices.candidate_params(sampling, request.n, request.best_of)]
         results = await _complete(http, _submit_all(state, [p for p in prompts for _ in range(count)], candidates))
@@ -153,11 +153,11 @@ def create_app(state: ServerState) -> FastAPI:
         request, prompt, params = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
         resume = _resume_of(state, http, request.stream, request.n)
         if request.stream:
-            choices_ = _StreamedChoices(state, prompt, choices.candidate_params(params, request.n, None), resume)
-            events = StreamEvents(state, resume.request_id("chat.completion.chunk") if resume else choices_.request_id,
+            streamed = _StreamedChoices(state, prompt, choices.candidate_params(params, request.n, None), resume)
+            events = StreamEvents(state, resume.request_id("chat.completion.chunk") if resume else streamed.request_id,
                                   "chat.completion.chunk", PromptShown([prompt], None, request.prompt_logprobs))
             make = lambda index, out, first: events.chat(out, first and not resume, index, not resume)  # noqa: E731
-            return _sse(choices_, events, make, request.include_usage, _wants_ids(http))
+            return _sse(streamed, events, make, request.include_usage, _wants_ids(http))
         submitted = _submit_all(state, [prompt] * request.n, choices.candidate_params(params, request.n, None))
         results = await _complete(http, submitted)
         if results is None:

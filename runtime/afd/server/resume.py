@@ -147,7 +147,8 @@ class StreamReader:
             chunk = json.loads(data)
             self.stream_id = self.stream_id or chunk.get("id")
             if ended:
-                self.finished_choices.update(c.get("index", 0) for c in chunk.get("choices", ()) if c.get("finish_reason"))
+                self.finished_choices.update(c.get("index", 0) for c in chunk.get("choices", ())
+                                             if c.get("finish_reason"))
 
     @property
     def finished(self) -> bool:
