@@ -1,19 +1,13 @@
 """The paged decode kernels (key heads shared by their query heads, keys cut in slices and merged) equal plain
 attention. Runs on a GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1 before Triton is imported)."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
-    DEVICE = "cpu"
-else:
-    DEVICE = None
-needs_triton = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1 with Triton installed")
+from tests.kernel_device import NO_KERNEL_DEVICE, kernel_device
+
+DEVICE = kernel_device()
+needs_triton = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
 
 
 def _case(seed: int, heads: int, kv_heads: int, dk: int, dv: int, lens: list[int], block_size: int = 4):

@@ -6,21 +6,16 @@ Triton is imported, Triton 3.7+) in float16, as the other Triton MoE tests do; o
 Weights and activations get a different magnitude per 128-block, so a scale read from the wrong block shows.
 """
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
+from tests.kernel_device import KERNEL_DTYPES, NO_KERNEL_DEVICE, kernel_device
+
 from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 
-if torch.cuda.is_available():
-    DEVICE, DTYPE = "cuda", torch.bfloat16
-elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
-    DEVICE, DTYPE = "cpu", torch.float16
-else:
-    DEVICE = DTYPE = None
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1 with Triton installed")
+DEVICE = kernel_device()
+DTYPE = KERNEL_DTYPES.get(DEVICE)
+pytestmark = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
 
 # e4m3 keeps 3 mantissa bits: quantizing the activations costs ~2-3% of a product's norm (more under the
 # interpreter, whose e4m3 conversion rounds less carefully); a scale taken from the wrong block costs ~100%

@@ -6,19 +6,14 @@ the alignment's `tl.range` loops) in float16: the interpreter's bf16 `tl.dot` is
 Otherwise these tests skip.
 """
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    DEVICE, DTYPE = "cuda", torch.bfloat16
-elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
-    DEVICE, DTYPE = "cpu", torch.float16
-else:
-    DEVICE = DTYPE = None
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1 with Triton installed")
+from tests.kernel_device import KERNEL_DTYPES, NO_KERNEL_DEVICE, kernel_device
+
+DEVICE = kernel_device()
+DTYPE = KERNEL_DTYPES.get(DEVICE)
+pytestmark = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
 
 if DEVICE is not None:  # a kernel's helpers resolve through its module's globals
     import triton

@@ -2,23 +2,17 @@
 the attention projections of both families. Runs on a GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1
 before Triton is imported)."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
+
+from tests.kernel_device import NO_KERNEL_DEVICE, kernel_device
 
 from afd.models import deepseek_v2, layers, qwen3_moe
 from afd.models.checkpoint import Checkpoint
 from afd.models.loader import load_model
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
-    DEVICE = "cpu"
-else:
-    DEVICE = None
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1 with Triton installed")
+DEVICE = kernel_device()
+pytestmark = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
 
 
 @pytest.mark.parametrize("rows, size", [(1, 64), (37, 512), (6, 100)])

@@ -4,19 +4,13 @@ Runs on a GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1 before Triton 
 Triton 3.7+); otherwise skips, as the Triton MoE settings tests do.
 """
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
-    DEVICE = "cpu"
-else:
-    DEVICE = None
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1 with Triton installed")
+from tests.kernel_device import NO_KERNEL_DEVICE, kernel_device
+
+DEVICE = kernel_device()
+pytestmark = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
 
 CASES = {  # id → (experts, top_k, norm_topk_prob, scaling_factor, scale_when_normalized)
     "deepseek-v2-lite": (64, 6, False, 1.0, True),
