@@ -73,3 +73,15 @@ def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, 
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """`values` as a tensor on `device`, copied without waiting for it (`host_to_device`)."""
     return host_to_device(torch.tensor(values, dtype=dtype), torch.device(device))
+
+
+def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """(host tensor, CUDA event or None): a device tensor's copy into pinned memory, started without waiting
+    (the event is recorded after it); a host tensor is its own copy."""
+    if packed.device.type != "cuda":
+        return packed, None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.engine.inputs import to_device
+from afd.engine.inputs import start_host_copy, to_device
 from afd.engine.request import Request, TokenLogprobs
 from afd.layout import SeqLayout
 
@@ -69,13 +69,7 @@ class PromptLogprobs:
         return cls(rows.requests, torch.cat(parts, dim=1), rows.top)
 
     def to_host(self) -> "PromptLogprobs":
-        if self.packed.device.type == "cuda":
-            self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
-            self.host.copy_(self.packed, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.host = self.packed
+        self.host, self.ready = start_host_copy(self.packed)
         return self
 
     def result(self) -> list[tuple[Request, list[TokenLogprobs]]]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.engine.inputs import to_device
+from afd.engine.inputs import start_host_copy, to_device
 from afd.engine.logits_controls import StepControls
 from afd.engine.structured import StepMask
 from afd.engine.request import SamplingParams, TokenLogprobs
@@ -36,13 +36,7 @@ class Sampled:
 
     def to_host(self) -> "Sampled":
         """Start the single device-to-host copy of this step."""
-        if self.packed.device.type == "cuda":
-            self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
-            self.host.copy_(self.packed, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.host = self.packed
+        self.host, self.ready = start_host_copy(self.packed)
         return self
 
     def wait(self) -> None:
