@@ -101,21 +101,11 @@ def select_greedy(logits: torch.Tensor, top_k: int, normalize: bool, scale: bool
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] logits → ([T, k] weights in `dtype`, [T, k] int64 expert ids): softmax in float32, the
     k largest scores, divided by their sum when `normalize`, times `scaling_factor` when `scale`."""
-    tokens, num_experts = logits.shape
+    num_experts = logits.shape[1]
     if num_experts > MAX_EXPERTS or top_k > num_experts:
         raise ValueError(f"select_greedy takes up to {MAX_EXPERTS} experts and top_k <= experts; "
                          f"got {num_experts} experts, top_k {top_k}")
-    logits = logits.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
-    block_e = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(64, 4096 // block_e))
-    if tokens:
-        _select_kernel[(triton.cdiv(tokens, block_t),)](
-            logits, weights, ids, logits, tokens, num_experts, logits.stride(0), float(scaling_factor), TOP_K=top_k,
-            K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=scale,
-            SIGMOID=False, HAS_BIAS=False, GROUPS=1, TOPK_GROUPS=1, num_warps=4)
-    return weights, ids
+    return _launch_select(logits, None, top_k, normalize, scale, scaling_factor, dtype, sigmoid=False)
 
 
 def noaux_tc_fits(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> bool:
@@ -136,11 +126,19 @@ def select_noaux_tc(logits: torch.Tensor, correction_bias: torch.Tensor | None, 
     float32, `correction_bias` [E] added for choosing only, the choice limited to the `topk_groups` best of
     `num_groups` groups (by the sum of each group's two best biased scores), the k best biased experts weighted
     by their unbiased scores, divided by their sum when `normalize`, times `scaling_factor`."""
-    tokens, num_experts = logits.shape
+    num_experts = logits.shape[1]
     if not noaux_tc_fits(num_experts, top_k, num_groups, topk_groups):
         raise ValueError(f"select_noaux_tc takes up to {MAX_EXPERTS} experts, 0 < top_k <= experts and, with "
                          f"groups, power-of-two expert and group counts; got {num_experts} experts, top_k {top_k}, "
                          f"{num_groups} groups keeping {topk_groups}")
+    return _launch_select(logits, correction_bias, top_k, normalize, True, scaling_factor, dtype, sigmoid=True,
+                          groups=max(1, num_groups), topk_groups=max(1, topk_groups))
+
+
+def _launch_select(logits, correction_bias, top_k: int, normalize: bool, scale: bool, scaling_factor: float,
+                   dtype: torch.dtype, sigmoid: bool, groups: int = 1, topk_groups: int = 1):
+    """One launch of `_select_kernel` over [T, E] logits: ([T, k] weights in `dtype`, [T, k] int64 ids)."""
+    tokens, num_experts = logits.shape
     logits = logits.contiguous()
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
@@ -150,7 +148,7 @@ def select_noaux_tc(logits: torch.Tensor, correction_bias: torch.Tensor | None, 
         bias = correction_bias.contiguous() if correction_bias is not None else logits
         _select_kernel[(triton.cdiv(tokens, block_t),)](
             logits, weights, ids, bias, tokens, num_experts, logits.stride(0), float(scaling_factor), TOP_K=top_k,
-            K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=True,
-            SIGMOID=True, HAS_BIAS=correction_bias is not None, GROUPS=max(1, num_groups),
-            TOPK_GROUPS=max(1, topk_groups), num_warps=4)
+            K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=scale,
+            SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, GROUPS=groups, TOPK_GROUPS=topk_groups,
+            num_warps=4)
     return weights, ids
