@@ -78,9 +78,9 @@ def _afd_config(args, phase: str, role: str, rank: int):
 
 
 def _split(total: int, stages: int) -> tuple:
-    from afd.graphs.buckets import stage_split
+    from afd.stages import StagePolicy
 
-    return stage_split(total, stages)
+    return StagePolicy(stages).rows(total)
 
 
 # ---------------------------------------------------------------- FFN rank (GPU 1)

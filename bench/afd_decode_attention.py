@@ -40,6 +40,7 @@ def attn0_main(args, q, events) -> None:
     from afd.connector.nccl_lib import PairComm, UniqueId
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
+    from afd.stages import StagePolicy
     from afd.runners.monolithic import MonolithicRunner
 
     config = _model_config(args.layers)
@@ -50,7 +51,7 @@ def attn0_main(args, q, events) -> None:
     kv = kv_cache_for(model, top, args.context)
     mono = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)
     with torch.inference_mode():
-        mono.graphs = capture_decode_graphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, args.batches, 1)
+        mono.graphs = capture_decode_graphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, args.batches)
     for batch in args.batches:
         q.put((f"mono/{batch}", time_steps(mono, kv, batch, args.steps, args.context, vocab)))
     q.put(("mono_replays", mono.graphs.replays))
@@ -62,7 +63,7 @@ def attn0_main(args, q, events) -> None:
     loaded = LoadedModel(model, spec, crossing, "random")
     kv = kv_cache_for(model, top, args.context)
     for stages in (2, 1):
-        solo = AttentionRunner(loaded, NoFFN(), kv, StepOptions(stages))
+        solo = AttentionRunner(loaded, NoFFN(), kv, StepOptions(StagePolicy(stages)))
         solo.capture_graphs(buckets=args.batches)
         for batch in args.batches:
             q.put((f"attn_only/s{stages}/{batch}", time_steps(solo, kv, batch, args.steps, args.context, vocab)))

@@ -39,6 +39,7 @@ def main() -> None:
 
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
+    from afd.stages import StagePolicy
     from afd.runners.monolithic import MonolithicRunner
 
     config = _model_config(args.layers)
@@ -53,7 +54,7 @@ def main() -> None:
                     layer.mlp = _ZeroFFN()
             runner = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)
             with torch.inference_mode():
-                runner.graphs = capture_decode_graphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, batches, 1)
+                runner.graphs = capture_decode_graphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, batches)
             for batch in batches:
                 result[batch][label] = time_steps(runner, kv, batch, args.steps, context, vocab)["ms"]
             runner.graphs = None
@@ -63,7 +64,7 @@ def main() -> None:
         loaded = LoadedModel(model, spec, crossing, "random")
         kv = kv_cache_for(model, max(batches), context)
         for stages in (1, 2):
-            solo = AttentionRunner(loaded, NoFFN(), kv, StepOptions(stages))
+            solo = AttentionRunner(loaded, NoFFN(), kv, StepOptions(StagePolicy(stages)))
             solo.capture_graphs(buckets=batches)
             for batch in batches:
                 result[batch][f"afd_s{stages}"] = time_steps(solo, kv, batch, args.steps, context, vocab)["ms"]

@@ -20,11 +20,12 @@ def kv_cache_for(model, max_seqs: int, context: int):
     return kv
 
 
-def capture_decode_graphs(runner_body, kv, buckets, stages, before=None, min_split=0):
+def capture_decode_graphs(runner_body, kv, buckets, policy=None, before=None):
     from afd.graphs.decode import DecodeGraphs
+    from afd.stages import StagePolicy
 
-    graphs = DecodeGraphs(runner_body, kv, tuple(sorted(set(buckets))), stages, kv.keys[0].device, before=before,
-                          min_split=min_split)
+    graphs = DecodeGraphs(runner_body, kv, tuple(sorted(set(buckets))), policy or StagePolicy(), kv.keys[0].device,
+                          before=before)
     graphs.capture_all()
     return graphs
 

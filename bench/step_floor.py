@@ -221,6 +221,7 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
     from afd.graphs.decode import DecodeGraphs
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
+    from afd.stages import StagePolicy
     from afd.runners.monolithic import MonolithicRunner
     from afd.runners.profile_step import StandInFFN
 
@@ -232,7 +233,7 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
     moe_layers = len(mono.experts)
     runner = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)
     with torch.inference_mode():
-        runner.graphs = DecodeGraphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, tuple(sorted(batches)), 1,
+        runner.graphs = DecodeGraphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, tuple(sorted(batches)), StagePolicy(),
                                      kv.keys[0].device)
         runner.graphs.capture_all()
     hits = {b: experts_hit(runner, kv, b, min(contexts), vocab, moe_layers) for b in batches}
@@ -249,7 +250,7 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
     attn = model_traffic(model)
     loaded = LoadedModel(model, spec, crossing, "random")
     for stages in (1, 2):
-        solo = AttentionRunner(loaded, StandInFFN(), kv, StepOptions(stages))
+        solo = AttentionRunner(loaded, StandInFFN(), kv, StepOptions(StagePolicy(stages)))
         solo.capture_graphs(buckets=batches)
         for context in contexts:
             for batch in batches:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd.stages import stage_cut
+from afd.stages import StagePolicy
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,9 @@ class SeqLayout:
         return SeqLayout(self.block_tables[start:stop], self.context_lens[start:stop], self.new_lens[start:stop])
 
 
-def split_layout(layout: SeqLayout, stages: int, min_split: int = 0) -> list[SeqLayout]:
-    """`stages` micro-batches (some possibly empty) covering `layout` in order (`afd.stages.stage_cut`)."""
-    if stages == 1:
+def split_layout(layout: SeqLayout, policy: StagePolicy) -> list[SeqLayout]:
+    """`policy.stages` micro-batches (some possibly empty) covering `layout` in order (`StagePolicy.cut`)."""
+    if policy.stages == 1:
         return [layout]
-    cut = stage_cut(layout.new_lens, stages, min_split)
+    cut = policy.cut(layout.new_lens)
     return [layout.part(0, cut), layout.part(cut, len(layout.new_lens))]

@@ -123,8 +123,7 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
         link = ShardedLink.connect(config, share.hello(config), share.device)
     else:
         link = AttentionLink.connect(config, share.hello(config), share.device)
-    runner = AttentionRunner(share.loaded, link, kv_cache,
-                             StepOptions(config.stages, config.gate_on_attention, config.dbo_min_tokens), instruments)
+    runner = AttentionRunner(share.loaded, link, kv_cache, StepOptions.of(config), instruments)
     link.listen(runner)
     if graphs_usable(config, share.device, share.dtype):
         try:  # warm-up and capture drive the FFN through their plans; Ready only after this

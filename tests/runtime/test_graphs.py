@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from afd.graphs.buckets import bucket_for, capture_order, decode_buckets, ffn_graph_key, ffn_step_mode, stage_split
+from afd.graphs.buckets import bucket_for, capture_order, decode_buckets, ffn_graph_key, ffn_step_mode
 from afd.graphs.ffn import FFNGraphs
 
 
@@ -15,8 +15,6 @@ def test_buckets_cover_the_largest_batch_and_pad_up():
     assert bucket_for(3, decode_buckets(64)) == 4
     assert bucket_for(65, decode_buckets(64)) is None  # beyond the largest: eager
     assert capture_order([1, 8, 4]) == [8, 4, 1]
-    assert stage_split(7, 2) == (3, 4) and stage_split(8, 1) == (8,)
-    assert stage_split(8, 2, min_split=16) == (8, 0) and stage_split(16, 2, min_split=16) == (8, 8)
 
 
 def plan(tokens, warmup=False, capture=False, replay=False):

@@ -110,6 +110,7 @@ def test_the_attention_rank_with_fused_glue_equals_the_torch_path(stages, checkp
     """Each FFN output comes back added to the residual stream in one launch with the next layer's norm."""
     from afd.kv_cache import KVCache
     from afd.runners.attention_runner import AttentionRunner, StepOptions
+    from afd.stages import StagePolicy
     from afd.layout import SeqLayout
     from afd.runners.profile_step import StandInFFN
 
@@ -121,7 +122,7 @@ def test_the_attention_rank_with_fused_glue_equals_the_torch_path(stages, checkp
         for module in (deepseek_v2, layers):
             monkeypatch.setattr(module, "fused_glue", lambda t, fused=fused: fused)
         cache = KVCache(loaded.model.kv_layouts(), 4, torch.float32, DEVICE)
-        runner = AttentionRunner(loaded, StandInFFN(), cache, StepOptions(stages))
+        runner = AttentionRunner(loaded, StandInFFN(), cache, StepOptions(StagePolicy(stages)))
         with torch.no_grad():
             logits[fused] = runner(ids, SeqLayout(((0,), (1,)), (0, 0), (4, 2)))
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-from afd.stages import stage_rows
-
 
 def decode_buckets(max_batch: int, stages: int = 1) -> tuple[int, ...]:
     """Padded batch sizes to capture, ascending, the last one >= `max_batch`."""
@@ -38,11 +36,6 @@ def bucket_for(batch: int, buckets: Sequence[int]) -> int | None:
 def capture_order(buckets: Iterable[int]) -> list[int]:
     """Largest first: later, smaller graphs fit inside the memory the first one took."""
     return sorted(buckets, reverse=True)
-
-
-def stage_split(padded: int, stages: int, min_split: int = 0) -> tuple[int, ...]:
-    """Per-stage token counts of a padded decode batch (one token per sequence; `afd.stages`)."""
-    return stage_rows(padded, stages, min_split)
 
 
 def is_decode(new_lens: Sequence[int]) -> bool:

@@ -18,11 +18,12 @@ from typing import Callable
 
 import torch
 
-from afd.graphs.buckets import bucket_for, capture_order, is_decode, stage_split
+from afd.graphs.buckets import bucket_for, capture_order, is_decode
 from afd.graphs.capture import make_pool
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.layout import SeqLayout
+from afd.stages import StagePolicy
 
 log = logging.getLogger(__name__)
 Body = Callable[[torch.Tensor, list], torch.Tensor]
@@ -31,10 +32,10 @@ Body = Callable[[torch.Tensor, list], torch.Tensor]
 class DecodeGraphs:
     """One captured decode step per bucket; `run` replays the right one or returns None."""
 
-    def __init__(self, body: Body, kv_cache: KVCache, buckets: tuple[int, ...], stages: int, device: torch.device,
-                 before: Callable[[tuple[int, ...], str], None] | None = None, min_split: int = 0):
-        self.body, self.kv_cache, self.buckets, self.stages = body, kv_cache, buckets, stages
-        self.min_split = min_split  # buckets under this many tokens run as one micro-batch (see stage_split)
+    def __init__(self, body: Body, kv_cache: KVCache, buckets: tuple[int, ...], policy: StagePolicy,
+                 device: torch.device, before: Callable[[tuple[int, ...], str], None] | None = None):
+        self.body, self.kv_cache, self.buckets = body, kv_cache, buckets
+        self.policy = policy  # each bucket's micro-batches (one token per sequence: `StagePolicy.rows`)
         self.device, self.before = device, before or (lambda stage_tokens, mode: None)
         self.pool = make_pool(device)
         largest, width = max(buckets), kv_cache.num_blocks + 1
@@ -75,7 +76,7 @@ class DecodeGraphs:
         return self.outputs[size][: len(layout.new_lens)]
 
     def _stage_tokens(self, size: int) -> tuple[int, ...]:
-        return stage_split(size, self.stages, self.min_split)
+        return self.policy.rows(size)
 
     def _micro(self, size: int) -> list:
         micro, start = [], 0

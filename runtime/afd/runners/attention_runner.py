@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from afd.config import AFDConfig
 from afd.connector import wire
 from afd.connector.attention_link import AttentionLink
 from afd.connector.base import AttnTransfer
@@ -26,15 +27,19 @@ from afd.graphs.decode import DecodeGraphs
 from afd.graphs.mixed import MixedGraphs, token_buckets
 from afd.metrics.layer_clock import StepInstruments
 from afd.layout import SeqLayout, split_layout
+from afd.stages import StagePolicy
 
 
 @dataclass(frozen=True)
 class StepOptions:
-    """How a step runs on attention: its stages, where the gate runs, the smallest step split in two."""
+    """How a step runs on attention: its stage policy and where the gate runs."""
 
-    stages: int = 1
+    policy: StagePolicy = StagePolicy()
     gate_on_attention: bool = False
-    dbo_min_tokens: int = 0  # with two stages, steps of fewer tokens run as one micro-batch
+
+    @classmethod
+    def of(cls, config: AFDConfig) -> "StepOptions":
+        return cls(StagePolicy.of(config), config.gate_on_attention)
 
 
 @dataclass
@@ -55,8 +60,8 @@ class AttentionRunner:
         self.crossing = frozenset(loaded.crossing)
         self.link = link
         self.kv_cache = kv_cache
-        self.stages = options.stages
-        self.dbo_min_tokens = options.dbo_min_tokens
+        self.policy = options.policy
+        self.stages = options.policy.stages
         self.gate_on_attention = gate_on_attention = options.gate_on_attention
         self.step_id = 0
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
@@ -102,7 +107,7 @@ class AttentionRunner:
         # the step in flight is waited for on the link first, where a lost FFN is noticed in time.
         self.link.wait_step()
         self.clock.begin(profiling)
-        parts = split_layout(layout, self.stages, self.dbo_min_tokens)
+        parts = split_layout(layout, self.policy)
         self._send_plan(tuple(p.num_tokens for p in parts), profile=profiling)
         micro, start = [], 0
         for stage, part in enumerate(parts):
@@ -191,8 +196,7 @@ class AttentionRunner:
         buckets = tuple(sorted(set(buckets))) or decode_buckets(max_batch, self.stages)
         device = self.kv_cache.keys[0].device
         self.graphs = DecodeGraphs(
-            self.forward, self.kv_cache, buckets, self.stages, device, before=self._send_plan,
-            min_split=self.dbo_min_tokens,
+            self.forward, self.kv_cache, buckets, self.policy, device, before=self._send_plan,
         )
         self.graphs.capture_all()
         if mixed_tokens:

@@ -11,6 +11,7 @@ from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
 from afd.layout import SeqLayout
+from afd.stages import StagePolicy
 
 
 class MonolithicRunner:
@@ -27,7 +28,7 @@ class MonolithicRunner:
         graphs for steps with prompt tokens up to `mixed_tokens` (0: none), in the same memory pool."""
         body = lambda input_ids, micro: self.model(input_ids, micro[0][1], self.kv_cache)  # noqa: E731
         device = self.kv_cache.keys[0].device
-        self.graphs = DecodeGraphs(body, self.kv_cache, decode_buckets(max_batch, 1), 1, device)
+        self.graphs = DecodeGraphs(body, self.kv_cache, decode_buckets(max_batch, 1), StagePolicy(), device)
         self.graphs.capture_all()
         if mixed_tokens:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_cache, token_buckets(mixed_tokens), device,

@@ -58,8 +58,7 @@ def _stepper(config: AFDConfig, loaded: LoadedModel, kv_cache: KVCache):
         return MonolithicRunner(loaded, kv_cache)
     from afd.runners.attention_runner import AttentionRunner, StepOptions
 
-    return AttentionRunner(loaded, StandInFFN(), kv_cache,
-                           StepOptions(config.stages, config.gate_on_attention, config.dbo_min_tokens))
+    return AttentionRunner(loaded, StandInFFN(), kv_cache, StepOptions.of(config))
 
 
 @torch.inference_mode()

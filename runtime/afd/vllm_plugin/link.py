@@ -40,7 +40,7 @@ from afd.engine.link_care import LinkCare
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import ModelSpec, parse_spec
 from afd.runners.handshake import make_hello
-from afd.stages import stage_rows
+from afd.stages import StagePolicy
 from afd.topology import crossing_layers
 
 log = logging.getLogger(__name__)
@@ -55,12 +55,7 @@ class LinkPlan:
     spec: ModelSpec
     crossing: tuple[int, ...]
     gate_on_attention: bool
-    stages: int
-    dbo_min_tokens: int = 0
-
-    def stage_rows(self, tokens: int) -> tuple[int, ...]:
-        """Rows of each stage for a step of `tokens` rows (the FFN computes per row, any cut is exact)."""
-        return stage_rows(tokens, self.stages, self.dbo_min_tokens)
+    policy: StagePolicy  # rows per stage: `policy.rows` (the FFN computes per row, any cut is exact)
 
 
 class FFNLink:
@@ -98,12 +93,12 @@ class FFNLink:
         checkpoint = Checkpoint(model_path)
         spec = parse_spec(checkpoint.config)
         plan = LinkPlan(spec, crossing_layers(spec.moe_layers, config.gate_on_attention), config.gate_on_attention,
-                        config.stages, config.dbo_min_tokens)
+                        StagePolicy.of(config))
         hello = make_hello(config, spec, plan.crossing, checkpoint.fingerprint(), DTYPE_NAMES[dtype])
         options = LinkOptions.of(config, reconnect_timeout_s=min(config.connect_timeout_s, RECONNECT_TIMEOUT_S))
         link = AttentionLink.connect(config, hello, "cpu", options)
         log.info("afd: attention rank %d linked to ffn rank %d (%s, layers %s, %d stage(s), gate on %s)",
-                 config.rank, link.ffn_rank, config.topology, list(plan.crossing), plan.stages,
+                 config.rank, link.ffn_rank, config.topology, list(plan.crossing), plan.policy.stages,
                  "attention" if plan.gate_on_attention else "ffn")
         step_link = cls(config, plan, link)
         atexit.register(step_link.close)
@@ -126,7 +121,7 @@ class FFNLink:
     def _exchange(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         if layer == self.first_layer:
             self.step_id += 1
-            self._stage_rows = self.plan.stage_rows(hidden.shape[0])
+            self._stage_rows = self.plan.policy.rows(hidden.shape[0])
             self.link.send_plan(wire.StepPlan(self.step_id, self._stage_rows))
         elif hidden.shape[0] != sum(self._stage_rows):
             raise RuntimeError(f"layer {layer}: {hidden.shape[0]} rows, but step {self.step_id} planned "
