@@ -93,7 +93,7 @@ def ffn_main(args, q, events) -> None:
 
     from common import nccl_pingpong
 
-    from afd.connector.nccl_lib import PairComm, new_unique_id
+    from afd.connector.transports.nccl.lib import PairComm, new_unique_id
     from afd.metrics.layer_clock import LayerClock, StepInstruments
     from afd.models.loader import LoadedModel
     from afd.roles import Share, assemble_ffn

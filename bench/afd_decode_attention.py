@@ -37,7 +37,7 @@ def attn0_main(args, q, events) -> None:
 
     from common import nccl_pingpong
 
-    from afd.connector.nccl_lib import PairComm, UniqueId
+    from afd.connector.transports.nccl.lib import PairComm, UniqueId
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
     from afd.stages import StagePolicy

@@ -31,7 +31,7 @@ def shard_gpu(shard: int, shards: int) -> int:
 def echo(comm, rows: int, hidden: int, layers: int, steps: int, device) -> None:
     """The FFN side of `steps` steps: receive each layer's bf16 rows, send them back as float32 partials
     with the next receive."""
-    from afd.connector.nccl_lib import Group
+    from afd.connector.transports.nccl.lib import Group
 
     bufs = [torch.empty(rows, hidden, dtype=torch.bfloat16, device=device) for _ in range(2)]
     for _ in range(steps):
@@ -48,7 +48,7 @@ def echo(comm, rows: int, hidden: int, layers: int, steps: int, device) -> None:
 
 
 def shard_main(shard: int, args, uid_hex: str, barrier, plan) -> None:
-    from afd.connector.nccl_lib import PairComm, UniqueId
+    from afd.connector.transports.nccl.lib import PairComm, UniqueId
 
     device = torch.device("cuda", shard_gpu(shard, args.shards))
     torch.cuda.set_device(device)
@@ -69,8 +69,8 @@ def attention_main(args, uids: list[str], barrier, plan) -> None:
     from afd.connector.attention_link import AttentionLink, LinkOptions
     from afd.connector.base import AttnTransfer
     from afd.connector.expert_link import ShardedLink
-    from afd.connector.nccl import NcclAttentionPlane
-    from afd.connector.nccl_lib import Group, PairComm, UniqueId
+    from afd.connector.transports.nccl.attention import NcclAttentionPlane
+    from afd.connector.transports.nccl.lib import Group, PairComm, UniqueId
     from afd.connector.plane import PlaneOptions
 
     device = torch.device("cuda", 0)
@@ -165,7 +165,7 @@ def main() -> int:
     if torch.cuda.device_count() < 2:
         print("needs two GPUs", file=sys.stderr)
         return 1
-    from afd.connector.nccl_lib import new_unique_id
+    from afd.connector.transports.nccl.lib import new_unique_id
 
     uids = [new_unique_id().to_hex() for _ in range(args.shards)]
     # per row count: the eager phase runs `steps` steps; the graph phase one eager step, then steps - 1 replays

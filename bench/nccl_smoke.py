@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 def worker(rank: int, queue, threaded: bool) -> None:
     from common import nccl_pingpong
 
-    from afd.connector.nccl_lib import Group, PairComm, UniqueId, new_unique_id
+    from afd.connector.transports.nccl.lib import Group, PairComm, UniqueId, new_unique_id
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

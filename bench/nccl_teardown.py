@@ -41,7 +41,7 @@ def _timed(fn, comm_handle) -> float:
 
 
 def worker(rank: int, queues, barrier, results) -> None:
-    from afd.connector.nccl_lib import Group, PairComm, UniqueId, library, new_unique_id
+    from afd.connector.transports.nccl.lib import Group, PairComm, UniqueId, library, new_unique_id
 
     device = _device(rank)
     lib = library().lib
@@ -96,7 +96,7 @@ def worker(rank: int, queues, barrier, results) -> None:
 def stuck(lib, device, queues, results) -> None:
     """End 0 alone: a pair whose other end never joins cannot be built, so reuse a fresh pair with a dead peer:
     post a receive on a communicator whose peer is gone, abort it, time the abort and the stream's drain."""
-    from afd.connector.nccl_lib import PairComm, new_unique_id
+    from afd.connector.transports.nccl.lib import PairComm, new_unique_id
 
     helper = mp.get_context("spawn").Process(target=_short_lived_peer, args=(queues[0],))
     helper.start()
@@ -134,14 +134,14 @@ def _device(rank: int, name: str = "") -> torch.device:
 
 
 def _short_lived_peer(queue) -> None:
-    from afd.connector.nccl_lib import PairComm, UniqueId
+    from afd.connector.transports.nccl.lib import PairComm, UniqueId
 
     PairComm(UniqueId.from_hex(queue.get()), 1, _device(1, "peer"))
     os._exit(0)
 
 
 def main() -> None:
-    from afd.connector import nccl_lib
+    from afd.connector.transports.nccl import lib as nccl_lib
 
     context = mp.get_context("spawn")
     queues = [context.Queue(), context.Queue()]

@@ -4,7 +4,7 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import torch, triton; from afd.connector import nccl_lib; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', nccl_lib.version(), 'gpus', torch.cuda.device_count())"
+python3 -c "import torch, triton; from afd.connector.transports.nccl import lib as nccl_lib; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', nccl_lib.version(), 'gpus', torch.cuda.device_count())"
 
 NCCL_DEBUG=WARN timeout 120 python3 bench/nccl_smoke.py 2>&1 | tee $OUT/nccl_smoke.log
 # bench/moe_tune.py (re)writes the MoE block-size table for a new GPU or shape; run it before moe_layer.py there

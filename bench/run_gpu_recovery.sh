@@ -7,7 +7,7 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import torch; from afd.connector import nccl_lib; print('torch', torch.__version__, 'nccl', nccl_lib.version(), 'gpus', torch.cuda.device_count())"
+python3 -c "import torch; from afd.connector.transports.nccl import lib as nccl_lib; print('torch', torch.__version__, 'nccl', nccl_lib.version(), 'gpus', torch.cuda.device_count())"
 AFD_GPU_RESULTS=$OUT/recovery.jsonl AFD_GPU_LOGS=$OUT/children.log NCCL_DEBUG=WARN timeout ${RECOVERY_S:-400} \
     python3 -m pytest -q -rA tests/gpu/test_gpu_recovery.py ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} -p no:cacheprovider --timeout 380 2>&1 | tee $OUT/gpu_recovery.log | tail -40
 grep -h "destroyed in\|teardown of the pair\|linked again\|re-handshake with\|aborting the NCCL pair\|dropping attention peer" $OUT/children.log | cut -c1-300 | tail -40

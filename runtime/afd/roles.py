@@ -81,13 +81,14 @@ def build_ffn(config: AFDConfig, instruments: StepInstruments = StepInstruments(
 
 
 def graphs_usable(config: AFDConfig, device: torch.device, dtype: str) -> bool:
-    """CUDA graphs need a GPU, the NCCL data plane (host transfers cannot be captured) and bf16/fp16."""
+    """CUDA graphs need a GPU, a data plane whose transfers can be captured (not host frames) and bf16/fp16."""
     if not config.cuda_graphs:
         return False
     problems = [
         why for bad, why in (
             (device.type != "cuda", "no CUDA device"),
-            (config.connector != "nccl", f"connector={config.connector} moves tensors through the host"),
+            (not registry.transport(config.connector).graph_capturable,
+             f"connector={config.connector} moves tensors through the host"),
             (dtype == "float32", "float32 experts take the host-synchronising reference path"),
         ) if bad
     ]

@@ -37,7 +37,7 @@ def test_pair_setup_during_every_warmup_phase_leaves_captures_whole():
 def _exchange(comm, tensor, first_send: bool):
     """FFN end sends `tensor` and receives it doubled; the peer receives, doubles and sends back."""
     import torch
-    from afd.connector.nccl_lib import Group
+    from afd.connector.transports.nccl.lib import Group
 
     if first_send:
         with Group():
@@ -59,7 +59,7 @@ def _exchange(comm, tensor, first_send: bool):
 
 def _peer() -> None:
     import torch
-    from afd.connector.nccl_lib import PairComm, UniqueId
+    from afd.connector.transports.nccl.lib import PairComm, UniqueId
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -72,7 +72,7 @@ def _peer() -> None:
 
 def _ffn() -> int:
     import torch
-    from afd.connector.nccl_lib import PairComm, new_unique_id
+    from afd.connector.transports.nccl.lib import PairComm, new_unique_id
     from afd.graphs.capture import GraphPool
 
     device = torch.device("cuda", 0)

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from afd.connector import nccl_lib
-from afd.connector.nccl_ffn import NcclFFNPlane
+from afd.connector.transports.nccl import lib as nccl_lib
+from afd.connector.transports.nccl.ffn import NcclFFNPlane
 from afd.connector.plane import DataContract, PlaneOptions
 from afd.graphs.ffn import FFNGraphs
 

@@ -4,7 +4,7 @@ abort cut short fails its wait with PeerLost (no GPU needed: the marks' events a
 import pytest
 
 from afd.connector.base import PeerLost
-from afd.connector.nccl import NcclAttentionPlane, StepMark
+from afd.connector.transports.nccl.attention import NcclAttentionPlane, StepMark
 from afd.connector.plane import PlaneOptions
 
 

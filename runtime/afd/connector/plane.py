@@ -143,9 +143,12 @@ class Interrupted(Exception):
 
 @dataclass(frozen=True)
 class Transport:
-    """A registry entry: how to open each end, and the data plane of each side."""
+    """A registry entry: how to open each end, the data plane of each side, and what the transport can do
+    (asked instead of its name)."""
 
     open_peer: Callable[..., PeerTransport]  # (config, ffn endpoint (AFDConfig.ffn_endpoint), identity)
     open_server: Callable[..., ServerTransport]  # (config)
     attention_plane: Callable[[PlaneOptions], AttentionPlane]
     ffn_plane: Callable[[PlaneOptions, DataContract, ServerTransport], FFNPlane]
+    wire_name: str  # the data plane a Hello names (`Hello.connector`): both ends must move tensors the same way
+    graph_capturable: bool  # its tensor moves can sit inside a CUDA graph (a host-frame plane's cannot)

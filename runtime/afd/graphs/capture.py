@@ -40,7 +40,7 @@ class GraphPool:
     def capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: NCCL pairs are created and torn down on helper threads (afd.connector.nccl),
+        # thread_local: NCCL pairs are created and torn down on helper threads (afd.connector.transports.nccl.attention),
         # whose allocations must not invalidate a capture running on this one
         with torch.cuda.graph(graph, pool=self.handle, capture_error_mode="thread_local"):
             fn()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from afd.config import AFDConfig
+from afd.connector import registry
 from afd.connector.wire import Hello
 from afd.models.spec import ModelSpec
 
@@ -28,7 +29,7 @@ def make_hello(config: AFDConfig, spec: ModelSpec, crossing: tuple[int, ...], fi
         gate_on_attention=config.gate_on_attention,
         router_width=spec.num_experts if config.gate_on_attention else 0,
         token_digest=token_digest(config.group_token, config.group_secret),
-        connector="nccl" if config.connector == "nccl" else "host",
+        connector=registry.transport(config.connector).wire_name,
         expert_parallel=config.ffn_expert_parallel,
         ffn_shard=config.ffn_shard if config.role == "ffn" else 0,  # attention: set per shard link
     )

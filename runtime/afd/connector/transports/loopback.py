@@ -89,4 +89,4 @@ def open_server(config: AFDConfig) -> LoopbackServer:
     return LoopbackServer(address(config, config.ffn_endpoint(config.rank, config.ffn_shard)))
 
 
-TRANSPORT = Transport(open_peer, open_server, HostAttentionPlane, HostFFNPlane)
+TRANSPORT = Transport(open_peer, open_server, HostAttentionPlane, HostFFNPlane, wire_name="host", graph_capturable=False)

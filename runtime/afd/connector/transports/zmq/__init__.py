@@ -1,11 +1,11 @@
-"""`zmq`: both planes over pyzmq sockets (`afd.connector.zmq_transport`), tensors as host frames."""
+"""`zmq`: both planes over pyzmq sockets (`afd.connector.transports.zmq.sockets`), tensors as host frames."""
 
 from __future__ import annotations
 
 from afd.config import AFDConfig
 from afd.connector.host_plane import HostAttentionPlane, HostFFNPlane
 from afd.connector.plane import Transport
-from afd.connector.zmq_transport import ZmqPeer, ZmqServer
+from afd.connector.transports.zmq.sockets import ZmqPeer, ZmqServer
 
 
 def open_peer(config: AFDConfig, endpoint: int, identity: bytes) -> ZmqPeer:
@@ -18,4 +18,4 @@ def open_server(config: AFDConfig) -> ZmqServer:
     return ZmqServer(config.bind_host, config.ffn_ports(endpoint), config.max_message_bytes)
 
 
-TRANSPORT = Transport(open_peer, open_server, HostAttentionPlane, HostFFNPlane)
+TRANSPORT = Transport(open_peer, open_server, HostAttentionPlane, HostFFNPlane, wire_name="host", graph_capturable=False)

@@ -20,7 +20,7 @@ before tearing down, so transfers stuck on the dead peer end and the stream drai
 milliseconds; every new connection builds a new pair. A graceful close destroys the pair,
 and `ncclCommDestroy` waits for the other end's destroy and for every CUDA graph holding the
 pair's transfers, so graphs are released first (`bench/nccl_teardown.py` measures this).
-This module is the attention end; the FFN end is `afd.connector.nccl_ffn`; the registry entry
+This module is the attention end; the FFN end is `afd.connector.transports.nccl.ffn`; the registry entry
 `afd.connector.transports.nccl`.
 """
 
@@ -34,13 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from afd.connector.base import AttnTransfer, ConnectorError, HandshakeError, PeerLost
-from afd.connector.nccl_lib import Group, NcclError, PairComm, UniqueId, wait_event
+from afd.connector.transports.nccl.lib import Group, NcclError, PairComm, UniqueId, wait_event
 from afd.connector.plane import AttentionPlane, PlaneOptions
 from afd.connector.tensors import pack_rows
 from afd.connector.wire import HelloReply
 
 log = logging.getLogger(__name__)
-ATTENTION_RANK_IN_PAIR = 1  # the FFN end is rank 0 (afd.connector.nccl_ffn)
+ATTENTION_RANK_IN_PAIR = 1  # the FFN end is rank 0 (afd.connector.transports.nccl.ffn)
 PAIR_JOIN_TIMEOUT_S = 30.0  # a first NCCL init in a fresh process (CUDA context, bootstrap) takes seconds
 
 

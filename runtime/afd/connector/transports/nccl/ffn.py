@@ -1,4 +1,4 @@
-"""The FFN end of the `nccl` connector: one NCCL pair per attention connection (see `afd.connector.nccl`)."""
+"""The FFN end of the `nccl` connector: one NCCL pair per attention connection (see `.attention`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from afd.connector.base import FFNTransfer, PeerLost
 from afd.connector.identity import show
 from afd.connector.plane import DataContract, FFNPlane, PeerWatch, PlaneOptions, Received
-from afd.connector.nccl_lib import Group, NcclError, PairComm, UniqueId, new_unique_id, wait_event
+from afd.connector.transports.nccl.lib import Group, NcclError, PairComm, UniqueId, new_unique_id, wait_event
 from afd.connector.tensors import DTYPES, packed_width, unpack_rows
 
 log = logging.getLogger(__name__)
