@@ -14,7 +14,7 @@ from afd.connector.base import PeerLost
 from afd.models.loader import load_model
 from afd.roles import build_ffn
 from afd.vllm_plugin import afd_architecture
-from afd.vllm_plugin.link import FFNLink
+from afd.vllm_plugin.link import StepLink
 from afd.vllm_plugin.serve import cpu_mla_backend, engine_env, engine_overrides, vllm_serve_argv
 from afd.vllm_plugin.weights import attention_keys
 
@@ -47,7 +47,7 @@ def test_link_returns_our_models_ffn_output(checkpoints, stages, gate_on_attenti
     path = checkpoints["qwen3_moe"]
     base, stop, thread = _ffn_group(path, stages, gate_on_attention, f"link-{stages}-{gate_on_attention}")
     mono = load_model(str(path), "monolithic").model
-    link = FFNLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
+    link = StepLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
     try:
         torch.manual_seed(0)
         for tokens in (7, 1, 4):
@@ -69,7 +69,7 @@ def test_link_returns_our_models_ffn_output(checkpoints, stages, gate_on_attenti
 def test_link_fails_fast_once_the_ffn_is_gone(checkpoints):
     path = checkpoints["qwen3_moe"]
     base, stop, thread = _ffn_group(path, 1, False, "link-gone")
-    link = FFNLink.connect(str(path), torch.float32, config=base.replace(role="attention", peer_timeout_s=1.0))
+    link = StepLink.connect(str(path), torch.float32, config=base.replace(role="attention", peer_timeout_s=1.0))
     try:
         stop.set()
         thread.join(timeout=5)
@@ -84,7 +84,7 @@ def test_link_fails_fast_once_the_ffn_is_gone(checkpoints):
 def test_link_layer_order_is_checked(checkpoints):
     path = checkpoints["qwen3_moe"]
     base, stop, thread = _ffn_group(path, 1, False, "link-order")
-    link = FFNLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
+    link = StepLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
     try:
         link.exchange(0, torch.randn(3, 64))
         with pytest.raises(RuntimeError, match="planned 3"):
@@ -180,7 +180,7 @@ def test_link_heals_a_loss_while_idle(checkpoints):
     """The FFN rank restarts between steps: the keepalive thread re-handshakes, the next step works."""
     path = checkpoints["qwen3_moe"]
     base, stop, thread = _ffn_group(path, 1, False, "link-heal")
-    link = FFNLink.connect(str(path), torch.float32,
+    link = StepLink.connect(str(path), torch.float32,
                            config=base.replace(role="attention", heartbeat_interval_s=0.1, peer_timeout_s=1.0))
     try:
         stop.set()
@@ -213,7 +213,7 @@ def test_link_leaves_a_draining_ffn_once_vllm_runs_nothing(checkpoints, monkeypa
     stop = threading.Event()
     thread = threading.Thread(target=runner.serve, args=(stop,), daemon=True)
     thread.start()
-    link = FFNLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
+    link = StepLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
     try:
         hidden = torch.randn(2, link.plan.spec.hidden_size)
         for layer in link.plan.crossing:  # one whole step

@@ -1,10 +1,10 @@
-"""The FFN side of the link: every attention peer of one FFN rank, their handshakes, plans and health.
+"""The FFN side of the link: the control handler of one FFN rank's attention peers.
 
 One receive loop reads both planes: control messages are handled here (Hello, StepPlan,
-Heartbeat, Goodbye), data frames go to the `FFNPlane`. The peer table (connection identity
-→ attention rank), the plans queued per peer, the identities retired, the drain notice and
-the probes of idle peers all live here; the worker loop (`afd.runners.ffn_worker`) only asks
-for the next plans and drops the peers a step reports failed.
+Heartbeat, Goodbye, ShardHello), data frames go to the `FFNPlane`. Who is connected (and which
+identities were retired) is the `PeerTable` (`afd.connector.peers`); this handler keeps the plans
+queued per peer, the drain notice, the probes of idle peers and the shard followers; the worker
+loop (`afd.runners.ffn_worker`) only asks for the next plans and drops the peers a step reports failed.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import Callable
 from afd.connector import wire
 from afd.connector.hello_check import check_hello
 from afd.connector.identity import check_identity, show
+from afd.connector.peers import PeerTable
 from afd.connector.plane import FFNPlane
 from afd.connector.transport import ServerTransport
 
 log = logging.getLogger(__name__)
 DRAIN_NOTICE_S = 5.0  # after the notice, attention pods need this long to leave every proxy's endpoints
 DRAIN_QUIET_S = 3.0  # or no step for this long (peers that never leave): their requests have finished
-MAX_RETIRED = 4096  # connection identities remembered as used, so a replayed Hello is refused
 
 
 class FFNLink:
@@ -34,20 +34,22 @@ class FFNLink:
         self.transport, self.plane = transport, plane
         self.expected, self.served_ranks, self.ffn_rank = expected, served_ranks, ffn_rank
         self.identity_key = identity_key  # proves a connection identity was made by the group (afd.connector.identity)
-        self.peers: dict[bytes, int] = {}  # connection identity → attention rank
-        self.replies: dict[bytes, wire.HelloReply] = {}  # what each live connection was answered: a repeat gets it again
-        self.retired: dict[bytes, None] = {}  # identities of closed connections, oldest first
+        self.table = PeerTable()
         self.queued: dict[bytes, deque[wire.StepPlan]] = {}  # plans received, not yet run, per peer
         self.rejected: Counter[str] = Counter()
         self.handshake_failures = 0
         self.drain_started: float | None = None  # monotonic time of request_drain()
         self.last_plan_at = 0.0
-        self._heard: dict[bytes, float] = {}  # peer → when it last sent anything
         self._control: deque[tuple[bytes, object]] = deque()
         self._told_draining: set[bytes] = set()
         self.followers: dict[bytes, int] = {}  # shard 0 of an expert-parallel rank: the other shards' connections
         self._peer_watchers: list[Callable[[int, bool], None]] = []
         self._gone_watchers: list[Callable[[bytes], None]] = []
+
+    @property
+    def peers(self) -> dict[bytes, int]:
+        """The connected peers: connection identity → attention rank."""
+        return self.table.ranks
 
     def watch_peers(self, on_peer: Callable[[int, bool], None]) -> None:
         """`on_peer(attention_rank, up)` on every connect and loss (metrics)."""
@@ -92,7 +94,7 @@ class FFNLink:
 
     def drop(self, peer: bytes, reason: str) -> None:
         """Forget `peer` and tell it why, so it fails fast (a connection never handshaken is logged once)."""
-        known = peer in self.peers or peer not in self.retired
+        known = peer in self.table or peer not in self.table.retired
         rank = self._forget(peer, graceful=False)
         if known:
             who = f"attn-{rank} (connection {show(peer)})" if rank is not None else show(peer)
@@ -136,8 +138,7 @@ class FFNLink:
         if received is None:
             return False
         plane, peer, frames = received
-        if peer in self._heard:
-            self._heard[peer] = time.monotonic()
+        self.table.heard(peer)
         if plane == "control":
             self._control.append((peer, _decode_control(frames)))
         elif peer not in self.peers:
@@ -154,7 +155,7 @@ class FFNLink:
         """
         if not self.send_control(peer, wire.Heartbeat(0)):
             return "its connection closed (process gone?)"
-        silent = time.monotonic() - self._heard.get(peer, time.monotonic())
+        silent = self.table.silent_s(peer)
         if silent_after_s is not None and silent > silent_after_s:
             return f"silent for {silent:.1f} s"
         return None
@@ -190,13 +191,13 @@ class FFNLink:
             log.warning("rejected a control message from %s: %s", show(peer), message)
 
     def _on_hello(self, peer: bytes, hello: wire.Hello) -> None:
-        if peer in self.replies:  # the same connection asking again (Hellos queued while this rank was down)
-            self.send_control(peer, self.replies[peer])
+        if peer in self.table.replies:  # the same connection asking again (Hellos queued while this rank was down)
+            self.send_control(peer, self.table.replies[peer])
             return
         reason = check_hello(hello, self.expected, self.served_ranks)
         if reason is None:
             reason = check_identity(peer, hello.attention_rank, self.identity_key)
-        if reason is None and peer in self.retired:
+        if reason is None and peer in self.table.retired:
             reason = f"connection identity {show(peer)} was closed before (a replayed Hello?)"
         if reason is None and self.drain_started is not None:  # a peer that left after the notice must not come back
             reason = f"ffn rank {self.ffn_rank} is about to stop (draining)"
@@ -205,28 +206,26 @@ class FFNLink:
             log.error("refused attention peer %s: %s", show(peer), reason)
             self.send_control(peer, wire.HelloReply(False, self.ffn_rank, reason))
             return
-        for old, rank in list(self.peers.items()):
-            if rank == hello.attention_rank:  # the rank restarted or re-handshakes: its earlier connection is void
-                self.drop(old, f"attention rank {rank} reconnected as {show(peer)}")
-        self.peers[peer] = hello.attention_rank
-        self._heard[peer] = time.monotonic()
+        for old in self.table.connections_of(hello.attention_rank):  # it restarted or re-handshakes: the old is void
+            self.drop(old, f"attention rank {hello.attention_rank} reconnected as {show(peer)}")
+        self.table.add(peer, hello.attention_rank)
         self.queued.pop(peer, None)
         extra = self.plane.admit(peer)
         for on_peer in self._peer_watchers:
             on_peer(hello.attention_rank, True)
         log.info("attention rank %d connected (connection %s)", hello.attention_rank, show(peer))
-        self.replies[peer] = wire.HelloReply(True, self.ffn_rank, **extra)
-        self.send_control(peer, self.replies[peer])
+        self.table.replies[peer] = wire.HelloReply(True, self.ffn_rank, **extra)
+        self.send_control(peer, self.table.replies[peer])
 
     def _on_shard_hello(self, peer: bytes, hello: wire.ShardHello) -> None:
         """Another shard of this rank asks for the step orders (`afd.runners.step_order`)."""
         ours = self.expected
         if hello.token_digest != ours.token_digest or ours.ffn_shard != 0 or \
                 hello.expert_parallel != ours.expert_parallel or not 0 < hello.shard < ours.expert_parallel:
-            if peer not in self.retired:
+            if peer not in self.table.retired:
                 log.error("refused shard connection %s: shard %d of %d (this is shard %d of %d, or the group token differs)",
                           show(peer), hello.shard, hello.expert_parallel, ours.ffn_shard, ours.expert_parallel)
-                self.retired[peer] = None
+                self.table.retire(peer)  # logged once
             return
         for old, shard in list(self.followers.items()):
             if shard == hello.shard and old != peer:
@@ -244,16 +243,11 @@ class FFNLink:
 
     def _forget(self, peer: bytes, graceful: bool) -> int | None:
         """Everything held for `peer` goes; returns its rank if it was connected."""
-        rank = self.peers.pop(peer, None)
+        rank = self.table.remove(peer)
         self.queued.pop(peer, None)
-        self.replies.pop(peer, None)
-        self._heard.pop(peer, None)
         for on_gone in self._gone_watchers:  # graphs replaying its transfers go before its NCCL pair
             on_gone(peer)
         self.plane.forget(peer, graceful)
-        self.retired[peer] = None
-        while len(self.retired) > MAX_RETIRED:
-            del self.retired[next(iter(self.retired))]
         if rank is not None:
             for on_peer in self._peer_watchers:
                 on_peer(rank, False)

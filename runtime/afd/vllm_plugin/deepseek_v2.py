@@ -10,10 +10,10 @@ import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models import deepseek_v2 as vllm_deepseek_v2
 
-from afd.vllm_plugin.link import FFNLink
+from afd.vllm_plugin.link import StepLink
 from afd.vllm_plugin.remote import AFDCausalLM, NoModule, make_remote, swapped
 
-_BUILDING: dict[str, tuple[FFNLink, int]] = {}  # the link of the model under construction
+_BUILDING: dict[str, tuple[StepLink, int]] = {}  # the link of the model under construction
 
 
 class AFDDeepseekV2DecoderLayer(vllm_deepseek_v2.DeepseekV2DecoderLayer):

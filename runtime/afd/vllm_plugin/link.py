@@ -58,7 +58,7 @@ class LinkPlan:
     policy: StagePolicy  # rows per stage: `policy.rows` (the FFN computes per row, any cut is exact)
 
 
-class FFNLink:
+class StepLink:
     """Attention rank `config.rank`'s link to its FFN rank, one vLLM step (model call) at a time."""
 
     def __init__(self, config: AFDConfig, plan: LinkPlan, link: AttentionLink):
@@ -79,7 +79,7 @@ class FFNLink:
         return self.care.error
 
     @classmethod
-    def connect(cls, model_path: str, dtype: torch.dtype, config: AFDConfig | None = None) -> "FFNLink":
+    def connect(cls, model_path: str, dtype: torch.dtype, config: AFDConfig | None = None) -> "StepLink":
         """Read the checkpoint's facts, connect and handshake (raises `HandshakeError`)."""
         config = config or load_config(cli={"role": "attention"})
         if config.role != "attention":

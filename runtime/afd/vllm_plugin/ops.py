@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from afd.vllm_plugin.link import FFNLink
+from afd.vllm_plugin.link import StepLink
 
-_LINKS: dict[int, FFNLink] = {}
+_LINKS: dict[int, StepLink] = {}
 
 
-def register_link(link: FFNLink) -> int:
+def register_link(link: StepLink) -> int:
     """Make `link` reachable from the op; returns its id."""
     link_id = len(_LINKS)
     _LINKS[link_id] = link

@@ -8,14 +8,14 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models import qwen3_moe as vllm_qwen3_moe
 from vllm.model_executor.models.utils import extract_layer_index
 
-from afd.vllm_plugin.link import FFNLink
+from afd.vllm_plugin.link import StepLink
 from afd.vllm_plugin.remote import AFDCausalLM, NoModule, make_remote, swapped
 
 
 class AFDQwen3MoeDecoderLayer(vllm_qwen3_moe.Qwen3MoeDecoderLayer):
     """vLLM's decoder layer (its forward unchanged); on crossing layers the FFN is remote."""
 
-    def __init__(self, vllm_config: VllmConfig, prefix: str = "", *, link: FFNLink, link_id: int, **kwargs):
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", *, link: StepLink, link_id: int, **kwargs):
         index = extract_layer_index(prefix)
         if index not in link.plan.crossing:
             super().__init__(vllm_config, prefix, **kwargs)

@@ -25,7 +25,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 
 from afd.models.checkpoint import Checkpoint
-from afd.vllm_plugin.link import FFNLink
+from afd.vllm_plugin.link import StepLink
 from afd.vllm_plugin.ops import ffn_exchange, register_link
 from afd.vllm_plugin.weights import attention_keys
 
@@ -82,7 +82,7 @@ def swapped(module: ModuleType, **replacements):
             setattr(module, name, value)
 
 
-def make_remote(layer_module: nn.Module, index: int, link: FFNLink, link_id: int, config, prefix: str,
+def make_remote(layer_module: nn.Module, index: int, link: StepLink, link_id: int, config, prefix: str,
                 gate_dtype: torch.dtype | None = None) -> None:
     """Turn crossing layer `index` (built without its FFN) into its attention-side half."""
     gate = link.plan.gate_on_attention
@@ -100,7 +100,7 @@ class AFDCausalLM(nn.Module):
         config = model_config.hf_text_config
         self.config = config
         self.model_path = model_config.model
-        self.link = FFNLink.connect(self.model_path, model_config.dtype)
+        self.link = StepLink.connect(self.model_path, model_config.dtype)
         self.model = self.build_model(vllm_config, maybe_prefix(prefix, "model"), self.link, register_link(self.link))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config, prefix=maybe_prefix(prefix, "lm_head")
@@ -110,7 +110,7 @@ class AFDCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
-    def build_model(self, vllm_config: VllmConfig, prefix: str, link: FFNLink, link_id: int) -> nn.Module:
+    def build_model(self, vllm_config: VllmConfig, prefix: str, link: StepLink, link_id: int) -> nn.Module:
         raise NotImplementedError
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -127,7 +127,7 @@ class AFDCausalLM(nn.Module):
         return load_attention_weights(self, self.model_path, self.link)
 
 
-def load_attention_weights(model: nn.Module, path: str, link: FFNLink) -> set[str]:
+def load_attention_weights(model: nn.Module, path: str, link: StepLink) -> set[str]:
     """Feed `model` the checkpoint tensors the attention side owns, one layer at a time."""
     checkpoint = Checkpoint(path)
     keys = attention_keys(checkpoint.keys(), link.plan.crossing, link.plan.gate_on_attention)
