@@ -88,11 +88,7 @@ def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegis
         facts = pod_facts(body)
         if facts is None:
             return
-        pods = memo.pods.setdefault((body.metadata.namespace, body.metadata.labels[L.NAME]), {})
-        if type == "DELETED":
-            pods.pop(facts.name, None)
-        else:
-            pods[facts.name] = facts
+        note_pod(memo.pods, (body.metadata.namespace, body.metadata.labels[L.NAME]), type, facts)
         if memo.wakeup is not None:
             memo.wakeup.set()
 
@@ -118,6 +114,18 @@ def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegis
             raise kopf.TemporaryError(str(err), delay=10) from err
 
     return registry
+
+
+def note_pod(pods: dict[tuple[str, str], dict[str, Any]], owner: tuple[str, str], type: str, facts: Any) -> None:
+    """Keep `facts` of one pod under its (namespace, owner), or drop it when deleted; an owner whose
+    last pod went is forgotten (a deleted resource's pods go last, so nothing of it stays behind)."""
+    if type != "DELETED":
+        pods.setdefault(owner, {})[facts.name] = facts
+        return
+    known = pods.get(owner, {})
+    known.pop(facts.name, None)
+    if not known:
+        pods.pop(owner, None)
 
 
 async def reconcile_one(memo: OperatorMemo, body: dict[str, Any], full: bool) -> Outcome:

@@ -62,7 +62,6 @@ class Action:
 @dataclass(frozen=True)
 class Plan:
     actions: tuple[Action, ...] = ()
-    requeue_after: Optional[float] = None  # seconds until a backoff expires
     waiting: dict[int, float] = field(default_factory=dict)  # group → seconds of backoff left
 
 
@@ -117,8 +116,7 @@ def plan_groups(desired: Desired, groups: list[GroupState], now: float) -> Plan:
         else:
             actions.append(Action("replace", g.index, desired.revision, reason="Rollout"))
 
-    requeue = min(waiting.values()) if waiting else None
-    return Plan(tuple(actions), requeue, waiting)
+    return Plan(tuple(actions), waiting)
 
 
 def _plan_restarts(

@@ -46,11 +46,10 @@ class Event:
 
 @dataclass
 class Outcome:
-    """What one reconcile decided: the new status, events to post, when to look again."""
+    """What one reconcile decided: the new status, events to post, the actions taken."""
 
     status: dict[str, Any]
     events: list[Event] = field(default_factory=list)
-    requeue_after: Optional[float] = None
     actions: tuple[Action, ...] = ()
 
 
@@ -119,7 +118,7 @@ def reconcile(
             "the group Secret was missing and has been created with a new value; ranks started "
             "before hold the old one and cannot rejoin their group until it is restarted")))
     events += _condition_events(previous.get("conditions") or [], status["conditions"])
-    return Outcome(status, events, plan.requeue_after, plan.actions)
+    return Outcome(status, events, plan.actions)
 
 
 def _apply(plan: Plan, spec: AFDDeploymentSpec, owner: Owner, views: list[GroupView],

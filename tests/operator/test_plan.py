@@ -193,7 +193,7 @@ class TestRestarts:
     def test_waiting_groups_report_the_remaining_backoff(self):
         state = GroupState(0, "a", lost=True, restarts=2, last_restart=100.0)
         plan = plan_groups(self.DESIRED, [state], now=110.0)
-        assert plan.actions == () and plan.waiting == {0: 50.0} and plan.requeue_after == 50.0
+        assert plan.actions == () and plan.waiting == {0: 50.0}
 
 
 def test_restart_delay():
