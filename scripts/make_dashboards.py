@@ -72,6 +72,15 @@ def ffn_busy() -> str:
             f"sum by ({by}) (rate(afd_ffn_steps_total{sel(FFN)}[{RATE}]))")
 
 
+def compute_per_step(role: str, by: str = "namespace, afd_io_name, afd_io_group") -> str:
+    """Compute of one profiled step of one rank of `role`, summed over its layers: every rank's compute
+    over every rank's profiled steps (the layer observations over the number of layers). A mean over
+    the ranks, so more ranks of a role do not make its side look slower."""
+    return (f"sum by ({by}) (rate(afd_layer_compute_seconds_sum{sel(role)}[{RATE}])) / "
+            f"(sum by ({by}) (rate(afd_layer_compute_seconds_count{sel(role)}[{RATE}])) / "
+            f"count by ({by}) (count by ({by}, layer) (afd_layer_compute_seconds_count{sel(role)})))")
+
+
 def dashboard(uid: str, title: str, panels: list[dict], variables: list[dict] = VARIABLES) -> dict:
     x = y = 0
     for index, item in enumerate(panels):
@@ -115,9 +124,8 @@ def layers() -> dict:
             (f"sum by (role) (rate(afd_layer_compute_seconds_sum{sel()}[{RATE}])) / "
              f"(sum by (role) (rate(afd_layer_compute_seconds_count{sel()}[{RATE}])) / "
              f"count by (role) (count by (role, layer) (afd_layer_compute_seconds_count{sel()})))", "{{role}}")], "s"),
-        panel("Attention / FFN time ratio (> 1.5 attention-bound, < 0.67 FFN-bound)", [
-            (f"sum(rate(afd_layer_compute_seconds_sum{sel(ATTENTION)}[{RATE}])) / "
-             f"sum(rate(afd_layer_compute_seconds_sum{sel(FFN)}[{RATE}]))", "attention / ffn")]),
+        panel("Attention / FFN time ratio per rank and step (> 1.5 attention-bound, < 0.67 FFN-bound)", [
+            (f"({compute_per_step(ATTENTION)}) / ({compute_per_step(FFN)})", "{{afd_io_name}} g{{afd_io_group}}")]),
         panel("FFN compute busy share (compute per step x steps/s; AFDFFNSaturated fires above 90%)", [
             (ffn_busy(), "{{afd_io_name}} g{{afd_io_group}} ffn {{rank}} {{shard}}")], "percentunit"),
         panel("Per-layer compute p99 by role", [(quantile(0.99, "afd_layer_compute_seconds", "role, layer"), "{{role}} L{{layer}}")], "s", width=24),

@@ -75,6 +75,31 @@ def test_no_alert_or_panel_reads_step_wall_time_as_busy_time():
     assert "afd_layer_compute_seconds_sum" in saturated and "afd_ffn_steps_total" in saturated
 
 
+@needs_promtool
+def test_the_time_ratio_panel_compares_one_rank_of_each_role(tmp_path):
+    """Issue 36: two attention ranks of 40 ms a profiled step over one FFN rank of 20 ms read 2, as one
+    such attention rank does; the total over the ranks (the old expression) read 4. Groups apart."""
+    panel = next(p for p in dashboards()["afd-layers"]["panels"] if p["title"].startswith("Attention / FFN time ratio"))
+    expr = panel["targets"][0]["expr"].replace("$__rate_interval", "5m")
+    for name, value in VARIABLES.items():
+        expr = expr.replace(name, value)
+    series = []
+    for group, ranks, attention_ms in (("0", ("0", "1"), 20), ("1", ("0",), 10)):  # per layer and profiled step
+        where = f'namespace="ns", afd_io_name="demo", afd_io_group="{group}"'
+        for role, rank, ms in [("attention", rank, attention_ms) for rank in ranks] + [("ffn", "0", 10)]:
+            for layer in ("0", "1"):  # 10 profiled steps a minute on every rank
+                labels = f'{where}, role="{role}", rank="{rank}", layer="{layer}"'
+                series += [{"series": f"afd_layer_compute_seconds_sum{{{labels}}}", "values": f"0+{ms / 100}x20"},
+                           {"series": f"afd_layer_compute_seconds_count{{{labels}}}", "values": "0+10x20"}]
+    want = [{"labels": f'{{namespace="ns", afd_io_name="demo", afd_io_group="{group}"}}', "value": value}
+            for group, value in (("0", 2), ("1", 1))]
+    (tmp_path / "ratio.test.yaml").write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [
+        {"interval": "1m", "input_series": series,
+         "promql_expr_test": [{"expr": expr, "eval_time": "15m", "exp_samples": want}]}]}))
+    unit = subprocess.run([PROMTOOL, "test", "rules", "ratio.test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert unit.returncode == 0 and "SUCCESS" in unit.stdout, unit.stdout + unit.stderr
+
+
 def _traffic(api: str, model: str, stop: threading.Event) -> None:
     with httpx.Client(timeout=60) as client:
         while not stop.is_set():
