@@ -78,15 +78,22 @@ def load_options(kernel: str, block_m: int, tma: bool) -> list[dict]:
             and (not one_dot or option["TMA"])]
 
 
+FP8_MAX_REGISTERS = 192  # float32 accumulator registers per thread (of 255) past which an FP8 tile is not tried
+
+
 def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[dict]:
     """Settings tried for `kernel` at a tile height: small tiles stream weights, large ones feed the tensor cores.
     FP8: gate_up's columns in blocks of 128 (its epilogue quantizes per 128), steps of 128 (one scale group), down
-    64-256 columns, 8 warps only on tiles of 64+ rows; TMA or pointers, persistent or not, as for bf16."""
+    64-256 columns, 8 warps only on tiles of 64+ rows, no tile whose accumulators would spill
+    (`moe_triton.fp8_accumulator_registers`); TMA or pointers, persistent or not, as for bf16."""
+    from afd.kernels.moe_triton import fp8_accumulator_registers
+
     if fp8:
         columns = (128,) if kernel == "gate_up" else (64, 128) if block_m <= 32 else (128, 256)
         space = itertools.product(columns, (128,), (4,) if block_m <= 32 else (4, 8), (3, 4))
         return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads)
-                for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))]
+                for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))
+                if fp8_accumulator_registers(kernel, block_m, n, w, loads.get("ONE_DOT", False)) <= FP8_MAX_REGISTERS]
     if block_m <= 32:
         space = itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
@@ -173,22 +180,25 @@ def random_experts(shape: dict, fp8: bool = False, max_routed: int | None = None
 COMPILE_ROUTED = 16  # routed experts of a compile worker's FP8 problem (the variants do not depend on the count)
 
 
-def compile_jobs(shape_and_jobs: tuple) -> list:
-    """Worker: run each (kernel, layout block_m, cfg, tokens) once so Triton compiles and caches it."""
+def compile_jobs(shape_and_jobs: tuple) -> tuple[list, list]:
+    """Worker: run each (kernel, layout block_m, cfg, tokens) once so Triton compiles and caches it; returns the
+    failures and each compiled variant's (kernel, cfg, registers per thread, spilled registers)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
     shape_name, fp8, jobs = shape_and_jobs
     shape = MOE_SHAPES[shape_name]
     gate_up, down, scales = random_experts(shape, fp8, COMPILE_ROUTED if fp8 else None)
-    problems, failed = {}, []
+    problems, failed, compiled = {}, [], []
     for kernel, block_m, cfg, tokens in jobs:
         problem = problems.setdefault(tokens, Problem(gate_up, down, shape["shared"], shape["top_k"], tokens,
                                                       scales=scales))
         try:
-            problem.launcher(kernel, block_m, cfg)()
+            binary = problem.launcher(kernel, block_m, cfg)()
             torch.cuda.synchronize()
         except Exception as err:  # out of shared memory or registers: not a candidate
             failed.append((kernel, cfg, type(err).__name__))
-    return failed
+        else:
+            compiled.append((kernel, cfg, getattr(binary, "n_regs", None), getattr(binary, "n_spills", None)))
+    return failed, compiled
 
 
 def precompile(shape_name: str, layouts: set[int], kernels: tuple[str, ...], workers: int, tma: bool,
@@ -206,11 +216,20 @@ def precompile(shape_name: str, layouts: set[int], kernels: tuple[str, ...], wor
     chunks = [(shape_name, fp8, jobs[i::workers]) for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         results = pool.map(compile_jobs, chunks)
-    failures = [failure for chunk in results for failure in chunk]
+    failures = [failure for chunk, _ in results for failure in chunk]
     why = collections.Counter((kernel, describe_loads(cfg), error) for kernel, cfg, error in failures)
     print(f"compiled {len(jobs)} kernel variants in {time.monotonic() - started:.0f} s "
           f"({len(failures)} fail: {dict(why)})", flush=True)
+    for kernel, cfg, regs, spills in sorted({cfg_key(kernel, cfg): (kernel, cfg, regs, spills)
+                                             for _, chunk in results for kernel, cfg, regs, spills in chunk}.values(),
+                                            key=lambda item: (item[0], describe(item[1]))):
+        REGISTERS[cfg_key(kernel, cfg)] = {"registers": regs, "spills": spills}
+        if spills:
+            print(f"  spills: {kernel} {describe(cfg)}: {regs} registers, {spills} spilled", flush=True)
     return {cfg_key(kernel, cfg) for kernel, cfg, _ in failures}
+
+
+REGISTERS: dict[tuple, dict] = {}  # cfg_key → the compiled variant's registers per thread and spills (on CUDA)
 
 
 def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: bool,
@@ -251,6 +270,8 @@ def tune(problem: Problem, tokens: int, failed: set, tma: bool, kernels: tuple[s
             else:
                 entry[kernel], entry[f"{kernel}_legacy_ms"] = kept[kernel], kept.get(f"{kernel}_legacy_ms")
                 entry[f"{kernel}_ms"] = time_graph(problem.launcher(kernel, block_m, kept[kernel]), iters=10)
+            if cfg_key(kernel, entry[kernel]) in REGISTERS:
+                entry[f"{kernel}_registers"] = REGISTERS[cfg_key(kernel, entry[kernel])]
         entry["align_ms"] = time_graph(lambda: problem.moe_align.align(problem.ids, problem.num_shared, experts, block_m))
         entry["total_ms"] = entry["gate_up_ms"] + entry["down_ms"] + entry["align_ms"]
         if best is None or entry["total_ms"] < best["total_ms"]:
@@ -313,7 +334,8 @@ def main() -> None:
         row = table[tokens]
         print(f"tokens {tokens:>5}: BM {row['BLOCK_M']:>3} " + " | ".join(
             f"{kernel} {row[f'{kernel}_ms']:.3f} ms (legacy {row[f'{kernel}_legacy_ms'] or float('nan'):.3f}) "
-            f"{describe(row[kernel])}" for kernel in KERNELS) + f" | align {row['align_ms']:.3f} ms", flush=True)
+            f"{describe(row[kernel])} {row.get(f'{kernel}_registers', {}).get('registers')} regs"
+            for kernel in KERNELS) + f" | align {row['align_ms']:.3f} ms", flush=True)
         # after each token count: a cut-off run keeps its rows
         document = save_table(path, kept, table, device, args.fp8)
     print(f"timed in {time.monotonic() - started:.0f} s")

@@ -1,11 +1,18 @@
 """A reduced DeepSeek-V3-shaped model (the real MoE shapes: 256 routed + 1 shared experts at hidden 7168, width
-2048, top-8 by noaux_tc; two layers) in bf16 and in FP8: the monolith's 32 greedy tokens equal AFD's over NCCL.
-Needs CUDA and NCCL pairs (two GPUs, or AFD_GPU_SHARE_ONE=1 on one); about 35 GB of checkpoints under /tmp."""
+2048, top-8 by noaux_tc; two layers) in bf16 and in FP8: the monolith's 32 greedy tokens equal AFD's over NCCL —
+1A1F at stage 1 without graphs, and then 2A1F at two stages with CUDA graphs and an FFN rank of two expert-parallel
+shards with the gate on the attention side. Needs CUDA and NCCL pairs (two GPUs, or AFD_GPU_SHARE_ONE=1 on one,
+where every rank and shard shares GPU 0); about 35 GB of checkpoints under /tmp."""
+
+import json
+import signal
+import time
 
 import pytest
 import torch
 
-from tests.gpu.nccl_env import nccl_pairs
+from tests.conftest import PROMPTS
+from tests.gpu.nccl_env import gpu_env, nccl_pairs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -19,16 +26,94 @@ def v3_checkpoints(tmp_path_factory):
     return {"bf16": bf16, "fp8": fp8}
 
 
+@pytest.fixture(scope="module")
+def v3_monolith(v3_checkpoints):
+    """The monolith's tokens per weight format, computed once per module (its model freed after)."""
+    from tests.gpu.test_gpu_path import monolithic
+
+    tokens = {}
+
+    def reference(weights: str) -> list:
+        if weights not in tokens:
+            result, runner = monolithic(v3_checkpoints[weights], torch.bfloat16)
+            if weights == "fp8":  # the weights stayed FP8 on the GPU: experts and dense projections
+                experts = next(m for m in runner.model.modules() if type(m).__name__ == "Experts")
+                assert experts.gate_up.dtype == torch.float8_e4m3fn and experts.gate_up_scale is not None
+                assert any(type(m).__name__ == "Fp8Linear" for m in runner.model.modules())
+            tokens[weights] = result.tokens
+            del runner
+            torch.cuda.empty_cache()
+        return tokens[weights]
+
+    return reference
+
+
+def afd_v3(path, topology: str, stages: int, graphs: bool, gate: str = "ffn", shards: int = 1) -> list:
+    """Greedy tokens of PROMPTS from real processes over NCCL: attention ranks on GPU 0, the FFN rank's `shards`
+    expert-parallel processes on GPU 1 (all on GPU 0 under AFD_GPU_SHARE_ONE: `tests.gpu.nccl_env`)."""
+    from afd.config import AFDConfig, config_to_env
+    from afd.local.children import LocalProcesses, free_port_block
+    from afd.local.group_processes import local_zmq_config
+    from afd.local.offline_batch import split_prompts
+    from tests.gpu.test_gpu_path import GPU_TOKENS
+
+    base = AFDConfig(
+        num_attention_ranks=int(topology[0]), num_ffn_ranks=1, stages=stages, model=str(path), dtype="bfloat16",
+        device="cuda", cuda_graphs=graphs, max_num_seqs=8, gate_on_attention=gate == "attention",
+        ffn_batch_window_s=0.002 if topology == "2A1F" else 0.0, peer_timeout_s=60.0,
+        **({"ffn_expert_parallel": shards, "port_stride": 2} if shards > 1 else {}),
+    )
+    config = local_zmq_config(base).replace(connector="nccl")
+    blocks = split_prompts(len(PROMPTS), config.num_attention_ranks)
+    metrics_ports = free_port_block(shards)
+    with LocalProcesses() as processes:
+        ffn_names = []
+        for shard in range(shards):
+            name = f"ffn-0-shard-{shard}" if shards > 1 else "ffn-0"
+            role = config.replace(role="ffn", **({"ffn_shard": shard, "metrics_port": metrics_ports + shard}
+                                                 if shards > 1 else {}))
+            processes.start(name, ["serve"], {**config_to_env(role), **gpu_env(name, 1)})
+            ffn_names.append(name)
+        names = []
+        for rank, block in enumerate(blocks):
+            job = processes.workdir / f"a{rank}.json"
+            job.write_text(json.dumps({"prompts": [PROMPTS[i] for i in block], "max_tokens": GPU_TOKENS,
+                                       "ignore_eos": True}))
+            env = {**config_to_env(config.replace(role="attention", rank=rank)), **gpu_env(f"attn-{rank}", 0)}
+            processes.start(f"attn-{rank}", ["run-batch", "--input", str(job), "--output",
+                                             str(processes.workdir / f"a{rank}.out")], env)
+            names.append(f"attn-{rank}")
+        try:
+            processes.wait(names, watch=ffn_names, timeout_s=600)
+        except BaseException:  # pytest-timeout's failure is a BaseException
+            for name in [*ffn_names, *names]:  # every thread's stack into the child's log (afd.cli's faulthandler)
+                if processes.children[name].poll() is None:
+                    processes.children[name].send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            for name in [*ffn_names, *names]:
+                print(f"--- {name} ---\n" + processes.log_path(name).read_text(errors="replace")[-6000:])
+            raise
+        outputs = [json.loads((processes.workdir / f"a{rank}.out").read_text()) for rank in range(len(blocks))]
+    tokens = [None] * len(PROMPTS)
+    for block, output in zip(blocks, outputs):
+        for position, index in enumerate(block):
+            tokens[index] = output["tokens"][position]
+    return tokens
+
+
 @nccl_pairs
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
-def test_v3_shaped_monolith_equals_afd_over_nccl(weights, v3_checkpoints):
-    from tests.gpu.test_gpu_path import afd_nccl, monolithic
+def test_v3_shaped_monolith_equals_afd_over_nccl(weights, v3_checkpoints, v3_monolith):
+    assert afd_v3(v3_checkpoints[weights], "1A1F", 1, False) == v3_monolith(weights)
 
-    reference, runner = monolithic(v3_checkpoints[weights], torch.bfloat16)
-    if weights == "fp8":  # the weights stayed FP8 on the GPU: experts and dense projections
-        experts = next(m for m in runner.model.modules() if type(m).__name__ == "Experts")
-        assert experts.gate_up.dtype == torch.float8_e4m3fn and experts.gate_up_scale is not None
-        assert any(type(m).__name__ == "Fp8Linear" for m in runner.model.modules())
-    del runner
-    torch.cuda.empty_cache()
-    assert afd_nccl(v3_checkpoints[weights], "1A1F", 1, False) == reference.tokens
+
+@nccl_pairs
+@pytest.mark.parametrize("topology, stages, gate, shards", [("2A1F", 2, "ffn", 1), ("1A1F", 2, "attention", 2)],
+                         ids=["2A1F-stages2", "1A1F-stages2-gate_attention-ep2"])
+@pytest.mark.parametrize("weights", ["fp8", "bf16"])
+def test_v3_shaped_monolith_equals_afd_with_graphs(weights, topology, stages, gate, shards, v3_checkpoints,
+                                                   v3_monolith):
+    """With CUDA graphs (decode steps and piecewise prompt graphs): 2A1F at two stages, and an FFN rank of two
+    expert-parallel shards (each 128 routed experts and half the shared expert's columns) with the gate on the
+    attention side."""
+    assert afd_v3(v3_checkpoints[weights], topology, stages, True, gate, shards) == v3_monolith(weights)

@@ -12,6 +12,7 @@ import torch
 from tests.kernel_device import KERNEL_DTYPES, NO_KERNEL_DEVICE, kernel_device
 
 from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
+from afd.kernels.moe import FP8_DEFAULT_CONFIGS
 
 DEVICE = kernel_device()
 DTYPE = KERNEL_DTYPES.get(DEVICE)
@@ -129,6 +130,10 @@ FP8_SETTINGS = {  # id → a table entry for FP8 experts (gate_up's BLOCK_N a mu
                     "down": kernel(TMA=True)},
     "gather-pointers-one-dot-gather": {"BLOCK_M": 16, "gate_up": kernel(TMA=True, GATHER=True, ONE_DOT=True),
                                        "down": kernel(128, 32)},
+    # columns over two weight blocks: a scale per column (BLOCK_N <= 128 takes one scale per block and step)
+    "one-dot-wide-down-wide": {"BLOCK_M": 32, "gate_up": kernel(256, TMA=True, ONE_DOT=True),
+                               "down": kernel(256, TMA=True, BLOCK_M=16)},
+    **{f"default-{tokens}": FP8_DEFAULT_CONFIGS[tokens] for tokens in (1024, 4096)},  # the tall untuned ones
 }
 
 

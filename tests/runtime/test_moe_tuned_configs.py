@@ -64,6 +64,30 @@ def test_defaults_are_complete():
         assert_kernel_entry(entry["down"], entry["BLOCK_M"], "down")
 
 
+def fp8_tile_registers(kernel: str, entry: dict) -> int:
+    from afd.kernels.moe_triton import fp8_accumulator_registers
+
+    cfg = entry[kernel]
+    return fp8_accumulator_registers(kernel, cfg.get("BLOCK_M", entry["BLOCK_M"]), cfg["BLOCK_N"], cfg["num_warps"],
+                                     cfg.get("ONE_DOT", False))
+
+
+@pytest.mark.parametrize("tokens", sorted(FP8_DEFAULT_CONFIGS))
+def test_fp8_defaults_keep_their_accumulators_in_registers(tokens):
+    """An FP8 tile holds each step's scaled product beside its accumulators: the defaults stay at 128 float32
+    registers a thread or fewer (the tall ones of before held 256 and ran slower than bf16)."""
+    entry = FP8_DEFAULT_CONFIGS[tokens]
+    assert fp8_tile_registers("gate_up", entry) <= 128 and fp8_tile_registers("down", entry) <= 128
+
+
+def test_fp8_register_count_of_a_tile():
+    from afd.kernels.moe_triton import fp8_accumulator_registers
+
+    assert fp8_accumulator_registers("down", 128, 256, 8) == 2 * 128 * 256 // 256
+    assert fp8_accumulator_registers("gate_up", 64, 128, 4) == 3 * 64 * 128 // 128
+    assert fp8_accumulator_registers("gate_up", 64, 128, 4, one_dot=True) == 4 * 64 * 128 // 128
+
+
 def test_fp8_experts_have_tables_of_their_own():
     assert config_name(257, 7168, 2048, "NVIDIA H200", fp8=True) == "E257_H7168_I2048_fp8_NVIDIA_H200.json"
     assert config_table(128, 2048, 768, "Some GPU", fp8=True) is FP8_DEFAULT_CONFIGS

@@ -135,13 +135,20 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
             both = tl.arange(0, 2 * BLOCK_N)
             both_n = col * BLOCK_N + both % BLOCK_N
             b_scale_rows = (expert * 2 * i_groups + both // BLOCK_N * i_groups + both_n // 128) * h_groups
+            gate_scale_row = (expert * 2 * i_groups + col * BLOCK_N // 128) * h_groups  # BLOCK_N == 128: one block
+            is_gate = (both < BLOCK_N)[None, :]
         for k0 in range(0, hidden, BLOCK_K):
             a = _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
             b = tl.reshape(w.load([2 * expert, col * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K)).T  # [BK, gate | up]
             if FP8:
-                a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=0.0)
-                b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=both_n < inter, other=0.0)
-                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+                a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=0.0)[:, None]
+                if BLOCK_N == 128:  # two scalars a step (the gate's block, the up's), not one load per column
+                    g_s = tl.load(w_scale + gate_scale_row + k0 // 128)
+                    u_s = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k0 // 128)
+                    acc += tl.dot(a, b) * tl.where(is_gate, a_s * g_s, a_s * u_s)
+                else:
+                    b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=both_n < inter, other=0.0)
+                    acc += tl.dot(a, b) * (a_s * b_s[None, :])
             else:
                 acc = tl.dot(a, b, acc)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
@@ -150,16 +157,23 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         gate_scale_rows = (expert * 2 * i_groups + offs_n // 128) * h_groups
+        gate_scale_row = (expert * 2 * i_groups + col * BLOCK_N // 128) * h_groups
         for k0 in range(0, hidden, BLOCK_K):
             a = _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
             g = _weight_tile(w, gate_row, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
             u = _weight_tile(w, gate_row + inter, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
             if FP8:
                 a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=0.0)[:, None]
-                g_s = tl.load(w_scale + gate_scale_rows + k0 // 128, mask=n_ok, other=0.0)
-                u_s = tl.load(w_scale + gate_scale_rows + i_groups * h_groups + k0 // 128, mask=n_ok, other=0.0)
-                acc_g += tl.dot(a, g) * (a_s * g_s[None, :])
-                acc_u += tl.dot(a, u) * (a_s * u_s[None, :])
+                if BLOCK_N <= 128:  # the column block lies in one weight block: one scale each a step
+                    g_s = tl.load(w_scale + gate_scale_row + k0 // 128)
+                    u_s = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k0 // 128)
+                    acc_g += tl.dot(a, g) * (a_s * g_s)
+                    acc_u += tl.dot(a, u) * (a_s * u_s)
+                else:
+                    g_s = tl.load(w_scale + gate_scale_rows + k0 // 128, mask=n_ok, other=0.0)
+                    u_s = tl.load(w_scale + gate_scale_rows + i_groups * h_groups + k0 // 128, mask=n_ok, other=0.0)
+                    acc_g += tl.dot(a, g) * (a_s * g_s[None, :])
+                    acc_u += tl.dot(a, u) * (a_s * u_s[None, :])
             else:
                 acc_g = tl.dot(a, g, acc_g)
                 acc_u = tl.dot(a, u, acc_u)
@@ -215,13 +229,17 @@ def _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scal
     i_groups = tl.cdiv(inter, 128)
     a_scale_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * i_groups
     b_scale_rows = (expert * tl.cdiv(hidden, 128) + offs_n // 128) * i_groups
+    b_scale_row = (expert * tl.cdiv(hidden, 128) + col * BLOCK_N // 128) * i_groups
     for k0 in range(0, inter, BLOCK_K):
         a = _row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
         b = _weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
         if FP8:
             a_s = tl.load(act_scale + a_scale_rows + k0 // 128)
-            b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=0.0)
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            if BLOCK_N <= 128:  # the column block lies in one weight block: one scale a step
+                acc += tl.dot(a, b) * (a_s * tl.load(w_scale + b_scale_row + k0 // 128))[:, None]
+            else:
+                b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=0.0)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         else:
             acc = tl.dot(a, b, acc)
     pairs = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -280,6 +298,14 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
     return settings
 
 
+def fp8_accumulator_registers(kernel: str, block_m: int, block_n: int, warps: int, one_dot: bool = False) -> int:
+    """float32 registers per thread an FP8 tile of `kernel` holds: its accumulators plus a step's product, which FP8
+    cannot add in the dot (it is scaled first): down BM×BN twice; gate_up two BM×BN accumulators and one product,
+    or with ONE_DOT a BM×2BN accumulator and its product. Of a thread's 255, well over half spills."""
+    tiles = {"down": 2, "gate_up": 4 if one_dot else 3}[kernel]
+    return tiles * block_m * block_n // (32 * warps)
+
+
 def tma_supported(device: torch.device) -> bool:
     """Whether TMA descriptors work here: Triton has them and the GPU is a Hopper or later
     (or Triton's CPU interpreter runs the kernels). Elsewhere a TMA setting falls back to pointers."""
@@ -312,12 +338,13 @@ def _operand(tensor: torch.Tensor, block: list[int], tma: bool):
 
 
 def _launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, device: torch.device,
-            **constants) -> None:
+            **constants):
     """One program per job of the worst-case grid, or a persistent grid (PROGRAMS is a compile-time
-    constant: the device's, never the token count's, so no token count compiles a variant of its own)."""
+    constant: the device's, never the token count's, so no token count compiles a variant of its own).
+    Returns Triton's compiled kernel (its `n_regs`, `n_spills`; None under the CPU interpreter)."""
     tiles = rows // cfg["BLOCK_M"]
     programs = _programs(device, cfg["PERSISTENT"]) if cfg["PERSISTENT"] else 0
-    kernel[(min(programs, tiles * cols) if programs else tiles * cols,)](
+    return kernel[(min(programs, tiles * cols) if programs else tiles * cols,)](
         *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(programs), PROGRAMS=programs,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **constants)
@@ -362,11 +389,12 @@ def gather_rows(x, x_rows, pairs, num_pairs: int, slots: int, block_m: int) -> N
 
 
 def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
-                   x_rows=None, x_scale=None, w_scale=None, act_scale=None) -> None:
+                   x_rows=None, x_scale=None, w_scale=None, act_scale=None):
     """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage),
     `layout` being `align`'s. With GATHER the token rows are first copied into `x_rows` ([rows, H], x's dtype,
     the caller's). FP8 (an e4m3 `w_gate_up`): `x` is e4m3 with `x_scale` [T, H/128], `w_scale` the weight's
-    [E, 2I/128, H/128] block scales, and act is written in e4m3 with `act_scale` [rows, I/128]."""
+    [E, 2I/128, H/128] block scales, and act is written in e4m3 with `act_scale` [rows, I/128]. Returns the
+    compiled kernel (`_launch`)."""
     pairs, tile_expert, used_tiles = layout
     experts, inter, hidden = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2]
     fp8 = w_gate_up.dtype == FP8
@@ -388,12 +416,12 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
         w = _operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (x_scale, w_scale, act_scale) if fp8 else (act, act, act)  # unread placeholders without FP8
     args = (x, w, act, pairs, tile_expert, used_tiles, *scales, num_pairs, slots, hidden, inter)
-    _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg, act.device,
-            GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8)
+    return _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
+                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8)
 
 
 def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,
-                block_m: int, cfg: dict, act_scale=None, w_scale=None) -> None:
+                block_m: int, cfg: dict, act_scale=None, w_scale=None):
     """out[pair, H] = weight(pair) * act[row of pair] @ down[e]ᵀ for every real pair (weight 1: shared).
     FP8 (an e4m3 `w_down`): act is e4m3 with `act_scale` [rows, I/128], `w_scale` [E, H/128, I/128]."""
     pairs, tile_expert, used_tiles = layout
@@ -407,5 +435,5 @@ def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k
     w = _operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (act_scale, w_scale) if fp8 else (out, out)  # unread placeholders without FP8
     args = (a, w, out, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden, inter)
-    _launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg, act.device,
-            FP8=fp8)
+    return _launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
+                   act.device, FP8=fp8)
