@@ -45,7 +45,7 @@ def kernel_choice() -> str:
 FP8_DEFAULT_CONFIGS = {  # FP8 experts where no tuned table fits: BLOCK_K 128 (one scale group, 128 bytes a row),
     # gate_up's BLOCK_N 128 (its epilogue quantizes act per 128 columns); TMA loads on Hopper (pointers elsewhere).
     # Tall tiles keep at most 128 float32 accumulator registers a thread (FP8 holds each step's scaled product
-    # apart from the accumulator: bench/moe_tune.fp8_accumulator_registers); taller ones spill
+    # apart from the accumulator: moe_triton.fp8_accumulator_registers); taller ones spill
     1: {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "TMA": True},
         "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "TMA": True}},
     256: {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "TMA": True},
