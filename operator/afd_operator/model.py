@@ -287,10 +287,10 @@ class AFDDeploymentSpec(_Model):
 
     @property
     def restart_type(self) -> str:
-        """The effective restart policy: NCCL communicators cannot be rebuilt in place."""
-        if self.restart_policy.type:
-            return self.restart_policy.type
-        return "RecreateGroupOnRankFailure" if self.afd.connector == "nccl" else "None"
+        """The effective restart policy; unset: None for either connector. The runtime rebuilds a lost
+        rank's link in place (a fresh NCCL pair on GPU) and holds its requests until then (issue 38),
+        while replacing the group would end every request its attention ranks hold."""
+        return self.restart_policy.type or "None"
 
     @property
     def revision(self) -> str:

@@ -158,7 +158,7 @@ async def test_image_change_rolls_one_whole_group_at_a_time(kmock, operator):
 
 async def test_lost_rank_restarts_the_group_with_backoff(kmock, operator):
     # 5 s: the second loss must be seen inside the backoff even on a loaded machine.
-    await create(kmock, afd={"connector": "nccl"}, restartPolicy={"backoffSeconds": 5, "maxBackoffSeconds": 10})
+    await create(kmock, afd={"connector": "nccl"}, restartPolicy={"type": "RecreateGroupOnRankFailure", "backoffSeconds": 5, "maxBackoffSeconds": 10})
     await eventually(lambda: _has(kmock, STS, 2))
     await run_statefulsets(kmock)
     await eventually(lambda: ready_condition(kmock))
@@ -182,7 +182,7 @@ async def test_lost_rank_restarts_the_group_with_backoff(kmock, operator):
 
 
 async def test_pending_pods_never_trigger_a_restart(kmock, operator):
-    await create(kmock, afd={"connector": "nccl"}, restartPolicy={"backoffSeconds": 0, "maxBackoffSeconds": 0})
+    await create(kmock, afd={"connector": "nccl"}, restartPolicy={"type": "RecreateGroupOnRankFailure", "backoffSeconds": 0, "maxBackoffSeconds": 0})
     await eventually(lambda: _has(kmock, STS, 2))
     await run_statefulsets(kmock)
     await eventually(lambda: ready_condition(kmock))

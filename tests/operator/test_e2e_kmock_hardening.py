@@ -52,7 +52,7 @@ async def test_the_group_secret_is_created_once_read_by_every_pod_and_never_logg
 
 async def test_an_exhausted_restart_budget_marks_the_group_failed_and_leaves_it(kmock, operator):
     await create(kmock, afd={"connector": "nccl"},
-                 restartPolicy={"backoffSeconds": 0, "maxBackoffSeconds": 20, "maxRestarts": 1})
+                 restartPolicy={"type": "RecreateGroupOnRankFailure", "backoffSeconds": 0, "maxBackoffSeconds": 20, "maxRestarts": 1})
     await eventually(lambda: _has(kmock, STS, 2))
     await run_statefulsets(kmock)
     await eventually(lambda: ready_condition(kmock))

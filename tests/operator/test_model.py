@@ -22,13 +22,16 @@ def test_the_issue_minimal_cr_parses_with_expected_defaults():
                               afd={"connector": "nccl", "stages": 2})["spec"])
     assert str(spec.topology) == "4A2F"
     assert spec.replicas == 1
-    assert spec.restart_type == "RecreateGroupOnRankFailure"  # nccl cannot rebuild in place
+    assert spec.restart_type == "None"  # the runtime rebuilds the NCCL pair in place, holding the requests
     assert spec.rollout.max_unavailable == 1 and spec.rollout.max_surge == 0
     assert spec.ports.http == 8000 and spec.ports.control == 25500
 
 
-def test_zmq_defaults_to_runtime_recovery():
-    assert parse_spec(make_cr()["spec"]).restart_type == "None"
+@pytest.mark.parametrize("connector", ["zmq", "nccl"])
+def test_either_connector_defaults_to_runtime_recovery(connector):
+    assert parse_spec(make_cr(afd={"connector": connector})["spec"]).restart_type == "None"
+    chosen = make_cr(afd={"connector": connector}, restartPolicy={"type": "RecreateGroupOnRankFailure"})
+    assert parse_spec(chosen["spec"]).restart_type == "RecreateGroupOnRankFailure"
 
 
 @pytest.mark.parametrize(

@@ -230,8 +230,23 @@ class TestGroupSecret:
         assert warning.type == "Warning" and "restarted" in warning.message
 
 
+def test_an_nccl_group_that_lost_a_rank_is_left_to_the_runtime_by_default():
+    """Issue 38: its attention ranks hold their requests while the pair is rebuilt; a restart would end them."""
+    body = make_cr(afd={"connector": "nccl"})
+    revision = parse_spec(body["spec"]).revision
+    body["status"] = status_with([(0, revision)])
+    store = FakeStore()
+    outcome = reconcile(body, ready_pods(revision)[:2], store, NOW)  # the FFN rank is gone
+    assert outcome.actions == () and not [d for d in store.deleted if d[0] == "Pod"]
+    group = outcome.status["groups"][0]
+    assert group["phase"] == "Degraded" and "waiting for the runtime to reconnect" in group["message"]
+    body = make_cr(afd={"connector": "nccl"}, restartPolicy={"type": "RecreateGroupOnRankFailure"})
+    body["status"] = status_with([(0, revision)])
+    assert [a.kind for a in reconcile(body, ready_pods(revision)[:2], FakeStore(), NOW).actions] == ["restart"]
+
+
 def test_a_failed_group_sets_the_failed_condition():
-    body = make_cr(afd={"connector": "nccl"}, restartPolicy={"maxRestarts": 1, "backoffSeconds": 0})
+    body = make_cr(afd={"connector": "nccl"}, restartPolicy={"type": "RecreateGroupOnRankFailure", "maxRestarts": 1, "backoffSeconds": 0})
     revision = parse_spec(body["spec"]).revision
     body["status"] = status_with([(0, revision)])
     body["status"]["groups"][0]["restarts"] = 1
