@@ -1,29 +1,48 @@
 #!/bin/bash
-# Issue 32's FP8 work on the device machine in one call (logs and tuned tables under $OUT):
+# Issue 32's FP8 work on the device machine in one call; everything into $OUT/log.txt, the benches' JSON into
+# $OUT/json.tgz, the tuned FP8 tables into $OUT (all refreshed after each step, so a cut run keeps what it had):
 #   bash bench/run_gpu_fp8.sh
-# torch._scaled_mm's block scales probed, the FP8/routing GPU tests, FP8 MoE tables tuned (TUNE_SHAPES) and their
-# entries checked, the FP8 MoE layer benches (BENCH_SHAPES), then the DeepSeek-V3-shaped bf16/FP8 monolith =
-# AFD-over-NCCL test (one GPU shared). Each step has its own time limit (seconds, overridable).
+# The tree is first put back to its last commit (others' uncommitted edits travel with the working tree), then:
+# FP8 MoE tables tuned (TUNE_SHAPES), the FP8 MoE layer benches on them (BENCH_SHAPES), the FP8/routing GPU tests
+# (with the registers/spills of the FP8 defaults, before and now, and of the tuned entries beside them), then the
+# DeepSeek-V3-shaped monolith = AFD-over-NCCL tests (one GPU shared; V3_TESTS). Each step has its own time limit.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-start=$SECONDS
-pytest_q="python3 -m pytest -q -p no:warnings -p no:cacheprovider"
-[ "${PROBE:-1}" = 1 ] && timeout ${PROBE_TIMEOUT:-15} python3 bench/fp8_probe.py 2>&1 | tee $OUT/fp8_probe.log
-timeout ${TESTS_TIMEOUT:-60} $pytest_q tests/gpu/test_gpu_fp8.py tests/runtime/test_moe_fp8.py \
-  tests/runtime/test_routing_kernel.py --timeout 50 --maxfail 30 2>&1 | tee $OUT/fp8_tests.log | tail -25
-for shape in ${TUNE_SHAPES:-deepseek-v3}; do
-  timeout ${TUNE_TIMEOUT:-80} python3 bench/moe_tune.py --fp8 --shape $shape --tokens ${TUNE_TOKENS:-64,1024,4096} \
-    --deadline ${TUNE_DEADLINE:-15} --workers 15 2>&1 | tee -a $OUT/moe_tune_fp8.log
+start=$SECONDS LOG=$OUT/log.txt JSON=/tmp/afd_json
+mkdir -p $JSON
+if git rev-parse -q --verify HEAD >/dev/null 2>&1; then
+  echo "at $(git rev-parse --short HEAD); put back: $(git diff --name-only HEAD | tr '\n' ' ')" | tee -a $LOG
+  git diff --name-only HEAD | xargs -r git checkout -q HEAD --
+fi
+save() { tar czf $OUT/json.tgz -C $JSON . 2>/dev/null; cp runtime/afd/kernels/configs/*fp8*.json $OUT/ 2>/dev/null; }
+step() {  # step SECONDS COMMAND...: the command's output into the log, its JSON under $JSON
+  local limit=$1; shift
+  echo "=== +$((SECONDS - start)) s: $*" | tee -a $LOG
+  OUT=$JSON timeout $limit "$@" 2>&1 | tee -a $LOG | tail -n 25
+  save
+}
+tune_tokens=${TUNE_TOKENS:-1024,4096,64,256,2048}  # most wanted first: a deadline skips the last ones
+for shape in ${TUNE_SHAPES:-deepseek-v3:130:65 qwen3-30b-a3b:95:40}; do
+  IFS=: read -r name limit deadline <<<"$shape"
+  step $limit python3 bench/moe_tune.py --fp8 --shape $name --tokens $tune_tokens --deadline $deadline --workers 15
 done
-cp runtime/afd/kernels/configs/*fp8*.json $OUT/ 2>/dev/null
-timeout ${TABLES_TIMEOUT:-25} $pytest_q tests/gpu/test_gpu_fp8.py -k shipped --timeout 25 2>&1 | tee -a $OUT/fp8_tests.log | tail -5
-for shape in ${BENCH_SHAPES:-deepseek-v3 qwen3-30b-a3b}; do
-  timeout ${BENCH_TIMEOUT:-35} python3 bench/moe_layer_fp8.py --shape $shape --tokens ${BENCH_TOKENS:-64,256,1024,4096} \
-    2>&1 | tee -a $OUT/moe_layer_fp8.log
+for shape in ${BENCH_SHAPES:-deepseek-v3:50 qwen3-30b-a3b:35}; do
+  IFS=: read -r name limit <<<"$shape"
+  step $limit python3 bench/moe_layer_fp8.py --shape $name --tokens ${BENCH_TOKENS:-64,256,1024,4096}
 done
-echo "elapsed before the V3 test: $((SECONDS - start)) s"
-AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN timeout ${V3_TIMEOUT:-130} $pytest_q tests/gpu/test_gpu_v3_afd.py -k "${V3_K:-bf16 or fp8}" --timeout 125 \
-  2>&1 | tee $OUT/v3_afd.log | tail -30
-echo "elapsed: $((SECONDS - start)) s"
+(OUT=$JSON timeout 60 python3 bench/moe_fp8_spills.py --shape deepseek-v3 >/tmp/spills.log 2>&1) &
+step ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/runtime/test_moe_fp8.py \
+  tests/runtime/test_routing_kernel.py tests/runtime/test_moe_tuned_configs.py --timeout 50 --maxfail 30
+wait
+cat /tmp/spills.log >>$LOG; tail -n 20 /tmp/spills.log; save
+v3=tests/gpu/test_gpu_v3_afd.py
+v3_tests=("$v3::test_v3_shaped_monolith_equals_afd_with_graphs[fp8-2A1F-stages2]"
+          "$v3::test_v3_shaped_monolith_equals_afd_with_graphs[fp8-1A1F-stages2-gate_attention-ep2]"
+          "$v3::test_v3_shaped_monolith_equals_afd_over_nccl[fp8]")
+[ -n "${V3_TESTS:-}" ] && read -r -a v3_tests <<<"$V3_TESTS"
+export AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN AFD_V3_FORMATS=${V3_FORMATS:-fp8}
+v3_limit=${V3_TIMEOUT:-150}
+step $v3_limit python3 -m pytest -q -rA -p no:cacheprovider --timeout $v3_limit "${v3_tests[@]}"
+echo "elapsed: $((SECONDS - start)) s" | tee -a $LOG

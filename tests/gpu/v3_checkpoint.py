@@ -55,10 +55,11 @@ def _tensors(model, generator: torch.Generator, device: str):
                 0, 0.02, generator=generator)
 
 
-def write_v3_shaped(bf16_out: Path, fp8_out: Path, seed: int = 0, device: str = "cuda",
-                    overrides: dict | None = None) -> tuple[Path, Path]:
+def write_v3_shaped(bf16_out: Path | None, fp8_out: Path | None, seed: int = 0, device: str = "cuda",
+                    overrides: dict | None = None) -> tuple[Path | None, Path | None]:
     """Write the bf16 checkpoint to `bf16_out` and its FP8 block-quantized copy to `fp8_out` (`overrides`: config
-    keys changed, e.g. smaller shapes for a CPU check of the layout)."""
+    keys changed, e.g. smaller shapes for a CPU check of the layout); a folder given as None is not written (the
+    other holds the same weights either way)."""
     from safetensors.torch import save_file
 
     from afd.fp8_convert import SCALE_SUFFIX, is_quantized_weight, quantization_config
@@ -73,7 +74,8 @@ def write_v3_shaped(bf16_out: Path, fp8_out: Path, seed: int = 0, device: str = 
               "eos_token_id": tiny_config.get("eos_token_id")}
     with torch.device("meta"):
         model = deepseek_v3.build(config, parse_spec(config))
-    for out in (bf16_out, fp8_out):
+    outs = [out for out in (bf16_out, fp8_out) if out is not None]
+    for out in outs:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -82,9 +84,10 @@ def write_v3_shaped(bf16_out: Path, fp8_out: Path, seed: int = 0, device: str = 
 
     def flush(group: str) -> None:
         bf16, fp8 = files.pop(group)
-        written = len(list(bf16_out.glob("*.safetensors")))  # a group may come back (the final norm, the head)
+        written = len(list(outs[0].glob("*.safetensors")))  # a group may come back (the final norm, the head)
         for folder, tensors in ((bf16_out, bf16), (fp8_out, fp8)):
-            save_file(tensors, str(folder / f"model-{written:05d}.safetensors"), metadata={"format": "pt"})
+            if folder is not None:
+                save_file(tensors, str(folder / f"model-{written:05d}.safetensors"), metadata={"format": "pt"})
 
     for group, key, value in _tensors(model, generator, device):
         if files and group not in files:
@@ -100,10 +103,12 @@ def write_v3_shaped(bf16_out: Path, fp8_out: Path, seed: int = 0, device: str = 
             fp8[key] = bf16[key]
     while files:
         flush(next(iter(files)))
-    (bf16_out / "config.json").write_text(json.dumps(config, indent=2))
-    (fp8_out / "config.json").write_text(json.dumps(
-        {**config, "quantization_config": quantization_config("deepseek_v3", sorted(gates))}, indent=2))
-    for folder in (bf16_out, fp8_out):
+    if bf16_out is not None:
+        (bf16_out / "config.json").write_text(json.dumps(config, indent=2))
+    if fp8_out is not None:
+        (fp8_out / "config.json").write_text(json.dumps(
+            {**config, "quantization_config": quantization_config("deepseek_v3", sorted(gates))}, indent=2))
+    for folder in outs:
         for file in tiny.iterdir():
             if "token" in file.name or file.name.endswith(".jinja"):
                 shutil.copy(file, folder / file.name)
