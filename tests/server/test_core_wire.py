@@ -1,5 +1,7 @@
 """The messages between the API process and the engine core, and the text the API makes from token ids."""
 
+import contextlib
+
 from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
 from afd.server import core_wire
 from afd.server.core_wire import CoreState
@@ -9,8 +11,8 @@ from afd.server.request_text import RequestText
 def test_a_submit_carries_every_sampling_parameter():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=("a", "bc"),
                             stop_token_ids=(4,), ignore_eos=True, logprobs=2)
-    assert core_wire.decode_request(core_wire.encode_submit(2, "r1", [1, 2, 3], params, 12.5)) == (
-        core_wire.SUBMIT, 2, "r1", [1, 2, 3], params, 12.5)
+    assert core_wire.decode_request(core_wire.encode_submit(2, "r1", [1, 2, 3], params, 12.5, "g")) == (
+        core_wire.SUBMIT, 2, "r1", [1, 2, 3], params, 12.5, "g")
     assert core_wire.decode_request(core_wire.encode_abort(0, "r1")) == (core_wire.ABORT, 0, "r1")
     assert core_wire.decode_request(core_wire.encode_beat(1, True, None)) == (core_wire.BEAT, 1, True, None)
 
@@ -84,7 +86,7 @@ def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
         request = client.submit([1, 2], SamplingParams(max_tokens=3), got.append)
         while (message := core_wire.decode_request(core_in.recv()))[0] == core_wire.BEAT:
             assert message[1:] == (0, True, None)  # API process 0, listening, its loop turns
-        kind, api, request_id, prompt, params, arrival = message
+        kind, api, request_id, prompt, params, arrival, _ = message
         assert (kind, api, request_id, prompt, params.max_tokens) == (core_wire.SUBMIT, 0, request.request_id, [1, 2], 3)
         assert arrival == request.arrival  # the core's time to first token counts from the API's arrival
         core_out.send(core_wire.encode_outputs(CoreState(None, None), [RequestOutput(request_id, "", [0], [])]))
@@ -113,9 +115,12 @@ def test_each_api_process_gets_the_outputs_of_its_own_requests_and_the_core_hear
 
         on_burst = None
 
-        def submit(self, prompt_ids, params, on_output, request_id, text, arrival):
+        def submit(self, prompt_ids, params, on_output, request_id, text, arrival, group):
             on_output(RequestOutput(request_id, "", [prompt_ids[0]], [], finished=True, finish_reason="length"))
             self.on_burst()
+
+        def together(self):
+            return contextlib.nullcontext()
 
         def abort(self, request_id):
             pass
@@ -162,7 +167,7 @@ def test_the_requests_of_a_gone_api_process_are_aborted_in_the_engine(tmp_path):
         def __init__(self):
             self.aborted, self.callbacks = [], {}
 
-        def submit(self, prompt_ids, params, on_output, request_id, text, arrival):
+        def submit(self, prompt_ids, params, on_output, request_id, text, arrival, group=None):
             self.callbacks[request_id] = on_output
 
         def abort(self, request_id):

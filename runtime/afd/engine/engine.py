@@ -18,6 +18,7 @@ With `prefill_itl_ratio`, every step's own duration (`StepClock`) teaches the sc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,12 +31,13 @@ from afd.engine.prompt_logprobs import PromptLogprobs, prompt_rows
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from afd.engine.carry import carried_params, prime_text, seeded_generator
 from afd.engine.rewind import StepUndo, rewind, snapshot
-from afd.engine.inputs import build_inputs, to_device
+from afd.engine.inputs import build_inputs, riders_of, to_device
 from afd.engine.link_care import LinkCare
 from afd.engine.logits_controls import ControlState, StepControls, step_controls
 from afd.engine.outputs import OutputProcessor
 from afd.engine.sampler import Sampled, sample
 from afd.engine.scheduler import Scheduler
+from afd.engine.shared_prompt import copy_tails
 from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
 from afd.engine.structured import Grammars, StepMask, consume, fill_bitmask
 from afd.engine.text import IncrementalDetokenizer, StopChecker
@@ -134,14 +136,15 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
                request_id: str | None = None, text: bool = True, arrival: float | None = None,
-               carried: Sequence[int] = ()) -> Request:
+               carried: Sequence[int] = (), group: str | None = None) -> Request:
         """Queue a request; `InvalidRequest` if it can never run here. `request_id`: the caller's id for it;
         `text=False`: outputs carry no text and stop strings are not looked for (the caller detokenizes);
         `arrival`: when the caller took it (`time.monotonic()`; default now), where its time to first token starts;
-        `carried`: output tokens the client already has from another rank, continued from (`afd.engine.carry`)."""
+        `carried`: output tokens the client already has from another rank, continued from (`afd.engine.carry`);
+        `group`: requests of one group with one prompt (a request's choices) share its prefill (`afd.engine.shared_prompt`)."""
         sampling = carried_params(params, len(carried)) if carried else params
         request = Request(list(prompt_ids) + list(carried), sampling, on_output)
-        request.carried = len(carried)
+        request.carried, request.group = len(carried), group
         if carried and self.observer is not None and hasattr(self.observer, "on_carried"):
             self.observer.on_carried()
         if request_id is not None:
@@ -172,6 +175,13 @@ class Engine:
         if closed:  # nobody would ever take it: answer at once instead of leaving the caller waiting
             on_output(RequestOutput(request.request_id, "", [], [], finished=True, finish_reason="error", error=closed))
         return request
+
+    @contextlib.contextmanager
+    def together(self):
+        """Requests submitted inside are taken by the engine thread at once (a prompt's choices are admitted
+        together, so they can share its prefill)."""
+        with self._wake:
+            yield
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its KV-cache blocks are freed at the next step."""
@@ -311,14 +321,20 @@ class Engine:
     def _launch(self, batch: list[Request]) -> _Launched | None:
         """Build the step's inputs (one pass over `batch`), run it, start sampling; None if it failed."""
         step_id = self._step_id + 1
-        undo = snapshot(batch, self._step_id, self._prev_tokens)
+        riders = riders_of(batch)  # they may sample in this step, on their leader's prefill
+        undo = snapshot(batch + riders if riders else batch, self._step_id, self._prev_tokens)
         self._unread.append(undo)
-        inputs = build_inputs(batch, step_id, self._prev_tokens, self.max_model_len, self.device)
-        input_ids, layout, emit = inputs.input_ids, inputs.layout, inputs.emit
+        inputs = build_inputs(batch, step_id, self._prev_tokens, self.max_model_len, self.device,
+                              self.kv_cache.block_size)
+        input_ids, layout, emit, sampling = inputs.input_ids, inputs.layout, inputs.emit, inputs.sampling
         started = time.monotonic()
-        plain = all(r.params.plain for r in batch)  # no controls, prompt logprobs or grammar: today's path
+        # no controls, prompt logprobs or grammar: today's path
+        plain = all(r.params.plain for r in batch) and all(r.params.plain for r in riders)
         rows = None if plain else prompt_rows(batch, layout)
+        if riders:
+            batch = batch + riders  # what fails if the step fails
         try:
+            copy_tails(self.kv_cache, inputs.copies)
             if rows is not None:
                 self.step.logit_rows = to_device(rows.rows, self.device)
             try:
@@ -336,9 +352,9 @@ class Engine:
                 self._step_failed(batch, err)
             self._forget(undo)
             return None
-        sampling = batch
-        if len(emit) < len(batch):  # rows of unfinished prompt chunks sample nothing
-            logits, sampling = logits[to_device(emit, logits.device)], [batch[i] for i in emit]
+        rows_in = len(layout.new_lens)  # rows of unfinished prompt chunks sample nothing; a leader's, once per rider
+        if len(emit) != rows_in or (riders and emit != list(range(rows_in))):
+            logits = logits[to_device(emit, logits.device)]
         try:
             mask = None if plain else self._grammar_mask(sampling, logits.device)
             if undo not in self._unread:  # the FFN was lost while that read the previous step: this one is taken back

@@ -8,7 +8,8 @@ admission means a running request never has to be preempted. Admission is strict
 first-come-first-served: a large request at the head is not overtaken. With a `PrefillPacer`,
 a step that has decodes takes only as many prompt tokens as keep it within the pacer's
 multiple of a decode-only step, but enough that every prompt is in within `prefill_backlog_steps` steps of being
-queued (`afd.engine.step_cost`).
+queued (`afd.engine.step_cost`). The choices of one prompt are admitted together where the cache allows and
+share its prefill and full blocks (`afd.engine.shared_prompt`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import deque
 from itertools import islice
 
 from afd.engine.request import InvalidRequest, Request
+from afd.engine.shared_prompt import BlockOwners, hand_over, leader_of, leave, ride, riding, shared_blocks
 from afd.engine.step_cost import PrefillPacer
 from afd.kv_cache import KVCache
 
@@ -25,6 +27,7 @@ class Scheduler:
     def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  pacer: PrefillPacer | None = None):
         self.kv_cache = kv_cache
+        self.blocks = BlockOwners(kv_cache)  # blocks the choices of one prompt share have counted owners
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -63,7 +66,7 @@ class Scheduler:
         blocks until that step's result is in, but is not scheduled again. With decodes in the
         step, the pacer (if any) caps the prompt tokens.
         """
-        batch = [r for r in self.running if not r.final_scheduled]
+        batch = [r for r in self.running if not r.final_scheduled and (r.shares is None or not riding(r))]
         prefilling = [r for r in batch if r.cached_tokens < len(r.prompt_ids)]
         decodes = len(batch) - len(prefilling)
         budget = self.max_num_batched_tokens - decodes
@@ -78,11 +81,21 @@ class Scheduler:
                 request.chunk = min(len(request.prompt_ids) - request.cached_tokens, budget)
                 batch.append(request)
                 budget -= request.chunk
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting[0]
-            if not self.kv_cache.can_allocate(self.reserved_tokens(head)):
+            leader = leader_of(head, self.running) if head.group is not None else None
+            if leader is not None:  # it rides the leader's prefill: no prompt token of its own this step
+                shared = shared_blocks(leader, self.kv_cache.block_size)
+                own = self.reserved_tokens(head) - len(shared) * self.kv_cache.block_size
+                if not self.blocks.can_allocate(own):
+                    break
+                self.blocks.share(shared)
+                ride(head, leader, shared + tuple(self.blocks.allocate(own)))
+                self.running.append(self.waiting.popleft())
+                continue
+            if budget <= 0 or not self.blocks.can_allocate(self.reserved_tokens(head)):
                 break
-            head.blocks = tuple(self.kv_cache.allocate(self.reserved_tokens(head)))
+            head.blocks = tuple(self.blocks.allocate(self.reserved_tokens(head)))
             head.chunk = min(len(head.prompt_ids), budget)
             self.waiting.popleft()
             self.running.append(head)
@@ -104,8 +117,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if request.riders:
+            hand_over(request)
+        if request.shares is not None:
+            leave(request)
         if request.blocks:
-            self.kv_cache.release(request.blocks)
+            self.blocks.release(request.blocks)
             request.blocks = ()
 
     def abort(self, request_ids: set[str]) -> list[Request]:

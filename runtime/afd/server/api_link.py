@@ -140,7 +140,8 @@ class ApiLink:
         while not self._closed.is_set():
             try:
                 if self._requests.poll(poll_ms):
-                    self._take_requests()
+                    with self.engine.together():  # a burst's submits (one prompt's choices) are admitted together
+                        self._take_requests()
                 if any(self._pending) or time.monotonic() - min(self._sent) >= self.beat_s:
                     self.flush()
             except Exception:  # noqa: BLE001 — one bad message must not cut the API off the engine
@@ -165,12 +166,13 @@ class ApiLink:
                 self._listening[api], self._loop_problems[api] = rest
                 self._heard[api] = time.monotonic()
 
-    def _submit(self, api: int, request_id: str, prompt_ids: list[int], params, arrival: float | None = None) -> None:
+    def _submit(self, api: int, request_id: str, prompt_ids: list[int], params, arrival: float | None = None,
+                group: str | None = None) -> None:
         on_output = self._on_output[api]
         with self._lock:
             self._owned[api].add(request_id)
         try:
             self.engine.submit(prompt_ids, params, on_output, request_id=request_id, text=False,  # text: API side
-                               arrival=arrival)
+                               arrival=arrival, group=group)
         except InvalidRequest as err:  # the API checked it the same way: only a bug gets here
             on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error", error=str(err)))

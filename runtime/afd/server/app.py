@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -138,7 +139,9 @@ def create_app(state: ServerState) -> FastAPI:
             return _sse(streamed, events, make, request.include_usage, _wants_ids(http))
         count = max(request.n, request.best_of or 1)  # engine requests per prompt
         candidates = [c for sampling in params for c in choices.candidate_params(sampling, request.n, request.best_of)]
-        results = await _complete(http, _submit_all(state, [p for p in prompts for _ in range(count)], candidates))
+        groups = [_group(count) for _ in prompts]
+        results = await _complete(http, _submit_all(state, [p for p in prompts for _ in range(count)], candidates,
+                                                     [g for g in groups for _ in range(count)]))
         if results is None:
             return Response(status_code=499)
         picked = [choice for i in range(len(prompts)) for choice in choices.pick_best(
@@ -158,7 +161,8 @@ def create_app(state: ServerState) -> FastAPI:
                                   "chat.completion.chunk", PromptShown([prompt], None, request.prompt_logprobs))
             make = lambda index, out, first: events.chat(out, first and not resume, index, not resume)  # noqa: E731
             return _sse(streamed, events, make, request.include_usage, _wants_ids(http))
-        submitted = _submit_all(state, [prompt] * request.n, choices.candidate_params(params, request.n, None))
+        submitted = _submit_all(state, [prompt] * request.n, choices.candidate_params(params, request.n, None),
+                                [_group(request.n)] * request.n)
         results = await _complete(http, submitted)
         if results is None:
             return Response(status_code=499)
@@ -316,11 +320,12 @@ def _max_tokens(state: ServerState, prompt: list[int], requested: int | None) ->
 class _Outputs:
     """One request's engine outputs on the event loop, taken as they arrive (see `handoff`)."""
 
-    def __init__(self, state: ServerState, prompt: list[int], params):
+    def __init__(self, state: ServerState, prompt: list[int], params, group: str | None = None):
         handoff, sink = LoopHandoff.of(asyncio.get_running_loop()), OutputSink()
         self.sink = sink
         self.engine = state.engine
-        self.request = state.engine.submit(prompt, params, lambda out: handoff.put(sink, out))
+        shared = {"group": group} if group is not None else {}
+        self.request = state.engine.submit(prompt, params, lambda out: handoff.put(sink, out), **shared)
         self.finished = False
         self.first = True
 
@@ -352,12 +357,19 @@ class _Outputs:
             self.engine.abort(self.request.request_id)
 
 
-def _submit_all(state: ServerState, prompts: list[list[int]], params) -> list[_Outputs]:
-    """Every prompt queued at once (they batch together); none left behind if one is refused."""
+def _group(count: int) -> str | None:
+    """The engine group of one prompt's `count` choices (they share its prefill), or None for one."""
+    return uuid.uuid4().hex if count > 1 else None
+
+
+def _submit_all(state: ServerState, prompts: list[list[int]], params, groups: list) -> list[_Outputs]:
+    """Every prompt queued at once (they batch together; the choices of one prompt, one group each, share its
+    prefill); none left behind if one is refused."""
     outputs: list[_Outputs] = []
     try:
-        for prompt, sampling in zip(prompts, params):
-            outputs.append(_Outputs(state, prompt, sampling))
+        with state.engine.together():
+            for prompt, sampling, group in zip(prompts, params, groups):
+                outputs.append(_Outputs(state, prompt, sampling, group))
     except BaseException:
         for submitted in outputs:
             submitted.abort()
@@ -388,14 +400,17 @@ class _StreamedChoices:
         handoff, self.sink = LoopHandoff.of(asyncio.get_running_loop()), OutputSink()
         self.engine = state.engine
         carried = {"carried": resume.token_ids} if resume is not None else {}
+        if resume is None and len(params) > 1:
+            carried["group"] = _group(len(params))
         if resume is not None:  # nothing of the prompt is shown again: its logprobs are not computed again
             params = [dataclasses.replace(p, prompt_logprobs=None) for p in params]
         self.request_ids: list[str] = []
         self.open = set(range(len(params)))  # choices not finished yet
         try:
-            for index, sampling in enumerate(params):
-                submitted = state.engine.submit(prompt, sampling, self._deliver(handoff, index), **carried)
-                self.request_ids.append(submitted.request_id)
+            with state.engine.together():
+                for index, sampling in enumerate(params):
+                    submitted = state.engine.submit(prompt, sampling, self._deliver(handoff, index), **carried)
+                    self.request_ids.append(submitted.request_id)
         except BaseException:
             self.abort()
             raise

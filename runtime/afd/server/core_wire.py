@@ -27,10 +27,13 @@ class CoreState:
     unready: str | None
 
 
-def encode_submit(api: int, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float) -> bytes:
+def encode_submit(api: int, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float,
+                  group: str | None = None) -> bytes:
     """`arrival`: `time.monotonic()` when the API process took the request (one clock for the pod's processes on
-    Linux), so the core's time to first token counts from there, as in one process."""
-    return pickle.dumps((SUBMIT, api, request_id, prompt_ids, astuple(params), arrival), protocol=pickle.HIGHEST_PROTOCOL)
+    Linux), so the core's time to first token counts from there, as in one process; `group`: the choices of one
+    prompt share its prefill (`Engine.submit`)."""
+    return pickle.dumps((SUBMIT, api, request_id, prompt_ids, astuple(params), arrival, group),
+                        protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def encode_abort(api: int, request_id: str) -> bytes:
@@ -43,12 +46,12 @@ def encode_beat(api: int, listening: bool, loop_problem: str | None) -> bytes:
 
 
 def decode_request(message: bytes) -> tuple:
-    """(SUBMIT, api, id, prompt ids, SamplingParams, arrival) | (ABORT, api, id) | (BEAT, api, listening, loop
+    """(SUBMIT, api, id, prompt ids, SamplingParams, arrival, group) | (ABORT, api, id) | (BEAT, api, listening, loop
     problem)."""
     decoded = pickle.loads(message)
     if decoded[0] == SUBMIT:
-        kind, api, request_id, prompt_ids, params, arrival = decoded
-        return kind, api, request_id, prompt_ids, SamplingParams(*params), arrival
+        kind, api, request_id, prompt_ids, params, arrival, group = decoded
+        return kind, api, request_id, prompt_ids, SamplingParams(*params), arrival, group
     return decoded
 
 

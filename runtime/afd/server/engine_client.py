@@ -11,6 +11,7 @@ unhealthy and ends every request waiting on it with an error, so none waits fore
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Callable
@@ -51,14 +52,20 @@ class EngineClient:
         self.heard: float | None = None
 
     # -- what app.py uses of Engine (event loop) ----------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None]) -> Request:
-        """Send a request to the core; `InvalidRequest` if it can never run there."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
+               group: str | None = None) -> Request:
+        """Send a request to the core; `InvalidRequest` if it can never run there. `group`: as `Engine.submit`'s."""
         request = self._admission.check(Request(list(prompt_ids), params, on_output))
         self._waiting[request.request_id] = on_output
         self._texts[request.request_id] = RequestText(self.tokenizer, params.stop, params)
-        if not self._send(core_wire.encode_submit(self.api, request.request_id, request.prompt_ids, params, request.arrival)):
+        if not self._send(core_wire.encode_submit(self.api, request.request_id, request.prompt_ids, params, request.arrival,
+                                                  group)):
             self._fail(request.request_id, "the engine core is not connected")
         return request
+
+    def together(self):
+        """As `Engine.together`: the core takes the messages of one burst together (`api_link`)."""
+        return contextlib.nullcontext()
 
     def abort(self, request_id: str) -> None:
         self._texts.pop(request_id, None)

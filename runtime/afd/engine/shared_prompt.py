@@ -1,0 +1,132 @@
+"""The choices of one prompt (`n` > 1, `best_of`) share its prefill and its full KV-cache blocks.
+
+Requests submitted with one `group` and the same prompt: the first admitted (the leader) prefills
+the prompt; one admitted with it, or while its prompt is still being fed, rides it (`ride`): it
+feeds no token, and in the step that feeds the leader's last prompt chunk it samples its own first
+token from the leader's logits row (its own seed stream, controls and grammar), then decodes on
+its own. The prompt's full blocks are shared, with counted owners (`BlockOwners`: a block is freed
+when its last owner finishes); the blocks past them are each request's own, and the partly filled
+last prompt block is copied into the rider's own before its first decode step (`copy_tails`), so
+no request ever writes into a block it shares. A leader that ends before its prompt is in hands
+its riders to the first of them, which prefills (`hand_over`). A choice that finds no room beside
+its leader runs as a request of its own (its own prefill), as before.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from afd.engine.request import Request
+from afd.host_copy import host_to_device
+
+
+class BlockOwners:
+    """Reference counts over a KV cache's blocks: `allocate` gives one owner, `share` adds one, `release` drops one
+    and frees the blocks nobody owns any more."""
+
+    def __init__(self, kv_cache):
+        self.kv_cache = kv_cache
+        self._extra: dict[int, int] = {}  # owners beyond the first, of shared blocks only
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        return self.kv_cache.allocate(num_tokens)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.kv_cache.can_allocate(num_tokens)
+
+    def share(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self._extra[block] = self._extra.get(block, 0) + 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        free = []
+        for block in blocks:
+            extra = self._extra.get(block)
+            if extra is None:
+                free.append(block)
+            elif extra == 1:
+                del self._extra[block]
+            else:
+                self._extra[block] = extra - 1
+        if free:
+            self.kv_cache.release(free)
+
+    @property
+    def shared(self) -> int:
+        """Blocks with more than one owner now."""
+        return len(self._extra)
+
+
+def riding(request: Request) -> bool:
+    """Waits for its leader's prefill: not scheduled on its own."""
+    return request.shares is not None and request.cached_tokens < len(request.prompt_ids)
+
+
+def leader_of(request: Request, running: Sequence[Request]) -> Request | None:
+    """The running request of `request`'s group whose prompt is the same and still being fed, or None."""
+    for other in reversed(running):
+        if (other.group == request.group and other.shares is None and other.cached_tokens < len(other.prompt_ids)
+                and other.prompt_ids == request.prompt_ids):
+            return other
+    return None
+
+
+def shared_blocks(leader: Request, block_size: int) -> tuple[int, ...]:
+    """The leader's blocks its prompt fills entirely: the ones its riders share."""
+    return leader.blocks[: len(leader.prompt_ids) // block_size]
+
+
+def ride(request: Request, leader: Request, blocks: tuple[int, ...]) -> None:
+    """`request` takes `leader`'s prefill, with `blocks` (the shared ones first, then its own)."""
+    request.blocks, request.shares, request.chunk = blocks, leader, 0
+    request.prompt_logprobs = leader.prompt_logprobs  # gathered once, over the leader's chunks
+    leader.riders.append(request)
+
+
+def board(leader: Request, block_size: int) -> list[Request]:
+    """In the step that feeds `leader`'s last prompt chunk: its riders, whose prompt is in the
+    cache from then on; each is to copy the partly filled last prompt block (if any) into its own before it decodes."""
+    prompt = len(leader.prompt_ids)
+    boarding = [r for r in leader.riders if r.cached_tokens < prompt and not r.done]
+    last, rows = divmod(prompt, block_size)
+    for rider in boarding:
+        rider.cached_tokens = prompt
+        rider.copy_tail = (leader.blocks[last], rider.blocks[last], rows) if rows else None
+    return boarding
+
+
+def hand_over(leader: Request) -> None:
+    """`leader` ends: its riders still waiting for its prefill ride the first of them, which prefills."""
+    waiting = [r for r in leader.riders if riding(r) and not r.done]
+    leader.riders = []
+    if not waiting:
+        return
+    first, rest = waiting[0], waiting[1:]
+    first.shares, first.riders, first.prompt_logprobs = None, rest, []
+    for rider in rest:
+        rider.shares, rider.prompt_logprobs = first, first.prompt_logprobs
+
+
+def leave(request: Request) -> None:
+    """`request` ends: it no longer rides its leader."""
+    leader = request.shares
+    if leader is not None and request in leader.riders:
+        leader.riders.remove(request)
+
+
+def copy_tails(kv_cache, copies: list[tuple[int, int, int]]) -> None:
+    """Copy each (from block, to block, rows)'s first rows in every layer (device work, queued before the step that
+    first writes the copies' blocks)."""
+    if not copies:
+        return
+    size = kv_cache.block_size
+    source = [src * size + i for src, _, rows in copies for i in range(rows)]
+    target = [dst * size + i for _, dst, rows in copies for i in range(rows)]
+    device = kv_cache.keys[0].device
+    source, target = (host_to_device(torch.tensor(rows), device) for rows in (source, target))
+    for keys, values, layout in zip(kv_cache.keys, kv_cache.values, kv_cache.layouts):
+        keys.index_copy_(0, target, keys.index_select(0, source))
+        if not layout.values_in_keys:
+            values.index_copy_(0, target, values.index_select(0, source))

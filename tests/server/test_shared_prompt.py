@@ -1,0 +1,97 @@
+"""The choices of one prompt (n > 1) share its prefill and full KV blocks: one prefill, fewer blocks, the same outputs
+as separate requests with the same seeds (`afd.engine.shared_prompt`)."""
+
+import pytest
+import torch
+
+from afd.engine.engine import Engine
+from afd.engine.request import Request, SamplingParams
+from afd.engine.scheduler import Scheduler
+from afd.engine.tokenizer import load_tokenizer
+from afd.kv_cache import KVCache
+from afd.models.loader import load_model
+from afd.runners.monolithic import MonolithicRunner
+from tests.server.conftest import Outputs
+
+N, MAX_TOKENS, BLOCK = 4, 6, 16
+
+
+@pytest.fixture(scope="module")
+def parts(checkpoints):
+    return load_model(str(checkpoints["qwen3_moe"])), load_tokenizer(str(checkpoints["qwen3_moe"]))
+
+
+class Counting:
+    """The runner, counting the tokens fed and the KV blocks in use at each step."""
+
+    def __init__(self, runner):
+        self.runner, self.fed, self.most_blocks = runner, 0, 0
+        self.logit_rows, self.row_logits = None, None
+
+    def __call__(self, input_ids, layout):
+        self.fed += input_ids.numel()
+        cache = self.runner.kv_cache
+        self.most_blocks = max(self.most_blocks, cache.num_blocks - cache.free_blocks)
+        return self.runner(input_ids, layout)
+
+
+def run(parts, prompt, params_list, group, pipeline=True, budget=8192):
+    loaded, tokenizer = parts
+    cache = KVCache.for_tokens(loaded.model.kv_layouts(), 1024, torch.float32, "cpu")
+    step = Counting(MonolithicRunner(loaded, cache))
+    engine = Engine(step, cache, tokenizer, (), max_num_seqs=8, max_model_len=256, max_num_batched_tokens=budget,
+                    pipeline=pipeline).start()
+    try:
+        outputs = Outputs(len(params_list))
+        with engine.together():
+            for index, params in enumerate(params_list):
+                engine.submit(prompt, params, outputs.collector(index), group=group)
+        results = outputs.wait(60)
+        assert engine.num_running == 0 and cache.free_blocks == cache.num_blocks and not engine.scheduler.blocks.shared
+    finally:
+        engine.stop()
+    tokens = [[(t, round(lp.logprob, 4)) for o in outs for t, lp in zip(o.token_ids, o.logprobs)] for outs in results]
+    return tokens, step
+
+
+@pytest.mark.parametrize("length", [40, 32])  # a partly filled last prompt block (copied per choice), and none
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_n_choices_prefill_once_share_blocks_and_equal_separate_runs(parts, length, pipeline):
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(length)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11 + j, ignore_eos=True, logprobs=0)
+              for j in range(N)]
+    shared, step = run(parts, prompt, params, group="g", pipeline=pipeline)
+    alone = [run(parts, prompt, [p], group=None, pipeline=pipeline)[0][0] for p in params]
+    assert shared == alone and len({tuple(t) for t in shared}) > 1
+    assert step.fed == length + N * (MAX_TOKENS - 1)  # the prompt once, then every choice's decodes
+    own = -(-(length + MAX_TOKENS) // BLOCK)
+    assert step.most_blocks == own + (N - 1) * (own - length // BLOCK)  # the prompt's full blocks held once
+    _, separate = run(parts, prompt, params, group=None, pipeline=pipeline)
+    assert separate.fed == N * length + N * (MAX_TOKENS - 1) and separate.most_blocks == N * own
+
+
+def test_chunked_prefill_riders_wait_for_the_last_chunk(parts):
+    prompt = [(5 * i + 1) % 150 + 5 for i in range(40)]
+    params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True) for _ in range(3)]
+    shared, step = run(parts, prompt, params, group="g", budget=16)  # the prompt in 3 chunks
+    assert step.fed == 40 + 3 * 2 and shared[0] == shared[1] == shared[2]
+
+
+def test_a_leader_ending_before_its_prompt_is_in_hands_its_riders_over():
+    cache = KVCache([], 16, torch.float32, "cpu", block_size=BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)
+    prompt = list(range(1, 41))
+    requests = [Request(prompt, SamplingParams(max_tokens=8), lambda out: None, group="g") for _ in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    assert scheduler.schedule() == [requests[0]]  # the leader's first chunk; both others ride it
+    assert [r.shares for r in requests[1:]] == [requests[0]] * 2 and requests[0].riders == requests[1:]
+    assert cache.num_blocks - cache.free_blocks == 3 + 2 * 1 and scheduler.blocks.shared == 2
+    requests[0].cached_tokens = 16
+    scheduler.finish(requests[0])  # aborted mid-prompt: the first rider prefills, the other rides it
+    assert requests[1].shares is None and requests[2].shares is requests[1] and requests[1].riders == [requests[2]]
+    assert cache.num_blocks - cache.free_blocks == 2 + 1 + 1
+    assert scheduler.schedule() == [requests[1]] and requests[1].chunk == 16
+    for request in requests[1:]:
+        scheduler.finish(request)
+    assert cache.free_blocks == cache.num_blocks and not scheduler.blocks.shared
