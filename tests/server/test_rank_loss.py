@@ -39,7 +39,7 @@ class Stream:
             self.url, self.body = f"{api}/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
         else:
             self.url, self.body = f"{api}/completions", {**body, "prompt": prompt}
-        self.text, self.ids, self.indexes, self.roles = "", set(), set(), 0
+        self.text, self.ids, self.indexes, self.roles, self.texts = "", set(), set(), 0, {}
         self.events, self.error, self.usage, self.finish, self.done, self.longest_pause = 0, None, None, None, False, 0.0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -53,6 +53,8 @@ class Stream:
                     return
                 choice = answer.json()["choices"][0]
                 self.text = choice["message"]["content"] if self.chat else choice["text"]
+                self.texts = {c["index"]: c["message"]["content"] if self.chat else c["text"]
+                              for c in answer.json()["choices"]}
                 self.finish, self.usage, self.done, self.indexes = choice["finish_reason"], answer.json()["usage"], True, {0}
                 self.ids, self.events = {answer.json()["id"]}, 1
             except httpx.HTTPError as err:
@@ -81,9 +83,11 @@ class Stream:
                         self.events += 1
                         if self.chat:
                             self.roles += "role" in choice["delta"]
-                            self.text += choice["delta"].get("content") or ""
+                            piece = choice["delta"].get("content") or ""
                         else:
-                            self.text += choice["text"]
+                            piece = choice["text"]
+                        self.text += piece
+                        self.texts[choice["index"]] = self.texts.get(choice["index"], "") + piece
                         self.finish = choice["finish_reason"] or self.finish
         except httpx.HTTPError as err:
             self.error = f"{type(err).__name__}: {err}"
@@ -161,6 +165,38 @@ def test_killing_the_ffn_then_an_attention_rank_mid_stream_loses_no_request(tmp_
                   f"longest pause {max(s.longest_pause for s in disturbed if s.streamed):.1f} s (FFN restart), "
                   f"{moved:.0f} streams moved, move waits so far {waits:.3f} s in all")
             wait_for(lambda: healthy(attention0) and healthy(api), 120, "attention rank 0 back")
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+    assert wait_for(lambda: processes_with_marker(marker) == [] or None, 15, "every process to stop")
+
+
+@pytest.mark.timeout(300)
+def test_n_streams_move_each_choice_when_their_attention_rank_dies(tmp_path):
+    """n = 2 streams through the front door; kill -9 attention rank 0 mid-stream: each choice goes on from its own
+    tokens on the other rank, equal to the undisturbed choice, usage counting every token once."""
+    marker, port, state_file = uuid.uuid4().hex, free_port_block(1), tmp_path / "state.json"
+    env = {**os.environ, "AFD_TEST_MARKER": marker, "AFD_CACHE_DIR": str(tmp_path / "cache")}
+    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", "2A1F", "--port", str(port),
+                           "--state-file", str(state_file), "--no-demo"], env=env, stdout=subprocess.DEVNULL,
+                          stderr=open(tmp_path / "up.log", "w"))
+    try:
+        api = wait_for(lambda: read_state(state_file), 240, "the state file")["api"]
+        model = httpx.get(f"{api}/models").json()["data"][0]["id"]
+        sampling = {"temperature": 1.0, "seed": 77, "n": 2}
+
+        def kill_attention(streams):
+            wait_for(lambda: min(s.events for s in streams if s.streamed) >= 8, 60, "every stream under way")
+            os.kill(pid_of(state_file, "attention", 0), signal.SIGKILL)
+
+        undisturbed = run_all(api, model, sampling)
+        disturbed = run_all(api, model, sampling, kill_attention)
+        for before, after in zip(undisturbed, disturbed):
+            assert after.error is None and after.done, (after.index, after.error)
+            assert after.texts == before.texts and set(after.texts) == {0, 1}, (after.index, before.texts, after.texts)
+            assert after.usage == before.usage and after.usage["completion_tokens"] == 2 * TOKENS
+            assert after.roles == (2 if after.chat and after.streamed else 0)
+        assert front_series(api, "afd_front_requests_moved_total") > 0
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)

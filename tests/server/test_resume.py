@@ -42,6 +42,10 @@ def test_a_signed_resume_verifies_and_anything_else_is_refused_by_name():
     with pytest.raises(InvalidRequest, match="not a text_completion id"):
         resume.request_id("text_completion")
     assert resume.request_id("chat.completion.chunk") == "abc"
+    choices = Resume("cmpl-n", (5, 6), ((), (7,)), (0,))  # n = 3: choice 0 finished, choice 1 not started
+    assert verify(KEY, sign(KEY, choices), 100) == choices and choices.choices == ((5, 6), (), (7,))
+    with pytest.raises(InvalidRequest, match="a choice to continue"):
+        verify(KEY, sign(KEY, Resume("cmpl-n", (5,), ((6,),), (0, 1))), 100)
 
 
 def test_the_reader_passes_whole_events_strips_id_comments_and_knows_when_a_stream_is_over():
@@ -227,21 +231,36 @@ def test_a_cut_stream_that_cannot_move_ends_with_an_error_event_not_silence():
     assert cut.startswith(chunk) and b'"error"' in cut and cut.endswith(b"data: [DONE]\n\n")
 
 
-def _choice_events(stream_id: str, choices: list[tuple[int, str, str | None]]) -> list[bytes]:
-    """A stream of n > 1 choices as a rank gives it to a relay: n said once, no token ids."""
-    chunks = [{"id": stream_id, "choices": [{"index": i, "text": s, "finish_reason": r}]} for i, s, r in choices]
-    out = [f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks]
+def _choice_events(stream_id: str, choices: list[tuple[int, int, str, str | None]], ids: bool = True) -> list[bytes]:
+    """A stream of n = 2 choices as a rank gives it to a relay: n said once, each event's (token id, text) under its
+    index (`ids`: with the ids comments)."""
+    out = []
+    for index, token, text, reason in choices:
+        chunk = {"id": stream_id, "choices": [{"index": index, "text": text, "finish_reason": reason}]}
+        out.append((f": afd-ids {index}:{token}\n" if ids else "").encode() + f"data: {json.dumps(chunk)}\n\n".encode())
     return [b": afd-choices 2\n" + out[0], *out[1:]]
 
 
-def test_a_cut_stream_of_n_choices_is_not_moved_mid_way_but_ends_with_an_error_event():
-    async def never(_):
-        raise AssertionError("an n > 1 stream is not moved")
+def test_a_cut_stream_of_n_choices_moves_each_unfinished_choice_from_its_own_tokens():
+    one_done = _choice_events("cmpl-6", [(0, 1, "a", None), (1, 2, "b", None), (0, 3, "c", "length")])
 
-    one_done = _choice_events("cmpl-6", [(0, "a", None), (1, "b", None), (0, "c", "length")])
-    cut = _collect(httpx.Response(200, stream=_CutStream(one_done, True)), never)
-    assert b"afd-choices" not in cut and b'"error"' in cut and cut.endswith(b"data: [DONE]\n\n")  # not just [DONE]
-    both_done = one_done + _choice_events("cmpl-6", [(1, "d", "length")])[0:1]
+    async def reopen(resume):
+        assert resume == Resume("cmpl-6", (1, 3), ((2,),), (0,))  # choice 0 is over: only choice 1 goes on
+        return httpx.Response(200, stream=_CutStream(_choice_events("cmpl-6", [(1, 4, "d", "length")])
+                                                     + [b"data: [DONE]\n\n"], False))
+
+    moved = _collect(httpx.Response(200, stream=_CutStream(one_done, True)), reopen)
+    texts = [(c["index"], c["text"]) for line in moved.split(b"\n") if line.startswith(b"data: {")
+             for c in json.loads(line[6:])["choices"]]
+    assert texts == [(0, "a"), (1, "b"), (0, "c"), (1, "d")] and b"afd-" not in moved and b"error" not in moved
+
+    async def never(_):
+        raise AssertionError("a rank that says no ids: not moved")
+
+    silent = _choice_events("cmpl-7", [(0, 1, "a", None), (1, 2, "b", None)], ids=False)
+    cut = _collect(httpx.Response(200, stream=_CutStream(silent, True)), never)
+    assert b'"error"' in cut and cut.endswith(b"data: [DONE]\n\n")
+    both_done = _choice_events("cmpl-6", [(0, 1, "a", "length"), (1, 2, "b", "length")])
     ended = _collect(httpx.Response(200, stream=_CutStream(both_done, True)), never)
     assert b'"error"' not in ended and ended.endswith(b"data: [DONE]\n\n")
 

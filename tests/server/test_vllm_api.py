@@ -294,26 +294,35 @@ def test_n_choices_streamed_each_under_its_index_equal_the_unstreamed_ones(serve
         assert "".join(d["content"] for d in deltas) == choice["message"]["content"]
 
 
-def test_a_relay_is_told_an_n_stream_has_no_ids_and_cannot_resume_it(server):
+def test_an_n_stream_moved_mid_way_continues_each_choice_from_its_own_tokens(server):
     from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, sign
 
-    _, text = streamed(server, "/v1/completions", headers={IDS_HEADER: "1"}, prompt="Hi", max_tokens=3, n=2,
-                       temperature=1.0, ignore_eos=True)
-    assert text.startswith(": afd-choices 2\n") and "afd-ids" not in text
-    reader = StreamReader()
-    cut = text.encode()[: text.encode().rindex(b"data: {")]  # every event but the last one
+    body = dict(prompt="Hi", max_tokens=6, n=3, temperature=1.0, seed=9, ignore_eos=True,
+                stream_options={"include_usage": True})
+    chunks, text = streamed(server, "/v1/completions", headers={IDS_HEADER: "1"}, **body)
+    assert text.startswith(": afd-choices 3\n") and ": afd-ids 2:" in text
+    by_index = lambda cs: ["".join(c["choices"][0]["text"] for c in cs if c["choices"] and c["choices"][0]["index"] == i)
+                           for i in range(3)]  # noqa: E731
+    whole, events = by_index(chunks), text.encode().split(b"\n\n")
+    cut = b"\n\n".join(events[:8]) + b"\n\n"  # 8 of 18 token events went out
+    reader, full = StreamReader(), StreamReader()
     reader.feed(cut)
-    assert reader.choices == 2 and not reader.finished and not reader.resumable
-    reader.feed(text.encode()[len(cut):])
-    assert reader.finished  # both choices' last events went out
+    full.feed(text.encode())
+    assert reader.resumable and full.finished and not full.resumable
+    before = by_index([json.loads(line[6:]) for line in cut.decode().split("\n") if line.startswith("data: {")])
     server.state.resume_key = b"secret"
     try:
-        header = sign(b"secret", Resume("cmpl-x", (1, 2)))
-        response = httpx.post(f"{server.url}/v1/completions", headers={RESUME_HEADER: header}, timeout=30,
-                              json={"model": server.model, "prompt": "Hi", "max_tokens": 3, "n": 2, "stream": True})
+        moved, _ = streamed(server, "/v1/completions", headers={RESUME_HEADER: sign(b"secret", reader.resume())}, **body)
+        one_done = Resume(reader.stream_id, tuple(full.ids[0]), tuple(map(tuple, reader.resume().more)), (0,))
+        rest, _ = streamed(server, "/v1/completions", headers={RESUME_HEADER: sign(b"secret", one_done)}, **body)
+        mismatched = httpx.post(f"{server.url}/v1/completions", headers={RESUME_HEADER: sign(b"secret", one_done)},
+                                json={"model": server.model, **body, "n": 2, "stream": True}, timeout=30)
     finally:
         server.state.resume_key = b""
-    assert response.status_code == 400 and response.json()["error"]["param"] == RESUME_HEADER
+    assert [b + a for b, a in zip(before, by_index(moved))] == whole  # nothing twice, nothing lost, each its seed
+    assert moved[-1]["usage"] == rest[-1]["usage"] == chunks[-1]["usage"] and {c["id"] for c in moved} == {chunks[0]["id"]}
+    assert by_index(rest)[0] == "" and [before[i] + by_index(rest)[i] for i in (1, 2)] == whole[1:]
+    assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == RESUME_HEADER
 
 
 @pytest.mark.parametrize("body, field", [

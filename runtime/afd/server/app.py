@@ -134,8 +134,7 @@ def create_app(state: ServerState) -> FastAPI:
             streamed = _StreamedChoices(state, prompts[0], choices.candidate_params(params[0], request.n, None), resume)
             events = StreamEvents(state, resume.request_id("text_completion") if resume else streamed.request_id,
                                   "text_completion", None if resume else shown)
-            make = lambda index, out, first: events.completion(  # noqa: E731
-                out, echo[0] if first and not resume else "", index, first and not resume)
+            make = lambda index, out, first: events.completion(out, echo[0] if first else "", index, first)  # noqa: E731
             return _sse(streamed, events, make, request.include_usage, _wants_ids(http))
         count = max(request.n, request.best_of or 1)  # engine requests per prompt
         candidates = [c for sampling in params for c in choices.candidate_params(sampling, request.n, request.best_of)]
@@ -159,7 +158,7 @@ def create_app(state: ServerState) -> FastAPI:
             streamed = _StreamedChoices(state, prompt, choices.candidate_params(params, request.n, None), resume)
             events = StreamEvents(state, resume.request_id("chat.completion.chunk") if resume else streamed.request_id,
                                   "chat.completion.chunk", PromptShown([prompt], None, request.prompt_logprobs))
-            make = lambda index, out, first: events.chat(out, first and not resume, index, not resume)  # noqa: E731
+            make = lambda index, out, first: events.chat(out, first, index, not resume)  # noqa: E731
             return _sse(streamed, events, make, request.include_usage, _wants_ids(http))
         submitted = _submit_all(state, [prompt] * request.n, choices.candidate_params(params, request.n, None),
                                 [_group(request.n)] * request.n)
@@ -290,8 +289,9 @@ def _resume_of(state: ServerState, http: Request, stream: bool, n: int = 1) -> r
     resume = resumes.verify(state.resume_key, http.headers.get(resumes.RESUME_HEADER), state.vocab_size)
     if resume is not None and not stream:
         raise InvalidRequest(f"{resumes.RESUME_HEADER} continues streams only", resumes.RESUME_HEADER)
-    if resume is not None and n > 1:  # its ids would be every choice's, interleaved: such a stream is never moved
-        raise InvalidRequest(f"{resumes.RESUME_HEADER} continues one choice (n=1), not n={n}", resumes.RESUME_HEADER)
+    if resume is not None and len(resume.choices) != n:
+        raise InvalidRequest(f"{resumes.RESUME_HEADER} carries {len(resume.choices)} choices, the request asks n={n}",
+                             resumes.RESUME_HEADER)
     if resume is not None and not isinstance(state.engine, Engine):
         raise InvalidRequest("a moved stream needs the engine in the API's process (AFD_API_PROCESS off)",
                              resumes.RESUME_HEADER)
@@ -394,30 +394,32 @@ async def _complete(http: Request, outputs: list[_Outputs]) -> list[list[Request
 
 class _StreamedChoices:
     """The choices of one streamed prompt (n engine requests, queued together), their outputs taken together as they
-    arrive, each with its choice's index; a moved stream (`resume`, n=1) goes on from the carried tokens."""
+    arrive, each with its choice's index; a moved stream (`resume`) goes on from each choice's carried tokens (a
+    choice whose last event went out before the move is not run again)."""
 
     def __init__(self, state: ServerState, prompt: list[int], params: list, resume: resumes.Resume | None = None):
         handoff, self.sink = LoopHandoff.of(asyncio.get_running_loop()), OutputSink()
-        self.engine = state.engine
-        carried = {"carried": resume.token_ids} if resume is not None else {}
-        if resume is None and len(params) > 1:
-            carried["group"] = _group(len(params))
+        self.engine, self.n = state.engine, len(params)
+        carried = resume.choices if resume is not None else [()] * self.n
+        finished = set(resume.finished) if resume is not None else set()
+        group = {"group": _group(self.n)} if resume is None and self.n > 1 else {}
         if resume is not None:  # nothing of the prompt is shown again: its logprobs are not computed again
             params = [dataclasses.replace(p, prompt_logprobs=None) for p in params]
-        self.request_ids: list[str] = []
-        self.open = set(range(len(params)))  # choices not finished yet
+        self.request_ids: dict[int, str] = {}
+        self.open = set(range(self.n)) - finished  # choices not finished yet
+        self.started = {i for i in range(self.n) if carried[i] or i in finished}  # choices the client saw
+        self.tokens = [len(ids) for ids in carried]  # each choice's completion tokens so far
+        self.prompt_tokens = len(prompt)
         try:
             with state.engine.together():
-                for index, sampling in enumerate(params):
-                    submitted = state.engine.submit(prompt, sampling, self._deliver(handoff, index), **carried)
-                    self.request_ids.append(submitted.request_id)
+                for index in sorted(self.open):
+                    more = {"carried": carried[index]} if carried[index] else group
+                    submitted = state.engine.submit(prompt, params[index], self._deliver(handoff, index), **more)
+                    self.request_ids[index] = submitted.request_id
         except BaseException:
             self.abort()
             raise
-        self.request_id = self.request_ids[0]  # the stream's id
-        self.started: set[int] = set()  # choices that gave an output
-        self.tokens = [0] * len(params)  # each choice's completion tokens so far
-        self.prompt_tokens = 0
+        self.request_id = next(iter(self.request_ids.values()))  # the stream's id
 
     def _deliver(self, handoff: LoopHandoff, index: int):
         return lambda output: handoff.put(self.sink, (index, output))
@@ -441,7 +443,7 @@ class _StreamedChoices:
         return taken
 
     def abort(self) -> None:
-        for index, request_id in enumerate(self.request_ids):
+        for index, request_id in self.request_ids.items():
             if index in self.open:
                 self.engine.abort(request_id)
 
@@ -450,10 +452,15 @@ def _sse(outputs: _StreamedChoices, events: StreamEvents, make_event, include_us
          ids: bool = False) -> StreamingResponse:
     """Server-sent events: one per output of any choice, an error event if one fails (the others are aborted), then
     the usage (the prompt once, every choice's tokens) and [DONE]. The events of every output that arrived together
-    go out in one write. `ids`: a relay asked, to move the stream should this rank die: each event of one choice
-    says its token ids in an SSE comment; a stream of n > 1 choices says n instead, once (it is not moved mid-way)."""
-    n = len(outputs.request_ids)
-    note = (lambda output: resumes.ids_comment(output.token_ids)) if ids and n == 1 else lambda output: ""
+    go out in one write. `ids`: a relay asked, to move the stream should this rank die: each event says its token
+    ids in an SSE comment (with its choice's index, after n said once, in a stream of n > 1 choices)."""
+    n = outputs.n
+    if not ids:
+        note = lambda index, output: ""  # noqa: E731
+    elif n == 1:
+        note = lambda index, output: resumes.ids_comment(output.token_ids)  # noqa: E731
+    else:
+        note = lambda index, output: resumes.ids_comment(output.token_ids, index)  # noqa: E731
     opening = resumes.choices_comment(n) if ids and n > 1 else ""
 
     async def stream():
@@ -466,7 +473,7 @@ def _sse(outputs: _StreamedChoices, events: StreamEvents, make_event, include_us
                         lines.append(error_event(output.error))
                         yield "".join(lines)
                         return
-                    lines.append(opening + note(output) + make_event(index, output, first))
+                    lines.append(opening + note(index, output) + make_event(index, output, first))
                     opening = ""
                 if outputs.finished:
                     if include_usage:
