@@ -39,8 +39,16 @@ from common import MOE_SHAPES, time_graph, write_json
 TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
+LAYOUTS: set[int] = set()  # --layouts: the layout block-Ms allowed (empty: all)
+
+
 def block_ms(tokens: int, slots: int, experts: int) -> tuple[int, ...]:
-    """Block-M values worth trying for `tokens` (by rows per expert)."""
+    """Block-M values worth trying for `tokens` (by rows per expert), within --layouts where one fits."""
+    tried = _block_ms(tokens, slots, experts)
+    return tuple(bm for bm in tried if bm in LAYOUTS) or tried if LAYOUTS else tried
+
+
+def _block_ms(tokens: int, slots: int, experts: int) -> tuple[int, ...]:
     per_expert = tokens * slots / experts
     if per_expert <= 8:
         return (16,)
@@ -297,10 +305,13 @@ def main() -> None:
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help="the kernels to tune; one alone keeps the table's layout and the other kernel's setting")
     parser.add_argument("--fp8", action="store_true", help="FP8 experts (block scales), into their own table")
+    parser.add_argument("--layouts", default="",
+                        help="layout block-Ms allowed, e.g. 16,64 (a token count none of whose own fits keeps its own)")
     parser.add_argument("--deadline", type=float, default=0,
                         help="seconds of timing after which no further token count is started (0: none)")
     args = parser.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
+    LAYOUTS.update(int(bm) for bm in args.layouts.split(",") if bm)
     kernels = tuple(args.kernels.split(","))
     if not kernels or set(kernels) - set(KERNELS):
         parser.error(f"--kernels {args.kernels!r}: a comma-separated subset of {','.join(KERNELS)}")

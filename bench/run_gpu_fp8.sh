@@ -2,20 +2,18 @@
 # Issue 32's FP8 work on the device machine in one call; everything into $OUT/log.txt, the benches' JSON into
 # $OUT/json.tgz, the tuned FP8 tables into $OUT (all refreshed after each step, so a cut run keeps what it had):
 #   bash bench/run_gpu_fp8.sh
-# The tree is first put back to its last commit (others' uncommitted edits travel with the working tree), then:
-# FP8 MoE tables tuned (TUNE_SHAPES), the FP8 MoE layer benches on them (BENCH_SHAPES), the FP8/routing GPU tests
-# (with the registers/spills of the FP8 defaults, before and now, and of the tuned entries beside them), then the
-# DeepSeek-V3-shaped monolith = AFD-over-NCCL tests (one GPU shared; V3_TESTS). Each step has its own time limit.
+# Run it in a tree of one commit (others' uncommitted edits travel with the working tree): e.g. carry
+# `git archive HEAD | gzip >.h1tree/tree.tgz`, unpack it under /tmp, copy .whl there and run it there.
+# FP8 MoE tables tuned (TUNE_SHAPES, TUNE_TOKENS, TUNE_ARGS), the FP8 MoE layer benches on them (BENCH_SHAPES), the
+# FP8 GPU tests (TESTS; with the registers/spills of the FP8 defaults, before and now, and of the tuned entries
+# beside them), then the DeepSeek-V3-shaped monolith = AFD-over-NCCL tests (one GPU shared; V3_TESTS). Each step
+# has its own time limit.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 start=$SECONDS LOG=$OUT/log.txt JSON=/tmp/afd_json
 mkdir -p $JSON
-if git rev-parse -q --verify HEAD >/dev/null 2>&1; then
-  echo "at $(git rev-parse --short HEAD); put back: $(git diff --name-only HEAD | tr '\n' ' ')" | tee -a $LOG
-  git diff --name-only HEAD | xargs -r git checkout -q HEAD --
-fi
 save() { tar czf $OUT/json.tgz -C $JSON . 2>/dev/null; cp runtime/afd/kernels/configs/*fp8*.json $OUT/ 2>/dev/null; }
 step() {  # step SECONDS COMMAND...: the command's output into the log, its JSON under $JSON
   local limit=$1; shift
@@ -26,15 +24,16 @@ step() {  # step SECONDS COMMAND...: the command's output into the log, its JSON
 tune_tokens=${TUNE_TOKENS:-1024,4096,64,256,2048}  # most wanted first: a deadline skips the last ones
 for shape in ${TUNE_SHAPES:-deepseek-v3:130:65 qwen3-30b-a3b:95:40}; do
   IFS=: read -r name limit deadline <<<"$shape"
-  step $limit python3 bench/moe_tune.py --fp8 --shape $name --tokens $tune_tokens --deadline $deadline --workers 15
+  step $limit python3 bench/moe_tune.py --fp8 --shape $name --tokens $tune_tokens --deadline $deadline --workers 15 \
+    ${TUNE_ARGS:-}
 done
 for shape in ${BENCH_SHAPES:-deepseek-v3:50 qwen3-30b-a3b:35}; do
   IFS=: read -r name limit <<<"$shape"
   step $limit python3 bench/moe_layer_fp8.py --shape $name --tokens ${BENCH_TOKENS:-64,256,1024,4096}
 done
 (OUT=$JSON timeout 60 python3 bench/moe_fp8_spills.py --shape deepseek-v3 >/tmp/spills.log 2>&1) &
-step ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/runtime/test_moe_fp8.py \
-  tests/runtime/test_routing_kernel.py tests/runtime/test_moe_tuned_configs.py --timeout 50 --maxfail 30
+step ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider --timeout 50 --maxfail 30 ${TESTS:-tests/gpu/test_gpu_fp8.py \
+  tests/runtime/test_moe_fp8.py tests/runtime/test_routing_kernel.py tests/runtime/test_moe_tuned_configs.py}
 wait
 cat /tmp/spills.log >>$LOG; tail -n 20 /tmp/spills.log; save
 v3=tests/gpu/test_gpu_v3_afd.py

@@ -53,10 +53,10 @@ FP8_DEFAULT_CONFIGS = {  # FP8 experts where no tuned table fits: BLOCK_K 128 (o
     1024: {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "TMA": True,
                                       "ONE_DOT": True},
            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "TMA": True}},
-    4096: {"BLOCK_M": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
-                                       "TMA": True, "ONE_DOT": True},
-           "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "TMA": True}},
-}
+    4096: {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "TMA": True,
+                                      "ONE_DOT": True, "GROUP_M": 16},
+           "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "TMA": True, "GROUP_M": 4}},
+}  # 1024 and 4096: what bench/moe_tune.py --fp8 chose at both sample shapes on an H200 (session 40)
 DEFAULT_CONFIGS = {  # used where no tuned table fits the shapes and device
     1: {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
         "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}},
