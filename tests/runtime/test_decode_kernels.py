@@ -59,6 +59,24 @@ def test_latent_decode_kernel_in_slices_equals_attention(splits):
     assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-4
 
 
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 5])
+def test_latent_decode_kernel_takes_the_rotary_queries_apart(splits):
+    """MLA's absorbed latent comes from its batched GEMM as a transposed view and the rotary part stays in the
+    projection's output (issue 33: no concatenation): the same output as one concatenated query."""
+    from afd.kernels.decode_attention import paged_latent_decode_attention
+
+    latent, rope = 32, 16
+    q, cache, _, tables, lens, block_size = _case(8, 4, 1, latent + rope, 1, [5, 1, 66])
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    want = paged_latent_decode_attention(to(q), to(cache), latent, to(tables), to(lens), block_size, 0.3, splits=splits)
+    q_latent = to(q[..., :latent].transpose(0, 1).contiguous()).transpose(0, 1)  # [B, H, latent], head-major
+    q_rope = to(torch.cat((torch.zeros(3, 4, 8), q[..., latent:]), -1))[..., 8:]  # inside a wider row
+    got = paged_latent_decode_attention(q_latent, to(cache), latent, to(tables), to(lens), block_size, 0.3,
+                                        splits=splits, q_rope=q_rope)
+    assert torch.equal(got.cpu(), want.cpu())
+
+
 def test_slices_fill_the_device_from_shapes_alone():
     pytest.importorskip("triton")
     from afd.kernels.decode_attention import MAX_SPLITS, plan_splits

@@ -132,6 +132,29 @@ def test_the_layout_holds_every_pair_once_in_tiles_of_its_expert(tokens, layout_
     assert torch.equal(tile_expert[row_tile[real]], expert_of_pair[pairs[real]])
 
 
+@pytest.mark.parametrize("tokens", [1, 37, 300, 1000])
+def test_the_one_program_layout_equals_the_four_launch_layout(tokens, monkeypatch):
+    """A decode step's alignment runs as one program (issue 33): the same tiles, experts, tile count and pairs of
+    each expert as the four launches lay out (the order inside an expert's run follows atomics in both)."""
+    from afd.kernels import moe_align
+
+    routed, num_shared, top_k, layout_m = 8, 2, 3, 16
+    torch.manual_seed(tokens)
+    ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
+    layouts = []
+    for one_program in (10**9, 0):
+        monkeypatch.setattr(moe_align, "ONE_PROGRAM_PAIRS", one_program)
+        layouts.append(moe_align.align(ids, num_shared, routed + num_shared, layout_m))
+    (one, four), num_pairs = layouts, tokens * (top_k + num_shared)
+    assert torch.equal(one.tile_expert.cpu(), four.tile_expert.cpu())
+    assert int(one.used_tiles.item()) == int(four.used_tiles.item())
+    row_expert = one.tile_expert.cpu().repeat_interleave(layout_m)
+    for expert in range(routed + num_shared):
+        mine = row_expert == expert
+        assert sorted(one.pairs.cpu()[mine].tolist()) == sorted(four.pairs.cpu()[mine].tolist())
+    assert bool((one.pairs.cpu()[row_expert < 0] == num_pairs).all())
+
+
 @pytest.mark.parametrize("dtype", ["input", "float32"])
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (37, 1100)])
 def test_the_slot_sum_adds_each_tokens_rows_in_float32_in_slot_order(tokens, hidden, dtype):

@@ -126,3 +126,90 @@ def test_the_attention_rank_with_fused_glue_equals_the_torch_path(stages, checkp
         with torch.no_grad():
             logits[fused] = runner(ids, SeqLayout(((0,), (1,)), (0, 0), (4, 2)))
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+
+
+def test_mla_glue_in_one_launch_equals_the_rotary_and_norm_kernels_and_the_cache_write():
+    """MLA's query rotary, latent norm, key rotary and cache write in one launch (issue 33) equal the three
+    kernels and the indexed store they replace."""
+    from afd.kernels.norm_rope import mla_rows_, rms_norm, rope_
+
+    heads, nope, latent, rope, tokens = 3, 8, 24, 16, 5
+    rotary = layers.Rotary({"rope_theta": 10000.0, "rope_type": "default"}, rope, max_positions=300)
+    table = rotary.table(torch.device(DEVICE))
+    torch.manual_seed(4)
+    query = torch.randn(tokens, heads, nope + rope, device=DEVICE)
+    row = torch.randn(tokens, 2, latent + rope, device=DEVICE)[:, 0]  # rows with a stride
+    weight = torch.randn(latent, device=DEVICE)
+    positions = torch.tensor([0, 7, 299, 64, 1], device=DEVICE)
+    write = torch.tensor([9, 2, 4, 11, 0], device=DEVICE)
+    want_q, want_row = query.clone(), row.clone()
+    rope_(want_q[..., nope:], positions, *table, interleaved=True)
+    rms_norm(want_row[:, :latent], weight, 1e-6, out=want_row[:, :latent])
+    rope_(want_row.view(tokens, 1, -1)[..., latent:], positions, *table, interleaved=True)
+    want_cache = torch.zeros(12, 1, latent + rope, device=DEVICE)
+    want_cache[write] = want_row.unsqueeze(1)
+    cache = torch.zeros(12, 1, latent + rope, device=DEVICE)
+    mla_rows_(query, row, weight, 1e-6, positions, *table, cache, write)
+    torch.testing.assert_close(query, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(row, want_row, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cache, want_cache, rtol=1e-6, atol=1e-6)
+
+
+def test_qwen3_glue_in_one_launch_equals_the_norm_and_rotary_kernels_and_the_cache_writes():
+    """Qwen3's q/k norms, rotaries and key/value cache writes in one launch (issue 33) equal the kernels and
+    indexed stores they replace."""
+    from afd.kernels.norm_rope import qk_rows_, rms_norm, rope_
+
+    heads, kv_heads, dim, tokens = 6, 2, 16, 5
+    rotary = layers.Rotary({"rope_theta": 10000.0, "rope_type": "default"}, dim, max_positions=300)
+    table = rotary.table(torch.device(DEVICE))
+    torch.manual_seed(5)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE)  # one GEMM's output: strided views
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], 1))
+    q_weight, k_weight = torch.randn(dim, device=DEVICE), torch.randn(dim, device=DEVICE)
+    positions = torch.tensor([0, 7, 299, 64, 1], device=DEVICE)
+    write = torch.tensor([9, 2, 4, 11, 0], device=DEVICE)
+    want_q = rope_(rms_norm(q, q_weight, 1e-6), positions, *table, interleaved=False)
+    want_k = rope_(rms_norm(k, k_weight, 1e-5), positions, *table, interleaved=False)
+    want_ck, want_cv = torch.zeros(12, kv_heads, dim, device=DEVICE), torch.zeros(12, kv_heads, dim, device=DEVICE)
+    want_ck[write], want_cv[write] = want_k, v
+    cache_k, cache_v = torch.zeros_like(want_ck), torch.zeros_like(want_cv)
+    qk_rows_(q, k, v, q_weight, k_weight, 1e-6, 1e-5, positions, *table, cache_k, cache_v, write)
+    for got, want in ((q, want_q), (k, want_k), (cache_k, want_ck), (cache_v, want_cv)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "qwen3_moe"])
+def test_a_decode_step_with_fused_glue_equals_the_torch_path(arch, checkpoints, monkeypatch):
+    """A decode step through block tables (what the decode graphs capture): the glue writes the cache rows, MLA's
+    latent kernel takes the absorbed and rotary queries apart and the value GEMM writes o_proj's input (issue 33);
+    logits and every cache row as the torch path leaves them."""
+    from afd.kv_cache import KVCache
+    from afd.models.attention import AttentionBatch
+
+    model = load_model(str(checkpoints[arch]), "monolithic").model.to(DEVICE)
+    for layer in model.layers:  # the tiny checkpoints may not say; the fused glue needs its table
+        if layer.self_attn.rotary.max_positions == 0:
+            layer.self_attn.rotary.max_positions = 64
+    ids = torch.tensor([3, 5], device=DEVICE)
+    torch.manual_seed(6)
+    start = KVCache(model.kv_layouts(), 4, torch.float32, DEVICE)
+    for tensor in start.keys + start.values:
+        tensor.normal_()
+    results = {}
+    for fused in (False, True):
+        for module in (deepseek_v2, qwen3_moe, layers):
+            monkeypatch.setattr(module, "fused_glue", lambda t, fused=fused: fused)
+        cache = KVCache(model.kv_layouts(), 4, torch.float32, DEVICE)
+        for mine, theirs in zip(cache.keys + cache.values, start.keys + start.values):
+            mine.copy_(theirs)
+        batch = AttentionBatch.for_decode(
+            torch.tensor([5, 19], device=DEVICE), torch.tensor([5, 2 * cache.block_size + 3], device=DEVICE),
+            torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE),
+            torch.tensor([6, 20], dtype=torch.int32, device=DEVICE), cache.block_size)
+        with torch.no_grad():
+            results[fused] = model(ids, batch, cache), cache
+    (want, want_cache), (got, got_cache) = results[False], results[True]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for mine, theirs in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)

@@ -135,3 +135,56 @@ def test_noaux_tc_refuses_groups_of_an_odd_expert_count():
     assert noaux_tc_fits(256, 8, 8, 4) and noaux_tc_fits(384, 8, 1, 1) and not noaux_tc_fits(96, 8, 3, 2)
     with pytest.raises(ValueError, match="power-of-two"):
         select_noaux_tc(torch.zeros(2, 96, device=DEVICE), None, 8, 3, 2, True, 1.0, torch.float32)
+
+
+@pytest.mark.parametrize("method", ["greedy", "noaux_tc"])
+def test_split_linear_blocks_are_summed_in_the_kernel_as_sum_parts_adds_them(method):
+    """DeepSeek's float32 router comes as three GEMM column blocks (split_linear): the kernel adds them itself
+    (issue 33, one launch fewer a layer), to the same bits as `sum_parts` then the kernel."""
+    from afd.kernels import routing, split_linear
+
+    experts, top_k, tokens = 64, 6, 37
+    torch.manual_seed(5)
+    weight = torch.randn(experts, 96)
+    blocks = split_linear.part_products(torch.randn(tokens, 96).bfloat16(), split_linear.bf16_parts(weight))
+    if method == "greedy":
+        run = lambda logits, parts: routing.select_greedy(logits.to(DEVICE), top_k, False, True, 1.0,  # noqa: E731
+                                                          torch.float32, parts)
+    else:
+        run = lambda logits, parts: routing.select_noaux_tc(logits.to(DEVICE), None, top_k, 8, 3, True,  # noqa: E731
+                                                            2.5, torch.float32, parts)
+    weights, ids = run(blocks, 3)
+    want_weights, want_ids = run(split_linear.sum_parts(blocks), 1)
+    assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.equal(weights.cpu(), want_weights.cpu())
+
+
+def test_16_bit_logits_are_read_as_their_float32_cast():
+    """Qwen3's router logits stay bf16/fp16 (no cast launch): the kernel reads them as `.float()` would give."""
+    from afd.kernels.routing import select_greedy
+
+    torch.manual_seed(6)
+    logits = (torch.randn(37, 128) * 3).half()
+    weights, ids = select_greedy(logits.to(DEVICE), 8, True, True, 1.0, torch.float32)
+    want_weights, want_ids = select_greedy(logits.float().to(DEVICE), 8, True, True, 1.0, torch.float32)
+    assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.equal(weights.cpu(), want_weights.cpu())
+
+
+def test_the_moe_layer_routes_raw_router_output_as_the_shipped_logits_route():
+    """`MoE.forward` hands `Router.raw`'s output to the routing (blocks or uncast logits): the same weights and
+    experts as the float32 logits an attention rank ships (`Router.forward`)."""
+    from afd.models.layers import MoE, Routing
+
+    torch.manual_seed(7)
+    for fp32_logits in (True, False):
+        moe = MoE(96, Routing(top_k=6, num_experts=64), 32, 0, fp32_logits).to(DEVICE)
+        moe.gate.weight.data.normal_()
+        x = torch.randn(5, 96, device=DEVICE).to(torch.bfloat16 if DEVICE == "cuda" else torch.float16)
+        if fp32_logits:
+            moe.gate.split_weight()
+        else:  # the checkpoint's dtype, as the loader leaves a 16-bit gate
+            moe.gate.to(x.dtype)
+        raw, parts = moe.gate.raw(x)
+        assert parts == (3 if fp32_logits and DEVICE == "cuda" else 1)
+        got = moe.routing.select(raw, x.dtype, None, parts)
+        want = moe.routing.select(moe.gate(x), x.dtype, None)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

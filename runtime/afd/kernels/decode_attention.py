@@ -174,9 +174,9 @@ def paged_decode_attention(
 
 @triton.jit
 def _latent_decode_kernel(
-    q_ptr, cache_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr,
+    q_ptr, r_ptr, cache_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr,
     heads, table_width, block_size, scale,
-    stride_qb, stride_qh, stride_cr, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_rb, stride_rh, stride_cr, stride_ob, stride_oh,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -187,7 +187,8 @@ def _latent_decode_kernel(
     live_h = offs_h < heads
     q_rows = q_ptr + seq * stride_qb + offs_h[:, None] * stride_qh
     q_lat = tl.load(q_rows + offs_l[None, :], mask=live_h[:, None] & (offs_l[None, :] < LATENT), other=0.0)  # [BH, BL]
-    q_rot = tl.load(q_rows + LATENT + offs_r[None, :], mask=live_h[:, None] & (offs_r[None, :] < ROPE), other=0.0)
+    r_rows = r_ptr + seq * stride_rb + offs_h[:, None] * stride_rh
+    q_rot = tl.load(r_rows + offs_r[None, :], mask=live_h[:, None] & (offs_r[None, :] < ROPE), other=0.0)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
@@ -220,15 +221,23 @@ def paged_latent_decode_attention(
     block_size: int,
     scale: float,
     splits: int | None = None,  # slices of each sequence's keys (None: `plan_splits`)
+    q_rope: torch.Tensor | None = None,  # [B, H, rope]: the queries' rotary part apart (then q is [B, H, latent])
 ) -> torch.Tensor:
     """MLA decode over a paged latent cache: [B, H, latent], the latent doubling as the value.
 
     One program serves a block of heads of one sequence, so each latent row is read once
-    per head block (not once per head as the per-head kernel would).
+    per head block (not once per head as the per-head kernel would). The queries' latent and rotary
+    parts may come as two tensors of any row strides (`q_rope`): the absorbed latent straight from its
+    batched GEMM, the rotary part where the projection left it, with no concatenation.
     """
-    batch, heads, width = q.shape
-    if cache.shape[1] != 1 or cache.shape[2] != width or cache.stride(2) != 1 or q.stride(2) != 1:
-        raise ValueError(f"paged_latent_decode_attention needs a [rows, 1, {width}] unit-stride cache, got {tuple(cache.shape)}")
+    batch, heads = q.shape[:2]
+    if q_rope is None:
+        q, q_rope = q[..., :latent_dim], q[..., latent_dim:]
+    width = latent_dim + q_rope.shape[2]
+    if cache.shape[1] != 1 or cache.shape[2] != width or cache.stride(2) != 1 or q.stride(2) != 1 or \
+            q_rope.stride(2) != 1 or q.shape[2] != latent_dim or q_rope.shape[:2] != (batch, heads):
+        raise ValueError(f"paged_latent_decode_attention needs a [rows, 1, {width}] unit-stride cache and unit-stride "
+                         f"queries; got cache {tuple(cache.shape)}, q {tuple(q.shape)}, q_rope {tuple(q_rope.shape)}")
     rope = width - latent_dim
     out = torch.empty(batch, heads, latent_dim, dtype=q.dtype, device=q.device)
     block_h = 16  # tl.dot needs 16 rows; fewer heads are masked
@@ -237,9 +246,9 @@ def paged_latent_decode_attention(
     block_l = max(16, triton.next_power_of_2(latent_dim))
     part, stat = _partials(batch, heads, splits, block_l, q.device)
     _latent_decode_kernel[(batch, head_blocks, splits)](
-        q, cache, out, part, stat, block_table, seq_lens,
+        q, q_rope, cache, out, part, stat, block_table, seq_lens,
         heads, block_table.shape[1], block_size, scale,
-        q.stride(0), q.stride(1), cache.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_L=block_l,
         BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=32, SPLITS=splits, PRECISION=_precision(q.dtype),
         num_warps=4,

@@ -8,7 +8,8 @@ so pair p = token·(k+S) + slot and nothing is concatenated on the host side.
 each expert's run padded to a tile multiple: count (a histogram per block, atomics
 across blocks), offsets (a few programs: padded prefix sum, the expert of every tile,
 padding rows marked), scatter (an atomic cursor per routed expert; shared experts'
-rows are in token order). That is four launches (the counters' zeroing too) where a sort took about twenty.
+rows are in token order). That is four launches (the counters' zeroing too) where a sort took about twenty;
+up to `ONE_PROGRAM_PAIRS` pairs (every decode step) one program does all of it in one launch.
 The order of pairs inside an expert's run depends on the atomics, but each row's
 result does not: a GEMM row depends only on its own input row. The GEMM kernels of
 `moe_triton` read the `Layout`.
@@ -81,7 +82,48 @@ def _scatter_kernel(ids_ptr, starts_ptr, cursor_ptr, pairs_ptr, num_pairs, top_k
     tl.store(pairs_ptr + dest, p.to(tl.int32), mask=ok)
 
 
+@triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
+def _align_one_kernel(ids_ptr, cursor_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, num_pairs, top_k, slots,
+                      num_routed, num_experts, max_tiles, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr,
+                      BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """The whole alignment in one program (a decode step's few thousand pairs): count, padded prefix sum, tiles'
+    experts, every row marked as padding, then each pair scattered through a cursor per expert that starts at its
+    expert's first row. The barriers order this program's own writes (padding marks, cursors) before its reads."""
+    experts = tl.arange(0, NUM_BINS)
+    valid = experts < num_experts
+    counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for first in tl.range(0, num_pairs, BLOCK):
+        p = first + tl.arange(0, BLOCK)
+        ok = p < num_pairs
+        counts += tl.histogram(tl.where(ok, _pair_expert(ids_ptr, p, ok, top_k, slots, num_routed), NUM_BINS - 1),
+                               NUM_BINS)  # the spare last bin takes the lanes past the end
+    counts = tl.where(valid, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + experts, ends - padded, mask=valid)
+    tl.store(used_tiles_ptr, tl.sum(padded, 0) // BLOCK_M)
+    ends = tl.where(valid, ends, 1 << 30)
+    for first in tl.range(0, max_tiles, CHUNK):
+        tiles = first + tl.arange(0, CHUNK)
+        owner = tl.sum((ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + tiles, tl.where(owner < num_experts, owner, -1), mask=tiles < max_tiles)
+    for first in tl.range(0, max_tiles * BLOCK_M, BLOCK):  # every row starts as padding
+        rows = first + tl.arange(0, BLOCK)
+        tl.store(pairs_ptr + rows, tl.full((BLOCK,), 0, tl.int32) + num_pairs, mask=rows < max_tiles * BLOCK_M)
+    tl.debug_barrier()
+    for first in tl.range(0, num_pairs, BLOCK):
+        p = first + tl.arange(0, BLOCK)
+        ok = p < num_pairs
+        expert = _pair_expert(ids_ptr, p, ok, top_k, slots, num_routed)
+        routed = (p % slots) < top_k
+        # a routed pair takes its expert's next row; a shared expert (never counted on) has one pair per token
+        taken = tl.atomic_add(cursor_ptr + expert, tl.full((BLOCK,), 1, tl.int32), mask=ok & routed)
+        shared_row = tl.load(cursor_ptr + expert, mask=ok & ~routed, other=0) + p // slots
+        tl.store(pairs_ptr + tl.where(routed, taken, shared_row), p.to(tl.int32), mask=ok)
+
+
 OFFSETS_PROGRAMS = 32  # the offsets kernel's grid at most: each program marks 1,024 rows a turn
+ONE_PROGRAM_PAIRS = 4096  # up to this many pairs (a decode step's) `align` is one launch, past it four
 
 
 def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -105,14 +147,20 @@ def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) ->
     num_pairs, num_routed = tokens * slots, num_experts - num_shared
     rows = max_rows(num_pairs, num_experts, block_m)
     device = ids.device
-    counters = torch.zeros(2, num_experts, dtype=torch.int32, device=device)  # counts, cursors
     used_tiles = torch.empty(1, dtype=torch.int32, device=device)
-    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
     pairs = torch.empty(rows, dtype=torch.int32, device=device)
     tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=device)
     bins = triton.next_power_of_2(num_experts + 1)
     block = 1024
     ids = ids.contiguous()
+    if num_pairs <= ONE_PROGRAM_PAIRS:
+        cursors = torch.empty(num_experts, dtype=torch.int32, device=device)
+        _align_one_kernel[(1,)](ids, cursors, pairs, tile_expert, used_tiles, num_pairs, top_k, slots, num_routed,
+                                num_experts, rows // block_m, BLOCK_M=block_m, NUM_BINS=bins, BLOCK=block,
+                                CHUNK=max(16, 4096 // bins), num_warps=8)
+        return Layout(pairs, tile_expert, used_tiles)
+    counters = torch.zeros(2, num_experts, dtype=torch.int32, device=device)  # counts, cursors
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
     _count_kernel[(triton.cdiv(num_pairs, block),)](
         ids, counters[0], num_pairs, top_k, slots, num_routed, num_experts, BLOCK=block, NUM_BINS=bins, num_warps=4)
     _offsets_kernel[(min(OFFSETS_PROGRAMS, triton.cdiv(rows, 1024)),)](

@@ -122,3 +122,137 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
         _rope_kernel[(tokens,)](x, positions, cos, sin, heads, cos.shape[0], x.stride(0), x.stride(1),
                                 HALF=half, BLOCK_H=triton.next_power_of_2(heads), INTERLEAVED=interleaved, num_warps=4)
     return x
+
+
+@triton.jit
+def _rotate(first, second, cos, sin, live):
+    """Rotate the pairs at pointers `first`/`second` in place (float32 inside, rounded to their dtype); returns the
+    rotated values."""
+    a = tl.load(first, mask=live, other=0.0)
+    b = tl.load(second, mask=live, other=0.0)
+    af, bf = a.to(tl.float32), b.to(tl.float32)
+    new_a, new_b = (af * cos - bf * sin).to(a.dtype), (af * sin + bf * cos).to(a.dtype)
+    tl.store(first, new_a, mask=live)
+    tl.store(second, new_b, mask=live)
+    return new_a, new_b
+
+
+@triton.jit
+def _norm_rows_(ptrs, w_ptr, cols, live, size, eps):
+    """RMSNorm of the rows at `ptrs` [R, C] in place, as `_rms_norm_kernel` norms them; returns the normed rows."""
+    x = tl.load(ptrs, mask=live, other=0.0)
+    xf = x.to(tl.float32)
+    rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / size + eps)
+    normed = (xf * rms[:, None]).to(x.dtype).to(tl.float32)
+    weight = tl.load(w_ptr + cols, mask=cols < size, other=0.0).to(tl.float32)
+    y = (weight * normed).to(x.dtype)
+    tl.store(ptrs, y, mask=live)
+    return y
+
+
+@triton.jit
+def _mla_rows_kernel(q_ptr, row_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, index_ptr, heads, max_pos,
+                     stride_qt, stride_qh, stride_row, stride_cache, eps, Q_ROPE: tl.constexpr, LATENT: tl.constexpr,
+                     BLOCK_L: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr):
+    """One token of MLA: its query heads' rotary part (at column Q_ROPE), its latent normed and its rotary key
+    rotated (both in place in the row), and, when STORE, the row written to its cache row."""
+    token = tl.program_id(0)
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + token), 0), max_pos - 1).to(tl.int64)
+    i = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + i)
+    sin = tl.load(sin_ptr + pos * HALF + i)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    q = q_ptr + token.to(tl.int64) * stride_qt + h * stride_qh + Q_ROPE + 2 * i[None, :]
+    _rotate(q, q + 1, cos[None, :], sin[None, :], h < heads)
+    row = row_ptr + token.to(tl.int64) * stride_row
+    cols = tl.arange(0, BLOCK_L)
+    live = cols[None, :] < LATENT
+    latent = _norm_rows_(row + cols[None, :], w_ptr, cols[None, :], live, LATENT, eps)
+    key_a, key_b = _rotate(row + LATENT + 2 * i, row + LATENT + 2 * i + 1, cos, sin, i < HALF)
+    if STORE:
+        dest = cache_ptr + tl.load(index_ptr + token).to(tl.int64) * stride_cache
+        tl.store(dest + cols[None, :], latent.to(cache_ptr.dtype.element_ty), mask=live)
+        tl.store(dest + LATENT + 2 * i, key_a.to(cache_ptr.dtype.element_ty))
+        tl.store(dest + LATENT + 2 * i + 1, key_b.to(cache_ptr.dtype.element_ty))
+
+
+def mla_rows_(query: torch.Tensor, row: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor | None = None,
+              write_index: torch.Tensor | None = None) -> None:
+    """MLA's glue after its projections, one launch: rotate `query` [T, heads, nope + rope]'s last `rope` columns
+    (DeepSeek's pairs), norm `row` [T, latent + rope]'s latent by `weight` and rotate its last `rope` columns, all in
+    place; with `cache` [rows, 1, latent + rope] also write each token's row to cache row `write_index[t]` (what
+    `cached_attention` would store; then it need not). Equals `rope_` on both and `rms_norm` on the latent."""
+    tokens, heads, _ = query.shape
+    half = cos.shape[1]
+    latent = row.shape[1] - 2 * half
+    if query.stride(2) != 1 or row.stride(1) != 1 or half & (half - 1):
+        raise ValueError("mla_rows_ needs unit-stride rows and a power-of-two rotary half width")
+    if cache is not None and (cache.shape[1:] != (1, row.shape[1]) or cache.stride(2) != 1):
+        raise ValueError(f"a cache of rows {tuple(cache.shape[1:])} cannot hold MLA rows of {row.shape[1]}")
+    if tokens:
+        store = cache is not None
+        _mla_rows_kernel[(tokens,)](
+            query, row, weight, positions, cos, sin, cache if store else row, write_index if store else positions,
+            heads, cos.shape[0], query.stride(0), query.stride(1), row.stride(0), cache.stride(0) if store else 0, eps,
+            Q_ROPE=query.shape[2] - 2 * half, LATENT=latent, BLOCK_L=triton.next_power_of_2(latent), HALF=half,
+            BLOCK_H=triton.next_power_of_2(heads), STORE=store, num_warps=4)
+
+
+@triton.jit
+def _qk_rows_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, cache_k_ptr, cache_v_ptr,
+                    index_ptr, heads, kv_heads, max_pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                    stride_vh, stride_ckr, stride_ckh, stride_cvr, stride_cvh, eps_q, eps_k, HALF: tl.constexpr,
+                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr):
+    """One token of a normed-q/k attention (Qwen3): every query and key head normed, then rotated (halves), in
+    place; when STORE its key and value heads written to the cache row `index[token]`."""
+    token = tl.program_id(0).to(tl.int64)
+    dim = tl.arange(0, 2 * HALF)[None, :]
+    hq, hk = tl.arange(0, BLOCK_HQ)[:, None], tl.arange(0, BLOCK_HK)[:, None]
+    q = q_ptr + token * stride_qt + hq * stride_qh
+    k = k_ptr + token * stride_kt + hk * stride_kh
+    _norm_rows_(q + dim, qw_ptr, dim, hq < heads, 2 * HALF, eps_q)
+    _norm_rows_(k + dim, kw_ptr, dim, hk < kv_heads, 2 * HALF, eps_k)
+    tl.debug_barrier()  # the normed rows are in memory before this program reads them back in halves
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + token), 0), max_pos - 1).to(tl.int64)
+    i = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + pos * HALF + i)
+    sin = tl.load(sin_ptr + pos * HALF + i)
+    _rotate(q + i, q + HALF + i, cos, sin, hq < heads)
+    key_a, key_b = _rotate(k + i, k + HALF + i, cos, sin, hk < kv_heads)
+    if STORE:
+        row = tl.load(index_ptr + token).to(tl.int64)
+        dest_k = cache_k_ptr + row * stride_ckr + hk * stride_ckh
+        tl.store(dest_k + i, key_a.to(cache_k_ptr.dtype.element_ty), mask=hk < kv_heads)
+        tl.store(dest_k + HALF + i, key_b.to(cache_k_ptr.dtype.element_ty), mask=hk < kv_heads)
+        value = tl.load(v_ptr + token * stride_vt + hk * stride_vh + dim, mask=hk < kv_heads, other=0.0)
+        tl.store(cache_v_ptr + row * stride_cvr + hk * stride_cvh + dim, value.to(cache_v_ptr.dtype.element_ty),
+                 mask=hk < kv_heads)
+
+
+def qk_rows_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+             eps_q: float, eps_k: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None,
+             write_index: torch.Tensor | None = None) -> None:
+    """Qwen3's glue after its projections, one launch: RMSNorm of every query head of `q` [T, heads, d] and key
+    head of `k` [T, kv_heads, d], then rotary (halves layout) on both, in place; with `cache_k`/`cache_v`
+    [rows, kv_heads, d] also each token's key and value `v` [T, kv_heads, d] written to cache row
+    `write_index[t]`. Equals `rms_norm` then `rope_` on each."""
+    tokens, heads, dim = q.shape
+    half = cos.shape[1]
+    if dim != 2 * half or half & (half - 1) or k.shape[2] != dim or v.shape[2] != dim:
+        raise ValueError(f"qk_rows_ rotates whole power-of-two heads of {2 * half}; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("qk_rows_ needs unit stride inside a head")
+    store = cache_k is not None
+    if store and (cache_k.stride(2) != 1 or cache_v.stride(2) != 1):
+        raise ValueError("qk_rows_ writes cache rows of unit stride")
+    if tokens:
+        ck, cv = (cache_k, cache_v) if store else (k, v)
+        _qk_rows_kernel[(tokens,)](
+            q, k, v, q_weight, k_weight, positions, cos, sin, ck, cv, write_index if store else positions,
+            heads, k.shape[1], cos.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1), eps_q, eps_k, HALF=half,
+            BLOCK_HQ=triton.next_power_of_2(heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]), STORE=store,
+            num_warps=4)

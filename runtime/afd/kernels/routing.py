@@ -54,13 +54,18 @@ def _group_mask(choice, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, GROUPS: tl
 def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_experts, stride, scaling,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                    NORMALIZE: tl.constexpr, SCALE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr):
+                   GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, PARTS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
     expert_ok = experts[None, :] < num_experts
-    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride + experts[None, :],
-                     mask=row_ok[:, None] & expert_ok, other=0.0).to(tl.float32)
+    at = logits_ptr + rows[:, None].to(tl.int64) * stride + experts[None, :]
+    live = row_ok[:, None] & expert_ok
+    logits = tl.load(at, mask=live, other=0.0).to(tl.float32)
+    if PARTS == 3:  # split_linear's three column blocks: high + (middle + low), as `split_linear.sum_parts` adds
+        middle = tl.load(at + num_experts, mask=live, other=0.0).to(tl.float32)
+        low = tl.load(at + 2 * num_experts, mask=live, other=0.0).to(tl.float32)
+        logits = logits + (middle + low)
     logits = tl.where(expert_ok, logits, float("-inf"))
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-logits))
@@ -98,14 +103,15 @@ def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_e
 
 
 def select_greedy(logits: torch.Tensor, top_k: int, normalize: bool, scale: bool, scaling_factor: float,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits → ([T, k] weights in `dtype`, [T, k] int64 expert ids): softmax in float32, the
-    k largest scores, divided by their sum when `normalize`, times `scaling_factor` when `scale`."""
-    num_experts = logits.shape[1]
+                  dtype: torch.dtype, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits (any float dtype, read as float32) → ([T, k] weights in `dtype`, [T, k] int64 expert ids):
+    softmax in float32, the k largest scores, divided by their sum when `normalize`, times `scaling_factor` when
+    `scale`. `parts` 3: the logits come as split_linear's [T, 3E] blocks, summed here (no launch of their own)."""
+    num_experts = logits.shape[1] // parts
     if num_experts > MAX_EXPERTS or top_k > num_experts:
         raise ValueError(f"select_greedy takes up to {MAX_EXPERTS} experts and top_k <= experts; "
                          f"got {num_experts} experts, top_k {top_k}")
-    return _launch_select(logits, None, top_k, normalize, scale, scaling_factor, dtype, sigmoid=False)
+    return _launch_select(logits, None, top_k, normalize, scale, scaling_factor, dtype, sigmoid=False, parts=parts)
 
 
 def noaux_tc_fits(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> bool:
@@ -121,34 +127,39 @@ def noaux_tc_fits(num_experts: int, top_k: int, num_groups: int, topk_groups: in
 
 def select_noaux_tc(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_groups: int,
                     topk_groups: int, normalize: bool, scaling_factor: float,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                    dtype: torch.dtype, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] logits → ([T, k] weights in `dtype`, [T, k] int64 ids) as DeepSeek-V3 routes: sigmoid scores in
     float32, `correction_bias` [E] added for choosing only, the choice limited to the `topk_groups` best of
     `num_groups` groups (by the sum of each group's two best biased scores), the k best biased experts weighted
-    by their unbiased scores, divided by their sum when `normalize`, times `scaling_factor`."""
-    num_experts = logits.shape[1]
+    by their unbiased scores, divided by their sum when `normalize`, times `scaling_factor` (`parts` as in
+    `select_greedy`)."""
+    num_experts = logits.shape[1] // parts
     if not noaux_tc_fits(num_experts, top_k, num_groups, topk_groups):
         raise ValueError(f"select_noaux_tc takes up to {MAX_EXPERTS} experts, 0 < top_k <= experts and, with "
                          f"groups, power-of-two expert and group counts; got {num_experts} experts, top_k {top_k}, "
                          f"{num_groups} groups keeping {topk_groups}")
     return _launch_select(logits, correction_bias, top_k, normalize, True, scaling_factor, dtype, sigmoid=True,
-                          groups=max(1, num_groups), topk_groups=max(1, topk_groups))
+                          groups=max(1, num_groups), topk_groups=max(1, topk_groups), parts=parts)
 
 
 def _launch_select(logits, correction_bias, top_k: int, normalize: bool, scale: bool, scaling_factor: float,
-                   dtype: torch.dtype, sigmoid: bool, groups: int = 1, topk_groups: int = 1):
-    """One launch of `_select_kernel` over [T, E] logits: ([T, k] weights in `dtype`, [T, k] int64 ids)."""
-    tokens, num_experts = logits.shape
-    logits = logits.contiguous()
+                   dtype: torch.dtype, sigmoid: bool, groups: int = 1, topk_groups: int = 1, parts: int = 1):
+    """One launch of `_select_kernel` over [T, parts·E] logits: ([T, k] weights in `dtype`, [T, k] int64 ids)."""
+    if parts not in (1, 3) or logits.shape[1] % parts:
+        raise ValueError(f"routing logits come whole or in 3 split_linear blocks; got {parts} parts of {logits.shape[1]}")
+    tokens, num_experts = logits.shape[0], logits.shape[1] // parts
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     block_e = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(64, 4096 // block_e))
+    # one warp a program and up to 1,024 logits in it: the k max/min reductions stay inside a warp (no shared
+    # memory, no barrier), and even a batch of 64 tokens spreads over several multiprocessors
+    block_t = max(1, 1024 // block_e)
     if tokens:
         bias = correction_bias.contiguous() if correction_bias is not None else logits
         _select_kernel[(triton.cdiv(tokens, block_t),)](
             logits, weights, ids, bias, tokens, num_experts, logits.stride(0), float(scaling_factor), TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=scale,
             SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, GROUPS=groups, TOPK_GROUPS=topk_groups,
-            num_warps=4)
+            PARTS=parts, num_warps=1)
     return weights, ids

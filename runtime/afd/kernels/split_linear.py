@@ -27,9 +27,18 @@ def bf16_parts(weight: torch.Tensor) -> torch.Tensor:
 def linear_fp32(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
     """[T, N] float32 = x @ Wᵀ for bf16 `x` [T, K] and `parts` = bf16_parts(W) (CUDA: one GEMM with a float32
     result; elsewhere a float32 matmul of the same parts)."""
+    return sum_parts(part_products(x, parts))
+
+
+def part_products(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """[T, 3N] float32: x times each part, side by side (one GEMM); `sum_parts` of it is `linear_fp32`. The
+    routing kernel takes these blocks as they are and adds them itself (`afd.kernels.routing`, parts=3)."""
     if x.is_cuda:
-        blocks = torch.mm(x, parts.t(), out_dtype=torch.float32)
-    else:
-        blocks = x.float() @ parts.float().t()
-    high, middle, low = blocks.view(x.shape[0], 3, -1).unbind(1)
-    return high + (middle + low)  # the small ones first
+        return torch.mm(x, parts.t(), out_dtype=torch.float32)
+    return x.float() @ parts.float().t()
+
+
+def sum_parts(blocks: torch.Tensor) -> torch.Tensor:
+    """[T, 3N] → [T, N]: high + (middle + low), the small ones first."""
+    high, middle, low = blocks.view(blocks.shape[0], 3, -1).unbind(1)
+    return high + (middle + low)

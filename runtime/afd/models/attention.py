@@ -141,12 +141,14 @@ def cached_attention(
     cache_v: torch.Tensor,  # [cache rows, Hkv, Dv] (a view of cache_k when v is None)
     batch: AttentionBatch,
     scale: float,
+    stored: bool = False,  # k/v are in the cache already (written by the projections' glue kernel)
 ) -> torch.Tensor:
     """Store k/v in their cache rows, then attend each query to its sequence's keys: [T, Hq, Dv].
     Nothing here copies from the host (that would wait for the device at every layer)."""
-    cache_k[batch.write_index] = k.to(cache_k.dtype)
-    if v is not None:
-        cache_v[batch.write_index] = v.to(cache_v.dtype)
+    if not stored:
+        cache_k[batch.write_index] = k.to(cache_k.dtype)
+        if v is not None:
+            cache_v[batch.write_index] = v.to(cache_v.dtype)
     if batch.block_table is not None:  # decode: one query per sequence, keys through block tables
         if q.is_cuda and _paged_kernel_available():
             return _paged_kernel(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale,

@@ -60,19 +60,21 @@ class MultiHeadLatentAttention(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         """(query [T, heads, nope + rope], the token's cache row [T, 1, latent + rope] = normed latent ‖
         rotary key, None: the values are the latent part of the keys)."""
+        return self._project(x, positions, None)[0]
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, store) -> tuple[tuple, bool]:
+        """`project`'s inputs, and whether its rows are in the cache already: with `store` = (cache, write
+        index), the fused glue writes them there in the same launch (then `attend` need not)."""
         tokens = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         table = self.rotary.table(x.device) if fused_glue(x) else None
-        if table is not None:  # in place on the projections' fresh outputs: 3 launches instead of ~30
-            from afd.kernels.norm_rope import rms_norm, rope_
+        if table is not None:  # in place on the projections' fresh outputs: one launch instead of ~30
+            from afd.kernels.norm_rope import mla_rows_
 
             query, row = q.view(tokens, self.heads, -1), self.kv_a_proj_with_mqa(x)  # [T, heads, nope + rope], [T, latent + rope]
-            rope_(query[..., self.nope_dim :], positions, *table, interleaved=True)
-            latent = row[:, : self.kv_lora_rank]
-            rms_norm(latent, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, out=latent)
-            key = row.view(tokens, 1, -1)
-            rope_(key[..., self.kv_lora_rank :], positions, *table, interleaved=True)
-            return query, key, None
+            cache, index = store if store is not None and store[0].dtype == row.dtype else (None, None)
+            mla_rows_(query, row, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, positions, *table, cache, index)
+            return (query, row.view(tokens, 1, -1), None), cache is not None
         q_nope, q_pe = q.view(tokens, self.heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         cos, sin = self.rotary(positions)
@@ -80,17 +82,27 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = apply_rope_pairs(k_pe.view(tokens, 1, self.rope_dim), cos, sin)  # [T, 1, rope]
         query = torch.cat((q_nope, q_pe), dim=-1)  # [T, heads, nope + rope]
         key = torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_pe), dim=-1)  # [T, 1, latent + rope]
-        return query, key, None
+        return (query, key, None), False
 
-    def attend(self, inputs: tuple, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
-        """Store the cache rows, attend: [T, heads, v]. One-token sequences attend in the latent space
-        (key up-projection absorbed into the query, value up-projection after); a prompt's keys and values
+    def attend(self, inputs: tuple, batch: AttentionBatch, cache_k, cache_v, stored: bool = False) -> torch.Tensor:
+        """Store the cache rows (unless `stored`), attend: [T, heads, v]. One-token sequences attend in the latent
+        space (key up-projection absorbed into the query, value up-projection after); a prompt's keys and values
         are expanded per head from its cached latents, as transformers computes them, for a flash kernel."""
         query, key, _ = inputs
         if batch.max_new == 1:  # decode (what the decode graphs capture)
-            latent = cached_attention(self._absorb(query), key, None, cache_k, cache_v, batch, self.scale)
+            if batch.block_table is not None and fused_glue(query):  # no concatenation: the kernel reads both parts
+                from afd.kernels.decode_attention import paged_latent_decode_attention
+
+                if not stored:
+                    cache_k[batch.write_index] = key.to(cache_k.dtype)
+                latent = paged_latent_decode_attention(
+                    self._absorb_latent(query), cache_k, self.kv_lora_rank, batch.block_table, batch.seq_lens,
+                    batch.block_size, self.scale, q_rope=query[..., self.nope_dim :])
+            else:
+                latent = cached_attention(self._absorb(query), key, None, cache_k, cache_v, batch, self.scale, stored)
             return self._values(latent)
-        cache_k[batch.write_index] = key.to(cache_k.dtype)
+        if not stored:
+            cache_k[batch.write_index] = key.to(cache_k.dtype)
         out = query.new_empty(query.shape[0], self.heads, self.v_dim)
         if batch.single_longest:
             tokens = single_tokens(batch)
@@ -104,15 +116,20 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _absorb(self, query: torch.Tensor) -> torch.Tensor:
         """[T, heads, nope + rope] → [T, heads, latent + rope]: q_nope · W_uk, the rotary part as is."""
+        return torch.cat((self._absorb_latent(query), query[..., self.nope_dim :]), dim=-1)
+
+    def _absorb_latent(self, query: torch.Tensor) -> torch.Tensor:
+        """q_nope · W_uk: [T, heads, latent], a transposed view of the batched GEMM's [heads, T, latent]."""
         key_up, _ = self.up_projections()
-        q_nope, q_pe = query.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), key_up).transpose(0, 1)  # [T, heads, latent]
-        return torch.cat((q_latent, q_pe), dim=-1)
+        return torch.bmm(query[..., : self.nope_dim].transpose(0, 1), key_up).transpose(0, 1)
 
     def _values(self, latent: torch.Tensor) -> torch.Tensor:
-        """The value up-projection of the attention-weighted latent: [T, heads, latent] → [T, heads, v]."""
+        """The value up-projection of the attention-weighted latent: [T, heads, latent] → [T, heads, v], written
+        by the batched GEMM straight into a row-major buffer (o_proj reads it with no copy)."""
         _, value_up = self.up_projections()
-        return torch.bmm(latent.transpose(0, 1), value_up.transpose(1, 2)).transpose(0, 1)
+        out = latent.new_empty(latent.shape[0], self.heads, self.v_dim)
+        torch.bmm(latent.transpose(0, 1), value_up.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached rows [L, 1, latent + rope] → per-head keys [L, heads, nope + rope] and values [L, heads, v]."""
@@ -127,7 +144,8 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(attended.reshape(attended.shape[0], -1))
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
-        return self.finish(self.attend(self.project(x, batch.positions), batch, cache_k, cache_v))
+        inputs, stored = self._project(x, batch.positions, (cache_k, batch.write_index))
+        return self.finish(self.attend(inputs, batch, cache_k, cache_v, stored))
 
 def build(config: dict, spec: ModelSpec, routing: Routing | None = None) -> MoECausalLM:
     """The model of a DeepSeek-V2 config; DeepSeek-V3 passes its own `routing` (afd.models.deepseek_v3)."""

@@ -78,26 +78,27 @@ class Routing:
     scale_when_normalized: bool = True  # DeepSeek-V2 scales only un-normalized weights
 
     def select(self, logits: torch.Tensor, dtype: torch.dtype,
-               correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               correction_bias: torch.Tensor | None = None, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, experts] logits → ([tokens, k] weights in `dtype`, [tokens, k] expert ids).
         Greedy routing on a GPU with the Triton MoE kernel runs as one Triton kernel (`afd.kernels.routing`).
-        `correction_bias` [experts] (noaux_tc only) shifts the scores that choose experts, not their weights."""
-        if self.topk_method == "noaux_tc":
-            if logits.is_cuda and kernel_choice() == "triton":
-                from afd.kernels.routing import noaux_tc_fits, select_noaux_tc
+        `correction_bias` [experts] (noaux_tc only) shifts the scores that choose experts, not their weights.
+        `parts` 3: the logits are `Router.raw`'s split_linear blocks [tokens, 3·experts], summed by the kernel
+        (or here, where the torch path runs)."""
+        normalize = self.norm_topk_prob and self.top_k > 1
+        if logits.is_cuda and kernel_choice() == "triton" and self.kernel_fits(logits.shape[-1] // parts):
+            from afd.kernels import routing
 
-                if noaux_tc_fits(logits.shape[-1], self.top_k, self.num_groups, self.topk_groups):
-                    return select_noaux_tc(logits, correction_bias, self.top_k, self.num_groups, self.topk_groups,
-                                           self.norm_topk_prob, self.scaling_factor, dtype)
+            if self.topk_method == "noaux_tc":
+                return routing.select_noaux_tc(logits, correction_bias, self.top_k, self.num_groups, self.topk_groups,
+                                               self.norm_topk_prob, self.scaling_factor, dtype, parts)
+            return routing.select_greedy(logits, self.top_k, normalize, not normalize or self.scale_when_normalized,
+                                         self.scaling_factor, dtype, parts)
+        if parts != 1:
+            logits = split_linear.sum_parts(logits)
+        if self.topk_method == "noaux_tc":
             weights, ids = self.noaux_tc(logits, correction_bias)
             return weights.to(dtype), ids
-        normalize = self.norm_topk_prob and self.top_k > 1
         scale = not normalize or self.scale_when_normalized
-        if self.topk_method == "greedy" and logits.is_cuda and kernel_choice() == "triton":
-            from afd.kernels.routing import MAX_EXPERTS, select_greedy
-
-            if logits.shape[-1] <= MAX_EXPERTS:
-                return select_greedy(logits, self.top_k, normalize, scale, self.scaling_factor, dtype)
         scores = logits.softmax(dim=-1, dtype=torch.float32)
         if self.topk_method == "group_limited_greedy":
             scores = self._mask_to_top_groups(scores)
@@ -107,6 +108,14 @@ class Routing:
         if scale:
             weights = weights * self.scaling_factor
         return weights.to(dtype), ids
+
+    def kernel_fits(self, num_experts: int) -> bool:
+        """Whether the routing kernel (`afd.kernels.routing`) takes this router over `num_experts` experts."""
+        from afd.kernels import routing
+
+        if self.topk_method == "noaux_tc":
+            return routing.noaux_tc_fits(num_experts, self.top_k, self.num_groups, self.topk_groups)
+        return self.topk_method == "greedy" and num_experts <= routing.MAX_EXPERTS
 
     def noaux_tc(self, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's router, the reference for the GPU kernel: sigmoid scores; experts chosen by score +
@@ -147,6 +156,15 @@ class Router(nn.Module):
         their float32 logits from one bf16 tensor-core GEMM (`afd.kernels.split_linear`)."""
         if self.fp32_logits and self.weight.dtype == torch.float32:
             self.weight_parts = split_linear.bf16_parts(self.weight.detach())
+
+    def raw(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(logits as the routing takes them, parts): bf16 logits uncast, or split_linear's three float32 column
+        blocks unsummed (parts 3); `Routing.select` reads either, so neither costs a launch of its own."""
+        if not self.fp32_logits:
+            return F.linear(x, self.weight), 1
+        if self.weight_parts is not None and x.dtype == torch.bfloat16 and x.device == self.weight_parts.device:
+            return split_linear.part_products(x, self.weight_parts), 3
+        return self(x), 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp32_logits:
@@ -241,11 +259,12 @@ class MoE(nn.Module):
                                         if routing.topk_method == "noaux_tc" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.from_logits(x, self.gate(x))
+        return self.from_logits(x, *self.gate.raw(x))
 
-    def from_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """The expert half of the layer given router logits (shipped by attention or local)."""
-        weights, ids = self.routing.select(router_logits, x.dtype, self.e_score_correction_bias)
+    def from_logits(self, x: torch.Tensor, router_logits: torch.Tensor, parts: int = 1) -> torch.Tensor:
+        """The expert half of the layer given router logits (shipped by attention or local; `parts` as
+        `Routing.select` takes them)."""
+        weights, ids = self.routing.select(router_logits, x.dtype, self.e_score_correction_bias, parts)
         if self.experts.num_experts != self.routing.num_experts:  # an expert-parallel shard: its experts only
             weights, ids = self.experts.localize(weights, ids)
         out = self.experts(x, weights, ids)

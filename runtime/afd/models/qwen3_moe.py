@@ -38,7 +38,23 @@ class GroupedQueryAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated, normed query [T, heads, d] and key [T, kv_heads, d], and the value [T, kv_heads, d]."""
+        return self._project(x, positions, None)[0]
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, store) -> tuple[tuple, bool]:
+        """`project`'s inputs, and whether the key and value are in the cache already: with `store` = (cache_k,
+        cache_v, write index), the fused glue writes them there in the same launch (then `attend` need not)."""
         tokens = x.shape[0]
+        table = self.rotary.table(x.device) if fused_glue(x) else None
+        if table is not None and self.q_norm.weight.dtype == self.k_norm.weight.dtype == x.dtype:
+            from afd.kernels.norm_rope import qk_rows_  # norms, rotary and cache writes: one launch, not six
+
+            q = self.q_proj(x).view(tokens, self.heads, self.head_dim)
+            k = self.k_proj(x).view(tokens, self.kv_heads, self.head_dim)
+            v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
+            cache_k, cache_v, index = store if store is not None and store[0].dtype == k.dtype else (None, None, None)
+            qk_rows_(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.k_norm.eps, positions,
+                     *table, cache_k, cache_v, index)
+            return (q, k, v), cache_k is not None
         q = self.q_norm(self.q_proj(x).view(tokens, self.heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(tokens, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
@@ -46,19 +62,20 @@ class GroupedQueryAttention(nn.Module):
         if table is not None:  # in place on the norms' fresh outputs: one launch each instead of ~12
             from afd.kernels.norm_rope import rope_
 
-            return rope_(q, positions, *table, interleaved=False), rope_(k, positions, *table, interleaved=False), v
+            return (rope_(q, positions, *table, interleaved=False), rope_(k, positions, *table, interleaved=False), v), False
         cos, sin = self.rotary(positions)
-        return apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v
+        return (apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v), False
 
-    def attend(self, inputs: tuple, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
-        """Store the keys and values, attend: [T, heads, head_dim]."""
-        return cached_attention(*inputs, cache_k, cache_v, batch, self.scale)
+    def attend(self, inputs: tuple, batch: AttentionBatch, cache_k, cache_v, stored: bool = False) -> torch.Tensor:
+        """Store the keys and values (unless `stored`), attend: [T, heads, head_dim]."""
+        return cached_attention(*inputs, cache_k, cache_v, batch, self.scale, stored)
 
     def finish(self, attended: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attended.reshape(attended.shape[0], -1))
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
-        return self.finish(self.attend(self.project(x, batch.positions), batch, cache_k, cache_v))
+        inputs, stored = self._project(x, batch.positions, (cache_k, cache_v, batch.write_index))
+        return self.finish(self.attend(inputs, batch, cache_k, cache_v, stored))
 
 def build(config: dict, spec: ModelSpec) -> MoECausalLM:
     hidden = spec.hidden_size
