@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any, Optional
 
 import kopf
 
+from afd.config import process_setting
 from afd_operator import labels as L
 from afd_operator.kube import KubeError, KubeStore, Store
 from afd_operator.metrics import OperatorMetrics
@@ -32,8 +32,7 @@ from afd_operator.reconcile import Outcome, reconcile
 from afd_operator.slo_feed import ServiceFeed
 
 VERSION = "v1alpha1"
-RESYNC_ENV = "AFD_OPERATOR_RESYNC_SECONDS"
-DEFAULT_RESYNC_SECONDS = 10.0
+RESYNC_ENV = "AFD_OPERATOR_RESYNC_SECONDS"  # default and check: afd.config.PROCESS_VARIABLES
 log = logging.getLogger(__name__)
 
 
@@ -57,7 +56,7 @@ class OperatorMemo(kopf.Memo):
 def build_registry(resync_seconds: Optional[float] = None) -> kopf.OperatorRegistry:
     """A registry with every handler of the operator."""
     registry = kopf.OperatorRegistry()
-    interval = resync_seconds or float(os.environ.get(RESYNC_ENV, DEFAULT_RESYNC_SECONDS))
+    interval = resync_seconds or process_setting(RESYNC_ENV)
     resource = (API_GROUP, VERSION, PLURAL)
 
     @kopf.on.startup(registry=registry)

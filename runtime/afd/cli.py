@@ -6,14 +6,25 @@ import argparse
 import faulthandler
 import json
 import logging
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from afd.config import ConfigError, load_config
+from afd.config import SECTIONS, SETTINGS, ConfigError, load_config, process_setting, values_from_topology
+from afd.connector.base import ConnectorError
+from afd.local.children import ChildFailed
+from afd.local.command_config import local_config
+from afd.local.log_folders import KEEP
+from afd.models.spec import UnsupportedModelError, parse_spec
+from afd.planner.command import add_parser as add_plan_parser
+from afd.planner.command import cmd_plan
+from afd.tiny import ARCHES, FP8_ARCHES, make_tiny_model
 from afd.topology import TopologyError
+from afd.vllm_plugin.serve import exec_vllm_server
+
+# Imported where used instead: whatever needs torch, msgpack or fastapi (the operator image runs `afd operator`
+# through this module with none of them), and the operator package itself.
 
 log = logging.getLogger("afd")
 
@@ -26,11 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from afd.connector.base import ConnectorError
-    from afd.connector.wire import ProtocolError
-    from afd.models.checkpoint import CheckpointError
-    from afd.models.spec import UnsupportedModelError
-    from afd.local.children import ChildFailed
+    from afd.connector.wire import ProtocolError  # msgpack: not in the operator image
+    from afd.models.checkpoint import CheckpointError  # torch
 
     return (ConfigError, TopologyError, CheckpointError, UnsupportedModelError, ConnectorError, ProtocolError,
             ChildFailed, RuntimeError)
@@ -73,9 +81,6 @@ def _add_group_flags(parser: argparse.ArgumentParser, defaults: dict, model_defa
 
 def _group_config(args: argparse.Namespace, command: str, defaults: dict, **flags):
     """The config of `afd generate` / `afd up` from their flags, built as `afd serve` builds its own."""
-    from afd.config import values_from_topology
-    from afd.local.command_config import local_config
-
     defaults = dict(defaults)
     flags.update(model=args.model, stages=args.stages, ffn_expert_parallel=args.ffn_expert_parallel,
                  gate_on_attention=None if args.gate is None else args.gate == "attention")
@@ -86,9 +91,21 @@ def _group_config(args: argparse.Namespace, command: str, defaults: dict, **flag
     return local_config(command, flags, start, monolithic=args.monolithic, file=args.config)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from afd.local.log_folders import KEEP
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting (`afd.config.SETTINGS`), grouped by section: its help, variable, default and roles."""
+    for section, title in SECTIONS.items():
+        group = parser.add_argument_group(f"{title} (flag > AFD_* variable > settings file)")
+        for spec in SETTINGS.values():
+            if spec.section != section or not spec.flag:
+                continue
+            default = str(spec.default).lower() if spec.type is bool else spec.default if spec.default != "" else "empty"
+            allowed = f"{spec.allowed}; " if spec.allowed else ""
+            text = f"{spec.help} ({allowed}default {default}; {spec.env}; read by {', '.join(spec.roles)})"
+            metavar = "|".join(map(str, spec.choices)) or spec.type.__name__.upper()
+            group.add_argument(spec.flag_name, dest=spec.name, metavar=metavar, help=text.replace("%", "%%"))
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="afd", description="Attention-FFN disaggregated MoE serving.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -107,14 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON line")
     generate.add_argument("--with-logits", action="store_true", help="add each prompt's last-step logits to the JSON")
 
-    serve = commands.add_parser("serve", help="run one role process; configuration from AFD_* env (docs/configuration.md)")
-    serve.add_argument("--config", help="YAML/JSON settings file (overridden by env, then flags)")
-    serve.add_argument("--role")
-    serve.add_argument("--rank", type=int)
-    serve.add_argument("--model")
-    serve.add_argument("--topology")
-    serve.add_argument("--connector")
-    serve.add_argument("--stages", type=int)
+    serve = commands.add_parser("serve", help="run one role process; configuration from AFD_* env (docs/configuration.md)",
+                                description="Run one role process. Every setting: a flag, an AFD_* variable or a key "
+                                            "of the --config file (docs/configuration.md).")
+    serve.add_argument("--config", help="YAML/JSON settings file (overridden by env, then flags; AFD_CONFIG_FILE)")
+    serve.add_argument("--topology", help="attention and FFN ranks, e.g. 4A2F (AFD_TOPOLOGY; sets "
+                                          "num_attention_ranks and num_ffn_ranks)")
+    _add_setting_flags(serve)
 
     tiny = commands.add_parser("make-tiny-model", help="write a small random MoE checkpoint with a tokenizer")
     tiny.add_argument("--arch", required=True, help="deepseek_v2, deepseek_v3 or qwen3_moe")
@@ -140,8 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--read-timeout", type=float, default=600.0,
                     help="seconds the front door waits for a rank to send something (default 600)")
 
-    from afd.planner.command import add_parser as add_plan_parser
-
     add_plan_parser(commands)
 
     # listed for --help only: main() hands `operator` and `render` to afd_operator's own parsers
@@ -155,8 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from afd.models.checkpoint import Checkpoint
-    from afd.models.spec import parse_spec
+    from afd.models.checkpoint import Checkpoint  # torch
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens {args.max_tokens}: must be at least 1")
@@ -175,17 +188,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if bad:
             raise ConfigError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary of {path} (size {spec.vocab_size})")
     if args.monolithic:
-        from afd.monolithic import generate_monolithic
+        from afd.monolithic import generate_monolithic  # torch
 
         result = generate_monolithic(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
     elif config.connector == "loopback":
-        from afd.local.group_threads import generate_in_threads
+        from afd.local.group_threads import generate_in_threads  # torch
 
         result = generate_in_threads(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
     else:
-        from afd.local.group_processes import generate_in_processes
+        from afd.local.group_processes import generate_in_processes  # torch
 
         ffn_model = str(Path(args.ffn_model).resolve()) if args.ffn_model else None
         tokens, logits = generate_in_processes(config, args.prompt_ids, args.max_tokens, args.ignore_eos, ffn_model)
@@ -197,7 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from afd.local.offline_batch import run_attention_batch
+    from afd.local.offline_batch import run_attention_batch  # torch
 
     job = json.loads(Path(args.input).read_text())
     config = load_config()
@@ -208,35 +221,29 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from afd.config import values_from_topology
-
-    cli = {"role": args.role, "rank": args.rank, "model": args.model, "connector": args.connector, "stages": args.stages}
+    cli = {name: getattr(args, name) for name, spec in SETTINGS.items() if spec.flag}
     if args.topology:
         cli.update(values_from_topology(args.topology, "--topology"))
     config = load_config(cli=cli, file=args.config)
     if not config.model:
         raise ConfigError("no model: set AFD_MODEL or pass --model")
     if config.role == "attention" and config.attention_engine == "vllm":
-        from afd.vllm_plugin.serve import exec_vllm_server
-
         return exec_vllm_server(config)  # this process becomes vLLM's OpenAI server (afd.vllm_plugin)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    if os.environ.get("AFD_SWITCH_INTERVAL_S"):  # experiment: how often Python hands the GIL between threads
-        sys.setswitchinterval(float(os.environ["AFD_SWITCH_INTERVAL_S"]))
+    if interval := process_setting("AFD_SWITCH_INTERVAL_S"):  # experiment: how often Python hands the GIL on
+        sys.setswitchinterval(interval)
     if config.role == "ffn":
-        from afd.server.ffn_run import serve_ffn
+        from afd.server.ffn_run import serve_ffn  # torch
 
         return serve_ffn(config, stop)
-    from afd.server.run import serve_attention
+    from afd.server.run import serve_attention  # torch, fastapi
 
     return serve_attention(config, stop)
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from afd.tiny import ARCHES, FP8_ARCHES, make_tiny_model
-
     if args.arch not in ARCHES:
         raise ConfigError(f"--arch {args.arch!r}: must be one of {', '.join(ARCHES)}")
     if args.fp8 and args.arch not in FP8_ARCHES:
@@ -250,9 +257,9 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from afd.models.checkpoint import Checkpoint
-    from afd.server.front import FrontSettings
-    from afd.up import ensure_tiny_model, run_up
+    from afd.models.checkpoint import Checkpoint  # torch
+    from afd.server.front import FrontSettings  # fastapi
+    from afd.up import ensure_tiny_model, run_up  # torch
 
     config = _group_config(args, "up", UP_DEFAULTS, max_request_bytes=args.max_request_bytes,
                            max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars)
@@ -263,12 +270,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ConfigError(f"--read-timeout {args.read_timeout}: must be positive")
     front = FrontSettings(max_request_bytes=config.max_request_bytes, read_timeout_s=args.read_timeout)
     return run_up(config, args.port, Path(args.state_file) if args.state_file else None, demo=not args.no_demo, front=front)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from afd.planner.command import cmd_plan as run
-
-    return run(args)
 
 
 COMMANDS = {
@@ -288,12 +289,12 @@ def _raise_interrupt(*_) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("operator", "render"):  # their own parsers take every flag that follows
-        from afd_operator.cli import operator_main, render_main
+        from afd_operator.cli import operator_main, render_main  # the operator package, not in every install
 
         return (operator_main if argv[0] == "operator" else render_main)(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("AFD_LOG_LEVEL", "INFO" if args.command in ("serve", "run-batch") else "WARNING"),
+        level=process_setting("AFD_LOG_LEVEL") or ("INFO" if args.command in ("serve", "run-batch") else "WARNING"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack

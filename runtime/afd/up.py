@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import sys
 import threading
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from afd.config import AFDConfig, config_to_env
+from afd.config import AFDConfig, config_to_env, process_setting
 from afd.local.group_processes import local_zmq_config
 from afd.local.children import LocalProcesses, exit_summary, free_port_block, threads_per_rank
 from afd.up_messages import WaitReport, demo_answer
@@ -31,16 +30,15 @@ if TYPE_CHECKING:  # the front door (fastapi) loads only when `afd up` runs
     from afd.server.front import FrontSettings
 
 log = logging.getLogger(__name__)
-DEFAULT_CACHE = Path(os.environ.get("AFD_CACHE_DIR", Path.home() / ".cache" / "afd"))
 
 
 def progress(message: str) -> None:
     print(f"afd up: {message}", file=sys.stderr, flush=True)
 
 
-def ensure_tiny_model(cache: Path = DEFAULT_CACHE, arch: str = "qwen3_moe") -> Path:
-    """The default demo model, made once with `afd make-tiny-model` and cached."""
-    path = cache / f"tiny-{arch}"
+def ensure_tiny_model(cache: Path | None = None, arch: str = "qwen3_moe") -> Path:
+    """The default demo model, made once with `afd make-tiny-model` and cached (in `AFD_CACHE_DIR`)."""
+    path = (cache or process_setting("AFD_CACHE_DIR")) / f"tiny-{arch}"
     if not (path / "config.json").exists():
         progress(f"making a tiny random {arch} checkpoint in {path} (first run only)")
         from afd.tiny import make_tiny_model
@@ -248,7 +246,7 @@ def _demo_request(api: str, model: str, server) -> None:
             "max_tokens": 24, "temperature": 0}
     try:
         reply = httpx.post(f"{api}/chat/completions", json=body, timeout=120).json()
-        for line in demo_answer(reply, model, DEFAULT_CACHE):  # saying so where the weights are random
+        for line in demo_answer(reply, model, process_setting("AFD_CACHE_DIR")):  # saying so where the weights are random
             progress(line)
     except Exception as err:  # the demo must never take the deployment down
         progress(f"demo request failed: {err}")

@@ -5,16 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from afd.config import ENV_VARS, AFDConfig
-from afd.config_help import SETTING_HELP
+from afd.config import ENV_VARS, SETTINGS, AFDConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_setting_has_an_env_variable_and_help():
     names = {f.name for f in dataclasses.fields(AFDConfig)}
-    assert set(ENV_VARS.values()) == names, "an AFDConfig field without an AFD_* variable, or the reverse"
-    assert set(SETTING_HELP) == names, "add a line for each new setting to afd/config_help.py"
+    assert set(ENV_VARS.values()) == names == set(SETTINGS), "an AFDConfig field without an AFD_* variable, or the reverse"
+    assert all(spec.help.strip() for spec in SETTINGS.values()), "declare each setting's help in its setting(...)"
 
 
 def test_generated_docs_are_current():

@@ -53,7 +53,7 @@ def test_the_demo_answer_says_when_the_weights_are_random(default_model, tmp_pat
     model = tmp_path / "cache" / "tiny-qwen3_moe" if default_model else tmp_path / "my-checkpoint"
     reply = {"choices": [{"message": {"content": "\ufffdP\x1b once7>fplits"}}], "usage": {"completion_tokens": 24}}
     posted = []
-    monkeypatch.setattr(afd.up, "DEFAULT_CACHE", tmp_path / "cache")
+    monkeypatch.setenv("AFD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(afd.up, "progress", said.append)
     monkeypatch.setattr(afd.up.httpx, "post", lambda url, json, timeout: posted.append(json) or SimpleNamespace(json=lambda: reply))
     afd.up._demo_request("http://127.0.0.1:1/v1", str(model), SimpleNamespace(started=True))

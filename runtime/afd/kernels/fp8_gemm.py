@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.config import process_setting
+
 GROUP = 128  # columns per activation scale, and the weight block's side
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -152,10 +154,7 @@ SCALED_MM_ROWS = 4  # torch._scaled_mm's block-scaled GEMM takes row counts in m
 
 
 def gemm_choice() -> str:
-    choice = os.environ.get("AFD_FP8_GEMM", "auto")
-    if choice not in ("auto", "scaled_mm", "triton"):
-        raise ValueError(f"AFD_FP8_GEMM={choice!r}: must be auto, scaled_mm or triton")
-    return choice
+    return process_setting("AFD_FP8_GEMM")  # auto, scaled_mm or triton (a ConfigError names a bad one)
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,19 +21,17 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from afd.config import process_setting
 from afd.kernels import triton_available
 
 
 def kernel_choice() -> str:
-    choice = os.environ.get("AFD_MOE_KERNEL", "auto")
-    if choice not in ("auto", "triton", "grouped"):
-        raise ValueError(f"AFD_MOE_KERNEL={choice!r}: must be auto, triton or grouped")
+    choice = process_setting("AFD_MOE_KERNEL")  # auto, triton or grouped (a ConfigError names a bad one)
     if choice == "auto":
         return "triton" if triton_available() else "grouped"
     return choice

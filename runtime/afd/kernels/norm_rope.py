@@ -11,16 +11,16 @@ Capturable in CUDA graphs. `AFD_FUSED_GLUE=0` turns them off (the torch path eve
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from afd.config import process_setting
+
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether `x`'s glue runs through these kernels: on CUDA, unless AFD_FUSED_GLUE=0."""
-    return x.is_cuda and os.environ.get("AFD_FUSED_GLUE", "1") != "0"
+    return x.is_cuda and process_setting("AFD_FUSED_GLUE")
 
 
 @triton.jit

@@ -87,7 +87,7 @@ def exec_vllm_server(config: AFDConfig, extra: list[str] | None = None) -> int:
     """Replace this process with vLLM's OpenAI server for attention rank `config.rank`."""
     from afd.runners.device import resolve_device, resolve_dtype
 
-    extra = shlex.split(os.environ.get("AFD_VLLM_ARGS", "")) + list(extra or [])
+    extra = shlex.split(config.vllm_args) + list(extra or [])  # AFD_VLLM_ARGS, through the config
     device = resolve_device(config)
     command = vllm_serve_argv(config, resolve_dtype(config, device), extra, device.type)
     print(f"afd: attention rank {config.rank} runs vLLM: {shlex.join(command[3:])}", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from afd.config import process_setting
 from afd.connector.base import ConnectorError
 
 NCCL_UINT8 = 1
@@ -45,7 +46,7 @@ class UniqueId(ctypes.Structure):
 
 def _candidates() -> list[str]:
     # torch's CUDA build has already loaded libnccl.so.2, so the soname resolves to it
-    names = [os.environ.get("AFD_NCCL_LIBRARY", ""), "libnccl.so.2", "libnccl.so"]
+    names = [process_setting("AFD_NCCL_LIBRARY"), "libnccl.so.2", "libnccl.so"]
     try:
         import nvidia.nccl  # type: ignore
 

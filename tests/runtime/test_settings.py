@@ -1,0 +1,182 @@
+"""Each setting is declared once, on its `AFDConfig` field; everything else derives from that (issue 36).
+
+The environment table, the checks, `afd serve`'s flags and docs/configuration.md are read from
+`afd.config.SETTINGS`; a field without a declaration, or a number without a bound, fails here. Every
+`AFD_*` variable the runtime or the operator reads goes through `afd.config`.
+"""
+
+import ast
+import dataclasses
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from afd import cli
+from afd.config import (
+    ENV_VARS, PROCESS_VARIABLES, ROLES, SECTIONS, SETTINGS, AFDConfig, ConfigError, _settings, load_config,
+    process_setting, setting,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE = [ROOT / "runtime" / "afd", ROOT / "operator" / "afd_operator"]
+
+
+def test_every_field_is_declared_with_help_section_roles_and_bounds():
+    for spec in SETTINGS.values():
+        assert spec.help.strip() and spec.section in SECTIONS, spec.name
+        assert spec.roles and set(spec.roles) <= set(ROLES), spec.name
+        if spec.type in (int, float):
+            assert spec.bounded, f"{spec.name}: a number needs ge/gt/le (or a Literal type) in its setting(...)"
+    assert {spec.section for spec in SETTINGS.values()} == set(SECTIONS), "a section without settings"
+
+
+def test_a_plain_field_or_an_unbounded_number_is_refused():
+    @dataclasses.dataclass(frozen=True)
+    class Plain(AFDConfig):
+        new_knob: int = 3
+
+    with pytest.raises(TypeError, match="new_knob: declare it with setting"):
+        _settings(Plain)
+
+    @dataclasses.dataclass(frozen=True)
+    class Unbounded(AFDConfig):
+        new_knob: int = setting(3, "a knob", section="link")
+
+    with pytest.raises(TypeError, match="new_knob: a number needs"):
+        _settings(Unbounded)
+
+
+def _outside(spec):
+    """Values just outside the declared bounds (each must be refused)."""
+    step = 1 if spec.type is int else 0.5
+    if spec.ge is not None:
+        yield spec.ge - step
+    if spec.gt is not None:
+        yield spec.gt
+    if spec.le is not None:
+        yield spec.le + step
+
+
+@pytest.mark.parametrize("name", [name for name, spec in SETTINGS.items() if spec.ge is not None or spec.gt is not None
+                                  or spec.le is not None])
+def test_every_bound_is_checked_and_named(name):
+    spec = SETTINGS[name]
+    for value in _outside(spec):
+        with pytest.raises(ConfigError, match=f"^{name}="):
+            load_config(env={spec.env: str(value)})
+    inside = spec.ge if spec.ge is not None else spec.le if spec.le is not None else spec.gt + 1
+    assert getattr(load_config(env={spec.env: str(inside), "AFD_RANK": "0"}), name) == inside
+
+
+@pytest.mark.parametrize("name", [name for name, spec in SETTINGS.items() if spec.choices])
+def test_every_choice_comes_from_the_literal_type(name):
+    spec = SETTINGS[name]
+    with pytest.raises(ConfigError, match=f"^{name}=.*must be one of"):
+        AFDConfig(**{name: "nonsense" if spec.type is str else 99})
+    assert {getattr(AFDConfig(**{name: choice}), name) for choice in spec.choices} == set(spec.choices)
+
+
+def test_sections_are_views_of_the_flat_fields():
+    config = AFDConfig(peer_timeout_s=2.5, max_num_seqs=7)
+    assert config.section("link").peer_timeout_s == 2.5 and config.section("scheduler").max_num_seqs == 7
+    assert sum(len(vars(config.section(name))) for name in SECTIONS) == len(SETTINGS)
+
+
+def test_serve_help_lists_every_setting_with_its_variable(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for spec in SETTINGS.values():
+        if spec.flag:
+            assert spec.flag_name in text and spec.env in text, spec.name
+    assert "--group-secret" not in text  # a secret never goes on a command line
+
+
+def test_every_serve_flag_reaches_the_config(monkeypatch):
+    seen = {}
+    fake = types.ModuleType("afd.server.run")
+    fake.serve_attention = lambda config, stop: seen.setdefault("config", config) and 0
+    monkeypatch.setitem(sys.modules, "afd.server.run", fake)
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
+    for var in [*ENV_VARS, "AFD_TOPOLOGY", "AFD_CONFIG_FILE"]:
+        monkeypatch.delenv(var, raising=False)
+    argv = ["serve", "--model", "/m", "--max-num-seqs", "7", "--cuda-graphs", "true", "--peer-timeout-s", "2.5",
+            "--ceiling-batches", "1,8", "--dtype", "bfloat16"]
+    assert cli.cmd_serve(cli.build_parser().parse_args(argv)) == 0
+    config = seen["config"]
+    assert (config.max_num_seqs, config.cuda_graphs, config.peer_timeout_s, config.ceiling_batches, config.dtype) == \
+        (7, True, 2.5, "1,8", "bfloat16")
+    with pytest.raises(ConfigError, match="--max-num-seqs='x'"):
+        cli.cmd_serve(cli.build_parser().parse_args(["serve", "--model", "/m", "--max-num-seqs", "x"]))
+
+
+def test_process_variables_are_typed_checked_and_read_when_asked():
+    assert process_setting("AFD_MOE_KERNEL", {}) == "auto"
+    assert process_setting("AFD_MOE_KERNEL", {"AFD_MOE_KERNEL": "grouped"}) == "grouped"
+    assert process_setting("AFD_FUSED_GLUE", {"AFD_FUSED_GLUE": "0"}) is False
+    assert process_setting("AFD_OPERATOR_RESYNC_SECONDS", {}) == 10.0
+    assert process_setting("AFD_CACHE_DIR", {"AFD_CACHE_DIR": "/tmp/x"}) == Path("/tmp/x")
+    assert process_setting("AFD_LOG_LEVEL", {"AFD_LOG_LEVEL": "debug"}) == "DEBUG"
+    for name, raw in (("AFD_MOE_KERNEL", "fast"), ("AFD_SWITCH_INTERVAL_S", "-1"), ("AFD_LOG_LEVEL", "loud")):
+        with pytest.raises(ConfigError, match=f"^{name}='{raw}'"):
+            process_setting(name, {name: raw})
+
+
+def _module_strings(tree):
+    """Module-level NAME = "text" constants (RESYNC_ENV = "AFD_..." read later by name)."""
+    return {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for target in node.targets if isinstance(target, ast.Name)}
+
+
+def _env_reads(path):
+    """(line, variable) of every os.environ[...] / .get(...) / os.getenv(...) of an AFD_* name in `path`."""
+    tree = ast.parse(path.read_text())
+    names = _module_strings(tree)
+
+    def text(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return names.get(node.id) if isinstance(node, ast.Name) else None
+
+    def is_environ(node):
+        return isinstance(node, ast.Attribute) and node.attr == "environ" or isinstance(node, ast.Name) and node.id == "environ"
+
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript) and is_environ(node.value):
+            key = text(node.slice)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "getenv" or node.func.attr in ("get", "pop", "setdefault") and is_environ(node.func.value):
+                key = text(node.args[0])
+        if key and key.startswith("AFD_"):
+            yield node.lineno, key
+
+
+def test_every_afd_variable_is_read_through_the_config_module():
+    config = ROOT / "runtime" / "afd" / "config.py"
+    offenders = [f"{path.relative_to(ROOT)}:{line} {name}" for folder in CODE for path in sorted(folder.rglob("*.py"))
+                 if path != config for line, name in _env_reads(path)]
+    assert not offenders, f"read these through afd.config.process_setting (or a setting): {offenders}"
+
+
+def test_the_env_read_finder_finds_every_kind_of_read(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('import os\nNAME = "AFD_C"\nos.environ.get("AFD_A", "")\nos.environ["AFD_B"]\nos.getenv(NAME)\n'
+                      'os.environ.get("HOME")\n')
+    assert [name for _, name in _env_reads(sample)] == ["AFD_A", "AFD_B", "AFD_C"]
+
+
+def test_every_afd_variable_named_in_the_code_is_declared():
+    known = set(ENV_VARS) | set(PROCESS_VARIABLES)
+    pattern = re.compile(r"\bAFD_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_*])")
+    unknown = set()
+    for folder in CODE:
+        for path in folder.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    unknown |= {f"{path.relative_to(ROOT)}: {n}" for n in pattern.findall(node.value) if n not in known}
+    assert not unknown, f"declare these in afd.config (a setting or PROCESS_VARIABLES): {sorted(unknown)}"
