@@ -19,7 +19,7 @@ import torch
 from afd.engine.banned_words import step_words
 from afd.engine.logits_controls import ControlState, step_controls
 from afd.engine.request import Request, RequestOutput, SamplingParams
-from afd.server.sse import StreamEvents
+from afd.server.api.sse import StreamEvents
 
 VOCAB, ROWS = 151_936, 64
 WORDS = ((11, 12, 13), (21, 22), (31, 32, 33, 34), (41, 42))

@@ -70,7 +70,7 @@ def instrument(timers: Timers) -> None:
     import json as json_module
 
     from afd.engine import outputs, text
-    from afd.server import app
+    from afd.server.api import app
 
     timers.wrap(outputs.OutputProcessor, "_deliver", "deliver")
     timers.wrap(text.IncrementalDetokenizer, "add", "detokenize")
@@ -79,15 +79,15 @@ def instrument(timers: Timers) -> None:
     for name in ("completion_chunk", "chat_chunk"):  # looked up in app's globals at call time
         timers.wrap(app, name, "format")
     with contextlib.suppress(ImportError):  # a tree that formats each event from a template
-        from afd.server import sse
+        from afd.server.api import sse
 
         for name in ("completion", "chat", "usage"):
             timers.wrap(sse.StreamEvents, name, "format")
-    if hasattr(app, "_Outputs"):
+    if hasattr(app, "_Outputs") or hasattr(app, "streams"):  # a tree that takes outputs per request on the loop
         _wrap_handoff(timers, app)
     timers.wrap(asyncio.Queue, "put_nowait", "handoff")  # a tree that hands each output over on its own
     with contextlib.suppress(ImportError):
-        from afd.server import handoff
+        from afd.server.api import handoff
 
         timers.wrap(handoff.LoopHandoff, "_flush", "handoff")  # a tree that hands a step's outputs over at once
     from asyncio import selector_events
@@ -172,7 +172,7 @@ def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = 
     from afd.engine.tokenizer import load_tokenizer
     from afd.kv_cache import KVCache
     from afd.models.spec import KVLayout
-    from afd.server.app import ServerState, create_app
+    from afd.server.api.app import ServerState, create_app
     from afd.server.failover import Failover, FailoverSettings
     from afd.server.serving_metrics import ServingMetrics
 

@@ -52,7 +52,7 @@ class LiveServer:
 
         from afd.config import AFDConfig
         from afd.roles import build_attention, build_ffn
-        from afd.server.app import create_app
+        from afd.server.api.app import create_app
         from afd.server.run import build_server
 
         self.config = AFDConfig(

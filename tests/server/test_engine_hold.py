@@ -108,7 +108,7 @@ def test_past_the_hold_time_the_held_requests_fail_with_the_error_of_today(parts
 
 
 def _structured():
-    from afd.server.structured import grammar_of
+    from afd.server.api.structured import grammar_of
 
     return SamplingParams(max_tokens=12, temperature=0, grammar=grammar_of({"guided_regex": "q[a-z]{8,60}"})[0])
 

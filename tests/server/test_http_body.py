@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
+from afd.server.api.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
 
 
 def request(messages, headers=()):

@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from afd.server.liveness import LoopWatch
+from afd.server.api.liveness import LoopWatch
 
 
 def test_a_blocked_loop_is_reported_and_a_turning_one_is_not():

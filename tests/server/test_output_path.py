@@ -13,9 +13,9 @@ import pytest
 from afd.engine.request import RequestOutput, TokenLogprobs
 from afd.engine.text import IncrementalDetokenizer
 from afd.engine.tokenizer import load_tokenizer, text_decoder
-from afd.server.formatting import chat_chunk, completion_chunk
-from afd.server.handoff import LoopHandoff, OutputSink
-from afd.server.sse import StreamEvents
+from afd.server.api.formatting import chat_chunk, completion_chunk
+from afd.server.api.handoff import LoopHandoff, OutputSink
+from afd.server.api.sse import StreamEvents
 
 TEXTS = ["", "plain", ' "quoted" \\ back', "line\nbreak\ttab\x01", "é 漢字 🙂", "\ud800 lone surrogate"]
 

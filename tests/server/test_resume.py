@@ -11,7 +11,7 @@ import pytest
 
 from afd.engine.request import InvalidRequest
 from afd.server.failover import Failover, FailoverSettings
-from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, sign, verify
+from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, sign, verify
 
 KEY = b"group-secret"
 

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from afd.engine.request import InvalidRequest
-from afd.server.structured import grammar_of
+from afd.server.api.structured import grammar_of
 
 SCHEMA = {
     "type": "object",
@@ -132,8 +132,8 @@ def test_an_api_process_checks_grammars_itself(server):
     bad one is still a 400 naming the field, not a failure in the engine core."""
     from dataclasses import replace
 
-    from afd.server.app import _grammar
-    from afd.server.protocol import CompletionRequest, parse_request
+    from afd.server.api.app import _grammar
+    from afd.server.api.protocol import CompletionRequest, parse_request
 
     state = replace(server.state, engine=object())  # an engine client: no grammars of its own
     good = parse_request(CompletionRequest, {"model": "m", "prompt": "a", "guided_regex": "[ab]+"})

@@ -6,10 +6,10 @@ import math
 import pytest
 
 from afd.engine.request import InvalidRequest
-from afd.server import json_body, validation
+from afd.server.api import json_body, validation
 from afd.server.front_metrics import FrontMetrics, merge_expositions
-from afd.server.protocol import ChatRequest, CompletionRequest, parse_request
-from afd.server.validation import Limits
+from afd.server.api.protocol import ChatRequest, CompletionRequest, parse_request
+from afd.server.api.validation import Limits
 
 LIMITS = Limits(max_prompts=4, max_prompt_chars=100)
 

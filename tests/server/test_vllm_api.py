@@ -56,7 +56,7 @@ def test_logit_bias_and_bad_words_through_chat(server):
 
 def output_ids(server, **body) -> list[int]:
     """The output token ids of a streamed completion (the ids a relay asks for)."""
-    from afd.server.resume import IDS_HEADER
+    from afd.server.api.resume import IDS_HEADER
 
     _, text = streamed(server, "/v1/completions", headers={IDS_HEADER: "1"}, **body)
     return [int(t) for line in text.split("\n") if line.startswith(": afd-ids ") for t in line[10:].split(",")]
@@ -295,7 +295,7 @@ def test_n_choices_streamed_each_under_its_index_equal_the_unstreamed_ones(serve
 
 
 def test_an_n_stream_moved_mid_way_continues_each_choice_from_its_own_tokens(server):
-    from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, sign
+    from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, sign
 
     body = dict(prompt="Hi", max_tokens=6, n=3, temperature=1.0, seed=9, ignore_eos=True,
                 stream_options={"include_usage": True})

@@ -1,7 +1,7 @@
 """Structured outputs with llguidance: grammars compiled once and cached, a matcher per request, masks on the device.
 
 A request's `SamplingParams.grammar` is an llguidance grammar (made from a JSON schema, a
-regex, a choice list or a Lark grammar by `afd.server.structured`). `Grammars.matcher` gives
+regex, a choice list or a Lark grammar by `afd.server.api.structured`). `Grammars.matcher` gives
 each request its own matcher, a copy of a cached prototype, so a grammar is compiled once per
 process (the API compiles it on its worker pool first: `Grammars.check`). Each step, the
 structured rows' allowed-token bitmasks are filled on the host ([R, ceil(V / 32)] int32),

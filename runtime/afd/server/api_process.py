@@ -151,15 +151,15 @@ def _facts(config: AFDConfig, state, engine, folder: str) -> dict:
 
 # -- API process --------------------------------------------------------------------------------
 def serve_api(config: AFDConfig, facts: dict) -> int:
-    """The child: the app of `afd.server.app` on an `EngineClient`, until SIGTERM."""
+    """The child: the app of `afd.server.api.app` on an `EngineClient`, until SIGTERM."""
     from prometheus_client import CollectorRegistry
 
     from afd.engine.tokenizer import load_tokenizer
     from afd.kv_cache import KVBlocks
-    from afd.server.app import ServerState, create_app, http_server
+    from afd.server.api.app import ServerState, create_app, http_server
     from afd.server.engine_client import EngineClient
     from afd.server.failover import Failover, FailoverSettings
-    from afd.server.validation import Limits
+    from afd.server.api.validation import Limits
 
     tokenizer = load_tokenizer(config.model)
     client = EngineClient(facts["folder"], tokenizer, KVBlocks(facts["num_blocks"], facts["block_size"]),

@@ -1,6 +1,6 @@
 """What the API uses of the engine, in an API process (`AFD_API_PROCESS`): the core answers over zmq.
 
-`submit`, `abort` and `problem` behave as `Engine`'s do for `afd.server.app`: a request the
+`submit`, `abort` and `problem` behave as `Engine`'s do for `afd.server.api.app`: a request the
 engine could never run is refused here with the same `InvalidRequest` (the same scheduler
 check, on the core's KV-cache blocks, `KVBlocks`); outputs arrive on the event loop, a burst per message,
 as token ids that get their text here (`request_text`).

@@ -28,8 +28,8 @@ from typing import Callable
 
 import httpx
 
-from afd.server.http_body import HOP_HEADERS, OWN_HEADERS
-from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
+from afd.server.api.http_body import HOP_HEADERS, OWN_HEADERS
+from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
 from afd.server.splice import spliced
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from afd.server.front_metrics import FrontMetrics
-from afd.server.http_body import HOP_HEADERS, OWN_HEADERS, BodyTimeout, BodyTooLarge, client_gone, read_body
-from afd.server.protocol import error_response
-from afd.server.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
+from afd.server.api.http_body import HOP_HEADERS, OWN_HEADERS, BodyTimeout, BodyTooLarge, client_gone, read_body
+from afd.server.api.protocol import error_response
+from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
 from afd.server.splice import spliced
 
 

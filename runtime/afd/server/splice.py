@@ -1,7 +1,7 @@
 """A relayed stream that survives its attention rank: cut mid-stream, it goes on from another rank.
 
 The relay passes whole SSE events to the client and notes the token ids they carried
-(`afd.server.resume.StreamReader`). If the rank's connection breaks before `[DONE]` (the rank died),
+(`afd.server.api.resume.StreamReader`). If the rank's connection breaks before `[DONE]` (the rank died),
 `reopen` sends the request to another ready rank with those ids (`x-afd-resume`), and that rank's
 events follow on the same connection: same id, same index, nothing sent twice. A stream that ended
 with an error event, or that the read timeout cut, ends as before.
@@ -15,8 +15,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 
-from afd.server.resume import Resume, StreamReader
-from afd.server.sse import DONE, error_event
+from afd.server.api.resume import Resume, StreamReader
+from afd.server.api.sse import DONE, error_event
 
 log = logging.getLogger(__name__)
 MAX_MOVES = 4  # ranks one stream may move over

@@ -9,42 +9,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from afd.engine.engine import Engine
-from afd.engine.request import InvalidRequest, RequestOutput
+from afd.engine.request import InvalidRequest
 from afd.engine.structured import Grammars
 from afd.engine.tokenizer import chat_prompt_ids
-from afd.server import choices, json_body, resume as resumes, tokenize_api, validation
-from afd.server.formatting import PromptShown, chat_response, completion_response
-from afd.server.handoff import LoopHandoff, OutputSink
-from afd.server.http_body import BodyTimeout, BodyTooLarge, client_gone, read_body
-from afd.server.liveness import LoopWatch
-from afd.server.protocol import ChatRequest, CompletionRequest, error_response, parse_request
-from afd.server.sse import DONE, StreamEvents, error_event
-from afd.server.validation import Limits
+from afd.server.api import choices, json_body, resume as resumes, streams, tokenize_api, validation
+from afd.server.api.formatting import PromptShown, chat_response, completion_response
+from afd.server.api.http_body import BodyTimeout, BodyTooLarge, read_body
+from afd.server.api.liveness import LoopWatch
+from afd.server.api.protocol import (ChatRequest, CompletionRequest, ModelNotFound, Unavailable, error_response,
+                                     parse_request)
+from afd.server.api.sse import StreamEvents
+from afd.server.api.validation import Limits
 
 log = logging.getLogger(__name__)
 _GRAMMARS_LOCK = threading.Lock()
-
-
-class Unavailable(Exception):
-    """HTTP 503: an FFN peer is down, warm-up is not finished, or the request failed in the engine."""
-
-
-class ModelNotFound(Exception):
-    """HTTP 404: the request names a model this server does not serve."""
 
 
 @dataclass
@@ -131,16 +121,17 @@ def create_app(state: ServerState) -> FastAPI:
         resume = _resume_of(state, http, request.stream, request.n)
         if request.stream:
             shown = PromptShown(prompts, request.echo_logprobs, request.prompt_logprobs)
-            streamed = _StreamedChoices(state, prompts[0], choices.candidate_params(params[0], request.n, None), resume)
+            candidates = choices.candidate_params(params[0], request.n, None)
+            streamed = streams.StreamedChoices(state.engine, prompts[0], candidates, resume)
             events = StreamEvents(state, resume.request_id("text_completion") if resume else streamed.request_id,
                                   "text_completion", None if resume else shown)
             make = lambda index, out, first: events.completion(out, echo[0] if first else "", index, first)  # noqa: E731
-            return _sse(streamed, events, make, request.include_usage, _wants_ids(http))
+            return streams.sse_response(streamed, events, make, request.include_usage, _wants_ids(http))
         count = max(request.n, request.best_of or 1)  # engine requests per prompt
         candidates = [c for sampling in params for c in choices.candidate_params(sampling, request.n, request.best_of)]
-        groups = [_group(count) for _ in prompts]
-        results = await _complete(http, _submit_all(state, [p for p in prompts for _ in range(count)], candidates,
-                                                     [g for g in groups for _ in range(count)]))
+        groups = [g for g in [streams.group_of(count) for _ in prompts] for _ in range(count)]
+        submitted = streams.submit_all(state.engine, [p for p in prompts for _ in range(count)], candidates, groups)
+        results = await streams.complete(http, submitted)
         if results is None:
             return Response(status_code=499)
         picked = [choice for i in range(len(prompts)) for choice in choices.pick_best(
@@ -155,14 +146,15 @@ def create_app(state: ServerState) -> FastAPI:
         request, prompt, params = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
         resume = _resume_of(state, http, request.stream, request.n)
         if request.stream:
-            streamed = _StreamedChoices(state, prompt, choices.candidate_params(params, request.n, None), resume)
+            candidates = choices.candidate_params(params, request.n, None)
+            streamed = streams.StreamedChoices(state.engine, prompt, candidates, resume)
             events = StreamEvents(state, resume.request_id("chat.completion.chunk") if resume else streamed.request_id,
                                   "chat.completion.chunk", PromptShown([prompt], None, request.prompt_logprobs))
             make = lambda index, out, first: events.chat(out, first, index, not resume)  # noqa: E731
-            return _sse(streamed, events, make, request.include_usage, _wants_ids(http))
-        submitted = _submit_all(state, [prompt] * request.n, choices.candidate_params(params, request.n, None),
-                                [_group(request.n)] * request.n)
-        results = await _complete(http, submitted)
+            return streams.sse_response(streamed, events, make, request.include_usage, _wants_ids(http))
+        submitted = streams.submit_all(state.engine, [prompt] * request.n, choices.candidate_params(params, request.n, None),
+                                       [streams.group_of(request.n)] * request.n)
+        results = await streams.complete(http, submitted)
         if results is None:
             return Response(status_code=499)
         usage = _usage_of(len(prompt), choices.completion_tokens(results))
@@ -285,7 +277,7 @@ def _check_model_and_health(state: ServerState, model: str) -> None:
 
 
 def _resume_of(state: ServerState, http: Request, stream: bool, n: int = 1) -> resumes.Resume | None:
-    """The stream a relay moves here from a lost rank (`afd.server.resume`), or None; InvalidRequest if unfit."""
+    """The stream a relay moves here from a lost rank (`afd.server.api.resume`), or None; InvalidRequest if unfit."""
     resume = resumes.verify(state.resume_key, http.headers.get(resumes.RESUME_HEADER), state.vocab_size)
     if resume is not None and not stream:
         raise InvalidRequest(f"{resumes.RESUME_HEADER} continues streams only", resumes.RESUME_HEADER)
@@ -315,172 +307,3 @@ def _max_tokens(state: ServerState, prompt: list[int], requested: int | None) ->
             f"this model's maximum context length is {state.max_model_len} tokens; you asked for "
             f"{len(prompt) + requested} ({len(prompt)} in the prompt, {requested} to generate)", "max_tokens")
     return requested
-
-
-class _Outputs:
-    """One request's engine outputs on the event loop, taken as they arrive (see `handoff`)."""
-
-    def __init__(self, state: ServerState, prompt: list[int], params, group: str | None = None):
-        handoff, sink = LoopHandoff.of(asyncio.get_running_loop()), OutputSink()
-        self.sink = sink
-        self.engine = state.engine
-        shared = {"group": group} if group is not None else {}
-        self.request = state.engine.submit(prompt, params, lambda out: handoff.put(sink, out), **shared)
-        self.finished = False
-        self.first = True
-
-    async def take(self) -> list[tuple[RequestOutput, bool]]:
-        """Every output that arrived since the last call (waits for one), each with whether it is the
-        request's first; nothing after the last."""
-        if self.finished:
-            return []
-        taken = []
-        for output in await self.sink.take():
-            taken.append((output, self.first))
-            self.first = False
-            if output.finished:
-                self.finished = True
-                break
-        return taken
-
-    async def collect(self) -> list[RequestOutput]:
-        collected = []
-        while taken := await self.take():
-            for output, _ in taken:
-                if output.error:
-                    raise Unavailable(f"the request failed: {output.error}")
-                collected.append(output)
-        return collected
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.engine.abort(self.request.request_id)
-
-
-def _group(count: int) -> str | None:
-    """The engine group of one prompt's `count` choices (they share its prefill), or None for one."""
-    return uuid.uuid4().hex if count > 1 else None
-
-
-def _submit_all(state: ServerState, prompts: list[list[int]], params, groups: list) -> list[_Outputs]:
-    """Every prompt queued at once (they batch together; the choices of one prompt, one group each, share its
-    prefill); none left behind if one is refused."""
-    outputs: list[_Outputs] = []
-    try:
-        with state.engine.together():
-            for prompt, sampling, group in zip(prompts, params, groups):
-                outputs.append(_Outputs(state, prompt, sampling, group))
-    except BaseException:
-        for submitted in outputs:
-            submitted.abort()
-        raise
-    return outputs
-
-
-async def _complete(http: Request, outputs: list[_Outputs]) -> list[list[RequestOutput]] | None:
-    """Every output of a non-streaming request, or None when the client left first (all aborted)."""
-    gone = asyncio.ensure_future(client_gone(http))
-    work = asyncio.ensure_future(asyncio.gather(*(o.collect() for o in outputs)))
-    try:
-        await asyncio.wait({gone, work}, return_when=asyncio.FIRST_COMPLETED)
-        return work.result() if work.done() else None
-    finally:
-        gone.cancel()
-        work.cancel()
-        work.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody awaits it any more
-        for output in outputs:
-            output.abort()  # the engine drops them at its next step
-
-
-class _StreamedChoices:
-    """The choices of one streamed prompt (n engine requests, queued together), their outputs taken together as they
-    arrive, each with its choice's index; a moved stream (`resume`) goes on from each choice's carried tokens (a
-    choice whose last event went out before the move is not run again)."""
-
-    def __init__(self, state: ServerState, prompt: list[int], params: list, resume: resumes.Resume | None = None):
-        handoff, self.sink = LoopHandoff.of(asyncio.get_running_loop()), OutputSink()
-        self.engine, self.n = state.engine, len(params)
-        carried = resume.choices if resume is not None else [()] * self.n
-        finished = set(resume.finished) if resume is not None else set()
-        group = {"group": _group(self.n)} if resume is None and self.n > 1 else {}
-        if resume is not None:  # nothing of the prompt is shown again: its logprobs are not computed again
-            params = [dataclasses.replace(p, prompt_logprobs=None) for p in params]
-        self.request_ids: dict[int, str] = {}
-        self.open = set(range(self.n)) - finished  # choices not finished yet
-        self.started = {i for i in range(self.n) if carried[i] or i in finished}  # choices the client saw
-        self.tokens = [len(ids) for ids in carried]  # each choice's completion tokens so far
-        self.prompt_tokens = len(prompt)
-        try:
-            with state.engine.together():
-                for index in sorted(self.open):
-                    more = {"carried": carried[index]} if carried[index] else group
-                    submitted = state.engine.submit(prompt, params[index], self._deliver(handoff, index), **more)
-                    self.request_ids[index] = submitted.request_id
-        except BaseException:
-            self.abort()
-            raise
-        self.request_id = next(iter(self.request_ids.values()))  # the stream's id
-
-    def _deliver(self, handoff: LoopHandoff, index: int):
-        return lambda output: handoff.put(self.sink, (index, output))
-
-    @property
-    def finished(self) -> bool:
-        return not self.open
-
-    async def take(self) -> list[tuple[int, RequestOutput, bool]]:
-        """Every output that arrived since the last call (waits for one): (choice index, output, whether it is the
-        choice's first); nothing after a choice's last."""
-        taken = []
-        for index, output in await self.sink.take():
-            if index not in self.open:
-                continue
-            taken.append((index, output, index not in self.started))
-            self.started.add(index)
-            self.tokens[index], self.prompt_tokens = output.completion_tokens, output.prompt_tokens
-            if output.finished:
-                self.open.discard(index)
-        return taken
-
-    def abort(self) -> None:
-        for index, request_id in self.request_ids.items():
-            if index in self.open:
-                self.engine.abort(request_id)
-
-
-def _sse(outputs: _StreamedChoices, events: StreamEvents, make_event, include_usage: bool,
-         ids: bool = False) -> StreamingResponse:
-    """Server-sent events: one per output of any choice, an error event if one fails (the others are aborted), then
-    the usage (the prompt once, every choice's tokens) and [DONE]. The events of every output that arrived together
-    go out in one write. `ids`: a relay asked, to move the stream should this rank die: each event says its token
-    ids in an SSE comment (with its choice's index, after n said once, in a stream of n > 1 choices)."""
-    n = outputs.n
-    if not ids:
-        note = lambda index, output: ""  # noqa: E731
-    elif n == 1:
-        note = lambda index, output: resumes.ids_comment(output.token_ids)  # noqa: E731
-    else:
-        note = lambda index, output: resumes.ids_comment(output.token_ids, index)  # noqa: E731
-    opening = resumes.choices_comment(n) if ids and n > 1 else ""
-
-    async def stream():
-        nonlocal opening
-        try:
-            while not outputs.finished:
-                lines = []
-                for index, output, first in await outputs.take():
-                    if output.error:
-                        lines.append(error_event(output.error))
-                        yield "".join(lines)
-                        return
-                    lines.append(opening + note(index, output) + make_event(index, output, first))
-                    opening = ""
-                if outputs.finished:
-                    if include_usage:
-                        lines.append(events.usage(outputs.prompt_tokens, sum(outputs.tokens)))
-                    lines.append(DONE)
-                yield "".join(lines)
-        finally:
-            outputs.abort()  # a client that disconnects mid-stream frees its sequences
-
-    return StreamingResponse(stream(), media_type="text/event-stream")

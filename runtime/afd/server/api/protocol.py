@@ -13,8 +13,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from afd.engine.request import InvalidRequest, SamplingParams
-from afd.server import json_body, structured, validation
-from afd.server.validation import Limits
+from afd.server.api import json_body, structured, validation
+from afd.server.api.validation import Limits
+
+
+class Unavailable(Exception):
+    """HTTP 503: an FFN peer is down, warm-up is not finished, or the request failed in the engine."""
+
+
+class ModelNotFound(Exception):
+    """HTTP 404: the request names a model this server does not serve."""
 
 
 class StreamOptions(BaseModel):
@@ -48,7 +56,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
-    # structured outputs (`afd.server.structured`): OpenAI's, and vLLM's older and current forms
+    # structured outputs (`afd.server.api.structured`): OpenAI's, and vLLM's older and current forms
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None

@@ -13,7 +13,7 @@ import time
 from json.encoder import encode_basestring_ascii as _quote  # what json.dumps uses for a str
 
 from afd.engine.request import RequestOutput
-from afd.server.formatting import PromptShown, chat_chunk, completion_chunk
+from afd.server.api.formatting import PromptShown, chat_chunk, completion_chunk
 
 DONE = "data: [DONE]\n\n"
 

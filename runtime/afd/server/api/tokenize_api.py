@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict
 
 from afd.engine.request import InvalidRequest
 from afd.engine.tokenizer import chat_prompt_ids
-from afd.server import validation
-from afd.server.protocol import ChatMessage, parse_request
-from afd.server.validation import Limits
+from afd.server.api import validation
+from afd.server.api.protocol import ChatMessage, parse_request
+from afd.server.api.validation import Limits
 
 
 class TokenizeRequest(BaseModel):

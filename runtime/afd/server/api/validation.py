@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from afd.engine.request import MAX_BANNED_SEQUENCE, MAX_LOGPROBS, MAX_REPETITION_PENALTY, InvalidRequest
-from afd.server.json_body import check_text, short
+from afd.server.api.json_body import check_text, short
 
 MAX_TEMPERATURE = 100.0
 INT32_MAX = 2**31 - 1
