@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from afd.config import SETTINGS, AttentionEngine, Dtype, StageCount
 from afd.topology import Topology
 from afd_operator.autoscaling_spec import Autoscaling
 from afd_operator.model_options import (
@@ -30,8 +31,8 @@ PLURAL = "afddeployments"
 # Bump when pods of the same spec stop being able to talk to pods rendered by an older
 # operator (2: the group Secret joined the handshake digest); it enters every revision.
 POD_CONTRACT = 2
-SHUTDOWN_GRACE_ENV = "AFD_SHUTDOWN_GRACE_S"
-DEFAULT_SHUTDOWN_GRACE_S = 30.0  # afd.config.AFDConfig.shutdown_grace_s
+SHUTDOWN_GRACE_ENV = SETTINGS["shutdown_grace_s"].env
+DEFAULT_SHUTDOWN_GRACE_S = SETTINGS["shutdown_grace_s"].default
 MAX_SHUTDOWN_GRACE_S = 3600.0
 MAX_NAME_LENGTH = 40  # "<name>-g<NNN>-attn" must stay under the 52 characters a StatefulSet may use
 
@@ -142,23 +143,30 @@ class CudaGraphs(_Model):
     enabled: bool = False
 
 
-class AFDSettings(_Model):
-    """The runtime knobs of docs/configuration.md that the whole group shares."""
+def _runtime(name: str, **bounds: Any) -> Any:
+    """A field that is the runtime setting `name` (afd.config.SETTINGS): its default is the runtime's, never a
+    copy; its bounds may be tighter than the runtime's, never wider (tests/operator/test_settings_render.py)."""
+    return Field(default=SETTINGS[name].default, **bounds)
 
-    connector: Literal["zmq", "nccl"] = "zmq"
-    stages: Literal[1, 2] = 1
-    compute_gate_on_attention: bool = False
+
+class AFDSettings(_Model):
+    """The runtime knobs of docs/configuration.md that the whole group shares (same names as the runtime's
+    settings where they are one: render.py writes those into the group's ConfigMap)."""
+
+    connector: Literal["zmq", "nccl"] = _runtime("connector")  # not loopback: that one is for tests
+    stages: StageCount = _runtime("stages")
+    compute_gate_on_attention: bool = SETTINGS["gate_on_attention"].default
     cuda_graphs: CudaGraphs = Field(default_factory=CudaGraphs)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_model_len: int = Field(default=0, ge=0)
-    dbo_min_tokens: int = Field(default=0, ge=0)
-    max_num_batched_tokens: int = Field(default=8192, ge=1, le=1 << 20)
-    prefill_itl_ratio: float = Field(default=0.0, ge=0, le=100)
-    api_servers: int = Field(default=0, ge=0, le=16)  # 0: the API in the engine's process
-    kv_cache_bytes: int = Field(default=0, ge=0, le=1 << 50)
-    gpu_memory_utilization: float = Field(default=0.9, ge=0.01, le=1)
-    attention_engine: Literal["afd", "vllm"] = "afd"
+    dtype: Dtype = _runtime("dtype")
+    max_num_seqs: int = _runtime("max_num_seqs", ge=1)
+    max_model_len: int = _runtime("max_model_len", ge=0)
+    dbo_min_tokens: int = _runtime("dbo_min_tokens", ge=0)
+    max_num_batched_tokens: int = _runtime("max_num_batched_tokens", ge=1, le=1 << 20)
+    prefill_itl_ratio: float = _runtime("prefill_itl_ratio", ge=0, le=100)
+    api_servers: int = Field(default=0, ge=0, le=16)  # 0: the API in the engine's process (the runtime's api_process off)
+    kv_cache_bytes: int = _runtime("kv_cache_bytes", ge=0, le=1 << 50)
+    gpu_memory_utilization: float = _runtime("gpu_memory_utilization", ge=0.01, le=1)
+    attention_engine: AttentionEngine = _runtime("attention_engine")
     attention_image: Optional[str] = None
     vllm_args: list[str] = Field(default_factory=list)
 

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
+from afd.config import SETTINGS
 from afd_operator import labels as L
 from afd_operator.model import AFDDeploymentSpec, AFDSettings, Owner
 from afd_operator.render_network import render_network_policy
@@ -77,14 +78,22 @@ def dump_yaml(objects: Iterable[dict]) -> str:
     return yaml.dump_all(list(objects), Dumper=_Dumper, sort_keys=True, default_flow_style=False)
 
 
+# spec.afd fields that are runtime settings (same name in afd.config) reach the pods in the group's ConfigMap
+# (always: CONFIG_ALWAYS; the rest only when set off their default, so existing groups' config and revision
+# stay), except those rendered as AFD_* variables (render_pod) and api_servers (api_process + api_servers).
+CONFIG_ALWAYS = ("dtype", "max_num_seqs", "max_model_len")
+IN_ENV = ("connector", "stages", "cuda_graphs", "attention_engine", "vllm_args")
+CONFIG_WHEN_SET = tuple(name for name in AFDSettings.model_fields
+                        if name in SETTINGS and name not in CONFIG_ALWAYS + IN_ENV + ("api_servers",))
+
+
 def render_config_map(spec: AFDDeploymentSpec, owner: Owner, index: int, revision: str) -> dict:
     """Runtime settings beyond the env contract, in `afd.config` field names, plus the rank map."""
     afd = spec.afd
-    runtime = {"dtype": afd.dtype, "max_num_seqs": afd.max_num_seqs, "max_model_len": afd.max_model_len}
+    runtime = {name: getattr(afd, name) for name in CONFIG_ALWAYS}
     defaults = AFDSettings()
-    for name in ("dbo_min_tokens", "max_num_batched_tokens", "prefill_itl_ratio", "kv_cache_bytes",
-                 "gpu_memory_utilization"):
-        if getattr(afd, name) != getattr(defaults, name):  # only when set: existing groups' config (and revision) stay
+    for name in CONFIG_WHEN_SET:
+        if getattr(afd, name) != getattr(defaults, name):
             runtime[name] = getattr(afd, name)
     if afd.api_servers:  # the API in that many processes beside the engine core (afd.server.api_process)
         runtime.update(api_process=True, api_servers=afd.api_servers)
