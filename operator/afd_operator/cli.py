@@ -53,10 +53,10 @@ def run_operator(namespaces: Sequence[str] = (), peering: Optional[str] = None,
     """Run the operator until interrupted: all namespaces unless some are named; standalone
     unless a peering name is given (then kopf peering elects one active operator); its own
     Prometheus metrics on `metrics_port` when given."""
-    import kopf
+    import kopf  # kopf, kubernetes, prometheus_client: the operator extra; `render` runs on a base install
 
-    from afd_operator.handlers import OperatorMemo, build_registry
-    from afd_operator.metrics import OperatorMetrics, serve_metrics
+    from afd_operator.handlers import OperatorMemo, build_registry  # kopf (see above)
+    from afd_operator.metrics import OperatorMetrics, serve_metrics  # prometheus_client (see above)
 
     metrics = OperatorMetrics()
     if metrics_port is not None:

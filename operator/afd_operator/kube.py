@@ -77,7 +77,7 @@ class KubeStore:
     @classmethod
     def from_environment(cls) -> "KubeStore":
         """Credentials from the pod's service account, else from `KUBECONFIG`/~/.kube/config."""
-        import kubernetes
+        import kubernetes  # the operator extra: `afd-operator render` imports this module (secret.py) without it
 
         try:
             kubernetes.config.load_incluster_config()
@@ -139,7 +139,7 @@ class KubeStore:
         self, method: str, path: str, body: Any, query: list | None = None,
         content_type: str = "application/json",
     ) -> Any:
-        from kubernetes.client.exceptions import ApiException
+        from kubernetes.client.exceptions import ApiException  # the operator extra (see from_environment)
 
         api = self._api
         try:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+                               Histogram, start_http_server)
 
 from afd.topology import Topology, TopologyError
 
@@ -180,8 +181,6 @@ def _per_ffn(topology: Optional[str]) -> Optional[float]:
 
 def serve_metrics(port: int, metrics: OperatorMetrics, address: str = "0.0.0.0") -> Any:
     """Serve /metrics on `port` (a daemon thread), with the process's own collectors too."""
-    from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, start_http_server
-
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         try:
             metrics.registry.register(collector)

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from afd.kernels.fp8_blocks import BLOCK, FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
@@ -48,8 +49,6 @@ def _weight_files(folder: Path) -> list[Path]:
 
 def quantize_folder(folder: str | Path) -> None:
     """FP8-quantize the checkpoint in `folder` in place (weights and config.json)."""
-    from safetensors.torch import load_file, save_file
-
     folder = Path(folder)
     gates: list[str] = []
     for file in _weight_files(folder):
@@ -72,8 +71,6 @@ def quantize_folder(folder: str | Path) -> None:
 def dequantize_folder(source: str | Path, target: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Copy the FP8 checkpoint `source` to `target` with every FP8 weight dequantized to `dtype` and no
     quantization_config (what transformers loads as a plain checkpoint)."""
-    from safetensors.torch import load_file, save_file
-
     source, target = Path(source), Path(target)
     target.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():

@@ -18,6 +18,7 @@ from afd.engine.offline import generate_with_engine
 from afd.generation import GenerationResult
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel, load_model
+from afd.models.moe_prep import warm_up
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.monolithic import MonolithicRunner
 
@@ -48,8 +49,6 @@ def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedMode
     dtype = resolve_dtype(config, device)
     loaded = load_model(config.model, "monolithic", config.gate_on_attention, torch_dtype(dtype), device)
     if device.type == "cuda":
-        from afd.models.moe_prep import warm_up
-
         warm_up(loaded.model)
     tokens = cache_tokens(loaded) if callable(cache_tokens) else cache_tokens
     kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch_dtype(dtype), device)

@@ -15,12 +15,15 @@ import torch
 from afd.config import AFDConfig
 from afd.connector import registry
 from afd.connector.attention_link import AttentionLink
+from afd.connector.expert_link import ShardedLink
 from afd.connector.ffn_link import FFNLink
 from afd.connector.identity import identity_key
 from afd.connector.plane import DataContract, PlaneOptions
+from afd.graphs.ffn import FFNGraphs
 from afd.kv_cache import KVCache
 from afd.metrics.layer_clock import StepInstruments
 from afd.models.loader import LoadedModel, load_model
+from afd.models.moe_prep import warm_up
 from afd.runners.attention_runner import AttentionRunner, StepOptions
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.ffn_executor import FFNStepExecutor
@@ -50,8 +53,6 @@ def load_share(config: AFDConfig) -> Share:
     shard = (config.ffn_shard, config.ffn_expert_parallel) if config.role == "ffn" else (0, 1)
     loaded = load_model(config.model, config.role, config.gate_on_attention, torch_dtype(dtype), device, shard)
     if config.role == "ffn" and device.type == "cuda":
-        from afd.models.moe_prep import warm_up
-
         log.info("ffn rank %d: MoE kernels warmed up for %d token counts", config.rank, warm_up(loaded.model))
     return Share(loaded, device, dtype)
 
@@ -70,8 +71,6 @@ def assemble_ffn(config: AFDConfig, share: Share, instruments: StepInstruments =
     link = FFNLink(server, plane, expected, served, config.rank, identity_key(config.group_token, config.group_secret))
     graphs = None
     if graphs_usable(config, share.device, share.dtype):
-        from afd.graphs.ffn import FFNGraphs
-
         graphs = FFNGraphs(share.device)
     return FFNWorker(link, FFNStepExecutor(share.loaded, plane, expected, graphs, instruments), order=step_order(config))
 
@@ -119,8 +118,6 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
                        instruments: StepInstruments = StepInstruments()) -> AttentionRole:
     """Attention rank `config.rank` around its share and KV cache: handshaken, decode graphs captured."""
     if config.ffn_expert_parallel > 1:  # one link per shard, summed (afd.connector.expert_link)
-        from afd.connector.expert_link import ShardedLink
-
         link = ShardedLink.connect(config, share.hello(config), share.device)
     else:
         link = AttentionLink.connect(config, share.hello(config), share.device)

@@ -25,8 +25,8 @@ Kubernetes runs the attention and FFN pods as StatefulSets; the operator reconci
 
 
 def _train_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # heavy: afd.cli imports this module
+    from transformers import PreTrainedTokenizerFast  # heavy: afd.cli imports this module
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -62,7 +62,7 @@ def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
         tie_word_embeddings=False,
     )
     if arch == "deepseek_v2":
-        from transformers import DeepseekV2Config
+        from transformers import DeepseekV2Config  # heavy: afd.cli imports this module
 
         values = dict(
             common,
@@ -95,7 +95,7 @@ def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
         return DeepseekV2Config(**values)
     if arch == "deepseek_v3":
         return _deepseek_v3_config(common, overrides)
-    from transformers import Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig  # heavy: afd.cli imports this module
 
     values = dict(
         common,
@@ -116,7 +116,7 @@ def _deepseek_v3_config(common: dict, overrides: dict):
     """DeepSeek-V3's features at toy size: query LoRA, 4 expert groups of which 2 are searched, one dense first
     layer, a shared expert, YaRN as V3 sets it, one MTP layer in the files (written by `_add_mtp_layers`); widths
     over one 128-column FP8 block (hidden 160: a partial block) so the FP8 layout is exercised."""
-    from transformers import DeepseekV3Config
+    from transformers import DeepseekV3Config  # heavy: afd.cli imports this module
 
     values = dict(
         common,
@@ -150,7 +150,7 @@ def _deepseek_v3_config(common: dict, overrides: dict):
 
 def _randomize_router_biases(model) -> None:
     """transformers starts e_score_correction_bias at zero; a trained one is not, and it must change choices only."""
-    import torch
+    import torch  # heavy: afd.cli imports this module
 
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
@@ -161,8 +161,8 @@ def _add_mtp_layers(folder: Path, config) -> None:
     """Append DeepSeek-V3's next-token-prediction layers (`model.layers.{N..}`, N = num_hidden_layers) to the
     weights, as the published checkpoints carry them: a decoder layer plus enorm, hnorm, eh_proj and a shared
     head. transformers does not read them; neither do we."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    import torch  # heavy: afd.cli imports this module
+    from safetensors.torch import load_file, save_file  # heavy: afd.cli imports this module
 
     file = folder / "model.safetensors"
     tensors = load_file(str(file))
@@ -188,8 +188,8 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
         raise ValueError(f"--arch {arch!r}: must be one of {', '.join(ARCHES)}")
     if fp8 and arch not in FP8_ARCHES:
         raise ValueError(f"--fp8: FP8 checkpoints are made for {', '.join(FP8_ARCHES)}, not {arch!r}")
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # heavy: afd.cli imports this module
+    from transformers import AutoModelForCausalLM  # heavy: afd.cli imports this module
 
     out = Path(out)
     tokenizer = _train_tokenizer(vocab_size=384)
@@ -204,7 +204,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
     if arch == "deepseek_v3":
         _add_mtp_layers(out, config)
     if fp8:
-        from afd.fp8_convert import quantize_folder
+        from afd.fp8_convert import quantize_folder  # torch: afd.cli imports this module
 
         quantize_folder(out)
     tokenizer.save_pretrained(out)

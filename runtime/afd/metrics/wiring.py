@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from afd.config import AFDConfig
 from afd.metrics.expert_load import ExpertLoadCollector
+from afd.metrics.ffn_metrics import FFNLinkMetrics, FFNStepMetrics
 from afd.metrics.layer_clock import LayerClock, StepInstruments
 from afd.metrics.layer_metrics import LayerMetrics, RunnerCollector
 
@@ -40,8 +41,6 @@ def watch_attention(registry: CollectorRegistry, config: AFDConfig, role, engine
 
 def ffn_instruments(registry: CollectorRegistry, config: AFDConfig, device) -> StepInstruments:
     """The step series of an FFN rank, to build its executor with."""
-    from afd.metrics.ffn_metrics import FFNStepMetrics
-
     export_group_info(registry, config)
     return StepInstruments(LayerClock(device, config.profile_every), LayerMetrics(registry, "ffn", config.rank).observe,
                            FFNStepMetrics(registry, config.rank).on_step)
@@ -49,8 +48,6 @@ def ffn_instruments(registry: CollectorRegistry, config: AFDConfig, device) -> S
 
 def watch_ffn(registry: CollectorRegistry, config: AFDConfig, worker) -> None:
     """The series read from a built FFN worker: its peers, refusals and rejections, its counters."""
-    from afd.metrics.ffn_metrics import FFNLinkMetrics
-
     metrics = FFNLinkMetrics(registry, config.rank, worker.link)
     for attention_rank in config.topology.attention_ranks_of(config.rank):
         metrics.on_peer(attention_rank, False)  # every served peer exported (0) before it connects
