@@ -21,7 +21,7 @@ from afd.planner.command import add_parser as add_plan_parser
 from afd.planner.command import cmd_plan
 from afd.tiny import ARCHES, FP8_ARCHES, make_tiny_model
 from afd.topology import TopologyError
-from afd.vllm_plugin.serve import exec_vllm_server
+from afd.vllm_plugin import serve as vllm_serve
 
 # Imported where used instead: whatever needs torch, msgpack or fastapi (the operator image runs `afd operator`
 # through this module with none of them), and the operator package itself.
@@ -228,7 +228,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not config.model:
         raise ConfigError("no model: set AFD_MODEL or pass --model")
     if config.role == "attention" and config.attention_engine == "vllm":
-        return exec_vllm_server(config)  # this process becomes vLLM's OpenAI server (afd.vllm_plugin)
+        return vllm_serve.exec_vllm_server(config)  # this process becomes vLLM's OpenAI server (afd.vllm_plugin)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -258,7 +258,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from afd.models.checkpoint import Checkpoint  # torch
-    from afd.server.front import FrontSettings  # fastapi
+    from afd.server.front.door import FrontSettings  # fastapi
     from afd.up import ensure_tiny_model, run_up  # torch
 
     config = _group_config(args, "up", UP_DEFAULTS, max_request_bytes=args.max_request_bytes,
