@@ -440,6 +440,8 @@ def load_config(
     """
     env = os.environ if env is None else env
     decided = decided or {}
+    if unknown := set(decided) - set(SETTINGS):  # a command's own list must name settings that exist
+        raise ValueError(f"decided: no such settings {sorted(unknown)}")
     file = file or env.get("AFD_CONFIG_FILE")
     from_file = values_from_file(file) if file else {}
     from_env = values_from_env(env, hostname_rank="rank" not in decided)

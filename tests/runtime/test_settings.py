@@ -180,3 +180,8 @@ def test_every_afd_variable_named_in_the_code_is_declared():
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
                     unknown |= {f"{path.relative_to(ROOT)}: {n}" for n in pattern.findall(node.value) if n not in known}
     assert not unknown, f"declare these in afd.config (a setting or PROCESS_VARIABLES): {sorted(unknown)}"
+
+
+def test_a_command_cannot_decide_a_setting_that_does_not_exist():
+    with pytest.raises(ValueError, match="no such settings"):
+        load_config(env={}, decided={"bind_hots": "a typo would silently refuse nothing"})
