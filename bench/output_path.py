@@ -173,7 +173,7 @@ def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = 
     from afd.kv_cache import KVCache
     from afd.models.spec import KVLayout
     from afd.server.api.app import ServerState, create_app
-    from afd.server.failover import Failover, FailoverSettings
+    from afd.server.front.failover import Failover, FailoverSettings
     from afd.server.serving_metrics import ServingMetrics
 
     timers = Timers()

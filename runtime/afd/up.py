@@ -27,7 +27,7 @@ from afd.local.children import LocalProcesses, exit_summary, free_port_block, th
 from afd.up_messages import WaitReport, demo_answer
 
 if TYPE_CHECKING:  # the front door (fastapi) loads only when `afd up` runs
-    from afd.server.front import FrontSettings
+    from afd.server.front.door import FrontSettings
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
            front: FrontSettings | None = None) -> int:
     import uvicorn
 
-    from afd.server.front import Backends, FrontSettings, create_front_app
+    from afd.server.front.door import Backends, FrontSettings, create_front_app
 
     front = front or FrontSettings(max_request_bytes=base.max_request_bytes)
     if not base.group_secret:  # the ranks' secret: signs the handshake and the streams the front door moves

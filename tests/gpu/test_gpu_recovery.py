@@ -287,7 +287,7 @@ class FrontDoor:
         import uvicorn
 
         from afd.local.children import free_port_block
-        from afd.server.front import Backends, FrontSettings, create_front_app
+        from afd.server.front.door import Backends, FrontSettings, create_front_app
 
         app = create_front_app(Backends(lambda: [group.url(r) for r in range(len(group.http))]),
                                FrontSettings(resume_key=GROUP_SECRET.encode()))

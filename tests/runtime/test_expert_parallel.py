@@ -229,7 +229,7 @@ def test_the_shards_of_a_rank_export_distinct_series():
     from prometheus_client.parser import text_string_to_metric_families
 
     from afd.metrics.expert_load import shard_labelled
-    from afd.server.front_metrics import merge_expositions
+    from afd.server.front.metrics import merge_expositions
 
     texts = []
     for shard in range(2):

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from afd.server.failover import Failover, FailoverSettings, first_byte_failed
+from afd.server.front.failover import Failover, FailoverSettings, first_byte_failed
 
 
 def _rank(name: str, answer: str, seen: list | None = None) -> FastAPI:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from afd.engine.request import InvalidRequest
-from afd.server.failover import Failover, FailoverSettings
+from afd.server.front.failover import Failover, FailoverSettings
 from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, sign, verify
 
 KEY = b"group-secret"
@@ -196,7 +196,7 @@ def test_an_outside_client_cannot_resume_a_stream(server):
 
 
 def _collect(response: httpx.Response, reopen) -> bytes:
-    from afd.server.splice import spliced
+    from afd.server.front.splice import spliced
 
     async def release(_):
         pass

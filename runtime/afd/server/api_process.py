@@ -158,7 +158,7 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
     from afd.kv_cache import KVBlocks
     from afd.server.api.app import ServerState, create_app, http_server
     from afd.server.engine_client import EngineClient
-    from afd.server.failover import Failover, FailoverSettings
+    from afd.server.front.failover import Failover, FailoverSettings
     from afd.server.api.validation import Limits
 
     tokenizer = load_tokenizer(config.model)

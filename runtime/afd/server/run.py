@@ -21,7 +21,7 @@ from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
 from afd.metrics.wiring import attention_instruments, export_resident_bytes, watch_attention
 from afd.server.api.app import ServerState, create_app, http_server
-from afd.server.failover import Failover, FailoverSettings
+from afd.server.front.failover import Failover, FailoverSettings
 from afd.server.lifecycle import engine_died, exit_if_engine_dies, stop_serving
 from afd.server.probe_http import Probes, start_probe_server
 from afd.server.serving_metrics import ServingMetrics

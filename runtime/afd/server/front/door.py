@@ -5,7 +5,7 @@ responses (streamed or not) are relayed as they come. A rank that refuses the
 connection, or answers 503 (not serving), is skipped; with none left the client gets an
 OpenAI-style 503. Bodies are bounded, every call to a rank has a read timeout, and a
 client that leaves closes its relay, which the rank sees and aborts at its next step. A stream
-whose rank dies mid-stream goes on from another rank (`afd.server.splice`); a non-streamed request
+whose rank dies mid-stream goes on from another rank (`afd.server.front.splice`); a non-streamed request
 whose rank dies is sent to the next rank.
 `/metrics` answers the front door's series and every rank's, merged.
 """
@@ -22,11 +22,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from afd.server.front_metrics import FrontMetrics
+from afd.server.front.metrics import FrontMetrics
 from afd.server.api.http_body import HOP_HEADERS, OWN_HEADERS, BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.api.protocol import error_response
 from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
-from afd.server.splice import spliced
+from afd.server.front.splice import spliced
 
 
 
@@ -185,7 +185,7 @@ async def _done(response: httpx.Response, backends: Backends, url: str) -> None:
 
 def _moving_stream(client, method: str, target: str, body: bytes, headers: dict, response: httpx.Response, url: str,
                    backends: Backends, settings: FrontSettings, metrics: FrontMetrics):
-    """`response`'s stream, moved to another rank each time its rank is lost (`afd.server.splice`)."""
+    """`response`'s stream, moved to another rank each time its rank is lost (`afd.server.front.splice`)."""
     owners = {id(response): url}
 
     async def reopen(resume: Resume | None) -> httpx.Response | None:

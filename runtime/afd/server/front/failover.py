@@ -15,7 +15,7 @@ middleware around the rank's API:
   and is never relayed again, so requests cannot circle.
 
 Client errors (400, 404, 413, ...) are answered here as before: only a 503 moves on. A relayed stream
-whose rank dies mid-stream goes on from another rank of the Service (`afd.server.splice`), signed with
+whose rank dies mid-stream goes on from another rank of the Service (`afd.server.front.splice`), signed with
 the group secret; a relayed non-streamed request whose rank dies is sent again.
 """
 
@@ -30,7 +30,7 @@ import httpx
 
 from afd.server.api.http_body import HOP_HEADERS, OWN_HEADERS
 from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
-from afd.server.splice import spliced
+from afd.server.front.splice import spliced
 
 log = logging.getLogger(__name__)
 RELAYED = b"x-afd-failover"
