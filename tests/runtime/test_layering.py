@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
      frozenset({"connector", "metrics", "kv_cache", "kv_budget", "fp8_convert", "tiny"})),
     ("models", frozenset({"models"})),
     ("kernels", frozenset({"kernels"})),
-    ("foundation", frozenset({"__init__", "config", "config_help", "topology", "stages", "layout", "host_copy",
+    ("foundation", frozenset({"__init__", "config", "topology", "stages", "layout", "host_copy",
                               "up_messages"})),
 )
 
