@@ -166,3 +166,31 @@ def test_fp8_experts_stacked_in_one_tensor_are_refused(checkpoints, tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match="model.layers.1.mlp.experts.gate_up_proj: FP8 experts stacked"):
         load_model(str(folder))
+
+
+def test_fp8_expert_shards_split_one_shared_expert_on_block_edges_and_add_up_to_the_full_layer(tmp_path):
+    """DeepSeek-V3 has one shared expert: over 2 shards each keeps half its columns as FP8 `Fp8Linear`s (the halves
+    on 128-column block edges, scales sliced with them); the shards' FFN outputs add up to the unsharded FP8 layer's.
+    (On the GPU the monolith folds the shared expert into the fused kernel instead, so there the two differ by
+    rounding: tests/gpu/test_gpu_v3_afd.py.)"""
+    import torch
+
+    from afd.models.fp8 import Fp8Linear
+    from afd.models.loader import load_model
+    from tests.gpu.v3_checkpoint import write_v3_shaped
+
+    small = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, n_routed_experts=8,
+                 num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128, n_group=4,
+                 topk_group=2, num_experts_per_tok=2)
+    _, path = write_v3_shaped(None, tmp_path / "fp8", device="cpu", overrides=small)
+    full = load_model(str(path), keep_fp8=True)
+    shards = [load_model(str(path), "ffn", False, shard=(shard, 2), keep_fp8=True) for shard in range(2)]
+    for shard in shards:
+        shared = shard.model.layers[1].mlp.shared_experts
+        assert isinstance(shared.gate_proj, Fp8Linear) and shared.gate_proj.out_features == 128
+        assert isinstance(shared.down_proj, Fp8Linear) and shared.down_proj.in_features == 128
+    torch.manual_seed(0)
+    hidden = torch.randn(9, 256)
+    for index in (0, 1):  # the dense first layer (whole on shard 0), the MoE layer
+        parts = sum(shard.model.layers[index].ffn_half(hidden).float() for shard in shards)
+        torch.testing.assert_close(parts, full.model.layers[index].ffn_half(hidden).float(), rtol=1e-5, atol=1e-6)
