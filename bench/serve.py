@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from afd.config import process_setting
+
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
@@ -103,7 +105,7 @@ def main() -> int:
             time.sleep(0.5)
         api = json.loads(state_file.read_text())["api"]
         model = httpx.get(f"{api}/models").json()["data"][0]["id"]
-        model_path = args.model or str(Path(os.environ.get("AFD_CACHE_DIR", Path.home() / ".cache" / "afd")) / "tiny-qwen3_moe")
+        model_path = args.model or str(process_setting("AFD_CACHE_DIR") / "tiny-qwen3_moe")  # where afd up made it
         asyncio.run(drive(api, model, prompts[: args.clients], args.clients, 4))  # warm-up
         tokens, seconds, ttfts, itls = asyncio.run(drive(api, model, prompts, args.clients, args.max_tokens))
     finally:
