@@ -73,6 +73,7 @@ def setting(default: Any, help: str, *, section: str, roles: tuple[str, ...] = R
 
 
 def _positive_ints(text: str) -> str | None:
+    """positive integers, comma-separated"""
     if any(not b.strip().isdigit() or int(b) < 1 for b in filter(None, str(text).split(","))):
         return "must be positive integers separated by commas"
     return None
@@ -312,7 +313,9 @@ class Setting:
             return "positive"
         if self.ge == 0:
             return "not negative"
-        return f"at least {self.ge:g}" if self.ge is not None else f"above {self.gt:g}" if self.gt is not None else ""
+        if self.ge is not None or self.gt is not None:
+            return f"at least {self.ge:g}" if self.ge is not None else f"above {self.gt:g}"
+        return (self.check_value.__doc__ or "") if self.check_value else ""  # a check's docstring says what it takes
 
     def check(self, value: Any) -> None:
         """Refuse a value outside the declared choices, bounds or format, naming the setting and the value."""
