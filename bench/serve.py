@@ -31,8 +31,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def one_request(client, api, model, prompt, max_tokens, ttfts, itls) -> int:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+async def one_request(client, api, model, prompt, max_tokens, ttfts, itls, extra: dict | None = None) -> int:
+    """Tokens of one streamed completion (TTFT and gaps appended); `extra`: more request fields (penalties)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            **(extra or {})}
     started, last, tokens = time.perf_counter(), None, 0
     async with client.stream("POST", f"{api}/completions", json=body) as response:
         response.raise_for_status()

@@ -49,9 +49,10 @@ def rank_envs(mode: str, args, model: str) -> dict[str, dict[str, str]]:
     """name → AFD_* environment of every process of `mode` (the API-serving rank is named 'api')."""
     gpu = args.device == "cuda"
     ports = free_port_block(128)  # API +0/+1; FFN control/data +2+2f/+3+2f; FFN metrics +64+f; attention a>0 +96+2a
+    levels = sorted({*args.levels, *getattr(args, "penalty_levels", ()), *getattr(args, "arriving_levels", ())})
     common = {"AFD_MODEL": model, "AFD_DEVICE": args.device, "AFD_CUDA_GRAPHS": str(gpu).lower(),
-              "AFD_MAX_NUM_SEQS": str(max(args.levels)), "AFD_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
-              "AFD_CEILING_BATCHES": ",".join(map(str, args.levels)),
+              "AFD_MAX_NUM_SEQS": str(max(levels)), "AFD_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
+              "AFD_CEILING_BATCHES": ",".join(map(str, levels)),
               "AFD_CEILING_CONTEXT": str(sum(args.prompt_tokens) // 2 + args.output_tokens // 2),
               "AFD_HTTP_HOST": "127.0.0.1", "AFD_HTTP_PORT": str(ports), "AFD_METRICS_PORT": str(ports + 1),
               "AFD_MAX_MODEL_LEN": str(max(args.prompt_tokens) + args.output_tokens + 16)}
@@ -98,7 +99,8 @@ def ceilings(api: str) -> dict[int, float]:
 async def drive_level(api: str, model: str, streams: int, args, rng: random.Random, vocab: int) -> dict:
     """`streams` concurrent streams from this process, each sending its requests back to back."""
     prompts = make_prompts(streams * args.requests_per_stream, args, rng, vocab)
-    return level_summary(streams, len(prompts), [await drive_streams(api, model, streams, prompts, args.output_tokens)])
+    return level_summary(streams, len(prompts), [await drive_streams(api, model, streams, prompts, args.output_tokens,
+                                                                     getattr(args, "request_extra", None))])
 
 
 def drive_level_spread(api: str, model: str, streams: int, args, rng: random.Random, vocab: int) -> dict:
@@ -111,8 +113,8 @@ def drive_level_spread(api: str, model: str, streams: int, args, rng: random.Ran
     shares = [streams // processes + (i < streams % processes) for i in range(processes)]
     cuts = [sum(shares[:i]) * args.requests_per_stream for i in range(processes + 1)]
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
-        parts = list(pool.map(_drive_share, [(api, model, share, prompts[cuts[i]: cuts[i + 1]], args.output_tokens)
-                                             for i, share in enumerate(shares)]))
+        parts = list(pool.map(_drive_share, [(api, model, share, prompts[cuts[i]: cuts[i + 1]], args.output_tokens,
+                                              getattr(args, "request_extra", None)) for i, share in enumerate(shares)]))
     return level_summary(streams, len(prompts), parts)
 
 
@@ -124,8 +126,10 @@ def make_prompts(count: int, args, rng: random.Random, vocab: int) -> list[list[
     return [[rng.randrange(vocab) for _ in range(rng.randint(*args.prompt_tokens))] for _ in range(count)]
 
 
-async def drive_streams(api: str, model: str, streams: int, prompts: list, output_tokens: int) -> dict:
-    """Raw results of `streams` streams taking `prompts` until none is left; wall-clock start and end."""
+async def drive_streams(api: str, model: str, streams: int, prompts: list, output_tokens: int,
+                        extra: dict | None = None) -> dict:
+    """Raw results of `streams` streams taking `prompts` until none is left (`extra`: more fields in every
+    request); wall-clock start and end."""
     ttfts, itls, failures, tokens, prompts = [], [], [], [0], list(prompts)
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
@@ -133,7 +137,7 @@ async def drive_streams(api: str, model: str, streams: int, prompts: list, outpu
             while prompts:
                 prompt = prompts.pop()
                 try:
-                    got = await one_request(client, api, model, prompt, output_tokens, ttfts, itls)
+                    got = await one_request(client, api, model, prompt, output_tokens, ttfts, itls, extra)
                     tokens[0] += got
                     if got != output_tokens:
                         failures.append(f"{got} of {output_tokens} tokens")
@@ -225,16 +229,25 @@ def run_mode(mode: str, args, model: str) -> dict:
         rng, vocab = random.Random(0), json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         warm = argparse.Namespace(**{**vars(args), "requests_per_stream": 1, "output_tokens": 4})
         asyncio.run(drive_level(f"{api}/v1", served, 1, warm, rng, vocab))
-        for streams in args.levels:
-            level = drive_level_spread(f"{api}/v1", served, streams, args, rng, vocab)
+        for streams, kind, level_args in level_plan(args):
+            level = drive_level_spread(f"{api}/v1", served, streams, level_args, rng, vocab)
+            level["kind"] = kind
             seconds = step.get(streams)
             level["ceiling_step_ms"] = 1e3 * seconds if seconds else None
             level["ceiling_tokens_per_s"] = streams / seconds if seconds else None
             level["efficiency"] = level["decode_tokens_per_s"] / level["ceiling_tokens_per_s"] if seconds else None
             # the step's pace alone: the median gap against the step (prefill-shared steps are the tail, not the median)
             level["pace"] = 1e3 * seconds / level["itl_p50_ms"] if seconds and level["itl_p50_ms"] else None
+            plain = next((done for done in results["levels"] if done["streams"] == streams and done["kind"] == "burst"
+                          and done["requests"] == level["requests"]), None)
+            if kind == "penalties" and plain is not None:  # issue 34: penalties cost at most 10 % of throughput
+                level["tokens_per_s_vs_plain"] = level["tokens_per_s"] / plain["tokens_per_s"]
+                level["decode_tokens_per_s_vs_plain"] = level["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
             results["levels"].append(level)
-            print_level(mode, level, flush=True)
+            print_level(f"{mode[:4]}:{kind[:5]}" if kind != "burst" else mode, level, flush=True)
+            if "tokens_per_s_vs_plain" in level:
+                print(f"  penalties vs none at {streams} streams: tok/s x{level['tokens_per_s_vs_plain']:.3f}, "
+                      f"decode tok/s x{level['decode_tokens_per_s_vs_plain']:.3f}", flush=True)
             if level["failed"]:
                 print(f"  first failures: {level['first_failures']}", flush=True)
         names = list(processes.children)
@@ -245,6 +258,22 @@ def run_mode(mode: str, args, model: str) -> dict:
         if any(level["failed"] for level in results["levels"]) or any(results["exit_codes"].values()):
             keep_log_tails(processes, mode)
     return results
+
+
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+
+
+def level_plan(args) -> list[tuple[int, str, argparse.Namespace]]:
+    """(streams, kind, arguments) of every level a server runs, in order: the bursts of `--levels`; then
+    `--penalty-levels`, the same burst with presence, frequency and repetition penalties in every request;
+    then `--arriving-levels`, `--arriving-requests` requests per stream of `--arriving-output-tokens` tokens
+    (each stream's next prompt arrives when its last request ends)."""
+    plan = [(streams, "burst", args) for streams in args.levels]
+    penalties = argparse.Namespace(**{**vars(args), "request_extra": PENALTIES})
+    plan += [(streams, "penalties", penalties) for streams in args.penalty_levels]
+    arriving = argparse.Namespace(**{**vars(args), "requests_per_stream": args.arriving_requests,
+                                     "output_tokens": args.arriving_output_tokens})
+    return plan + [(streams, "arriving", arriving) for streams in args.arriving_levels]
 
 
 def keep_log_tails(processes: LocalProcesses, mode: str, lines: int = 400) -> None:
@@ -295,6 +324,14 @@ def main() -> int:
                         help="per mode, one level: as many streams as its KV cache holds at --context (a probe start "
                              "reads the capacity), at most --largest-cap")
     parser.add_argument("--largest-cap", type=int, default=4096)
+    numbers = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    parser.add_argument("--penalty-levels", default="", type=numbers,
+                        help=f"after --levels, these bursts again with {PENALTIES} in every request (issue 34: "
+                             "the throughput with penalties against the same level without)")
+    parser.add_argument("--arriving-levels", default="", type=numbers,
+                        help="after those, these levels with prompts arriving while the others decode")
+    parser.add_argument("--arriving-requests", type=int, default=4, help="requests per stream of an arriving level")
+    parser.add_argument("--arriving-output-tokens", type=int, default=128)
     args = parser.parse_args()
     if args.context:
         args.prompt_tokens = (args.context, args.context)

@@ -8,7 +8,8 @@ from torch import nn
 from afd.models.attention import (AttentionBatch, cached_attention, one_token_attention, prompts_attention,
                                   single_tokens)
 from afd.models.base import DecoderLayer, MoECausalLM
-from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_pairs, fused_glue, yarn_mscale
+from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_pairs, fuse_linears, fused_glue,
+                               fused_linear, yarn_mscale)
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters
 
 
@@ -51,6 +52,15 @@ class MultiHeadLatentAttention(nn.Module):
             self.scale *= yarn_mscale(self.rope["factor"], self.rope["mscale_all_dim"]) ** 2
         self.rotary = Rotary(self.rope, self.rope_dim, int(config.get("max_position_embeddings") or 0))
         self.kv_layout = KVLayout(1, self.kv_lora_rank + self.rope_dim, self.kv_lora_rank, values_in_keys=True)
+        self.in_weight: torch.Tensor | None = None  # fuse_projections(): the query's and the latent's in one GEMM
+
+    def _in_projections(self) -> tuple[nn.Module, nn.Module]:
+        return (self.q_a_proj if self.q_lora_rank else self.q_proj), self.kv_a_proj_with_mqa
+
+    def fuse_projections(self) -> None:
+        """Once the weights are loaded: the two projections of the layer's input (q_proj or q_a_proj, and
+        kv_a_proj_with_mqa) become views of one weight, one GEMM (not with FP8 weights: `fuse_linears`)."""
+        self.in_weight = fuse_linears(*self._in_projections())
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj per head: key [heads, nope, latent] and value [heads, v, latent]."""
@@ -66,17 +76,18 @@ class MultiHeadLatentAttention(nn.Module):
         """`project`'s inputs, and whether its rows are in the cache already: with `store` = (cache, write
         index), the fused glue writes them there in the same launch (then `attend` need not)."""
         tokens = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q, row = fused_linear(x, self.in_weight, *self._in_projections())  # [T, latent + rope] row: column views
+        q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora_rank else q
         table = self.rotary.table(x.device) if fused_glue(x) else None
         if table is not None:  # in place on the projections' fresh outputs: one launch instead of ~30
             from afd.kernels.norm_rope import mla_rows_
 
-            query, row = q.view(tokens, self.heads, -1), self.kv_a_proj_with_mqa(x)  # [T, heads, nope + rope], [T, latent + rope]
+            query = q.view(tokens, self.heads, -1)  # [T, heads, nope + rope]
             cache, index = store if store is not None and store[0].dtype == row.dtype else (None, None)
             mla_rows_(query, row, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, positions, *table, cache, index)
             return (query, row.view(tokens, 1, -1), None), cache is not None
         q_nope, q_pe = q.view(tokens, self.heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_pe = row.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         cos, sin = self.rotary(positions)
         q_pe = apply_rope_pairs(q_pe, cos, sin)  # [T, heads, rope]
         k_pe = apply_rope_pairs(k_pe.view(tokens, 1, self.rope_dim), cos, sin)  # [T, 1, rope]

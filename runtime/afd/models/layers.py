@@ -51,6 +51,41 @@ def fused_glue(x: torch.Tensor) -> bool:
     return enabled(x)
 
 
+def fuse_linears(*linears: nn.Module) -> torch.Tensor | None:
+    """One weight [ΣN, K] holding the given Linears' weights as row blocks, each Linear's weight now a view of it,
+    so that one GEMM computes every projection of the same input (`fused_linear`); None, with nothing changed,
+    unless all are bias-free plain `nn.Linear`s of one dtype, device and input width (an Fp8Linear keeps its own
+    block-scaled GEMM)."""
+    if not linears or not all(type(linear) is nn.Linear and linear.bias is None for linear in linears):
+        return None
+    weights = [linear.weight.detach() for linear in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+        return None
+    fused, start = torch.cat(weights), 0
+    for linear, weight in zip(linears, weights):
+        linear.weight.data = fused[start : start + weight.shape[0]]
+        start += weight.shape[0]
+    return fused
+
+
+def fused_linear(x: torch.Tensor, fused: torch.Tensor | None, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """Each Linear of x: one GEMM with `fuse_linears`'s weight (outputs are column views of its result) while the
+    Linears' weights are still its views on x's device; else one GEMM each."""
+    if fused is None or fused.device != x.device or not _views_of(fused, linears):
+        return tuple(linear(x) for linear in linears)
+    return F.linear(x, fused).split([linear.weight.shape[0] for linear in linears], dim=-1)
+
+
+def _views_of(fused: torch.Tensor, linears) -> bool:
+    """Whether the Linears' weights are still the row blocks of `fused` (a move or reload makes them copies)."""
+    row_bytes, at = fused.stride(0) * fused.element_size(), fused.data_ptr()
+    for linear in linears:
+        if linear.weight.data_ptr() != at:
+            return False
+        at += linear.weight.shape[0] * row_bytes
+    return True
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 

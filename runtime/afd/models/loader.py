@@ -105,6 +105,8 @@ def finish_share(model: MoECausalLM, dtype: torch.dtype, device: str | torch.dev
                 fuse_shared_experts(module)
             if isinstance(module, Router) and dtype == torch.bfloat16:
                 module.split_weight()
+            if hasattr(module, "fuse_projections"):  # attention's input projections in one GEMM (issue 33)
+                module.fuse_projections()
 
 
 def _log_unread_mtp_layers(checkpoint: Checkpoint, num_layers: int) -> None:

@@ -7,7 +7,8 @@ from torch import nn
 
 from afd.models.attention import AttentionBatch, cached_attention
 from afd.models.base import DecoderLayer, MoECausalLM
-from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_halves, fused_glue
+from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_halves, fuse_linears, fused_glue,
+                               fused_linear)
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters
 
 
@@ -35,6 +36,11 @@ class GroupedQueryAttention(nn.Module):
         self.rotary = Rotary(self.rope, self.head_dim, int(config.get("max_position_embeddings") or 0))
         self.kv_layout = KVLayout(self.kv_heads, self.head_dim, self.head_dim)
         self.scale = self.head_dim**-0.5
+        self.qkv_weight: torch.Tensor | None = None  # fuse_projections(): q, k and v in one GEMM
+
+    def fuse_projections(self) -> None:
+        """Once the weights are loaded: q_proj, k_proj and v_proj become views of one weight, one GEMM."""
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated, normed query [T, heads, d] and key [T, kv_heads, d], and the value [T, kv_heads, d]."""
@@ -48,9 +54,9 @@ class GroupedQueryAttention(nn.Module):
         if table is not None and self.q_norm.weight.dtype == self.k_norm.weight.dtype == x.dtype:
             from afd.kernels.norm_rope import qk_rows_  # norms, rotary and cache writes: one launch, not six
 
-            q = self.q_proj(x).view(tokens, self.heads, self.head_dim)
-            k = self.k_proj(x).view(tokens, self.kv_heads, self.head_dim)
-            v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
+            q, k, v = fused_linear(x, self.qkv_weight, self.q_proj, self.k_proj, self.v_proj)
+            q = q.view(tokens, self.heads, self.head_dim)
+            k, v = k.view(tokens, self.kv_heads, self.head_dim), v.view(tokens, self.kv_heads, self.head_dim)
             cache_k, cache_v, index = store if store is not None and store[0].dtype == k.dtype else (None, None, None)
             qk_rows_(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.k_norm.eps, positions,
                      *table, cache_k, cache_v, index)
