@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, model_validator
@@ -169,6 +170,15 @@ class AFDSettings(_Model):
     attention_engine: AttentionEngine = _runtime("attention_engine")
     attention_image: Optional[str] = None
     vllm_args: list[str] = Field(default_factory=list)
+
+    def runtime(self) -> dict[str, Any]:
+        """These knobs as the runtime's settings (afd.config names and types): what the group's pods run with.
+        The API processes are not here: `api_servers` 0 means none (render.py writes api_process only when set)."""
+        values = {name: getattr(self, name) for name in type(self).model_fields if name in SETTINGS}
+        values.update(gate_on_attention=self.compute_gate_on_attention, cuda_graphs=self.cuda_graphs.enabled,
+                      vllm_args=shlex.join(self.vllm_args))
+        del values["api_servers"]
+        return values
 
     @model_validator(mode="after")
     def _check_engine(self) -> "AFDSettings":

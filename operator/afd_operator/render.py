@@ -12,11 +12,10 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from afd.config import SETTINGS
 from afd_operator import labels as L
 from afd_operator.model import AFDDeploymentSpec, AFDSettings, Owner
 from afd_operator.render_network import render_network_policy
-from afd_operator.render_pod import render_pod_template
+from afd_operator.render_pod import ENV_SETTINGS, VLLM_ENV_SETTINGS, render_pod_template
 
 VOLCANO_PODGROUP = "scheduling.volcano.sh/v1beta1"
 COSCHEDULING_PODGROUP = "scheduling.x-k8s.io/v1alpha1"
@@ -78,23 +77,20 @@ def dump_yaml(objects: Iterable[dict]) -> str:
     return yaml.dump_all(list(objects), Dumper=_Dumper, sort_keys=True, default_flow_style=False)
 
 
-# spec.afd fields that are runtime settings (same name in afd.config) reach the pods in the group's ConfigMap
-# (always: CONFIG_ALWAYS; the rest only when set off their default, so existing groups' config and revision
-# stay), except those rendered as AFD_* variables (render_pod) and api_servers (api_process + api_servers).
+# spec.afd's runtime settings (AFDSettings.runtime) not rendered as AFD_* variables (render_pod) reach the pods
+# in the group's ConfigMap: always (CONFIG_ALWAYS), or only when set off their default (so existing groups'
+# config and revision stay); api_servers becomes api_process + api_servers when set.
 CONFIG_ALWAYS = ("dtype", "max_num_seqs", "max_model_len")
-IN_ENV = ("connector", "stages", "cuda_graphs", "attention_engine", "vllm_args")
-CONFIG_WHEN_SET = tuple(name for name in AFDSettings.model_fields
-                        if name in SETTINGS and name not in CONFIG_ALWAYS + IN_ENV + ("api_servers",))
+CONFIG_WHEN_SET = tuple(name for name in AFDSettings().runtime()
+                        if name not in CONFIG_ALWAYS + ENV_SETTINGS + VLLM_ENV_SETTINGS)
 
 
 def render_config_map(spec: AFDDeploymentSpec, owner: Owner, index: int, revision: str) -> dict:
     """Runtime settings beyond the env contract, in `afd.config` field names, plus the rank map."""
-    afd = spec.afd
-    runtime = {name: getattr(afd, name) for name in CONFIG_ALWAYS}
-    defaults = AFDSettings()
-    for name in CONFIG_WHEN_SET:
-        if getattr(afd, name) != getattr(defaults, name):
-            runtime[name] = getattr(afd, name)
+    afd, defaults = spec.afd, AFDSettings().runtime()
+    values = afd.runtime()
+    runtime = {name: values[name] for name in CONFIG_ALWAYS}
+    runtime.update({name: values[name] for name in CONFIG_WHEN_SET if values[name] != defaults[name]})
     if afd.api_servers:  # the API in that many processes beside the engine core (afd.server.api_process)
         runtime.update(api_process=True, api_servers=afd.api_servers)
     topology = spec.topology

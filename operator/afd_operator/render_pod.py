@@ -8,9 +8,9 @@ StatefulSet ordinal in `$HOSTNAME`, which the runtime reads itself.
 from __future__ import annotations
 
 import math
-import shlex
 from typing import Any
 
+from afd.config import SETTINGS
 from afd_operator import labels as L
 from afd_operator.model import AFDDeploymentSpec, Owner
 from afd_operator.render_security import (
@@ -37,6 +37,14 @@ LIVENESS = {"failureThreshold": 3, "timeoutSeconds": 5}
 # The hf:// download init container when model.downloadResources is empty: a ResourceQuota that
 # requires requests and limits refuses a pod any of whose containers lacks them.
 DOWNLOAD_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+# spec.afd settings every pod gets as AFD_* variables, and those only vLLM attention pods get; every other
+# spec.afd setting reaches the runtime through the group's ConfigMap (render.render_config_map).
+ENV_SETTINGS = ("connector", "stages", "gate_on_attention", "cuda_graphs")
+VLLM_ENV_SETTINGS = ("attention_engine", "vllm_args")
+
+
+def _as_env(runtime: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {SETTINGS[name].env: runtime[name] for name in names}
 
 
 def ffn_address_template(owner: Owner, index: int) -> str:
@@ -63,7 +71,7 @@ def _engine_env(spec: AFDDeploymentSpec, owner: Owner, role: str) -> dict:
         return {}
     if afd.attention_engine == "afd":
         return {"AFD_FAILOVER_URL": f"http://{owner.name}.{owner.namespace}.svc:{spec.ports.http}"}
-    return {"AFD_ATTENTION_ENGINE": afd.attention_engine, "AFD_VLLM_ARGS": shlex.join(afd.vllm_args)}
+    return _as_env(afd.runtime(), VLLM_ENV_SETTINGS)
 
 
 def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, revision: str) -> list[dict]:
@@ -76,10 +84,7 @@ def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         "AFD_FFN_ADDRESS_TEMPLATE": ffn_address_template(owner, index),
         "AFD_CONTROL_PORT": ports.control,
         "AFD_DATA_PORT": ports.data,
-        "AFD_CONNECTOR": afd.connector,
-        "AFD_STAGES": afd.stages,
-        "AFD_GATE_ON_ATTENTION": afd.compute_gate_on_attention,
-        "AFD_CUDA_GRAPHS": afd.cuda_graphs.enabled,
+        **_as_env(afd.runtime(), ENV_SETTINGS),
         "AFD_MODEL": model_path(spec),
         # Not the basename of the mount (always "models"): the name clients ask for.
         "AFD_SERVED_MODEL_NAME": spec.served_model_name or spec.model.default_served_name,
