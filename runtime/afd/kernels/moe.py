@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from afd.config import process_setting
 from afd.kernels import triton_available
+from afd.kernels.fp8_blocks import dequantize_block_fp8
 
 
 def kernel_choice() -> str:
@@ -115,7 +116,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     `num_shared` experts of `gate_up`/`down` at weight 1 for every token; summed into `sum_dtype`
     (default x's) — an expert-parallel shard returns its partial sum in float32. FP8 experts come
     with their block scales (`gate_up_scale`, `down_scale`)."""
-    from afd.kernels import fp8_gemm, moe_align, moe_triton
+    from afd.kernels import fp8_gemm, moe_align, moe_triton  # Triton is optional: imported where its path runs
 
     tokens, top_k = ids.shape
     num_experts, hidden, inter = down.shape
@@ -187,8 +188,6 @@ def experts_cuda(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype=
     if kernel_choice() == "triton":
         return experts_triton(x, weights, ids, gate_up, down, num_shared, sum_dtype, gate_up_scale, down_scale)
     if check_fp8(gate_up, down, gate_up_scale, down_scale):  # the reference path: dequantized weights
-        from afd.kernels.fp8_blocks import dequantize_block_fp8
-
         gate_up = dequantize_block_fp8(gate_up, gate_up_scale, x.dtype)
         down = dequantize_block_fp8(down, down_scale, x.dtype)
     weights, ids = add_shared(weights, ids, gate_up.shape[0] - num_shared, num_shared)

@@ -25,6 +25,7 @@ from torch import nn
 
 from afd.kernels.fp8_blocks import BLOCK, FP8_DTYPE, scale_shape
 from afd.models.fp8 import Fp8Linear
+from afd.models.layers import Experts
 from afd.models.spec import UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,6 @@ def check_fp8_tensors(fmt: Fp8Format | None, keys: list[str], dtypes: dict[str, 
 def convert_to_fp8(model: nn.Module, is_fp8, block: int = BLOCK) -> None:
     """Give `model` (built, pruned, sharded, on any device, typically meta) FP8 storage where the checkpoint
     has it: `is_fp8(weight_name)` says whether a weight is FP8 with a scale in the files."""
-    from afd.models.layers import Experts
-
     for name, module in list(model.named_modules()):
         if isinstance(module, Experts):
             _convert_experts(name, module, is_fp8, block)

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 from afd.config import ConfigError
 
@@ -37,12 +39,10 @@ def add_parser(commands) -> None:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     """`afd plan --fit CR --model-config PATH`: the sizing table; 1 when a rank cannot hold its share."""
-    from pathlib import Path
+    import yaml  # only `afd plan --fit` reads a CR
 
-    import yaml
-
-    from afd.models.spec import UnsupportedModelError
-    from afd.planner.fit import FitError, fit, render_fit
+    from afd.models.spec import UnsupportedModelError  # model code: only when sizing
+    from afd.planner.fit import FitError, fit, render_fit  # torch and the model code: only when sizing
 
     if not args.model_config:
         raise ConfigError("--fit needs --model-config PATH (a checkpoint folder or its config.json)")
@@ -60,8 +60,6 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _fit_json(report) -> dict:
-    from dataclasses import asdict
-
     return {"model": report.model, "dtype": report.dtype, "fp8": report.fp8, "refused": report.refused,
             "ranks": [asdict(rank) for rank in report.ranks]}
 
@@ -69,9 +67,9 @@ def _fit_json(report) -> dict:
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.fit:
         return cmd_fit(args)
-    from afd.planner.advice import Bounds, TooFewMetrics, plan
-    from afd.planner.collect import ScrapeError, scrape_series, urls_from_state_file
-    from afd.planner.prometheus import PrometheusError, scrape_history, selector
+    from afd.planner.advice import Bounds, TooFewMetrics, plan  # prometheus_client: only `afd plan` parses metrics
+    from afd.planner.collect import ScrapeError, scrape_series, urls_from_state_file  # httpx: only when scraping
+    from afd.planner.prometheus import PrometheusError, scrape_history, selector  # prometheus_client (as above)
 
     if args.samples < 2:
         raise ConfigError(f"--samples {args.samples}: need at least 2 (one window)")

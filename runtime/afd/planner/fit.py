@@ -15,6 +15,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
+from afd.fp8_convert import is_projection_weight
+from afd.kv_budget import GRAPH_MARGIN_BYTES
+from afd.kv_cache import KVCache
+from afd.models.loader import build_share
+from afd.models.quantization import parse_quantization
+
 GIB = 1 << 30
 # total memory CUDA reports, by the product name's key part (nvidia.com/gpu.product labels, e.g. NVIDIA-H200)
 GPU_MEMORY_MIB = {"H200": 143771, "H100": 81559, "H800": 81559, "A100-SXM4-80GB": 81920, "A100-80GB": 81920,
@@ -98,11 +106,6 @@ def role_device(role_spec: dict, gpu_memory_bytes: int | None, role: str) -> Dev
 def share_bytes(config: dict, role: str, gate_on_attention: bool, dtype, shard: tuple[int, int], keep_fp8: bool):
     """(weight bytes, FP8 scale bytes, KV bytes per token) of one role's share, built on the meta device as the
     loader builds it."""
-    from afd.fp8_convert import is_projection_weight
-    from afd.kv_cache import KVCache
-    from afd.models.loader import build_share
-    from afd.models.quantization import parse_quantization
-
     fmt = parse_quantization(config)
     fp8_weights = None
     if fmt is not None and keep_fp8:
@@ -124,11 +127,6 @@ def share_bytes(config: dict, role: str, gate_on_attention: bool, dtype, shard: 
 
 def fit(config: dict, cr: dict, gpu_memory_bytes: int | None = None, model_name: str = "") -> FitReport:
     """Size every kind of rank of the AFDDeployment `cr` for the checkpoint `config` (its config.json)."""
-    import torch
-
-    from afd.kv_budget import GRAPH_MARGIN_BYTES
-    from afd.models.quantization import parse_quantization
-
     spec = cr.get("spec") or {}
     afd = spec.get("afd") or {}
     attention, ffn = spec.get("attention") or {}, spec.get("ffn") or {}
