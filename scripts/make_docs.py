@@ -52,6 +52,19 @@ def render_configuration() -> str:
             roles = "".join(short[role] for role in spec.roles)
             lines.append(f"| `{spec.env}` | `{spec.name}` | {spec.type.__name__} | {shown} | {spec.allowed} | {roles} | "
                          f"{spec.help} |")
+    from afd_operator.render import CONFIG_ALWAYS, CONFIG_WHEN_SET
+    from afd_operator.render_pod import ENV_SETTINGS, VLLM_ENV_SETTINGS
+
+    def names(settings):
+        return ", ".join(f"`{name}`" for name in settings)
+
+    lines += ["", "## From an AFDDeployment", "",
+              "The operator renders `spec.afd` (`AFDSettings.runtime()` in `operator/afd_operator/model.py`: same names,",
+              "but `computeGateOnAttention` → `gate_on_attention`, `cudaGraphs.enabled` → `cuda_graphs`, `vllmArgs` →",
+              "`vllm_args` shell-quoted, `apiServers` N > 0 → `api_process` and `api_servers`) into every pod:",
+              f"as variables: {names(ENV_SETTINGS)}; on vLLM attention pods also {names(VLLM_ENV_SETTINGS)};",
+              f"in the group's ConfigMap (`AFD_CONFIG_FILE`): {names(CONFIG_ALWAYS)}, and {names(CONFIG_WHEN_SET)} when",
+              "set off their default. Its defaults are the runtime's (a test); any other setting goes in a role's `env`."]
     lines += ["", "## Other variables", "",
               "Read outside the role's configuration, each where it is used, through `afd.config.process_setting`",
               "(declared in `afd.config.PROCESS_VARIABLES`); not passed on to child processes by the config.", "",
