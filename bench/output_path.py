@@ -239,7 +239,7 @@ def serve_split(port: int, engine, state, tokenizer_path: str, stats) -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from afd.config import AFDConfig
-    from afd.server.api_process import serve_with_api_process
+    from afd.server.api_process.core import serve_with_api_process
     from afd.server.run import attention_probes
 
     class Stats(BaseHTTPRequestHandler):

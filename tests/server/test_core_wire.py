@@ -3,9 +3,9 @@
 import contextlib
 
 from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
-from afd.server import core_wire
-from afd.server.core_wire import CoreState
-from afd.server.request_text import RequestText
+from afd.server.api_process import core_wire
+from afd.server.api_process.core_wire import CoreState
+from afd.server.api_process.request_text import RequestText
 
 
 def test_a_submit_carries_every_sampling_parameter():
@@ -62,9 +62,9 @@ def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
     import zmq
 
     from afd.engine.request import SamplingParams
-    from afd.server.api_link import addresses
+    from afd.server.api_process.core_link import addresses
     from afd.kv_cache import KVBlocks
-    from afd.server.engine_client import EngineClient
+    from afd.server.api_process.engine_client import EngineClient
 
     requests_at, outputs_at = addresses(str(tmp_path))
     context = zmq.Context()
@@ -107,8 +107,8 @@ def test_each_api_process_gets_the_outputs_of_its_own_requests_and_the_core_hear
     import asyncio
 
     from afd.kv_cache import KVBlocks
-    from afd.server.api_link import ApiLink
-    from afd.server.engine_client import EngineClient
+    from afd.server.api_process.core_link import ApiLink
+    from afd.server.api_process.engine_client import EngineClient
 
     class Echo:
         """An engine that answers every submit at once with one finished token, the prompt's first id."""
@@ -149,7 +149,7 @@ def test_each_api_process_gets_the_outputs_of_its_own_requests_and_the_core_hear
 
 
 def test_a_dead_api_process_is_restarted_within_a_budget_of_deaths():
-    from afd.server.api_process import RestartBudget
+    from afd.server.api_process.core import RestartBudget
 
     budget = RestartBudget(limit=3, window_s=60)
     assert budget.allow(0) and budget.allow(10)
@@ -159,7 +159,7 @@ def test_a_dead_api_process_is_restarted_within_a_budget_of_deaths():
 
 
 def test_the_requests_of_a_gone_api_process_are_aborted_in_the_engine(tmp_path):
-    from afd.server.api_link import ApiLink
+    from afd.server.api_process.core_link import ApiLink
 
     class Engine:
         on_burst = None

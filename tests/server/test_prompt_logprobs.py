@@ -9,7 +9,7 @@ from afd.engine.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner
-from afd.server import core_wire
+from afd.server.api_process import core_wire
 from afd.engine.request import RequestOutput, TokenLogprobs
 from tests.server.conftest import submit_all
 

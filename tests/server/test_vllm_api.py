@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from afd.engine.request import SamplingParams
-from afd.server import core_wire
+from afd.server.api_process import core_wire
 
 PROMPT = [5, 6, 7, 8, 9]
 

@@ -96,7 +96,7 @@ class OutputProcessor:
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = stopped = "stop"
         else:
-            if checker is not None:  # None: the caller makes the text (the API process, `afd.server.request_text`)
+            if checker is not None:  # None: the caller makes the text (the API process, `afd.server.api_process.request_text`)
                 checker.add(request.detokenizer.add(token), look=len(request.output_ids) >= params.min_tokens)
             if checker is not None and checker.stopped:
                 reason = stopped = "stop"

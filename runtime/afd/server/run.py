@@ -164,7 +164,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     engine.start()
     ffn_draining = lambda: getattr(role.link, "ffn_draining", None)  # noqa: E731
     if config.api_children:  # the HTTP API in child processes (afd.server.api_process)
-        from afd.server.api_process import serve_with_api_process
+        from afd.server.api_process.core import serve_with_api_process
 
         try:
             return serve_with_api_process(config, stop, state, engine,

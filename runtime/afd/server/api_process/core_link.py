@@ -19,8 +19,8 @@ from typing import Callable
 import zmq
 
 from afd.engine.request import InvalidRequest, RequestOutput
-from afd.server import core_wire
-from afd.server.core_wire import CoreState
+from afd.server.api_process import core_wire
+from afd.server.api_process.core_wire import CoreState
 
 log = logging.getLogger(__name__)
 

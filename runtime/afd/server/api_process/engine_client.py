@@ -22,10 +22,10 @@ import zmq.asyncio
 from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.engine.scheduler import Scheduler
 from afd.kv_cache import KVBlocks
-from afd.server import core_wire
-from afd.server.api_link import addresses
-from afd.server.core_wire import CoreState
-from afd.server.request_text import RequestText
+from afd.server.api_process import core_wire
+from afd.server.api_process.core_link import addresses
+from afd.server.api_process.core_wire import CoreState
+from afd.server.api_process.request_text import RequestText
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class EngineClient:
         return request
 
     def together(self):
-        """As `Engine.together`: the core takes the messages of one burst together (`api_link`)."""
+        """As `Engine.together`: the core takes the messages of one burst together (`core_link`)."""
         return contextlib.nullcontext()
 
     def abort(self, request_id: str) -> None:
