@@ -5,7 +5,7 @@
 
 For each level B, B greedy requests (prompts of 128-1024 tokens, 256 outputs, ignore_eos) go through the
 serving `Engine` over a monolithic rank (`AFD_ROLE=monolithic`'s stepper, decode graphs on a GPU), and the
-rank's step ceiling is timed as `afd serve` times it (`afd.server.ceiling.step_seconds`). Printed per level:
+rank's step ceiling is timed as `afd serve` times it (`afd.server.serve.ceiling.step_seconds`). Printed per level:
 the steady decode interval (median time between a request's tokens once every prompt is in), the ceiling,
 their ratio (pace), how many decode steps replayed a graph, and the host time per loop iteration by phase
 (schedule, build inputs, step launch, sampling launch, waiting for the device, handing outputs over), and the
@@ -33,7 +33,7 @@ from afd.engine.engine import Engine  # noqa: E402
 from afd.engine.request import SamplingParams  # noqa: E402
 from afd.engine.sampler import Sampled  # noqa: E402
 from afd.monolithic import build_monolithic  # noqa: E402
-from afd.server.ceiling import step_seconds  # noqa: E402
+from afd.server.serve.ceiling import step_seconds  # noqa: E402
 
 
 class PhaseClock:

@@ -174,7 +174,7 @@ def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = 
     from afd.models.spec import KVLayout
     from afd.server.api.app import ServerState, create_app
     from afd.server.front.failover import Failover, FailoverSettings
-    from afd.server.serving_metrics import ServingMetrics
+    from afd.server.serve.serving_metrics import ServingMetrics
 
     timers = Timers()
     instrument(timers)
@@ -240,7 +240,7 @@ def serve_split(port: int, engine, state, tokenizer_path: str, stats) -> None:
 
     from afd.config import AFDConfig
     from afd.server.api_process.core import serve_with_api_process
-    from afd.server.run import attention_probes
+    from afd.server.serve.attention import attention_probes
 
     class Stats(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802

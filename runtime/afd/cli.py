@@ -235,10 +235,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if interval := process_setting("AFD_SWITCH_INTERVAL_S"):  # experiment: how often Python hands the GIL on
         sys.setswitchinterval(interval)
     if config.role == "ffn":
-        from afd.server.ffn_run import serve_ffn  # torch
+        from afd.server.serve.ffn import serve_ffn  # torch
 
         return serve_ffn(config, stop)
-    from afd.server.run import serve_attention  # torch, fastapi
+    from afd.server.serve.attention import serve_attention  # torch, fastapi
 
     return serve_attention(config, stop)
 

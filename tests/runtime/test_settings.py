@@ -97,9 +97,9 @@ def test_serve_help_lists_every_setting_with_its_variable(capsys):
 
 def test_every_serve_flag_reaches_the_config(monkeypatch):
     seen = {}
-    fake = types.ModuleType("afd.server.run")
+    fake = types.ModuleType("afd.server.serve.attention")
     fake.serve_attention = lambda config, stop: seen.setdefault("config", config) and 0
-    monkeypatch.setitem(sys.modules, "afd.server.run", fake)
+    monkeypatch.setitem(sys.modules, "afd.server.serve.attention", fake)
     monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
     for var in [*ENV_VARS, "AFD_TOPOLOGY", "AFD_CONFIG_FILE"]:
         monkeypatch.delenv(var, raising=False)

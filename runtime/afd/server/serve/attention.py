@@ -24,7 +24,7 @@ from afd.server.api.app import ServerState, create_app, http_server
 from afd.server.front.failover import Failover, FailoverSettings
 from afd.server.lifecycle import engine_died, exit_if_engine_dies, stop_serving
 from afd.server.probe_http import Probes, start_probe_server
-from afd.server.serving_metrics import ServingMetrics
+from afd.server.serve.serving_metrics import ServingMetrics
 from afd.server.api.validation import Limits
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
         role = build(config, cache_tokens_for(config, spec), attention_instruments(registry, config, resolve_device(config)))
     state, engine = build_server(config, role, registry)
     if config.ceiling_batches:
-        from afd.server.ceiling import export_ceiling
+        from afd.server.serve.ceiling import export_ceiling
 
         export_ceiling(state.registry, config, role)
     engine.start()

@@ -1,4 +1,4 @@
-"""`afd serve` on an FFN rank: the worker loop with its probe and metrics server (beside `server/run.py`)."""
+"""`afd serve` on an FFN rank: the worker loop with its probe and metrics server (beside `serve/attention.py`)."""
 
 from __future__ import annotations
 
