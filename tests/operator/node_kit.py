@@ -56,11 +56,11 @@ def build_and_import_images() -> None:
                    env={**os.environ, "KUBECONFIG": os.environ["AFD_KUBECONFIG"]})
 
 
-def tiny_model_on_the_host(path: Path) -> Path:
-    """`afd make-tiny-model` into a host folder the non-root role pods (uid 10001) can read."""
+def tiny_model_on_the_host(path: Path, arch: str = "qwen3_moe") -> Path:
+    """`afd make-tiny-model --arch ARCH` into a host folder the non-root role pods (uid 10001) can read."""
     if path.exists():
         shutil.rmtree(path)
-    subprocess.run([str(Path(sys.executable).parent / "afd"), "make-tiny-model", "--arch", "qwen3_moe", "--out", str(path)],
+    subprocess.run([str(Path(sys.executable).parent / "afd"), "make-tiny-model", "--arch", arch, "--out", str(path)],
                    check=True, capture_output=True)
     for parent in [path, *path.parents]:
         if parent == Path("/"):
