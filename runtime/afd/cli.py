@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from afd.config import SECTIONS, SETTINGS, ConfigError, load_config, process_setting, values_from_topology
+from afd.config import SECTIONS, SETTINGS, AFDConfig, ConfigError, load_config, process_setting, values_from_topology
 from afd.connector.base import ConnectorError
 from afd.local.children import ChildFailed
 from afd.local.command_config import local_config
@@ -220,11 +220,16 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace) -> AFDConfig:
+    """`afd serve`'s config: its flags (one per setting) over `AFD_*` over the --config file."""
     cli = {name: getattr(args, name) for name, spec in SETTINGS.items() if spec.flag}
     if args.topology:
         cli.update(values_from_topology(args.topology, "--topology"))
-    config = load_config(cli=cli, file=args.config)
+    return load_config(cli=cli, file=args.config)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = serve_config(args)
     if not config.model:
         raise ConfigError("no model: set AFD_MODEL or pass --model")
     if config.role == "attention" and config.attention_engine == "vllm":

@@ -8,8 +8,6 @@ The environment table, the checks, `afd serve`'s flags and docs/configuration.md
 import ast
 import dataclasses
 import re
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -96,21 +94,24 @@ def test_serve_help_lists_every_setting_with_its_variable(capsys):
 
 
 def test_every_serve_flag_reaches_the_config(monkeypatch):
-    seen = {}
-    fake = types.ModuleType("afd.server.serve.attention")
-    fake.serve_attention = lambda config, stop: seen.setdefault("config", config) and 0
-    monkeypatch.setitem(sys.modules, "afd.server.serve.attention", fake)
-    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
     for var in [*ENV_VARS, "AFD_TOPOLOGY", "AFD_CONFIG_FILE"]:
         monkeypatch.delenv(var, raising=False)
-    argv = ["serve", "--model", "/m", "--max-num-seqs", "7", "--cuda-graphs", "true", "--peer-timeout-s", "2.5",
-            "--ceiling-batches", "1,8", "--dtype", "bfloat16"]
-    assert cli.cmd_serve(cli.build_parser().parse_args(argv)) == 0
-    config = seen["config"]
-    assert (config.max_num_seqs, config.cuda_graphs, config.peer_timeout_s, config.ceiling_batches, config.dtype) == \
-        (7, True, 2.5, "1,8", "bfloat16")
+    monkeypatch.setenv("AFD_MAX_NUM_SEQS", "3")  # a flag wins over the variable
+    monkeypatch.setenv("HOSTNAME", "laptop")  # no pod ordinal
+
+    def config_of(*argv):
+        return cli.serve_config(cli.build_parser().parse_args(["serve", *argv]))
+
+    for spec in SETTINGS.values():  # each flag sets its own setting, to a value other than the default
+        if spec.flag and spec.choices:
+            value = next(choice for choice in spec.choices if choice != spec.default)
+            assert getattr(config_of(spec.flag_name, str(value)), spec.name) == value, spec.name
+    config = config_of("--max-num-seqs", "7", "--cuda-graphs", "true", "--peer-timeout-s", "2.5",
+                       "--ceiling-batches", "1,8", "--topology", "2A1F")
+    assert (config.max_num_seqs, config.cuda_graphs, config.peer_timeout_s, config.ceiling_batches) == (7, True, 2.5, "1,8")
+    assert str(config.topology) == "2A1F" and config_of().max_num_seqs == 3
     with pytest.raises(ConfigError, match="--max-num-seqs='x'"):
-        cli.cmd_serve(cli.build_parser().parse_args(["serve", "--model", "/m", "--max-num-seqs", "x"]))
+        config_of("--max-num-seqs", "x")
 
 
 def test_process_variables_are_typed_checked_and_read_when_asked():
