@@ -502,6 +502,10 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _path(text: str) -> Path:
+    return Path(text).expanduser()  # depends on $HOME too: never cached
+
+
 def _level(text: str) -> str:
     import logging  # stdlib; only here, where a level name is checked
 
@@ -531,20 +535,29 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
     ProcessVariable("AFD_NCCL_LIBRARY", "", "Path of the libnccl to load first (else the one torch loaded, then "
                     "`nvidia.nccl`'s).", "afd.connector.transports.nccl.lib"),
     ProcessVariable("AFD_CACHE_DIR", "~/.cache/afd", "Where `afd up` keeps the tiny model it makes on first use.",
-                    "afd up", parse=lambda text: Path(text).expanduser()),
+                    "afd up", parse=_path),
     ProcessVariable("AFD_OPERATOR_RESYNC_SECONDS", "10", "How often the operator reconciles every AFDDeployment "
                     "without an event.", "afd operator", parse=_seconds),
 )}
 
 
+_PARSED: dict[tuple[str, str], Any] = {}  # (variable, text) → value: kernels ask on every call
+
+
 def process_setting(name: str, env: Mapping[str, str] | None = None) -> Any:
     """The typed value of process variable `name` (`PROCESS_VARIABLES`) from `env` (default: this process's
     environment, read now, not at import); a bad value is a `ConfigError` naming the variable."""
+    raw = (os.environ if env is None else env).get(name, "")
+    if (name, raw) in _PARSED:
+        return _PARSED[name, raw]
     variable = PROCESS_VARIABLES[name]
-    raw = (os.environ if env is None else env).get(name, "") or variable.default
-    if variable.choices and raw not in variable.choices:
-        raise ConfigError(f"{name}={raw!r}: must be one of {', '.join(variable.choices)}")
+    text = raw or variable.default
+    if variable.choices and text not in variable.choices:
+        raise ConfigError(f"{name}={text!r}: must be one of {', '.join(variable.choices)}")
     try:
-        return variable.parse(raw) if raw else raw
+        value = variable.parse(text) if text else text
     except ValueError as err:
-        raise ConfigError(f"{name}={raw!r}: {err}") from None
+        raise ConfigError(f"{name}={text!r}: {err}") from None
+    if variable.parse is not _path:
+        _PARSED[name, raw] = value
+    return value
