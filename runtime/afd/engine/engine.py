@@ -9,9 +9,9 @@ A request that stops early (EOS, stop string) may so run one step more, whose to
 dropped. The step function is the attention runner (remote FFN) or the monolithic model. A
 step failing because the FFN peer is gone ends every request in flight with an explicit
 error until the link is back (`afd.engine.link_care`), unless `hold_s` > 0: then the lost
-steps are taken back (`afd.engine.rewind`), every request is held (KV cache intact) while the link
-re-handshakes, and each goes on from where it stopped once it is back, failing only if it is not
-back within `hold_s`; any other exception fails only the requests it touched; if the thread dies anyway, `problem` says so and the rank turns unhealthy.
+steps are taken back and every request is held while the link re-handshakes (`afd.engine.hold`);
+any other exception fails only the requests it touched; if the thread dies anyway, `problem` says
+so and the rank turns unhealthy.
 With `prefill_itl_ratio`, every step's own duration (`StepClock`) teaches the scheduler's
 `PrefillPacer` what a step costs (`afd.engine.step_cost`).
 """
@@ -22,25 +22,24 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from afd.engine.prompt_logprobs import PromptLogprobs, prompt_rows
-from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
-from afd.engine.carry import carried_params, prime_text, seeded_generator
-from afd.engine.rewind import StepUndo, rewind, snapshot
+from afd.engine.hold import Hold
 from afd.engine.inputs import build_inputs, riders_of, to_device
+from afd.engine.intake import new_request, prepare
+from afd.engine.launched import Launched, run_step
 from afd.engine.link_care import LinkCare
-from afd.engine.logits_controls import ControlState, StepControls, step_controls
+from afd.engine.logits_controls import Controls
 from afd.engine.outputs import OutputProcessor
-from afd.engine.sampler import Sampled, sample
+from afd.engine.prompt_logprobs import prompt_rows
+from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
+from afd.engine.sampler import sample
 from afd.engine.scheduler import Scheduler
 from afd.engine.shared_prompt import copy_tails
 from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
-from afd.engine.structured import Grammars, StepMask, consume, fill_bitmask
-from afd.engine.text import IncrementalDetokenizer, StopChecker
+from afd.engine.structured import Grammars, StepMask, consume_step, step_mask
 from afd.kv_cache import KVCache
 from afd.layout import SeqLayout
 
@@ -48,45 +47,15 @@ log = logging.getLogger(__name__)
 Step = Callable[[torch.Tensor, SeqLayout], torch.Tensor]
 
 
-@dataclass
-class _Launched:
-    """A step whose sampled tokens are not read on the host yet."""
-
-    batch: list[Request]  # the requests that sample in this step, in the sampled tensor's row order
-    sampled: Sampled
-    finals: list[Request]  # requests whose last token this step samples
-    tokens: int
-    prompt_tokens: int
-    started: float
-    launched: float  # when the launch returned (`StepClock`)
-    mark: object = None  # the link's end-of-step mark (`AttentionLink.end_step`), waited on before reading
-    prompt: PromptLogprobs | None = None  # prompt logprobs of the step's prompt rows that asked for them
-    structured: bool = False  # some rows follow a grammar: their matchers take the tokens when they are read
-
-
 class Engine:
     """Continuous-batching generation loop of one attention rank."""
 
-    def __init__(
-        self,
-        step: Step,
-        kv_cache: KVCache,
-        tokenizer,
-        eos_token_ids: Sequence[int],
-        max_num_seqs: int,
-        max_model_len: int,
-        max_num_batched_tokens: int = 8192,
-        device: torch.device | str = "cpu",
-        observer=None,
-        link=None,
-        link_check_s: float = 0.5,
-        pipeline: bool = True,
-        on_logits: Callable[[list[Request], torch.Tensor], None] | None = None,
-        prefill_itl_ratio: float = 0.0,
-        prefill_backlog_steps: int = BACKLOG_STEPS,
-        vocab_size: int | None = None,
-        hold_s: float = 0.0,
-    ):
+    def __init__(self, step: Step, kv_cache: KVCache, tokenizer, eos_token_ids: Sequence[int], max_num_seqs: int,
+                 max_model_len: int, max_num_batched_tokens: int = 8192, device: torch.device | str = "cpu",
+                 observer=None, link=None, link_check_s: float = 0.5, pipeline: bool = True,
+                 on_logits: Callable[[list[Request], torch.Tensor], None] | None = None,
+                 prefill_itl_ratio: float = 0.0, prefill_backlog_steps: int = BACKLOG_STEPS,
+                 vocab_size: int | None = None, hold_s: float = 0.0):
         self.step = step
         self.kv_cache = kv_cache
         self.tokenizer = tokenizer
@@ -100,18 +69,17 @@ class Engine:
         self.link_check_s = link_check_s
         self._care = LinkCare(link, link_check_s)
         self.hold_s = hold_s  # a lost FFN: hold every request this long for it to come back (0: fail them at once)
-        self._held_since: float | None = None  # requests are held for the FFN since then
-        self._unread: list[StepUndo] = []  # launched steps whose tokens are not read yet, oldest first
+        self._held = Hold(lambda: self.hold_s, observer, self._holding)  # and the launched steps it would take back
         self.dead: str | None = None  # the engine thread ended unexpectedly (not recoverable)
         self.pipeline = pipeline
         self.on_logits = on_logits  # sees each step's batch and logits (`afd generate --with-logits`)
         self._inbox: list[Request] = []
         self._aborts: set[str] = set()
         self._stopped_early: list[Request] = []  # ended by the output side (EOS, stop string, error)
-        self._inflight: _Launched | None = None
+        self._inflight: Launched | None = None
         self._step_id = 0
         self._prev_tokens = torch.empty(0, dtype=torch.long, device=self.device)
-        self._controls: ControlState | None = None  # device rows of requests with logits controls, made on first use
+        self._controls = Controls()  # device rows of requests with logits controls, made on first use
         spec = getattr(getattr(step, "model", None), "spec", None)  # a runner's model knows its vocabulary
         self.vocab_size = (vocab_size or getattr(spec, "vocab_size", None)  # the logits' width (grammar masks)
                            or (len(tokenizer) if hasattr(tokenizer, "__len__") else None))
@@ -142,31 +110,14 @@ class Engine:
         `arrival`: when the caller took it (`time.monotonic()`; default now), where its time to first token starts;
         `carried`: output tokens the client already has from another rank, continued from (`afd.engine.carry`);
         `group`: requests of one group with one prompt (a request's choices) share its prefill (`afd.engine.shared_prompt`)."""
-        sampling = carried_params(params, len(carried)) if carried else params
-        request = Request(list(prompt_ids) + list(carried), sampling, on_output)
-        request.carried, request.group = len(carried), group
+        request = new_request(prompt_ids, params, on_output, carried, group, request_id, arrival)
         if carried and self.observer is not None and hasattr(self.observer, "on_carried"):
             self.observer.on_carried()
-        if request_id is not None:
-            request.request_id = request_id
-        if arrival is not None:
-            request.arrival = min(arrival, request.arrival)
         request = self.scheduler.check(request)
         if params.prompt_logprobs is not None and not hasattr(self.step, "logit_rows"):
             raise InvalidRequest("prompt logprobs are not available with this attention engine", "prompt_logprobs")
-        if params.grammar is not None:
-            request.grammar = self.grammars.matcher(params.grammar)
-        if carried and request.grammar is not None:  # the grammar goes on from where the carried tokens left it
-            for token in carried:
-                consume(request.grammar, token)
-        if params.seed is not None:
-            draws = 0 if params.greedy else len(carried)  # the seed stream goes on where the carried tokens left it
-            request.generator = seeded_generator(params.seed, draws, self.vocab_size, self.device)
-        if text:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
-                                                         params.spaces_between_special_tokens)
-            request.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
-            prime_text(request.detokenizer, request.stop_checker, carried)
+        prepare(request, params, carried, lambda: self.grammars, self.vocab_size, self.device,
+                self.tokenizer if text else None)
         with self._wake:
             closed = self.dead or ("the server is shutting down" if self._stopped else None)
             if not closed:
@@ -255,7 +206,7 @@ class Engine:
     @property
     def held_since(self) -> float | None:
         """Since when (`time.monotonic()`) requests wait for a lost FFN rank to come back; None: none wait."""
-        return self._held_since
+        return self._held.since
 
     # -- engine thread ---------------------------------------------------------
     def _loop(self) -> None:
@@ -289,14 +240,14 @@ class Engine:
                 self._care.tend(self._idle)
             if self.error is not None:
                 self._drain()
-                if self._hold():
+                if self._held.holds(self._rewind):
                     with self._wake:  # wait for the link's next check (aborts and the stop still wake the loop)
                         self._wake.wait(timeout=self.link_check_s)
                     continue
                 self._fail_all(f"the server cannot take requests: {self.error}")
                 continue
-            if self._held_since is not None:
-                self._resumed()
+            if self._held.since is not None:
+                self._held.resumed()
             try:
                 batch = self.scheduler.schedule()
                 launched = self._launch(batch) if batch else None
@@ -318,12 +269,11 @@ class Engine:
         with self._wake:
             return not (self._inbox or self.scheduler.running or self.scheduler.waiting)
 
-    def _launch(self, batch: list[Request]) -> _Launched | None:
+    def _launch(self, batch: list[Request]) -> Launched | None:
         """Build the step's inputs (one pass over `batch`), run it, start sampling; None if it failed."""
         step_id = self._step_id + 1
         riders = riders_of(batch)  # they may sample in this step, on their leader's prefill
-        undo = snapshot(batch + riders if riders else batch, self._step_id, self._prev_tokens)
-        self._unread.append(undo)
+        undo = self._held.launched(batch + riders if riders else batch, self._step_id, self._prev_tokens)
         inputs = build_inputs(batch, step_id, self._prev_tokens, self.max_model_len, self.device,
                               self.kv_cache.block_size)
         input_ids, layout, emit, sampling = inputs.input_ids, inputs.layout, inputs.emit, inputs.sampling
@@ -335,14 +285,7 @@ class Engine:
             batch = batch + riders  # what fails if the step fails
         try:
             copy_tails(self.kv_cache, inputs.copies)
-            if rows is not None:
-                self.step.logit_rows = to_device(rows.rows, self.device)
-            try:
-                logits = self.step(input_ids, layout)
-            finally:
-                if rows is not None:
-                    self.step.logit_rows = None
-            prompt = PromptLogprobs.compute(self.step.row_logits, rows).to_host() if rows is not None else None
+            logits, prompt = run_step(self.step, input_ids, layout, rows, self.device)
             if self.on_logits is not None:
                 self.on_logits(batch, logits)
         except Exception as err:  # a lost FFN peer, or a bug: fail loudly, never hang
@@ -350,55 +293,36 @@ class Engine:
             self._drain()  # the previous step's tokens, if it finished, are good: deliver them first
             if self.error is None:  # (else that drain found the link lost and failed everything)
                 self._step_failed(batch, err)
-            self._forget(undo)
+            self._held.forget(undo)
             return None
         rows_in = len(layout.new_lens)  # rows of unfinished prompt chunks sample nothing; a leader's, once per rider
         if len(emit) != rows_in or (riders and emit != list(range(rows_in))):
             logits = logits[to_device(emit, logits.device)]
         try:
             mask = None if plain else self._grammar_mask(sampling, logits.device)
-            if undo not in self._unread:  # the FFN was lost while that read the previous step: this one is taken back
+            if self._held.taken_back(undo):  # the FFN was lost while that read the previous step
                 return None
-            controls = None if plain and not self._controls_held() else self._step_controls(sampling, logits)
+            controls = None if plain and not self._controls.held() else self._controls.for_step(
+                sampling, logits, self.scheduler.running, self.eos_token_ids)
             sampled = sample(logits, inputs.params, inputs.generators, controls, mask).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up
             log.exception("sampling failed")
             self._drain()
             self._fail(batch, f"sampling failed: {type(err).__name__}: {err}")
-            self._forget(undo)
+            self._held.forget(undo)
             return None
         self._step_id, self._prev_tokens = step_id, sampled.tokens
         undo.controls, undo.chosen = controls, sampled.tokens
         mark = self.link.end_step() if self.link is not None else None
-        return _Launched(sampling, sampled, inputs.finals, inputs.num_tokens, inputs.prompt_tokens, started,
+        return Launched(sampling, sampled, inputs.finals, inputs.num_tokens, inputs.prompt_tokens, started,
                          time.monotonic(), mark, prompt, mask is not None)
 
     def _grammar_mask(self, sampling: list[Request], device: torch.device) -> StepMask | None:
         """The grammar masks of this step's structured rows (None: there are none). Their matchers need the previous
         step's tokens first: that step is read now, while the device already runs this one."""
-        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
-        if not rows:
-            return None
-        if self._inflight is not None:
+        if self._inflight is not None and any(r.grammar is not None for r in sampling):
             self._drain()
-        bitmask = fill_bitmask([sampling[i].grammar for i in rows], self.vocab_size, self.eos_token_ids)
-        return StepMask(rows, bitmask, device)
-
-    def _controls_held(self) -> bool:
-        """Some request still holds a controls slot (given back at the next step that looks at controls)."""
-        return self._controls is not None and bool(self._controls.slots)
-
-    def _step_controls(self, sampling: list[Request], logits: torch.Tensor) -> StepControls | None:
-        """This step's logits controls (None for a batch that sets none: the plain sampler); slots of requests
-        that left are given back first."""
-        state = self._controls
-        if state is not None and state.slots:
-            state.release(set(self.scheduler.running))
-        if not any(r.params.adjusts_logits for r in sampling):
-            return None
-        if state is None:
-            state = self._controls = ControlState(logits.shape[1], logits.device)
-        return step_controls(state, sampling, self.eos_token_ids)
+        return step_mask(sampling, self.vocab_size, self.eos_token_ids, device)
 
     def _drain(self) -> None:
         """Wait for the launched step (the link first: it notices a lost FFN) and hand its tokens to the output side."""
@@ -413,8 +337,7 @@ class Engine:
                 log.error("waiting for step failed: %s", err)
                 self._step_failed(launched.batch, err)
                 return
-        if self._unread:
-            self._unread.pop(0)  # read (or failed below): never taken back
+        self._held.read()  # read (or failed below): never taken back
         try:
             launched.sampled.wait()
             waited = time.monotonic()
@@ -425,9 +348,7 @@ class Engine:
             self._fail(launched.batch, f"sampling failed: {type(err).__name__}: {err}")
             return
         if launched.structured:
-            for request, token in zip(launched.batch, tokens):
-                if request.grammar is not None:
-                    consume(request.grammar, token)
+            consume_step(launched.batch, tokens)
         now = time.monotonic()
         for request in launched.finals:  # their last token is in: seats and blocks go back
             self.scheduler.finish(request)
@@ -452,52 +373,21 @@ class Engine:
             return
         self._fail_all(f"the step failed: {err}")
 
-    def _forget(self, undo: StepUndo) -> None:
-        """`undo`'s step ended without a launch to read (failed, or taken back)."""
-        if undo in self._unread:
-            self._unread.remove(undo)
-
     def _rewind(self) -> None:
         """The FFN was lost with steps unread: take them back and hold every request for its return."""
         self._inflight = None
-        if self._unread:
-            self._step_id, self._prev_tokens, _ = rewind(self._unread, self.vocab_size, self.device)
-            self._unread = []
-        if self._held_since is None:
-            self._held_since = time.monotonic()
-            log.warning("holding %d requests for up to %.0f s until the ffn rank is back", self._holding(), self.hold_s)
+        back = self._held.take_back(self.vocab_size, self.device)
+        if back is not None:
+            self._step_id, self._prev_tokens = back
 
     def _holding(self) -> int:
         with self._wake:
             return len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._inbox)
 
-    def _hold(self) -> bool:
-        """Whether requests still wait for the lost FFN (else they fail now: not held, or held too long)."""
-        if self.hold_s <= 0 or (self._held_since is None and not self._holding()):
-            return False
-        if self._held_since is None:  # lost between steps (a heartbeat): nothing in flight to take back
-            self._rewind()
-        if time.monotonic() - self._held_since < self.hold_s:
-            return True
-        log.error("the ffn rank did not come back within %.0f s: failing %d held requests", self.hold_s,
-                  self._holding())
-        if self.observer is not None and hasattr(self.observer, "on_hold_expired"):
-            self.observer.on_hold_expired(self._holding())
-        self._held_since = None
-        return False
-
-    def _resumed(self) -> None:
-        """The FFN is back: the held requests go on."""
-        waited, self._held_since = time.monotonic() - self._held_since, None
-        held = self._holding()
-        log.info("ffn rank back after %.1f s: %d held requests go on", waited, held)
-        if self.observer is not None and hasattr(self.observer, "on_resumed"):
-            self.observer.on_resumed(held, waited)
-
     def _fail_all(self, message: str) -> None:
         with self._wake:
             inbox, self._inbox = self._inbox, []
-        self._unread = []
+        self._held.unread = []
         self._fail(list(self.scheduler.running) + list(self.scheduler.waiting) + inbox, message)
 
     def _fail(self, requests: list[Request], message: str) -> None:

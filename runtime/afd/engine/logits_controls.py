@@ -162,3 +162,27 @@ def step_controls(state: ControlState, requests: list[Request], eos_token_ids: s
         column([p.repetition_penalty for p in params]), any(p.penalized for p in params),
         to_device(held_rows, device) if held_rows else None, to_device(held_tokens, device) if held_tokens else None,
         step_words(requests, state.slots, device))
+
+
+class Controls:
+    """One engine's logits controls: device rows of the requests that set any (`ControlState`), made on first use."""
+
+    def __init__(self):
+        self.state: ControlState | None = None
+
+    def held(self) -> bool:
+        """Some request still holds a slot (given back at the next step that looks at controls)."""
+        return self.state is not None and bool(self.state.slots)
+
+    def for_step(self, sampling: list[Request], logits: torch.Tensor, running, eos_token_ids: set[int]
+                 ) -> StepControls | None:
+        """This step's controls (None for a batch that sets none: the plain sampler); slots of requests no longer
+        `running` are given back first."""
+        state = self.state
+        if state is not None and state.slots:
+            state.release(set(running))
+        if not any(r.params.adjusts_logits for r in sampling):
+            return None
+        if state is None:
+            state = self.state = ControlState(logits.shape[1], logits.device)
+        return step_controls(state, sampling, eos_token_ids)

@@ -99,3 +99,19 @@ class StepMask:
         allowed[:, :width] = unpacked[:, :width]
         logits[self.rows] = logits[self.rows].masked_fill(~allowed, float("-inf"))
         return logits
+
+
+def step_mask(sampling: list, vocab_size: int, eos_token_ids, device: torch.device) -> StepMask | None:
+    """The grammar masks of one step's sampling rows that follow a grammar (None: none do); their matchers must have
+    taken every earlier token."""
+    rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+    if not rows:
+        return None
+    return StepMask(rows, fill_bitmask([sampling[i].grammar for i in rows], vocab_size, eos_token_ids), device)
+
+
+def consume_step(batch: list, tokens: list[int]) -> None:
+    """Each grammar-following request of a read step takes its sampled token."""
+    for request, token in zip(batch, tokens):
+        if request.grammar is not None:
+            consume(request.grammar, token)
