@@ -17,17 +17,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
+import uvicorn
 
 from afd.config import AFDConfig, config_to_env, process_setting
 from afd.local.group_processes import local_zmq_config
 from afd.local.children import LocalProcesses, exit_summary, free_port_block, threads_per_rank
+from afd.server.front.door import Backends, FrontSettings, create_front_app
+from afd.tiny import make_tiny_model
 from afd.up_messages import WaitReport, demo_answer
-
-if TYPE_CHECKING:  # the front door (fastapi) loads only when `afd up` runs
-    from afd.server.front.door import FrontSettings
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +40,6 @@ def ensure_tiny_model(cache: Path | None = None, arch: str = "qwen3_moe") -> Pat
     path = (cache or process_setting("AFD_CACHE_DIR")) / f"tiny-{arch}"
     if not (path / "config.json").exists():
         progress(f"making a tiny random {arch} checkpoint in {path} (first run only)")
-        from afd.tiny import make_tiny_model
-
         partial = path.with_name(path.name + ".partial")
         make_tiny_model(arch, partial, seed=0)
         partial.rename(path)
@@ -188,10 +185,6 @@ class Supervisor:
 
 def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = True, start_timeout_s: float = 600,
            front: FrontSettings | None = None) -> int:
-    import uvicorn
-
-    from afd.server.front.door import Backends, FrontSettings, create_front_app
-
     front = front or FrontSettings(max_request_bytes=base.max_request_bytes)
     if not base.group_secret:  # the ranks' secret: signs the handshake and the streams the front door moves
         base = base.replace(group_secret=secrets.token_hex(16))
