@@ -77,6 +77,33 @@ def test_latent_decode_kernel_takes_the_rotary_queries_apart(splits):
     assert torch.equal(got.cpu(), want.cpu())
 
 
+def test_no_compile_time_constant_follows_the_slice_count(monkeypatch):
+    """Eager steps (decodes beside a prompt) meet every slice count from 1 to 16: a constexpr following it compiled
+    a kernel in the middle of serving for each (issue 33). Only whether keys are sliced at all may differ."""
+    from afd.kernels import decode_attention
+
+    launched = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.setdefault(self.name, []).append(constants)
+
+    for name in ("_decode_kernel", "_latent_decode_kernel", "_combine_kernel"):
+        monkeypatch.setattr(decode_attention, name, Recorder(name))
+    q, cache_k, cache_v, tables, lens, block_size = _case(9, 4, 1, 48, 32, [5, 1, 66])
+    for splits in range(1, decode_attention.MAX_SPLITS + 1):
+        decode_attention.paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size, 0.3, splits=splits)
+        decode_attention.paged_latent_decode_attention(q, cache_k, 32, tables, lens, block_size, 0.3, splits=splits)
+    for name, constants in launched.items():
+        variants = {tuple(sorted(c.items())) for c in constants}
+        assert len(variants) == (1 if name == "_combine_kernel" else 2), (name, variants)
+    with pytest.raises(ValueError, match="slices"):
+        decode_attention.paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size, 0.3, splits=17)
+
+
 def test_slices_fill_the_device_from_shapes_alone():
     pytest.importorskip("triton")
     from afd.kernels.decode_attention import MAX_SPLITS, plan_splits

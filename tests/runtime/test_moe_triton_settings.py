@@ -142,7 +142,7 @@ def test_the_one_program_layout_equals_the_four_launch_layout(tokens, monkeypatc
     torch.manual_seed(tokens)
     ids = torch.rand(tokens, routed).topk(top_k, dim=-1).indices.to(DEVICE)
     layouts = []
-    for one_program in (10**9, 0):
+    for one_program in (8192, 0):  # every case as one program, then as four launches
         monkeypatch.setattr(moe_align, "ONE_PROGRAM_PAIRS", one_program)
         layouts.append(moe_align.align(ids, num_shared, routed + num_shared, layout_m))
     (one, four), num_pairs = layouts, tokens * (top_k + num_shared)

@@ -158,20 +158,9 @@ def test_split_linear_blocks_are_summed_in_the_kernel_as_sum_parts_adds_them(met
     assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.equal(weights.cpu(), want_weights.cpu())
 
 
-def test_16_bit_logits_are_read_as_their_float32_cast():
-    """Qwen3's router logits stay bf16/fp16 (no cast launch): the kernel reads them as `.float()` would give."""
-    from afd.kernels.routing import select_greedy
-
-    torch.manual_seed(6)
-    logits = (torch.randn(37, 128) * 3).half()
-    weights, ids = select_greedy(logits.to(DEVICE), 8, True, True, 1.0, torch.float32)
-    want_weights, want_ids = select_greedy(logits.float().to(DEVICE), 8, True, True, 1.0, torch.float32)
-    assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.equal(weights.cpu(), want_weights.cpu())
-
-
 def test_the_moe_layer_routes_raw_router_output_as_the_shipped_logits_route():
-    """`MoE.forward` hands `Router.raw`'s output to the routing (blocks or uncast logits): the same weights and
-    experts as the float32 logits an attention rank ships (`Router.forward`)."""
+    """`MoE.forward` hands `Router.raw`'s output to the routing (split_linear's blocks where it has them): the same
+    weights and experts, bit for bit, as the float32 logits an attention rank ships (`Router.forward`)."""
     from afd.models.layers import MoE, Routing
 
     torch.manual_seed(7)

@@ -5,7 +5,9 @@ the device, so one captured graph serves any mix of context lengths up to the ta
 A program serves every query head that shares a key head (MLA: a block of 16 heads of the one
 latent row), so each cached row is read once per key head, and each sequence's keys are cut
 into as many slices as fill the device (`plan_splits`: many at batch 1, one from ~132 programs
-up), merged by a second small kernel (flash-decoding).
+up), merged by a second small kernel (flash-decoding). The slice count is an argument, not a compile-time
+constant: an eager step (decodes beside a prompt) meets every count from 1 to 16, and each compiled variant
+cost a JIT compile in the middle of serving (issue 33: TTFT 0.7-6 s at 16-64 streams); two variants remain.
 """
 
 from __future__ import annotations
@@ -17,19 +19,19 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr,
-    heads, table_width, block_size, group, scale,
+    heads, table_width, block_size, group, scale, splits,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ob, stride_oh,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program: the `group` query heads of one key head of one sequence, over one of SPLITS slices of
+    """One program: the `group` query heads of one key head of one sequence, over one of `splits` slices of
     its keys (each key and value row is read once per key head, on tensor cores)."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + seq)
-    begin, end = _split_range(length, split, SPLITS, BLOCK_N)
+    begin, end = _split_range(length, split, splits, BLOCK_N)
     rows_h = tl.arange(0, BLOCK_H)
     live_h = rows_h < group
     offs_h = kv_head * group + rows_h
@@ -57,40 +59,40 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     _finish(acc, m_i, l_i, out_ptr, part_ptr, stat_ptr, seq, offs_h, live_h, split, heads, stride_ob, stride_oh,
-            offs_dv, DV, BLOCK_DV, SPLITS)
+            offs_dv, DV, BLOCK_DV, splits, SPLIT)
 
 
 @triton.jit
-def _split_range(length, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_range(length, split, splits, BLOCK_N: tl.constexpr):
     """Key positions [begin, end) of slice `split` of a sequence of `length` keys (whole BLOCK_N steps)."""
-    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
     begin = split * chunk
     return begin, tl.minimum(length, begin + chunk)
 
 
 @triton.jit
 def _finish(acc, m_i, l_i, out_ptr, part_ptr, stat_ptr, seq, offs_h, live_h, split, heads, stride_ob, stride_oh,
-            offs_dv, DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr):
+            offs_dv, DV: tl.constexpr, BLOCK_DV: tl.constexpr, splits, SPLIT: tl.constexpr):
     """One slice: the output itself, or its unnormalised sum, running max and denominator for `_combine_kernel`."""
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=live_h[:, None] & (offs_dv[None, :] < DV))
     else:
-        slot = ((seq * heads + offs_h) * SPLITS + split).to(tl.int64)  # [BH]
+        slot = ((seq * heads + offs_h) * splits + split).to(tl.int64)  # [BH]
         tl.store(part_ptr + slot[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=live_h[:, None])
         tl.store(stat_ptr + slot * 2, m_i, mask=live_h)
         tl.store(stat_ptr + slot * 2 + 1, l_i, mask=live_h)
 
 
-@triton.jit
-def _combine_kernel(part_ptr, stat_ptr, out_ptr, heads, stride_ob, stride_oh,
-                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+@triton.jit(do_not_specialize=["splits"])
+def _combine_kernel(part_ptr, stat_ptr, out_ptr, heads, stride_ob, stride_oh, splits,
+                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     """One (sequence, head): the softmax-weighted sum of its slices' partial outputs."""
     seq, head = tl.program_id(0), tl.program_id(1)
     slices = tl.arange(0, BLOCK_S)
-    live_s = slices < SPLITS
-    slot = ((seq * heads + head) * SPLITS + slices).to(tl.int64)
+    live_s = slices < splits
+    slot = ((seq * heads + head) * splits + slices).to(tl.int64)
     m = tl.load(stat_ptr + slot * 2, mask=live_s, other=float("-inf"))
     l = tl.load(stat_ptr + slot * 2 + 1, mask=live_s, other=0.0)
     weight = tl.where(l > 0, tl.exp(m - tl.max(m, axis=0)), 0.0)  # an empty slice (m = -inf, l = 0) weighs nothing
@@ -120,6 +122,8 @@ def plan_splits(programs: int, multiprocessors: int, max_splits: int = MAX_SPLIT
 
 def _partials(batch: int, heads: int, splits: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Workspaces of the slices: unnormalised outputs [B, H, S, width] and (max, denominator) [B, H, S, 2]."""
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"{splits} slices: the decode kernels cut keys into 1 to {MAX_SPLITS}")
     if splits == 1:
         empty = torch.empty(0, dtype=torch.float32, device=device)
         return empty, empty
@@ -130,8 +134,8 @@ def _partials(batch: int, heads: int, splits: int, width: int, device) -> tuple[
 def _combine(part, stat, out, splits: int, dv: int, block_dv: int) -> None:
     if splits > 1:
         batch, heads = out.shape[0], out.shape[1]
-        _combine_kernel[(batch, heads)](part, stat, out, heads, out.stride(0), out.stride(1), DV=dv, BLOCK_DV=block_dv,
-                                        SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+        _combine_kernel[(batch, heads)](part, stat, out, heads, out.stride(0), out.stride(1), splits, DV=dv,
+                                        BLOCK_DV=block_dv, BLOCK_S=triton.next_power_of_2(MAX_SPLITS), num_warps=4)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -162,26 +166,26 @@ def paged_decode_attention(
     part, stat = _partials(batch, heads, splits, block_dv, q.device)
     _decode_kernel[(batch, kv_heads, splits)](
         q, cache_k, cache_v, out, part, stat, block_table, seq_lens,
-        heads, block_table.shape[1], block_size, group, scale,
+        heads, block_table.shape[1], block_size, group, scale, splits,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1),
         out.stride(0), out.stride(1),
         DK=dk, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-        BLOCK_DV=block_dv, BLOCK_N=32, SPLITS=splits, PRECISION=_precision(q.dtype), num_warps=4,
+        BLOCK_DV=block_dv, BLOCK_N=32, SPLIT=splits > 1, PRECISION=_precision(q.dtype), num_warps=4,
     )
     _combine(part, stat, out, splits, dv, block_dv)
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _latent_decode_kernel(
     q_ptr, r_ptr, cache_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr,
-    heads, table_width, block_size, scale,
+    heads, table_width, block_size, scale, splits,
     stride_qb, stride_qh, stride_rb, stride_rh, stride_cr, stride_ob, stride_oh,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    begin, end = _split_range(tl.load(lens_ptr + seq), split, SPLITS, BLOCK_N)
+    begin, end = _split_range(tl.load(lens_ptr + seq), split, splits, BLOCK_N)
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     offs_l, offs_r = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_R)
     live_h = offs_h < heads
@@ -209,7 +213,7 @@ def _latent_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     _finish(acc, m_i, l_i, out_ptr, part_ptr, stat_ptr, seq, offs_h, live_h, split, heads, stride_ob, stride_oh,
-            offs_l, LATENT, BLOCK_L, SPLITS)
+            offs_l, LATENT, BLOCK_L, splits, SPLIT)
 
 
 def paged_latent_decode_attention(
@@ -247,10 +251,10 @@ def paged_latent_decode_attention(
     part, stat = _partials(batch, heads, splits, block_l, q.device)
     _latent_decode_kernel[(batch, head_blocks, splits)](
         q, q_rope, cache, out, part, stat, block_table, seq_lens,
-        heads, block_table.shape[1], block_size, scale,
+        heads, block_table.shape[1], block_size, scale, splits,
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_L=block_l,
-        BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=32, SPLITS=splits, PRECISION=_precision(q.dtype),
+        BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=32, SPLIT=splits > 1, PRECISION=_precision(q.dtype),
         num_warps=4,
     )
     _combine(part, stat, out, splits, latent_dim, block_l)

@@ -85,7 +85,7 @@ def _scatter_kernel(ids_ptr, starts_ptr, cursor_ptr, pairs_ptr, num_pairs, top_k
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
 def _align_one_kernel(ids_ptr, cursor_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, num_pairs, top_k, slots,
                       num_routed, num_experts, max_tiles, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr,
-                      BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK: tl.constexpr, TILE_BINS: tl.constexpr):
     """The whole alignment in one program (a decode step's few thousand pairs): count, padded prefix sum, tiles'
     experts, every row marked as padding, then each pair scattered through a cursor per expert that starts at its
     expert's first row. The barriers order this program's own writes (padding marks, cursors) before its reads."""
@@ -102,11 +102,11 @@ def _align_one_kernel(ids_ptr, cursor_ptr, pairs_ptr, tile_expert_ptr, used_tile
     ends = tl.cumsum(padded, 0)
     tl.store(cursor_ptr + experts, ends - padded, mask=valid)
     tl.store(used_tiles_ptr, tl.sum(padded, 0) // BLOCK_M)
-    ends = tl.where(valid, ends, 1 << 30)
-    for first in tl.range(0, max_tiles, CHUNK):
-        tiles = first + tl.arange(0, CHUNK)
-        owner = tl.sum((ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(tile_expert_ptr + tiles, tl.where(owner < num_experts, owner, -1), mask=tiles < max_tiles)
+    # tile t's expert = how many experts end at or before it: a histogram of the experts' last tiles, summed up
+    # (TILE_BINS > every tile index; experts past the last take the spare last bin)
+    ended = tl.cumsum(tl.histogram(tl.where(valid, ends // BLOCK_M, TILE_BINS - 1), TILE_BINS), 0)
+    tiles = tl.arange(0, TILE_BINS)
+    tl.store(tile_expert_ptr + tiles, tl.where(ended < num_experts, ended, -1), mask=tiles < max_tiles)
     for first in tl.range(0, max_tiles * BLOCK_M, BLOCK):  # every row starts as padding
         rows = first + tl.arange(0, BLOCK)
         tl.store(pairs_ptr + rows, tl.full((BLOCK,), 0, tl.int32) + num_pairs, mask=rows < max_tiles * BLOCK_M)
@@ -155,9 +155,10 @@ def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) ->
     ids = ids.contiguous()
     if num_pairs <= ONE_PROGRAM_PAIRS:
         cursors = torch.empty(num_experts, dtype=torch.int32, device=device)
+        tile_bins = triton.next_power_of_2(max_rows(ONE_PROGRAM_PAIRS, num_experts, block_m) // block_m + 1)
         _align_one_kernel[(1,)](ids, cursors, pairs, tile_expert, used_tiles, num_pairs, top_k, slots, num_routed,
                                 num_experts, rows // block_m, BLOCK_M=block_m, NUM_BINS=bins, BLOCK=block,
-                                CHUNK=max(16, 4096 // bins), num_warps=8)
+                                TILE_BINS=tile_bins, num_warps=8)
         return Layout(pairs, tile_expert, used_tiles)
     counters = torch.zeros(2, num_experts, dtype=torch.int32, device=device)  # counts, cursors
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)

@@ -52,7 +52,7 @@ def _group_mask(choice, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, GROUPS: tl
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_experts, stride, scaling,
-                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                   TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                    NORMALIZE: tl.constexpr, SCALE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                    GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, PARTS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -80,24 +80,25 @@ def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_e
     rank = tl.where(expert_ok, tl.where(choice == choice, choice, NAN_RANK), float("-inf"))
     if GROUPS > 1:
         rank = tl.where(_group_mask(choice, BLOCK_T, BLOCK_E, GROUPS, TOPK_GROUPS), rank, OUT_OF_GROUP_RANK)
-    slots = tl.arange(0, K_PAD)
-    top = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-    top_ids = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    # the k picks go to columns 0..k-1 of tensors shaped as the logits: no layout conversion (a shared-memory
+    # round trip and barrier) per pick, which cost most of the kernel's time at decode batches
+    top = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    top_ids = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
     for k in tl.static_range(TOP_K):
         best = tl.max(rank, axis=1)
         best_id = tl.min(tl.where(rank == best[:, None], experts[None, :], BLOCK_E), axis=1)
         best_id = tl.minimum(best_id, num_experts - 1)  # an id past the experts would index out of bounds later
         picked = experts[None, :] == best_id[:, None]
         weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)  # the (unbiased) score itself: NaN stays NaN
-        top = tl.where(slots[None, :] == k, weight[:, None], top)
-        top_ids = tl.where(slots[None, :] == k, best_id[:, None], top_ids)
+        top = tl.where(experts[None, :] == k, weight[:, None], top)
+        top_ids = tl.where(experts[None, :] == k, best_id[:, None], top_ids)
         rank = tl.where(picked, float("-inf"), rank)
     if NORMALIZE:
         top = top / (tl.sum(top, axis=1)[:, None] + 1e-20)
     if SCALE:
         top = top * scaling
-    out = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
-    keep = row_ok[:, None] & (slots[None, :] < TOP_K)
+    out = rows[:, None].to(tl.int64) * TOP_K + experts[None, :]
+    keep = row_ok[:, None] & (experts[None, :] < TOP_K)
     tl.store(weights_ptr + out, top.to(weights_ptr.dtype.element_ty), mask=keep)
     tl.store(ids_ptr + out, top_ids.to(ids_ptr.dtype.element_ty), mask=keep)
 
@@ -159,7 +160,7 @@ def _launch_select(logits, correction_bias, top_k: int, normalize: bool, scale: 
         bias = correction_bias.contiguous() if correction_bias is not None else logits
         _select_kernel[(triton.cdiv(tokens, block_t),)](
             logits, weights, ids, bias, tokens, num_experts, logits.stride(0), float(scaling_factor), TOP_K=top_k,
-            K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=scale,
+            BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=scale,
             SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, GROUPS=groups, TOPK_GROUPS=topk_groups,
             PARTS=parts, num_warps=1)
     return weights, ids

@@ -193,16 +193,19 @@ class Router(nn.Module):
             self.weight_parts = split_linear.bf16_parts(self.weight.detach())
 
     def raw(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(logits as the routing takes them, parts): bf16 logits uncast, or split_linear's three float32 column
-        blocks unsummed (parts 3); `Routing.select` reads either, so neither costs a launch of its own."""
-        if not self.fp32_logits:
-            return F.linear(x, self.weight), 1
-        if self.weight_parts is not None and x.dtype == torch.bfloat16 and x.device == self.weight_parts.device:
+        """(logits as the routing takes them, parts): `forward`'s float32 logits, or split_linear's three float32
+        column blocks unsummed (parts 3: `Routing.select` adds them in its kernel, no launch of their own)."""
+        if self.fp32_logits and self.weight_parts is not None and x.dtype == torch.bfloat16 and \
+                x.device == self.weight_parts.device:
             return split_linear.part_products(x, self.weight_parts), 3
         return self(x), 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp32_logits:
+            if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and self.weight.dtype == x.dtype:
+                # float32 straight from the GEMM's accumulator: one launch, no cast (issue 33); not rounded to
+                # 16 bits first, so a little more exact than the checkpoint's own 16-bit router
+                return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
             return F.linear(x, self.weight).float()
         if self.weight_parts is not None and x.dtype == torch.bfloat16 and x.device == self.weight_parts.device:
             return split_linear.linear_fp32(x, self.weight_parts)
