@@ -93,8 +93,8 @@ def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[
     """Settings tried for `kernel` at a tile height: small tiles stream weights, large ones feed the tensor cores.
     FP8: gate_up's columns in blocks of 128 (its epilogue quantizes per 128), steps of 128 (one scale group), down
     64-256 columns, 8 warps only on tiles of 64+ rows, no tile whose accumulators would spill
-    (`moe_triton.fp8_accumulator_registers`); TMA or pointers, persistent or not, as for bf16."""
-    from afd.kernels.moe_triton import fp8_accumulator_registers
+    (`moe_launch.fp8_accumulator_registers`); TMA or pointers, persistent or not, as for bf16."""
+    from afd.kernels.moe_launch import fp8_accumulator_registers
 
     if fp8:
         columns = (128,) if kernel == "gate_up" else (64, 128) if block_m <= 32 else (128, 256)
@@ -316,7 +316,7 @@ def main() -> None:
     if not kernels or set(kernels) - set(KERNELS):
         parser.error(f"--kernels {args.kernels!r}: a comma-separated subset of {','.join(KERNELS)}")
     from afd.kernels.moe import CONFIG_DIR, config_name
-    from afd.kernels.moe_triton import tma_supported
+    from afd.kernels.moe_launch import tma_supported
 
     shape = MOE_SHAPES[args.shape]
     num_shared, top_k = shape["shared"], shape["top_k"]

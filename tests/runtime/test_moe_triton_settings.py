@@ -83,7 +83,7 @@ def test_triton_moe_equals_the_reference_under_each_setting(name, tokens, monkey
 
 
 def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
-    from afd.kernels.moe_triton import kernel_settings
+    from afd.kernels.moe_launch import kernel_settings
 
     assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False, "GATHER": False,
                                              "ONE_DOT": False, "PERSISTENT": 0}
@@ -158,13 +158,13 @@ def test_the_one_program_layout_equals_the_four_launch_layout(tokens, monkeypatc
 @pytest.mark.parametrize("dtype", ["input", "float32"])
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (37, 1100)])
 def test_the_slot_sum_adds_each_tokens_rows_in_float32_in_slot_order(tokens, hidden, dtype):
-    from afd.kernels import moe_triton
+    from afd.kernels import moe_rows
 
     slots = 5
     torch.manual_seed(tokens)
     rows = torch.randn(tokens * slots, hidden).to(DEVICE, DTYPE)
     out_dtype = DTYPE if dtype == "input" else torch.float32
-    got = moe_triton.sum_slots(rows, slots, out_dtype)
+    got = moe_rows.sum_slots(rows, slots, out_dtype)
     per_slot = rows.view(tokens, slots, hidden).float()
     want = per_slot[:, 0]
     for slot in range(1, slots):

@@ -65,7 +65,7 @@ def test_defaults_are_complete():
 
 
 def fp8_tile_registers(kernel: str, entry: dict) -> int:
-    from afd.kernels.moe_triton import fp8_accumulator_registers
+    from afd.kernels.moe_launch import fp8_accumulator_registers
 
     cfg = entry[kernel]
     return fp8_accumulator_registers(kernel, cfg.get("BLOCK_M", entry["BLOCK_M"]), cfg["BLOCK_N"], cfg["num_warps"],
@@ -81,7 +81,7 @@ def test_fp8_defaults_keep_their_accumulators_in_registers(tokens):
 
 
 def test_fp8_register_count_of_a_tile():
-    from afd.kernels.moe_triton import fp8_accumulator_registers
+    from afd.kernels.moe_launch import fp8_accumulator_registers
 
     assert fp8_accumulator_registers("down", 128, 256, 8) == 2 * 128 * 256 // 256
     assert fp8_accumulator_registers("gate_up", 64, 128, 4) == 3 * 64 * 128 // 128

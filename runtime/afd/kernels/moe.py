@@ -1,10 +1,10 @@
 """Routed (and fused shared) experts on CUDA without a host synchronisation.
 
 Two implementations of one function, `experts(x, weights, ids, gate_up, down)`:
-`triton` (alignment, `moe_align`, + two fused GEMM kernels, `moe_triton`, with block sizes from a
-table tuned per shape and device by `bench/moe_tune.py`) and `grouped` (`torch._grouped_mm` with a
-gather and a reordering pass). Both are capturable in CUDA graphs: every shape follows
-from the token count, never from the routing. `AFD_MOE_KERNEL` picks one
+`triton` (alignment, `moe_align`, + two fused GEMM kernels, `moe_triton`, launched by `moe_launch`, + the slot
+sum, `moe_rows`, with block sizes from a table tuned per shape and device by `bench/moe_tune.py`) and
+`grouped` (`torch._grouped_mm` with a gather and a reordering pass). Both are capturable in CUDA graphs:
+every shape follows from the token count, never from the routing. `AFD_MOE_KERNEL` picks one
 (auto|triton|grouped); auto prefers Triton when it imports.
 
 Shared experts of width n·I are folded in as n extra experts that every token visits
@@ -40,11 +40,11 @@ def kernel_choice() -> str:
 
 # tokens → settings: the layout's BLOCK_M, and per kernel BLOCK_N/BLOCK_K/num_warps/num_stages plus,
 # optionally, its own BLOCK_M, GROUP_M, TMA, PERSISTENT and (gate_up) GATHER (defaults in
-# `moe_triton.kernel_settings`: the old behaviour).
+# `moe_launch.kernel_settings`: the old behaviour).
 FP8_DEFAULT_CONFIGS = {  # FP8 experts where no tuned table fits: BLOCK_K 128 (one scale group, 128 bytes a row),
     # gate_up's BLOCK_N 128 (its epilogue quantizes act per 128 columns); TMA loads on Hopper (pointers elsewhere).
     # Tall tiles keep at most 128 float32 accumulator registers a thread (FP8 holds each step's scaled product
-    # apart from the accumulator: moe_triton.fp8_accumulator_registers); taller ones spill
+    # apart from the accumulator: moe_launch.fp8_accumulator_registers); taller ones spill
     1: {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "TMA": True},
         "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "TMA": True}},
     256: {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "TMA": True},
@@ -116,7 +116,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     `num_shared` experts of `gate_up`/`down` at weight 1 for every token; summed into `sum_dtype`
     (default x's) — an expert-parallel shard returns its partial sum in float32. FP8 experts come
     with their block scales (`gate_up_scale`, `down_scale`)."""
-    from afd.kernels import fp8_gemm, moe_align, moe_triton  # Triton is optional: imported where its path runs
+    from afd.kernels import fp8_gemm, moe_align, moe_rows, moe_triton  # Triton is optional: imported where it runs
 
     tokens, top_k = ids.shape
     num_experts, hidden, inter = down.shape
@@ -141,7 +141,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T*(k+S), H] in pair order
     moe_triton.launch_down(act, down, out, layout, weights.contiguous(), num_pairs, top_k, slots, block_m,
                            cfg["down"], **({"act_scale": act_scale, "w_scale": down_scale} if fp8 else {}))
-    return moe_triton.sum_slots(out, slots, sum_dtype or x.dtype)
+    return moe_rows.sum_slots(out, slots, sum_dtype or x.dtype)
 
 
 def check_fp8(gate_up, down, gate_up_scale, down_scale) -> bool:

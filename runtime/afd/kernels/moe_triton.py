@@ -1,4 +1,5 @@
-"""Fused MoE in Triton, after the alignment (`moe_align`): two GEMM kernels, a sum over each token's pairs.
+"""Fused MoE in Triton, after the alignment (`moe_align`): two GEMM kernels, then a sum over each token's pairs
+(`moe_rows.sum_slots`).
 
 `moe_align.align` first lays the (token, slot) pairs out (pair p = token·(k+S) + slot,
 the S shared experts as the last slots) so that every tile of `block_m` rows belongs
@@ -7,36 +8,31 @@ to one expert.
 `gate_up` gathers token rows straight from `x`, multiplies by the expert's gate and up
 weights and writes SiLU(gate)·up; `down` multiplies by the down weights, scales by
 the routing weight and writes each pair's row at its pair index (token order), so
-the final sum over a token's pairs (`sum_slots`: float32, slot order) is deterministic. No host
+the final sum over a token's pairs (float32, slot order) is deterministic. No host
 synchronisation anywhere: grid sizes come from the worst case and unused tiles exit.
 
 Each GEMM kernel has its own tile height (a divisor of the layout's `block_m`, so a
 tile still has one expert; tiles that are all padding exit), its own program order
 (`GROUP_M` tiles sweep the columns together, keeping their A rows in L2) and may load
 its weights — and `down` its A rows — through TMA descriptors on Hopper. With `GATHER`
-a copy kernel first writes `gate_up`'s A rows in layout order into a caller's buffer
-(`x_rows`, zeros for padding), which `gate_up` then reads contiguously: through TMA too.
+a copy kernel (`moe_rows.gather_rows`) first writes `gate_up`'s A rows in layout order into a caller's
+buffer (`x_rows`, zeros for padding), which `gate_up` then reads contiguously: through TMA too.
 With `ONE_DOT` (TMA only) `gate_up` takes a column block's gate and up rows in one 3-D TMA
-box and multiplies them in one dot twice as wide, splitting the two halves after the loop.
+box and multiplies them in one dot twice as wide, splitting the two halves after the loop. A table entry's
+settings are checked and the grid sized in `moe_launch`.
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
 from afd.kernels.fp8_gemm import FP8, FP8_MAX, GROUP, quant_groups
+from afd.kernels.moe_align import Layout
+from afd.kernels.moe_launch import TensorDescriptor, kernel_settings, launch, operand, tma_supported
+from afd.kernels.moe_rows import gather_rows
 
 E4M3_MAX = tl.constexpr(FP8_MAX)  # a kernel reads only constexpr globals
-from afd.kernels.moe_align import Layout
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # Triton < 3.3: pointer loads only
-    TensorDescriptor = None
 
 
 @triton.jit
@@ -77,24 +73,6 @@ def _row_tile(a, row0, k0, num_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, 
         ptrs = a + offs_m[:, None].to(tl.int64) * num_k + offs_k[None, :]
         tile = tl.load(ptrs, mask=offs_k[None, :] < num_k, other=0.0)
     return tile
-
-
-@triton.jit(do_not_specialize=["num_pairs", "layout_m"])
-def _gather_kernel(x_ptr, x_rows_ptr, pairs_ptr, num_pairs, slots, hidden, layout_m,
-                   ROWS: tl.constexpr, COLS: tl.constexpr):
-    """x_rows[row] = x[token of pairs[row]], zeros for padding rows, for ROWS rows and COLS columns.
-    Skips layout tiles of padding only (gate_up never reads them); ROWS divides the layout's block_m."""
-    row0 = tl.program_id(0) * ROWS
-    if tl.load(pairs_ptr + row0 // layout_m * layout_m) >= num_pairs:
-        return
-    rows = row0 + tl.arange(0, ROWS)
-    pairs = tl.load(pairs_ptr + rows)
-    tokens = (pairs // slots).to(tl.int64)
-    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    in_row = cols[None, :] < hidden
-    values = tl.load(x_ptr + tokens[:, None] * hidden + cols[None, :], mask=(pairs < num_pairs)[:, None] & in_row,
-                     other=0.0)
-    tl.store(x_rows_ptr + rows[:, None].to(tl.int64) * hidden + cols[None, :], values, mask=in_row)
 
 
 @triton.jit
@@ -273,128 +251,13 @@ def _down_kernel(
                       num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8)
 
 
-def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "") -> dict:
-    """One kernel's table entry with what older tables leave out filled in: its own BLOCK_M
-    (default the layout's; it must divide it, so a tile still has one expert), GROUP_M (0: all
-    tiles in one group, the column-major order of old), TMA (off), GATHER (off: gate_up
-    gathers its rows itself; on: from a buffer filled first; `down` ignores it), ONE_DOT (off:
-    gate_up loads and multiplies its gate and up blocks apart; on, with TMA only: as one; `down`
-    ignores it) and PERSISTENT (0: one program per job of the worst-case grid; n: n programs per
-    multiprocessor loop over the used tiles' jobs). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
-    stays in one scale group) and gate_up's BLOCK_N a multiple of 128 (act is quantized per 128 columns there)."""
-    settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "ONE_DOT": False, "PERSISTENT": 0,
-                **cfg}
-    if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
-        raise ValueError(f"kernel BLOCK_M {settings['BLOCK_M']} must be at least 16 and divide the layout's "
-                         f"BLOCK_M {layout_m}; re-run bench/moe_tune.py or fix the table")
-    if not isinstance(settings["PERSISTENT"], int) or settings["PERSISTENT"] < 0:
-        raise ValueError(f"PERSISTENT {settings['PERSISTENT']!r} must be 0 (off) or programs per multiprocessor")
-    if settings["ONE_DOT"] and not settings["TMA"]:
-        raise ValueError("ONE_DOT loads gate and up blocks in one TMA box: it needs TMA on")
-    if fp8 and (GROUP % settings["BLOCK_K"] or (kernel == "gate_up" and settings["BLOCK_N"] % GROUP)):
-        raise ValueError(f"FP8 {kernel} settings BLOCK_K {settings['BLOCK_K']} / BLOCK_N {settings['BLOCK_N']}: "
-                         f"BLOCK_K must divide {GROUP} (and gate_up's BLOCK_N be a multiple of {GROUP}); "
-                         "re-run bench/moe_tune.py --fp8 or fix the table")
-    return settings
-
-
-def fp8_accumulator_registers(kernel: str, block_m: int, block_n: int, warps: int, one_dot: bool = False) -> int:
-    """float32 registers per thread an FP8 tile of `kernel` holds: its accumulators plus a step's product, which FP8
-    cannot add in the dot (it is scaled first): down BM×BN twice; gate_up two BM×BN accumulators and one product,
-    or with ONE_DOT a BM×2BN accumulator and its product. Of a thread's 255, well over half spills."""
-    tiles = {"down": 2, "gate_up": 4 if one_dot else 3}[kernel]
-    return tiles * block_m * block_n // (32 * warps)
-
-
-def tma_supported(device: torch.device) -> bool:
-    """Whether TMA descriptors work here: Triton has them and the GPU is a Hopper or later
-    (or Triton's CPU interpreter runs the kernels). Elsewhere a TMA setting falls back to pointers."""
-    if TensorDescriptor is None:
-        return False
-    return device.type != "cuda" or _capability(device.index)[0] >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _programs(device: torch.device, per_multiprocessor: int) -> int:
-    """A persistent grid's size (Triton's CPU interpreter: 4 per "multiprocessor" of one)."""
-    return per_multiprocessor * (_multiprocessors(device.index) if device.type == "cuda" else 4)
-
-
-def _operand(tensor: torch.Tensor, block: list[int], tma: bool):
-    """`tensor` as a 2-D TMA descriptor of `block` tiles, or itself for pointer loads."""
-    if not tma:
-        return tensor
-    matrix = tensor.view(-1, tensor.shape[-1])
-    return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), block)
-
-
-def _launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, device: torch.device,
-            **constants):
-    """One program per job of the worst-case grid, or a persistent grid (PROGRAMS is a compile-time
-    constant: the device's, never the token count's, so no token count compiles a variant of its own).
-    Returns Triton's compiled kernel (its `n_regs`, `n_spills`; None under the CPU interpreter)."""
-    tiles = rows // cfg["BLOCK_M"]
-    programs = _programs(device, cfg["PERSISTENT"]) if cfg["PERSISTENT"] else 0
-    return kernel[(min(programs, tiles * cols) if programs else tiles * cols,)](
-        *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(programs), PROGRAMS=programs,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **constants)
-
-
-@triton.jit
-def _sum_slots_kernel(pair_rows, out, hidden, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[token, cols] = Σ over the token's SLOTS pair rows, in float32, slot 0 first, rounded once."""
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < hidden
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for slot in tl.static_range(SLOTS):
-        acc += tl.load(pair_rows + (token * SLOTS + slot) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + token * hidden + cols, acc.to(out.dtype.element_ty), mask=ok)
-
-
-SUM_COLS = 1024  # columns per program of the slot sum
-
-
-def sum_slots(pair_rows: torch.Tensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T, H] of `dtype`: each token's `slots` consecutive rows of `pair_rows` ([T·slots, H]) summed."""
-    hidden = pair_rows.shape[1]
-    tokens = pair_rows.shape[0] // slots
-    out = torch.empty(tokens, hidden, dtype=dtype, device=pair_rows.device)
-    if tokens:
-        _sum_slots_kernel[(tokens, triton.cdiv(hidden, SUM_COLS))](pair_rows, out, hidden, SLOTS=slots,
-                                                                    BLOCK=SUM_COLS, num_warps=4)
-    return out
-
-
-GATHER_ROWS, GATHER_COLS = 16, 512  # a gather program's block; 16 divides every layout block_m
-
-
-def gather_rows(x, x_rows, pairs, num_pairs: int, slots: int, block_m: int) -> None:
-    """x_rows[row] = x[pairs[row] // slots] for each row of every layout tile with a real row (padding rows:
-    zeros); one launch over the worst-case rows, tiles of padding only exit."""
-    hidden = x.shape[1]
-    grid = (pairs.shape[0] // GATHER_ROWS, triton.cdiv(hidden, GATHER_COLS))
-    _gather_kernel[grid](x, x_rows, pairs, num_pairs, slots, hidden, block_m, ROWS=GATHER_ROWS, COLS=GATHER_COLS,
-                         num_warps=4)
-
-
 def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
                    x_rows=None, x_scale=None, w_scale=None, act_scale=None):
     """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage),
     `layout` being `align`'s. With GATHER the token rows are first copied into `x_rows` ([rows, H], x's dtype,
     the caller's). FP8 (an e4m3 `w_gate_up`): `x` is e4m3 with `x_scale` [T, H/128], `w_scale` the weight's
     [E, 2I/128, H/128] block scales, and act is written in e4m3 with `act_scale` [rows, I/128]. Returns the
-    compiled kernel (`_launch`)."""
+    compiled kernel (`moe_launch.launch`)."""
     pairs, tile_expert, used_tiles = layout
     experts, inter, hidden = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2]
     fp8 = w_gate_up.dtype == FP8
@@ -408,15 +271,15 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
         if x_rows is None:
             raise ValueError("GATHER needs x_rows: a [layout rows, hidden] buffer of x's dtype")
         gather_rows(x, x_rows, pairs, num_pairs, slots, block_m)
-        x = _operand(x_rows, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
+        x = operand(x_rows, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     if cfg["ONE_DOT"]:  # [2E, I, H]: block 2e is expert e's gate rows, 2e + 1 its up rows
         blocks = w_gate_up.view(2 * experts, inter, hidden)
         w = TensorDescriptor(blocks, list(blocks.shape), list(blocks.stride()), [2, cfg["BLOCK_N"], cfg["BLOCK_K"]])
     else:
-        w = _operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
+        w = operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (x_scale, w_scale, act_scale) if fp8 else (act, act, act)  # unread placeholders without FP8
     args = (x, w, act, pairs, tile_expert, used_tiles, *scales, num_pairs, slots, hidden, inter)
-    return _launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
+    return launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
                    act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8)
 
 
@@ -431,9 +294,9 @@ def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k
         raise ValueError("FP8 down needs act_scale and w_scale")
     cfg = kernel_settings(cfg, block_m, fp8, "down")
     cfg["TMA"] = cfg["TMA"] and tma_supported(act.device)
-    a = _operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
-    w = _operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
+    a = operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
+    w = operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (act_scale, w_scale) if fp8 else (out, out)  # unread placeholders without FP8
     args = (a, w, out, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden, inter)
-    return _launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
+    return launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
                    act.device, FP8=fp8)

@@ -1,0 +1,95 @@
+"""How the MoE GEMM kernels (`moe_triton`) are launched: a table entry's settings checked and filled in,
+the registers an FP8 tile holds, whether TMA works here, operands as TMA descriptors, and the grid.
+
+No kernel lives here; `moe_triton` launches its two GEMMs through `launch`, and `bench/moe_tune.py` reads
+the same checks when it sweeps the settings.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from afd.kernels.fp8_gemm import GROUP
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton < 3.3: pointer loads only
+    TensorDescriptor = None
+
+
+def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "") -> dict:
+    """One kernel's table entry with what older tables leave out filled in: its own BLOCK_M
+    (default the layout's; it must divide it, so a tile still has one expert), GROUP_M (0: all
+    tiles in one group, the column-major order of old), TMA (off), GATHER (off: gate_up
+    gathers its rows itself; on: from a buffer filled first; `down` ignores it), ONE_DOT (off:
+    gate_up loads and multiplies its gate and up blocks apart; on, with TMA only: as one; `down`
+    ignores it) and PERSISTENT (0: one program per job of the worst-case grid; n: n programs per
+    multiprocessor loop over the used tiles' jobs). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
+    stays in one scale group) and gate_up's BLOCK_N a multiple of 128 (act is quantized per 128 columns there)."""
+    settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "ONE_DOT": False, "PERSISTENT": 0,
+                **cfg}
+    if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
+        raise ValueError(f"kernel BLOCK_M {settings['BLOCK_M']} must be at least 16 and divide the layout's "
+                         f"BLOCK_M {layout_m}; re-run bench/moe_tune.py or fix the table")
+    if not isinstance(settings["PERSISTENT"], int) or settings["PERSISTENT"] < 0:
+        raise ValueError(f"PERSISTENT {settings['PERSISTENT']!r} must be 0 (off) or programs per multiprocessor")
+    if settings["ONE_DOT"] and not settings["TMA"]:
+        raise ValueError("ONE_DOT loads gate and up blocks in one TMA box: it needs TMA on")
+    if fp8 and (GROUP % settings["BLOCK_K"] or (kernel == "gate_up" and settings["BLOCK_N"] % GROUP)):
+        raise ValueError(f"FP8 {kernel} settings BLOCK_K {settings['BLOCK_K']} / BLOCK_N {settings['BLOCK_N']}: "
+                         f"BLOCK_K must divide {GROUP} (and gate_up's BLOCK_N be a multiple of {GROUP}); "
+                         "re-run bench/moe_tune.py --fp8 or fix the table")
+    return settings
+
+
+def fp8_accumulator_registers(kernel: str, block_m: int, block_n: int, warps: int, one_dot: bool = False) -> int:
+    """float32 registers per thread an FP8 tile of `kernel` holds: its accumulators plus a step's product, which FP8
+    cannot add in the dot (it is scaled first): down BM×BN twice; gate_up two BM×BN accumulators and one product,
+    or with ONE_DOT a BM×2BN accumulator and its product. Of a thread's 255, well over half spills."""
+    tiles = {"down": 2, "gate_up": 4 if one_dot else 3}[kernel]
+    return tiles * block_m * block_n // (32 * warps)
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether TMA descriptors work here: Triton has them and the GPU is a Hopper or later
+    (or Triton's CPU interpreter runs the kernels). Elsewhere a TMA setting falls back to pointers."""
+    if TensorDescriptor is None:
+        return False
+    return device.type != "cuda" or _capability(device.index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(device: torch.device, per_multiprocessor: int) -> int:
+    """A persistent grid's size (Triton's CPU interpreter: 4 per "multiprocessor" of one)."""
+    return per_multiprocessor * (_multiprocessors(device.index) if device.type == "cuda" else 4)
+
+
+def operand(tensor: torch.Tensor, block: list[int], tma: bool):
+    """`tensor` as a 2-D TMA descriptor of `block` tiles, or itself for pointer loads."""
+    if not tma:
+        return tensor
+    matrix = tensor.view(-1, tensor.shape[-1])
+    return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), block)
+
+
+def launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, device: torch.device, **constants):
+    """One program per job of the worst-case grid, or a persistent grid (PROGRAMS is a compile-time
+    constant: the device's, never the token count's, so no token count compiles a variant of its own).
+    Returns Triton's compiled kernel (its `n_regs`, `n_spills`; None under the CPU interpreter)."""
+    tiles = rows // cfg["BLOCK_M"]
+    programs = _programs(device, cfg["PERSISTENT"]) if cfg["PERSISTENT"] else 0
+    return kernel[(min(programs, tiles * cols) if programs else tiles * cols,)](
+        *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(programs), PROGRAMS=programs,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **constants)
