@@ -95,3 +95,33 @@ def test_a_leader_ending_before_its_prompt_is_in_hands_its_riders_over():
     for request in requests[1:]:
         scheduler.finish(request)
     assert cache.free_blocks == cache.num_blocks and not scheduler.blocks.shared
+
+
+def test_a_lost_prefill_step_is_taken_back_and_the_choices_ride_it_again(parts):
+    """The FFN lost at the wait for the step where the choices board their leader's prefill (hold and resume): that
+    step and the next are taken back, the riders wait for the prefill again, and every choice equals an undisturbed
+    run's."""
+    from tests.server.test_engine_link_wait import FakeLink, make_engine, tokens
+
+    prompt = list(range(5, 25))  # 20 tokens: a partly filled last block, copied per choice
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=21 + j, ignore_eos=True) for j in range(3)]
+
+    def run_held(link):
+        engine = make_engine(parts, link, [], link_check_s=0.05)
+        engine.hold_s = 10.0
+        outputs = Outputs(len(params))
+        with engine.together():
+            for index, sampling in enumerate(params):
+                engine.submit(prompt, sampling, outputs.collector(index), group="g")
+        engine.start()
+        try:
+            results = outputs.wait(30)
+            assert engine.kv_cache.free_blocks == engine.kv_cache.num_blocks and not engine.scheduler.blocks.shared
+        finally:
+            engine.stop()
+        assert all(o.error is None for outs in results for o in outs)
+        return tokens(results), engine.step.launches
+
+    held, launches = run_held(FakeLink([], lose_at=1))
+    undisturbed, plain_launches = run_held(None)
+    assert held == undisturbed and launches > plain_launches  # the lost step (and the one on top, if any) ran again
