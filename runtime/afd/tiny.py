@@ -7,9 +7,9 @@ byte-level BPE trained on a built-in paragraph, with a ChatML chat template.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
-ARCHES = ("deepseek_v2", "deepseek_v3", "qwen3_moe")
 FP8_ARCHES = ("deepseek_v3", "qwen3_moe")  # --fp8: the published FP8 checkpoints' format
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -46,80 +46,38 @@ def _train_tokenizer(vocab_size: int):
     )
 
 
-def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_attention_heads=4,
-        num_experts_per_tok=2,
-        rms_norm_eps=1e-6,
-        initializer_range=0.08,  # wide enough that greedy choices are not near-ties
-        eos_token_id=eos_ids,
-        bos_token_id=None,
-        pad_token_id=eos_ids[0],
-        tie_word_embeddings=False,
-    )
-    if arch == "deepseek_v2":
-        from transformers import DeepseekV2Config  # heavy: afd.cli imports this module
-
-        values = dict(
-            common,
-            num_hidden_layers=3,
-            num_key_value_heads=4,
-            n_routed_experts=8,
-            n_shared_experts=2,
-            first_k_dense_replace=1,
-            kv_lora_rank=32,
-            q_lora_rank=None,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            topk_method="greedy",
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-            max_position_embeddings=163840,
-            # DeepSeek-V2-Lite's YaRN settings
-            rope_scaling={
-                "type": "yarn",
-                "factor": 40,
-                "original_max_position_embeddings": 4096,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 0.707,
-                "mscale_all_dim": 0.707,
-            },
-        )
-        values.update(overrides)
-        return DeepseekV2Config(**values)
-    if arch == "deepseek_v3":
-        return _deepseek_v3_config(common, overrides)
-    from transformers import Qwen3MoeConfig  # heavy: afd.cli imports this module
-
-    values = dict(
-        common,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        norm_topk_prob=True,
-        mlp_only_layers=[0],
-        decoder_sparse_step=1,
-        max_position_embeddings=4096,
-    )
-    values.update(overrides)
-    return Qwen3MoeConfig(**values)
-
-
-def _deepseek_v3_config(common: dict, overrides: dict):
-    """DeepSeek-V3's features at toy size: query LoRA, 4 expert groups of which 2 are searched, one dense first
-    layer, a shared expert, YaRN as V3 sets it, one MTP layer in the files (written by `_add_mtp_layers`); widths
-    over one 128-column FP8 block (hidden 160: a partial block) so the FP8 layout is exercised."""
-    from transformers import DeepseekV3Config  # heavy: afd.cli imports this module
-
-    values = dict(
-        common,
+# per arch: what its toy config sets beyond `_common`'s values (`overrides` win over both)
+ARCH_VALUES = {
+    "deepseek_v2": dict(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=163840,
+        # DeepSeek-V2-Lite's YaRN settings
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    ),
+    # DeepSeek-V3's features at toy size: query LoRA, 4 expert groups of which 2 are searched, one dense first
+    # layer, a shared expert, YaRN as V3 sets it, one MTP layer in the files (written by `_add_mtp_layers`); widths
+    # over one 128-column FP8 block (hidden 160: a partial block) so the FP8 layout is exercised
+    "deepseek_v3": dict(
         hidden_size=160,
         intermediate_size=256,
         moe_intermediate_size=128,
@@ -143,9 +101,47 @@ def _deepseek_v3_config(common: dict, overrides: dict):
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,  # DeepSeek-V3's
                          "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                          "mscale_all_dim": 1.0},
+    ),
+    "qwen3_moe": dict(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+        max_position_embeddings=4096,
+    ),
+}
+
+ARCHES = tuple(ARCH_VALUES)
+
+
+def _common(vocab_size: int, eos_ids: list[int]) -> dict:
+    """What every arch's toy config sets (an arch's `ARCH_VALUES` may override it)."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-6,
+        initializer_range=0.08,  # wide enough that greedy choices are not near-ties
+        eos_token_id=eos_ids,
+        bos_token_id=None,
+        pad_token_id=eos_ids[0],
+        tie_word_embeddings=False,
     )
-    values.update(overrides)
-    return DeepseekV3Config(**values)
+
+
+def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
+    """`arch`'s transformers config: `_common`, then the arch's values, then `overrides`."""
+    from transformers import DeepseekV2Config, DeepseekV3Config, Qwen3MoeConfig  # heavy: afd.cli imports this module
+
+    config_class = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "qwen3_moe": Qwen3MoeConfig}
+    # a copy: a config class may change the nested rope dicts in place
+    return config_class[arch](**{**_common(vocab_size, eos_ids), **copy.deepcopy(ARCH_VALUES[arch]), **overrides})
 
 
 def _randomize_router_biases(model) -> None:
