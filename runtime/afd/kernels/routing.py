@@ -153,9 +153,10 @@ def _launch_select(logits, correction_bias, top_k: int, normalize: bool, scale: 
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     block_e = triton.next_power_of_2(num_experts)
-    # one warp a program and up to 1,024 logits in it: the k max/min reductions stay inside a warp (no shared
-    # memory, no barrier), and even a batch of 64 tokens spreads over several multiprocessors
-    block_t = max(1, 1024 // block_e)
+    # one token and one warp a program: the k max/min reductions stay inside the warp (no shared memory, no barrier)
+    # over a few logits a thread. 1,024 logits a warp (16-64 tokens) made each thread's serial chain 32 long: 8-10 us
+    # a call at batch 1 on an H200 (bench/RESULTS.md, issue 33, session 40); a batch spreads over the multiprocessors
+    block_t = 1
     if tokens:
         bias = correction_bias.contiguous() if correction_bias is not None else logits
         _select_kernel[(triton.cdiv(tokens, block_t),)](
