@@ -88,7 +88,7 @@ evaluate_cel = check_crd.evaluate
 
 # Custom resources the CRD refuses: (metadata.name, spec change, words of the refusal). Each is
 # refused offline (jsonschema + cel-python, tests/operator/test_crd.py) and by a real API server
-# (tests/operator/test_real_apiserver.py).
+# (tests/operator/test_real_apiserver_crd.py).
 CEL_REFUSED = [
     ("demo", {"attention": {"ranks": 2}, "ffn": {"ranks": 3}},
      "ffn.ranks (3) must not exceed attention.ranks (2)"),
