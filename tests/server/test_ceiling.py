@@ -8,8 +8,8 @@ from afd.kv_cache import KVCache
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.monolithic import build_monolithic
-from afd.server.serve.ceiling import export_ceiling, step_seconds
 from afd.server.serve.attention import cache_tokens_for
+from afd.server.serve.ceiling import export_ceiling, step_seconds
 
 
 def test_ceiling_is_timed_per_batch_exported_and_gives_its_blocks_back(checkpoints):

@@ -62,8 +62,8 @@ def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
     import zmq
 
     from afd.engine.request import SamplingParams
-    from afd.server.api_process.core_link import addresses
     from afd.kv_cache import KVBlocks
+    from afd.server.api_process.core_link import addresses
     from afd.server.api_process.engine_client import EngineClient
 
     requests_at, outputs_at = addresses(str(tmp_path))

@@ -4,13 +4,12 @@ import pytest
 import torch
 
 from afd.engine.engine import Engine
-from afd.engine.request import SamplingParams
+from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
 from afd.engine.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner
 from afd.server.api_process import core_wire
-from afd.engine.request import RequestOutput, TokenLogprobs
 from tests.server.conftest import submit_all
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [11, 12], [3], [40, 41, 42, 43, 44, 45]]

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from afd.engine.request import InvalidRequest
-from afd.server.front.failover import Failover, FailoverSettings
 from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, StreamReader, sign, verify
+from afd.server.front.failover import Failover, FailoverSettings
 
 KEY = b"group-secret"
 

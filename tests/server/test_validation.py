@@ -7,9 +7,9 @@ import pytest
 
 from afd.engine.request import InvalidRequest
 from afd.server.api import json_body, validation
-from afd.server.front.metrics import FrontMetrics, merge_expositions
 from afd.server.api.protocol import ChatRequest, CompletionRequest, parse_request
 from afd.server.api.validation import Limits
+from afd.server.front.metrics import FrontMetrics, merge_expositions
 
 LIMITS = Limits(max_prompts=4, max_prompt_chars=100)
 

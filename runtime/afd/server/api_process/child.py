@@ -27,9 +27,9 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
     from afd.engine.tokenizer import load_tokenizer
     from afd.kv_cache import KVBlocks
     from afd.server.api.app import ServerState, create_app, http_server
+    from afd.server.api.validation import Limits
     from afd.server.api_process.engine_client import EngineClient
     from afd.server.front.failover import Failover, FailoverSettings
-    from afd.server.api.validation import Limits
 
     tokenizer = load_tokenizer(config.model)
     client = EngineClient(facts["folder"], tokenizer, KVBlocks(facts["num_blocks"], facts["block_size"]),

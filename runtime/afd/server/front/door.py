@@ -22,10 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from afd.server.front.metrics import FrontMetrics
 from afd.server.api.http_body import HOP_HEADERS, OWN_HEADERS, BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.api.protocol import error_response
 from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
+from afd.server.front.metrics import FrontMetrics
 from afd.server.front.splice import spliced
 
 

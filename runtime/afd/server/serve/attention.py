@@ -15,17 +15,17 @@ from afd.engine.engine import Engine
 from afd.engine.tokenizer import load_tokenizer
 from afd.kv_budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from afd.metrics.wiring import attention_instruments, export_resident_bytes, watch_attention
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
-from afd.metrics.wiring import attention_instruments, export_resident_bytes, watch_attention
 from afd.server.api.app import ServerState, create_app, http_server
+from afd.server.api.validation import Limits
 from afd.server.front.failover import Failover, FailoverSettings
 from afd.server.lifecycle import engine_died, exit_if_engine_dies, stop_serving
 from afd.server.probe_http import Probes, start_probe_server
 from afd.server.serve.serving_metrics import ServingMetrics
-from afd.server.api.validation import Limits
 
 log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 1 << 30
