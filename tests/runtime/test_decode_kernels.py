@@ -104,6 +104,20 @@ def test_no_compile_time_constant_follows_the_slice_count(monkeypatch):
         decode_attention.paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size, 0.3, splits=17)
 
 
+def test_nothing_an_eager_step_varies_is_specialized():
+    """Triton compiles apart integer arguments equal to 1 or divisible by 16 unless told not to: the slice count
+    and the block tables' width change from one eager step to the next (issue 33: compiles mid-serving)."""
+    import triton
+
+    from afd.kernels import decode_attention
+
+    for kernel in (decode_attention._decode_kernel, decode_attention._latent_decode_kernel):
+        if not isinstance(kernel, triton.runtime.jit.JITFunction):
+            pytest.skip("the interpreter does not specialize")
+        assert {"splits", "table_width"} <= set(kernel.do_not_specialize)
+    assert "splits" in decode_attention._combine_kernel.do_not_specialize
+
+
 def test_slices_fill_the_device_from_shapes_alone():
     pytest.importorskip("triton")
     from afd.kernels.decode_attention import MAX_SPLITS, plan_splits

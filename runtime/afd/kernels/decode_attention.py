@@ -7,7 +7,9 @@ latent row), so each cached row is read once per key head, and each sequence's k
 into as many slices as fill the device (`plan_splits`: many at batch 1, one from ~132 programs
 up), merged by a second small kernel (flash-decoding). The slice count is an argument, not a compile-time
 constant: an eager step (decodes beside a prompt) meets every count from 1 to 16, and each compiled variant
-cost a JIT compile in the middle of serving (issue 33: TTFT 0.7-6 s at 16-64 streams); two variants remain.
+cost a JIT compile in the middle of serving (issue 33: TTFT 0.7-6 s at 16-64 streams); two variants remain. The
+block tables' width (the step's longest sequence, in blocks) is not specialized on either (Triton would compile
+apart widths of 1 and multiples of 16).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["splits"])
+@triton.jit(do_not_specialize=["splits", "table_width"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr,
     heads, table_width, block_size, group, scale, splits,
@@ -176,7 +178,7 @@ def paged_decode_attention(
     return out
 
 
-@triton.jit(do_not_specialize=["splits"])
+@triton.jit(do_not_specialize=["splits", "table_width"])
 def _latent_decode_kernel(
     q_ptr, r_ptr, cache_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr,
     heads, table_width, block_size, scale, splits,
