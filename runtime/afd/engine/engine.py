@@ -79,6 +79,7 @@ class Engine:
         self._inflight: Launched | None = None
         self._step_id = 0
         self._prev_tokens = torch.empty(0, dtype=torch.long, device=self.device)
+        self._copies: list = []  # (from block, to block, rows) to copy before the next step (`shared_prompt`)
         self._controls = Controls()  # device rows of requests with logits controls, made on first use
         spec = getattr(getattr(step, "model", None), "spec", None)  # a runner's model knows its vocabulary
         self.vocab_size = (vocab_size or getattr(spec, "vocab_size", None)  # the logits' width (grammar masks)
@@ -272,10 +273,10 @@ class Engine:
     def _launch(self, batch: list[Request]) -> Launched | None:
         """Build the step's inputs (one pass over `batch`), run it, start sampling; None if it failed."""
         step_id = self._step_id + 1
-        riders = riders_of(batch)  # they may sample in this step, on their leader's prefill
+        riders = riders_of(batch, self.scheduler.leaders)  # they may sample in this step, on their leader's prefill
         undo = self._held.launched(batch + riders if riders else batch, self._step_id, self._prev_tokens)
         inputs = build_inputs(batch, step_id, self._prev_tokens, self.max_model_len, self.device,
-                              self.kv_cache.block_size)
+                              self.kv_cache.block_size, self.scheduler.leaders)
         input_ids, layout, emit, sampling = inputs.input_ids, inputs.layout, inputs.emit, inputs.sampling
         started = time.monotonic()
         # no controls, prompt logprobs or grammar: today's path
@@ -284,7 +285,8 @@ class Engine:
         if riders:
             batch = batch + riders  # what fails if the step fails
         try:
-            copy_tails(self.kv_cache, inputs.copies)
+            copy_tails(self.kv_cache, self._copies)  # riders' last prompt blocks, boarded in the previous step
+            self._copies = inputs.copies
             logits, prompt = run_step(self.step, input_ids, layout, rows, self.device)
             if self.on_logits is not None:
                 self.on_logits(batch, logits)
@@ -296,7 +298,7 @@ class Engine:
             self._held.forget(undo)
             return None
         rows_in = len(layout.new_lens)  # rows of unfinished prompt chunks sample nothing; a leader's, once per rider
-        if len(emit) != rows_in or (riders and emit != list(range(rows_in))):
+        if len(emit) != rows_in or inputs.boarded:
             logits = logits[to_device(emit, logits.device)]
         try:
             mask = None if plain else self._grammar_mask(sampling, logits.device)

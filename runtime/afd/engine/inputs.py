@@ -31,24 +31,26 @@ class StepInputs:
     finals: list[Request]  # requests whose last token this step samples
     num_tokens: int
     prompt_tokens: int  # of them, prompt tokens (0: a decode-only step)
-    copies: list  # (from block, to block, rows) to copy before the step: riders' last prompt blocks
+    copies: list  # (from block, to block, rows) to copy before the next step: riders' last prompt blocks
+    boarded: bool = False  # some rows sample from a leader's logits row (emit repeats it)
 
 
-def riders_of(batch: list[Request]) -> list[Request]:
+def riders_of(batch: list[Request], leaders: set[Request]) -> list[Request]:
     """Requests that may ride a leader of `batch` in its step (their state is the step's to take back)."""
-    return [rider for request in batch if request.riders for rider in request.riders
+    if not leaders:
+        return []
+    return [rider for request in batch if request in leaders for rider in request.riders
             if rider.cached_tokens < len(rider.prompt_ids)]
 
 
 def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, max_model_len: int,
-                 device: torch.device, block_size: int = 0) -> StepInputs:
-    """The inputs of step `step_id`; advances each request's scheduling state as if the step ran."""
+                 device: torch.device, block_size: int = 0, leaders: set[Request] | None = None) -> StepInputs:
+    """The inputs of step `step_id`; advances each request's scheduling state as if the step ran. `leaders`: the
+    requests whose riders sample from their row in the step that feeds their last prompt chunk."""
     ids, positions, rows, tables, context, new_lens, params, generators, finals, emit = [], [], [], [], [], [], [], [], [], []
-    sampling, copies = [], []
+    boarded, copies = [], []  # (emit position, rider); riders' last prompt blocks to copy before the next step
+    leaders = leaders or None
     for row, request in enumerate(batch):
-        if request.copy_tail is not None:
-            copies.append(request.copy_tail)
-            request.copy_tail = None
         if request.sample_step >= 0:
             if request.sample_step != step_id - 1:
                 raise RuntimeError(f"request {request.request_id} missed step {step_id - 1}: its next input is lost")
@@ -65,17 +67,27 @@ def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, 
         request.cached_tokens += new
         if request.cached_tokens < len(request.prompt_ids):
             continue  # a prompt chunk that is not the last one: nothing to sample
-        for sampler in [request, *board(request, block_size)] if request.riders else (request,):
-            emit.append(row)
-            sampling.append(sampler)
-            params.append(sampler.params)
-            generators.append(sampler.generator)
-            sampler.scheduled_outputs += 1
-            sampler.sample_step, sampler.sample_row = step_id, len(emit) - 1
-            if (sampler.scheduled_outputs >= sampler.params.max_tokens
-                    or len(sampler.prompt_ids) + sampler.scheduled_outputs >= max_model_len):
-                sampler.final_scheduled = True
-                finals.append(sampler)
+        emit.append(row)
+        params.append(request.params)
+        generators.append(request.generator)
+        request.scheduled_outputs += 1
+        request.sample_step, request.sample_row = step_id, len(emit) - 1
+        if (request.scheduled_outputs >= request.params.max_tokens
+                or len(request.prompt_ids) + request.scheduled_outputs >= max_model_len):
+            request.final_scheduled = True
+            finals.append(request)
+        if leaders is not None and request in leaders:
+            for rider in board(request, block_size, copies):
+                emit.append(row)
+                boarded.append((len(emit) - 1, rider))
+                params.append(rider.params)
+                generators.append(rider.generator)
+                rider.scheduled_outputs += 1
+                rider.sample_step, rider.sample_row = step_id, len(emit) - 1
+                if (rider.scheduled_outputs >= rider.params.max_tokens
+                        or len(rider.prompt_ids) + rider.scheduled_outputs >= max_model_len):
+                    rider.final_scheduled = True
+                    finals.append(rider)
     if len(positions) == len(ids) == len(prev_tokens) and rows == list(range(len(prev_tokens))):
         input_ids = prev_tokens  # steady decoding: last step's tokens are this step's inputs as they are
     else:
@@ -83,8 +95,11 @@ def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, 
         if positions:
             input_ids[to_device(positions, device)] = prev_tokens[to_device(rows, device)]
     layout = SeqLayout(tuple(tables), tuple(context), tuple(new_lens))
+    sampling = batch if len(emit) == len(batch) and not boarded else [batch[i] for i in emit]
+    for position, rider in boarded:
+        sampling[position] = rider
     return StepInputs(input_ids, layout, emit, sampling, params, generators, finals, len(ids), len(ids) - len(positions),
-                      copies)
+                      copies, bool(boarded))
 
 
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -161,7 +161,6 @@ class Request:
     group: str | None = None  # requests of one group with the same prompt may share it
     shares: "Request | None" = None  # the request whose prefill this one takes its prompt's KV cache from
     riders: list["Request"] = field(default_factory=list)  # the requests taking this one's prefill
-    copy_tail: tuple[int, int, int] | None = None  # (from block, to block, rows): its last prompt block, to copy
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ class Scheduler:
                  pacer: PrefillPacer | None = None):
         self.kv_cache = kv_cache
         self.blocks = BlockOwners(kv_cache)  # blocks the choices of one prompt share have counted owners
+        self.leaders: set[Request] = set()  # running requests whose prefill others ride (`afd.engine.shared_prompt`)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -66,7 +67,9 @@ class Scheduler:
         blocks until that step's result is in, but is not scheduled again. With decodes in the
         step, the pacer (if any) caps the prompt tokens.
         """
-        batch = [r for r in self.running if not r.final_scheduled and (r.shares is None or not riding(r))]
+        batch = [r for r in self.running if not r.final_scheduled]
+        if self.leaders:  # riders wait for their leader's prefill
+            batch = [r for r in batch if r.shares is None or not riding(r)]
         prefilling = [r for r in batch if r.cached_tokens < len(r.prompt_ids)]
         decodes = len(batch) - len(prefilling)
         budget = self.max_num_batched_tokens - decodes
@@ -90,7 +93,7 @@ class Scheduler:
                 if not self.blocks.can_allocate(own):
                     break
                 self.blocks.share(shared)
-                ride(head, leader, shared + tuple(self.blocks.allocate(own)))
+                ride(head, leader, shared + tuple(self.blocks.allocate(own)), self.leaders)
                 self.running.append(self.waiting.popleft())
                 continue
             if budget <= 0 or not self.blocks.can_allocate(self.reserved_tokens(head)):
@@ -118,9 +121,9 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         if request.riders:
-            hand_over(request)
+            hand_over(request, self.leaders)
         if request.shares is not None:
-            leave(request)
+            leave(request, self.leaders)
         if request.blocks:
             self.blocks.release(request.blocks)
             request.blocks = ()

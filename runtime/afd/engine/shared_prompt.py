@@ -9,7 +9,8 @@ when its last owner finishes); the blocks past them are each request's own, and 
 last prompt block is copied into the rider's own before its first decode step (`copy_tails`), so
 no request ever writes into a block it shares. A leader that ends before its prompt is in hands
 its riders to the first of them, which prefills (`hand_over`). A choice that finds no room beside
-its leader runs as a request of its own (its own prefill), as before.
+its leader runs as a request of its own (its own prefill), as before. The scheduler keeps the set of
+requests with riders (`leaders`): with none, a step costs what it cost before.
 """
 
 from __future__ import annotations
@@ -78,42 +79,50 @@ def shared_blocks(leader: Request, block_size: int) -> tuple[int, ...]:
     return leader.blocks[: len(leader.prompt_ids) // block_size]
 
 
-def ride(request: Request, leader: Request, blocks: tuple[int, ...]) -> None:
+def ride(request: Request, leader: Request, blocks: tuple[int, ...], leaders: set[Request]) -> None:
     """`request` takes `leader`'s prefill, with `blocks` (the shared ones first, then its own)."""
     request.blocks, request.shares, request.chunk = blocks, leader, 0
     request.prompt_logprobs = leader.prompt_logprobs  # gathered once, over the leader's chunks
     leader.riders.append(request)
+    leaders.add(leader)
 
 
-def board(leader: Request, block_size: int) -> list[Request]:
-    """In the step that feeds `leader`'s last prompt chunk: its riders, whose prompt is in the
-    cache from then on; each is to copy the partly filled last prompt block (if any) into its own before it decodes."""
+def board(leader: Request, block_size: int, copies: list) -> list[Request]:
+    """In the step that feeds `leader`'s last prompt chunk: its riders, whose prompt is in the cache from then on;
+    the partly filled last prompt block (if any) is to be copied into each one's own before it decodes (`copies`
+    gets (from block, to block, rows))."""
     prompt = len(leader.prompt_ids)
     boarding = [r for r in leader.riders if r.cached_tokens < prompt and not r.done]
     last, rows = divmod(prompt, block_size)
     for rider in boarding:
         rider.cached_tokens = prompt
-        rider.copy_tail = (leader.blocks[last], rider.blocks[last], rows) if rows else None
+        if rows:
+            copies.append((leader.blocks[last], rider.blocks[last], rows))
     return boarding
 
 
-def hand_over(leader: Request) -> None:
+def hand_over(leader: Request, leaders: set[Request]) -> None:
     """`leader` ends: its riders still waiting for its prefill ride the first of them, which prefills."""
     waiting = [r for r in leader.riders if riding(r) and not r.done]
     leader.riders = []
+    leaders.discard(leader)
     if not waiting:
         return
     first, rest = waiting[0], waiting[1:]
     first.shares, first.riders, first.prompt_logprobs = None, rest, []
     for rider in rest:
         rider.shares, rider.prompt_logprobs = first, first.prompt_logprobs
+    if rest:
+        leaders.add(first)
 
 
-def leave(request: Request) -> None:
+def leave(request: Request, leaders: set[Request]) -> None:
     """`request` ends: it no longer rides its leader."""
     leader = request.shares
     if leader is not None and request in leader.riders:
         leader.riders.remove(request)
+        if not leader.riders:
+            leaders.discard(leader)
 
 
 def copy_tails(kv_cache, copies: list[tuple[int, int, int]]) -> None:
