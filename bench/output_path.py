@@ -256,7 +256,7 @@ def serve_split(port: int, engine, state, tokenizer_path: str, stats) -> None:
     threading.Thread(target=ThreadingHTTPServer(("127.0.0.1", port + 2), Stats).serve_forever, daemon=True).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = AFDConfig(role="monolithic", model=tokenizer_path, http_host="127.0.0.1", http_port=port,
+    config = AFDConfig(role="monolithic", model=tokenizer_path, api_process=True, http_host="127.0.0.1", http_port=port,
                        metrics_port=port + 1, max_num_seqs=512, max_num_batched_tokens=16384, shutdown_grace_s=5)
     serve_with_api_process(config, stop, state, engine, lambda listening: attention_probes(state, listening, stop))
 
