@@ -86,15 +86,17 @@ def test_a_leader_ending_before_its_prompt_is_in_hands_its_riders_over():
         scheduler.add(request)
     assert scheduler.schedule() == [requests[0]]  # the leader's first chunk; both others ride it
     assert [r.shares for r in requests[1:]] == [requests[0]] * 2 and requests[0].riders == requests[1:]
+    assert scheduler.leaders == {requests[0]}
     assert cache.num_blocks - cache.free_blocks == 3 + 2 * 1 and scheduler.blocks.shared == 2
     requests[0].cached_tokens = 16
     scheduler.finish(requests[0])  # aborted mid-prompt: the first rider prefills, the other rides it
     assert requests[1].shares is None and requests[2].shares is requests[1] and requests[1].riders == [requests[2]]
+    assert scheduler.leaders == {requests[1]}
     assert cache.num_blocks - cache.free_blocks == 2 + 1 + 1
     assert scheduler.schedule() == [requests[1]] and requests[1].chunk == 16
     for request in requests[1:]:
         scheduler.finish(request)
-    assert cache.free_blocks == cache.num_blocks and not scheduler.blocks.shared
+    assert cache.free_blocks == cache.num_blocks and not scheduler.blocks.shared and not scheduler.leaders
 
 
 def test_a_lost_prefill_step_is_taken_back_and_the_choices_ride_it_again(parts):
