@@ -5,15 +5,12 @@ GPU 0 with attention: with 3+ GPUs the shards get GPUs 1 and 2, with 2 GPUs both
 (each shard is its own process and pair). `AFD_TEST_EP_GPUS=1,2` overrides the placement.
 """
 
-import json
 import os
-import signal
-import time
 
 import pytest
 import torch
 
-from tests.conftest import PROMPTS
+from tests.gpu.afd_ranks import attention_tokens
 from tests.gpu.test_gpu_path import GPU_TOKENS, monolithic
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -32,7 +29,6 @@ def afd_nccl_sharded(path, topology: str, shards: int, stages: int, graphs: bool
     from afd.config import AFDConfig, config_to_env
     from afd.local.children import LocalProcesses, free_port_block
     from afd.local.group_processes import local_zmq_config
-    from afd.local.offline_batch import split_prompts
 
     base = AFDConfig(
         num_attention_ranks=int(topology[0]), num_ffn_ranks=1, stages=stages, model=str(path), dtype="bfloat16",
@@ -41,7 +37,6 @@ def afd_nccl_sharded(path, topology: str, shards: int, stages: int, graphs: bool
         ffn_batch_window_s=0.002 if topology == "2A1F" else 0.0,
     )
     config = local_zmq_config(base).replace(connector="nccl")
-    blocks = split_prompts(len(PROMPTS), config.num_attention_ranks)
     gpus = shard_gpus(shards)
     metrics_ports = free_port_block(shards)
     with LocalProcesses() as processes:
@@ -52,29 +47,7 @@ def afd_nccl_sharded(path, topology: str, shards: int, stages: int, graphs: bool
                    "CUDA_VISIBLE_DEVICES": gpus[shard]}
             processes.start(name, ["serve"], env)
             ffn_names.append(name)
-        names = []
-        for rank, block in enumerate(blocks):
-            job = processes.workdir / f"a{rank}.json"
-            job.write_text(json.dumps({"prompts": [PROMPTS[i] for i in block], "max_tokens": GPU_TOKENS, "ignore_eos": True}))
-            env = {**config_to_env(config.replace(role="attention", rank=rank)), "CUDA_VISIBLE_DEVICES": "0"}
-            processes.start(f"attn-{rank}", ["run-batch", "--input", str(job), "--output", str(processes.workdir / f"a{rank}.out")], env)
-            names.append(f"attn-{rank}")
-        try:
-            processes.wait(names, watch=ffn_names, timeout_s=600)
-        except BaseException:  # pytest-timeout's failure is a BaseException
-            for name in [*ffn_names, *names]:  # every thread's stack into the child's log (afd.cli's faulthandler)
-                if processes.children[name].poll() is None:
-                    processes.children[name].send_signal(signal.SIGUSR1)
-            time.sleep(2)
-            for name in [*ffn_names, *names]:
-                print(f"--- {name} ---\n" + processes.log_path(name).read_text(errors="replace")[-6000:])
-            raise
-        outputs = [json.loads((processes.workdir / f"a{rank}.out").read_text()) for rank in range(len(blocks))]
-    tokens = [None] * len(PROMPTS)
-    for block, output in zip(blocks, outputs):
-        for position, index in enumerate(block):
-            tokens[index] = output["tokens"][position]
-    return tokens
+        return attention_tokens(processes, config, ffn_names, GPU_TOKENS, lambda name: {"CUDA_VISIBLE_DEVICES": "0"})
 
 
 @pytest.mark.parametrize("topology, stages, gate", [("1A1F", 1, "ffn"), ("1A1F", 2, "attention"), ("2A1F", 2, "ffn")])

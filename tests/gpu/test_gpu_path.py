@@ -1,13 +1,12 @@
 """GPU path on the device machine: kernels, NCCL AFD parity with the monolith, graphs. Skips without CUDA."""
 
 import json
-import signal
-import time
 
 import pytest
 import torch
 
 from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error
+from tests.gpu.afd_ranks import attention_tokens
 from tests.gpu.nccl_env import gpu_env, nccl_pairs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -168,7 +167,6 @@ def test_piecewise_prompt_graphs_equal_eager_steps(name, checkpoints):
 def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
     """Greedy tokens from real processes: FFN rank(s) on GPU 1, attention ranks on GPU 0 (or all on GPU 0:
     tests.gpu.nccl_env), NCCL data plane; with graphs the prompt step replays piecewise graphs."""
-    from afd.local.offline_batch import split_prompts
     from afd.config import AFDConfig, config_to_env
     from afd.local.group_processes import local_zmq_config
     from afd.local.children import LocalProcesses
@@ -179,33 +177,12 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
         ffn_batch_window_s=0.002 if topology == "2A1F" else 0.0, peer_timeout_s=60.0, dbo_min_tokens=dbo_min_tokens,
     )
     config = local_zmq_config(base).replace(connector="nccl")
-    blocks = split_prompts(len(PROMPTS), config.num_attention_ranks)
     with LocalProcesses() as processes:
         processes.start("ffn-0", ["serve"], {**config_to_env(config.replace(role="ffn")), **gpu_env("ffn-0", 1)})
-        names = []
-        for rank, block in enumerate(blocks):
-            job = processes.workdir / f"a{rank}.json"
-            job.write_text(json.dumps({"prompts": [PROMPTS[i] for i in block], "max_tokens": GPU_TOKENS, "ignore_eos": True}))
-            env = {**config_to_env(config.replace(role="attention", rank=rank)), **gpu_env(f"attn-{rank}", 0)}
-            processes.start(f"attn-{rank}", ["run-batch", "--input", str(job), "--output", str(processes.workdir / f"a{rank}.out")], env)
-            names.append(f"attn-{rank}")
-        try:
-            processes.wait(names, watch=["ffn-0"], timeout_s=600)
-        except BaseException:  # pytest-timeout's failure is a BaseException
-            for name in ["ffn-0", *names]:  # every thread's stack into the child's log (afd.cli's faulthandler)
-                if processes.children[name].poll() is None:
-                    processes.children[name].send_signal(signal.SIGUSR1)
-            time.sleep(2)
-            for name in ["ffn-0", *names]:  # the NCCL warnings are in the children's logs
-                print(f"--- {name} ---\n" + processes.log_path(name).read_text(errors="replace")[-6000:])
-            raise
-        outputs = [json.loads((processes.workdir / f"a{rank}.out").read_text()) for rank in range(len(blocks))]
+        tokens = attention_tokens(processes, config, ["ffn-0"], GPU_TOKENS)
         if graphs:  # the prompt step had piecewise graphs to replay (their equality is the tokens')
-            assert all("captured piecewise prefill graphs" in processes.log_path(name).read_text() for name in names)
-    tokens = [None] * len(PROMPTS)
-    for block, output in zip(blocks, outputs):
-        for position, index in enumerate(block):
-            tokens[index] = output["tokens"][position]
+            assert all("captured piecewise prefill graphs" in processes.log_path(f"attn-{rank}").read_text()
+                       for rank in range(config.num_attention_ranks))
     return tokens
 
 

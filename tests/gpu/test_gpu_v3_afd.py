@@ -5,15 +5,12 @@ shards with the gate on the attention side. Needs CUDA and NCCL pairs (two GPUs,
 where every rank and shard shares GPU 0); about 35 GB of checkpoints under /tmp (AFD_V3_FORMATS=fp8: 13 GB, the
 bf16 cases skip)."""
 
-import json
 import os
-import signal
-import time
 
 import pytest
 import torch
 
-from tests.conftest import PROMPTS
+from tests.gpu.afd_ranks import attention_tokens
 from tests.gpu.nccl_env import gpu_env, nccl_pairs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -61,7 +58,6 @@ def afd_v3(path, topology: str, stages: int, graphs: bool, gate: str = "ffn", sh
     from afd.config import AFDConfig, config_to_env
     from afd.local.children import LocalProcesses, free_port_block
     from afd.local.group_processes import local_zmq_config
-    from afd.local.offline_batch import split_prompts
     from tests.gpu.test_gpu_path import GPU_TOKENS
 
     base = AFDConfig(
@@ -71,7 +67,6 @@ def afd_v3(path, topology: str, stages: int, graphs: bool, gate: str = "ffn", sh
         **({"ffn_expert_parallel": shards, "port_stride": 2} if shards > 1 else {}),
     )
     config = local_zmq_config(base).replace(connector="nccl")
-    blocks = split_prompts(len(PROMPTS), config.num_attention_ranks)
     metrics_ports = free_port_block(shards)
     with LocalProcesses() as processes:
         ffn_names = []
@@ -81,31 +76,7 @@ def afd_v3(path, topology: str, stages: int, graphs: bool, gate: str = "ffn", sh
                                                  if shards > 1 else {}))
             processes.start(name, ["serve"], {**config_to_env(role), **gpu_env(name, 1)})
             ffn_names.append(name)
-        names = []
-        for rank, block in enumerate(blocks):
-            job = processes.workdir / f"a{rank}.json"
-            job.write_text(json.dumps({"prompts": [PROMPTS[i] for i in block], "max_tokens": GPU_TOKENS,
-                                       "ignore_eos": True}))
-            env = {**config_to_env(config.replace(role="attention", rank=rank)), **gpu_env(f"attn-{rank}", 0)}
-            processes.start(f"attn-{rank}", ["run-batch", "--input", str(job), "--output",
-                                             str(processes.workdir / f"a{rank}.out")], env)
-            names.append(f"attn-{rank}")
-        try:
-            processes.wait(names, watch=ffn_names, timeout_s=600)
-        except BaseException:  # pytest-timeout's failure is a BaseException
-            for name in [*ffn_names, *names]:  # every thread's stack into the child's log (afd.cli's faulthandler)
-                if processes.children[name].poll() is None:
-                    processes.children[name].send_signal(signal.SIGUSR1)
-            time.sleep(2)
-            for name in [*ffn_names, *names]:
-                print(f"--- {name} ---\n" + processes.log_path(name).read_text(errors="replace")[-6000:])
-            raise
-        outputs = [json.loads((processes.workdir / f"a{rank}.out").read_text()) for rank in range(len(blocks))]
-    tokens = [None] * len(PROMPTS)
-    for block, output in zip(blocks, outputs):
-        for position, index in enumerate(block):
-            tokens[index] = output["tokens"][position]
-    return tokens
+        return attention_tokens(processes, config, ffn_names, GPU_TOKENS)
 
 
 @nccl_pairs
