@@ -19,3 +19,14 @@ def kernel_device() -> str | None:
     if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
         return "cpu"
     return None
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel (`kernel[grid](*args, **constants)`): runs nothing, appends each launch's
+    keyword arguments (its compile-time constants and launch options) to `launched[name]`."""
+
+    def __init__(self, launched: dict[str, list[dict]], name: str):
+        self.launched, self.name = launched, name
+
+    def __getitem__(self, grid):
+        return lambda *args, **constants: self.launched.setdefault(self.name, []).append(constants)

@@ -4,7 +4,7 @@ attention. Runs on a GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1 bef
 import pytest
 import torch
 
-from tests.kernel_device import NO_KERNEL_DEVICE, kernel_device
+from tests.kernel_device import NO_KERNEL_DEVICE, LaunchRecorder, kernel_device
 
 DEVICE = kernel_device()
 needs_triton = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
@@ -83,16 +83,8 @@ def test_no_compile_time_constant_follows_the_slice_count(monkeypatch):
     from afd.kernels import decode_attention
 
     launched = {}
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **constants: launched.setdefault(self.name, []).append(constants)
-
     for name in ("_decode_kernel", "_latent_decode_kernel", "_combine_kernel"):
-        monkeypatch.setattr(decode_attention, name, Recorder(name))
+        monkeypatch.setattr(decode_attention, name, LaunchRecorder(launched, name))
     q, cache_k, cache_v, tables, lens, block_size = _case(9, 4, 1, 48, 32, [5, 1, 66])
     for splits in range(1, decode_attention.MAX_SPLITS + 1):
         decode_attention.paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size, 0.3, splits=splits)

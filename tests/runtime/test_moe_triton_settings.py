@@ -9,7 +9,7 @@ Otherwise these tests skip.
 import pytest
 import torch
 
-from tests.kernel_device import KERNEL_DTYPES, NO_KERNEL_DEVICE, kernel_device
+from tests.kernel_device import KERNEL_DTYPES, NO_KERNEL_DEVICE, LaunchRecorder, kernel_device
 
 DEVICE = kernel_device()
 DTYPE = KERNEL_DTYPES.get(DEVICE)
@@ -257,16 +257,8 @@ def test_no_compile_time_constant_follows_the_token_count(persistent, monkeypatc
     from afd.kernels import moe_align, moe_triton
 
     launched = {}
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **constants: launched.setdefault(self.name, []).append(constants)
-
-    monkeypatch.setattr(moe_triton, "_gate_up_kernel", Recorder("gate_up"))
-    monkeypatch.setattr(moe_triton, "_down_kernel", Recorder("down"))
+    monkeypatch.setattr(moe_triton, "_gate_up_kernel", LaunchRecorder(launched, "gate_up"))
+    monkeypatch.setattr(moe_triton, "_down_kernel", LaunchRecorder(launched, "down"))
     routed, num_shared, top_k, hidden, inter, layout_m = 8, 2, 3, 64, 48, 32
     cfg = kernel(BLOCK_M=16, TMA=True, PERSISTENT=persistent)
     for tokens in (37, 130, 1000):
