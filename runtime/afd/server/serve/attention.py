@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -18,6 +19,8 @@ from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.metrics.wiring import attention_instruments, export_resident_bytes, watch_attention
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
+from afd.monolithic import build_monolithic
+from afd.roles import build_attention
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
 from afd.server.api.app import ServerState, create_app, http_server
@@ -112,15 +115,41 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
     return state, engine
 
 
+ENDPOINT_SPREAD_S = 5.0  # the operator's DRAIN_SECONDS: the endpoint removal reaches every proxy within it
+QUIET_S = 1.0  # no HTTP request for this long: every client connection has been answered with `Connection: close`
+
+
+class DrainWatch:
+    """When an attention rank's preStop drain may end (issue 38): once the endpoint removal has had
+    ENDPOINT_SPREAD_S to spread and no HTTP request has run for QUIET_S. Until then the rank serves on
+    (held requests included, should its FFN come back), answering with `Connection: close`: every
+    closed-loop client's connection gets one such answer, so the stop that follows never closes a
+    keep-alive connection a client is just sending on (a reset request). `quiet_s`: None when the API
+    runs elsewhere (api children): the drain ends after ENDPOINT_SPREAD_S."""
+
+    def __init__(self, quiet_s: Callable[[], float] | None, clock: Callable[[], float] = time.monotonic):
+        self.quiet_s, self.clock, self.started = quiet_s, clock, None
+
+    def begin(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
+
+    def drained(self) -> bool:
+        if self.started is None or self.clock() - self.started < ENDPOINT_SPREAD_S:
+            return False
+        return self.quiet_s is None or self.quiet_s() >= QUIET_S
+
+
 def attention_probes(state: ServerState, listening: Callable[[], bool], stop: threading.Event,
-                     ffn_draining: Callable[[], str | None] = lambda: None) -> Probes:
+                     ffn_draining: Callable[[], str | None] = lambda: None,
+                     quiet_s: Callable[[], float] | None = None) -> Probes:
     """Readiness follows the FFN link at once; liveness fails only when the rank cannot serve at all.
 
     A rank whose FFN is gone is unready (it answers 503) but alive: it re-handshakes when
     the FFN returns, so the kubelet must not restart it. An FFN rank about to stop says so
     (wire.Draining): the rank turns unready and finishes what it runs while the FFN waits.
-    The preStop drain waits its full time: the point is to keep serving while the endpoint
-    removal reaches every proxy.
+    The preStop drain keeps serving while the endpoint removal reaches every proxy, then until
+    no request runs (`DrainWatch`), within the hook's time.
     """
     engine = state.engine
 
@@ -137,25 +166,25 @@ def attention_probes(state: ServerState, listening: Callable[[], bool], stop: th
             problem = None
         return problem or state.loop_watch.problem()
 
-    return Probes(ready, live)
+    watch = DrainWatch(quiet_s)
+    return Probes(ready, live, drained=watch.drained, on_drain=watch.begin)
+
+
+def build_role(config: AFDConfig, registry: CollectorRegistry):
+    """The loaded role: the whole model (monolithic: no split step to time), or an attention rank connected to its
+    FFN rank, its step timed into `registry`."""
+    tokens = cache_tokens_for(config, parse_spec(Checkpoint(config.model).config))
+    if config.role == "monolithic":
+        log.info("monolithic rank: loading %s", config.model)
+        return build_monolithic(config, tokens)
+    log.info("attention rank %d: loading %s and connecting to ffn rank %d",
+             config.rank, config.model, config.topology.ffn_rank_of(config.rank))
+    return build_attention(config, tokens, attention_instruments(registry, config, resolve_device(config)))
 
 
 def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
-    spec = parse_spec(Checkpoint(config.model).config)
-    if config.role == "monolithic":
-        from afd.monolithic import build_monolithic as build
-
-        log.info("monolithic rank: loading %s", config.model)
-    else:
-        from afd.roles import build_attention as build
-
-        log.info("attention rank %d: loading %s and connecting to ffn rank %d",
-                 config.rank, config.model, config.topology.ffn_rank_of(config.rank))
     registry = CollectorRegistry()
-    if config.role == "monolithic":  # no split step to time
-        role = build(config, cache_tokens_for(config, spec))
-    else:
-        role = build(config, cache_tokens_for(config, spec), attention_instruments(registry, config, resolve_device(config)))
+    role = build_role(config, registry)
     state, engine = build_server(config, role, registry)
     if config.ceiling_batches:
         from afd.server.serve.ceiling import export_ceiling
@@ -175,7 +204,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     failover = FailoverSettings(config.failover_url, resume_key=config.group_secret.encode())
     app = Failover(create_app(state), lambda: probes.readiness() is not None, failover)
     server = http_server(app, config)
-    probes = attention_probes(state, lambda: server.started, stop, ffn_draining)
+    probes = attention_probes(state, lambda: server.started, stop, ffn_draining, app.quiet_s)
     probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     threading.Thread(target=exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
