@@ -14,7 +14,7 @@ import signal
 import socket
 import urllib.request
 
-from afd.config import AFDConfig
+from afd.config import AFDConfig, load_config
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -22,6 +22,7 @@ _PR_SET_PDEATHSIG = 1
 
 def serve_api(config: AFDConfig, facts: dict) -> int:
     """The child: the app of `afd.server.api.app` on an `EngineClient`, until SIGTERM."""
+    # imported here, after `_die_with`: a child whose core is already gone exits before loading the app stack
     from prometheus_client import CollectorRegistry
 
     from afd.engine.tokenizer import load_tokenizer
@@ -85,8 +86,6 @@ def _die_with(core_pid: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from afd.config import load_config
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s api %(name)s: %(message)s")
     facts = json.loads(argv[1])
     _die_with(facts["core_pid"])

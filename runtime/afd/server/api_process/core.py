@@ -18,6 +18,7 @@ from afd.config import AFDConfig, config_to_env
 from afd.server.api_process.core_link import ApiLink
 from afd.server.api_process.core_wire import CoreState
 from afd.server.lifecycle import engine_died, stop_serving
+from afd.server.probe_http import start_probe_server
 
 log = logging.getLogger(__name__)
 RESTART_LIMIT = 5  # API process deaths within RESTART_WINDOW_S after which the core gives up (exit 1)
@@ -41,8 +42,6 @@ def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engi
     """Run the API children around the started `engine` (starting again one that ends) until `stop`, a dead
     engine or a spent `RestartBudget`; the exit code.
     `probes_for(listening)` builds the rank's probes (`run.attention_probes`)."""
-    from afd.server.probe_http import start_probe_server
-
     folder = tempfile.mkdtemp(prefix="afd-api-")
     probes = None
     servers = config.api_children

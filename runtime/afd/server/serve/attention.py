@@ -25,9 +25,11 @@ from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
 from afd.server.api.app import ServerState, create_app, http_server
 from afd.server.api.validation import Limits
+from afd.server.api_process.core import serve_with_api_process
 from afd.server.front.failover import Failover, FailoverSettings
 from afd.server.lifecycle import engine_died, exit_if_engine_dies, stop_serving
 from afd.server.probe_http import Probes, start_probe_server
+from afd.server.serve.ceiling import export_ceiling
 from afd.server.serve.serving_metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -187,14 +189,10 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     role = build_role(config, registry)
     state, engine = build_server(config, role, registry)
     if config.ceiling_batches:
-        from afd.server.serve.ceiling import export_ceiling
-
         export_ceiling(state.registry, config, role)
     engine.start()
     ffn_draining = lambda: getattr(role.link, "ffn_draining", None)  # noqa: E731
     if config.api_children:  # the HTTP API in child processes (afd.server.api_process)
-        from afd.server.api_process.core import serve_with_api_process
-
         try:
             return serve_with_api_process(config, stop, state, engine,
                                           lambda listening: attention_probes(state, listening, stop, ffn_draining))
