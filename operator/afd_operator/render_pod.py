@@ -140,10 +140,11 @@ def render_pod_template(
 
 
 def termination_grace_seconds(spec: AFDDeploymentSpec, role: str) -> int:
-    """Attention: the drain, then in-flight requests finish, then the engine stops. The FFN
-    serves its attention ranks through all of that (its drain tells them to finish and waits
-    until they have left or gone quiet), so it gets that long plus a margin to stop itself."""
-    attention = DRAIN_SECONDS + math.ceil(spec.shutdown_grace_seconds) + STOP_MARGIN_SECONDS
+    """Attention: the drain (which serves on until no request runs, at most the shutdown grace after
+    DRAIN_SECONDS), then whatever is still in flight finishes within the shutdown grace, then the
+    engine stops. The FFN serves its attention ranks through all of that (its drain tells them to
+    finish and waits until they have left or gone quiet), so it gets that long plus a margin."""
+    attention = DRAIN_SECONDS + 2 * math.ceil(spec.shutdown_grace_seconds) + STOP_MARGIN_SECONDS
     return attention if role == "attention" else attention + STOP_MARGIN_SECONDS
 
 
@@ -164,7 +165,9 @@ def _probes(spec: AFDDeploymentSpec, role: str) -> dict:
     health = {"path": "/health", "port": "metrics"}
     live = {"httpGet": {"path": "/live", "port": "metrics"}, "periodSeconds": period, **LIVENESS}
     if role == "attention":
-        drain = DRAIN_SECONDS  # unready at once, serving on while the endpoint removal spreads
+        # unready at once, serving on while the endpoint removal spreads, then until no request runs (the
+        # runtime ends it early; issue 38): a stop never closes a connection a client is sending on
+        drain = DRAIN_SECONDS + math.ceil(spec.shutdown_grace_seconds)
         probes = {"readinessProbe": {"httpGet": health, **READINESS}, "livenessProbe": live}
     else:
         drain = termination_grace_seconds(spec, "attention")  # returns early once its attention ranks left

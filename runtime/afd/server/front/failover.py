@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -63,11 +64,24 @@ class Failover:
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(settings.read_timeout_s, connect=2.0))
         self.relayed = 0  # requests sent on to the failover URL (tests, logs)
         self.moves = 0  # relayed streams moved on after their rank was lost mid-stream
+        self.in_flight = 0  # HTTP requests being answered (a stopping rank waits for none: `quiet_s`)
+        self._idle_since = time.monotonic()
+
+    def quiet_s(self) -> float:
+        """Seconds since the last HTTP request ended; 0 while one runs."""
+        return 0.0 if self.in_flight else time.monotonic() - self._idle_since
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        send = _closing(send, self.leaving)
+        self.in_flight += 1
+        try:
+            await self._answer(scope, receive, _closing(send, self.leaving))
+        finally:
+            self.in_flight -= 1
+            self._idle_since = time.monotonic()
+
+    async def _answer(self, scope, receive, send):
         relay_allowed = (self.settings.url and scope["method"] == "POST" and scope["path"].startswith("/v1/")
                          and RELAYED not in dict(scope["headers"]))
         if not relay_allowed:
