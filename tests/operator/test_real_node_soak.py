@@ -12,6 +12,9 @@ against the others. The table is printed (`pytest -s`) and written to $AFD_E2E_R
 
 Needs the kit with a node (node_kit.py); skips otherwise. AFD_E2E_REUSE_IMAGES=1 skips the
 image build (the node keeps the last import); AFD_SOAK_SEED picks the deletions (default 38).
+AFD_SOAK_KILL_FFN=1: an FFN victim is not deleted but crashes (SIGKILL of its processes from the
+host; the kubelet restarts the container in the same pod), so its attention ranks hold their
+requests until it is back instead of finishing them in the FFN's drain.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import statistics
 import threading
 import time
@@ -38,6 +42,10 @@ TOKENS = 24
 PROMPTS = [f"Request {i}: the weather in city number {i} is" for i in range(CLIENTS)]
 GROUPS = 2
 PODS = GROUPS * 3  # 2 attention ranks + 1 FFN rank per group
+METRICS_PORT = 9090
+# what the attention ranks counted of their recovery (per pod; summed over every pod seen)
+RECOVERY_SERIES = ("afd_requests_resumed_total", "afd_requests_hold_expired_total", "afd_requests_carried_total",
+                   "afd_request_errors_total", "afd_request_hold_seconds_sum")
 
 
 @dataclass
@@ -155,8 +163,47 @@ class Deletion:
     pod: str
     role: str
     uid: str
+    restarts: int
     at: float
-    ready_after: float | None = None  # seconds until its replacement (same name, new pod) was Ready
+    how: str = "deleted"
+    ready_after: float | None = None  # seconds until its replacement (new pod, or restarted container) was Ready
+
+
+def _restarts(pod: dict) -> int:
+    return sum(c.get("restartCount", 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+def kill_processes_of(pod: str) -> int:
+    """SIGKILL every `afd` process of `pod` (found by the HOSTNAME the kubelet gives it), as a crash would."""
+    killed = 0
+    for proc in os.listdir("/proc"):
+        if not proc.isdigit():
+            continue
+        try:
+            with open(f"/proc/{proc}/environ", "rb") as env, open(f"/proc/{proc}/cmdline", "rb") as cmd:
+                if f"HOSTNAME={pod}".encode() in env.read().split(b"\0") and b"afd" in cmd.read():
+                    os.kill(int(proc), signal.SIGKILL)
+                    killed += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+def scrape_recovery(pods: list[dict]) -> dict[str, dict[str, float]]:
+    """pod uid → RECOVERY_SERIES from each Ready attention pod's /metrics."""
+    seen = {}
+    for pod in pods:
+        ip = (pod.get("status") or {}).get("podIP")
+        if pod["metadata"]["labels"].get("afd.io/role") != "attention" or not ip or not _is_ready(pod):
+            continue
+        try:
+            lines = httpx.get(f"http://{ip}:{METRICS_PORT}/metrics", timeout=2).text.splitlines()
+        except httpx.HTTPError:
+            continue
+        seen[pod["metadata"]["uid"]] = {name: sum(float(line.split()[-1]) for line in lines
+                                                  if line.startswith(name + " ") or line.startswith(name + "{"))
+                                        for name in RECOVERY_SERIES}
+    return seen
 
 
 @dataclass
@@ -169,17 +216,22 @@ class Disruptor:
     seed: int
     deletions: list[Deletion] = field(default_factory=list)
     no_group_s: float = 0.0  # seconds in which no group had all its rank pods Ready
+    kill_ffn: bool = False
+    recovery: dict[str, dict[str, float]] = field(default_factory=dict)  # pod uid → its last scraped counters
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self, until: float) -> None:
         rng = random.Random(self.seed)
         next_at = time.monotonic() + rng.uniform(30, 60)
-        last = time.monotonic()
+        last = scraped = time.monotonic()
         while not self.stop.is_set():
             now = time.monotonic()
             pods = rank_pods(self.cluster, self.namespace)
             self._watch(pods, now, now - last)
             last = now
+            if now - scraped >= 3:
+                self.recovery.update(scrape_recovery(pods))
+                scraped = now
             if now >= until and all(d.ready_after is not None for d in self.deletions):
                 return
             if now < until and now >= next_at:
@@ -188,9 +240,10 @@ class Disruptor:
             time.sleep(0.5)
 
     def _watch(self, pods: list[dict], now: float, elapsed: float) -> None:
-        ready = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods if _is_ready(p)}
+        ready = {p["metadata"]["name"]: (p["metadata"]["uid"], _restarts(p)) for p in pods if _is_ready(p)}
         for d in self.deletions:
-            if d.ready_after is None and ready.get(d.pod, d.uid) != d.uid:
+            uid, restarts = ready.get(d.pod, (d.uid, d.restarts))
+            if d.ready_after is None and (uid != d.uid or restarts > d.restarts):
                 d.ready_after = now - d.at
                 print(f"[soak] {d.pod} Ready again {d.ready_after:.1f} s after its deletion", flush=True)
         groups = {}
@@ -207,9 +260,13 @@ class Disruptor:
             pods = [p for p in pods if p["metadata"]["labels"]["afd.io/role"] not in roles] or pods
         victim = rng.choice(sorted(pods, key=lambda p: p["metadata"]["name"]))
         meta = victim["metadata"]
-        self.cluster.delete("Pod", meta["name"], self.namespace)
-        self.deletions.append(Deletion(meta["name"], meta["labels"]["afd.io/role"], meta["uid"], time.monotonic()))
-        print(f"[soak] {time.strftime('%H:%M:%S')} deleted {meta['name']}", flush=True)
+        deletion = Deletion(meta["name"], meta["labels"]["afd.io/role"], meta["uid"], _restarts(victim), time.monotonic())
+        if self.kill_ffn and deletion.role == "ffn" and kill_processes_of(meta["name"]):
+            deletion.how = "killed"
+        else:
+            self.cluster.delete("Pod", meta["name"], self.namespace)
+        self.deletions.append(deletion)
+        print(f"[soak] {time.strftime('%H:%M:%S')} {deletion.how} {meta['name']}", flush=True)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -275,7 +332,7 @@ def test_rank_pods_deleted_every_30_to_60_s_lose_no_request_and_change_no_text(t
         steps.run("the Service answers", eventually, lambda: _answers(url), 60, "GET /health through the Service", 1)
         reference = steps.run("undisturbed run: 8 prompts at once", reference_texts, url)
 
-        disruptor = Disruptor(cluster, namespace, seed)
+        disruptor = Disruptor(cluster, namespace, seed, kill_ffn=os.environ.get("AFD_SOAK_KILL_FFN") == "1")
         with Clients(url) as clients:
             started = time.monotonic()
             thread = threading.Thread(target=disruptor.run, args=(started + soak_s,), daemon=True)
@@ -295,10 +352,13 @@ def test_rank_pods_deleted_every_30_to_60_s_lose_no_request_and_change_no_text(t
         steps.rows.append((f"soak: {CLIENTS} streaming greedy clients, {TOKENS} tokens each, a rank pod deleted every "
                            f"30-60 s (seed {seed})", soaked,
                            f"{len(results) - len(failed)} ok, {len(failed)} failed; {len(unequal)} texts unequal"))
-        steps.rows.append(("deletions", 0.0, ", ".join(f"{d.pod} ({d.ready_after:.1f} s)"
+        steps.rows.append(("deletions", 0.0, ", ".join(f"{d.pod} {d.how} ({d.ready_after:.1f} s)"
                                                         if d.ready_after is not None else f"{d.pod} (not Ready again)"
                                                         for d in deletions)))
         steps.rows.append(("no group with every rank Ready", disruptor.no_group_s, ""))
+        counted = {name: sum(c[name] for c in disruptor.recovery.values()) for name in RECOVERY_SERIES}
+        steps.rows.append(("attention ranks' recovery counters (every pod seen, last scrape)", 0.0,
+                           ", ".join(f"{name} {value:g}" for name, value in counted.items())))
         if waits:
             steps.rows.append(("until the deleted pod's replacement was Ready", 0.0,
                                f"p50 {statistics.median(waits):.1f} / p99 {_pct(waits, 0.99):.1f} / max {max(waits):.1f} s"))
