@@ -22,16 +22,19 @@ def parts(checkpoints):
 
 
 class Counting:
-    """The runner, counting the tokens fed and the KV blocks in use at each step."""
+    """The runner, counting the tokens fed and the KV blocks in use at each step, and the decode rows (one token)
+    that write into a block with more than one owner (`owners`, the scheduler's)."""
 
     def __init__(self, runner):
-        self.runner, self.fed, self.most_blocks = runner, 0, 0
-        self.logit_rows, self.row_logits = None, None
+        self.runner, self.fed, self.most_blocks, self.shared_writes = runner, 0, 0, 0
+        self.logit_rows, self.row_logits, self.owners = None, None, None
 
     def __call__(self, input_ids, layout):
         self.fed += input_ids.numel()
         cache = self.runner.kv_cache
         self.most_blocks = max(self.most_blocks, cache.num_blocks - cache.free_blocks)
+        for table, context, new in zip(layout.block_tables, layout.context_lens, layout.new_lens):
+            self.shared_writes += new == 1 and self.owners._extra.get(table[context // cache.block_size], 0) > 0
         return self.runner(input_ids, layout)
 
 
@@ -41,6 +44,7 @@ def run(parts, prompt, params_list, group, pipeline=True, budget=8192):
     step = Counting(MonolithicRunner(loaded, cache))
     engine = Engine(step, cache, tokenizer, (), max_num_seqs=8, max_model_len=256, max_num_batched_tokens=budget,
                     pipeline=pipeline).start()
+    step.owners = engine.scheduler.blocks
     try:
         outputs = Outputs(len(params_list))
         with engine.together():
@@ -64,6 +68,7 @@ def test_n_choices_prefill_once_share_blocks_and_equal_separate_runs(parts, leng
     alone = [run(parts, prompt, [p], group=None, pipeline=pipeline)[0][0] for p in params]
     assert shared == alone and len({tuple(t) for t in shared}) > 1
     assert step.fed == length + N * (MAX_TOKENS - 1)  # the prompt once, then every choice's decodes
+    assert step.shared_writes == 0  # every choice decodes into blocks of its own
     own = -(-(length + MAX_TOKENS) // BLOCK)
     assert step.most_blocks == own + (N - 1) * (own - length // BLOCK)  # the prompt's full blocks held once
     _, separate = run(parts, prompt, params, group=None, pipeline=pipeline)
