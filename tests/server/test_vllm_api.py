@@ -247,9 +247,17 @@ def test_echo_logprobs_and_prompt_logprobs_streamed_equal_the_unstreamed_answer(
 
 
 # -- n and best_of -------------------------------------------------------------------------------------------
+def prompt_tokens_counted(server) -> float:
+    """afd_prompt_tokens_total of the test server's rank."""
+    return sum(sample.value for metric in server.state.registry.collect() if metric.name == "afd_prompt_tokens"
+               for sample in metric.samples if sample.name == "afd_prompt_tokens_total")
+
+
 def test_n_choices_each_reproducible_with_its_own_seed(server):
     body = dict(prompt="The quick brown fox", max_tokens=6, temperature=1.0, ignore_eos=True)
+    counted = prompt_tokens_counted(server)
     answer = post(server, "/v1/completions", n=4, seed=11, **body).json()
+    assert prompt_tokens_counted(server) - counted == answer["usage"]["prompt_tokens"]  # prefilled once
     texts = [c["text"] for c in answer["choices"]]
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3] and len(set(texts)) > 1
     assert texts == [completion(server, seed=11 + j, **body)["text"] for j in range(4)]

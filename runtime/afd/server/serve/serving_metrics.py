@@ -28,7 +28,8 @@ class ServingMetrics:
         self.waiting = make(Gauge, "afd_requests_waiting", "Requests waiting for admission")
         self.ttft = make(Histogram, "afd_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS)
         self.itl = make(Histogram, "afd_inter_token_latency_seconds", "Time between two tokens of a request", buckets=LATENCY_BUCKETS)
-        self.prompt_tokens = make(Counter, "afd_prompt_tokens", "Prompt tokens prefilled")
+        self.prompt_tokens = make(Counter, "afd_prompt_tokens", "Prompt tokens prefilled (a prompt the choices of "
+                                  "one request share, once)")
         self.generation_tokens = make(Counter, "afd_generation_tokens", "Tokens generated")
         self.kv_usage = make(Gauge, "afd_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use")
         self.kv_capacity = make(Gauge, "afd_kv_cache_capacity_tokens", "Tokens the KV cache holds")
@@ -49,7 +50,8 @@ class ServingMetrics:
     def on_token(self, request, now: float) -> None:
         if request.first_token_at is None:
             self.ttft.observe(now - request.arrival)
-            self.prompt_tokens.inc(len(request.prompt_ids))
+            if request.shares is None:  # a choice that rode another's prefill fed none
+                self.prompt_tokens.inc(len(request.prompt_ids))
         else:
             self.itl.observe(now - request.last_token_at)
         self.generation_tokens.inc()
