@@ -14,7 +14,8 @@ Needs the kit with a node (node_kit.py); skips otherwise. AFD_E2E_REUSE_IMAGES=1
 image build (the node keeps the last import); AFD_SOAK_SEED picks the deletions (default 38).
 AFD_SOAK_KILL_FFN=1: an FFN victim is not deleted but crashes (SIGKILL of its processes from the
 host; the kubelet restarts the container in the same pod), so its attention ranks hold their
-requests until it is back instead of finishing them in the FFN's drain.
+requests until it is back instead of finishing them in the FFN's drain. AFD_SOAK_LOGS=DIR keeps
+every rank container's log there (`kubectl logs -f`, one file per pod and restart).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import statistics
 import threading
 import time
@@ -218,6 +220,8 @@ class Disruptor:
     no_group_s: float = 0.0  # seconds in which no group had all its rank pods Ready
     kill_ffn: bool = False
     recovery: dict[str, dict[str, float]] = field(default_factory=dict)  # pod uid → its last scraped counters
+    logs: str = os.environ.get("AFD_SOAK_LOGS", "")
+    following: dict[tuple, subprocess.Popen] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self, until: float) -> None:
@@ -228,6 +232,7 @@ class Disruptor:
             now = time.monotonic()
             pods = rank_pods(self.cluster, self.namespace)
             self._watch(pods, now, now - last)
+            self._follow_logs(pods)
             last = now
             if now - scraped >= 3:
                 self.recovery.update(scrape_recovery(pods))
@@ -252,6 +257,21 @@ class Disruptor:
             groups[group] = groups.get(group, 0) + (p["metadata"]["name"] in ready)
         if not any(count == PODS // GROUPS for count in groups.values()):
             self.no_group_s += elapsed
+
+    def _follow_logs(self, pods: list[dict]) -> None:
+        if not self.logs:
+            return
+        os.makedirs(self.logs, exist_ok=True)
+        for pod in pods:
+            states = (pod.get("status") or {}).get("containerStatuses") or []
+            if not states or "running" not in states[0].get("state", {}):
+                continue
+            key = (pod["metadata"]["name"], pod["metadata"]["uid"][:8], _restarts(pod))
+            if key not in self.following:
+                with open(os.path.join(self.logs, "%s-%s-%d.log" % key), "w") as out:
+                    self.following[key] = subprocess.Popen(
+                        ["kubectl", "--kubeconfig", str(self.cluster.kubeconfig), "-n", self.namespace, "logs", "-f",
+                         "--timestamps", key[0]], stdout=out, stderr=subprocess.STDOUT)
 
     def _delete_one(self, rng: random.Random, pods: list[dict]) -> None:
         pods = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
