@@ -14,8 +14,8 @@ import pytest
 
 from afd import cli
 from afd.config import (
-    ENV_VARS, PROCESS_VARIABLES, ROLES, SECTIONS, SETTINGS, AFDConfig, ConfigError, _settings, load_config,
-    process_setting, setting,
+    ENV_VARS, PROCESS_VARIABLES, ROLES, SECTIONS, SETTINGS, AFDConfig, ConfigError, load_config,
+    process_setting, setting, settings_of,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,14 +37,14 @@ def test_a_plain_field_or_an_unbounded_number_is_refused():
         new_knob: int = 3
 
     with pytest.raises(TypeError, match="new_knob: declare it with setting"):
-        _settings(Plain)
+        settings_of(Plain)
 
     @dataclasses.dataclass(frozen=True)
     class Unbounded(AFDConfig):
         new_knob: int = setting(3, "a knob", section="link")
 
     with pytest.raises(TypeError, match="new_knob: a number needs"):
-        _settings(Unbounded)
+        settings_of(Unbounded)
 
 
 def _outside(spec):
@@ -158,9 +158,9 @@ def _env_reads(path):
 
 
 def test_every_afd_variable_is_read_through_the_config_module():
-    config = ROOT / "runtime" / "afd" / "config.py"
+    config = ROOT / "runtime" / "afd" / "config"
     offenders = [f"{path.relative_to(ROOT)}:{line} {name}" for folder in CODE for path in sorted(folder.rglob("*.py"))
-                 if path != config for line, name in _env_reads(path)]
+                 if config not in path.parents for line, name in _env_reads(path)]
     assert not offenders, f"read these through afd.config.process_setting (or a setting): {offenders}"
 
 

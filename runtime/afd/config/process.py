@@ -1,0 +1,92 @@
+"""The few `AFD_*` variables a process reads outside its `AFDConfig` (a kernel choice, a library path, the
+log level): declared in `PROCESS_VARIABLES`, read only through `process_setting`. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from afd.config.declare import ConfigError, parse_bool
+
+
+@dataclass(frozen=True)
+class ProcessVariable:
+    """An `AFD_*` variable outside `AFDConfig`: read where it is used (a kernel choice, a library path, the log
+    level), by `afd up` or the operator, always through `process_setting`, and not passed on by `config_to_env`."""
+
+    name: str
+    default: str  # the text an unset or empty variable stands for
+    help: str
+    read_by: str
+    choices: tuple[str, ...] = ()
+    parse: Callable[[str], Any] = str
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be positive seconds")
+    return value
+
+
+def _path(text: str) -> Path:
+    return Path(text).expanduser()  # depends on $HOME too: never cached
+
+
+def _level(text: str) -> str:
+    name = text.strip().upper()
+    if not isinstance(logging.getLevelName(name), int):
+        raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return name
+
+
+PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
+    ProcessVariable("AFD_CONFIG_FILE", "", "YAML/JSON settings file (keys: the setting names above), below the "
+                    "environment and flags; `--config` of the commands.", "afd serve, up, generate", parse=str),
+    ProcessVariable("AFD_TOPOLOGY", "", "Both rank counts at once, e.g. `2A1F` (wins over `AFD_NUM_ATTENTION_RANKS` "
+                    "and `AFD_NUM_FFN_RANKS`); `--topology` of the commands.", "afd serve, up, generate"),
+    ProcessVariable("AFD_LOG_LEVEL", "", "Python log level (`DEBUG` … `CRITICAL`); unset: `INFO` for `afd serve`, "
+                    "`WARNING` for the other commands.", "afd (every command)", parse=_level),
+    ProcessVariable("AFD_SWITCH_INTERVAL_S", "", "Experiment: the interpreter's GIL hand-off interval "
+                    "(`sys.setswitchinterval`) of `afd serve`; unset: Python's 0.005 s.", "afd serve", parse=_seconds),
+    ProcessVariable("AFD_MOE_KERNEL", "auto", "Routed-expert kernel: `triton` (fused, CUDA), `grouped` (torch's "
+                    "grouped GEMM) or `auto` (triton where Triton runs).", "afd.kernels.moe",
+                    choices=("auto", "triton", "grouped")),
+    ProcessVariable("AFD_FP8_GEMM", "auto", "FP8 block-scaled GEMM: `scaled_mm` (torch, Hopper), `triton` or `auto` "
+                    "(scaled_mm on Hopper where the shapes fit).", "afd.kernels.fp8_gemm",
+                    choices=("auto", "scaled_mm", "triton")),
+    ProcessVariable("AFD_FUSED_GLUE", "true", "`false`: the torch path instead of the fused RMSNorm/RoPE glue kernels "
+                    "on CUDA.", "afd.kernels.norm_rope", parse=parse_bool),
+    ProcessVariable("AFD_NCCL_LIBRARY", "", "Path of the libnccl to load first (else the one torch loaded, then "
+                    "`nvidia.nccl`'s).", "afd.connector.transports.nccl.lib"),
+    ProcessVariable("AFD_CACHE_DIR", "~/.cache/afd", "Where `afd up` keeps the tiny model it makes on first use.",
+                    "afd up", parse=_path),
+    ProcessVariable("AFD_OPERATOR_RESYNC_SECONDS", "10", "How often the operator reconciles every AFDDeployment "
+                    "without an event.", "afd operator", parse=_seconds),
+)}
+
+
+_PARSED: dict[tuple[str, str], Any] = {}  # (variable, text) → value: kernels ask on every call
+
+
+def process_setting(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The typed value of process variable `name` (`PROCESS_VARIABLES`) from `env` (default: this process's
+    environment, read now, not at import); a bad value is a `ConfigError` naming the variable."""
+    raw = (os.environ if env is None else env).get(name, "")
+    if (name, raw) in _PARSED:
+        return _PARSED[name, raw]
+    variable = PROCESS_VARIABLES[name]
+    text = raw or variable.default
+    if variable.choices and text not in variable.choices:
+        raise ConfigError(f"{name}={text!r}: must be one of {', '.join(variable.choices)}")
+    try:
+        value = variable.parse(text) if text else text
+    except ValueError as err:
+        raise ConfigError(f"{name}={text!r}: {err}") from None
+    if variable.parse is not _path:
+        _PARSED[name, raw] = value
+    return value
