@@ -10,6 +10,7 @@ from tests.kernel_device import NO_KERNEL_DEVICE, kernel_device
 from afd.models import deepseek_v2, layers, qwen3_moe
 from afd.models.checkpoint import Checkpoint
 from afd.models.loader import load_model
+from afd.models.rope import Rotary, apply_rope_halves, apply_rope_pairs
 
 DEVICE = kernel_device()
 pytestmark = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
@@ -38,12 +39,12 @@ def test_rms_norm_kernel_equals_the_torch_norm(rows, size, monkeypatch):
 def test_rope_kernel_equals_the_torch_rotation(interleaved):
     from afd.kernels.norm_rope import rope_
 
-    rotary = layers.Rotary({"rope_theta": 10000.0, "rope_type": "default"}, 16, max_positions=300)
+    rotary = Rotary({"rope_theta": 10000.0, "rope_type": "default"}, 16, max_positions=300)
     torch.manual_seed(1)
     x = torch.randn(5, 3, 24, device=DEVICE)[..., 8:]  # [T, heads, 16] inside a wider row
     positions = torch.tensor([0, 7, 299, 64, 1], device=DEVICE)
     cos, sin = rotary(positions)
-    apply = layers.apply_rope_pairs if interleaved else layers.apply_rope_halves
+    apply = apply_rope_pairs if interleaved else apply_rope_halves
     want = apply(x, cos, sin)
     got = rope_(x.clone(), positions, *rotary.table(x.device), interleaved=interleaved)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -134,7 +135,7 @@ def test_mla_glue_in_one_launch_equals_the_rotary_and_norm_kernels_and_the_cache
     from afd.kernels.norm_rope import mla_rows_, rms_norm, rope_
 
     heads, nope, latent, rope, tokens = 3, 8, 24, 16, 5
-    rotary = layers.Rotary({"rope_theta": 10000.0, "rope_type": "default"}, rope, max_positions=300)
+    rotary = Rotary({"rope_theta": 10000.0, "rope_type": "default"}, rope, max_positions=300)
     table = rotary.table(torch.device(DEVICE))
     torch.manual_seed(4)
     query = torch.randn(tokens, heads, nope + rope, device=DEVICE)
@@ -161,7 +162,7 @@ def test_qwen3_glue_in_one_launch_equals_the_norm_and_rotary_kernels_and_the_cac
     from afd.kernels.norm_rope import qk_rows_, rms_norm, rope_
 
     heads, kv_heads, dim, tokens = 6, 2, 16, 5
-    rotary = layers.Rotary({"rope_theta": 10000.0, "rope_type": "default"}, dim, max_positions=300)
+    rotary = Rotary({"rope_theta": 10000.0, "rope_type": "default"}, dim, max_positions=300)
     table = rotary.table(torch.device(DEVICE))
     torch.manual_seed(5)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE)  # one GEMM's output: strided views

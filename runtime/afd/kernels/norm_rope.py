@@ -3,9 +3,9 @@
 In torch an RMSNorm is seven launches (upcast, square, mean, add, rsqrt, multiply, downcast and
 scale) and a rotary embedding about a dozen (cos/sin of the positions, upcast, four products, two
 sums, stack or cat, downcast); in a decode step of 1 to 256 tokens each launch costs more than its
-arithmetic. These do the same arithmetic as `afd.models.layers` (float32 inside, rounded where it
+arithmetic. These do the same arithmetic as `afd.models.layers`/`rope` (float32 inside, rounded where it
 rounds), one launch each; the rotary one reads cos/sin from a table built once by the same torch
-formula (`afd.models.layers.rope_table`), so its angles are the torch path's bit for bit.
+formula (`afd.models.rope.Rotary.table`), so its angles are the torch path's bit for bit.
 Capturable in CUDA graphs. `AFD_FUSED_GLUE=0` turns them off (the torch path everywhere).
 """
 

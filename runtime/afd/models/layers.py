@@ -1,9 +1,8 @@
-"""Building blocks shared by the model families: norms, MLPs, routing, experts, RoPE."""
+"""Building blocks shared by the model families: norms, fused projections, MLPs, routing, experts (RoPE:
+`afd.models.rope`)."""
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from afd.kernels import split_linear, triton_available
+from afd.kernels.fp8_blocks import dequantize_block_fp8
 from afd.kernels.moe import experts_cuda, kernel_choice  # sync-free, capturable
+# re-exported: deepseek_v2 and qwen3_moe import these from here
+from afd.models.rope import Rotary, apply_rope_halves, apply_rope_pairs, yarn_mscale  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +26,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused_glue(x):  # one Triton launch instead of seven (afd.kernels.norm_rope)
-            from afd.kernels.norm_rope import rms_norm
+            from afd.kernels.norm_rope import rms_norm  # local import: norm_rope imports Triton (CPU installs lack it)
 
             return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -35,7 +37,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, norm of it): one Triton launch where the glue is fused, else an add and `forward`."""
         if fused_glue(x) and residual.dtype == x.dtype:
-            from afd.kernels.norm_rope import add_rms_norm
+            from afd.kernels.norm_rope import add_rms_norm  # local import: Triton (see forward)
 
             return add_rms_norm(x, residual, self.weight, self.eps)
         total = residual + x
@@ -46,7 +48,7 @@ def fused_glue(x: torch.Tensor) -> bool:
     """Whether norms and rotary embeddings of `x` run as one Triton kernel each (`afd.kernels.norm_rope`)."""
     if not x.is_cuda or not triton_available():
         return False
-    from afd.kernels.norm_rope import enabled
+    from afd.kernels.norm_rope import enabled  # local import: Triton, only once the device can run it
 
     return enabled(x)
 
@@ -121,7 +123,7 @@ class Routing:
         (or here, where the torch path runs)."""
         normalize = self.norm_topk_prob and self.top_k > 1
         if logits.is_cuda and kernel_choice() == "triton" and self.kernel_fits(logits.shape[-1] // parts):
-            from afd.kernels import routing
+            from afd.kernels import routing  # local import: the routing kernel imports Triton
 
             if self.topk_method == "noaux_tc":
                 return routing.select_noaux_tc(logits, correction_bias, self.top_k, self.num_groups, self.topk_groups,
@@ -146,7 +148,7 @@ class Routing:
 
     def kernel_fits(self, num_experts: int) -> bool:
         """Whether the routing kernel (`afd.kernels.routing`) takes this router over `num_experts` experts."""
-        from afd.kernels import routing
+        from afd.kernels import routing  # local import: the routing kernel imports Triton
 
         if self.topk_method == "noaux_tc":
             return routing.noaux_tc_fits(num_experts, self.top_k, self.num_groups, self.topk_groups)
@@ -237,8 +239,6 @@ class Experts(nn.Module):
         """(gate_up, down) in `dtype`: FP8 stacks dequantized, others as they are (the CPU path)."""
         if self.gate_up_scale is None:
             return self.gate_up, self.down
-        from afd.kernels.fp8_blocks import dequantize_block_fp8
-
         return (dequantize_block_fp8(self.gate_up, self.gate_up_scale, dtype),
                 dequantize_block_fp8(self.down, self.down_scale, dtype))
 
@@ -309,98 +309,3 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
-
-def rope_inv_freq(rope: dict, dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies of `dim` rotary dims and the attention factor, for default or YaRN RoPE."""
-    base = float(rope.get("rope_theta", 10000.0))
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
-    inv_freq = 1.0 / (base**exponents)
-    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-    if rope_type == "default":
-        return inv_freq, 1.0
-    if rope_type != "yarn":
-        raise ValueError(f"rope_type={rope_type!r} is not supported (supported: default, yarn)")
-    factor = float(rope["factor"])
-    original_len = rope["original_max_position_embeddings"]
-    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = math.floor(correction_dim(beta_fast)), math.ceil(correction_dim(beta_slow))
-    low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
-    inv_freq = (inv_freq / factor) * ramp + inv_freq * (1 - ramp)  # interpolate the low frequencies
-    attention_factor = rope.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(factor)
-    return inv_freq, float(attention_factor)
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # Rotary.table's, per setting and device
-
-
-class Rotary:
-    """cos/sin of token positions for one RoPE setting; frequencies computed once, on first use."""
-
-    def __init__(self, rope: dict, dim: int, max_positions: int = 0):
-        self.rope, self.dim = rope, dim
-        self.max_positions = max_positions  # rows of `table`; 0: no table
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._inv_freq: torch.Tensor | None = None  # never a parameter: nothing to load
-        self.factor = 1.0
-
-    def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cos and sin [P, dim/2] of every position below `max_positions`, by `rope_cos_sin` itself (the rotary
-        kernel's input), shared by every layer of one setting; None where that kernel cannot use one."""
-        half = self.dim // 2
-        if not self.max_positions or self.dim % 2 or half & (half - 1):
-            return None
-        if self._table is not None and self._table[0].device == device:  # the step's hot path: no key built
-            return self._table
-        key = (json.dumps(self.rope, sort_keys=True, default=str), self.dim, self.max_positions, str(device))
-        if key not in _ROPE_TABLES:
-            inv_freq, factor = rope_inv_freq(self.rope, self.dim)
-            _ROPE_TABLES[key] = rope_cos_sin(inv_freq.to(device), torch.arange(self.max_positions, device=device), factor)
-        self._table = _ROPE_TABLES[key]
-        return self._table
-
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq is None:
-            inv_freq, self.factor = rope_inv_freq(self.rope, self.dim)
-            if positions.is_cuda:  # pinned and asynchronous: the host must not wait on the stream mid-step
-                inv_freq = inv_freq.pin_memory()
-            self._inv_freq = inv_freq.to(positions.device, non_blocking=True)
-        return rope_cos_sin(self._inv_freq, positions, self.factor)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of `positions` × `inv_freq`, both scaled by the attention factor: [T, dim/2]."""
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    return torch.cos(angles) * factor, torch.sin(angles) * factor
-
-
-def apply_rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [T, heads, dim] pairing dim i with i + dim/2 (Llama/Qwen layout)."""
-    cos, sin = cos.repeat(1, 2).unsqueeze(1), sin.repeat(1, 2).unsqueeze(1)
-    first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
-
-
-def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [T, heads, dim] pairing dims (2i, 2i+1) (the DeepSeek layout)."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
