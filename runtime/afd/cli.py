@@ -37,8 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from afd.connector.wire import ProtocolError  # msgpack: not in the operator image
-    from afd.models.checkpoint import CheckpointError  # torch
+    from afd.connector.wire import ProtocolError  # local import: msgpack: not in the operator image
+    from afd.models.checkpoint import CheckpointError  # local import: torch
 
     return (ConfigError, TopologyError, CheckpointError, UnsupportedModelError, ConnectorError, ProtocolError,
             ChildFailed, RuntimeError)
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from afd.models.checkpoint import Checkpoint  # torch
+    from afd.models.checkpoint import Checkpoint  # local import: torch
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens {args.max_tokens}: must be at least 1")
@@ -188,17 +188,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if bad:
             raise ConfigError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary of {path} (size {spec.vocab_size})")
     if args.monolithic:
-        from afd.monolithic import generate_monolithic  # torch
+        from afd.monolithic import generate_monolithic  # local import: torch
 
         result = generate_monolithic(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
     elif config.connector == "loopback":
-        from afd.local.group_threads import generate_in_threads  # torch
+        from afd.local.group_threads import generate_in_threads  # local import: torch
 
         result = generate_in_threads(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
     else:
-        from afd.local.group_processes import generate_in_processes  # torch
+        from afd.local.group_processes import generate_in_processes  # local import: torch
 
         ffn_model = str(Path(args.ffn_model).resolve()) if args.ffn_model else None
         tokens, logits = generate_in_processes(config, args.prompt_ids, args.max_tokens, args.ignore_eos, ffn_model)
@@ -210,7 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from afd.local.offline_batch import run_attention_batch  # torch
+    from afd.local.offline_batch import run_attention_batch  # local import: torch
 
     job = json.loads(Path(args.input).read_text())
     config = load_config()
@@ -240,10 +240,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if interval := process_setting("AFD_SWITCH_INTERVAL_S"):  # experiment: how often Python hands the GIL on
         sys.setswitchinterval(interval)
     if config.role == "ffn":
-        from afd.server.serve.ffn import serve_ffn  # torch
+        from afd.server.serve.ffn import serve_ffn  # local import: torch
 
         return serve_ffn(config, stop)
-    from afd.server.serve.attention import serve_attention  # torch, fastapi
+    from afd.server.serve.attention import serve_attention  # local import: torch, fastapi
 
     return serve_attention(config, stop)
 
@@ -262,9 +262,9 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from afd.models.checkpoint import Checkpoint  # torch
-    from afd.server.front.door import FrontSettings  # fastapi
-    from afd.up import ensure_tiny_model, run_up  # torch
+    from afd.models.checkpoint import Checkpoint  # local import: torch
+    from afd.server.front.door import FrontSettings  # local import: fastapi
+    from afd.up import ensure_tiny_model, run_up  # local import: torch
 
     config = _group_config(args, "up", UP_DEFAULTS, max_request_bytes=args.max_request_bytes,
                            max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars)
@@ -294,7 +294,7 @@ def _raise_interrupt(*_) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("operator", "render"):  # their own parsers take every flag that follows
-        from afd_operator.cli import operator_main, render_main  # the operator package, not in every install
+        from afd_operator.cli import operator_main, render_main  # local import: the operator package, not in every install
 
         return (operator_main if argv[0] == "operator" else render_main)(argv[1:])
     args = build_parser().parse_args(argv)

@@ -25,8 +25,8 @@ Kubernetes runs the attention and FFN pods as StatefulSets; the operator reconci
 
 
 def _train_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # heavy: afd.cli imports this module
-    from transformers import PreTrainedTokenizerFast  # heavy: afd.cli imports this module
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # local import: heavy: afd.cli imports this module
+    from transformers import PreTrainedTokenizerFast  # local import: heavy: afd.cli imports this module
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -137,7 +137,7 @@ def _common(vocab_size: int, eos_ids: list[int]) -> dict:
 
 def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
     """`arch`'s transformers config: `_common`, then the arch's values, then `overrides`."""
-    from transformers import DeepseekV2Config, DeepseekV3Config, Qwen3MoeConfig  # heavy: afd.cli imports this module
+    from transformers import DeepseekV2Config, DeepseekV3Config, Qwen3MoeConfig  # local import: heavy: afd.cli imports this module
 
     config_class = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "qwen3_moe": Qwen3MoeConfig}
     # a copy: a config class may change the nested rope dicts in place
@@ -146,7 +146,7 @@ def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
 
 def _randomize_router_biases(model) -> None:
     """transformers starts e_score_correction_bias at zero; a trained one is not, and it must change choices only."""
-    import torch  # heavy: afd.cli imports this module
+    import torch  # local import: heavy: afd.cli imports this module
 
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
@@ -157,8 +157,8 @@ def _add_mtp_layers(folder: Path, config) -> None:
     """Append DeepSeek-V3's next-token-prediction layers (`model.layers.{N..}`, N = num_hidden_layers) to the
     weights, as the published checkpoints carry them: a decoder layer plus enorm, hnorm, eh_proj and a shared
     head. transformers does not read them; neither do we."""
-    import torch  # heavy: afd.cli imports this module
-    from safetensors.torch import load_file, save_file  # heavy: afd.cli imports this module
+    import torch  # local import: heavy: afd.cli imports this module
+    from safetensors.torch import load_file, save_file  # local import: heavy: afd.cli imports this module
 
     file = folder / "model.safetensors"
     tensors = load_file(str(file))
@@ -184,8 +184,8 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
         raise ValueError(f"--arch {arch!r}: must be one of {', '.join(ARCHES)}")
     if fp8 and arch not in FP8_ARCHES:
         raise ValueError(f"--fp8: FP8 checkpoints are made for {', '.join(FP8_ARCHES)}, not {arch!r}")
-    import torch  # heavy: afd.cli imports this module
-    from transformers import AutoModelForCausalLM  # heavy: afd.cli imports this module
+    import torch  # local import: heavy: afd.cli imports this module
+    from transformers import AutoModelForCausalLM  # local import: heavy: afd.cli imports this module
 
     out = Path(out)
     tokenizer = _train_tokenizer(vocab_size=384)
@@ -200,7 +200,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
     if arch == "deepseek_v3":
         _add_mtp_layers(out, config)
     if fp8:
-        from afd.fp8_convert import quantize_folder  # torch: afd.cli imports this module
+        from afd.fp8_convert import quantize_folder  # local import: torch: afd.cli imports this module
 
         quantize_folder(out)
     tokenizer.save_pretrained(out)

@@ -2,12 +2,14 @@
 read with `ast`) goes to the same layer or one below, and no two packages or modules import each other.
 
 The layer order is written once, here (`LAYERS`); docs/architecture.md's table must match it. A unit is a
-top-level module (`afd/config.py` → `config`) or package (`afd/engine/` → `engine`) of `afd`.
+top-level module (`afd/config.py` → `config`) or package (`afd/engine/` → `engine`) of `afd`. An import inside a
+function is there only to keep a heavy or optional dependency out, and says so: `# local import: <reason>`.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,6 +152,66 @@ def layer_problems(root: Path, layers=LAYERS, exceptions=EXCEPTIONS) -> list[str
 def test_runtime_imports_point_down_and_never_in_a_circle():
     problems = layer_problems(RUNTIME)
     assert not problems, "\n".join(problems)
+
+
+LOCAL_REASON = re.compile(r"# local import: \S")
+
+
+def _statement_lists(node: ast.AST):
+    """The statement lists directly under `node` (bodies, else and finally branches, handlers, match cases)."""
+    for name in ("body", "orelse", "finalbody"):
+        value = getattr(node, name, None)
+        if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+            yield value
+    for clause in getattr(node, "handlers", []) + getattr(node, "cases", []):
+        yield clause.body
+
+
+def silent_local_imports(root: Path) -> list[str]:
+    """`path:line: statement` of every import inside a function under `root/afd` that gives no reason: the
+    reason is `# local import: <why>` on one of the import's lines, or on the comment line just above it (which
+    covers the imports that follow it one after another)."""
+    found = []
+    for path in sorted((root / "afd").rglob("*.py")):
+        lines = path.read_text().splitlines()
+
+        def given(node: ast.stmt) -> bool:
+            return any(LOCAL_REASON.search(line) for line in lines[node.lineno - 1: node.end_lineno])
+
+        def visit(node: ast.AST, inside: bool) -> None:
+            for statements in _statement_lists(node):
+                covered = False  # by a comment above the run of imports this one belongs to
+                for statement in statements:
+                    if not isinstance(statement, (ast.Import, ast.ImportFrom)):
+                        covered = False
+                    elif inside:
+                        above = lines[statement.lineno - 2].strip() if statement.lineno > 1 else ""
+                        covered = covered or (above.startswith("#") and bool(LOCAL_REASON.search(above)))
+                        if not (covered or given(statement)):
+                            found.append(f"{path.relative_to(root)}:{statement.lineno}: "
+                                         f"{lines[statement.lineno - 1].strip()}")
+                    is_function = isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    visit(statement, inside or is_function)
+
+        visit(ast.parse("\n".join(lines), str(path)), False)
+    return found
+
+
+def test_every_function_local_import_says_why():
+    silent = silent_local_imports(RUNTIME)
+    assert not silent, ("import these at the top of the module, or say why they must wait with "
+                        "`# local import: <reason>` (a heavy or optional dependency):\n" + "\n".join(silent))
+
+
+def test_a_local_import_without_its_reason_is_named(tmp_path):
+    root = _write(tmp_path, {"a.py": "import os\n\n\ndef f():\n"
+                                     "    # local import: heavy\n    import json\n    import csv\n\n    import re\n"
+                                     "    x = 1\n    import abc\n    import io  # local import: optional\n"
+                                     "    # why it is slow\n    import ast\n",
+                             "b.py": "class C:\n    def m(self):\n        try:\n            import zlib\n"
+                                     "        except ImportError:\n            pass\n"})
+    assert silent_local_imports(root) == ["afd/a.py:11: import abc",
+                                          "afd/a.py:14: import ast", "afd/b.py:4: import zlib"]
 
 
 def documented_layers(text: str) -> list[tuple[str, frozenset[str]]]:

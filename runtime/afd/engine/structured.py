@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 
 import torch
+from llguidance import LLMatcher
 
 from afd.engine.request import InvalidRequest
 from afd.host_copy import host_to_device
@@ -26,7 +27,7 @@ class Grammars:
     """llguidance's view of the tokenizer and a cache of compiled grammar prototypes (thread-safe)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
-        import llguidance.hf
+        import llguidance.hf  # local import: it loads transformers (seconds); built on the first structured request
 
         eos = sorted(eos_token_ids) or None  # None: the tokenizer's own EOS
         self.vocab_size = vocab_size
@@ -43,8 +44,6 @@ class Grammars:
         return self._prototype(grammar, field).deep_copy()
 
     def _prototype(self, grammar: str, field: str):
-        from llguidance import LLMatcher
-
         with self._lock:
             found = self._prototypes.get(grammar)
             if found is not None:

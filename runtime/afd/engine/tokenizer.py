@@ -11,7 +11,7 @@ _decoders: dict[int, tuple[object, Callable[[list[int]], str]]] = {}
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # local import: transformers takes seconds to import; only loading needs it
 
     return AutoTokenizer.from_pretrained(path)
 

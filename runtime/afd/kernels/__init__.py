@@ -10,7 +10,7 @@ import functools
 def triton_available() -> bool:
     """Whether Triton imports here (it ships with CUDA builds of torch)."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  # local import: optional; this probes whether it is installed
 
         return True
     except ImportError:

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from afd.host_copy import host_to_device
+from afd.kernels import triton_available
 
 
 PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -278,6 +279,7 @@ def prompt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 def _paged_kernel(q, cache_k, cache_v, block_table, seq_lens, block_size: int, scale: float, values_in_keys: bool):
     """The Triton paged decode kernel for one query per sequence: [B, Hq, Dv]."""
+    # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
     from afd.kernels.decode_attention import paged_decode_attention, paged_latent_decode_attention
 
     if values_in_keys:  # one shared latent row per token: every head reads it once per block
@@ -302,6 +304,4 @@ def _paged_decode_reference(q, cache_k, cache_v, batch: AttentionBatch, scale: f
 
 
 def _paged_kernel_available() -> bool:
-    from afd.kernels import triton_available
-
     return triton_available()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors import safe_open
 
 SUPPORTED_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "qwen3_moe")
 _FINGERPRINT_SAMPLE_BYTES = 1 << 16
@@ -77,8 +78,6 @@ class Checkpoint:
         self.loaded_keys: list[str] = []
 
     def _build_index(self) -> dict[str, Path]:
-        from safetensors import safe_open
-
         index: dict[str, Path] = {}
         for file in self.files:
             _check_readable(file)  # safetensors words a permission error as "No such file"
@@ -108,8 +107,6 @@ class Checkpoint:
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read exactly `keys` from disk, grouped by file; records them in `loaded_keys`."""
-        from safetensors import safe_open
-
         by_file: dict[Path, list[str]] = {}
         for key in keys:
             if key not in self._index:
@@ -125,8 +122,6 @@ class Checkpoint:
 
     def read_part(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (`dim` 0) or columns (`dim` 1) [start, stop) of tensor `key`, reading only those bytes."""
-        from safetensors import safe_open
-
         if key not in self._index:
             raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} is missing")
         with safe_open(str(self._index[key]), framework="pt") as handle:

@@ -80,6 +80,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora_rank else q
         table = self.rotary.table(x.device) if fused_glue(x) else None
         if table is not None:  # in place on the projections' fresh outputs: one launch instead of ~30
+            # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
             from afd.kernels.norm_rope import mla_rows_
 
             query = q.view(tokens, self.heads, -1)  # [T, heads, nope + rope]
@@ -102,6 +103,7 @@ class MultiHeadLatentAttention(nn.Module):
         query, key, _ = inputs
         if batch.max_new == 1:  # decode (what the decode graphs capture)
             if batch.block_table is not None and fused_glue(query):  # no concatenation: the kernel reads both parts
+                # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
                 from afd.kernels.decode_attention import paged_latent_decode_attention
 
                 if not stored:

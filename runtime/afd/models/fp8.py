@@ -30,7 +30,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from afd.kernels.fp8_gemm import fp8_linear  # the GPU kernels (K's module)
+            from afd.kernels.fp8_gemm import fp8_linear  # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
 
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
         return F.linear(x, dequantize_block_fp8(self.weight, self.weight_scale_inv, x.dtype, self.block), self.bias)

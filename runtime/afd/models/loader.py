@@ -15,6 +15,7 @@ from afd.models.expert_shard import shard_ffn_model, shard_parts
 from afd.kernels.fp8_blocks import FP8_DTYPE, dequantize_block_fp8
 from afd.models.fp8 import Fp8Linear
 from afd.models.layers import MoE, Router
+from afd.models.moe_prep import fuse_shared_experts
 from afd.models.quantization import SCALE_SUFFIX, check_fp8_tensors, convert_to_fp8, parse_quantization, resident_bytes
 from afd.models.spec import ModelSpec, UnsupportedModelError, parse_spec
 from afd.models.split import prune_for_role
@@ -98,8 +99,6 @@ def finish_share(model: MoECausalLM, dtype: torch.dtype, device: str | torch.dev
     (and in bf16 float32 routers on tensor cores)."""
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        from afd.models.moe_prep import fuse_shared_experts
-
         for module in model.modules():
             if isinstance(module, MoE):
                 fuse_shared_experts(module)

@@ -52,6 +52,7 @@ class GroupedQueryAttention(nn.Module):
         tokens = x.shape[0]
         table = self.rotary.table(x.device) if fused_glue(x) else None
         if table is not None and self.q_norm.weight.dtype == self.k_norm.weight.dtype == x.dtype:
+            # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
             from afd.kernels.norm_rope import qk_rows_  # norms, rotary and cache writes: one launch, not six
 
             q, k, v = fused_linear(x, self.qkv_weight, self.q_proj, self.k_proj, self.v_proj)
@@ -66,6 +67,7 @@ class GroupedQueryAttention(nn.Module):
         v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
         table = self.rotary.table(x.device) if fused_glue(x) else None
         if table is not None:  # in place on the norms' fresh outputs: one launch each instead of ~12
+            # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
             from afd.kernels.norm_rope import rope_
 
             return (rope_(q, positions, *table, interleaved=False), rope_(k, positions, *table, interleaved=False), v), False

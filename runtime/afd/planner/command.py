@@ -39,10 +39,10 @@ def add_parser(commands) -> None:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     """`afd plan --fit CR --model-config PATH`: the sizing table; 1 when a rank cannot hold its share."""
-    import yaml  # only `afd plan --fit` reads a CR
+    import yaml  # local import: only `afd plan --fit` reads a CR
 
-    from afd.models.spec import UnsupportedModelError  # model code: only when sizing
-    from afd.planner.fit import FitError, fit, render_fit  # torch and the model code: only when sizing
+    from afd.models.spec import UnsupportedModelError  # local import: model code: only when sizing
+    from afd.planner.fit import FitError, fit, render_fit  # local import: torch and the model code: only when sizing
 
     if not args.model_config:
         raise ConfigError("--fit needs --model-config PATH (a checkpoint folder or its config.json)")
@@ -67,9 +67,9 @@ def _fit_json(report) -> dict:
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.fit:
         return cmd_fit(args)
-    from afd.planner.advice import Bounds, TooFewMetrics, plan  # prometheus_client: only `afd plan` parses metrics
-    from afd.planner.collect import ScrapeError, scrape_series, urls_from_state_file  # httpx: only when scraping
-    from afd.planner.prometheus import PrometheusError, scrape_history, selector  # prometheus_client (as above)
+    from afd.planner.advice import Bounds, TooFewMetrics, plan  # local import: prometheus_client: only `afd plan` parses metrics
+    from afd.planner.collect import ScrapeError, scrape_series, urls_from_state_file  # local import: httpx: only when scraping
+    from afd.planner.prometheus import PrometheusError, scrape_history, selector  # local import: prometheus_client (as above)
 
     if args.samples < 2:
         raise ConfigError(f"--samples {args.samples}: need at least 2 (one window)")

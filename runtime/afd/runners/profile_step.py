@@ -17,6 +17,8 @@ from afd.engine.request import MAX_LOGPROBS, SamplingParams
 from afd.engine.sampler import sample
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel
+from afd.runners.attention_runner import AttentionRunner, StepOptions
+from afd.runners.monolithic import MonolithicRunner
 from afd.layout import SeqLayout
 
 
@@ -53,11 +55,7 @@ class StandInFFN:
 
 def _stepper(config: AFDConfig, loaded: LoadedModel, kv_cache: KVCache):
     if config.role == "monolithic":
-        from afd.runners.monolithic import MonolithicRunner
-
         return MonolithicRunner(loaded, kv_cache)
-    from afd.runners.attention_runner import AttentionRunner, StepOptions
-
     return AttentionRunner(loaded, StandInFFN(), kv_cache, StepOptions.of(config))
 
 

@@ -22,7 +22,7 @@ ARCHITECTURES = {
 
 def register() -> None:
     """The `vllm.general_plugins` entry point; safe to call many times, in any process."""
-    from vllm import ModelRegistry  # vLLM is optional (its own venv); afd.cli imports this package without it
+    from vllm import ModelRegistry  # local import: vLLM is optional (its own venv); afd.cli imports this package without it
 
     for name, target in ARCHITECTURES.values():
         if name not in ModelRegistry.get_supported_archs():

@@ -21,8 +21,8 @@ from afd.vllm_plugin.serve import cpu_mla_backend, engine_overrides
 
 def run(job: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams  # here: after the environment above, which vLLM reads on import
-    from vllm.platforms import current_platform  # (as above)
+    from vllm import LLM, SamplingParams  # local import: after the environment above, which vLLM reads on import
+    from vllm.platforms import current_platform  # local import: vLLM, after the environment above (as above)
 
     kwargs = dict(
         model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=job.get("enforce_eager", True),
@@ -37,7 +37,7 @@ def run(job: dict) -> dict:
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in job["prompts"]], params, use_tqdm=False)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
     if job.get("afd"):
-        from afd.vllm_plugin.remote import LAST_LOAD  # imports vLLM: after the environment set above
+        from afd.vllm_plugin.remote import LAST_LOAD  # local import: imports vLLM: after the environment set above
 
         result.update(LAST_LOAD)
     return result

@@ -85,7 +85,7 @@ def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def exec_vllm_server(config: AFDConfig, extra: list[str] | None = None) -> int:
     """Replace this process with vLLM's OpenAI server for attention rank `config.rank`."""
-    from afd.runners.device import resolve_device, resolve_dtype  # torch: afd.cli imports this module torch-free
+    from afd.runners.device import resolve_device, resolve_dtype  # local import: torch: afd.cli imports this module torch-free
 
     extra = shlex.split(config.vllm_args) + list(extra or [])  # AFD_VLLM_ARGS, through the config
     device = resolve_device(config)

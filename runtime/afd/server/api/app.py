@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+import uvicorn
 
 from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest
@@ -63,8 +64,6 @@ class ServerState:
 def http_server(app, config):
     """uvicorn serving `app` as `config` (an `AFDConfig`) says; on SIGTERM no new requests, and in-flight
     ones finish within `shutdown_grace_s`."""
-    import uvicorn
-
     return uvicorn.Server(uvicorn.Config(
         app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=int(config.shutdown_grace_s),

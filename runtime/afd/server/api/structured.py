@@ -13,6 +13,8 @@ import json
 import re
 from typing import Any, Mapping
 
+from llguidance import LLMatcher
+
 from afd.engine.request import InvalidRequest
 
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -75,8 +77,6 @@ def _response_format(value: Any) -> tuple[str, Any] | None:
 
 
 def _grammar(kind: str, value: Any, field: str) -> str:
-    from llguidance import LLMatcher
-
     if kind == "json":
         schema = value
         if isinstance(value, str):

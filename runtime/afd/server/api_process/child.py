@@ -22,7 +22,7 @@ _PR_SET_PDEATHSIG = 1
 
 def serve_api(config: AFDConfig, facts: dict) -> int:
     """The child: the app of `afd.server.api.app` on an `EngineClient`, until SIGTERM."""
-    # imported here, after `_die_with`: a child whose core is already gone exits before loading the app stack
+    # local import: after `_die_with`, so a child whose core is already gone exits before loading the app stack
     from prometheus_client import CollectorRegistry
 
     from afd.engine.tokenizer import load_tokenizer

@@ -48,7 +48,7 @@ def _candidates() -> list[str]:
     # torch's CUDA build has already loaded libnccl.so.2, so the soname resolves to it
     names = [process_setting("AFD_NCCL_LIBRARY"), "libnccl.so.2", "libnccl.so"]
     try:
-        import nvidia.nccl  # type: ignore  # optional pip wheel of NCCL: most hosts have none
+        import nvidia.nccl  # type: ignore  # local import: optional pip wheel of NCCL: most hosts have none
 
         names += glob.glob(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so*"))
     except ImportError:
