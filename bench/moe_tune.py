@@ -151,14 +151,16 @@ class Problem:
             layout = self.moe_align.align(self.ids, self.num_shared, self.down.shape[0], block_m)
             rows = layout.pairs.shape[0]
             act = torch.randn(rows, self.inter, dtype=torch.bfloat16, device="cuda").to(self.x.dtype)
-            out = torch.empty(self.num_pairs, self.hidden, dtype=torch.bfloat16, device="cuda")
+            tokens = self.num_pairs // self.slots  # routed pairs' rows here, the shared experts' apart in float32
+            out = torch.empty(tokens * self.top_k, self.hidden, dtype=torch.bfloat16, device="cuda")
+            shared_out = torch.empty(tokens * self.num_shared, self.hidden, device="cuda") if self.num_shared else None
             x_rows = torch.empty(rows, self.hidden, dtype=self.x.dtype, device="cuda")  # for GATHER
             act_scale = torch.rand(rows, self.inter // 128, device="cuda") * 1e-2 if self.scales else None
-            self.layouts[block_m] = (layout, act, out, x_rows, act_scale)
+            self.layouts[block_m] = (layout, act, (out, shared_out), x_rows, act_scale)
         return self.layouts[block_m]
 
     def launcher(self, kernel: str, block_m: int, cfg: dict):
-        layout, act, out, x_rows, act_scale = self.layout(block_m)
+        layout, act, (out, shared_out), x_rows, act_scale = self.layout(block_m)
         gate_up_scale, down_scale = self.scales or (None, None)
         if kernel == "gate_up":
             scales = {"x_scale": self.x_scale, "w_scale": gate_up_scale, "act_scale": act_scale} if self.scales else {}
@@ -166,7 +168,8 @@ class Problem:
                 self.x, self.gate_up, act, layout, self.num_pairs, self.slots, block_m, cfg, x_rows, **scales)
         scales = {"act_scale": act_scale, "w_scale": down_scale} if self.scales else {}
         return lambda: self.moe_triton.launch_down(
-            act, self.down, out, layout, self.weights, self.num_pairs, self.top_k, self.slots, block_m, cfg, **scales)
+            act, self.down, out, layout, self.weights, self.num_pairs, self.top_k, self.slots, block_m, cfg, **scales,
+            shared_out=shared_out)
 
 
 def random_experts(shape: dict, fp8: bool = False, max_routed: int | None = None):

@@ -171,8 +171,8 @@ def test_fp8_experts_stacked_in_one_tensor_are_refused(checkpoints, tmp_path):
 def test_fp8_expert_shards_split_one_shared_expert_on_block_edges_and_add_up_to_the_full_layer(tmp_path):
     """DeepSeek-V3 has one shared expert: over 2 shards each keeps half its columns as FP8 `Fp8Linear`s (the halves
     on 128-column block edges, scales sliced with them); the shards' FFN outputs add up to the unsharded FP8 layer's.
-    (On the GPU the monolith folds the shared expert into the fused kernel instead, so there the two differ by
-    rounding: tests/gpu/test_gpu_v3_afd.py.)"""
+    (On the GPU each half runs through the fused kernels as the monolith's folded expert does:
+    tests/runtime/test_shared_stack.py.)"""
     import torch
 
     from afd.models.fp8 import Fp8Linear

@@ -172,6 +172,26 @@ def test_the_slot_sum_adds_each_tokens_rows_in_float32_in_slot_order(tokens, hid
     assert got.dtype == out_dtype and torch.equal(got, want.to(out_dtype))
 
 
+@pytest.mark.parametrize("routed_slots", [0, 3])
+def test_the_slot_sum_adds_the_shared_rows_kept_apart_in_float32_last(routed_slots):
+    """Shared experts' rows come apart, in float32 ([T·S, H]), and are added after the routed ones, unrounded."""
+    from afd.kernels import moe_rows
+
+    tokens, hidden, shared = 5, 300, 2
+    torch.manual_seed(routed_slots)
+    rows = torch.randn(tokens * routed_slots, hidden).to(DEVICE, DTYPE)
+    shared_rows = (torch.randn(tokens * shared, hidden) / 3).to(DEVICE)
+    got = moe_rows.sum_slots(rows, routed_slots + shared, torch.float32, shared_rows, shared)
+    want = torch.zeros(tokens, hidden)
+    for slot in range(routed_slots):
+        want = want + rows.view(tokens, routed_slots, hidden)[:, slot].float().cpu()
+    for slot in range(shared):
+        want = want + shared_rows.view(tokens, shared, hidden)[:, slot].cpu()
+    assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="shared rows"):
+        moe_rows.sum_slots(rows, routed_slots + shared, torch.float32, shared_rows[:-1], shared)
+
+
 GATE_UP_LAYOUT_M = 32
 
 

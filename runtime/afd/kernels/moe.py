@@ -8,7 +8,11 @@ every shape follows from the token count, never from the routing. `AFD_MOE_KERNE
 (auto|triton|grouped); auto prefers Triton when it imports.
 
 Shared experts of width n·I are folded in as n extra experts that every token visits
-with weight 1 (`fuse_shared_experts`), so one kernel pair does the whole MoE layer.
+with weight 1 (`fuse_shared_experts`), so one kernel pair does the whole MoE layer. A routed
+pair's row is rounded to x's dtype before the token's float32 sum, a shared expert's is kept
+in float32: an expert-parallel shard holds only a column slice of a shared expert (its part
+of the sum, `afd.models.shared_stack`), and a whole shared output rounded before the sum is
+a rounding no shard could repeat (issue 32, session 41).
 
 FP8 experts (e4m3 stacks with 128×128 block scales, `gate_up_scale` [E, 2I/128, H/128] and
 `down_scale` [E, H/128, I/128]) run in the same Triton kernels in FP8: the tokens are quantized
@@ -115,7 +119,9 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     """[T, H]: experts `ids` ([T, k]) weighted by `weights` ([T, k]), plus the last
     `num_shared` experts of `gate_up`/`down` at weight 1 for every token; summed into `sum_dtype`
     (default x's) — an expert-parallel shard returns its partial sum in float32. FP8 experts come
-    with their block scales (`gate_up_scale`, `down_scale`)."""
+    with their block scales (`gate_up_scale`, `down_scale`). Each routed pair's weighted row is kept in x's
+    dtype before the sum, each shared expert's in float32 (see the module's docstring); `ids` may have no
+    column (k = 0: the shared experts only)."""
     from afd.kernels import fp8_gemm, moe_align, moe_rows, moe_triton  # Triton is optional: imported where it runs
 
     tokens, top_k = ids.shape
@@ -138,10 +144,16 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
         x_rows = torch.empty(rows, hidden, dtype=x_in.dtype, device=x.device)
     moe_triton.launch_gate_up(x_in, gate_up, act, layout, num_pairs, slots, block_m, cfg["gate_up"], x_rows,
                               **scales)
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T*(k+S), H] in pair order
+    out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)  # [T*k, H]: routed pairs' rows
+    shared_out = None  # [T*S, H] float32: the shared experts' rows
+    if num_shared:
+        shared_out = torch.empty(tokens * num_shared, hidden, dtype=torch.float32, device=x.device)
     moe_triton.launch_down(act, down, out, layout, weights.contiguous(), num_pairs, top_k, slots, block_m,
-                           cfg["down"], **({"act_scale": act_scale, "w_scale": down_scale} if fp8 else {}))
-    return moe_rows.sum_slots(out, slots, sum_dtype or x.dtype)
+                           cfg["down"], **({"act_scale": act_scale, "w_scale": down_scale} if fp8 else {}),
+                           shared_out=shared_out)
+    if not top_k and num_shared == 1 and (sum_dtype or x.dtype) == torch.float32:
+        return shared_out  # one float32 row a token: already the sum
+    return moe_rows.sum_slots(out, slots, sum_dtype or x.dtype, shared_out, num_shared)
 
 
 def check_fp8(gate_up, down, gate_up_scale, down_scale) -> bool:
@@ -184,7 +196,7 @@ def experts_grouped(x, weights, ids, gate_up, down, sum_dtype=None) -> torch.Ten
 def experts_cuda(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype=None, gate_up_scale=None,
                  down_scale=None) -> torch.Tensor:
     """The MoE output with the kernel `AFD_MOE_KERNEL` picks; the last `num_shared` experts are shared.
-    FP8 experts pass their block scales."""
+    FP8 experts pass their block scales. (The grouped reference keeps every pair's row in x's dtype.)"""
     if kernel_choice() == "triton":
         return experts_triton(x, weights, ids, gate_up, down, num_shared, sum_dtype, gate_up_scale, down_scale)
     if check_fp8(gate_up, down, gate_up_scale, down_scale):  # the reference path: dequantized weights

@@ -193,12 +193,13 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col, num_pairs,
-              top_k, slots, hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr):
+def _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col,
+              num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, SHARED_APART: tl.constexpr):
     """out[pair of each real row, col's block] = weight(pair) * act[row] @ down[e]ᵀ for one tile. With FP8 each
     step's product is added times act's row group scales (`act_scale` [rows, I/128]) and the weight blocks'
-    (`w_scale` [E, H/128, I/128])."""
+    (`w_scale` [E, H/128, I/128]). With SHARED_APART a routed pair's row goes to out[token·k + slot], a shared
+    expert's to shared_ptr[token·S + slot - k] in that buffer's dtype (float32: never rounded before the sum)."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
@@ -226,29 +227,38 @@ def _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scal
     routed = valid & (slot < top_k)
     weight = tl.load(weights_ptr + (pairs // slots) * top_k + slot, mask=routed, other=1.0).to(tl.float32)
     acc = acc * weight[:, None]
-    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * hidden + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    if SHARED_APART:
+        token = (pairs // slots).to(tl.int64)
+        out_ptrs = out_ptr + (token * top_k + slot)[:, None] * hidden + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=routed[:, None] & n_ok[None, :])
+        shared_ptrs = shared_ptr + (token * (slots - top_k) + slot - top_k)[:, None] * hidden + offs_n[None, :]
+        tl.store(shared_ptrs, acc.to(shared_ptr.dtype.element_ty), mask=(valid & ~routed)[:, None] & n_ok[None, :])
+    else:
+        out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * hidden + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
 def _down_kernel(
-    act, w, out_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr, act_scale, w_scale,
+    act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr, act_scale, w_scale,
     num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
-    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr,
 ):
     num_cols = tl.cdiv(hidden, BLOCK_N)
     if PERSISTENT:
         num_tiles = tl.load(used_tiles_ptr) * (layout_m // BLOCK_M)
         for job in tl.range(tl.program_id(0), num_tiles * num_cols, PROGRAMS, flatten=True):
             tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
-            _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col,
-                      num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8)
+            _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
+                      col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
+                      SHARED_APART)
     else:
         tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
-            _down_job(act, w, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col,
-                      num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8)
+            _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
+                      col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
+                      SHARED_APART)
 
 
 def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
@@ -284,9 +294,11 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
 
 
 def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,
-                block_m: int, cfg: dict, act_scale=None, w_scale=None):
+                block_m: int, cfg: dict, act_scale=None, w_scale=None, shared_out=None):
     """out[pair, H] = weight(pair) * act[row of pair] @ down[e]ᵀ for every real pair (weight 1: shared).
-    FP8 (an e4m3 `w_down`): act is e4m3 with `act_scale` [rows, I/128], `w_scale` [E, H/128, I/128]."""
+    FP8 (an e4m3 `w_down`): act is e4m3 with `act_scale` [rows, I/128], `w_scale` [E, H/128, I/128].
+    With `shared_out` ([T·S, H], float32) the shared experts' rows go there and `out` holds the routed pairs'
+    only ([T·k, H], token·k + slot)."""
     pairs, tile_expert, used_tiles = layout
     hidden, inter = w_down.shape[1], w_down.shape[2]
     fp8 = w_down.dtype == FP8
@@ -297,6 +309,8 @@ def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k
     a = operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     w = operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (act_scale, w_scale) if fp8 else (out, out)  # unread placeholders without FP8
-    args = (a, w, out, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden, inter)
+    shared = out if shared_out is None else shared_out  # an unwritten placeholder without shared rows apart
+    args = (a, w, out, shared, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden,
+            inter)
     return launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, FP8=fp8)
+                   act.device, FP8=fp8, SHARED_APART=shared_out is not None)

@@ -8,7 +8,8 @@ whole on shard 0 and as zeros elsewhere, so their output is exactly the unsharde
 shard keeps the norm and the router, which are small, so routing (top-k groups included) is
 computed the same way on each. A shard sums its (token, expert) pairs in float32 and returns
 that partial in float32; attention adds the partials and rounds once, so bf16 results match the
-unsharded rank's (whose kernel also sums the pairs in float32 and rounds once). No shard holds a
+unsharded rank's (whose kernel also sums the pairs in float32 and rounds once; on a GPU a shared-expert
+slice narrower than an expert runs through the same kernels, `afd.models.shared_stack`). No shard holds a
 full copy of the routed experts; `shard_parts` tells the loader which slice of each checkpoint
 tensor a parameter holds, so a shard reads only its own experts.
 """

@@ -1,5 +1,6 @@
 """Loaded MoE layers made ready for the fused kernels (`afd.kernels.moe`): shared experts folded
-in as extra experts, every tuned kernel compiled before serving."""
+in as extra experts (an expert-parallel shard's slice of narrower width as a stack of its own,
+`afd.models.shared_stack`), every tuned kernel compiled before serving."""
 
 from __future__ import annotations
 
@@ -7,19 +8,26 @@ import torch
 
 from afd.kernels.moe import device_table
 from afd.models.layers import MoE
+from afd.models.shared_stack import stack_mlp, stackable
 
 
 def fuse_shared_experts(moe) -> None:
     """Fold `moe.shared_experts` (width n·I) into `moe.experts` as n extra experts; frees the MLP. FP8 experts
-    take FP8 shared projections (`Fp8Linear`) with their block scales; a mix of formats stays apart."""
+    take FP8 shared projections (`Fp8Linear`) with their block scales; a mix of formats stays apart. An
+    expert-parallel shard's slice that is not whole experts (a shard returns float32 partials) runs as a
+    `SharedStack` through the same kernels, so that it rounds as the unsharded rank's folded expert does."""
     shared, experts = moe.shared_experts, moe.experts
-    if shared is None or experts is None:
+    if shared is None or experts is None or not hasattr(shared, "down_proj"):
         return
     inter = experts.down.shape[2]
     width = shared.down_proj.weight.shape[1]
     fp8 = experts.gate_up_scale is not None
     if width % inter or shared.gate_proj.bias is not None or fp8 != hasattr(shared.down_proj, "weight_scale_inv"):
-        return  # not expressible as whole experts of the same format: keep the separate MLP
+        if experts.partial_fp32 and stackable(shared):
+            moe.shared_experts = stack = stack_mlp(shared)
+            del shared  # the MLP's gate and up weights go now (the stack holds them concatenated)
+            _release(stack.gate_up)
+        return  # else not expressible as whole experts of the same format: keep the separate MLP
     count = width // inter
     with torch.no_grad():  # both new tensors before either old one is freed (see below)
         gate_up = torch.cat((experts.gate_up, _rows(shared.gate_proj.weight, shared.up_proj.weight, count)))
@@ -32,7 +40,11 @@ def fuse_shared_experts(moe) -> None:
     experts.down = torch.nn.Parameter(down, requires_grad=False)
     experts.num_shared = count
     moe.shared_experts = None
-    if gate_up.is_cuda:
+    _release(gate_up)
+
+
+def _release(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
         # hand the old tensors' segments back now: left cached, the next layer's tensors would be carved out of
         # them and pin the rest, which no KV cache could use (9 GiB at DeepSeek-V2-Lite shapes, issue 33)
         torch.cuda.empty_cache()
