@@ -148,6 +148,21 @@ def test_each_api_process_gets_the_outputs_of_its_own_requests_and_the_core_hear
     link.close()
 
 
+def test_a_link_to_no_api_process_is_refused_before_it_binds(tmp_path):
+    """0 API processes (a config with `api_children` 0 handed to the API-process core) is an error at once, not a
+    link thread failing on every poll while nothing serves HTTP."""
+    import types
+
+    import pytest
+
+    from afd.server.api_process.core_link import ApiLink
+
+    engine = types.SimpleNamespace(on_burst=None)
+    with pytest.raises(ValueError, match="1 or more API processes, got 0.*api_process or api_servers > 1"):
+        ApiLink(engine, str(tmp_path), lambda: CoreState(None, None), servers=0).close()  # close: if it were made
+    assert list(tmp_path.iterdir()) == []  # no socket bound
+
+
 def test_a_dead_api_process_is_restarted_within_a_budget_of_deaths():
     from afd.server.api_process.core import RestartBudget
 

@@ -37,6 +37,9 @@ class ApiLink:
 
     def __init__(self, engine, folder: str, state: Callable[[], CoreState], servers: int = 1, beat_s: float = 0.5,
                  stall_s: float = 10.0):
+        if servers < 1:  # nothing would serve HTTP, and the idle beat has no API process to time
+            raise ValueError(f"the core link serves 1 or more API processes, got {servers}: a config with "
+                             "api_children 0 runs the API in the engine's process (set api_process or api_servers > 1)")
         self.engine, self.state, self.beat_s, self.stall_s = engine, state, beat_s, stall_s
         self._context = zmq.Context()
         self._requests = self._context.socket(zmq.PULL)
