@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json  # noqa: E402  (also puts runtime/ on the path)
 from random_checkpoint import write_v2_lite  # noqa: E402
-from serve_gpu import add_group_arguments, ceilings, keep_log_tails, serving  # noqa: E402
+from serve_gpu import add_group_arguments, ceilings, keep_log_tails, serving, shell_connector  # noqa: E402
 from steady_streams import SteadyStreams  # noqa: E402
 
 from afd.planner.advice import Bounds, TooFewMetrics  # noqa: E402
@@ -174,7 +173,7 @@ def main() -> int:
         progress(f"checkpoint {model} ({args.layers} layers) written in {time.monotonic() - started:.0f} s")
     report = {"model": model, "args": vars(args), "levels": []}
     started = time.monotonic()
-    progress(f"starting {args.topology} on {args.device} ({os.environ.get('AFD_CONNECTOR', 'default connector')})")
+    progress(f"starting {args.topology} on {args.device} ({shell_connector('default connector')})")
     try:
         keep = lambda processes: keep_log_tails(processes, "plan_gpu")  # noqa: E731
         with serving("afd", args, model, on_failure=keep) as (processes, envs, api):

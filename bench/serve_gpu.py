@@ -41,8 +41,15 @@ from common import write_json  # noqa: E402  (also puts runtime/ on the path)
 from random_checkpoint import write_v2_lite  # noqa: E402
 from serve import one_request, percentile  # noqa: E402
 
+from afd.config import values_from_env  # noqa: E402
 from afd.local.children import LocalProcesses, free_port_block, threads_per_rank  # noqa: E402
 from afd.topology import Topology  # noqa: E402
+
+
+def shell_connector(default: str) -> str:
+    """`AFD_CONNECTOR` of this shell, read through `afd.config`'s environment table as a rank reads it, else
+    `default` (a bad name is the ranks' `ConfigError`)."""
+    return values_from_env(os.environ, hostname_rank=False).get("connector", default)
 
 
 def rank_envs(mode: str, args, model: str) -> dict[str, dict[str, str]]:
@@ -62,7 +69,7 @@ def rank_envs(mode: str, args, model: str) -> dict[str, dict[str, str]]:
         return {"api": {**common, "AFD_ROLE": "monolithic", **({"CUDA_VISIBLE_DEVICES": "0"} if gpu else {})}}
     topology = Topology.parse(args.topology)
     group = {**common, "AFD_TOPOLOGY": args.topology, "AFD_STAGES": str(args.stages), "AFD_FFN_ADDRESS_TEMPLATE": "127.0.0.1",
-             "AFD_CONNECTOR": os.environ.get("AFD_CONNECTOR", "nccl" if gpu else "zmq"), "AFD_BIND_HOST": "127.0.0.1",
+             "AFD_CONNECTOR": shell_connector("nccl" if gpu else "zmq"), "AFD_BIND_HOST": "127.0.0.1",
              "AFD_CONTROL_PORT": str(ports + 2), "AFD_DATA_PORT": str(ports + 3), "AFD_PORT_STRIDE": "2"}
     envs = {}
     for f in range(topology.num_ffn):

@@ -31,6 +31,8 @@ import httpx  # noqa: E402
 
 from serve_gpu import add_group_arguments, ceilings, drive_level, serving, write_v2_lite  # noqa: E402
 
+from afd.config import process_setting  # noqa: E402
+
 THREAD_MARKERS = (("engine", "_serve (afd/engine/engine.py"), ("output", "afd/engine/outputs.py"),
                   ("http loop", "run_forever"), ("link", "afd/connector"))
 
@@ -98,7 +100,7 @@ def main() -> int:
     model = args.model or str(write_v2_lite(Path(args.checkpoint_dir) / f"v2lite-{args.layers}", args.layers, args.device))
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
-    interval = os.environ.get("AFD_SWITCH_INTERVAL_S", "default")
+    interval = process_setting("AFD_SWITCH_INTERVAL_S") or "default"  # as `afd serve` reads it
     for mode in args.modes.split(","):
         with serving(mode, args, model) as (processes, envs, api):
             step = ceilings(api).get(args.streams)
