@@ -122,7 +122,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     with their block scales (`gate_up_scale`, `down_scale`). Each routed pair's weighted row is kept in x's
     dtype before the sum, each shared expert's in float32 (see the module's docstring); `ids` may have no
     column (k = 0: the shared experts only)."""
-    from afd.kernels import fp8_gemm, moe_align, moe_rows, moe_triton  # Triton is optional: imported where it runs
+    from afd.kernels import fp8_gemm, moe_align, moe_rows, moe_triton  # local import: Triton is optional: imported where it runs
 
     tokens, top_k = ids.shape
     num_experts, hidden, inter = down.shape
