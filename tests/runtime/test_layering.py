@@ -167,10 +167,10 @@ def _statement_lists(node: ast.AST):
         yield clause.body
 
 
-def silent_local_imports(root: Path) -> list[str]:
-    """`path:line: statement` of every import inside a function under `root/afd` that gives no reason: the
-    reason is `# local import: <why>` on one of the import's lines, or on the comment line just above it (which
-    covers the imports that follow it one after another)."""
+def local_imports(root: Path) -> list[tuple[str, bool]]:
+    """(`path:line: statement`, whether it gives its reason) of every import inside a function under `root/afd`.
+    The reason is `# local import: <why>` on one of the import's lines, or on the comment line just above it
+    (which covers the imports that follow it one after another)."""
     found = []
     for path in sorted((root / "afd").rglob("*.py")):
         lines = path.read_text().splitlines()
@@ -187,14 +187,18 @@ def silent_local_imports(root: Path) -> list[str]:
                     elif inside:
                         above = lines[statement.lineno - 2].strip() if statement.lineno > 1 else ""
                         covered = covered or (above.startswith("#") and bool(LOCAL_REASON.search(above)))
-                        if not (covered or given(statement)):
-                            found.append(f"{path.relative_to(root)}:{statement.lineno}: "
-                                         f"{lines[statement.lineno - 1].strip()}")
+                        found.append((f"{path.relative_to(root)}:{statement.lineno}: "
+                                      f"{lines[statement.lineno - 1].strip()}", covered or given(statement)))
                     is_function = isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef))
                     visit(statement, inside or is_function)
 
         visit(ast.parse("\n".join(lines), str(path)), False)
     return found
+
+
+def silent_local_imports(root: Path) -> list[str]:
+    """`path:line: statement` of every import inside a function under `root/afd` that gives no reason."""
+    return [where for where, given in local_imports(root) if not given]
 
 
 def test_every_function_local_import_says_why():
