@@ -16,6 +16,16 @@ from tests.server.conftest import Outputs
 N, MAX_TOKENS, BLOCK = 4, 6, 16
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device_parts(checkpoints, request):
+    """The model and tokenizer on each device: on a GPU the shared blocks' tail copies are device index copies."""
+    path = str(checkpoints["qwen3_moe"])
+    return load_model(path, device=request.param), load_tokenizer(path), request.param
+
+
 @pytest.fixture(scope="module")
 def parts(checkpoints):
     return load_model(str(checkpoints["qwen3_moe"])), load_tokenizer(str(checkpoints["qwen3_moe"]))
@@ -38,9 +48,9 @@ class Counting:
         return self.runner(input_ids, layout)
 
 
-def run(parts, prompt, params_list, group, pipeline=True, budget=8192):
+def run(parts, prompt, params_list, group, pipeline=True, budget=8192, device="cpu"):
     loaded, tokenizer = parts
-    cache = KVCache.for_tokens(loaded.model.kv_layouts(), 1024, torch.float32, "cpu")
+    cache = KVCache.for_tokens(loaded.model.kv_layouts(), 1024, torch.float32, device)
     step = Counting(MonolithicRunner(loaded, cache))
     engine = Engine(step, cache, tokenizer, (), max_num_seqs=8, max_model_len=256, max_num_batched_tokens=budget,
                     pipeline=pipeline).start()
@@ -60,18 +70,19 @@ def run(parts, prompt, params_list, group, pipeline=True, budget=8192):
 
 @pytest.mark.parametrize("length", [40, 32])  # a partly filled last prompt block (copied per choice), and none
 @pytest.mark.parametrize("pipeline", [True, False])
-def test_n_choices_prefill_once_share_blocks_and_equal_separate_runs(parts, length, pipeline):
+def test_n_choices_prefill_once_share_blocks_and_equal_separate_runs(device_parts, length, pipeline):
+    *parts, device = device_parts
     prompt = [(7 * i + 3) % 200 + 5 for i in range(length)]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11 + j, ignore_eos=True, logprobs=0)
               for j in range(N)]
-    shared, step = run(parts, prompt, params, group="g", pipeline=pipeline)
-    alone = [run(parts, prompt, [p], group=None, pipeline=pipeline)[0][0] for p in params]
+    shared, step = run(parts, prompt, params, group="g", pipeline=pipeline, device=device)
+    alone = [run(parts, prompt, [p], group=None, pipeline=pipeline, device=device)[0][0] for p in params]
     assert shared == alone and len({tuple(t) for t in shared}) > 1
     assert step.fed == length + N * (MAX_TOKENS - 1)  # the prompt once, then every choice's decodes
     assert step.shared_writes == 0  # every choice decodes into blocks of its own
     own = -(-(length + MAX_TOKENS) // BLOCK)
     assert step.most_blocks == own + (N - 1) * (own - length // BLOCK)  # the prompt's full blocks held once
-    _, separate = run(parts, prompt, params, group=None, pipeline=pipeline)
+    _, separate = run(parts, prompt, params, group=None, pipeline=pipeline, device=device)
     assert separate.fed == N * length + N * (MAX_TOKENS - 1) and separate.most_blocks == N * own
 
 
