@@ -305,7 +305,7 @@ class Engine:
             if self._held.taken_back(undo):  # the FFN was lost while that read the previous step
                 return None
             controls = None if plain and not self._controls.held() else self._controls.for_step(
-                sampling, logits, self.scheduler.running, self.eos_token_ids)
+                sampling, logits, self._held.in_flight().union(self.scheduler.running), self.eos_token_ids)
             sampled = sample(logits, inputs.params, inputs.generators, controls, mask).to_host()
         except Exception as err:  # only this step's requests fail; the engine and the link stay up
             log.exception("sampling failed")

@@ -44,6 +44,11 @@ class Hold:
         if undo in self.unread:
             self.unread.remove(undo)
 
+    def in_flight(self) -> set[Request]:
+        """The requests of the unread steps: a step taken back lowers the counts of their controls slots, so a slot
+        goes to another request only once none of them holds it."""
+        return {row[0] for undo in self.unread for row in undo.rows}
+
     def taken_back(self, undo: StepUndo) -> bool:
         return undo not in self.unread
 

@@ -174,13 +174,13 @@ class Controls:
         """Some request still holds a slot (given back at the next step that looks at controls)."""
         return self.state is not None and bool(self.state.slots)
 
-    def for_step(self, sampling: list[Request], logits: torch.Tensor, running, eos_token_ids: set[int]
+    def for_step(self, sampling: list[Request], logits: torch.Tensor, live, eos_token_ids: set[int]
                  ) -> StepControls | None:
-        """This step's controls (None for a batch that sets none: the plain sampler); slots of requests no longer
-        `running` are given back first."""
+        """This step's controls (None for a batch that sets none: the plain sampler); slots of requests not in `live`
+        (running, or in a step that may still be taken back) are given back first."""
         state = self.state
         if state is not None and state.slots:
-            state.release(set(running))
+            state.release(set(live))
         if not any(r.params.adjusts_logits for r in sampling):
             return None
         if state is None:

@@ -1,0 +1,253 @@
+"""Adversarial edges of n choices sharing a prompt's prefill and blocks (issue 34) with hold and resume (issue 38):
+aborts at every stage, a cache too small for every choice at once, fewer seats than choices, lost steps taken back
+mid shared prefill and mid decode, choices ending at different steps, grammars. At every launch the block owners
+are checked (each block free once or held by exactly its counted owners); at the end every block is back and the
+surviving choices equal separate runs with the same parameters."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from afd.engine.engine import Engine
+from afd.engine.request import SamplingParams
+from afd.engine.tokenizer import load_tokenizer
+from afd.kv_cache import KVCache
+from afd.models.loader import load_model
+from afd.runners.monolithic import MonolithicRunner
+from tests.server.test_engine_link_wait import FakeLink
+
+PROMPT = [(7 * i + 3) % 200 + 5 for i in range(40)]  # 2 full blocks and a partly filled third (block size 16)
+
+
+@pytest.fixture(scope="module")
+def parts(checkpoints):
+    path = str(checkpoints["qwen3_moe"])
+    return load_model(path), load_tokenizer(path)
+
+
+class Probe:
+    """The CPU monolith as the step: counts launches and tokens fed, runs `hooks[n]()` at launch n (before the step
+    runs: an abort is then taken at the loop's next turn, while this step is unread), and checks the blocks of the
+    running requests against the scheduler's counted owners at every launch (`violations`)."""
+
+    def __init__(self, runner):
+        self.runner, self.kv_cache = runner, runner.kv_cache
+        self.engine, self.hooks, self.launches, self.fed, self.violations = None, {}, 0, 0, []
+
+    @property
+    def logit_rows(self):
+        return self.runner.logit_rows
+
+    @logit_rows.setter
+    def logit_rows(self, rows):
+        self.runner.logit_rows = rows
+
+    @property
+    def row_logits(self):
+        return self.runner.row_logits
+
+    def __call__(self, input_ids, layout):
+        self.launches += 1
+        self.fed += input_ids.numel()
+        self.check_owners()
+        hook = self.hooks.pop(self.launches, None)
+        if hook is not None:
+            hook()
+        return self.runner(input_ids, layout)
+
+    def check_owners(self):
+        scheduler, cache = self.engine.scheduler, self.kv_cache
+        held: dict[int, int] = {}
+        for request in scheduler.running:
+            for block in request.blocks:
+                held[block] = held.get(block, 0) + 1
+        free = list(cache._free)
+        extra = scheduler.blocks._extra
+        if len(set(free)) != len(free):
+            self.violations.append(f"launch {self.launches}: a block is free twice")
+        if set(free) & set(held):
+            self.violations.append(f"launch {self.launches}: blocks free and held: {sorted(set(free) & set(held))}")
+        wrong = {b: n for b, n in held.items() if n != 1 + extra.get(b, 0)}
+        if wrong:
+            self.violations.append(f"launch {self.launches}: owners != holders: {wrong}")
+        if len(set(free) | set(held)) != cache.num_blocks:
+            self.violations.append(f"launch {self.launches}: blocks lost")
+
+
+def make(parts, tokens=1024, max_num_seqs=8, budget=8192, link=None, hold_s=0.0, max_model_len=256):
+    loaded, tokenizer = parts
+    cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch.float32, "cpu")
+    probe = Probe(MonolithicRunner(loaded, cache))
+    engine = Engine(probe, cache, tokenizer, (), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                    max_num_batched_tokens=budget, link=link, link_check_s=0.05, hold_s=hold_s)
+    probe.engine = engine
+    return engine, probe
+
+
+class Collected:
+    """Each request's outputs by index; `wait(indexes)` until those finished."""
+
+    def __init__(self, count):
+        self.lists = [[] for _ in range(count)]
+        self.done = [threading.Event() for _ in range(count)]
+
+    def collector(self, index):
+        def on_output(out):
+            self.lists[index].append(out)
+            if out.finished:
+                self.done[index].set()
+        return on_output
+
+    def wait(self, indexes, timeout=60):
+        for index in indexes:
+            assert self.done[index].wait(timeout), f"choice {index} never finished"
+        return self.lists
+
+
+def submit(engine, params_list, prompt=PROMPT, group="g"):
+    outputs = Collected(len(params_list))
+    with engine.together():
+        for index, params in enumerate(params_list):
+            engine.submit(prompt, params, outputs.collector(index), request_id=f"c{index}", group=group)
+    return outputs
+
+
+def settled(engine, probe, timeout=5.0):
+    """Every block back, no shared owner, no leader left, nothing running or waiting; the owners were right at every
+    launch."""
+    cache, scheduler = engine.kv_cache, engine.scheduler
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (scheduler.running or scheduler.waiting
+                                           or cache.free_blocks != cache.num_blocks):
+        time.sleep(0.01)
+    assert not scheduler.running and not scheduler.waiting
+    assert sorted(cache._free) == list(range(cache.num_blocks))  # each block free exactly once
+    assert not scheduler.blocks.shared and not scheduler.leaders
+    assert probe.violations == []
+
+
+def token_ids(outs):
+    return [t for o in outs for t in o.token_ids]
+
+
+def separate(parts, params_list, prompt=PROMPT):
+    """Each parameter set's tokens as a request of its own (no group), in one engine."""
+    engine, probe = make(parts)
+    engine.start()
+    try:
+        outputs = submit(engine, params_list, prompt, group=None)
+        results = outputs.wait(range(len(params_list)))
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert all(o.error is None for outs in results for o in outs)
+    return [token_ids(outs) for outs in results]
+
+
+def seeded(n=4, max_tokens=6, **extra):
+    return [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=31 + j, ignore_eos=True, **extra)
+            for j in range(n)]
+
+
+# -- aborts --------------------------------------------------------------------------------------------------------
+
+# With a 16-token budget the 40-token prompt is fed in 3 chunks (launches 1-3); the choices board at launch 3.
+ABORT_AT = {"queued": 0, "first_chunk": 1, "second_chunk": 2, "boarding": 3, "decoding": 5}
+
+
+@pytest.mark.parametrize("at", list(ABORT_AT))
+@pytest.mark.parametrize("who", ["leader", "rider", "all"])
+def test_an_aborted_choice_frees_its_blocks_and_the_others_equal_separate_runs(parts, at, who):
+    params = seeded()
+    aborted = {"leader": [0], "rider": [2], "all": [0, 1, 2, 3]}[who]
+    engine, probe = make(parts, budget=16)
+    outputs = submit(engine, params)
+    abort = lambda: [engine.abort(f"c{i}") for i in aborted]  # noqa: E731
+    if ABORT_AT[at]:
+        probe.hooks[ABORT_AT[at]] = abort
+    else:
+        abort()  # taken with the submissions, before the first step
+    engine.start()
+    try:
+        survivors = [i for i in range(len(params)) if i not in aborted]
+        results = outputs.wait(survivors)
+        if not survivors:  # nothing to wait for: wait for the aborts to be taken
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and engine.num_running + engine.num_waiting:
+                time.sleep(0.01)
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert all(o.error is None for i in survivors for o in results[i])
+    expected = separate(parts, params)
+    assert [token_ids(results[i]) for i in survivors] == [expected[i] for i in survivors]
+    for i in aborted:  # an abort delivers nothing after it is taken: never a finished output
+        assert not any(o.finished for o in results[i])
+
+
+# -- a cache too small for every choice at once, fewer seats than choices ---------------------------------------------
+
+@pytest.mark.parametrize("tokens, seats", [(64, 8), (1024, 2), (80, 2), (48, 8)])
+def test_choices_that_cannot_all_run_at_once_wait_and_equal_separate_runs(parts, tokens, seats):
+    """64 tokens: the leader (3 blocks) and one rider (1 own block) fit; the others wait for room, then prefill on
+    their own (and the fourth rides the third's prefill if it is still being fed). 48: one choice at a time."""
+    params = seeded()
+    engine, probe = make(parts, tokens=tokens, max_num_seqs=seats, budget=16)
+    engine.start()
+    try:
+        outputs = submit(engine, params)
+        results = outputs.wait(range(len(params)), timeout=60)
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert all(o.error is None for outs in results for o in outs)
+    assert [token_ids(outs) for outs in results] == separate(parts, params)
+    assert probe.fed < len(params) * len(PROMPT) + len(params) * 6 or tokens == 48  # some prompt was shared
+
+
+# -- lost steps taken back (hold and resume) ---------------------------------------------------------------------------
+
+PENALIZED = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize("lose_at", [1, 2, 3, 4, 6])  # mid shared prefill, at the boarding step, mid decode
+@pytest.mark.parametrize("controls", ["plain", "penalized"])
+def test_a_lost_step_is_taken_back_and_every_choice_equals_separate_runs(parts, lose_at, controls):
+    params = seeded(max_tokens=8, **(PENALIZED if controls == "penalized" else {}))
+    link = FakeLink([], lose_at=lose_at)
+    engine, probe = make(parts, budget=16, link=link, hold_s=10.0)
+    engine.start()
+    try:
+        outputs = submit(engine, params)
+        results = outputs.wait(range(len(params)))
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert all(o.error is None for outs in results for o in outs) and link.recovered == 1
+    assert [token_ids(outs) for outs in results] == separate(parts, params)
+    assert all(len(token_ids(outs)) == 8 for outs in results)  # no token twice, none missing
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_lost_step_of_an_aborted_choice_leaves_no_count_on_the_choice_that_took_its_controls_slot(parts, temperature):
+    """Three penalized choices, two seats: the leader is aborted while its decode step (launch 2) is unread; the
+    third choice takes its seat and, in launch 3, its controls slot; then launch 2 is lost. Taking it back must not
+    lower the counts of the slot's new owner (its frequency penalty would turn into a bonus)."""
+    params = [SamplingParams(max_tokens=8, temperature=temperature, seed=41 + j, ignore_eos=True,
+                             frequency_penalty=2.0, presence_penalty=0.5) for j in range(3)]
+    link = FakeLink([], lose_at=2)
+    engine, probe = make(parts, max_num_seqs=2, link=link, hold_s=10.0)
+    probe.hooks[2] = lambda: engine.abort("c0")
+    engine.start()
+    try:
+        outputs = submit(engine, params)
+        results = outputs.wait([1, 2])
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert link.recovered == 1 and all(o.error is None for i in (1, 2) for o in results[i])
+    expected = separate(parts, params)
+    assert [token_ids(results[i]) for i in (1, 2)] == expected[1:]
