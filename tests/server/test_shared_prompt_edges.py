@@ -251,3 +251,48 @@ def test_a_lost_step_of_an_aborted_choice_leaves_no_count_on_the_choice_that_too
     assert link.recovered == 1 and all(o.error is None for i in (1, 2) for o in results[i])
     expected = separate(parts, params)
     assert [token_ids(results[i]) for i in (1, 2)] == expected[1:]
+
+
+def prompt_entries(outs):
+    """The first output's prompt logprobs as (token, logprob to 4 places) pairs (None first)."""
+    first = outs[0].prompt_logprobs
+    return [None if e is None else (e.token_id, round(e.logprob, 4)) for e in first]
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["alone", "beside_another_group"])
+def test_choices_taken_back_to_wait_for_a_leader_aborted_meanwhile_share_one_prefill_again(parts, busy):
+    """The leader is aborted while the step that boards its riders (launch 3, its last chunk) is unread, and that
+    step is lost: taken back, the riders wait for a prefill again, from a leader that has ended. They must not each
+    prefill into the one prompt-logprob list, nor wait for a leader that never comes (beside another group's
+    choices, which keep the scheduler's set of leaders non-empty)."""
+    params = seeded(n=3, prompt_logprobs=1)
+    boarding = 4 if busy else 3  # beside the other group's prefill and decodes the prompt takes 4 chunks
+    link = FakeLink([], lose_at=boarding)
+    engine, probe = make(parts, budget=16, link=link, hold_s=10.0)
+    probe.hooks[boarding] = lambda: engine.abort("c0")
+    other = Collected(3)
+    if busy:  # another request's choices, riding a leader through the whole test
+        with engine.together():
+            for index in range(3):
+                engine.submit(list(range(60, 70)), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                              other.collector(index), request_id=f"h{index}", group="h")
+    outputs = submit(engine, params)
+    engine.start()
+    try:
+        results = outputs.wait([1, 2])
+        other_tokens = len(token_ids(other.lists[0]))
+        other.wait(range(3) if busy else [])
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert link.recovered == 1 and all(o.error is None for i in (1, 2) for o in results[i])
+    engine_alone, _ = make(parts)
+    engine_alone.start()
+    try:
+        alone = submit(engine_alone, params[1:], group=None).wait(range(2))
+    finally:
+        engine_alone.stop()
+    assert [token_ids(results[i]) for i in (1, 2)] == [token_ids(outs) for outs in alone]
+    assert [prompt_entries(results[i]) for i in (1, 2)] == [prompt_entries(outs) for outs in alone]
+    if busy:  # they went on at once, not after the other group's choices
+        assert other_tokens < 20

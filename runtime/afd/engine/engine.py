@@ -381,6 +381,7 @@ class Engine:
         back = self._held.take_back(self.vocab_size, self.device)
         if back is not None:
             self._step_id, self._prev_tokens = back
+            self.scheduler.taken_back()
 
     def _holding(self) -> int:
         with self._wake:

@@ -18,7 +18,7 @@ from collections import deque
 from itertools import islice
 
 from afd.engine.request import InvalidRequest, Request
-from afd.engine.shared_prompt import BlockOwners, hand_over, leader_of, leave, ride, riding, shared_blocks
+from afd.engine.shared_prompt import BlockOwners, hand_over, leader_of, leave, rejoin, ride, riding, shared_blocks
 from afd.engine.step_cost import PrefillPacer
 from afd.kv_cache import KVCache
 
@@ -127,6 +127,11 @@ class Scheduler:
         if request.blocks:
             self.blocks.release(request.blocks)
             request.blocks = ()
+
+    def taken_back(self) -> None:
+        """Launched steps were taken back (hold and resume): riders waiting again for a leader that ended meanwhile
+        ride the first of them (`afd.engine.shared_prompt.rejoin`)."""
+        rejoin(self.running, self.leaders)
 
     def abort(self, request_ids: set[str]) -> list[Request]:
         """End and free the running or waiting requests of `request_ids` (tokens already launched are dropped)."""

@@ -8,7 +8,8 @@ its own. The prompt's full blocks are shared, with counted owners (`BlockOwners`
 when its last owner finishes); the blocks past them are each request's own, and the partly filled
 last prompt block is copied into the rider's own before its first decode step (`copy_tails`), so
 no request ever writes into a block it shares. A leader that ends before its prompt is in hands
-its riders to the first of them, which prefills (`hand_over`). A choice that finds no room beside
+its riders to the first of them, which prefills (`hand_over`); so do riders put back to wait for a leader that
+ended meanwhile, when launched steps are taken back (`rejoin`, hold and resume). A choice that finds no room beside
 its leader runs as a request of its own (its own prefill), as before. The scheduler keeps the set of
 requests with riders (`leaders`): with none, a step costs what it cost before.
 """
@@ -114,6 +115,18 @@ def hand_over(leader: Request, leaders: set[Request]) -> None:
         rider.shares, rider.prompt_logprobs = first, first.prompt_logprobs
     if rest:
         leaders.add(first)
+
+
+def rejoin(running: Sequence[Request], leaders: set[Request]) -> None:
+    """After launched steps are taken back (hold and resume): riders put back to wait for a prefill whose leader has
+    ended meanwhile ride the first of them, which prefills (as `hand_over` does)."""
+    live, orphans = set(running), {}
+    for request in running:
+        if riding(request) and request.shares not in live:
+            orphans.setdefault(request.shares, []).append(request)
+    for leader, riders in orphans.items():
+        leader.riders = riders
+        hand_over(leader, leaders)
 
 
 def leave(request: Request, leaders: set[Request]) -> None:
