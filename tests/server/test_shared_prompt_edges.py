@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from afd.connector.base import PeerLost
 from afd.engine.engine import Engine
 from afd.engine.request import SamplingParams
 from afd.engine.tokenizer import load_tokenizer
@@ -77,11 +78,11 @@ class Probe:
             self.violations.append(f"launch {self.launches}: blocks lost")
 
 
-def make(parts, tokens=1024, max_num_seqs=8, budget=8192, link=None, hold_s=0.0, max_model_len=256):
+def make(parts, tokens=1024, max_num_seqs=8, budget=8192, link=None, hold_s=0.0, max_model_len=256, eos=()):
     loaded, tokenizer = parts
     cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch.float32, "cpu")
     probe = Probe(MonolithicRunner(loaded, cache))
-    engine = Engine(probe, cache, tokenizer, (), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+    engine = Engine(probe, cache, tokenizer, eos, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                     max_num_batched_tokens=budget, link=link, link_check_s=0.05, hold_s=hold_s)
     probe.engine = engine
     return engine, probe
@@ -296,3 +297,157 @@ def test_choices_taken_back_to_wait_for_a_leader_aborted_meanwhile_share_one_pre
     assert [prompt_entries(results[i]) for i in (1, 2)] == [prompt_entries(outs) for outs in alone]
     if busy:  # they went on at once, not after the other group's choices
         assert other_tokens < 20
+
+
+def outcome(outs):
+    """(tokens, text, finish reason) of one request."""
+    return token_ids(outs), "".join(o.text for o in outs), outs[-1].finish_reason
+
+
+def run_choices(parts, params, lose_at=None, seats=8, budget=16, group="g", eos=()):
+    link = FakeLink([], lose_at=lose_at) if lose_at else None
+    engine, probe = make(parts, budget=budget, max_num_seqs=seats, link=link, hold_s=10.0 if link else 0.0, eos=eos)
+    engine.start()
+    try:
+        results = submit(engine, params, group=group).wait(range(len(params)))
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert all(o.error is None for outs in results for o in outs)
+    assert link is None or link.recovered == 1
+    return [outcome(outs) for outs in results]
+
+
+@pytest.mark.parametrize("lose_at, seats", [(None, 8), (5, 8), (3, 8), (None, 2), (4, 2)])
+def test_choices_ending_at_different_steps_each_equal_their_separate_run(parts, lose_at, seats):
+    """max_tokens, a stop token, a stop string and min_tokens holding a stop token back, one per choice: each ends
+    at its own step (some while the others decode on, some inside the pipelined loop's extra step)."""
+    free = [SamplingParams(max_tokens=10, temperature=1.0, seed=51 + j, ignore_eos=True) for j in range(4)]
+    texts = run_choices(parts, free, group=None)
+    stop_text = texts[2][1][4:6]  # two characters of the third choice's text: it stops there
+    assert stop_text.strip()
+    params = [
+        SamplingParams(max_tokens=3, temperature=1.0, seed=51, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=52, ignore_eos=True, stop_token_ids=(texts[1][0][2],)),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=53, ignore_eos=True, stop=(stop_text,)),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=54, ignore_eos=True, min_tokens=4,
+                       stop_token_ids=(texts[3][0][1],)),
+    ]
+    shared = run_choices(parts, params, lose_at=lose_at, seats=seats)
+    assert shared == run_choices(parts, params, group=None)
+    assert [len(tokens) for tokens, _, _ in shared][:2] == [3, 3] and shared[0][2] == "length"
+    assert shared[1][2] == shared[2][2] == "stop" and stop_text not in shared[2][1]
+    assert len(shared[3][0]) >= 4 and texts[3][0][1] not in shared[3][0][:3]
+
+
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["ab", "cd", "ef", "gh"]}, "ok": {"type": "boolean"}},
+          "required": ["kind", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("lose_at", [None, 3, 6])
+def test_structured_choices_follow_their_grammar_each_and_equal_separate_runs(parts, lose_at):
+    """json_schema choices (llguidance matchers of their own, masks on their leader's row at boarding), ended by the
+    grammar's EOS: each parses, validates and equals its separate run, a lost step taken back or not."""
+    from afd.server.api.structured import grammar_of
+
+    grammar = grammar_of({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})[0]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=61 + j, grammar=grammar) for j in range(4)]
+    eos = (parts[1].eos_token_id,)
+    shared = run_choices(parts, params, lose_at=lose_at, eos=eos)
+    assert shared == run_choices(parts, params, group=None, eos=eos)
+    assert len({text for _, text, _ in shared}) > 1
+    for _, text, reason in shared:
+        assert reason == "stop"
+        value = json.loads(text)
+        assert set(value) == {"kind", "ok"} and value["kind"] in SCHEMA["properties"]["kind"]["enum"]
+        assert isinstance(value["ok"], bool)
+
+
+@pytest.mark.parametrize("lose_at", [2, 3])
+@pytest.mark.parametrize("at", ["first_chunk", "second_chunk"])
+def test_prompt_logprobs_of_choices_handed_over_or_taken_back_equal_separate_runs(parts, at, lose_at):
+    """The leader aborted mid prefill (its riders handed to the first of them), then a lost step: every surviving
+    choice's prompt logprobs and tokens equal its own run's."""
+    params = seeded(n=3, prompt_logprobs=2)
+    link = FakeLink([], lose_at=lose_at)
+    engine, probe = make(parts, budget=16, link=link, hold_s=10.0)
+    probe.hooks[ABORT_AT[at]] = lambda: engine.abort("c0")
+    outputs = submit(engine, params)
+    engine.start()
+    try:
+        results = outputs.wait([1, 2])
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert all(o.error is None for i in (1, 2) for o in results[i])
+    alone_engine, _ = make(parts)
+    alone_engine.start()
+    try:
+        alone = submit(alone_engine, params[1:], group=None).wait(range(2))
+    finally:
+        alone_engine.stop()
+    assert [token_ids(results[i]) for i in (1, 2)] == [token_ids(outs) for outs in alone]
+    assert [prompt_entries(results[i]) for i in (1, 2)] == [prompt_entries(outs) for outs in alone]
+    assert len(prompt_entries(results[1])) == len(PROMPT)
+
+
+class DownLink(FakeLink):
+    """An FFN link whose re-handshake fails `down_checks` times (the FFN rank restarting) before it is back."""
+
+    def __init__(self, down_checks: int):
+        super().__init__([])
+        self.down_checks = down_checks
+
+    def recover(self) -> None:
+        if self.down_checks > 0:
+            self.down_checks -= 1
+            raise PeerLost("ffn rank 0 refused the connection")
+        super().recover()
+
+
+def lost():
+    raise PeerLost("ffn rank 0 is gone: connection closed")
+
+
+@pytest.mark.parametrize("at", ["first_chunk", "boarding", "decoding"])
+def test_choices_held_past_the_hold_time_all_fail_and_give_every_block_back(parts, at):
+    params = seeded(n=3)
+    engine, probe = make(parts, budget=16, link=DownLink(10_000), hold_s=0.3)
+    probe.hooks[ABORT_AT[at]] = lost
+    engine.start()
+    try:
+        results = submit(engine, params).wait(range(3))
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    for outs in results:
+        assert outs[-1].finish_reason == "error" and "PeerLost" in outs[-1].error
+        assert sum(o.finished for o in outs) == 1
+
+
+@pytest.mark.parametrize("who", ["leader", "rider"])
+@pytest.mark.parametrize("at", ["first_chunk", "second_chunk", "boarding", "decoding"])
+def test_a_choice_aborted_while_the_choices_are_held_frees_its_blocks_and_the_rest_go_on_unchanged(parts, at, who):
+    """The FFN is lost inside a launch (the step taken back) and stays away for a few link checks; meanwhile a
+    choice is aborted (taken while the others are held). Once it is back the others equal separate runs."""
+    params = seeded(n=3, **PENALIZED)
+    victim = {"leader": 0, "rider": 1}[who]
+    link = DownLink(4)
+    engine, probe = make(parts, budget=16, link=link, hold_s=10.0)
+
+    def abort_and_lose():
+        engine.abort(f"c{victim}")
+        lost()
+
+    probe.hooks[ABORT_AT[at]] = abort_and_lose
+    outputs = submit(engine, params)
+    engine.start()
+    try:
+        survivors = [i for i in range(3) if i != victim]
+        results = outputs.wait(survivors)
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert link.recovered == 1 and all(o.error is None for i in survivors for o in results[i])
+    expected = separate(parts, params)
+    assert [token_ids(results[i]) for i in survivors] == [expected[i] for i in survivors]
