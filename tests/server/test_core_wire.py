@@ -1,6 +1,11 @@
 """The messages between the API process and the engine core, and the text the API makes from token ids."""
 
 import contextlib
+import pickle
+import re
+from dataclasses import astuple
+
+import pytest
 
 from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
 from afd.server.api_process import core_wire
@@ -207,3 +212,168 @@ def test_the_api_side_holds_stop_strings_back_until_min_tokens():
     steps = [RequestOutput("r", "", [t], [], completion_tokens=i + 1) for i, t in enumerate([1, 0, 1])]
     ended = [text.fill(o) for o in steps]  # "b" at the first token does not stop it; at the third it does
     assert ended == [False, False, True] and "".join(o.text for o in steps) == "ba"
+
+
+def test_a_batch_of_submits_arrives_as_sent():
+    params = [SamplingParams(max_tokens=3, seed=5 + j, stop=("x",)) for j in range(3)]
+    submits = [(f"r{j}", [1, 2, j], params[j], 7.5 + j, "g") for j in range(3)]
+    assert core_wire.decode_request(core_wire.encode_submits(1, submits)) == (core_wire.SUBMITS, 1, submits)
+
+
+def _pickled(value) -> bytes:
+    return pickle.dumps(value)
+
+
+_PARAMS = astuple(SamplingParams(max_tokens=3))  # as a submit carries them; max_tokens first
+
+
+MALFORMED = [
+    (b"\x80\x05garbage", "not a pickled message"),
+    (_pickled(["submits", 0, []]), "not a request message"),
+    (_pickled(("launch", 0)), "not a request message"),
+    (_pickled(("submits", "0", [("r", [1], _PARAMS, 1.0, "g")])), "API process '0'"),
+    (_pickled(("submits", 0, [])), "non-empty list of submits"),
+    (_pickled(("submits", 0, ("r", [1], _PARAMS, 1.0, "g"))), "non-empty list of submits"),
+    (_pickled(("submits", 0, [("r", [1], _PARAMS, 1.0, "g"), ("s", [1], _PARAMS)])), "submit 1 of a batch is not"),
+    (_pickled(("submits", 0, [("r", [1, "2"], _PARAMS, 1.0, "g")])), "submit 0 of a batch (r) has prompt ids"),
+    (_pickled(("submits", 0, [("r", [1], _PARAMS[:2], 1.0, "g")])), "not a tuple of"),
+    (_pickled(("submits", 0, [("r", [1], (0,) + _PARAMS[1:], 1.0, "g")])), "max_tokens must be at least 1"),
+    (_pickled(("submits", 0, [(5, [1], _PARAMS, 1.0, "g")])), "request id 5, not a string"),
+    (_pickled(("submits", 0, [("r", [1], _PARAMS, "soon", "g")])), "arrival 'soon'"),
+    (_pickled(("submit", 0, "r", [1], _PARAMS, 1.0)), "a submit message of 6 fields"),
+    (_pickled(("abort", 0, None)), "abort of request id None"),
+    (_pickled(("beat", 0, "yes", None)), "a beat of"),
+]
+
+
+@pytest.mark.parametrize("message, says", MALFORMED, ids=[says for _, says in MALFORMED])
+def test_a_malformed_request_message_is_refused_whole_saying_why(message, says):
+    with pytest.raises(core_wire.BadMessage, match=re.escape(says)):
+        core_wire.decode_request(message)
+
+
+class Recording:
+    """An engine that records each `together()` block's submits and answers each at once with one finished token;
+    a prompt starting with 0 makes its submit fail as a bug would."""
+
+    on_burst = None
+
+    def __init__(self):
+        self.blocks: list[list[str]] = []
+        self.inside = None
+
+    @contextlib.contextmanager
+    def together(self):
+        self.inside = []
+        yield
+        self.blocks.append(self.inside)
+        self.inside = None
+
+    def submit(self, prompt_ids, params, on_output, request_id, text, arrival, group):
+        if prompt_ids[0] == 0:
+            raise RuntimeError("the engine broke")
+        self.inside.append(request_id)
+        on_output(RequestOutput(request_id, "", [prompt_ids[0]], [], finished=True, finish_reason="length"))
+        self.on_burst()
+
+    def abort(self, request_id):
+        pass
+
+
+def test_the_core_drops_a_garbage_batch_with_a_log_line_and_admits_a_good_one_together(tmp_path, caplog):
+    """A batch it cannot read is dropped, the link thread goes on; a batch is one `together()` block; a submit the
+    engine fails on is answered with an error and the rest of its batch is admitted."""
+    import zmq
+
+    from afd.server.api_process.core_link import ApiLink, addresses
+
+    engine = Recording()
+    link = ApiLink(engine, str(tmp_path), lambda: CoreState(None, None), beat_s=0.05).start()
+    context = zmq.Context()
+    requests, outputs = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    requests.connect(addresses(str(tmp_path))[0])
+    outputs.connect(addresses(str(tmp_path))[1])
+    params = SamplingParams(max_tokens=1)
+    try:
+        requests.send(b"\x80\x05garbage")
+        requests.send(_pickled(("submits", 0, [("a", [1], astuple(params), 1.0, "g"), ("b", "oops", (), None, "g")])))
+        requests.send(core_wire.encode_submits(0, [(rid, [first], params, 1.0, "g")
+                                                   for rid, first in (("c", 3), ("d", 0), ("e", 4))]))
+        answers = {}
+        while len(answers) < 3:
+            assert outputs.poll(10_000), "the link stopped answering"
+            answers.update((o.request_id, o) for o in core_wire.decode_outputs(outputs.recv())[1])
+    finally:
+        requests.close(linger=0)
+        outputs.close(linger=0)
+        context.term()
+        link.close()
+    assert engine.blocks[-1] == ["c", "e"]  # one block: the batch's choices admitted together
+    assert [answers[r].token_ids for r in "ce"] == [[3], [4]] and answers["d"].finish_reason == "error"
+    assert answers["d"].error == "the engine core could not take the request: the engine broke"
+    dropped = [r.getMessage() for r in caplog.records if "cannot read" in r.getMessage()]
+    assert len(dropped) == 2
+    assert dropped[0].startswith("a request message the core cannot read (9 bytes): dropped: not a pickled message")
+    assert "dropped: submit 1 of a batch (b) has prompt ids 'oops', not a non-empty list of ints" in dropped[1]
+    assert all("a" not in block for block in engine.blocks)  # nothing of the bad batch was admitted
+
+
+class Sent:
+    """The API process's request socket: records what it sends, or refuses everything as zmq does with no core."""
+
+    def __init__(self, connected: bool):
+        self.connected, self.messages = connected, []
+
+    def send(self, message, flags=0):
+        import zmq
+
+        if not self.connected:
+            raise zmq.Again()
+        self.messages.append(core_wire.decode_request(message))
+
+    def close(self):
+        pass
+
+
+def _client(tmp_path, connected: bool):
+    from afd.kv_cache import KVBlocks
+    from afd.server.api_process.engine_client import EngineClient
+
+    client = EngineClient(str(tmp_path), Letters(), KVBlocks(8, 16), 4, 64, 128)
+    client._requests.close(linger=0)
+    client._requests = Sent(connected)
+    return client
+
+
+def test_the_choices_of_one_together_go_to_the_core_as_one_message(tmp_path):
+    client = _client(tmp_path, connected=True)
+    got: list = []
+    with client.together():
+        with client.together():  # nested: the outer block sends
+            first = client.submit([1, 2], SamplingParams(max_tokens=2, seed=1), got.append, group="g")
+        assert client._requests.messages == []  # nothing sent before the block ends
+        dropped = client.submit([1, 2], SamplingParams(max_tokens=2, seed=2), got.append, group="g")
+        client.abort(dropped.request_id)  # never sent: nothing to abort in the core
+        last = client.submit([1, 2], SamplingParams(max_tokens=2, seed=3), got.append, group="g")
+    lone = client.submit([3], SamplingParams(max_tokens=2), got.append)
+    [batch, single] = client._requests.messages
+    assert batch[:2] == (core_wire.SUBMITS, 0)
+    assert [(rid, ids, p.seed, arrival, group) for rid, ids, p, arrival, group in batch[2]] == [
+        (first.request_id, [1, 2], 1, first.arrival, "g"), (last.request_id, [1, 2], 3, last.arrival, "g")]
+    assert single == (core_wire.SUBMIT, 0, lone.request_id, [3], SamplingParams(max_tokens=2), lone.arrival, None)
+    assert got == [] and client.num_waiting_here == 3
+    client.close()
+
+
+def test_a_batch_the_core_cannot_be_sent_fails_each_request_as_a_lone_submit_does(tmp_path):
+    client = _client(tmp_path, connected=False)
+    got: dict[int, list] = {j: [] for j in range(4)}
+    with client.together():
+        for j in range(3):
+            client.submit([1, 2], SamplingParams(max_tokens=2, seed=j), got[j].append, group="g")
+        assert all(not outputs for outputs in got.values())  # failed at the block's end, not before
+    client.submit([1, 2], SamplingParams(max_tokens=2), got[3].append)
+    assert all(len(outputs) == 1 for outputs in got.values()) and client.num_waiting_here == 0
+    assert {(o.finished, o.finish_reason, o.error) for outputs in got.values() for o in outputs} == {
+        (True, "error", "the engine core is not connected")}
+    client.close()

@@ -1,12 +1,13 @@
 """The engine core's end of the link to its API processes (`AFD_API_PROCESS`, `AFD_API_SERVERS`).
 
-One thread takes the API processes' submits, aborts and heartbeats (one socket for all) and hands
-them to the engine (token ids only: the API makes the text, `request_text`). The engine's output
-thread collects each step's outputs here, by the API process that submitted each request, and when
-the step's burst ends (`Engine.on_burst`) sends each API process its outputs in one message with the
-core's state on that process's own socket; when idle, the thread sends each the state alone every
-`beat_s`. A request the engine refuses or cannot take ends with an error output, so no API process
-waits for an answer that will not come.
+One thread takes the API processes' submits (one message may carry a prompt's choices: admitted
+together), aborts and heartbeats (one socket for all; a message it cannot read is dropped with a log
+line) and hands them to the engine (token ids only: the API makes the text, `request_text`). The
+engine's output thread collects each step's outputs here, by the API process that submitted each
+request, and when the step's burst ends (`Engine.on_burst`) sends each API process its outputs in
+one message with the core's state on that process's own socket; when idle, the thread sends each
+the state alone every `beat_s`. A request the engine refuses or cannot take ends with an error
+output, so no API process waits for an answer that will not come.
 """
 
 from __future__ import annotations
@@ -156,11 +157,18 @@ class ApiLink:
                 message = self._requests.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind, api, *rest = core_wire.decode_request(message)
+            try:
+                kind, api, *rest = core_wire.decode_request(message)
+            except core_wire.BadMessage as err:
+                log.error("a request message the core cannot read (%d bytes): dropped: %s", len(message), err)
+                continue
             if not 0 <= api < len(self._outputs):
                 log.error("a message from API process %r, of %d: dropped", api, len(self._outputs))
             elif kind == core_wire.SUBMIT:
                 self._submit(api, *rest)
+            elif kind == core_wire.SUBMITS:  # one prompt's choices: admitted together (this poll's `together`)
+                for submit in rest[0]:
+                    self._submit(api, *submit)
             elif kind == core_wire.ABORT:
                 self.engine.abort(rest[0])
                 with self._lock:
@@ -179,3 +187,7 @@ class ApiLink:
                                arrival=arrival, group=group)
         except InvalidRequest as err:  # the API checked it the same way: only a bug gets here
             on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error", error=str(err)))
+        except Exception as err:  # noqa: BLE001 — answered, and the rest of its batch still admitted
+            log.exception("the engine could not take request %s", request_id)
+            on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error",
+                                    error=f"the engine core could not take the request: {err}"))

@@ -2,8 +2,9 @@
 
 `submit`, `abort` and `problem` behave as `Engine`'s do for `afd.server.api.app`: a request the
 engine could never run is refused here with the same `InvalidRequest` (the same scheduler
-check, on the core's KV-cache blocks, `KVBlocks`); outputs arrive on the event loop, a burst per message,
-as token ids that get their text here (`request_text`).
+check, on the core's KV-cache blocks, `KVBlocks`); the submits of one `together()` (a prompt's choices)
+go to the core as one message, so it admits them together and they share the prompt's prefill; outputs
+arrive on the event loop, a burst per message, as token ids that get their text here (`request_text`).
 The core's state comes with every message; a core silent for `silence_s` makes the rank
 unhealthy and ends every request waiting on it with an error, so none waits forever.
 """
@@ -29,6 +30,8 @@ from afd.server.api_process.request_text import RequestText
 
 log = logging.getLogger(__name__)
 
+NOT_CONNECTED = "the engine core is not connected"
+
 
 class EngineClient:
     """The engine core seen from the API process; `run()` (on the event loop) receives and heartbeats."""
@@ -50,26 +53,47 @@ class EngineClient:
         self._texts: dict[str, RequestText] = {}
         self.state = CoreState("the engine core has not answered yet", None)
         self.heard: float | None = None
+        self._batch: list[tuple] | None = None  # the submits of the open `together()`, sent as one message at its end
 
     # -- what app.py uses of Engine (event loop) ----------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
                group: str | None = None) -> Request:
-        """Send a request to the core; `InvalidRequest` if it can never run there. `group`: as `Engine.submit`'s."""
+        """Send a request to the core (inside `together()`: at its end); `InvalidRequest` if it can never run there.
+        `group`: as `Engine.submit`'s."""
         request = self._admission.check(Request(list(prompt_ids), params, on_output))
         self._waiting[request.request_id] = on_output
         self._texts[request.request_id] = RequestText(self.tokenizer, params.stop, params)
-        if not self._send(core_wire.encode_submit(self.api, request.request_id, request.prompt_ids, params, request.arrival,
-                                                  group)):
-            self._fail(request.request_id, "the engine core is not connected")
+        submit = (request.request_id, request.prompt_ids, params, request.arrival, group)
+        if self._batch is not None:
+            self._batch.append(submit)
+        elif not self._send(core_wire.encode_submit(self.api, *submit)):
+            self._fail(request.request_id, NOT_CONNECTED)
         return request
 
+    @contextlib.contextmanager
     def together(self):
-        """As `Engine.together`: the core takes the messages of one burst together (`core_link`)."""
-        return contextlib.nullcontext()
+        """As `Engine.together`: the requests submitted inside reach the core as one message at the end (also when
+        the block raises: the caller aborts what it submitted), which the core admits at once (`core_link`); if it
+        cannot be sent, each of them fails as a lone submit does. Nested blocks send at the outermost's end."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+            if batch and not self._send(core_wire.encode_submits(self.api, batch)):
+                for request_id, *_ in batch:
+                    self._fail(request_id, NOT_CONNECTED)
 
     def abort(self, request_id: str) -> None:
         self._texts.pop(request_id, None)
-        if self._waiting.pop(request_id, None) is not None:
+        if self._waiting.pop(request_id, None) is None:
+            return
+        if self._batch is not None and any(submit[0] == request_id for submit in self._batch):
+            self._batch = [submit for submit in self._batch if submit[0] != request_id]  # never sent: nothing to stop
+        else:
             self._send(core_wire.encode_abort(self.api, request_id))
 
     @property
