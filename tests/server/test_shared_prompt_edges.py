@@ -78,12 +78,13 @@ class Probe:
             self.violations.append(f"launch {self.launches}: blocks lost")
 
 
-def make(parts, tokens=1024, max_num_seqs=8, budget=8192, link=None, hold_s=0.0, max_model_len=256, eos=()):
+def make(parts, tokens=1024, max_num_seqs=8, budget=8192, link=None, hold_s=0.0, max_model_len=256, eos=(),
+         pipeline=True):
     loaded, tokenizer = parts
     cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch.float32, "cpu")
     probe = Probe(MonolithicRunner(loaded, cache))
     engine = Engine(probe, cache, tokenizer, eos, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                    max_num_batched_tokens=budget, link=link, link_check_s=0.05, hold_s=hold_s)
+                    max_num_batched_tokens=budget, link=link, link_check_s=0.05, hold_s=hold_s, pipeline=pipeline)
     probe.engine = engine
     return engine, probe
 
@@ -161,10 +162,12 @@ ABORT_AT = {"queued": 0, "first_chunk": 1, "second_chunk": 2, "boarding": 3, "de
 
 @pytest.mark.parametrize("at", list(ABORT_AT))
 @pytest.mark.parametrize("who", ["leader", "rider", "all"])
-def test_an_aborted_choice_frees_its_blocks_and_the_others_equal_separate_runs(parts, at, who):
+@pytest.mark.parametrize("budget, pipeline", [(16, True), (16, False), (8192, True)],
+                         ids=["chunked", "unpipelined", "one_chunk"])
+def test_an_aborted_choice_frees_its_blocks_and_the_others_equal_separate_runs(parts, at, who, budget, pipeline):
     params = seeded()
     aborted = {"leader": [0], "rider": [2], "all": [0, 1, 2, 3]}[who]
-    engine, probe = make(parts, budget=16)
+    engine, probe = make(parts, budget=budget, pipeline=pipeline)
     outputs = submit(engine, params)
     abort = lambda: [engine.abort(f"c{i}") for i in aborted]  # noqa: E731
     if ABORT_AT[at]:
@@ -191,12 +194,15 @@ def test_an_aborted_choice_frees_its_blocks_and_the_others_equal_separate_runs(p
 
 # -- a cache too small for every choice at once, fewer seats than choices ---------------------------------------------
 
-@pytest.mark.parametrize("tokens, seats", [(64, 8), (1024, 2), (80, 2), (48, 8)])
-def test_choices_that_cannot_all_run_at_once_wait_and_equal_separate_runs(parts, tokens, seats):
+@pytest.mark.parametrize("tokens, seats, lose_at", [(64, 8, None), (1024, 2, None), (80, 2, None), (48, 8, None),
+                                                    (64, 8, 3), (64, 8, 9), (80, 2, 4), (48, 8, 12)])
+def test_choices_that_cannot_all_run_at_once_wait_and_equal_separate_runs(parts, tokens, seats, lose_at):
     """64 tokens: the leader (3 blocks) and one rider (1 own block) fit; the others wait for room, then prefill on
-    their own (and the fourth rides the third's prefill if it is still being fed). 48: one choice at a time."""
-    params = seeded()
-    engine, probe = make(parts, tokens=tokens, max_num_seqs=seats, budget=16)
+    their own (and the fourth rides the third's prefill if it is still being fed). 48: one choice at a time. Some
+    with a lost step taken back (hold and resume)."""
+    params = seeded(**(PENALIZED if lose_at else {}))
+    link = FakeLink([], lose_at=lose_at) if lose_at else None
+    engine, probe = make(parts, tokens=tokens, max_num_seqs=seats, budget=16, link=link, hold_s=10.0 if link else 0)
     engine.start()
     try:
         outputs = submit(engine, params)
@@ -204,7 +210,7 @@ def test_choices_that_cannot_all_run_at_once_wait_and_equal_separate_runs(parts,
         settled(engine, probe)
     finally:
         engine.stop()
-    assert all(o.error is None for outs in results for o in outs)
+    assert all(o.error is None for outs in results for o in outs) and (link is None or link.recovered == 1)
     assert [token_ids(outs) for outs in results] == separate(parts, params)
     assert probe.fed < len(params) * len(PROMPT) + len(params) * 6 or tokens == 48  # some prompt was shared
 
