@@ -457,3 +457,37 @@ def test_a_choice_aborted_while_the_choices_are_held_frees_its_blocks_and_the_re
     assert link.recovered == 1 and all(o.error is None for i in survivors for o in results[i])
     expected = separate(parts, params)
     assert [token_ids(results[i]) for i in survivors] == [expected[i] for i in survivors]
+
+
+@pytest.mark.parametrize("after", [1, 2, 4])
+@pytest.mark.parametrize("lose_at", [None, 5])
+def test_choices_aborted_from_the_output_thread_as_a_client_leaves_free_every_block(parts, after, lose_at):
+    """A client drops choices 0 and 2 when choice 1 has `after` tokens (the abort comes from the output thread, at
+    any point of the pipelined loop); choices 1 and 3 go on unchanged, and every block comes back."""
+    params = seeded(max_tokens=8, **PENALIZED)
+    link = FakeLink([], lose_at=lose_at) if lose_at else None
+    engine, probe = make(parts, budget=16, link=link, hold_s=10.0 if link else 0.0)
+    outputs = Collected(len(params))
+    seen = []
+
+    def watch(out):
+        seen.extend(out.token_ids)
+        if len(seen) == after:
+            engine.abort("c0")
+            engine.abort("c2")
+        outputs.collector(1)(out)
+
+    with engine.together():
+        for index, sampling in enumerate(params):
+            on_output = watch if index == 1 else outputs.collector(index)
+            engine.submit(PROMPT, sampling, on_output, request_id=f"c{index}", group="g")
+    engine.start()
+    try:
+        results = outputs.wait([1, 3])
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    expected = separate(parts, params)
+    assert [token_ids(results[i]) for i in (1, 3)] == [expected[1], expected[3]]
+    for i in (0, 2):  # cut short, never finished, what came out is a prefix of its separate run
+        assert not any(o.finished for o in results[i]) and token_ids(results[i]) == expected[i][:len(token_ids(results[i]))]
