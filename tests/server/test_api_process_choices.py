@@ -77,6 +77,8 @@ def test_n_choices_from_an_api_process_prefill_once_when_the_core_polls_between_
 
     async def scenario():
         loop = asyncio.create_task(client.run(lambda: True, lambda: None))
+        while client.heard is None:  # the core's beat came: its outputs reach this client
+            await asyncio.sleep(0.01)
         with client.together():
             for j in range(N):
                 client.submit(prompt, params[j], got[j].append, group="g")

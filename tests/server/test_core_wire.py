@@ -295,6 +295,7 @@ def test_the_core_drops_a_garbage_batch_with_a_log_line_and_admits_a_good_one_to
     outputs.connect(addresses(str(tmp_path))[1])
     params = SamplingParams(max_tokens=1)
     try:
+        assert outputs.poll(10_000), "no beat from the link"  # connected: no output is sent before we listen
         requests.send(b"\x80\x05garbage")
         requests.send(_pickled(("submits", 0, [("a", [1], astuple(params), 1.0, "g"), ("b", "oops", (), None, "g")])))
         requests.send(core_wire.encode_submits(0, [(rid, [first], params, 1.0, "g")
