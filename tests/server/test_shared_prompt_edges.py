@@ -491,3 +491,40 @@ def test_choices_aborted_from_the_output_thread_as_a_client_leaves_free_every_bl
     assert [token_ids(results[i]) for i in (1, 3)] == [expected[1], expected[3]]
     for i in (0, 2):  # cut short, never finished, what came out is a prefix of its separate run
         assert not any(o.finished for o in results[i]) and token_ids(results[i]) == expected[i][:len(token_ids(results[i]))]
+
+
+def test_choices_cut_by_the_context_length_end_together_and_equal_separate_runs(parts):
+    """A 40-token prompt in a 44-token context: every choice ends by length after 4 tokens, whatever its max_tokens
+    (the riders' own blocks are what the context leaves them)."""
+    params = [SamplingParams(max_tokens=4 + 3 * j, temperature=1.0, seed=71 + j, ignore_eos=True) for j in range(3)]
+
+    def run(group):
+        engine, probe = make(parts, budget=16, max_model_len=44)
+        engine.start()
+        try:
+            results = submit(engine, params, group=group).wait(range(3))
+            settled(engine, probe)
+        finally:
+            engine.stop()
+        return [outcome(outs) for outs in results]
+
+    shared = run("g")
+    assert shared == run(None)
+    assert [(len(tokens), reason) for tokens, _, reason in shared] == [(4, "length")] * 3
+
+
+@pytest.mark.parametrize("at", ["second_chunk", "boarding", "decoding"])
+def test_stopping_the_engine_ends_every_choice_with_an_error_and_frees_every_block(parts, at):
+    params = seeded(n=3)
+    engine, probe = make(parts, budget=16)
+    stopping = threading.Event()
+    probe.hooks[ABORT_AT[at]] = stopping.set
+    outputs = submit(engine, params)
+    engine.start()
+    assert stopping.wait(30)
+    engine.stop()
+    results = outputs.wait(range(3), timeout=10)
+    for outs in results:
+        assert outs[-1].finish_reason == "error" and sum(o.finished for o in outs) == 1
+    assert sorted(engine.kv_cache._free) == list(range(engine.kv_cache.num_blocks))
+    assert not engine.scheduler.blocks.shared and not engine.scheduler.leaders and not engine.scheduler.running
