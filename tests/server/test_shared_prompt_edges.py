@@ -528,3 +528,57 @@ def test_stopping_the_engine_ends_every_choice_with_an_error_and_frees_every_blo
         assert outs[-1].finish_reason == "error" and sum(o.finished for o in outs) == 1
     assert sorted(engine.kv_cache._free) == list(range(engine.kv_cache.num_blocks))
     assert not engine.scheduler.blocks.shared and not engine.scheduler.leaders and not engine.scheduler.running
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_mixes_of_seats_room_aborts_and_a_lost_step_leave_the_survivors_unchanged(parts, seed):
+    """Seeded random scenarios: 2-5 choices of a prompt of 17-50 tokens with their own max_tokens and controls, a
+    budget, seats and cache room drawn at random, some choices aborted at random launches, maybe a step lost at its
+    wait or inside it (the FFN then away for a few link checks)."""
+    import random
+
+    draw = random.Random(seed)
+    n = draw.randint(2, 5)
+    prompt = PROMPT[:draw.choice([17, 32, 40])] + PROMPT[:draw.choice([0, 10])]
+    extra = draw.choice([{}, PENALIZED, {"min_tokens": 2}, {"logprobs": 1}, {"prompt_logprobs": 1}])
+    params = [SamplingParams(max_tokens=draw.randint(2, 8), temperature=draw.choice([0.0, 1.0]), seed=80 + j,
+                             ignore_eos=True, **extra) for j in range(n)]
+    budget, seats, tokens = draw.choice([16, 24, 8192]), draw.choice([1, 2, 3, 8]), draw.choice([64, 96, 1024])
+    aborted = sorted(draw.sample(range(n), draw.randint(0, n - 1)))
+    loss = draw.choice([None, "wait", "inside"])
+    link = {None: None, "wait": FakeLink([], lose_at=draw.randint(1, 8)), "inside": DownLink(draw.randint(0, 3))}[loss]
+    engine, probe = make(parts, tokens=tokens, max_num_seqs=seats, budget=budget, link=link,
+                         hold_s=10.0 if link else 0.0)
+    hooks: dict[int, list] = {}
+    for index in aborted:
+        hooks.setdefault(draw.randint(1, 8), []).append(lambda i=index: engine.abort(f"c{i}"))
+    if loss == "inside":
+        hooks.setdefault(draw.randint(1, 8), []).append(lost)
+    for at, calls in hooks.items():
+        probe.hooks[at] = lambda calls=calls: [call() for call in calls]
+    outputs = submit(engine, params, prompt)
+    engine.start()
+    survivors = [i for i in range(n) if i not in aborted]
+    try:
+        results = outputs.wait(survivors)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and engine.num_running + engine.num_waiting:
+            time.sleep(0.01)  # aborts of choices that never reach their launch are taken at the end
+        for index in aborted:
+            engine.abort(f"c{index}")
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert all(o.error is None for i in survivors for o in results[i])
+    engine_alone, probe_alone = make(parts)
+    engine_alone.start()
+    try:
+        alone = submit(engine_alone, params, prompt, group=None).wait(range(n))
+    finally:
+        engine_alone.stop()
+    assert [token_ids(results[i]) for i in survivors] == [token_ids(alone[i]) for i in survivors]
+    if "prompt_logprobs" in extra:
+        assert [prompt_entries(results[i]) for i in survivors] == [prompt_entries(alone[i]) for i in survivors]
+    for i in aborted:
+        got = token_ids(results[i])
+        assert got == token_ids(alone[i])[:len(got)]
