@@ -238,7 +238,7 @@ def test_a_lost_step_is_taken_back_and_every_choice_equals_separate_runs(parts, 
     assert all(len(token_ids(outs)) == 8 for outs in results)  # no token twice, none missing
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
 def test_a_lost_step_of_an_aborted_choice_leaves_no_count_on_the_choice_that_took_its_controls_slot(parts, temperature):
     """Three penalized choices, two seats: the leader is aborted while its decode step (launch 2) is unread; the
     third choice takes its seat and, in launch 3, its controls slot; then launch 2 is lost. Taking it back must not
