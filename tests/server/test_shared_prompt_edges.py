@@ -79,12 +79,13 @@ class Probe:
 
 
 def make(parts, tokens=1024, max_num_seqs=8, budget=8192, link=None, hold_s=0.0, max_model_len=256, eos=(),
-         pipeline=True):
+         pipeline=True, pacer=0.0):
     loaded, tokenizer = parts
     cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch.float32, "cpu")
     probe = Probe(MonolithicRunner(loaded, cache))
     engine = Engine(probe, cache, tokenizer, eos, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                    max_num_batched_tokens=budget, link=link, link_check_s=0.05, hold_s=hold_s, pipeline=pipeline)
+                    max_num_batched_tokens=budget, link=link, link_check_s=0.05, hold_s=hold_s, pipeline=pipeline,
+                    prefill_itl_ratio=pacer)
     probe.engine = engine
     return engine, probe
 
@@ -350,13 +351,17 @@ SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["ab", "cd", "ef", "
           "required": ["kind", "ok"], "additionalProperties": False}
 
 
+def schema_grammar():
+    from afd.server.api.structured import grammar_of
+
+    return grammar_of({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})[0]
+
+
 @pytest.mark.parametrize("lose_at", [None, 3, 6])
 def test_structured_choices_follow_their_grammar_each_and_equal_separate_runs(parts, lose_at):
     """json_schema choices (llguidance matchers of their own, masks on their leader's row at boarding), ended by the
     grammar's EOS: each parses, validates and equals its separate run, a lost step taken back or not."""
-    from afd.server.api.structured import grammar_of
-
-    grammar = grammar_of({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})[0]
+    grammar = schema_grammar()
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=61 + j, grammar=grammar) for j in range(4)]
     eos = (parts[1].eos_token_id,)
     shared = run_choices(parts, params, lose_at=lose_at, eos=eos)
@@ -533,22 +538,24 @@ def test_stopping_the_engine_ends_every_choice_with_an_error_and_frees_every_blo
 @pytest.mark.parametrize("seed", range(40))
 def test_random_mixes_of_seats_room_aborts_and_a_lost_step_leave_the_survivors_unchanged(parts, seed):
     """Seeded random scenarios: 2-5 choices of a prompt of 17-50 tokens with their own max_tokens and controls, a
-    budget, seats and cache room drawn at random, some choices aborted at random launches, maybe a step lost at its
+    budget, seats, cache room and a prefill pacer (or none) drawn at random, some choices aborted at random launches, maybe a step lost at its
     wait or inside it (the FFN then away for a few link checks)."""
     import random
 
     draw = random.Random(seed)
     n = draw.randint(2, 5)
     prompt = PROMPT[:draw.choice([17, 32, 40])] + PROMPT[:draw.choice([0, 10])]
-    extra = draw.choice([{}, PENALIZED, {"min_tokens": 2}, {"logprobs": 1}, {"prompt_logprobs": 1}])
+    extra = draw.choice([{}, PENALIZED, {"min_tokens": 2}, {"logprobs": 1}, {"prompt_logprobs": 1}, "grammar"])
+    eos = (parts[1].eos_token_id,) if extra == "grammar" else ()
+    extra = {"grammar": schema_grammar(), "ignore_eos": False} if extra == "grammar" else {"ignore_eos": True, **extra}
     params = [SamplingParams(max_tokens=draw.randint(2, 8), temperature=draw.choice([0.0, 1.0]), seed=80 + j,
-                             ignore_eos=True, **extra) for j in range(n)]
+                             **extra) for j in range(n)]
     budget, seats, tokens = draw.choice([16, 24, 8192]), draw.choice([1, 2, 3, 8]), draw.choice([64, 96, 1024])
     aborted = sorted(draw.sample(range(n), draw.randint(0, n - 1)))
     loss = draw.choice([None, "wait", "inside"])
     link = {None: None, "wait": FakeLink([], lose_at=draw.randint(1, 8)), "inside": DownLink(draw.randint(0, 3))}[loss]
     engine, probe = make(parts, tokens=tokens, max_num_seqs=seats, budget=budget, link=link,
-                         hold_s=10.0 if link else 0.0)
+                         hold_s=10.0 if link else 0.0, pacer=draw.choice([0.0, 0.0, 1.5]), eos=eos)
     hooks: dict[int, list] = {}
     for index in aborted:
         hooks.setdefault(draw.randint(1, 8), []).append(lambda i=index: engine.abort(f"c{i}"))
@@ -570,7 +577,7 @@ def test_random_mixes_of_seats_room_aborts_and_a_lost_step_leave_the_survivors_u
     finally:
         engine.stop()
     assert all(o.error is None for i in survivors for o in results[i])
-    engine_alone, probe_alone = make(parts)
+    engine_alone, probe_alone = make(parts, eos=eos)
     engine_alone.start()
     try:
         alone = submit(engine_alone, params, prompt, group=None).wait(range(n))
