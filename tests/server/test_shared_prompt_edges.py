@@ -5,6 +5,7 @@ are checked (each block free once or held by exactly its counted owners); at the
 surviving choices equal separate runs with the same parameters."""
 
 import json
+import random
 import threading
 import time
 
@@ -18,6 +19,7 @@ from afd.engine.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner
+from afd.server.api.structured import grammar_of
 from tests.server.test_engine_link_wait import FakeLink
 
 PROMPT = [(7 * i + 3) % 200 + 5 for i in range(40)]  # 2 full blocks and a partly filled third (block size 16)
@@ -352,8 +354,6 @@ SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["ab", "cd", "ef", "
 
 
 def schema_grammar():
-    from afd.server.api.structured import grammar_of
-
     return grammar_of({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})[0]
 
 
@@ -540,8 +540,6 @@ def test_random_mixes_of_seats_room_aborts_and_a_lost_step_leave_the_survivors_u
     """Seeded random scenarios: 2-5 choices of a prompt of 17-50 tokens with their own max_tokens and controls, a
     budget, seats, cache room and a prefill pacer (or none) drawn at random, some choices aborted at random launches, maybe a step lost at its
     wait or inside it (the FFN then away for a few link checks)."""
-    import random
-
     draw = random.Random(seed)
     n = draw.randint(2, 5)
     prompt = PROMPT[:draw.choice([17, 32, 40])] + PROMPT[:draw.choice([0, 10])]
