@@ -97,21 +97,20 @@ def create_app(state: ServerState) -> FastAPI:
         card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "afd", "max_model_len": state.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/tokenize")
-    async def tokenize(http: Request) -> JSONResponse:
+    async def _tokens(http: Request, convert, bound: int) -> JSONResponse:
+        """/tokenize and /detokenize: `convert` the body off the loop (`bound`: the most tokens, or the vocabulary)."""
         body = await _json_body(state, http)
-        model, answer = await _off_loop(state, tokenize_api.tokenize, body, state.tokenizer, state.limits,
-                                        state.max_model_len)
+        model, answer = await _off_loop(state, convert, body, state.tokenizer, state.limits, bound)
         _check_model(state, model)
         return JSONResponse(answer)
 
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> JSONResponse:
+        return await _tokens(http, tokenize_api.tokenize, state.max_model_len)
+
     @app.post("/detokenize")
     async def detokenize(http: Request) -> JSONResponse:
-        body = await _json_body(state, http)
-        model, answer = await _off_loop(state, tokenize_api.detokenize, body, state.tokenizer, state.limits,
-                                        state.vocab_size)
-        _check_model(state, model)
-        return JSONResponse(answer)
+        return await _tokens(http, tokenize_api.detokenize, state.vocab_size)
 
     @app.post("/v1/completions")
     async def completions(http: Request):
