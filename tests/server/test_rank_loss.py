@@ -1,6 +1,6 @@
 """No request lost when a rank dies (issue 38), on real processes behind `afd up`'s front door.
 
-8 concurrent streams of 64 tokens; kill -9 an FFN rank mid-stream (its attention ranks hold their requests and
+8 concurrent streams of 256 tokens (64 in the n-choices test); kill -9 an FFN rank mid-stream (its attention ranks hold their requests and
 go on once it is restarted), then an attention rank mid-stream (the front door moves its streams to another
 rank): every stream completes, no error event, each text equal to the same request's undisturbed text, usage
 counting every token once. Greedy, and seeded with temperature 1.
@@ -24,15 +24,18 @@ from tests.runtime.test_generate_cli import processes_with_marker
 from tests.server.test_up import read_state, wait_for
 
 STREAMS, TOKENS, NOT_STREAMED = 8, 64, 2
+# the FFN-then-attention test's streams: long enough that attention rank 0 still has streams under way when it is
+# killed just after its held streams resumed (at 64 tokens they ended within the health poll: 0-2 moved)
+LONG_TOKENS = 256
 
 
 class Stream:
     """One streamed request through the front door: its text, events, error and longest pause."""
 
-    def __init__(self, api: str, model: str, index: int, sampling: dict):
+    def __init__(self, api: str, model: str, index: int, sampling: dict, tokens: int = TOKENS):
         self.index, self.chat, self.streamed = index, index % 2 == 1, index < STREAMS
         prompt = f"Tell me story number {index}"
-        body = {"model": model, "max_tokens": TOKENS, "ignore_eos": True, "stream": self.streamed, **sampling}
+        body = {"model": model, "max_tokens": tokens, "ignore_eos": True, "stream": self.streamed, **sampling}
         if self.streamed:
             body["stream_options"] = {"include_usage": True}
         if self.chat:
@@ -93,8 +96,8 @@ class Stream:
             self.error = f"{type(err).__name__}: {err}"
 
 
-def run_all(api, model, sampling, during=None) -> list[Stream]:
-    streams = [Stream(api, model, i, sampling) for i in range(STREAMS + NOT_STREAMED)]
+def run_all(api, model, sampling, during=None, tokens=TOKENS) -> list[Stream]:
+    streams = [Stream(api, model, i, sampling, tokens) for i in range(STREAMS + NOT_STREAMED)]
     for stream in streams:
         stream.thread.start()
     if during is not None:
@@ -147,15 +150,15 @@ def test_killing_the_ffn_then_an_attention_rank_mid_stream_loses_no_request(tmp_
             os.kill(pid_of(state_file, "attention", 0), signal.SIGKILL)  # its held streams have just gone on
 
         for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1234}):
-            undisturbed = run_all(api, model, sampling)
+            undisturbed = run_all(api, model, sampling, tokens=LONG_TOKENS)
             assert all(s.error is None and s.done for s in undisturbed), [s.error for s in undisturbed]
             moved_before = front_series(api, "afd_front_requests_moved_total")
-            disturbed = run_all(api, model, sampling, kill_ffn_then_attention)
+            disturbed = run_all(api, model, sampling, kill_ffn_then_attention, tokens=LONG_TOKENS)
             for before, after in zip(undisturbed, disturbed):
                 assert after.error is None and after.done and after.finish == "length", (after.index, after.error)
                 assert after.text == before.text, (after.index, before.text, after.text)
                 assert len(after.ids) == 1 and after.indexes == {0} and after.roles == (after.chat and after.streamed)
-                assert after.usage["completion_tokens"] == TOKENS == before.usage["completion_tokens"]
+                assert after.usage["completion_tokens"] == LONG_TOKENS == before.usage["completion_tokens"]
                 assert after.usage["prompt_tokens"] == before.usage["prompt_tokens"]
             assert max(s.longest_pause for s in disturbed if s.streamed) > 0.5  # streams were held while the FFN was down
             moved = front_series(api, "afd_front_requests_moved_total") - moved_before
