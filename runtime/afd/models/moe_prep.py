@@ -8,7 +8,7 @@ import torch
 
 from afd.kernels.moe import device_table
 from afd.models.layers import MoE
-from afd.models.shared_stack import stack_mlp, stackable
+from afd.models.shared_stack import SharedStack, stackable
 
 
 def fuse_shared_experts(moe) -> None:
@@ -24,18 +24,18 @@ def fuse_shared_experts(moe) -> None:
     fp8 = experts.gate_up_scale is not None
     if width % inter or shared.gate_proj.bias is not None or fp8 != hasattr(shared.down_proj, "weight_scale_inv"):
         if experts.partial_fp32 and stackable(shared):
-            moe.shared_experts = stack = stack_mlp(shared)
+            with torch.no_grad():
+                moe.shared_experts = stack = SharedStack(*_as_experts(shared, 1))
             del shared  # the MLP's gate and up weights go now (the stack holds them concatenated)
             _release(stack.gate_up)
         return  # else not expressible as whole experts of the same format: keep the separate MLP
     count = width // inter
     with torch.no_grad():  # both new tensors before either old one is freed (see below)
-        gate_up = torch.cat((experts.gate_up, _rows(shared.gate_proj.weight, shared.up_proj.weight, count)))
-        down = torch.cat((experts.down, _columns(shared.down_proj.weight, count)))
-        if fp8:  # [n, 2I/128, H/128] and [n, H/128, I/128]: the projections' block scales cut the same way
-            experts.gate_up_scale = torch.cat((experts.gate_up_scale, _rows(
-                shared.gate_proj.weight_scale_inv, shared.up_proj.weight_scale_inv, count)))
-            experts.down_scale = torch.cat((experts.down_scale, _columns(shared.down_proj.weight_scale_inv, count)))
+        gate_up, down, gate_up_scale, down_scale = _as_experts(shared, count)
+        gate_up, down = torch.cat((experts.gate_up, gate_up)), torch.cat((experts.down, down))
+        if fp8:
+            experts.gate_up_scale = torch.cat((experts.gate_up_scale, gate_up_scale))
+            experts.down_scale = torch.cat((experts.down_scale, down_scale))
     experts.gate_up = torch.nn.Parameter(gate_up, requires_grad=False)
     experts.down = torch.nn.Parameter(down, requires_grad=False)
     experts.num_shared = count
@@ -48,6 +48,17 @@ def _release(tensor: torch.Tensor) -> None:
         # hand the old tensors' segments back now: left cached, the next layer's tensors would be carved out of
         # them and pin the rest, which no KV cache could use (9 GiB at DeepSeek-V2-Lite shapes, issue 33)
         torch.cuda.empty_cache()
+
+
+def _as_experts(mlp, count: int) -> tuple:
+    """A SwiGLU MLP of width n·I as n experts' stacks: (gate_up [n, 2I, H], down [n, H, I], and for FP8 their block
+    scales [n, 2I/128, H/128] and [n, H/128, I/128], cut the same way; else None, None)."""
+    gate_up = _rows(mlp.gate_proj.weight, mlp.up_proj.weight, count)
+    down = _columns(mlp.down_proj.weight, count)
+    if not hasattr(mlp.down_proj, "weight_scale_inv"):
+        return gate_up, down, None, None
+    return (gate_up, down, _rows(mlp.gate_proj.weight_scale_inv, mlp.up_proj.weight_scale_inv, count),
+            _columns(mlp.down_proj.weight_scale_inv, count))
 
 
 def _rows(gate: torch.Tensor, up: torch.Tensor, count: int) -> torch.Tensor:

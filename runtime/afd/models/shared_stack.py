@@ -56,8 +56,8 @@ class SharedStack(nn.Module):
 
 
 def stackable(mlp: nn.Module, block: int = 128) -> bool:
-    """Whether a SwiGLU MLP can run as a `SharedStack`: no biases, its three projections all FP8 or all plain,
-    and a width of whole 128-column blocks (the FP8 kernels' activation groups; the monolith's groups too, so
+    """Whether a SwiGLU MLP can run as a `SharedStack` (`afd.models.moe_prep.fuse_shared_experts` builds it): no
+    biases, its three projections all FP8 or all plain, and a width of whole 128-column blocks (the FP8 kernels' activation groups; the monolith's groups too, so
     a slice on block edges quantizes the same columns together)."""
     projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     if any(p is None or getattr(p, "bias", None) is not None for p in projections):
@@ -67,14 +67,3 @@ def stackable(mlp: nn.Module, block: int = 128) -> bool:
         return False
     return projections[0].weight.shape[0] % block == 0
 
-
-def stack_mlp(mlp: nn.Module) -> SharedStack:
-    """`mlp` (`stackable`) as a `SharedStack` holding the same weights (and block scales)."""
-    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    with torch.no_grad():
-        gate_up = torch.cat((gate.weight, up.weight))[None]
-        stacked_down = down.weight[None].contiguous()
-        if not hasattr(down, "weight_scale_inv"):
-            return SharedStack(gate_up, stacked_down)
-        gate_up_scale = torch.cat((gate.weight_scale_inv, up.weight_scale_inv))[None]
-        return SharedStack(gate_up, stacked_down, gate_up_scale, down.weight_scale_inv[None].contiguous())
