@@ -138,8 +138,8 @@ def token_ids(outs):
     return [t for o in outs for t in o.token_ids]
 
 
-def separate(parts, params_list, prompt=PROMPT):
-    """Each parameter set's tokens as a request of its own (no group), in one engine."""
+def separate_outputs(parts, params_list, prompt=PROMPT):
+    """Each parameter set's outputs as a request of its own (no group), in one engine."""
     engine, probe = make(parts)
     engine.start()
     try:
@@ -149,7 +149,12 @@ def separate(parts, params_list, prompt=PROMPT):
     finally:
         engine.stop()
     assert all(o.error is None for outs in results for o in outs)
-    return [token_ids(outs) for outs in results]
+    return results
+
+
+def separate(parts, params_list, prompt=PROMPT):
+    """Each parameter set's tokens as a request of its own (no group), in one engine."""
+    return [token_ids(outs) for outs in separate_outputs(parts, params_list, prompt)]
 
 
 def seeded(n=4, max_tokens=6, **extra):
@@ -296,12 +301,7 @@ def test_choices_taken_back_to_wait_for_a_leader_aborted_meanwhile_share_one_pre
     finally:
         engine.stop()
     assert link.recovered == 1 and all(o.error is None for i in (1, 2) for o in results[i])
-    engine_alone, _ = make(parts)
-    engine_alone.start()
-    try:
-        alone = submit(engine_alone, params[1:], group=None).wait(range(2))
-    finally:
-        engine_alone.stop()
+    alone = separate_outputs(parts, params[1:])
     assert [token_ids(results[i]) for i in (1, 2)] == [token_ids(outs) for outs in alone]
     assert [prompt_entries(results[i]) for i in (1, 2)] == [prompt_entries(outs) for outs in alone]
     if busy:  # they went on at once, not after the other group's choices
@@ -391,12 +391,7 @@ def test_prompt_logprobs_of_choices_handed_over_or_taken_back_equal_separate_run
     finally:
         engine.stop()
     assert all(o.error is None for i in (1, 2) for o in results[i])
-    alone_engine, _ = make(parts)
-    alone_engine.start()
-    try:
-        alone = submit(alone_engine, params[1:], group=None).wait(range(2))
-    finally:
-        alone_engine.stop()
+    alone = separate_outputs(parts, params[1:])
     assert [token_ids(results[i]) for i in (1, 2)] == [token_ids(outs) for outs in alone]
     assert [prompt_entries(results[i]) for i in (1, 2)] == [prompt_entries(outs) for outs in alone]
     assert len(prompt_entries(results[1])) == len(PROMPT)
