@@ -134,6 +134,17 @@ def settled(engine, probe, timeout=5.0):
     assert probe.violations == []
 
 
+def run_to_end(engine, probe, outputs, indexes):
+    """Start `engine` on what was submitted, wait for `indexes` to finish and the engine to settle, stop it."""
+    engine.start()
+    try:
+        results = outputs.wait(indexes)
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    return results
+
+
 def token_ids(outs):
     return [t for o in outs for t in o.token_ids]
 
@@ -384,12 +395,7 @@ def test_prompt_logprobs_of_choices_handed_over_or_taken_back_equal_separate_run
     engine, probe = make(parts, budget=16, link=link, hold_s=10.0)
     probe.hooks[ABORT_AT[at]] = lambda: engine.abort("c0")
     outputs = submit(engine, params)
-    engine.start()
-    try:
-        results = outputs.wait([1, 2])
-        settled(engine, probe)
-    finally:
-        engine.stop()
+    results = run_to_end(engine, probe, outputs, [1, 2])
     assert all(o.error is None for i in (1, 2) for o in results[i])
     alone = separate_outputs(parts, params[1:])
     assert [token_ids(results[i]) for i in (1, 2)] == [token_ids(outs) for outs in alone]
@@ -481,12 +487,7 @@ def test_choices_aborted_from_the_output_thread_as_a_client_leaves_free_every_bl
         for index, sampling in enumerate(params):
             on_output = watch if index == 1 else outputs.collector(index)
             engine.submit(PROMPT, sampling, on_output, request_id=f"c{index}", group="g")
-    engine.start()
-    try:
-        results = outputs.wait([1, 3])
-        settled(engine, probe)
-    finally:
-        engine.stop()
+    results = run_to_end(engine, probe, outputs, [1, 3])
     expected = separate(parts, params)
     assert [token_ids(results[i]) for i in (1, 3)] == [expected[1], expected[3]]
     for i in (0, 2):  # cut short, never finished, what came out is a prefix of its separate run
