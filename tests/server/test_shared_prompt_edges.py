@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from afd.connector.base import PeerLost
 from afd.engine.engine import Engine
@@ -20,6 +21,7 @@ from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner
 from afd.server.api.structured import grammar_of
+from afd.server.serve.serving_metrics import ServingMetrics
 from tests.server.test_engine_link_wait import FakeLink
 
 PROMPT = [(7 * i + 3) % 200 + 5 for i in range(40)]  # 2 full blocks and a partly filled third (block size 16)
@@ -81,13 +83,13 @@ class Probe:
 
 
 def make(parts, tokens=1024, max_num_seqs=8, budget=8192, link=None, hold_s=0.0, max_model_len=256, eos=(),
-         pipeline=True, pacer=0.0):
+         pipeline=True, pacer=0.0, observer=None):
     loaded, tokenizer = parts
     cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch.float32, "cpu")
     probe = Probe(MonolithicRunner(loaded, cache))
     engine = Engine(probe, cache, tokenizer, eos, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                     max_num_batched_tokens=budget, link=link, link_check_s=0.05, hold_s=hold_s, pipeline=pipeline,
-                    prefill_itl_ratio=pacer)
+                    prefill_itl_ratio=pacer, observer=observer)
     probe.engine = engine
     return engine, probe
 
@@ -209,6 +211,35 @@ def test_an_aborted_choice_frees_its_blocks_and_the_others_equal_separate_runs(p
     assert [token_ids(results[i]) for i in survivors] == [expected[i] for i in survivors]
     for i in aborted:  # an abort delivers nothing after it is taken: never a finished output
         assert not any(o.finished for o in results[i])
+
+
+# (budget, launch at which the leader is aborted: 0 before the first step, None never); one chunk boards at launch 1
+PROMPT_COUNT_CASES = {"chunked-never": (16, None), "chunked-queued": (16, 0), "chunked-first_chunk": (16, 1),
+                      "chunked-boarding": (16, 3), "chunked-decoding": (16, 5), "one_chunk-never": (8192, None),
+                      "one_chunk-boarding": (8192, 1), "one_chunk-boarding_unread": (8192, 2),
+                      "one_chunk-decoding": (8192, 3)}
+
+
+@pytest.mark.parametrize("budget, at", list(PROMPT_COUNT_CASES.values()), ids=list(PROMPT_COUNT_CASES))
+def test_a_shared_prompt_is_counted_once_in_afd_prompt_tokens_whenever_its_leader_is_aborted(parts, budget, at):
+    """afd_prompt_tokens counts the prompt the choices share once: at the leader's first token, or at the first
+    rider's when the leader was aborted with the step that boards them unread (before: never counted)."""
+    registry = CollectorRegistry()
+    engine, probe = make(parts, budget=budget, observer=ServingMetrics(registry, rank=0))
+    outputs = submit(engine, seeded())
+    abort = lambda: engine.abort("c0")  # noqa: E731
+    if at == 0:
+        abort()
+    elif at is not None:
+        probe.hooks[at] = abort
+    engine.start()
+    try:
+        outputs.wait([1, 2, 3])
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    counted = registry.get_sample_value("afd_prompt_tokens_total", {"role": "attention", "rank": "0"})
+    assert counted == len(PROMPT)
 
 
 # -- a cache too small for every choice at once, fewer seats than choices ---------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from afd.metrics.buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
@@ -46,15 +48,22 @@ class ServingMetrics:
                             "after the tokens their client already had")
         self.prefill_cap = make(Gauge, "afd_prefill_cap_tokens",
                                 "Prompt tokens the last step with decodes could take (prefill_itl_ratio); 0: uncapped")
+        self._prefills_counted = weakref.WeakSet()  # the requests whose prefill afd_prompt_tokens has counted
 
     def on_token(self, request, now: float) -> None:
         if request.first_token_at is None:
             self.ttft.observe(now - request.arrival)
-            if request.shares is None:  # a choice that rode another's prefill fed none
-                self.prompt_tokens.inc(len(request.prompt_ids))
+            self._count_prompt(request.shares or request)
         else:
             self.itl.observe(now - request.last_token_at)
         self.generation_tokens.inc()
+
+    def _count_prompt(self, prefilled) -> None:
+        """Count the prompt of the request that fed it once, at the first token it gave: its own, or, when it was
+        aborted with its last chunk's step unread, the first of its riders' (they fed none)."""
+        if prefilled not in self._prefills_counted:
+            self._prefills_counted.add(prefilled)
+            self.prompt_tokens.inc(len(prefilled.prompt_ids))
 
     def track(self, engine) -> None:
         """Read the gauges from `engine` whenever Prometheus scrapes."""
