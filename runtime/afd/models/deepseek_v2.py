@@ -8,8 +8,8 @@ from torch import nn
 from afd.models.attention import (AttentionBatch, cached_attention, one_token_attention, prompts_attention,
                                   single_tokens)
 from afd.models.base import DecoderLayer, MoECausalLM
-from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_pairs, fuse_linears, fused_glue,
-                               fused_linear, yarn_mscale)
+from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_linear, apply_rope_pairs, fuse_linears,
+                               fused_glue, fused_linear, yarn_mscale)
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters
 
 
@@ -154,7 +154,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def finish(self, attended: torch.Tensor) -> torch.Tensor:
         """o_proj of the per-head attention output [T, heads, v]."""
-        return self.o_proj(attended.reshape(attended.shape[0], -1))
+        return apply_linear(self.o_proj, attended.reshape(attended.shape[0], -1))
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
         inputs, stored = self._project(x, batch.positions, (cache_k, batch.write_index))

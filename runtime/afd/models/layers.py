@@ -75,7 +75,26 @@ def fused_linear(x: torch.Tensor, fused: torch.Tensor | None, *linears: nn.Modul
     Linears' weights are still its views on x's device; else one GEMM each."""
     if fused is None or fused.device != x.device or not _views_of(fused, linears):
         return tuple(linear(x) for linear in linears)
-    return F.linear(x, fused).split([linear.weight.shape[0] for linear in linears], dim=-1)
+    out = cuda_linear(x, fused) if x.is_cuda else F.linear(x, fused)
+    return out.split([linear.weight.shape[0] for linear in linears], dim=-1)
+
+
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weightᵀ of CUDA tensors, in `out_dtype` (None: x's; float32: from 16-bit inputs' accumulator) through
+    `afd.kernels.skinny_gemm.linear`: its Triton kernel where this device's measured table picks it for these
+    shapes (decode's few rows, issue 33), else torch's GEMM (F.linear, or torch.mm with a float32 output)."""
+    if triton_available():
+        from afd.kernels import skinny_gemm  # local import: the skinny GEMM imports Triton (CPU installs lack it)
+
+        return skinny_gemm.linear(x, weight, out_dtype)
+    return F.linear(x, weight) if out_dtype in (None, x.dtype) else torch.mm(x, weight.t(), out_dtype=out_dtype)
+
+
+def apply_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x); a bias-free plain nn.Linear of CUDA tensors through `cuda_linear` (o_proj in decode)."""
+    if x.is_cuda and type(linear) is nn.Linear and linear.bias is None:
+        return cuda_linear(x, linear.weight)
+    return linear(x)
 
 
 def _views_of(fused: torch.Tensor, linears) -> bool:
@@ -199,7 +218,7 @@ class Router(nn.Module):
         column blocks unsummed (parts 3: `Routing.select` adds them in its kernel, no launch of their own)."""
         if self.fp32_logits and self.weight_parts is not None and x.dtype == torch.bfloat16 and \
                 x.device == self.weight_parts.device:
-            return split_linear.part_products(x, self.weight_parts), 3
+            return self._part_products(x), 3
         return self(x), 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,11 +226,18 @@ class Router(nn.Module):
             if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and self.weight.dtype == x.dtype:
                 # float32 straight from the GEMM's accumulator: one launch, no cast (issue 33); not rounded to
                 # 16 bits first, so a little more exact than the checkpoint's own 16-bit router
-                return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+                return cuda_linear(x, self.weight, torch.float32)
             return F.linear(x, self.weight).float()
         if self.weight_parts is not None and x.dtype == torch.bfloat16 and x.device == self.weight_parts.device:
-            return split_linear.linear_fp32(x, self.weight_parts)
+            return split_linear.sum_parts(self._part_products(x))
         return F.linear(x.float(), self.weight.float())
+
+    def _part_products(self, x: torch.Tensor) -> torch.Tensor:
+        """`split_linear.part_products` of x and the weight's parts (on CUDA through `cuda_linear`: the same
+        float32-output GEMM, or the skinny kernel where measured faster)."""
+        if x.is_cuda:
+            return cuda_linear(x, self.weight_parts, torch.float32)
+        return split_linear.part_products(x, self.weight_parts)
 
 
 class Experts(nn.Module):

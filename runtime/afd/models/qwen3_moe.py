@@ -7,8 +7,8 @@ from torch import nn
 
 from afd.models.attention import AttentionBatch, cached_attention
 from afd.models.base import DecoderLayer, MoECausalLM
-from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_halves, fuse_linears, fused_glue,
-                               fused_linear)
+from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_linear, apply_rope_halves, fuse_linears,
+                               fused_glue, fused_linear)
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters
 
 
@@ -79,7 +79,7 @@ class GroupedQueryAttention(nn.Module):
         return cached_attention(*inputs, cache_k, cache_v, batch, self.scale, stored)
 
     def finish(self, attended: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(attended.reshape(attended.shape[0], -1))
+        return apply_linear(self.o_proj, attended.reshape(attended.shape[0], -1))
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
         inputs, stored = self._project(x, batch.positions, (cache_k, cache_v, batch.write_index))
