@@ -1,0 +1,45 @@
+"""bench/skinny_tune.py without a GPU: the decode GEMMs it tunes are the sample models' real projections, and on
+a machine without CUDA it says so and writes nothing."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import skinny_tune  # noqa: E402
+
+
+def test_the_tuned_gemms_are_the_decode_projections_of_both_sample_models():
+    v2, qwen = skinny_tune.V2_LITE, skinny_tune.QWEN3_30B_A3B
+    found = {(g.model, g.name): (g.n, g.k, g.out) for name, config in skinny_tune.SHAPES.items()
+             for g in skinny_tune.decode_gemms(name, config)}
+    heads, hidden = v2["num_attention_heads"], v2["hidden_size"]
+    q = heads * (v2["qk_nope_head_dim"] + v2["qk_rope_head_dim"])  # q_lora_rank None: a plain q_proj
+    assert found[("deepseek-v2-lite", "in_weight")] == (q + v2["kv_lora_rank"] + v2["qk_rope_head_dim"], hidden, "input")
+    assert found[("deepseek-v2-lite", "o_proj")] == (hidden, heads * v2["v_head_dim"], "input")
+    assert found[("deepseek-v2-lite", "router parts")] == (3 * v2["n_routed_experts"], hidden, "float32")
+    d = qwen["head_dim"]
+    qkv = (qwen["num_attention_heads"] + 2 * qwen["num_key_value_heads"]) * d
+    assert found[("qwen3-30b-a3b", "qkv_weight")] == (qkv, qwen["hidden_size"], "input")
+    assert found[("qwen3-30b-a3b", "o_proj")] == (qwen["hidden_size"], qwen["num_attention_heads"] * d, "input")
+    assert found[("qwen3-30b-a3b", "router")] == (qwen["num_experts"], qwen["hidden_size"], "float32")
+    assert len(found) == 6
+
+
+def test_split_k_candidates_fill_the_gpu_without_flooding_it():
+    for n in (128, 192, 2048, 5120):
+        for setting in skinny_tune.candidates(n, 132):
+            programs = -(-n // setting["BLOCK_N"]) * setting["SPLIT_K"]
+            assert setting["SPLIT_K"] == 1 or 66 <= programs <= 8 * 132
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message; a GPU tunes instead")
+def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["skinny_tune.py"])
+    assert skinny_tune.main() == 0
+    assert "no CUDA GPU here" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
