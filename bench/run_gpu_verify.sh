@@ -10,13 +10,14 @@
 #            piecewise prompt graphs, expert parallelism, n choices sharing a prompt's KV blocks on CUDA
 #   v3       the DeepSeek-V3-shaped monolith == AFD over NCCL, FP8 then bf16 (EP2 with the gate on attention)
 #   moe_fp8  bench/moe_layer_fp8.py at DeepSeek-V3 shapes (the float32 shared row's cost against RESULTS' figures)
+#   skinny   the skinny GEMM (issue 33) on the GPU, then bench/skinny_tune.py's table at the decode projections
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1 AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 group() {  # group NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
-  [[ " ${GROUPS:-kernels afd v3 moe_fp8} " == *" $name "* ]] || return 0
+  [[ " ${GROUPS:-kernels afd v3 moe_fp8 skinny} " == *" $name "* ]] || return 0
   echo "=== $name: $*"
   timeout $limit "$@" 2>&1 | tee $OUT/$name.log | tail -n 30
 }
@@ -28,3 +29,4 @@ group afd 330 $pytest --maxfail 10 tests/gpu/test_gpu_path.py tests/gpu/test_gpu
   tests/gpu/test_gpu_pair_capture.py tests/server/test_shared_prompt.py
 group v3 240 env AFD_V3_FORMATS=fp8,bf16 $pytest tests/gpu/test_gpu_v3_afd.py
 group moe_fp8 60 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens 64,1024,4096
+group skinny 90 bash -c "$pytest tests/runtime/test_skinny_gemm.py | tail -n 3; python3 bench/skinny_tune.py --deadline 30"

@@ -11,7 +11,7 @@ graph of one launch per weight copy, with enough copies (over 256 MiB) that no w
 a decode step. The search: DOT x BLOCK_N x SPLIT_K (only splits giving 1/2 to 8 programs per SM) at BLOCK_K 256,
 4 warps, 3 stages; then BLOCK_K, warps and stages changed one at a time around the best. Every candidate's
 output is checked against torch's first. Rows go M-major (every shape at M = 1 first), and `--deadline`
-stops before a row count once that many seconds have passed.
+stops before the next (shape, M) once that many seconds have passed; each row is printed as it is measured.
 
 Prints per (shape, M): the byte floor (weight + x + output bytes / the measured copy rate), torch's and the
 best kernel's µs and ratios to the floor. The table maps every measured (N, K, M, output) to the best setting
@@ -170,30 +170,27 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     device = torch.cuda.get_device_name()
     print(f"{device}, torch {torch.__version__}, triton {triton.__version__}, copy {copy_rate / 1e12:.2f} TB/s")
-    start, results = time.monotonic(), []
+    start = time.monotonic()
     weights = {}
     for g in gemms:
         count = max(2, min(64, -(-COPY_BYTES // (g.n * g.k * 2))))
         weights[g] = [torch.randn(g.n, g.k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
-    for m in rows:
-        if args.deadline and time.monotonic() - start > args.deadline:
-            print(f"deadline ({args.deadline:.0f} s) passed: rows from M={m} not tuned")
-            break
-        for g in gemms:
-            found = tune_one(g, m, weights[g], sms)
-            results.append((g, m, found, floor_us(g, m, copy_rate)))
     print(f"\n{'model':17} {'gemm':13} {'N':>5} {'K':>5} {'M':>3} {'out':>7} {'floor_us':>8} {'torch_us':>8} "
           f"{'x':>5} {'triton_us':>9} {'x':>5} {'gain':>5} choice")
     entries = []
-    for g, m, found, floor in results:
+    for m, g in [(m, g) for m in rows for g in gemms]:
+        if args.deadline and time.monotonic() - start > args.deadline:
+            print(f"deadline ({args.deadline:.0f} s) passed: not tuned from {g.model} {g.name} at M={m} on")
+            break
+        found, floor = tune_one(g, m, weights[g], sms), floor_us(g, m, copy_rate)
         gain = found["torch_us"] / found["triton_us"]
-        wins = gain >= WIN
-        choice = found["setting"] if wins else "cublas"
+        choice = found["setting"] if gain >= WIN else "cublas"
         print(f"{g.model:17} {g.name:13} {g.n:5} {g.k:5} {m:3} {g.out:>7} {floor:8.2f} {found['torch_us']:8.2f} "
               f"{found['torch_us'] / floor:5.2f} {found['triton_us']:9.2f} {found['triton_us'] / floor:5.2f} "
-              f"{gain:5.2f} {'triton ' + json.dumps(choice) if wins else 'cublas'}")
+              f"{gain:5.2f} {'cublas' if choice == 'cublas' else 'triton ' + json.dumps(choice)}", flush=True)
         entries.append({"n": g.n, "k": g.k, "m": m, "out": g.out, "setting": choice, "floor_us": round(floor, 3),
-                        "torch_us": round(found["torch_us"], 3), "triton_us": round(found["triton_us"], 3)})
+                        "torch_us": round(found["torch_us"], 3), "triton_us": round(found["triton_us"], 3),
+                        "tried": found["tried"], "rejected": found["rejected"]})
     if not any(e["setting"] != "cublas" for e in entries):
         print("\nthe kernel beat torch by >= 5 % nowhere: no table written (torch's GEMM everywhere)")
         return 0
