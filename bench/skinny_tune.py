@@ -8,10 +8,11 @@ on the meta device as the GPU path builds it (fused input projections, o_proj, t
 bf16 parts with a float32 output, Qwen3's bf16 one with a float32 output). Per shape and row count M, the
 kernel settings are timed against torch's GEMM (`skinny_gemm.torch_linear`, what runs today), each as a CUDA
 graph of one launch per weight copy, with enough copies (over 256 MiB) that no weight is in L2 when read, as in
-a decode step. The search: DOT x BLOCK_N x SPLIT_K (only splits giving 1/2 to 8 programs per SM) at BLOCK_K 256,
-4 warps, 3 stages; then BLOCK_K, warps and stages changed one at a time around the best. Every candidate's
-output is checked against torch's first. Rows go M-major (every shape at M = 1 first), and `--deadline`
-stops before the next (shape, M) once that many seconds have passed; each row is printed as it is measured.
+a decode step. The search: DOT x BLOCK_N x SPLIT_K (only splits giving 1/2 to 8 programs per SM) at BLOCK_K
+256 (FMA: narrower where its product would spill), 4 warps, 3 stages; then BLOCK_K, warps and stages changed
+one at a time around the best. Every candidate's output is checked against torch's first. Rows go M-major
+(every shape at M = 1 first); `--deadline` stops before the next (shape, M) once that many seconds have
+passed; each row is printed as it is measured.
 
 Prints per (shape, M): the byte floor (weight + x + output bytes / the measured copy rate), torch's and the
 best kernel's µs and ratios to the floor. The table maps every measured (N, K, M, output) to the best setting
@@ -73,16 +74,28 @@ def decode_gemms(model_name: str, config: dict) -> list[Gemm]:
     return list(found.values())
 
 
-def candidates(n: int, sms: int) -> list[dict]:
-    """The first sweep: DOT x BLOCK_N x SPLIT_K at BLOCK_K 256, 4 warps, 3 stages."""
+def fits(setting: dict, m: int) -> bool:
+    """Whether an FMA setting's [rows, BLOCK_N, BLOCK_K] product stays within ~128 float32 registers a thread
+    (larger ones spill and compile slowly); dot settings always."""
+    rows = 1 << (m - 1).bit_length()
+    return setting["DOT"] or rows * setting["BLOCK_N"] * setting["BLOCK_K"] <= 128 * 32 * setting["num_warps"]
+
+
+def candidates(n: int, sms: int, m: int) -> list[dict]:
+    """The first sweep: DOT x BLOCK_N x SPLIT_K at BLOCK_K 256 (FMA: narrower where `fits` needs), 4 warps,
+    3 stages."""
     out = []
     for dot in (False, True):
         for block_n in (16, 32, 64):
             blocks = -(-n // block_n)
             splits = [s for s in (1, 2, 4, 8, 16, 32) if sms // 2 <= blocks * s <= 8 * sms] or [1]
             for split in splits:
-                out.append({"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split, "DOT": dot, "num_warps": 4,
-                            "num_stages": 3})
+                for block_k in (256, 128, 64, 32):  # the widest that fits
+                    setting = {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "DOT": dot, "num_warps": 4,
+                               "num_stages": 3}
+                    if fits(setting, m):
+                        out.append(setting)
+                        break
     return out
 
 
@@ -121,11 +134,11 @@ def tune_one(gemm: Gemm, m: int, weights: list[torch.Tensor], sms: int) -> dict:
                 times[key] = timed(lambda: [skinny_gemm.gemm(x, w, out_dtype, setting) for w in weights], len(weights))
         return times[key]
 
-    best = min(candidates(gemm.n, sms), key=measure)
+    best = min(candidates(gemm.n, sms, m), key=measure)
     for param, values in NEIGHBOURS.items():  # one at a time around the best
         for value in values:
             trial = {**best, param: value}
-            if measure(trial) < measure(best):
+            if fits(trial, m) and measure(trial) < measure(best):
                 best = trial
     return {"setting": best, "triton_us": measure(best), "torch_us": torch_us, "tried": len(times),
             "rejected": rejected}

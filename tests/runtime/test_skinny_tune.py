@@ -29,11 +29,16 @@ def test_the_tuned_gemms_are_the_decode_projections_of_both_sample_models():
     assert len(found) == 6
 
 
-def test_split_k_candidates_fill_the_gpu_without_flooding_it():
+def test_candidates_fill_the_gpu_without_flooding_it_or_spilling():
     for n in (128, 192, 2048, 5120):
-        for setting in skinny_tune.candidates(n, 132):
-            programs = -(-n // setting["BLOCK_N"]) * setting["SPLIT_K"]
-            assert setting["SPLIT_K"] == 1 or 66 <= programs <= 8 * 132
+        for m in (1, 3, 16):
+            tried = skinny_tune.candidates(n, 132, m)
+            assert {s["DOT"] for s in tried} == {False, True}
+            for setting in tried:
+                programs = -(-n // setting["BLOCK_N"]) * setting["SPLIT_K"]
+                assert setting["SPLIT_K"] == 1 or 66 <= programs <= 8 * 132
+                assert skinny_tune.fits(setting, m)
+    assert not skinny_tune.fits({"DOT": False, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4}, 2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message; a GPU tunes instead")
