@@ -102,6 +102,12 @@ def candidates(n: int, sms: int, m: int) -> list[dict]:
 NEIGHBOURS = {"BLOCK_K": (128, 512), "num_warps": (2, 8), "num_stages": (2, 4, 5)}
 
 
+def weight_copies(gemm: Gemm) -> list[torch.Tensor]:
+    """Random bf16 weights of `gemm` on the GPU, enough copies to pass COPY_BYTES (2 to 64)."""
+    count = max(2, min(64, -(-COPY_BYTES // (gemm.n * gemm.k * 2))))
+    return [torch.randn(gemm.n, gemm.k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+
+
 def timed(fn, copies: int) -> float:
     """µs of one call: a graph of one call per weight copy, replayed."""
     return time_graph(fn, 20) * 1e3 / copies
@@ -184,10 +190,7 @@ def main() -> int:
     device = torch.cuda.get_device_name()
     print(f"{device}, torch {torch.__version__}, triton {triton.__version__}, copy {copy_rate / 1e12:.2f} TB/s")
     start = time.monotonic()
-    weights = {}
-    for g in gemms:
-        count = max(2, min(64, -(-COPY_BYTES // (g.n * g.k * 2))))
-        weights[g] = [torch.randn(g.n, g.k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+    weights = {g: weight_copies(g) for g in gemms}
     print(f"\n{'model':17} {'gemm':13} {'N':>5} {'K':>5} {'M':>3} {'out':>7} {'floor_us':>8} {'torch_us':>8} "
           f"{'x':>5} {'triton_us':>9} {'x':>5} {'gain':>5} choice")
     entries = []

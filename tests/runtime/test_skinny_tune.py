@@ -48,3 +48,33 @@ def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path, monkeypatch, caps
     assert skinny_tune.main() == 0
     assert "no CUDA GPU here" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_written_table_holds_the_wins_and_reads_back(tmp_path, monkeypatch, capsys):
+    """main()'s bookkeeping with the GPU parts stood in for: a >= 5 % win is an entry, anything less "cublas", and
+    the file is one that `skinny_gemm.read_table` takes."""
+    pytest.importorskip("triton")
+    from afd.kernels import skinny_gemm
+
+    fast = {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 4, "DOT": False, "num_warps": 4, "num_stages": 3}
+
+    def tune_one(gemm, m, weights, sms):
+        faster = 1.5 if (gemm.name, m) == ("o_proj", 1) else 1.02  # only o_proj at M 1 wins enough
+        return {"setting": fast, "triton_us": 10.0, "torch_us": 10.0 * faster, "tried": 3, "rejected": 0}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(skinny_tune, "ceilings", lambda: {"copy_bytes_per_s": 4e12})
+    monkeypatch.setattr(skinny_tune, "weight_copies", lambda gemm: [])
+    monkeypatch.setattr(skinny_tune, "tune_one", tune_one)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["skinny_tune.py", "--shapes", "qwen3-30b-a3b", "--rows", "1,2"])
+    assert skinny_tune.main() == 0
+    table = skinny_gemm.read_table(tmp_path / "skinny_Test_GPU.json")
+    qwen = skinny_tune.QWEN3_30B_A3B
+    o_proj = (qwen["hidden_size"], qwen["num_attention_heads"] * qwen["head_dim"])
+    assert table[(*o_proj, 1, "input")] == fast
+    assert len(table) == 6 and sum(setting is not None for setting in table.values()) == 1
+    printed = capsys.readouterr().out
+    assert "floor_us" in printed and "triton {" in printed
