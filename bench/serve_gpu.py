@@ -103,6 +103,12 @@ def ceilings(api: str) -> dict[int, float]:
     return {int(b): float(v) for b, v in re.findall(r'afd_step_ceiling_seconds\{[^}]*batch="(\d+)"[^}]*\} (\S+)', text)}
 
 
+def kernel_compiles(api: str) -> float:
+    """afd_kernel_compiles_total of the rank behind `api`: Triton specializations compiled while serving."""
+    text = httpx.get(f"{api}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r'^afd_kernel_compiles_total\{[^}]*\} (\S+)', text, re.M))
+
+
 async def drive_level(api: str, model: str, streams: int, args, rng: random.Random, vocab: int) -> dict:
     """`streams` concurrent streams from this process, each sending its requests back to back."""
     prompts = make_prompts(streams * args.requests_per_stream, args, rng, vocab)
@@ -235,10 +241,17 @@ def run_mode(mode: str, args, model: str) -> dict:
         served = httpx.get(f"{api}/v1/models").json()["data"][0]["id"]
         rng, vocab = random.Random(0), json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         warm = argparse.Namespace(**{**vars(args), "requests_per_stream": 1, "output_tokens": 4})
+        results["kernel_compiles_at_start"] = kernel_compiles(api)  # after warm-up, before any request
         asyncio.run(drive_level(f"{api}/v1", served, 1, warm, rng, vocab))
+        compiles = kernel_compiles(api)
+        results["kernel_compiles_first_request"] = compiles - results["kernel_compiles_at_start"]
+        print(f"Triton specializations compiled while serving: {results['kernel_compiles_at_start']:.0f} before the "
+              f"first request, {results['kernel_compiles_first_request']:.0f} in it", flush=True)
         for streams, kind, level_args in level_plan(args):
             level = drive_level_spread(f"{api}/v1", served, streams, level_args, rng, vocab)
             level["kind"] = kind
+            compiles, before = kernel_compiles(api), compiles
+            level["kernel_compiles"] = compiles - before  # each a pause: the rank's log names the kernels
             seconds = step.get(streams)
             level["ceiling_step_ms"] = 1e3 * seconds if seconds else None
             level["ceiling_tokens_per_s"] = streams / seconds if seconds else None
@@ -257,6 +270,9 @@ def run_mode(mode: str, args, model: str) -> dict:
                       f"decode tok/s x{level['decode_tokens_per_s_vs_plain']:.3f}", flush=True)
             if level["failed"]:
                 print(f"  first failures: {level['first_failures']}", flush=True)
+            if level["kernel_compiles"]:
+                print(f"  {level['kernel_compiles']:.0f} Triton kernel specializations compiled during this level "
+                      f"(WARNING lines in the rank's log name them)", flush=True)
         names = list(processes.children)
         processes.stop(*[n for n in names if not n.startswith("ffn")])  # attention first: it says Goodbye
         processes.stop(*[n for n in names if n.startswith("ffn")])

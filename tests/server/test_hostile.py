@@ -318,7 +318,8 @@ def test_the_front_door_serves_every_ranks_metrics(up):
     for needle in ('afd_front_requests_total{status="4xx"}', 'afd_front_scrape_up{target="ffn-0"} 1.0',
                    'afd_requests_running{rank="0",role="attention"}', 'afd_rejected_messages_total{rank="0",reason="control",role="ffn"} 0.0',
                    'afd_peer_up{peer="0",rank="0",role="ffn"}', 'afd_weights_resident_bytes{rank="0",role="attention"}',
-                   'afd_weights_resident_bytes{rank="0",role="ffn"}'):
+                   'afd_weights_resident_bytes{rank="0",role="ffn"}',
+                   'afd_kernel_compiles_total{rank="0",role="attention"} 0.0', 'afd_kernel_compiles_total{rank="0",role="ffn"} 0.0'):
         assert needle in text, needle
     assert text.count("# TYPE afd_step_duration_seconds histogram") == 1  # one family, both roles' series
 

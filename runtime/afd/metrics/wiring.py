@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from afd.config import AFDConfig
 from afd.metrics.expert_load import ExpertLoadCollector
@@ -24,6 +24,15 @@ def export_resident_bytes(registry: CollectorRegistry, config: AFDConfig, reside
     expert-parallel FFN shard's series also carry its `shard`), as the loader counted them."""
     Gauge("afd_weights_resident_bytes", "Bytes of model weights (FP8 scales included) resident on this rank",
           ["role", "rank"], registry=registry).labels(role=config.role, rank=str(config.rank)).set(resident_bytes)
+
+
+def export_kernel_compiles(registry: CollectorRegistry, config: AFDConfig, watch) -> None:
+    """`afd_kernel_compiles_total{role,rank}`: Triton kernel specializations compiled while serving (each paused
+    the step that met it); `watch` is `afd.kernels.compile_watch.WATCH`, already installed."""
+    counter = Counter("afd_kernel_compiles", "Triton kernel specializations compiled while serving, after warm-up "
+                      "(each pauses the step that met it)", ["role", "rank"], registry=registry)
+    series = counter.labels(role=config.role, rank=str(config.rank))
+    watch.on_serving_compile(lambda _description: series.inc())
 
 
 def attention_instruments(registry: CollectorRegistry, config: AFDConfig, device) -> StepInstruments:

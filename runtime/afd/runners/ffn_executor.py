@@ -19,6 +19,7 @@ from afd.connector import wire
 from afd.connector.base import ConnectorError, FFNTransfer
 from afd.connector.plane import FFNPlane, PeerWatch
 from afd.connector.tensors import DTYPES
+from afd.kernels.compile_watch import WATCH
 from afd.metrics.expert_load import ExpertLoad
 from afd.metrics.layer_clock import StepInstruments
 from afd.models.loader import LoadedModel
@@ -47,6 +48,7 @@ class FFNStepExecutor:
                  stop: Callable[[], bool] = lambda: False) -> dict[bytes, str]:
         """One step for every peer in `plans`, eager or captured/replayed as they say; returns the peers that failed it."""
         started, rows_before = time.monotonic(), self.rows_served
+        WATCH.set_serving(not any(plan.warmup or plan.capture for plan in plans.values()))  # its compiles' phase
         profiling = any(plan.profile for plan in plans.values())
         self.clock.begin(profiling)
         self._count_bytes(plans)

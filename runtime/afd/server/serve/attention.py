@@ -15,8 +15,9 @@ from afd.config import AFDConfig
 from afd.engine.engine import Engine
 from afd.engine.tokenizer import load_tokenizer
 from afd.kv_budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
+from afd.kernels.compile_watch import WATCH
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
-from afd.metrics.wiring import attention_instruments, export_resident_bytes, watch_attention
+from afd.metrics.wiring import attention_instruments, export_kernel_compiles, export_resident_bytes, watch_attention
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.monolithic import build_monolithic
@@ -186,10 +187,13 @@ def build_role(config: AFDConfig, registry: CollectorRegistry):
 
 def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
     registry = CollectorRegistry()
+    if WATCH.install():  # Triton kernels compiled after warm-up are logged and counted
+        export_kernel_compiles(registry, config, WATCH)
     role = build_role(config, registry)
     state, engine = build_server(config, role, registry)
     if config.ceiling_batches:
         export_ceiling(state.registry, config, role)
+    WATCH.set_serving()
     engine.start()
     ffn_draining = lambda: getattr(role.link, "ffn_draining", None)  # noqa: E731
     if config.api_children:  # the HTTP API in child processes (afd.server.api_process)

@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from afd.config import AFDConfig
 from afd.metrics.expert_load import shard_labelled
-from afd.metrics.wiring import export_resident_bytes, ffn_instruments, watch_ffn
+from afd.kernels.compile_watch import WATCH
+from afd.metrics.wiring import export_kernel_compiles, export_resident_bytes, ffn_instruments, watch_ffn
 from afd.roles import assemble_ffn, load_share
 from afd.runners.device import resolve_device
 from afd.runners.ffn_worker import MIN_STALL_S
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 def serve_ffn(config: AFDConfig, stop: threading.Event) -> int:
     """Serve FFN rank `config.rank` until `stop` is set; the exit code."""
     registry = CollectorRegistry()
+    if WATCH.install():  # Triton kernels compiled in steps its peers do not mark warm-up are logged and counted
+        export_kernel_compiles(registry, config, WATCH)
     share = load_share(config)
     worker = assemble_ffn(config, share, ffn_instruments(registry, config, resolve_device(config)))
     watch_ffn(registry, config, worker)
