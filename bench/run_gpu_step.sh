@@ -6,7 +6,7 @@
 # `git archive HEAD | gzip >.h2tree/tree.tgz`, unpack it under /tmp, copy .whl there and run it there.
 # Steps, most wanted first, each with its own time limit (STEPS picks some: tests floor serve0 serve2):
 #   tests   the kernels' tests and the GPU parity tests the fused glue touches (AFD over NCCL == monolith, gate on
-#           either side; graph replay == eager; piecewise prompt graphs == eager)
+#           either side; graph replay == eager; piecewise prompt graphs == eager; no Triton compile while serving)
 #   floor   bench/step_floor.py, both shapes, batches 1,64,256, contexts 128,2048
 #   serve0  serve_gpu monolithic at 1,16,64,256 streams, 64 again with penalties, 64 with arriving prompts; pacer off
 #   serve2  the same bursts (16,64,256) and arriving prompts with AFD_PREFILL_ITL_RATIO=2
@@ -32,7 +32,7 @@ if [[ $steps == *" tests "* ]]; then
     "$gpu::test_latent_decode_kernel_equals_the_reference" "$gpu::test_graph_replay_equals_eager_output" \
     "$gpu::test_bf16_afd_over_nccl_equals_bf16_monolithic[1A1F-2-True-ffn]" \
     "$gpu::test_bf16_afd_over_nccl_equals_bf16_monolithic[1A1F-1-False-attention]" \
-    "$gpu::test_piecewise_prompt_graphs_equal_eager_steps"
+    "$gpu::test_piecewise_prompt_graphs_equal_eager_steps" tests/gpu/test_compile_watch_gpu.py
 fi
 if [[ $steps == *" floor "* ]]; then
   step ${FLOOR_TIMEOUT:-200} python3 bench/step_floor.py --steps ${FLOOR_STEPS:-10} --batches ${FLOOR_BATCHES:-1,64,256}
