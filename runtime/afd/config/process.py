@@ -37,6 +37,16 @@ def _path(text: str) -> Path:
     return Path(text).expanduser()  # depends on $HOME too: never cached
 
 
+SMALL_MOE_MAX_TOKENS = 16  # afd.kernels.moe_small.MAX_TOKENS (a test keeps them equal; this module is torch-free)
+
+
+def _small_tokens(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= SMALL_MOE_MAX_TOKENS:
+        raise ValueError(f"must be 0 (off) to {SMALL_MOE_MAX_TOKENS} tokens")
+    return value
+
+
 def _level(text: str) -> str:
     name = text.strip().upper()
     if not isinstance(logging.getLevelName(name), int):
@@ -56,6 +66,10 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
     ProcessVariable("AFD_MOE_KERNEL", "auto", "Routed-expert kernel: `triton` (fused, CUDA), `grouped` (torch's "
                     "grouped GEMM) or `auto` (triton where Triton runs).", "afd.kernels.moe",
                     choices=("auto", "triton", "grouped")),
+    ProcessVariable("AFD_MOE_SMALL_TOKENS", "0", "Experiment: up to this many tokens (at most 16) the `triton` "
+                    "MoE runs as two GEMV launches (`afd.kernels.moe_small`: no alignment, no separate slot sum; the "
+                    "same result). `0`: off, the default until a GPU measures where it beats the aligned GEMMs "
+                    "(`bench/moe_small.py`).", "afd.kernels.moe", parse=_small_tokens),
     ProcessVariable("AFD_FP8_GEMM", "auto", "FP8 block-scaled GEMM: `scaled_mm` (torch, Hopper), `triton` or `auto` "
                     "(scaled_mm on Hopper where the shapes fit).", "afd.kernels.fp8_gemm",
                     choices=("auto", "scaled_mm", "triton")),

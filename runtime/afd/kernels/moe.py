@@ -5,7 +5,9 @@ Two implementations of one function, `experts(x, weights, ids, gate_up, down)`:
 sum, `moe_rows`, with block sizes from a table tuned per shape and device by `bench/moe_tune.py`) and
 `grouped` (`torch._grouped_mm` with a gather and a reordering pass). Both are capturable in CUDA graphs:
 every shape follows from the token count, never from the routing. `AFD_MOE_KERNEL` picks one
-(auto|triton|grouped); auto prefers Triton when it imports.
+(auto|triton|grouped); auto prefers Triton when it imports. Up to `AFD_MOE_SMALL_TOKENS` tokens (default 0:
+off) `triton` takes `moe_small` instead: a GEMV per (token, expert) pair and one per token summing its slots,
+two launches, the same result and rounding.
 
 Shared experts of width n·I are folded in as n extra experts that every token visits
 with weight 1 (`fuse_shared_experts`), so one kernel pair does the whole MoE layer. A routed
@@ -40,6 +42,11 @@ def kernel_choice() -> str:
     if choice == "auto":
         return "triton" if triton_available() else "grouped"
     return choice
+
+
+def small_tokens() -> int:
+    """Token counts up to which `experts_triton` takes the small-token path (`moe_small`); 0: never."""
+    return process_setting("AFD_MOE_SMALL_TOKENS")
 
 
 # tokens → settings: the layout's BLOCK_M, and per kernel BLOCK_N/BLOCK_K/num_warps/num_stages plus,
@@ -125,6 +132,11 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     from afd.kernels import fp8_gemm, moe_align, moe_rows, moe_triton  # local import: Triton is optional: imported where it runs
 
     tokens, top_k = ids.shape
+    if 0 < tokens <= small_tokens():  # two GEMV launches, no alignment or slot sum (same result and rounding)
+        from afd.kernels import moe_small
+
+        return moe_small.experts_small(x, weights, ids, gate_up, down, num_shared, sum_dtype, gate_up_scale,
+                                       down_scale)
     num_experts, hidden, inter = down.shape
     slots = top_k + num_shared
     num_pairs = tokens * slots

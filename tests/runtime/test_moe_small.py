@@ -1,0 +1,271 @@
+"""The small-token MoE path (`afd.kernels.moe_small`: two GEMV launches, no alignment, no slot sum) equals the
+aligned Triton path (`moe.experts_triton` with `AFD_MOE_SMALL_TOKENS=0`), with the same rounding of each row.
+
+The kernel tests run on a GPU in bf16, or in Triton's CPU interpreter (TRITON_INTERPRET=1 before Triton is
+imported: `make test-kernels`) in float16; otherwise they skip. The setting and dispatch tests need only Triton
+importable; the sample-shape comparison needs a CUDA GPU.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from afd.config import ConfigError, process_setting
+from afd.kernels.fp8_blocks import quantize_block_fp8
+from tests.kernel_device import KERNEL_DTYPES, NO_KERNEL_DEVICE, kernel_device
+
+DEVICE = kernel_device()
+DTYPE = KERNEL_DTYPES.get(DEVICE)
+needs_kernels = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (tokens, top_k, shared): 1-4 tokens, 0-2 shared experts, routed slots or none (an EP shard's shared-only call)
+ROUTINGS = [(1, 3, 2), (2, 3, 0), (3, 0, 1), (4, 3, 1), (1, 0, 2), (4, 2, 2)]
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((out.double() - reference.double()).norm() / reference.double().norm())
+
+
+def aligned(monkeypatch, *args):
+    """`moe.experts_triton` on the aligned path (alignment, two GEMMs, slot sum) with the default tables."""
+    from afd.kernels import moe
+
+    fp8 = args[3].dtype == torch.float8_e4m3fn
+    monkeypatch.setenv("AFD_MOE_SMALL_TOKENS", "0")
+    monkeypatch.setattr(moe, "device_table", lambda *_: {1: (moe.FP8_DEFAULT_CONFIGS if fp8 else moe.DEFAULT_CONFIGS)[1]})
+    return moe.experts_triton(*args)
+
+
+def routing(tokens: int, routed: int, top_k: int, generator: torch.Generator):
+    """(weights of DTYPE, int64 ids) of a greedy top-k over random scores; [T, 0] for k = 0."""
+    weights, ids = torch.rand(tokens, routed, generator=generator).topk(top_k, dim=-1)
+    return weights.to(DTYPE).to(DEVICE), ids.to(DEVICE)
+
+
+def bf16_experts(experts: int, hidden: int, inter: int, generator: torch.Generator):
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) * 0.1).to(DTYPE).to(DEVICE)
+    down = (torch.randn(experts, hidden, inter, generator=generator) * 0.1).to(DTYPE).to(DEVICE)
+    return gate_up, down, None, None
+
+
+def fp8_experts(experts: int, hidden: int, inter: int, generator: torch.Generator):
+    """(gate_up, down, gate_up_scale, down_scale) of random block-varied FP8 experts (test_moe_fp8's)."""
+    from tests.runtime.test_moe_fp8 import blocky
+
+    gate_up, gate_up_scale = quantize_block_fp8(blocky(experts, 2 * inter, hidden, generator=generator) * 0.05)
+    down, down_scale = quantize_block_fp8(blocky(experts, hidden, inter, generator=generator) * 0.05)
+    return tuple(t.to(DEVICE) for t in (gate_up, down, gate_up_scale, down_scale))
+
+
+@needs_kernels
+@pytest.mark.parametrize("sum_dtype", [None, torch.float32], ids=["x-dtype", "float32"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("tokens,top_k,shared", ROUTINGS)
+def test_the_small_path_equals_the_aligned_path(tokens, top_k, shared, fp8, sum_dtype, monkeypatch):
+    """FP8: hidden 320 (a partial scale block, a partial 256-input step), width 256 (two act groups); else a
+    width that no block divides."""
+    from afd.kernels.moe_small import experts_small
+
+    routed = 6
+    hidden, inter = (320, 256) if fp8 else (96, 48)
+    generator = torch.Generator().manual_seed(tokens * 10 + top_k + shared)
+    gate_up, down, gate_up_scale, down_scale = (fp8_experts if fp8 else bf16_experts)(routed + shared, hidden, inter,
+                                                                                       generator)
+    x = (torch.randn(tokens, hidden, generator=generator) * 2).to(DTYPE).to(DEVICE)
+    weights, ids = routing(tokens, routed, top_k, generator)
+    args = (x, weights, ids, gate_up, down, shared, sum_dtype, gate_up_scale, down_scale)
+    out = experts_small(*args)
+    reference = aligned(monkeypatch, *args)
+    assert out.dtype == reference.dtype == (sum_dtype or DTYPE) and out.shape == (tokens, hidden)
+    assert relative_error(out, reference) < (1e-2 if fp8 else 2e-3)  # FP8: a few e4m3 roundings may differ
+
+
+@needs_kernels
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("settings", [
+    {"gate_up": {"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4}, "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}},
+    {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2}, "down": {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8}},
+], ids=["act-quantized-in-gate-up", "act-quantized-in-down"])
+def test_every_block_setting_gives_the_same_result(settings, fp8, monkeypatch):
+    """FP8 act is quantized in gate_up's epilogue when its column block is a multiple of 128, else in down as it
+    reads act: the same values either way."""
+    from afd.kernels.moe_small import experts_small
+
+    tokens, routed, top_k, shared, hidden, inter = 3, 6, 2, 1, 320, 384
+    generator = torch.Generator().manual_seed(7)
+    gate_up, down, gate_up_scale, down_scale = (fp8_experts if fp8 else bf16_experts)(routed + shared, hidden, inter,
+                                                                                       generator)
+    x = (torch.randn(tokens, hidden, generator=generator) * 2).to(DTYPE).to(DEVICE)
+    weights, ids = routing(tokens, routed, top_k, generator)
+    args = (x, weights, ids, gate_up, down, shared, None, gate_up_scale, down_scale)
+    out = experts_small(*args, settings=settings)
+    assert relative_error(out, aligned(monkeypatch, *args)) < (1e-2 if fp8 else 2e-3)
+
+
+def exact_case(tokens: int, top_k: int, shared: int, routed: int = 6, hidden: int = 64, inter: int = 48):
+    """Inputs whose every product and float32 sum is exact, so both paths must give one result bit for bit: x and
+    the weights small integers, down's entries multiples of 1/64, every gate ≥ 20 (SiLU(g) == g in float32).
+    Returns (x, weights, ids, gate_up, down) on the CPU and, per token, the slot rows in float32."""
+    generator = torch.Generator().manual_seed(100 * tokens + 10 * top_k + shared)
+    experts = routed + shared
+    x = torch.randint(-1, 2, (tokens, hidden), generator=generator).float()
+    x[:, 0] = torch.randint(1, 3, (tokens,), generator=generator).float()
+    gate_up = torch.randint(-1, 2, (experts, 2 * inter, hidden), generator=generator).float()
+    gate_up[:, :inter] *= torch.rand(experts, inter, hidden, generator=generator) < 0.2  # sparse gate rows
+    gate_up[:, :inter, 0] = 32
+    down = torch.randint(-63, 64, (experts, hidden, inter), generator=generator).float() / 64
+    scores = torch.rand(tokens, routed, generator=generator)
+    weights, ids = scores.topk(top_k, dim=-1)
+    weights = weights.to(DTYPE)  # 8–11 significant bits: a row times its weight needs more than DTYPE holds
+    all_ids = torch.cat((ids, torch.arange(routed, experts).expand(tokens, shared)), 1)
+    rows = []
+    for token in range(tokens):
+        h = gate_up[all_ids[token]].double() @ x[token].double()  # [slots, 2I]
+        gate, up = h[:, :inter], h[:, inter:]
+        assert bool((gate >= 20).all())  # the design: SiLU(gate) == gate in float32
+        act = (gate * up).float().to(DTYPE).double()  # act is stored in DTYPE
+        terms = act[:, None, :] * down[all_ids[token]].double()  # [slots, H, I]
+        assert float(terms.abs().sum(-1).max()) < 2 ** 17  # every partial sum a multiple of 1/64 below 2^17: exact
+        rows.append(terms.sum(-1).float())
+    return x.to(DTYPE), weights, ids, gate_up.to(DTYPE), down.to(DTYPE), rows
+
+
+def summed(rows, weights, top_k: int, round_routed: bool = True, round_shared: bool = False) -> torch.Tensor:
+    """[T, H] float32: each token's slot rows, routed ones times their weight (float32) and rounded to DTYPE, added
+    in float32 in slot order."""
+    out = []
+    for token, token_rows in enumerate(rows):
+        total = torch.zeros(token_rows.shape[1])
+        for slot, row in enumerate(token_rows):
+            if slot < top_k:
+                row = row * weights[token, slot].float()
+            if round_routed if slot < top_k else round_shared:
+                row = row.to(DTYPE).float()
+            total = total + row
+        out.append(total)
+    return torch.stack(out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("sum_dtype", [None, torch.float32], ids=["x-dtype", "float32"])
+@pytest.mark.parametrize("tokens,top_k,shared", [(1, 3, 2), (4, 3, 1), (2, 3, 0), (3, 0, 2)])
+def test_both_paths_round_each_row_as_documented(tokens, top_k, shared, sum_dtype, monkeypatch):
+    """Bit for bit: a routed pair's weighted row rounded to x's dtype, a shared expert's kept in float32, the sum in
+    float32 slot by slot, rounded once to `sum_dtype`; the inputs are chosen so that any other rounding differs."""
+    from afd.kernels.moe_small import experts_small
+
+    x, weights, ids, gate_up, down, rows = exact_case(tokens, top_k, shared)
+    expected = summed(rows, weights, top_k).to(sum_dtype or DTYPE)
+    if sum_dtype is torch.float32:  # the case tells the documented rounding from the others
+        assert top_k == 0 or not torch.equal(expected, summed(rows, weights, top_k, round_routed=False))
+        assert not shared or not torch.equal(expected, summed(rows, weights, top_k, round_shared=True))
+    args = [t.to(DEVICE) for t in (x, weights, ids, gate_up, down)]
+    assert torch.equal(experts_small(*args, shared, sum_dtype).cpu(), expected)
+    assert torch.equal(aligned(monkeypatch, *args, shared, sum_dtype).cpu(), expected)
+
+
+@needs_kernels
+def test_bad_input_is_refused():
+    from afd.kernels.moe_small import MAX_TOKENS, experts_small
+
+    generator = torch.Generator().manual_seed(0)
+    gate_up, down, gate_up_scale, down_scale = fp8_experts(3, 256, 128, generator)
+    x = torch.zeros(MAX_TOKENS + 1, 256, dtype=DTYPE, device=DEVICE)
+    weights, ids = routing(MAX_TOKENS + 1, 2, 1, generator)
+    with pytest.raises(ValueError, match=f"at most {MAX_TOKENS} tokens, got {MAX_TOKENS + 1}"):
+        experts_small(x, weights, ids, gate_up, down, 1, None, gate_up_scale, down_scale)
+    x, weights, ids = x[:2], weights[:2], ids[:2]
+    with pytest.raises(ValueError, match=r"need I % 128 == 0, gate_up_scale \(3, 2, 2\)"):
+        experts_small(x, weights, ids, gate_up, down, 1, None, gate_up_scale[:, :1], down_scale)
+    with pytest.raises(ValueError, match="both block scales"):
+        experts_small(x, weights, ids, gate_up, down, 1, None, gate_up_scale, None)
+    with pytest.raises(ValueError, match=r"want x \[T, H\]"):
+        experts_small(x[:, :128], weights, ids, gate_up, down, 1, None, gate_up_scale, down_scale)
+    with pytest.raises(ValueError, match="BLOCK_K must be a multiple of 128"):
+        experts_small(x, weights, ids, gate_up, down, 1, None, gate_up_scale, down_scale,
+                      settings={"gate_up": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4},
+                                "down": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}})
+    with pytest.raises(ValueError, match="powers of two"):
+        experts_small(x, weights, ids, gate_up, down, 1, None, gate_up_scale, down_scale,
+                      settings={"gate_up": {"BLOCK_N": 24, "BLOCK_K": 128, "num_warps": 4},
+                                "down": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}})
+
+
+@needs_triton
+def test_the_threshold_setting_is_off_by_default_and_bounded_by_the_path():
+    from afd.config.process import SMALL_MOE_MAX_TOKENS
+    from afd.kernels.moe_small import MAX_TOKENS
+
+    assert SMALL_MOE_MAX_TOKENS == MAX_TOKENS
+    assert process_setting("AFD_MOE_SMALL_TOKENS", {}) == 0
+    assert process_setting("AFD_MOE_SMALL_TOKENS", {"AFD_MOE_SMALL_TOKENS": "4"}) == 4
+    for raw in (str(MAX_TOKENS + 1), "-1", "few"):
+        with pytest.raises(ConfigError, match=f"^AFD_MOE_SMALL_TOKENS='{raw}'"):
+            process_setting("AFD_MOE_SMALL_TOKENS", {"AFD_MOE_SMALL_TOKENS": raw})
+
+
+@needs_triton
+@pytest.mark.parametrize("setting,tokens,path", [("", 1, "aligned"), ("2", 1, "small"), ("2", 2, "small"),
+                                                 ("2", 3, "aligned"), ("4", 0, "aligned")])
+def test_experts_triton_takes_the_small_path_up_to_the_setting(setting, tokens, path, monkeypatch):
+    """Which path `experts_triton` takes (neither runs: each stands in by naming itself)."""
+    from afd.kernels import moe, moe_align, moe_small
+
+    class Took(Exception):
+        pass
+
+    def small(*args):
+        raise Took("small")
+
+    def align(*args):
+        raise Took("aligned")
+
+    monkeypatch.setenv("AFD_MOE_SMALL_TOKENS", setting)
+    monkeypatch.setattr(moe_small, "experts_small", small)
+    monkeypatch.setattr(moe_align, "align", align)
+    monkeypatch.setattr(moe, "device_table", lambda *_: moe.DEFAULT_CONFIGS)
+    ids = torch.zeros(tokens, 2, dtype=torch.int64)
+    with pytest.raises(Took, match=f"^{path}$"):
+        moe.experts_triton(torch.zeros(tokens, 64), torch.ones(tokens, 2), ids, torch.zeros(4, 96, 64),
+                           torch.zeros(4, 64, 48))
+
+
+SAMPLE_SHAPES = {  # (routed, shared, top_k, hidden, inter, fp8): bench/common.py's MOE_SHAPES; DeepSeek-V3 with 32
+    # of its 256 routed experts (its hidden size and width, FP8; the kernels see only those)
+    "deepseek-v2-lite": (64, 2, 6, 2048, 1408, False),
+    "qwen3-30b-a3b": (128, 0, 8, 2048, 768, False),
+    "deepseek-v3-fp8": (32, 1, 8, 7168, 2048, True),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", sorted(SAMPLE_SHAPES))
+def test_both_paths_agree_at_the_sample_shapes_on_a_gpu(shape, tokens, monkeypatch):
+    """bf16 on the GPU, the tuned tables where they exist: the small path against the aligned one."""
+    from afd.kernels import moe
+
+    routed, shared, top_k, hidden, inter, fp8 = SAMPLE_SHAPES[shape]
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+    experts = routed + shared
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=generator, dtype=torch.bfloat16)
+    down = torch.randn(experts, hidden, inter, device="cuda", generator=generator, dtype=torch.bfloat16)
+    scales = (None, None)
+    if fp8:  # e4m3 weights of unit magnitude, block scales of ~1/64
+        gate_up, down = gate_up.to(torch.float8_e4m3fn), down.to(torch.float8_e4m3fn)
+        scales = tuple(torch.rand(experts, rows // 128, cols // 128, device="cuda", generator=generator) / 32
+                       for rows, cols in ((2 * inter, hidden), (hidden, inter)))
+    else:
+        gate_up, down = gate_up * 0.02, down * 0.02
+    x = torch.randn(tokens, hidden, device="cuda", generator=generator, dtype=torch.bfloat16)
+    weights, ids = torch.rand(tokens, routed, device="cuda", generator=generator).topk(top_k, dim=-1)
+    args = (x, weights.bfloat16(), ids, gate_up, down, shared, None, *scales)
+    monkeypatch.setenv("AFD_MOE_SMALL_TOKENS", "0")
+    reference = moe.experts_triton(*args)
+    monkeypatch.setenv("AFD_MOE_SMALL_TOKENS", "8")
+    out = moe.experts_triton(*args)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
+    assert relative_error(out, reference) < (1e-2 if fp8 else 2e-3)
