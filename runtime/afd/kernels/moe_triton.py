@@ -20,6 +20,25 @@ buffer (`x_rows`, zeros for padding), which `gate_up` then reads contiguously: t
 With `ONE_DOT` (TMA only) `gate_up` takes a column block's gate and up rows in one 3-D TMA
 box and multiplies them in one dot twice as wide, splitting the two halves after the loop. A table entry's
 settings are checked and the grid sized in `moe_launch`.
+
+FP8 adds each step's product times its block scales (`acc += dot(a, b) * scale`), so Triton's Hopper pipeliner
+waits for every wgmma before its step's multiply-add: the tensor cores idle while the CUDA cores promote. With `LAG`
+(FP8, not ONE_DOT) a step issues two dots — gate then up, or `down`'s two column halves — and adds the second's
+product one step late, after the next step's first dot: that second wgmma stays in flight while both promotions
+run. Same bits as without LAG (tests/runtime/test_moe_fp8_lag.py); speed for the tuner to judge. Why this shape
+(Triton 3.6/3.7 sources; `bench/moe_fp8_waits.py` shows the waits it compiles to):
+- triton-lang/triton lib/Dialect/TritonGPU/Transforms/Pipeliner/WGMMAPipeline.cpp (`dotCanBeProperlyAsync`,
+  rules from PR #3327, 2024): a wgmma is left in flight across steps only if its product's sole use in the loop is
+  the next iteration and there it feeds another wgmma's accumulator or comes after a `warp_group_dot_wait
+  {pendings=0}` of that step; otherwise a wait 0 follows the dot. A lone lagged dot thus stays synchronous; a
+  second dot after a consumed first one does not.
+- Warp specialization on Hopper (`tl.range(warp_specialize=True)`) goes to Meta's autoWS pass
+  (`add_hopper_warpspec`, PRs #7136 and #8092/#8143 for 3.5); `num_consumer_groups` was the older spelling (PR
+  #5622). Meta's fork enabled Hopper autoWS GEMMs end to end only in 2026 (facebookexperimental/triton#1278, which
+  forces wait 0 after every wgmma in WS kernels); their blockwise-FP8 WS work (meta-pytorch/tritonbench#1163,
+  facebookexperimental/triton#1964) targets Blackwell. Not relied on here.
+- Others on Hopper: DeepGEMM promotes on CUDA cores from warp-specialized math warpgroups while TMA warps load;
+  vLLM's and SGLang's Triton `w8a8_block_fp8_matmul` add `dot * a_s * b_s` each step as we do.
 """
 
 from __future__ import annotations
@@ -91,13 +110,13 @@ def _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M: tl.constexpr, BLO
 @triton.jit
 def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col, num_pairs, slots,
                  hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr):
+                 TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, LAG: tl.constexpr):
     """act[tile's rows, col's block] = SiLU(A @ gate) * (A @ up) for one tile and column block. With ONE_DOT,
     `w` is a 3-D descriptor over [2E, I, H] and one TMA box brings the gate and up blocks of the column block
     ([2, BN, BK]) for one dot of width 2·BN (the A tile is read once per step); else two loads and two dots.
     With FP8, A and the weights are e4m3: each step's product is added times the A rows' group scales
     (`x_scale` [T, H/128], by token) and the weight blocks' (`w_scale` [E, 2I/128, H/128]), and act is written
-    in e4m3 with one scale per row per 128 columns (`act_scale` [rows, I/128])."""
+    in e4m3 with one scale per row per 128 columns (`act_scale` [rows, I/128]). LAG (FP8 only): `_gate_up_lagged`."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,7 +126,10 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
     tokens = (pairs // slots).to(tl.int64)
     h_groups = tl.cdiv(hidden, 128)
     i_groups = inter // 128  # FP8 needs I % 128 == 0 (the gate's scale rows, then the up's)
-    if ONE_DOT:
+    if LAG:
+        acc_g, acc_u = _gate_up_lagged(x, w, x_scale, w_scale, tile, col, expert, tokens, valid, offs_n, n_ok, hidden,
+                                       inter, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER)
+    elif ONE_DOT:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         if FP8:  # each column's weight scale row: gate's then up's, as the box holds them
             both = tl.arange(0, 2 * BLOCK_N)
@@ -167,12 +189,91 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
+# LAG (see the module docstring): each step's second dot is added in the next step, after that step's first dot
+# (whose wait 0 is the one Triton needs to leave the second in flight). Every column gets the same terms, scaled by
+# the same float32 products, added in the same order as without LAG (a column of a dot does not depend on the
+# other columns); the first step adds a zero product.
+
+
+@triton.jit
+def _gate_up_lagged(x, w, x_scale, w_scale, tile, col, expert, tokens, valid, offs_n, n_ok, hidden, inter,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+                    GATHER: tl.constexpr):
+    """(gate, up) float32 accumulators of FP8 gate_up with LAG: the gate dot first (added in its step), the up dot
+    second (added one step late); the same bits as the two-dot and the ONE_DOT paths without LAG. (Not with
+    ONE_DOT: one box split in two goes through registers, and a dot of those cannot stay in flight.)"""
+    h_groups = tl.cdiv(hidden, 128)
+    i_groups = inter // 128
+    gate_row = expert * 2 * inter + col * BLOCK_N  # rows of w viewed as [E * 2I, H]
+    gate_scale_row = (expert * 2 * i_groups + col * BLOCK_N // 128) * h_groups
+    gate_scale_rows = (expert * 2 * i_groups + offs_n // 128) * h_groups
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the previous step's up product (none before the first)
+    up_a_s = tl.zeros((BLOCK_M, 1), dtype=tl.float32)  # and its scales
+    if BLOCK_N <= 128:
+        up_w_s = 0.0  # a float32 scalar
+    else:
+        up_w_s = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        a = _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
+        g = _weight_tile(w, gate_row, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
+        u = _weight_tile(w, gate_row + inter, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
+        a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=0.0)[:, None]
+        if BLOCK_N <= 128:  # one weight block: a scalar each, as without LAG
+            g_s = tl.load(w_scale + gate_scale_row + k0 // 128)
+            u_s = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k0 // 128)
+        else:
+            g_s = tl.load(w_scale + gate_scale_rows + k0 // 128, mask=n_ok, other=0.0)[None, :]
+            u_s = tl.load(w_scale + gate_scale_rows + i_groups * h_groups + k0 // 128, mask=n_ok, other=0.0)[None, :]
+        gate = tl.dot(a, g)
+        up_now = tl.dot(a, u)
+        acc_g += gate * (a_s * g_s)
+        acc_u += up * (up_a_s * up_w_s)
+        up, up_a_s, up_w_s = up_now, a_s, u_s
+    acc_u += up * (up_a_s * up_w_s)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _down_lagged(act, w, act_scale, w_scale, a_scale_rows, tile, col, expert, hidden, inter, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """The [BM, BN] float32 accumulator of FP8 down with LAG: two dots over the column block's halves (weight
+    tiles of BN/2 rows, each inside one 128-row weight block: BN ≤ 256), the second added one step late."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    row0 = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
+    offs_lo = col * BLOCK_N + tl.arange(0, HALF)
+    hi_start = col * BLOCK_N + HALF
+    i_groups = tl.cdiv(inter, 128)
+    lo_scale_row = (expert * tl.cdiv(hidden, 128) + col * BLOCK_N // 128) * i_groups
+    hi_scale_row = (expert * tl.cdiv(hidden, 128) + hi_start // 128) * i_groups
+    acc_lo = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)  # the previous step's second product, and its scales
+    hi_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        a = _row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
+        b_lo = _weight_tile(w, row0, k0, offs_lo < hidden, inter, HALF, BLOCK_K, TMA)
+        b_hi = _weight_tile(w, row0 + HALF, k0, offs_lo + HALF < hidden, inter, HALF, BLOCK_K, TMA)
+        a_s = tl.load(act_scale + a_scale_rows + k0 // 128)
+        lo_s = a_s * tl.load(w_scale + lo_scale_row + k0 // 128)
+        hi_now_s = a_s * tl.load(w_scale + hi_scale_row + k0 // 128, mask=hi_start < hidden, other=0.0)
+        lo = tl.dot(a, b_lo)
+        hi_now = tl.dot(a, b_hi)
+        acc_lo += lo * lo_s[:, None]
+        acc_hi += hi * hi_s[:, None]
+        hi, hi_s = hi_now, hi_now_s
+    acc_hi += hi * hi_s[:, None]
+    return tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), (BLOCK_M, BLOCK_N))
+
+
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
 def _gate_up_kernel(
     x, w, act_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, x_scale, w_scale, act_scale,
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+    LAG: tl.constexpr,
 ):
     """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
     [rows, H] buffer (a TMA descriptor when TMA is on)."""
@@ -183,44 +284,50 @@ def _gate_up_kernel(
             tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8)
+                         FP8, LAG)
     else:  # one job of the worst-case grid; a tile of padding only exits (an expert's real rows come first)
         tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8)
+                         FP8, LAG)
 
 
 @triton.jit
 def _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col,
               num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, SHARED_APART: tl.constexpr):
+              BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, SHARED_APART: tl.constexpr,
+              LAG: tl.constexpr):
     """out[pair of each real row, col's block] = weight(pair) * act[row] @ down[e]ᵀ for one tile. With FP8 each
     step's product is added times act's row group scales (`act_scale` [rows, I/128]) and the weight blocks'
     (`w_scale` [E, H/128, I/128]). With SHARED_APART a routed pair's row goes to out[token·k + slot], a shared
-    expert's to shared_ptr[token·S + slot - k] in that buffer's dtype (float32: never rounded before the sum)."""
+    expert's to shared_ptr[token·S + slot - k] in that buffer's dtype (float32: never rounded before the sum).
+    LAG (FP8 only): `_down_lagged`."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
-    down_row = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     i_groups = tl.cdiv(inter, 128)
     a_scale_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * i_groups
-    b_scale_rows = (expert * tl.cdiv(hidden, 128) + offs_n // 128) * i_groups
-    b_scale_row = (expert * tl.cdiv(hidden, 128) + col * BLOCK_N // 128) * i_groups
-    for k0 in range(0, inter, BLOCK_K):
-        a = _row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
-        b = _weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
-        if FP8:
-            a_s = tl.load(act_scale + a_scale_rows + k0 // 128)
-            if BLOCK_N <= 128:  # the column block lies in one weight block: one scale a step
-                acc += tl.dot(a, b) * (a_s * tl.load(w_scale + b_scale_row + k0 // 128))[:, None]
+    if LAG:
+        acc = _down_lagged(act, w, act_scale, w_scale, a_scale_rows, tile, col, expert, hidden, inter, BLOCK_M,
+                           BLOCK_N, BLOCK_K, TMA)
+    else:
+        down_row = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_scale_rows = (expert * tl.cdiv(hidden, 128) + offs_n // 128) * i_groups
+        b_scale_row = (expert * tl.cdiv(hidden, 128) + col * BLOCK_N // 128) * i_groups
+        for k0 in range(0, inter, BLOCK_K):
+            a = _row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
+            b = _weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
+            if FP8:
+                a_s = tl.load(act_scale + a_scale_rows + k0 // 128)
+                if BLOCK_N <= 128:  # the column block lies in one weight block: one scale a step
+                    acc += tl.dot(a, b) * (a_s * tl.load(w_scale + b_scale_row + k0 // 128))[:, None]
+                else:
+                    b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=0.0)
+                    acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
             else:
-                b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=0.0)
-                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
-        else:
-            acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, b, acc)
     pairs = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     slot = pairs % slots
@@ -243,7 +350,7 @@ def _down_kernel(
     act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr, act_scale, w_scale,
     num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
-    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr, LAG: tl.constexpr,
 ):
     num_cols = tl.cdiv(hidden, BLOCK_N)
     if PERSISTENT:
@@ -252,13 +359,13 @@ def _down_kernel(
             tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
             _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
                       col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
-                      SHARED_APART)
+                      SHARED_APART, LAG)
     else:
         tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
             _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
                       col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
-                      SHARED_APART)
+                      SHARED_APART, LAG)
 
 
 def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
@@ -290,7 +397,7 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
     scales = (x_scale, w_scale, act_scale) if fp8 else (act, act, act)  # unread placeholders without FP8
     args = (x, w, act, pairs, tile_expert, used_tiles, *scales, num_pairs, slots, hidden, inter)
     return launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8)
+                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8, LAG=cfg.get("LAG", False))
 
 
 def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,
@@ -306,11 +413,12 @@ def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k
         raise ValueError("FP8 down needs act_scale and w_scale")
     cfg = kernel_settings(cfg, block_m, fp8, "down")
     cfg["TMA"] = cfg["TMA"] and tma_supported(act.device)
+    lag = cfg.get("LAG", False)
     a = operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
-    w = operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
+    w = operand(w_down, [cfg["BLOCK_N"] // (2 if lag else 1), cfg["BLOCK_K"]], cfg["TMA"])  # LAG: half-column tiles
     scales = (act_scale, w_scale) if fp8 else (out, out)  # unread placeholders without FP8
     shared = out if shared_out is None else shared_out  # an unwritten placeholder without shared rows apart
     args = (a, w, out, shared, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden,
             inter)
     return launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, FP8=fp8, SHARED_APART=shared_out is not None)
+                   act.device, FP8=fp8, SHARED_APART=shared_out is not None, LAG=lag)
