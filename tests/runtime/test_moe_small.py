@@ -3,7 +3,8 @@ aligned Triton path (`moe.experts_triton` with `AFD_MOE_SMALL_TOKENS=0`), with t
 
 The kernel tests run on a GPU in bf16, or in Triton's CPU interpreter (TRITON_INTERPRET=1 before Triton is
 imported: `make test-kernels`) in float16; otherwise they skip. The setting and dispatch tests need only Triton
-importable; the sample-shape comparison needs a CUDA GPU.
+importable, the compile test Triton's NVIDIA backend (no GPU, not the interpreter); the sample-shape comparison
+needs a CUDA GPU.
 """
 
 import importlib.util
@@ -231,6 +232,70 @@ def test_experts_triton_takes_the_small_path_up_to_the_setting(setting, tokens, 
     with pytest.raises(Took, match=f"^{path}$"):
         moe.experts_triton(torch.zeros(tokens, 64), torch.ones(tokens, 2), ids, torch.zeros(4, 96, 64),
                            torch.zeros(4, 64, 48))
+
+
+def compile_for_hopper(fn, signature: dict, constants: dict, warps: int):
+    """(registers, stack bytes) a thread of `fn` takes, compiled for sm_90 by this Triton (no GPU needed): pointers
+    and the hidden and intermediate sizes marked 16-divisible, as the launcher marks real ones."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+             if kind.startswith("*") or name in ("hidden", "inter")}
+    source = ASTSource(fn, {**signature, **{name: "constexpr" for name in constants}}, constants, attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(kernel.asm["cubin"])
+        file.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True,
+                               check=True).stdout
+    return tuple(int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+
+
+def hopper_compiler_missing() -> bool:
+    import os
+
+    spec = importlib.util.find_spec("triton")
+    if spec is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    from pathlib import Path
+
+    return not (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump").is_file()
+
+
+@pytest.mark.skipif(hopper_compiler_missing(), reason="needs Triton's NVIDIA backend (ptxas, cuobjdump), not the "
+                    "interpreter")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("top_k,shared", [(6, 2), (0, 1)])
+def test_the_kernels_compile_for_hopper_without_spilling(fp8, top_k, shared):
+    """The interpreter runs what a GPU compiler may refuse: both kernels at their default settings compile for an
+    H100/H200, and keep every value in registers (no stack: spills)."""
+    from afd.kernels import moe_small
+
+    cfg = moe_small.FP8_SETTINGS if fp8 else moe_small.SETTINGS
+    act_fp8 = fp8 and cfg["gate_up"]["BLOCK_N"] % 128 == 0
+    weight, act = ("*fp8e4nv", "*fp8e4nv" if act_fp8 else "*fp32") if fp8 else ("*bf16", "*bf16")
+    sizes = {"hidden": "i32", "inter": "i32", "num_routed": "i32"}
+    up = compile_for_hopper(
+        moe_small._gate_up_kernel, {"x": "*bf16", "ids": "*i64", "w": weight, "act": act, "w_scale": "*fp32",
+                                    "act_scale": "*fp32", **sizes},
+        dict(SLOTS=top_k + shared, TOP_K=top_k, BLOCK_N=cfg["gate_up"]["BLOCK_N"], BLOCK_K=cfg["gate_up"]["BLOCK_K"],
+             FP8=fp8, ACT_FP8=act_fp8), cfg["gate_up"]["num_warps"])
+    down = compile_for_hopper(
+        moe_small._down_sum_kernel, {"act": act, "act_scale": "*fp32", "ids": "*i64", "weights": "*bf16", "w": weight,
+                                     "w_scale": "*fp32", "x": "*bf16", "out": "*fp32", **sizes},
+        dict(TOP_K=top_k, SHARED=shared, BLOCK_N=cfg["down"]["BLOCK_N"], BLOCK_K=cfg["down"]["BLOCK_K"], FP8=fp8,
+             ACT_FP8=act_fp8), cfg["down"]["num_warps"])
+    assert up[1] == 0 and down[1] == 0, (up, down)
+    assert 0 < up[0] <= 255 and 0 < down[0] <= 255
 
 
 SAMPLE_SHAPES = {  # (routed, shared, top_k, hidden, inter, fp8): bench/common.py's MOE_SHAPES; DeepSeek-V3 with 32

@@ -58,7 +58,7 @@ def _group_products(w, v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.sum(tl.reshape(w * v[None, :], (BLOCK_N, BLOCK_K // 128, 128)), axis=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_routed"])  # never a compile-time 1: _slot_expert converts it
 def _gate_up_kernel(x, ids, w, act, w_scale, act_scale, hidden, inter, num_routed,
                     SLOTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     FP8: tl.constexpr, ACT_FP8: tl.constexpr):
@@ -106,7 +106,7 @@ def _gate_up_kernel(x, ids, w, act, w_scale, act_scale, hidden, inter, num_route
         tl.store(act + pair * inter + offs_n, out.to(act.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_routed"])
 def _down_sum_kernel(act, act_scale, ids, weights, w, w_scale, x, out, hidden, inter, num_routed,
                      TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      FP8: tl.constexpr, ACT_FP8: tl.constexpr):
