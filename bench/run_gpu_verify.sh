@@ -2,7 +2,7 @@
 # The first device call after sessions without a GPU: every GPU test that the CPU-only changes since could break,
 # most wanted first, each group with its own time limit, then what the FP8 shared-row change costs. Each group's
 # output into $OUT/<group>.log (the tail printed):
-#   bash bench/run_gpu_verify.sh            # GROUPS="kernels afd v3 moe_fp8 skinny moe_small" picks some
+#   bash bench/run_gpu_verify.sh            # GROUPS="kernels afd v3 moe_fp8 skinny moe_small fp8_variants" picks some
 # Run it in a tree of one commit (see bench/run_gpu_step.sh). What it checks (session 41, no device lent):
 #   kernels  the Triton kernels against their references on the GPU, incl. the shared expert's float32 row and
 #            DeepSeek-V3's shared-expert slice as a stack (tests/runtime/test_shared_stack.py), shipped tables
@@ -15,13 +15,15 @@
 #            (tests/runtime/test_moe_small.py, 120 s), then bench/moe_small.py (60 s): it vs the aligned path at
 #            T = 1, 2, 4, 8, both bf16 sample shapes and DeepSeek-V3 FP8, against the byte floor, to set
 #            AFD_MOE_SMALL_TOKENS (default 0: off). Its block variants: bench/moe_small.py --variants 1,4
+#   fp8_variants the FP8 MoE layer with the table's kernels vs their LAG form (issue 32, session 42: CPU
+#            interpreter only) at 1,024 and 4,096 tokens, both shapes, ÷ floor, and whether the bits agree
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1 AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 group() {  # group NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
-  [[ " ${GROUPS:-kernels afd v3 moe_fp8 skinny moe_small} " == *" $name "* ]] || return 0
+  [[ " ${GROUPS:-kernels afd v3 moe_fp8 skinny moe_small fp8_variants} " == *" $name "* ]] || return 0
   echo "=== $name: $*"
   timeout $limit "$@" 2>&1 | tee $OUT/$name.log | tail -n 30
 }
@@ -35,3 +37,4 @@ group v3 240 env AFD_V3_FORMATS=fp8,bf16 $pytest tests/gpu/test_gpu_v3_afd.py
 group moe_fp8 60 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens 64,1024,4096
 group skinny 90 bash -c "$pytest tests/runtime/test_skinny_gemm.py | tail -n 3; python3 bench/skinny_tune.py --deadline 30"
 group moe_small 180 bash -c "timeout 120 $pytest tests/runtime/test_moe_small.py | tail -n 3; timeout 60 python3 bench/moe_small.py --deadline 40"
+group fp8_variants 120 bash -c "timeout 65 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens 1024,4096 --variant lag --no-bf16 | tail -n 8; timeout 50 python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens 1024,4096 --variant lag --no-bf16 | tail -n 8"
