@@ -193,3 +193,51 @@ def test_compiled_for_hopper_the_lagged_dot_stays_in_flight():
         else:
             assert row["loop"] in ("dot wait0", "dot wait0 dot wait0"), row
         assert row["stack"] == 0 and row["reg"] <= 255, row
+
+
+def bench_module(name: str):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+def test_the_fp8_tuner_tries_lag_where_async_dots_are_possible(block_m, monkeypatch):
+    """bench/moe_tune.py --fp8: LAG on tiles of 64+ rows, never with ONE_DOT, every candidate a valid setting whose
+    accumulators fit; the other candidates carry no LAG key (tables keep their form); --no-lag drops them."""
+    from afd.kernels.moe_launch import fp8_accumulator_registers, kernel_settings
+
+    moe_tune = bench_module("moe_tune")
+    for kernel_name in moe_tune.KERNELS:
+        space = moe_tune.candidates(kernel_name, block_m, True, fp8=True)
+        lagged = [cfg for cfg in space if "LAG" in cfg]
+        assert all(cfg["LAG"] is True and not cfg.get("ONE_DOT") for cfg in lagged)
+        if block_m < moe_tune.LAG_MIN_BLOCK_M:
+            assert not lagged
+        elif block_m == 64:  # the compute-bound sizes' tiles (session 40's winners)
+            assert lagged and all("LAG" in moe_tune.describe_loads(cfg) for cfg in lagged)
+        for cfg in space:
+            kernel_settings(cfg, block_m, fp8=True, kernel=kernel_name)
+            assert fp8_accumulator_registers(kernel_name, block_m, cfg["BLOCK_N"], cfg["num_warps"],
+                                             cfg.get("ONE_DOT", False), cfg.get("LAG", False)) <= 192
+        monkeypatch.setattr(moe_tune, "TRY_LAG", [False])
+        assert moe_tune.candidates(kernel_name, block_m, True, fp8=True) == [cfg for cfg in space if "LAG" not in cfg]
+        monkeypatch.setattr(moe_tune, "TRY_LAG", [True])
+        assert not [cfg for cfg in moe_tune.candidates(kernel_name, block_m, True) if "LAG" in cfg]  # bf16: never
+
+
+def test_the_layer_bench_turns_every_fp8_default_into_a_valid_lag_entry():
+    from afd.kernels.moe import FP8_DEFAULT_CONFIGS
+    from afd.kernels.moe_launch import kernel_settings
+
+    moe_layer_fp8 = bench_module("moe_layer_fp8")
+    for entry in FP8_DEFAULT_CONFIGS.values():
+        lagged = moe_layer_fp8.lag_entry(entry)
+        assert lagged["gate_up"]["LAG"] and lagged["down"]["LAG"] and "ONE_DOT" not in lagged["gate_up"]
+        assert {key: value for key, value in lagged["down"].items() if key != "LAG"} == entry["down"]
+        for kernel_name in ("gate_up", "down"):
+            kernel_settings(lagged[kernel_name], lagged["BLOCK_M"], fp8=True, kernel=kernel_name)
+    wide = {"BLOCK_M": 64, "gate_up": entry["gate_up"], "down": {**entry["down"], "BLOCK_N": 512}}
+    assert "LAG" not in moe_layer_fp8.lag_entry(wide)["down"]  # halves past one weight block: left as it was
