@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from afd.config import process_setting
 from afd.kernels import triton_available
-from afd.kernels.fp8_blocks import dequantize_block_fp8
+from afd.kernels.fp8_blocks import check_fp8, dequantize_block_fp8  # check_fp8: also moe_small's
 
 
 def kernel_choice() -> str:
@@ -133,7 +133,7 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
 
     tokens, top_k = ids.shape
     if 0 < tokens <= small_tokens():  # two GEMV launches, no alignment or slot sum (same result and rounding)
-        from afd.kernels import moe_small
+        from afd.kernels import moe_small  # local import: Triton is optional: imported where it runs
 
         return moe_small.experts_small(x, weights, ids, gate_up, down, num_shared, sum_dtype, gate_up_scale,
                                        down_scale)
@@ -166,26 +166,6 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     if not top_k and num_shared == 1 and (sum_dtype or x.dtype) == torch.float32:
         return shared_out  # one float32 row a token: already the sum
     return moe_rows.sum_slots(out, slots, sum_dtype or x.dtype, shared_out, num_shared)
-
-
-def check_fp8(gate_up, down, gate_up_scale, down_scale) -> bool:
-    """Whether the experts are FP8 (e4m3 stacks with both block scales, of the shapes that fit them); a mix
-    of FP8 and other weights, a missing scale or a misshapen one is an error naming it."""
-    fp8_dtype = torch.float8_e4m3fn
-    fp8 = gate_up.dtype == fp8_dtype
-    if fp8 != (down.dtype == fp8_dtype) or fp8 != (gate_up_scale is not None) or fp8 != (down_scale is not None):
-        raise ValueError(f"FP8 experts need e4m3 gate_up and down with both block scales; got gate_up {gate_up.dtype}, "
-                         f"down {down.dtype}, gate_up_scale {'set' if gate_up_scale is not None else 'None'}, "
-                         f"down_scale {'set' if down_scale is not None else 'None'}")
-    if fp8:
-        experts, hidden, inter = down.shape
-        blocks = -(-hidden // 128), -(-inter // 128)
-        if inter % 128 or gate_up_scale.shape != (experts, 2 * blocks[1], blocks[0]) or \
-                down_scale.shape != (experts, *blocks):
-            raise ValueError(f"FP8 experts [E={experts}, H={hidden}, I={inter}] need I % 128 == 0, gate_up_scale "
-                             f"{(experts, 2 * blocks[1], blocks[0])} and down_scale {(experts, *blocks)}; got "
-                             f"{tuple(gate_up_scale.shape)} and {tuple(down_scale.shape)}")
-    return fp8
 
 
 def experts_grouped(x, weights, ids, gate_up, down, sum_dtype=None) -> torch.Tensor:

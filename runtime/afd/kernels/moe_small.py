@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.kernels.fp8_blocks import check_fp8
 from afd.kernels.fp8_gemm import FP8, FP8_MAX, GROUP, quant_groups
-from afd.kernels.moe import check_fp8
 
 E4M3_MAX = tl.constexpr(FP8_MAX)  # a kernel reads only constexpr globals
 MAX_TOKENS = 16  # the most tokens this path takes: every pair streams its expert on its own (no tiles)
