@@ -1,12 +1,13 @@
 """Compile the FP8 MoE kernels for Hopper (sm_90a) on this machine, no GPU needed, and print for each variant the
-sequence of wgmma dots and waits in its K loop and the registers / stack bytes ptxas gives a thread.
+sequence of wgmma dots and waits in its K loop, the registers / stack bytes ptxas gives a thread and the shared
+memory it needs.
 
     python3 bench/moe_fp8_waits.py                 # the default variants, base and LAG
     python3 bench/moe_fp8_waits.py --json          # one JSON line per variant (what the tests read)
 
 A `dot` followed by `wait0` in the loop is synchronous: the tensor cores idle until its step's promotion is done.
-LAG's second dot should have no wait after it within the loop (it is waited for by the next step's wait0, after
-the promotions of both). Compiled by the Triton installed here (3.7 here; the device runs 3.6); pointer and size
+LAG's and K_PAIRS' last dots of a step should have no wait after them within the loop (the next step's wait0
+waits for them). Compiled by the Triton installed here (3.7 here; the device runs 3.6); pointer and size
 arguments are marked 16-divisible, as the launcher's specialization marks the real ones. Needs Triton's NVIDIA
 backend (its bundled ptxas and cuobjdump), and TRITON_INTERPRET unset.
 """
@@ -64,7 +65,7 @@ def fp8_desc(*block: int) -> str:
     return f"tensordesc<fp8e4nv[{', '.join(map(str, block))}]>"
 
 
-def down(block_m: int, block_n: int, block_k: int, warps: int, stages: int, lag: bool):
+def down(block_m: int, block_n: int, block_k: int, warps: int, stages: int, lag: bool, k_pairs: bool = False):
     """The FP8 down kernel with TMA loads (LAG: half-width weight tiles, as `launch_down` makes them)."""
     from afd.kernels import moe_triton
 
@@ -74,11 +75,12 @@ def down(block_m: int, block_n: int, block_k: int, warps: int, stages: int, lag:
                  "num_pairs": "i32", "top_k": "i32", "slots": "i32", "hidden": "i32", "inter": "i32",
                  "layout_m": "i32", "group_m": "i32"}
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TMA=True, FP8=True, PERSISTENT=False,
-                     PROGRAMS=0, SHARED_APART=True, LAG=lag)
+                     PROGRAMS=0, SHARED_APART=True, LAG=lag, K_PAIRS=k_pairs)
     return compile_variant(moe_triton._down_kernel, signature, constants, warps, stages)
 
 
-def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, lag: bool, one_dot: bool):
+def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, lag: bool, one_dot: bool,
+            k_pairs: bool = False):
     """The FP8 gate_up kernel with GATHER and TMA loads, its gate and up blocks in one box (ONE_DOT) or two."""
     from afd.kernels import moe_triton
 
@@ -88,24 +90,28 @@ def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, l
                  "x_scale": "*fp32", "w_scale": "*fp32", "act_scale": "*fp32", "num_pairs": "i32", "slots": "i32",
                  "hidden": "i32", "inter": "i32", "layout_m": "i32", "group_m": "i32"}
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TMA=True, GATHER=True, ONE_DOT=one_dot,
-                     FP8=True, PERSISTENT=False, PROGRAMS=0, LAG=lag)
+                     FP8=True, PERSISTENT=False, PROGRAMS=0, LAG=lag, K_PAIRS=k_pairs)
     return compile_variant(moe_triton._gate_up_kernel, signature, constants, warps, stages)
 
 
-VARIANTS = [  # (kernel, settings): the session-40 winners at 1,024-4,096 tokens and their LAG counterparts
+VARIANTS = [  # (kernel, settings): the session-40 winners at 1,024-4,096 tokens and their LAG / K_PAIRS forms
     ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=True, lag=False)),
     ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=False, lag=False)),
     ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=False, lag=True)),
+    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=2, one_dot=True, lag=False, k_pairs=True)),
+    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=2, one_dot=False, lag=False,
+                     k_pairs=True)),
     ("down", dict(block_m=64, block_n=128, block_k=128, warps=4, stages=3, lag=False)),
     ("down", dict(block_m=64, block_n=128, block_k=128, warps=4, stages=3, lag=True)),
     ("down", dict(block_m=128, block_n=128, block_k=128, warps=8, stages=3, lag=True)),
+    ("down", dict(block_m=64, block_n=128, block_k=128, warps=4, stages=3, lag=False, k_pairs=True)),
 ]
 
 
 def describe(kernel: str, settings: dict) -> dict:
     compiled = (gate_up if kernel == "gate_up" else down)(**settings)
-    return {"kernel": kernel, **settings, "loop": loop_sequence(compiled.asm["ttgir"]),
-            **resources(compiled.asm["cubin"])}
+    return {"kernel": kernel, "k_pairs": False, **settings, "loop": loop_sequence(compiled.asm["ttgir"]),
+            **resources(compiled.asm["cubin"]), "shared_bytes": compiled.metadata.shared}
 
 
 def main() -> None:
@@ -120,8 +126,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         else:
             print(f"{kernel:>7} M{settings['block_m']} N{settings['block_n']} w{settings['warps']}"
-                  f"{' ONE_DOT' if settings.get('one_dot') else ''}{' LAG' if settings['lag'] else ''}: "
-                  f"loop [{row['loop']}], {row['reg']} registers, {row['stack']} stack bytes", flush=True)
+                  f" s{settings['stages']}{' ONE_DOT' if settings.get('one_dot') else ''}"
+                  f"{' LAG' if settings['lag'] else ''}{' K_PAIRS' if row['k_pairs'] else ''}: loop [{row['loop']}], "
+                  f"{row['reg']} registers, {row['stack']} stack bytes, {row['shared_bytes']} shared bytes", flush=True)
 
 
 if __name__ == "__main__":

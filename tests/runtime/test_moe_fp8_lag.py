@@ -1,6 +1,7 @@
 """The FP8 MoE kernels' LAG variant (each step's second dot added one step late, so its MMA can overlap the
-promotion) writes the same bits as the kernels without it: same terms, same scales, same order; and compiled for
-Hopper, its second dot is left in flight.
+promotion) and K_PAIRS variant (two K steps a loop step, the second's dot promoted in the next) write the same bits
+as the kernels without them: same terms, same scales, same order; and compiled for Hopper, their last dots are
+left in flight.
 
 The kernels run on a CUDA GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1, as `make test-kernels` sets);
 else those tests skip. Weights and activations get a different magnitude per 128-block, so a scale of the wrong
@@ -87,7 +88,8 @@ def kernel(block_n=128, block_k=128, warps=4, **keys):
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": 3, **keys}
 
 
-GATE_UP = {  # id → (layout BLOCK_M, gate_up entry without LAG; LAG takes ONE_DOT off: same bits)
+VARIANTS = {"lag": {"LAG": True, "ONE_DOT": False}, "k-pairs": {"K_PAIRS": True}}  # LAG takes ONE_DOT off: same bits
+GATE_UP = {  # id → (layout BLOCK_M, gate_up entry without a variant)
     "pointers": (16, kernel()),
     "pointers-gather-64": (64, kernel(GATHER=True)),
     "tma-half-tiles-k64": (32, kernel(block_k=64, TMA=True, BLOCK_M=16)),
@@ -101,11 +103,13 @@ GATE_UP = {  # id → (layout BLOCK_M, gate_up entry without LAG; LAG takes ONE_
 @needs_kernels
 @pytest.mark.parametrize("tokens, hidden", [(1, 128), (37, 320), (130, 256)])  # 128: a single K step (BLOCK_K 128)
 @pytest.mark.parametrize("name", sorted(GATE_UP))
-def test_gate_up_with_lag_writes_the_same_bits(name, tokens, hidden):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gate_up_variants_write_the_same_bits(variant, name, tokens, hidden):
+    """hidden 128: a single K step (BLOCK_K 128); 320: three (K_PAIRS: an odd one, with a partial 128-block)."""
     layout_m, cfg = GATE_UP[name]
     inter = 2 * cfg["BLOCK_N"] if cfg["BLOCK_N"] == 128 else 384  # 384 over BLOCK_N 256: a partial column block
     base = run_gate_up(tokens, hidden, inter, layout_m, cfg)
-    lagged = run_gate_up(tokens, hidden, inter, layout_m, {**cfg, "ONE_DOT": False, "LAG": True})
+    lagged = run_gate_up(tokens, hidden, inter, layout_m, {**cfg, **VARIANTS[variant]})
     assert base[0].any() and base[1].any()
     assert torch.equal(base[0], lagged[0]) and torch.equal(base[1], lagged[1])
 
@@ -122,11 +126,14 @@ DOWN = {  # id → (layout BLOCK_M, down entry without LAG)
 @needs_kernels
 @pytest.mark.parametrize("tokens, hidden, inter", [(1, 320, 128), (37, 320, 256), (130, 512, 384)])
 @pytest.mark.parametrize("name", sorted(DOWN))
-def test_down_with_lag_writes_the_same_bits(name, tokens, hidden, inter):
-    """hidden 320: a column block (and a half of one) past the last weight row; inter 128: a single K step."""
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_down_variants_write_the_same_bits(variant, name, tokens, hidden, inter):
+    """hidden 320: a column block (and a half of one) past the last weight row; inter 128: a single K step, 384:
+    three (K_PAIRS: an odd one)."""
     layout_m, cfg = DOWN[name]
     base = run_down(tokens, hidden, inter, layout_m, cfg)
-    lagged = run_down(tokens, hidden, inter, layout_m, {**cfg, "LAG": True})
+    lagged = run_down(tokens, hidden, inter, layout_m, {**cfg, **{k: v for k, v in VARIANTS[variant].items()
+                                                                 if k != "ONE_DOT"}})
     assert torch.equal(base[0], lagged[0]) and torch.equal(base[1], lagged[1])
 
 
@@ -146,6 +153,13 @@ def test_lag_settings_are_checked():
     with pytest.raises(ValueError, match="LAG needs two dots a step and ONE_DOT makes one"):
         kernel_settings(kernel(TMA=True, ONE_DOT=True, LAG=True), 64, fp8=True, kernel="gate_up")
     kernel_settings(kernel(256, LAG=True), 64, fp8=True, kernel="gate_up")  # gate_up splits gate from up: any N
+    assert kernel_settings(kernel(TMA=True, ONE_DOT=True, K_PAIRS=True), 64, fp8=True, kernel="gate_up")["K_PAIRS"]
+    with pytest.raises(ValueError, match="LAG and K_PAIRS lay the loop out in two different ways"):
+        kernel_settings(kernel(LAG=True, K_PAIRS=True), 64, fp8=True, kernel="down")
+    with pytest.raises(ValueError, match="K_PAIRS overlaps .* not FP8; drop K_PAIRS"):
+        kernel_settings(kernel(K_PAIRS=True), 64, fp8=False, kernel="down")
+    with pytest.raises(ValueError, match="K_PAIRS 'yes' must be true or false"):
+        kernel_settings(kernel(K_PAIRS="yes"), 64, fp8=True, kernel="down")
 
 
 @needs_kernels
@@ -166,7 +180,9 @@ def test_lag_registers_count_the_kept_product():
     assert fp8_accumulator_registers("down", 64, 128, 4, lag=True) == 5 * 64 * 128 // (2 * 128)
     assert fp8_accumulator_registers("gate_up", 64, 128, 8, lag=True) == 5 * 64 * 128 // 256
     assert fp8_accumulator_registers("gate_up", 64, 128, 8, one_dot=True, lag=True) == 5 * 64 * 128 // 256
-    assert fp8_accumulator_registers("down", 64, 128, 4) == 2 * 64 * 128 // 128  # unchanged without LAG
+    assert fp8_accumulator_registers("down", 64, 128, 4, k_pairs=True) == 3 * 64 * 128 // 128
+    assert fp8_accumulator_registers("gate_up", 64, 128, 8, one_dot=True, k_pairs=True) == 6 * 64 * 128 // 256
+    assert fp8_accumulator_registers("down", 64, 128, 4) == 2 * 64 * 128 // 128  # unchanged without either
 
 
 def hopper_compiler_missing() -> bool:
@@ -179,20 +195,21 @@ def hopper_compiler_missing() -> bool:
 
 @pytest.mark.skipif(hopper_compiler_missing(), reason="needs Triton with its NVIDIA backend (ptxas)")
 def test_compiled_for_hopper_the_lagged_dot_stays_in_flight():
-    """bench/moe_fp8_waits.py compiles the kernels for sm_90a (a process without TRITON_INTERPRET): without LAG every
-    dot is followed by a wait 0 in the K loop; with LAG the second is not, and nothing spills."""
+    """bench/moe_fp8_waits.py compiles the kernels for sm_90a (a process without TRITON_INTERPRET): without a variant
+    every dot is followed by a wait 0 in the K loop; with LAG or K_PAIRS the step's last dots are not; nothing
+    spills and the shared memory fits an H200's."""
     root = Path(__file__).resolve().parents[2]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(root / "bench" / "moe_fp8_waits.py"), "--json"], capture_output=True,
                           text=True, env=env, timeout=600, check=True)
     rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert {row["lag"] for row in rows} == {False, True}
+    assert {row["lag"] for row in rows} == {False, True} and {row["k_pairs"] for row in rows} == {False, True}
     for row in rows:
-        if row["lag"]:
-            assert row["loop"] == "dot wait0 dot", row
+        if row["lag"] or row["k_pairs"]:  # the step's last dot(s): no wait after them in the loop
+            assert row["loop"] in ("dot wait0 dot", "dot wait0 dot wait0 dot dot"), row
         else:
             assert row["loop"] in ("dot wait0", "dot wait0 dot wait0"), row
-        assert row["stack"] == 0 and row["reg"] <= 255, row
+        assert row["stack"] == 0 and row["reg"] <= 255 and row["shared_bytes"] <= 227 * 1024, row
 
 
 def bench_module(name: str):
@@ -204,31 +221,38 @@ def bench_module(name: str):
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
-def test_the_fp8_tuner_tries_lag_where_async_dots_are_possible(block_m, monkeypatch):
-    """bench/moe_tune.py --fp8: LAG on tiles of 64+ rows, never with ONE_DOT, every candidate a valid setting whose
-    accumulators fit; the other candidates carry no LAG key (tables keep their form); --no-lag drops them."""
+def test_the_fp8_tuner_tries_the_variants_where_async_dots_are_possible(block_m, monkeypatch):
+    """bench/moe_tune.py --fp8: LAG and K_PAIRS on tiles of 64+ rows (LAG never with ONE_DOT, K_PAIRS one stage
+    fewer), every candidate a valid setting whose accumulators fit; the other candidates carry neither key (tables
+    keep their form); --no-variants drops them; bf16 never gets them."""
     from afd.kernels.moe_launch import fp8_accumulator_registers, kernel_settings
 
     moe_tune = bench_module("moe_tune")
     for kernel_name in moe_tune.KERNELS:
         space = moe_tune.candidates(kernel_name, block_m, True, fp8=True)
         lagged = [cfg for cfg in space if "LAG" in cfg]
+        paired = [cfg for cfg in space if "K_PAIRS" in cfg]
         assert all(cfg["LAG"] is True and not cfg.get("ONE_DOT") for cfg in lagged)
+        assert all(cfg["K_PAIRS"] is True and cfg["num_stages"] in (2, 3) for cfg in paired)
         if block_m < moe_tune.LAG_MIN_BLOCK_M:
-            assert not lagged
+            assert not lagged and not paired
         elif block_m == 64:  # the compute-bound sizes' tiles (session 40's winners)
             assert lagged and all("LAG" in moe_tune.describe_loads(cfg) for cfg in lagged)
+            assert paired and all("K_PAIRS" in moe_tune.describe_loads(cfg) for cfg in paired)
         for cfg in space:
             kernel_settings(cfg, block_m, fp8=True, kernel=kernel_name)
             assert fp8_accumulator_registers(kernel_name, block_m, cfg["BLOCK_N"], cfg["num_warps"],
-                                             cfg.get("ONE_DOT", False), cfg.get("LAG", False)) <= 192
-        monkeypatch.setattr(moe_tune, "TRY_LAG", [False])
-        assert moe_tune.candidates(kernel_name, block_m, True, fp8=True) == [cfg for cfg in space if "LAG" not in cfg]
-        monkeypatch.setattr(moe_tune, "TRY_LAG", [True])
-        assert not [cfg for cfg in moe_tune.candidates(kernel_name, block_m, True) if "LAG" in cfg]  # bf16: never
+                                             cfg.get("ONE_DOT", False), cfg.get("LAG", False),
+                                             cfg.get("K_PAIRS", False)) <= 192
+        monkeypatch.setattr(moe_tune, "TRY_VARIANTS", [False])
+        assert moe_tune.candidates(kernel_name, block_m, True, fp8=True) == [
+            cfg for cfg in space if "LAG" not in cfg and "K_PAIRS" not in cfg]
+        monkeypatch.setattr(moe_tune, "TRY_VARIANTS", [True])
+        assert not [cfg for cfg in moe_tune.candidates(kernel_name, block_m, True)
+                    if "LAG" in cfg or "K_PAIRS" in cfg]  # bf16: never
 
 
-def test_the_layer_bench_turns_every_fp8_default_into_a_valid_lag_entry():
+def test_the_layer_bench_turns_every_fp8_default_into_valid_variant_entries():
     from afd.kernels.moe import FP8_DEFAULT_CONFIGS
     from afd.kernels.moe_launch import kernel_settings
 
@@ -239,5 +263,9 @@ def test_the_layer_bench_turns_every_fp8_default_into_a_valid_lag_entry():
         assert {key: value for key, value in lagged["down"].items() if key != "LAG"} == entry["down"]
         for kernel_name in ("gate_up", "down"):
             kernel_settings(lagged[kernel_name], lagged["BLOCK_M"], fp8=True, kernel=kernel_name)
+        paired = moe_layer_fp8.k_pairs_entry(entry)
+        assert paired["gate_up"]["K_PAIRS"] and paired["down"]["K_PAIRS"] and paired["gate_up"]["num_stages"] == 2
+        for kernel_name in ("gate_up", "down"):
+            kernel_settings(paired[kernel_name], paired["BLOCK_M"], fp8=True, kernel=kernel_name)
     wide = {"BLOCK_M": 64, "gate_up": entry["gate_up"], "down": {**entry["down"], "BLOCK_N": 512}}
     assert "LAG" not in moe_layer_fp8.lag_entry(wide)["down"]  # halves past one weight block: left as it was

@@ -25,19 +25,24 @@ FP8 adds each step's product times its block scales (`acc += dot(a, b) * scale`)
 waits for every wgmma before its step's multiply-add: the tensor cores idle while the CUDA cores promote. With `LAG`
 (FP8, not ONE_DOT) a step issues two dots — gate then up, or `down`'s two column halves — and adds the second's
 product one step late, after the next step's first dot: that second wgmma stays in flight while both promotions
-run. Same bits as without LAG (tests/runtime/test_moe_fp8_lag.py); speed for the tuner to judge. Why this shape
-(Triton 3.6/3.7 sources; `bench/moe_fp8_waits.py` shows the waits it compiles to):
+run. With `K_PAIRS` (FP8) a loop step covers two K steps and the second's dot(s), issued after the first's
+promotion, are promoted in the next loop step: the loop waits for the tensor cores once per two K steps. Same bits
+as without either (tests/runtime/test_moe_fp8_lag.py); speed for the tuner to judge. Why these shapes (Triton
+3.6/3.7 sources; `bench/moe_fp8_waits.py` shows the waits they compile to):
 - triton-lang/triton lib/Dialect/TritonGPU/Transforms/Pipeliner/WGMMAPipeline.cpp (`dotCanBeProperlyAsync`,
   rules from PR #3327, 2024): a wgmma is left in flight across steps only if its product's sole use in the loop is
   the next iteration and there it feeds another wgmma's accumulator or comes after a `warp_group_dot_wait
   {pendings=0}` of that step; otherwise a wait 0 follows the dot. A lone lagged dot thus stays synchronous; a
-  second dot after a consumed first one does not.
+  second dot after a consumed first one does not (if the kept product is read only after that first dot is
+  issued). Splitting one TMA box in two for two dots goes through registers, and such a dot stays synchronous:
+  hence LAG without ONE_DOT.
 - Warp specialization on Hopper (`tl.range(warp_specialize=True)`) goes to Meta's autoWS pass
   (`add_hopper_warpspec`, PRs #7136 and #8092/#8143 for 3.5); `num_consumer_groups` was the older spelling (PR
   #5622). Meta's fork enabled Hopper autoWS GEMMs end to end only in 2026 (facebookexperimental/triton#1278, which
   forces wait 0 after every wgmma in WS kernels); their blockwise-FP8 WS work (meta-pytorch/tritonbench#1163,
   facebookexperimental/triton#1964) targets Blackwell. Not relied on here.
-- Others on Hopper: DeepGEMM promotes on CUDA cores from warp-specialized math warpgroups while TMA warps load;
+- Others on Hopper: DeepGEMM (its README) promotes on CUDA cores ("two-level accumulation") in hand-written,
+  warp-specialized CUDA kernels that overlap TMA, MMA and promotion;
   vLLM's and SGLang's Triton `w8a8_block_fp8_matmul` add `dot * a_s * b_s` each step as we do.
 """
 
@@ -110,13 +115,15 @@ def _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M: tl.constexpr, BLO
 @triton.jit
 def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col, num_pairs, slots,
                  hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, LAG: tl.constexpr):
+                 TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, LAG: tl.constexpr,
+                 K_PAIRS: tl.constexpr):
     """act[tile's rows, col's block] = SiLU(A @ gate) * (A @ up) for one tile and column block. With ONE_DOT,
     `w` is a 3-D descriptor over [2E, I, H] and one TMA box brings the gate and up blocks of the column block
     ([2, BN, BK]) for one dot of width 2·BN (the A tile is read once per step); else two loads and two dots.
     With FP8, A and the weights are e4m3: each step's product is added times the A rows' group scales
     (`x_scale` [T, H/128], by token) and the weight blocks' (`w_scale` [E, 2I/128, H/128]), and act is written
-    in e4m3 with one scale per row per 128 columns (`act_scale` [rows, I/128]). LAG (FP8 only): `_gate_up_lagged`."""
+    in e4m3 with one scale per row per 128 columns (`act_scale` [rows, I/128]). LAG and K_PAIRS (FP8 only):
+    `_gate_up_lagged`, `_gate_up_k_pairs`."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,7 +133,10 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
     tokens = (pairs // slots).to(tl.int64)
     h_groups = tl.cdiv(hidden, 128)
     i_groups = inter // 128  # FP8 needs I % 128 == 0 (the gate's scale rows, then the up's)
-    if LAG:
+    if K_PAIRS:
+        acc_g, acc_u = _gate_up_k_pairs(x, w, x_scale, w_scale, tile, col, expert, tokens, valid, offs_n, n_ok, hidden,
+                                        inter, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT)
+    elif LAG:
         acc_g, acc_u = _gate_up_lagged(x, w, x_scale, w_scale, tile, col, expert, tokens, valid, offs_n, n_ok, hidden,
                                        inter, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER)
     elif ONE_DOT:
@@ -267,13 +277,162 @@ def _down_lagged(act, w, act_scale, w_scale, a_scale_rows, tile, col, expert, hi
     return tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), (BLOCK_M, BLOCK_N))
 
 
+# K_PAIRS: a loop step covers two K steps. The first's dot is promoted in the step (after the previous step's second
+# product, so terms keep their order), then the second's dot is issued and promoted in the next step: it runs while
+# the loop turns and queues the next step's first dot behind it, so a step waits for the tensor cores once per two
+# K steps instead of once per K step (the promotion itself is not overlapped). An odd last step pairs with zeros
+# (loads past K read zeros, its scales are masked to 0): a zero product added, as the first step's lagged one.
+
+
+@triton.jit
+def _gate_up_k_pairs(x, w, x_scale, w_scale, tile, col, expert, tokens, valid, offs_n, n_ok, hidden, inter,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+                     GATHER: tl.constexpr, ONE_DOT: tl.constexpr):
+    """(gate, up) float32 accumulators of FP8 gate_up with K_PAIRS, in one dot (ONE_DOT) or two a K step; the same
+    bits as without."""
+    h_groups = tl.cdiv(hidden, 128)
+    i_groups = inter // 128
+    gate_row = expert * 2 * inter + col * BLOCK_N  # rows of w viewed as [E * 2I, H] (two dots)
+    gate_scale_row = (expert * 2 * i_groups + col * BLOCK_N // 128) * h_groups
+    gate_scale_rows = (expert * 2 * i_groups + offs_n // 128) * h_groups
+    both = tl.arange(0, 2 * BLOCK_N)  # ONE_DOT: the box's columns, gate's then up's
+    both_n = col * BLOCK_N + both % BLOCK_N
+    box_scale_rows = (expert * 2 * i_groups + both // BLOCK_N * i_groups + both_n // 128) * h_groups
+    is_gate = (both < BLOCK_N)[None, :]
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # ONE_DOT's
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the two dots'
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ONE_DOT:
+        kept = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # the previous step's second product(s)
+    else:
+        kept_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        kept_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kept_a_s = tl.zeros((BLOCK_M, 1), dtype=tl.float32)  # and their scales
+    if ONE_DOT and BLOCK_N != 128:
+        kept_b_s = tl.zeros((1, 2 * BLOCK_N), dtype=tl.float32)
+    elif BLOCK_N > 128:
+        kept_g_s = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+        kept_u_s = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    else:
+        kept_g_s = 0.0
+        kept_u_s = 0.0
+    for k0 in range(0, hidden, 2 * BLOCK_K):
+        k1 = k0 + BLOCK_K
+        a0 = _gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
+        a1 = _gate_up_rows(x, tile, tokens, valid, k1, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
+        a_s0 = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=0.0)[:, None]
+        a_s1 = tl.load(x_scale + tokens * h_groups + k1 // 128, mask=valid & (k1 < hidden), other=0.0)[:, None]
+        if ONE_DOT:  # the first dot issued before the kept product is read: only then may the second stay in flight
+            b0 = tl.reshape(w.load([2 * expert, col * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K)).T
+            b1 = tl.reshape(w.load([2 * expert, col * BLOCK_N, k1]), (2 * BLOCK_N, BLOCK_K)).T
+            now = tl.dot(a0, b0)
+            if BLOCK_N == 128:  # as ONE_DOT without K_PAIRS: the gate's and the up's block scale, a scalar each
+                g_s0 = tl.load(w_scale + gate_scale_row + k0 // 128)
+                u_s0 = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k0 // 128)
+                g_s1 = tl.load(w_scale + gate_scale_row + k1 // 128, mask=k1 < hidden, other=0.0)
+                u_s1 = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k1 // 128, mask=k1 < hidden,
+                               other=0.0)
+                acc += kept * tl.where(is_gate, kept_a_s * kept_g_s, kept_a_s * kept_u_s)
+                acc += now * tl.where(is_gate, a_s0 * g_s0, a_s0 * u_s0)
+                kept_g_s, kept_u_s = g_s1, u_s1
+            else:
+                b_s0 = tl.load(w_scale + box_scale_rows + k0 // 128, mask=both_n < inter, other=0.0)[None, :]
+                b_s1 = tl.load(w_scale + box_scale_rows + k1 // 128, mask=(both_n < inter) & (k1 < hidden),
+                               other=0.0)[None, :]
+                acc += kept * (kept_a_s * kept_b_s)
+                acc += now * (a_s0 * b_s0)
+                kept_b_s = b_s1
+            kept = tl.dot(a1, b1)
+        else:
+            g0 = _weight_tile(w, gate_row, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
+            u0 = _weight_tile(w, gate_row + inter, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
+            g1 = _weight_tile(w, gate_row, k1, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
+            u1 = _weight_tile(w, gate_row + inter, k1, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
+            if BLOCK_N <= 128:
+                g_s0 = tl.load(w_scale + gate_scale_row + k0 // 128)
+                u_s0 = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k0 // 128)
+                g_s1 = tl.load(w_scale + gate_scale_row + k1 // 128, mask=k1 < hidden, other=0.0)
+                u_s1 = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k1 // 128, mask=k1 < hidden,
+                               other=0.0)
+            else:
+                g_s0 = tl.load(w_scale + gate_scale_rows + k0 // 128, mask=n_ok, other=0.0)[None, :]
+                u_s0 = tl.load(w_scale + gate_scale_rows + i_groups * h_groups + k0 // 128, mask=n_ok,
+                               other=0.0)[None, :]
+                g_s1 = tl.load(w_scale + gate_scale_rows + k1 // 128, mask=n_ok & (k1 < hidden), other=0.0)[None, :]
+                u_s1 = tl.load(w_scale + gate_scale_rows + i_groups * h_groups + k1 // 128,
+                               mask=n_ok & (k1 < hidden), other=0.0)[None, :]
+            gate = tl.dot(a0, g0)
+            up = tl.dot(a0, u0)
+            acc_g += kept_g * (kept_a_s * kept_g_s)
+            acc_g += gate * (a_s0 * g_s0)
+            acc_u += kept_u * (kept_a_s * kept_u_s)
+            acc_u += up * (a_s0 * u_s0)
+            kept_g = tl.dot(a1, g1)
+            kept_u = tl.dot(a1, u1)
+            kept_g_s, kept_u_s = g_s1, u_s1
+        kept_a_s = a_s1
+    if ONE_DOT:
+        if BLOCK_N == 128:
+            acc += kept * tl.where(is_gate, kept_a_s * kept_g_s, kept_a_s * kept_u_s)
+        else:
+            acc += kept * (kept_a_s * kept_b_s)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        acc_g += kept_g * (kept_a_s * kept_g_s)
+        acc_u += kept_u * (kept_a_s * kept_u_s)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _down_k_pairs(act, w, act_scale, w_scale, a_scale_rows, tile, col, expert, offs_n, n_ok, hidden, inter,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """The [BM, BN] float32 accumulator of FP8 down with K_PAIRS; the same bits as without."""
+    down_row = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
+    i_groups = tl.cdiv(inter, 128)
+    b_scale_rows = (expert * tl.cdiv(hidden, 128) + offs_n // 128) * i_groups
+    b_scale_row = (expert * tl.cdiv(hidden, 128) + col * BLOCK_N // 128) * i_groups
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kept = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the previous step's second product, and its scales
+    kept_a_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if BLOCK_N <= 128:
+        kept_b_s = 0.0
+    else:
+        kept_b_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, inter, 2 * BLOCK_K):
+        k1 = k0 + BLOCK_K
+        a0 = _row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
+        b0 = _weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
+        a1 = _row_tile(act, tile * BLOCK_M, k1, inter, BLOCK_M, BLOCK_K, TMA)
+        b1 = _weight_tile(w, down_row, k1, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
+        a_s0 = tl.load(act_scale + a_scale_rows + k0 // 128)
+        a_s1 = tl.load(act_scale + a_scale_rows + k1 // 128, mask=k1 < inter, other=0.0)
+        now = tl.dot(a0, b0)  # issued before the kept product is read: only then may the second dot stay in flight
+        if BLOCK_N <= 128:  # as without K_PAIRS: one scale a step
+            b_s0 = tl.load(w_scale + b_scale_row + k0 // 128)
+            b_s1 = tl.load(w_scale + b_scale_row + k1 // 128, mask=k1 < inter, other=0.0)
+            acc += kept * (kept_a_s * kept_b_s)[:, None]
+            acc += now * (a_s0 * b_s0)[:, None]
+        else:
+            b_s0 = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=0.0)
+            b_s1 = tl.load(w_scale + b_scale_rows + k1 // 128, mask=n_ok & (k1 < inter), other=0.0)
+            acc += kept * (kept_a_s[:, None] * kept_b_s[None, :])
+            acc += now * (a_s0[:, None] * b_s0[None, :])
+        kept = tl.dot(a1, b1)
+        kept_a_s, kept_b_s = a_s1, b_s1
+    if BLOCK_N <= 128:
+        acc += kept * (kept_a_s * kept_b_s)[:, None]
+    else:
+        acc += kept * (kept_a_s[:, None] * kept_b_s[None, :])
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
 def _gate_up_kernel(
     x, w, act_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, x_scale, w_scale, act_scale,
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-    LAG: tl.constexpr,
+    LAG: tl.constexpr, K_PAIRS: tl.constexpr,
 ):
     """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
     [rows, H] buffer (a TMA descriptor when TMA is on)."""
@@ -284,31 +443,34 @@ def _gate_up_kernel(
             tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8, LAG)
+                         FP8, LAG, K_PAIRS)
     else:  # one job of the worst-case grid; a tile of padding only exits (an expert's real rows come first)
         tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8, LAG)
+                         FP8, LAG, K_PAIRS)
 
 
 @triton.jit
 def _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col,
               num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, SHARED_APART: tl.constexpr,
-              LAG: tl.constexpr):
+              LAG: tl.constexpr, K_PAIRS: tl.constexpr):
     """out[pair of each real row, col's block] = weight(pair) * act[row] @ down[e]ᵀ for one tile. With FP8 each
     step's product is added times act's row group scales (`act_scale` [rows, I/128]) and the weight blocks'
     (`w_scale` [E, H/128, I/128]). With SHARED_APART a routed pair's row goes to out[token·k + slot], a shared
     expert's to shared_ptr[token·S + slot - k] in that buffer's dtype (float32: never rounded before the sum).
-    LAG (FP8 only): `_down_lagged`."""
+    LAG and K_PAIRS (FP8 only): `_down_lagged`, `_down_k_pairs`."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     i_groups = tl.cdiv(inter, 128)
     a_scale_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * i_groups
-    if LAG:
+    if K_PAIRS:
+        acc = _down_k_pairs(act, w, act_scale, w_scale, a_scale_rows, tile, col, expert, offs_n, n_ok, hidden, inter,
+                            BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+    elif LAG:
         acc = _down_lagged(act, w, act_scale, w_scale, a_scale_rows, tile, col, expert, hidden, inter, BLOCK_M,
                            BLOCK_N, BLOCK_K, TMA)
     else:
@@ -351,6 +513,7 @@ def _down_kernel(
     num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
     PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr, LAG: tl.constexpr,
+    K_PAIRS: tl.constexpr,
 ):
     num_cols = tl.cdiv(hidden, BLOCK_N)
     if PERSISTENT:
@@ -359,13 +522,13 @@ def _down_kernel(
             tile, col = _tile_and_col(job, num_tiles, num_cols, group_m)
             _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
                       col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
-                      SHARED_APART, LAG)
+                      SHARED_APART, LAG, K_PAIRS)
     else:
         tile, col = _tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
             _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
                       col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
-                      SHARED_APART, LAG)
+                      SHARED_APART, LAG, K_PAIRS)
 
 
 def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
@@ -397,7 +560,8 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
     scales = (x_scale, w_scale, act_scale) if fp8 else (act, act, act)  # unread placeholders without FP8
     args = (x, w, act, pairs, tile_expert, used_tiles, *scales, num_pairs, slots, hidden, inter)
     return launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8, LAG=cfg.get("LAG", False))
+                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8, LAG=cfg.get("LAG", False),
+                  K_PAIRS=cfg.get("K_PAIRS", False))
 
 
 def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,
@@ -421,4 +585,5 @@ def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k
     args = (a, w, out, shared, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden,
             inter)
     return launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, FP8=fp8, SHARED_APART=shared_out is not None, LAG=lag)
+                   act.device, FP8=fp8, SHARED_APART=shared_out is not None, LAG=lag,
+                  K_PAIRS=cfg.get("K_PAIRS", False))
