@@ -15,8 +15,8 @@
 #            (tests/runtime/test_moe_small.py, 120 s), then bench/moe_small.py (60 s): it vs the aligned path at
 #            T = 1, 2, 4, 8, both bf16 sample shapes and DeepSeek-V3 FP8, against the byte floor, to set
 #            AFD_MOE_SMALL_TOKENS (default 0: off). Its block variants: bench/moe_small.py --variants 1,4
-#   fp8_variants the FP8 MoE layer with the table's kernels vs their LAG form (issue 32, session 42: CPU
-#            interpreter only) at 1,024 and 4,096 tokens, both shapes, ÷ floor, and whether the bits agree
+#   fp8_variants the FP8 MoE layer with the table's kernels vs their LAG and K_PAIRS forms (issue 32, session 42:
+#            CPU interpreter only) at 1,024 and 4,096 tokens, both shapes, ÷ floor, and whether the bits agree
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1 AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN
@@ -37,4 +37,4 @@ group v3 240 env AFD_V3_FORMATS=fp8,bf16 $pytest tests/gpu/test_gpu_v3_afd.py
 group moe_fp8 60 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens 64,1024,4096
 group skinny 90 bash -c "$pytest tests/runtime/test_skinny_gemm.py | tail -n 3; python3 bench/skinny_tune.py --deadline 30"
 group moe_small 180 bash -c "timeout 120 $pytest tests/runtime/test_moe_small.py | tail -n 3; timeout 60 python3 bench/moe_small.py --deadline 40"
-group fp8_variants 120 bash -c "timeout 65 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens 1024,4096 --variant lag --no-bf16 | tail -n 8; timeout 50 python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens 1024,4096 --variant lag --no-bf16 | tail -n 8"
+group fp8_variants 120 bash -c "timeout 70 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens 1024,4096 --variant lag,k-pairs --no-bf16 | tail -n 10; timeout 48 python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens 1024,4096 --variant lag,k-pairs --no-bf16 | tail -n 10"
