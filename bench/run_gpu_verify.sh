@@ -30,7 +30,8 @@ group() {  # group NAME SECONDS COMMAND...
 pytest="python3 -m pytest -q -p no:cacheprovider -p no:warnings --timeout 120"
 group kernels 150 $pytest tests/runtime/test_moe_triton_settings.py tests/runtime/test_moe_fp8.py \
   tests/runtime/test_shared_stack.py tests/runtime/test_routing_kernel.py tests/runtime/test_decode_kernels.py \
-  tests/runtime/test_norm_rope.py tests/runtime/test_moe_tuned_configs.py tests/gpu/test_gpu_fp8.py
+  tests/runtime/test_norm_rope.py tests/runtime/test_moe_tuned_configs.py tests/gpu/test_gpu_fp8.py \
+  tests/runtime/test_moe_fp8_lag.py
 group afd 330 $pytest --maxfail 10 tests/gpu/test_gpu_path.py tests/gpu/test_gpu_expert_parallel.py \
   tests/gpu/test_gpu_pair_capture.py tests/server/test_shared_prompt.py
 group v3 240 env AFD_V3_FORMATS=fp8,bf16 $pytest tests/gpu/test_gpu_v3_afd.py

@@ -9,10 +9,12 @@ from afd.connector.tensors import pack_rows, unpack_rows
 from afd.connector.wire import ProtocolError
 from afd.kernels.moe import (CONFIG_DIR, DEFAULT_CONFIGS, FP8_DEFAULT_CONFIGS, config_name, config_table,
                              pick_config)
+from afd.kernels.moe_launch import kernel_settings
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT"}  # newer tables: a kernel's own tile
-# height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot, a persistent grid
+OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT", "LAG", "K_PAIRS"}  # newer tables: a
+# kernel's own tile height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot, a persistent
+# grid, FP8's promotion overlapped with the next dot (session 42)
 
 
 def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:
@@ -29,6 +31,7 @@ def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:
     assert kernel.get("ONE_DOT", False) in (False, kernel.get("TMA", False))  # one dot needs TMA
     persistent = kernel.get("PERSISTENT", 0)
     assert isinstance(persistent, int) and not isinstance(persistent, bool) and persistent >= 0
+    kernel_settings(kernel, layout_m, bool(fp8), fp8)  # and what the launcher itself refuses (LAG, K_PAIRS: FP8 only)
 
 
 def test_pick_config_takes_the_nearest_token_count():
