@@ -19,12 +19,12 @@ if DEVICE is not None:  # a kernel's helpers resolve through its module's global
     import triton
     import triton.language as tl
 
-    from afd.kernels.moe_triton import _tile_and_col
+    from afd.kernels.moe_tiles import tile_and_col
 
     @triton.jit
     def order_kernel(out_ptr, num_tiles, num_cols, group_m):
         """Writes each program's (tile, column block)."""
-        tile, col = _tile_and_col(tl.program_id(0), num_tiles, num_cols, group_m)
+        tile, col = tile_and_col(tl.program_id(0), num_tiles, num_cols, group_m)
         tl.store(out_ptr + tl.program_id(0) * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, tile, col))
 
 

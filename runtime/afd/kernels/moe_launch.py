@@ -29,7 +29,7 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
     multiprocessor loop over the used tiles' jobs). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
     stays in one scale group) and gate_up's BLOCK_N a multiple of 128 (act is quantized per 128 columns there).
     LAG (FP8 only; off when left out, so older tables and bf16 entries are unchanged): two dots a step, the second's
-    product added one step late so its MMA overlaps the promotion (`moe_triton._gate_up_lagged` / `_down_lagged`;
+    product added one step late so its MMA overlaps the promotion (`moe_fp8_overlap.gate_up_lagged` / `down_lagged`;
     down's halves need BLOCK_N 32-256). K_PAIRS (FP8 only, likewise; not with LAG): two K steps a loop step, the
     second's dot promoted in the next, so the loop waits for the tensor cores once per two K steps."""
     settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "ONE_DOT": False, "PERSISTENT": 0,
