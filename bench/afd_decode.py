@@ -179,6 +179,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds until every child is killed")
     args = parser.parse_args()
+    from common import require_cuda
+
+    require_cuda(__file__)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.rows = sorted(set(args.batches))
     args.deadline_at = time.time() + args.deadline

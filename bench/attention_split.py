@@ -20,7 +20,7 @@ from torch import nn
 
 from afd_decode import _model_config
 from decode_steps import NoFFN, capture_decode_graphs, kv_cache_for, time_steps
-from common import random_model, write_json
+from common import random_model, require_cuda, write_json
 
 
 class _ZeroFFN(nn.Module):
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="128,2048")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
+    require_cuda(__file__)
     batches = [int(b) for b in args.batches.split(",")]
 
     from afd.models.loader import LoadedModel

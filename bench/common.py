@@ -51,6 +51,14 @@ MOE_SHAPES = {
 }
 
 
+def require_cuda(script: str) -> None:
+    """Exit with a message naming `script` (its `__file__`) where torch sees no CUDA GPU: the bench measures nothing
+    on a CPU, and a traceback from deep inside it would not say so."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"bench/{Path(script).name} needs a CUDA GPU; torch {torch.__version__} sees none here, "
+                         "nothing measured")
+
+
 def time_graph(fn, iters: int = 50) -> float:
     """Median ms of `fn` replayed in a CUDA graph (after warm-up), timed with events."""
     stream = torch.cuda.Stream()

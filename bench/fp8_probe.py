@@ -7,7 +7,7 @@ weight scales (checked against the dequantized product, timed against the Triton
 from __future__ import annotations
 
 import torch
-from common import time_graph, write_json
+from common import require_cuda, time_graph, write_json
 
 from afd.kernels import fp8_gemm
 from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
@@ -16,6 +16,7 @@ SHAPES = [(rows, n, k) for rows in (7, 64, 4096) for n, k in ((2048, 7168), (716
 
 
 def main() -> None:
+    require_cuda(__file__)
     print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(),
           torch.cuda.get_device_capability())
     rows_out = []

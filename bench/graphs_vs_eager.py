@@ -10,7 +10,7 @@ serving loop sees), median of STEPS steps.
 from __future__ import annotations
 
 import torch
-from common import V2_LITE, random_model, write_json
+from common import V2_LITE, random_model, require_cuda, write_json
 from decode_steps import time_steps
 
 from afd.kv_cache import KVCache
@@ -25,6 +25,7 @@ def step_ms(runner, kv_cache, batch: int) -> float:
 
 
 def main() -> None:
+    require_cuda(__file__)
     model, spec, crossing = random_model(V2_LITE)
     loaded = LoadedModel(model, spec, crossing, "random")
     kv_cache = KVCache(model.kv_layouts(), 64 * 10, torch.bfloat16, "cuda", block_size=16)

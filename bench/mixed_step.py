@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from common import V2_LITE, random_model, write_json
+from common import V2_LITE, random_model, require_cuda, write_json
 from decode_steps import kv_cache_for
 
 from afd.models.loader import LoadedModel
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     parser.add_argument("--profile", type=int, default=-1, help="torch.profiler table of one step of SHAPES[N]")
     args = parser.parse_args()
+    require_cuda(__file__)
     config = dict(V2_LITE, num_hidden_layers=args.layers)
     model, spec, crossing = random_model(config)
     kv = kv_cache_for(model, 800, 2048)

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from common import V2_LITE, time_graph, write_json
+from common import V2_LITE, require_cuda, time_graph, write_json
 
 
 def main() -> None:
@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="128,2048")
     parser.add_argument("--budget-gib", type=float, default=100.0)
     args = parser.parse_args()
+    require_cuda(__file__)
 
     from afd.kernels.decode_attention import paged_decode_attention, paged_latent_decode_attention
     from afd.kv_cache import KVCache

@@ -10,7 +10,7 @@ import argparse
 import json
 
 import torch
-from common import MOE_SHAPES, write_json
+from common import MOE_SHAPES, require_cuda, write_json
 from moe_tune import COMPILE_ROUTED, Problem, random_experts
 
 # FP8_DEFAULT_CONFIGS' tall entries before session 40 (gate_up in one dot over a BM×256 float32 tile)
@@ -28,6 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="deepseek-v3", choices=sorted(MOE_SHAPES))
     args = parser.parse_args()
+    require_cuda(__file__)
     from afd.kernels.moe import CONFIG_DIR, FP8_DEFAULT_CONFIGS, config_name
 
     shape = MOE_SHAPES[args.shape]

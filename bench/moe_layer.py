@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 import torch
-from common import MOE_SHAPES, ceilings, time_graph, write_json
+from common import MOE_SHAPES, ceilings, require_cuda, time_graph, write_json
 
 from afd.models.moe_prep import fuse_shared_experts
 from afd.models.layers import MoE, Routing
@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--before", help="a tuned table file (e.g. the one before a re-tune) to time Triton on as well")
     parser.add_argument("--shape", default="deepseek-v2-lite", choices=sorted(MOE_SHAPES))
     args = parser.parse_args()
+    require_cuda(__file__)
     limits = ceilings()
     shape = MOE_SHAPES[args.shape]
     layer = build_layer(shape)

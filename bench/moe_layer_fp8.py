@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import MOE_SHAPES, ceilings, time_callable, time_graph, write_json
+from common import MOE_SHAPES, ceilings, require_cuda, time_callable, time_graph, write_json
 
 from afd.kernels import moe, split_linear
 from afd.kernels.moe import experts_cuda
@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--variant", default="", help=f"also time the layer with these kernel variants: a comma-"
                         f"separated subset of {','.join(VARIANTS)}")
     args = parser.parse_args()
+    require_cuda(__file__)
     variants = [name for name in args.variant.split(",") if name]
     if set(variants) - set(VARIANTS):
         parser.error(f"--variant {args.variant!r}: a comma-separated subset of {','.join(VARIANTS)}")

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import MOE_SHAPES, time_graph, write_json
+from common import MOE_SHAPES, require_cuda, time_graph, write_json
 
 TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -330,6 +330,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=0,
                         help="seconds of timing after which no further token count is started (0: none)")
     args = parser.parse_args()
+    require_cuda(__file__)
     sizes = [int(t) for t in args.tokens.split(",")]
     TRY_VARIANTS[0] = not args.no_variants
     LAYOUTS.update(int(bm) for bm in args.layouts.split(",") if bm)

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json  # noqa: E402  (also puts runtime/ on the path)
+from common import require_cuda, write_json  # noqa: E402  (also puts runtime/ on the path)
 from random_checkpoint import write_v2_lite  # noqa: E402
 from serve_gpu import add_group_arguments, ceilings, keep_log_tails, serving, shell_connector  # noqa: E402
 from steady_streams import SteadyStreams  # noqa: E402
@@ -162,6 +162,7 @@ def main() -> int:
     parser.add_argument("--ffn-rows-from-attention", action="store_true",
                         help="with --from-json: the FFN's rows from the attention rank's tokens (runs before the fix)")
     args = parser.parse_args()
+    require_cuda(__file__)
     if args.from_json:
         return refit(args.from_json, args)
     if len(set(args.levels)) < 2:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from common import QWEN3_30B_A3B, V2_LITE, ceilings, random_model, time_callable, write_json
+from common import QWEN3_30B_A3B, V2_LITE, ceilings, random_model, require_cuda, time_callable, write_json
 
 SHAPES = {"deepseek-v2-lite": V2_LITE, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
@@ -353,6 +353,7 @@ def main() -> None:
     parser.add_argument("--memory-probe", action="store_true")
     parser.add_argument("--probe-now-only", action="store_true", help="--memory-probe without the old loading order")
     args = parser.parse_args()
+    require_cuda(__file__)
     if args.memory_probe:
         import logging
 
