@@ -23,7 +23,7 @@ import sys
 import time
 
 import torch
-from common import MOE_SHAPES, ceilings, time_graph, write_json
+from common import MOE_SHAPES, ceilings, require_cuda, time_graph, write_json
 
 DEVICE = "cuda"
 SHAPES = ("deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3")
@@ -112,9 +112,7 @@ def main() -> None:
         parser.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(SHAPES)}")
     tokens = [int(t) for t in args.tokens.split(",")]
     variant_tokens = {int(t) for t in args.variants.split(",") if t}
-    if not torch.cuda.is_available():
-        print("bench/moe_small.py needs a CUDA GPU; none here, nothing measured")
-        return
+    require_cuda(__file__)
     from afd.kernels.moe_small import MAX_TOKENS
 
     if max(tokens) > MAX_TOKENS:

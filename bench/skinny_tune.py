@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common import QWEN3_30B_A3B, V2_LITE, ceilings, time_graph
+from common import QWEN3_30B_A3B, V2_LITE, ceilings, require_cuda, time_graph
 
 SHAPES = {"deepseek-v2-lite": V2_LITE, "qwen3-30b-a3b": QWEN3_30B_A3B}
 WIN = 1.05  # torch's time over the kernel's at least this for a table entry
@@ -174,9 +174,7 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=0.0, help="seconds; 0: none")
     parser.add_argument("--write", action="store_true", help="also merge into runtime/afd/kernels/configs/")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("skinny_tune: no CUDA GPU here; nothing measured, no table written")
-        return 0
+    require_cuda(__file__)  # no table written either
     import triton
 
     from afd.kernels import skinny_gemm
