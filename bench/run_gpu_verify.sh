@@ -2,7 +2,7 @@
 # The first device call after sessions without a GPU: every GPU test that the CPU-only changes since could break,
 # most wanted first, each group with its own time limit, then what the FP8 shared-row change costs. Each group's
 # output into $OUT/<group>.log (the tail printed):
-#   bash bench/run_gpu_verify.sh            # GROUPS="kernels afd v3 moe_fp8 skinny moe_small fp8_variants" picks some
+#   bash bench/run_gpu_verify.sh            # VERIFY_GROUPS="kernels afd v3 moe_fp8 skinny moe_small fp8_variants" picks some (not GROUPS: bash owns that name)
 # Run it in a tree of one commit (see bench/run_gpu_step.sh). What it checks (session 41, no device lent):
 #   kernels  the Triton kernels against their references on the GPU, incl. the shared expert's float32 row and
 #            DeepSeek-V3's shared-expert slice as a stack (tests/runtime/test_shared_stack.py), shipped tables
@@ -23,7 +23,7 @@ export NVSHMEM_DISABLE_NVLS=1 AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 group() {  # group NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
-  [[ " ${GROUPS:-kernels afd v3 moe_fp8 skinny moe_small fp8_variants} " == *" $name "* ]] || return 0
+  [[ " ${VERIFY_GROUPS:-kernels afd v3 moe_fp8 skinny moe_small fp8_variants} " == *" $name "* ]] || return 0
   echo "=== $name: $*"
   timeout $limit "$@" 2>&1 | tee $OUT/$name.log | tail -n 30
 }
