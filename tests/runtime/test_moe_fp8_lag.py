@@ -222,13 +222,16 @@ def bench_module(name: str):
 
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 def test_the_fp8_tuner_tries_the_variants_where_async_dots_are_possible(block_m, monkeypatch):
-    """bench/moe_tune.py --fp8: LAG and K_PAIRS on tiles of 64+ rows (LAG never with ONE_DOT, K_PAIRS one stage
-    fewer), every candidate a valid setting whose accumulators fit; the other candidates carry neither key (tables
-    keep their form); --no-variants drops them; bf16 never gets them."""
+    """bench/moe_tune.py --fp8 --variants: LAG and K_PAIRS on tiles of 64+ rows (LAG never with ONE_DOT, K_PAIRS one
+    stage fewer), every candidate a valid setting whose accumulators fit; the other candidates carry neither key
+    (tables keep their form); without --variants (the default: on the H200 they wrote other bits) none; bf16 never
+    gets them."""
     from afd.kernels.moe_launch import fp8_accumulator_registers, kernel_settings
 
     moe_tune = bench_module("moe_tune")
+    assert moe_tune.TRY_VARIANTS == [False]  # off unless asked
     for kernel_name in moe_tune.KERNELS:
+        monkeypatch.setattr(moe_tune, "TRY_VARIANTS", [True])
         space = moe_tune.candidates(kernel_name, block_m, True, fp8=True)
         lagged = [cfg for cfg in space if "LAG" in cfg]
         paired = [cfg for cfg in space if "K_PAIRS" in cfg]

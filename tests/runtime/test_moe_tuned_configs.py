@@ -9,6 +9,7 @@ from afd.connector.tensors import pack_rows, unpack_rows
 from afd.connector.wire import ProtocolError
 from afd.kernels.moe import (CONFIG_DIR, DEFAULT_CONFIGS, FP8_DEFAULT_CONFIGS, config_name, config_table,
                              pick_config)
+from afd.kernels import moe_launch
 from afd.kernels.moe_launch import kernel_settings
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
@@ -126,3 +127,37 @@ def test_a_devices_table_comes_from_its_name_looked_up_once(monkeypatch):
         assert asked == [3]
     finally:
         moe._device_name.cache_clear()
+
+
+class SharedMemoryKernel:
+    """Stands in for a Triton kernel whose launch needs more shared memory than the GPU has above `fits` stages."""
+
+    __name__ = "_down_kernel"
+
+    def __init__(self, fits: int):
+        self.fits, self.launched = fits, []
+
+    def __getitem__(self, grid):
+        def run(*args, num_stages, **constants):
+            if num_stages > self.fits:
+                raise moe_launch.OutOfResources(100_000 * num_stages, 232_448, "shared memory")
+            self.launched.append(num_stages)
+            return "compiled"
+        return run
+
+
+@pytest.mark.skipif(moe_launch.OutOfResources == (), reason="needs Triton's OutOfResources")
+def test_an_entry_too_big_for_the_gpus_shared_memory_runs_with_fewer_stages_and_remembers(monkeypatch, caplog):
+    """Session 42 on the H200: two shipped bf16 down entries (128x256, 4 stages) needed 327,712 bytes once shared
+    experts kept float32 rows; the launch raised at warm-up. Now one stage fewer at a time, logged once."""
+    monkeypatch.setattr(moe_launch, "_FITTING_STAGES", {})
+    cfg = kernel_settings({"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}, 128)
+    kernel = SharedMemoryKernel(fits=2)
+    device = torch.device("cpu")
+    assert moe_launch.launch(kernel, (), 256, 8, 128, cfg, device, SHARED_APART=True) == "compiled"
+    assert moe_launch.launch(kernel, (), 256, 8, 128, cfg, device, SHARED_APART=True) == "compiled"
+    assert kernel.launched == [2, 2]  # the second launch starts at the depth that fit
+    assert sum("num_stages 3 instead of 4" in r.getMessage() or "num_stages 2 instead of 3" in r.getMessage()
+               for r in caplog.records) == 2
+    with pytest.raises(moe_launch.OutOfResources):  # nothing fits: the error stands
+        moe_launch.launch(SharedMemoryKernel(fits=0), (), 256, 8, 128, cfg, device, SHARED_APART=False)

@@ -53,7 +53,7 @@ def run(parts, prompt, params_list, group, pipeline=True, budget=8192, device="c
     cache = KVCache.for_tokens(loaded.model.kv_layouts(), 1024, torch.float32, device)
     step = Counting(MonolithicRunner(loaded, cache))
     engine = Engine(step, cache, tokenizer, (), max_num_seqs=8, max_model_len=256, max_num_batched_tokens=budget,
-                    pipeline=pipeline).start()
+                    device=device, pipeline=pipeline).start()
     step.owners = engine.scheduler.blocks
     try:
         outputs = Outputs(len(params_list))

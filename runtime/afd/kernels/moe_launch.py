@@ -8,6 +8,7 @@ the same checks when it sweeps the settings.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -17,6 +18,13 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # Triton < 3.3: pointer loads only
     TensorDescriptor = None
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # no Triton: nothing is launched
+    OutOfResources = ()
+
+log = logging.getLogger(__name__)
+_FITTING_STAGES: dict[tuple, int] = {}  # (kernel, settings, constants) → the pipeline depth that fits this GPU
 
 
 def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "") -> dict:
@@ -117,10 +125,23 @@ def operand(tensor: torch.Tensor, block: list[int], tma: bool):
 def launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, device: torch.device, **constants):
     """One program per job of the worst-case grid, or a persistent grid (PROGRAMS is a compile-time
     constant: the device's, never the token count's, so no token count compiles a variant of its own).
-    Returns Triton's compiled kernel (its `n_regs`, `n_spills`; None under the CPU interpreter)."""
+    Returns Triton's compiled kernel (its `n_regs`, `n_spills`; None under the CPU interpreter). An entry whose
+    shared memory this GPU cannot give (Triton's OutOfResources at its first launch, i.e. at warm-up) runs with one
+    pipeline stage fewer at a time, logged once and remembered."""
     tiles = rows // cfg["BLOCK_M"]
     programs = _programs(device, cfg["PERSISTENT"]) if cfg["PERSISTENT"] else 0
-    return kernel[(min(programs, tiles * cols) if programs else tiles * cols,)](
-        *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(programs), PROGRAMS=programs,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **constants)
+    key = (getattr(kernel, "__name__", repr(kernel)), tuple(sorted(cfg.items())), tuple(sorted(constants.items())))
+    stages = _FITTING_STAGES.get(key, cfg["num_stages"])
+    while True:
+        try:
+            return kernel[(min(programs, tiles * cols) if programs else tiles * cols,)](
+                *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(programs), PROGRAMS=programs,
+                num_warps=cfg["num_warps"], num_stages=stages, **constants)
+        except OutOfResources as err:  # raised before the kernel runs (at its first launch: warm-up)
+            if stages <= 1:
+                raise
+            log.warning("%s with %s %s needs more than this GPU has (%s): running it with num_stages %d instead of "
+                        "%d; re-run bench/moe_tune.py for this GPU", key[0], cfg, constants, err, stages - 1, stages)
+            stages -= 1
+            _FITTING_STAGES[key] = stages
