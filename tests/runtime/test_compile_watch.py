@@ -77,6 +77,10 @@ def test_the_description_falls_back_to_the_function_name():
     class Info:
         name = "_routing_kernel"
 
+    compiled = {"signature": {"q_ptr": "*bf16", "lens_ptr": "*i32", "heads": "i32", "LATENT": "constexpr"},
+                "configs": [{(0,): [["tt.divisibility", 16]]}], "constants": {(3,): 512}}
+    assert describe({"fn": Info(), "compile": compiled, "repr": "ignored"}) == \
+        "_routing_kernel(q_ptr: *bf16 %16, lens_ptr: *i32, heads: i32, LATENT=512)"  # lens_ptr: not 16-byte aligned
     assert describe({"repr": "k[num_warps=8]()"}) == "k[num_warps=8]()"
     assert describe({"fn": Info()}) == "_routing_kernel"
     assert describe({}) == "an unnamed kernel"

@@ -79,13 +79,38 @@ class CompileWatch:
 
 
 def describe(hook_kwargs: dict) -> str:
-    """The kernel and its specialization as Triton's hook gives them (`repr`: name, launch options, argument
-    types), else the function's name."""
+    """The kernel and its specialization as Triton's hook gives them: the name, then each argument's type with
+    `%16` where Triton assumed 16-byte alignment / divisibility, and the constexprs (from `compile`, which Triton
+    3.6 and 3.7 both pass); else Triton's own `repr`, else the function's name."""
+    fn = hook_kwargs.get("fn")
+    name = getattr(fn, "name", None)
+    compiled = hook_kwargs.get("compile") or {}
+    signature = compiled.get("signature")
+    if name and isinstance(signature, dict):
+        try:
+            return f"{name}({', '.join(_arguments(signature, compiled))})"
+        except Exception:  # noqa: BLE001 - a description never stops a compile
+            pass
     text = hook_kwargs.get("repr")
     if text:
         return str(text)
-    fn = hook_kwargs.get("fn")
-    return str(getattr(fn, "name", None) or fn or "an unnamed kernel")
+    return str(name or fn or "an unnamed kernel")
+
+
+def _arguments(signature: dict, compiled: dict) -> list[str]:
+    configs = compiled.get("configs") or [{}]
+    divisible = {key[0] for key, attrs in (configs[0] or {}).items()
+                 if any(attr and attr[0] == "tt.divisibility" for attr in attrs)}
+    constants = {key[0] if isinstance(key, tuple) else key: value
+                 for key, value in (compiled.get("constants") or {}).items()}
+    shown = []
+    for index, (arg, kind) in enumerate(signature.items()):
+        if kind == "constexpr":
+            value = constants.get(index, constants.get(arg, "?"))
+            shown.append(f"{arg}={value}")
+        else:
+            shown.append(f"{arg}: {kind}{' %16' if index in divisible else ''}")
+    return shown
 
 
 WATCH = CompileWatch()  # one per process: Triton's hook is process-wide
