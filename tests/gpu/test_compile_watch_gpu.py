@@ -44,7 +44,9 @@ for burst in (1, 3, 16, 7, 32):  # prompts of many lengths, arriving while the l
 for event in done:
     assert event.wait(300), "a request never finished"
 engine.stop()
-print(json.dumps({"warmup": WATCH.warmup_compiles, "serving": WATCH.serving_compiles}))
+kernels = {d.split("(", 1)[0] for d in WATCH.serving_compiles}
+print(json.dumps({"warmup": WATCH.warmup_compiles, "serving": WATCH.serving_compiles,
+                  "warmed": {k: WATCH.warm_up_specializations(k) for k in kernels}}))
 """
 
 
@@ -56,4 +58,5 @@ def test_serving_meets_no_kernel_that_warm_up_did_not_compile(name, checkpoints)
     assert run.returncode == 0, run.stderr[-4000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found["warmup"] > 0  # the hook saw warm-up's compiles: it is live
-    assert found["serving"] == [], "compiled while serving:\n" + "\n".join(found["serving"])
+    assert found["serving"] == [], ("compiled while serving:\n" + "\n".join(found["serving"]) + "\nwarm-up compiled:\n"
+                                    + "\n".join(d for ds in found["warmed"].values() for d in ds))

@@ -27,6 +27,7 @@ class CompileWatch:
         self.serving = False  # compiles now are the serving kind (`set_serving`)
         self._served = False
         self.warmup_compiles = 0
+        self._warmed: dict[str, list[str]] = {}  # kernel name → its warm-up specializations, to compare with
         self.serving_compiles: list[str] = []  # each one's description, in order
         self._listeners: list[Callable[[str], None]] = []
         self._installed = False
@@ -65,15 +66,23 @@ class CompileWatch:
             log.info("warm-up compiled %d Triton kernel specializations", self.warmup_compiles)
         self.serving = serving
 
+    def warm_up_specializations(self, kernel: str) -> list[str]:
+        """What warm-up compiled of `kernel` (its name), to set beside a serving compile."""
+        return list(self._warmed.get(kernel, []))
+
     def compiled(self, description: str) -> None:
         """One new specialization (Triton's hook calls this before compiling or loading it)."""
+        kernel = description.split("(", 1)[0].split("[", 1)[0]
         with self._lock:
             if not self.serving:
                 self.warmup_compiles += 1
+                self._warmed.setdefault(kernel, []).append(description)
                 return
             self.serving_compiles.append(description)
+            warmed = self.warm_up_specializations(kernel)
         log.warning("compiled Triton kernel %s while serving: the step that met it paused for the compile (warm-up "
-                    "did not reach this specialization)", description)
+                    "did not reach this specialization; it compiled %s)", description,
+                    "; ".join(warmed) if warmed else "no specialization of this kernel")
         for listener in self._listeners:
             listener(description)
 
