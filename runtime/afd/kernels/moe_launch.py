@@ -130,8 +130,9 @@ def launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, 
     pipeline stage fewer at a time, logged once and remembered."""
     tiles = rows // cfg["BLOCK_M"]
     programs = _programs(device, cfg["PERSISTENT"]) if cfg["PERSISTENT"] else 0
-    key = (getattr(kernel, "__name__", repr(kernel)), tuple(sorted(cfg.items())), tuple(sorted(constants.items())))
-    stages = _FITTING_STAGES.get(key, cfg["num_stages"])
+    # almost always empty: the key is built only when a lowered entry may apply (not on every eager launch)
+    stages = _FITTING_STAGES.get(_stages_key(kernel, cfg, constants), cfg["num_stages"]) if _FITTING_STAGES \
+        else cfg["num_stages"]
     while True:
         try:
             return kernel[(min(programs, tiles * cols) if programs else tiles * cols,)](
@@ -141,7 +142,13 @@ def launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, 
         except OutOfResources as err:  # raised before the kernel runs (at its first launch: warm-up)
             if stages <= 1:
                 raise
+            key = _stages_key(kernel, cfg, constants)
             log.warning("%s with %s %s needs more than this GPU has (%s): running it with num_stages %d instead of "
                         "%d; re-run bench/moe_tune.py for this GPU", key[0], cfg, constants, err, stages - 1, stages)
             stages -= 1
             _FITTING_STAGES[key] = stages
+
+
+def _stages_key(kernel, cfg: dict, constants: dict) -> tuple:
+    """What `_FITTING_STAGES` remembers a lowered pipeline depth by: the kernel, its table entry, its constants."""
+    return getattr(kernel, "__name__", repr(kernel)), tuple(sorted(cfg.items())), tuple(sorted(constants.items()))
