@@ -20,7 +20,7 @@ import json, random, sys, threading
 from prometheus_client import CollectorRegistry
 from afd.config import AFDConfig
 from afd.engine.request import SamplingParams
-from afd.kernels.compile_watch import WATCH
+from afd.kernels.compile_watch import WATCH, kernel_name
 from afd.server.serve.attention import build_role, build_server
 
 assert WATCH.install()
@@ -44,7 +44,7 @@ for burst in (1, 3, 16, 7, 32):  # prompts of many lengths, arriving while the l
 for event in done:
     assert event.wait(300), "a request never finished"
 engine.stop()
-kernels = {d.split("(", 1)[0] for d in WATCH.serving_compiles}
+kernels = {kernel_name(d) for d in WATCH.serving_compiles}
 print(json.dumps({"warmup": WATCH.warmup_compiles, "serving": WATCH.serving_compiles,
                   "warmed": {k: WATCH.warm_up_specializations(k) for k in kernels}}))
 """

@@ -72,7 +72,7 @@ class CompileWatch:
 
     def compiled(self, description: str) -> None:
         """One new specialization (Triton's hook calls this before compiling or loading it)."""
-        kernel = description.split("(", 1)[0].split("[", 1)[0]
+        kernel = kernel_name(description)
         with self._lock:
             if not self.serving:
                 self.warmup_compiles += 1
@@ -85,6 +85,11 @@ class CompileWatch:
                     "; ".join(warmed) if warmed else "no specialization of this kernel")
         for listener in self._listeners:
             listener(description)
+
+
+def kernel_name(description: str) -> str:
+    """The kernel's name at the head of a `describe` text (or of Triton's repr)."""
+    return description.split("(", 1)[0].split("[", 1)[0]
 
 
 def describe(hook_kwargs: dict) -> str:
