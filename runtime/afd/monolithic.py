@@ -21,6 +21,7 @@ from afd.models.loader import LoadedModel, load_model
 from afd.models.moe_prep import warm_up
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.monolithic import MonolithicRunner
+from afd.runners.warm_steps import warm_rank
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedMode
                      graphs.memory_bytes / 2**20)
         else:
             log.warning("cuda_graphs is on but disabled here: graphs need a CUDA device and bf16/fp16")
+    if device.type == "cuda":  # Triton compiles what prompt steps meet now, not while serving
+        warm_rank(config, loaded.spec, runner, kv_cache)
     return MonolithicRole(loaded, kv_cache, runner, device)
 
 

@@ -30,6 +30,7 @@ from afd.runners.ffn_executor import FFNStepExecutor
 from afd.runners.ffn_worker import FFNWorker
 from afd.runners.handshake import make_hello
 from afd.runners.step_order import step_order
+from afd.runners.warm_steps import warm_rank
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,15 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
             raise
         log.info("attention rank %d: decode graphs for %s sequences, %.1f MiB",
                  config.rank, list(graphs.buckets), graphs.memory_bytes / 2**20)
+    if share.device.type == "cuda":  # Triton compiles what prompt steps meet now, not while serving
+        runner.warming = True  # the FFN counts its own compiles in these steps as warm-up
+        try:
+            warm_rank(config, share.loaded.spec, runner, kv_cache, lambda: link.wait_step(link.end_step()))
+        except Exception:
+            link.close("warm-up steps failed")
+            raise
+        finally:
+            runner.warming = False
     return AttentionRole(share.loaded, kv_cache, link, runner, share.device)
 
 

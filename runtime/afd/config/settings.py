@@ -187,6 +187,10 @@ class AFDConfig:
         token budget, and only with `cuda_graphs`."""
         return min(self.mixed_graph_tokens, self.max_num_batched_tokens) if self.cuda_graphs else 0
 
+    def max_model_len_of(self, spec) -> int:
+        """The longest sequence served with the model of `spec`: `max_model_len` where set, never past its positions."""
+        return min(self.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+
     @property
     def topology(self) -> Topology:
         return Topology(self.num_attention_ranks, self.num_ffn_ranks)

@@ -72,6 +72,7 @@ class AttentionRunner:
         self.on_layers = instruments.on_layers  # receives (kind, layer, seconds) of each profiled step
         self.transfer_bytes = {"send": 0, "recv": 0}
         self.capture_seconds = 0.0  # wall time of the last warm-up and capture
+        self.warming = False  # steps before serving (afd.runners.warm_steps): their plans say warm-up
         # Prompt logprobs: token rows of the next step whose logits are wanted too (set by the engine; the step then
         # runs eagerly), and those logits once it ran.
         self.logit_rows: torch.Tensor | None = None
@@ -185,7 +186,7 @@ class AttentionRunner:
 
     def _send_plan(self, stage_tokens: tuple[int, ...], mode: str = "eager", profile: bool = False) -> None:
         self.step_id += 1
-        flags = {"warmup": mode == "warmup", "capture": mode == "capture", "replay": mode == "replay", "profile": profile}
+        flags = {"warmup": mode == "warmup" or self.warming, "capture": mode == "capture", "replay": mode == "replay", "profile": profile}
         self.link.send_plan(wire.StepPlan(self.step_id, stage_tokens, **flags))
 
     @torch.inference_mode()

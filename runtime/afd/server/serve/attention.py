@@ -52,7 +52,7 @@ def profiled_cache_tokens(config: AFDConfig, loaded, memory: DeviceMemory, dtype
                           device: torch.device) -> int:
     """KV-cache tokens that fit beside the weights and the peak of the largest step, run now (`afd.kv_budget`)."""
     try:
-        max_len = max_model_len_for(config, loaded.spec)
+        max_len = config.max_model_len_of(loaded.spec)
         peak = profile_peak(lambda: run_largest_steps(config, loaded, dtype, device, max_len), memory)
     except torch.cuda.OutOfMemoryError as err:
         raise RuntimeError(
@@ -72,10 +72,6 @@ def profiled_cache_tokens(config: AFDConfig, loaded, memory: DeviceMemory, dtype
     return budget.tokens
 
 
-def max_model_len_for(config: AFDConfig, spec) -> int:
-    return min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-
-
 def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = None) -> tuple[ServerState, Engine]:
     """Engine + app state around a connected attention role (or a monolithic one); `registry`
     already holds the series the role was built with, if any."""
@@ -88,7 +84,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         load_tokenizer(config.model),
         spec.eos_token_ids,
         config.max_num_seqs,
-        max_model_len_for(config, spec),
+        config.max_model_len_of(spec),
         config.max_num_batched_tokens,
         role.device,
         observer=metrics,
