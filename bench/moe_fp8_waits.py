@@ -1,15 +1,15 @@
-"""Compile the FP8 MoE kernels for Hopper (sm_90a) on this machine, no GPU needed, and print for each variant the
+"""Compile the FP8 MoE kernels for Hopper (sm_90a) on this machine, no GPU needed, and print for each setting the
 sequence of wgmma dots and waits in its K loop, the registers / stack bytes ptxas gives a thread and the shared
 memory it needs.
 
-    python3 bench/moe_fp8_waits.py                 # the default variants, base and LAG
-    python3 bench/moe_fp8_waits.py --json          # one JSON line per variant (what the tests read)
+    python3 bench/moe_fp8_waits.py                 # the settings in SETTINGS
+    python3 bench/moe_fp8_waits.py --json          # one JSON line per setting (what the tests read)
 
-A `dot` followed by `wait0` in the loop is synchronous: the tensor cores idle until its step's promotion is done.
-LAG's and K_PAIRS' last dots of a step should have no wait after them within the loop (the next step's wait0
-waits for them). Compiled by the Triton installed here (3.7 here; the device runs 3.6); pointer and size
-arguments are marked 16-divisible, as the launcher's specialization marks the real ones. Needs Triton's NVIDIA
-backend (its bundled ptxas and cuobjdump), and TRITON_INTERPRET unset.
+A `dot` followed by `wait0` in the loop is synchronous: the tensor cores idle until its step's promotion is done
+(every FP8 dot is, as the block scales are applied to each step's product; a kernel that overlaps them needs warp
+specialization, see bench/RESULTS.md, issue 32). Compiled by the Triton installed here (3.7 here; the device runs
+3.6); pointer and size arguments are marked 16-divisible, as the launcher's specialization marks the real ones.
+Needs Triton's NVIDIA backend (its bundled ptxas and cuobjdump), and TRITON_INTERPRET unset.
 """
 
 from __future__ import annotations
@@ -65,22 +65,21 @@ def fp8_desc(*block: int) -> str:
     return f"tensordesc<fp8e4nv[{', '.join(map(str, block))}]>"
 
 
-def down(block_m: int, block_n: int, block_k: int, warps: int, stages: int, lag: bool, k_pairs: bool = False):
-    """The FP8 down kernel with TMA loads (LAG: half-width weight tiles, as `launch_down` makes them)."""
+def down(block_m: int, block_n: int, block_k: int, warps: int, stages: int):
+    """The FP8 down kernel with TMA loads."""
     from afd.kernels import moe_triton
 
-    signature = {"act": fp8_desc(block_m, block_k), "w": fp8_desc(block_n // (2 if lag else 1), block_k),
+    signature = {"act": fp8_desc(block_m, block_k), "w": fp8_desc(block_n, block_k),
                  "out_ptr": "*bf16", "shared_ptr": "*fp32", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32",
                  "used_tiles_ptr": "*i32", "weights_ptr": "*bf16", "act_scale": "*fp32", "w_scale": "*fp32",
                  "num_pairs": "i32", "top_k": "i32", "slots": "i32", "hidden": "i32", "inter": "i32",
                  "layout_m": "i32", "group_m": "i32"}
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TMA=True, FP8=True, PERSISTENT=False,
-                     PROGRAMS=0, SHARED_APART=True, LAG=lag, K_PAIRS=k_pairs)
+                     PROGRAMS=0, SHARED_APART=True)
     return compile_variant(moe_triton._down_kernel, signature, constants, warps, stages)
 
 
-def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, lag: bool, one_dot: bool,
-            k_pairs: bool = False):
+def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, one_dot: bool):
     """The FP8 gate_up kernel with GATHER and TMA loads, its gate and up blocks in one box (ONE_DOT) or two."""
     from afd.kernels import moe_triton
 
@@ -90,27 +89,21 @@ def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, l
                  "x_scale": "*fp32", "w_scale": "*fp32", "act_scale": "*fp32", "num_pairs": "i32", "slots": "i32",
                  "hidden": "i32", "inter": "i32", "layout_m": "i32", "group_m": "i32"}
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TMA=True, GATHER=True, ONE_DOT=one_dot,
-                     FP8=True, PERSISTENT=False, PROGRAMS=0, LAG=lag, K_PAIRS=k_pairs)
+                     FP8=True, PERSISTENT=False, PROGRAMS=0)
     return compile_variant(moe_triton._gate_up_kernel, signature, constants, warps, stages)
 
 
-VARIANTS = [  # (kernel, settings): the session-40 winners at 1,024-4,096 tokens and their LAG / K_PAIRS forms
-    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=True, lag=False)),
-    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=False, lag=False)),
-    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=False, lag=True)),
-    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=2, one_dot=True, lag=False, k_pairs=True)),
-    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=2, one_dot=False, lag=False,
-                     k_pairs=True)),
-    ("down", dict(block_m=64, block_n=128, block_k=128, warps=4, stages=3, lag=False)),
-    ("down", dict(block_m=64, block_n=128, block_k=128, warps=4, stages=3, lag=True)),
-    ("down", dict(block_m=128, block_n=128, block_k=128, warps=8, stages=3, lag=True)),
-    ("down", dict(block_m=64, block_n=128, block_k=128, warps=4, stages=3, lag=False, k_pairs=True)),
+SETTINGS = [  # (kernel, settings): the session-40 winners at 1,024-4,096 tokens and their neighbours
+    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=True)),
+    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=False)),
+    ("down", dict(block_m=64, block_n=128, block_k=128, warps=4, stages=3)),
+    ("down", dict(block_m=128, block_n=128, block_k=128, warps=8, stages=3)),
 ]
 
 
 def describe(kernel: str, settings: dict) -> dict:
     compiled = (gate_up if kernel == "gate_up" else down)(**settings)
-    return {"kernel": kernel, "k_pairs": False, **settings, "loop": loop_sequence(compiled.asm["ttgir"]),
+    return {"kernel": kernel, **settings, "loop": loop_sequence(compiled.asm["ttgir"]),
             **resources(compiled.asm["cubin"]), "shared_bytes": compiled.metadata.shared}
 
 
@@ -120,14 +113,13 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
-    for kernel, settings in VARIANTS:
+    for kernel, settings in SETTINGS:
         row = describe(kernel, settings)
         if args.json:
             print(json.dumps(row), flush=True)
         else:
             print(f"{kernel:>7} M{settings['block_m']} N{settings['block_n']} w{settings['warps']}"
-                  f" s{settings['stages']}{' ONE_DOT' if settings.get('one_dot') else ''}"
-                  f"{' LAG' if settings['lag'] else ''}{' K_PAIRS' if row['k_pairs'] else ''}: loop [{row['loop']}], "
+                  f" s{settings['stages']}{' ONE_DOT' if settings.get('one_dot') else ''}: loop [{row['loop']}], "
                   f"{row['reg']} registers, {row['stack']} stack bytes, {row['shared_bytes']} shared bytes", flush=True)
 
 

@@ -2,7 +2,6 @@
 
     python3 bench/moe_layer_fp8.py --shape deepseek-v3     # writes $OUT/moe_layer_fp8-SHAPE.json, prints a table
     python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens 64,1024,4096
-    python3 bench/moe_layer_fp8.py --tokens 1024,4096 --variant lag,k-pairs --no-bf16   # the table vs its variants
 
 The layer is the router, the routing (DeepSeek-V3: noaux_tc in the Triton kernel; Qwen3: greedy softmax) and
 the routed + shared experts (shared folded in as experts) in FP8: e4m3 weights with 128×128 block scales,
@@ -11,9 +10,6 @@ bf16, quantized by `afd.kernels.fp8_blocks.quantize_block_fp8`; the bf16 layer m
 `experts ms` is the experts alone on a fixed routing (both layers get the same one, so `rel err` — the FP8
 output against the bf16 one, by norm — is the experts' arithmetic only). Floor = max(FP8 bytes of the touched
 experts and their scales / the measured copy rate, matmul FLOPs / the measured FP8 rate (cuBLAS, 8192³)).
-`--variant lag,k-pairs` also times the layer with every FP8 table entry turned into its LAG form (`lag_entry`: each
-step's second dot left in flight during the promotion) and its K_PAIRS form (`k_pairs_entry`: two K steps a loop
-step), and checks that each output has the same bits as the table's.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import argparse
 import torch
 from common import MOE_SHAPES, ceilings, require_cuda, time_callable, time_graph, write_json
 
-from afd.kernels import moe, split_linear
+from afd.kernels import split_linear
 from afd.kernels.moe import experts_cuda
 from afd.kernels.routing import select_greedy, select_noaux_tc
 from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
@@ -61,54 +57,13 @@ def dequantized(quant: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
                       for i in range(0, quant.shape[0], 16)])
 
 
-def lag_entry(entry: dict) -> dict:
-    """A table entry with LAG on: gate_up in two dots (LAG replaces ONE_DOT, same bits), down wherever its column
-    block splits into halves of one weight block (BLOCK_N 32-256)."""
-    gate_up = {**{key: value for key, value in entry["gate_up"].items() if key != "ONE_DOT"}, "LAG": True}
-    down = {**entry["down"], "LAG": True} if 32 <= entry["down"]["BLOCK_N"] <= 256 else entry["down"]
-    return {**entry, "gate_up": gate_up, "down": down}
-
-
-def k_pairs_entry(entry: dict) -> dict:
-    """A table entry with K_PAIRS on, one stage fewer (a stage holds two K steps; gate_up two stages, which is what
-    fits a ONE_DOT tile's shared memory)."""
-    gate_up = {**entry["gate_up"], "K_PAIRS": True, "num_stages": 2}
-    down = {**entry["down"], "K_PAIRS": True, "num_stages": max(2, entry["down"]["num_stages"] - 1)}
-    return {**entry, "gate_up": gate_up, "down": down}
-
-
-VARIANTS = {"lag": lag_entry, "k-pairs": k_pairs_entry}
-
-
-class forced_variant:
-    """Within it, `afd.kernels.moe` reads every FP8 table through `VARIANTS[name]` (bf16 tables as they are)."""
-
-    def __init__(self, name: str):
-        self.change, self.real = VARIANTS[name], moe.device_table
-
-    def table(self, device, num_experts: int, hidden: int, inter: int, fp8: bool = False) -> dict:
-        table = self.real(device, num_experts, hidden, inter, fp8)
-        return {tokens: self.change(entry) for tokens, entry in table.items()} if fp8 else table
-
-    def __enter__(self):
-        moe.device_table = self.table
-
-    def __exit__(self, *exc):
-        moe.device_table = self.real
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="deepseek-v3", choices=sorted(MOE_SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 layer (its time and the error)")
-    parser.add_argument("--variant", default="", help=f"also time the layer with these kernel variants: a comma-"
-                        f"separated subset of {','.join(VARIANTS)}")
     args = parser.parse_args()
     require_cuda(__file__)
-    variants = [name for name in args.variant.split(",") if name]
-    if set(variants) - set(VARIANTS):
-        parser.error(f"--variant {args.variant!r}: a comma-separated subset of {','.join(VARIANTS)}")
     shape = MOE_SHAPES[args.shape]
     limits = {**ceilings(), "fp8_flops": fp8_rate()}
     routed, shared, top_k, hidden, inter = (shape[key] for key in ("routed", "shared", "top_k", "hidden", "inter"))
@@ -157,37 +112,19 @@ def main() -> None:
                                        fp8["gate_up_scale"], fp8["down_scale"]).float()
                 out_bf16 = experts_cuda(x, weights, ids, bf16["gate_up"], bf16["down"], shared).float()
                 row["rel_err_vs_bf16"] = float((out_fp8 - out_bf16).norm() / out_bf16.norm())
-            def experts():
-                return experts_cuda(x, weights, ids, fp8["gate_up"], fp8["down"], shared, None, fp8["gate_up_scale"],
-                                    fp8["down_scale"])
-
-            base_out = experts() if variants else None
-            for name in variants:
-                with forced_variant(name):
-                    row[f"{name}_ms"], row[f"{name}_experts_ms"] = time_graph(layer), time_graph(experts)
-                    row[f"{name}_same_bits"] = bool(torch.equal(experts().view(torch.int16),
-                                                                base_out.view(torch.int16)))
-                print(f"{tokens:>5} tokens: table {row['fp8_ms']:.3f} ms = {row['fp8_ms'] / floor:.2f}x floor, "
-                      f"{name} {row[f'{name}_ms']:.3f} ms = {row[f'{name}_ms'] / floor:.2f}x floor (experts "
-                      f"{row['fp8_experts_ms']:.3f} vs {row[f'{name}_experts_ms']:.3f} ms), same bits: "
-                      f"{row[f'{name}_same_bits']}", flush=True)
             rows.append(row)
             print(f"{tokens:>5} tokens: floor {floor:.3f} ms, FP8 layer {row['fp8_ms']:.3f} ms "
                   f"({row['fp8_ms'] / floor:.2f}x floor), FP8 experts {row['fp8_experts_ms']:.3f} ms"
                   + (f", bf16 experts {row['bf16_experts_ms']:.3f} ms, rel err {row['rel_err_vs_bf16']:.2e}"
                      if bf16 is not None else ""), flush=True)
-    write_json(f"moe_layer_fp8-{args.shape}" + "".join(f"-{name}" for name in variants),
-               {"shape": args.shape, "ceilings": limits, "variants": variants, "rows": rows})
+    write_json(f"moe_layer_fp8-{args.shape}", {"shape": args.shape, "ceilings": limits, "rows": rows})
     print(f"copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), FP8 matmul "
           f"{limits['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
-    print(f"{'tokens':>6} {'floor ms':>9} {'fp8 ms':>8} {'x floor':>8} {'experts':>8} {'bf16 exp':>9} {'rel err':>8}"
-          + "".join(f" {name + ' x':>9} {'bits':>5}" for name in variants))
+    print(f"{'tokens':>6} {'floor ms':>9} {'fp8 ms':>8} {'x floor':>8} {'experts':>8} {'bf16 exp':>9} {'rel err':>8}")
     for r in rows:
         print(f"{r['tokens']:>6} {r['floor_ms']:>9.3f} {r['fp8_ms']:>8.3f} {r['fp8_ms'] / r['floor_ms']:>8.2f} "
               f"{r['fp8_experts_ms']:>8.3f} {r.get('bf16_experts_ms', float('nan')):>9.3f} "
-              f"{r.get('rel_err_vs_bf16', float('nan')):>8.1e}"
-              + "".join(f" {r[f'{name}_ms'] / r['floor_ms']:>9.2f} {'same' if r[f'{name}_same_bits'] else 'DIFF':>5}"
-                        for name in variants))
+              f"{r.get('rel_err_vs_bf16', float('nan')):>8.1e}")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,8 @@ run-time argument). `legacy` times are the best of the old search space
 The new rows are merged into the table in `runtime/afd/kernels/configs/` (read by
 `afd.kernels.moe.config_table`; token counts not tuned now keep their rows) and go to
 $OUT; a table of the winners is printed. `--fp8` tunes FP8 experts (e4m3, 128×128 block scales, tokens and
-SiLU·up quantized per 128 columns) over a smaller space (BLOCK_K 128, gate_up's BLOCK_N 128, and on tiles of 64+
-rows also the LAG and K_PAIRS forms with `--variants`: they gave other bits than the base kernels on the H200) into their own table; `--deadline` stops before a
-token count once that many seconds of timing have passed.
+SiLU·up quantized per 128 columns) over a smaller space (BLOCK_K 128, gate_up's BLOCK_N 128) into
+their own table; `--deadline` stops before a token count once that many seconds of timing have passed.
 """
 
 from __future__ import annotations
@@ -90,31 +89,19 @@ def load_options(kernel: str, block_m: int, tma: bool) -> list[dict]:
 FP8_MAX_REGISTERS = 192  # float32 accumulator registers per thread (of 255) past which an FP8 tile is not tried
 
 
-LAG_MIN_BLOCK_M = 64  # LAG / K_PAIRS pay only where Triton issues async wgmma (64+ rows; shorter: mma.sync)
-FP8_VARIANTS = ({"LAG": True}, {"K_PAIRS": True})  # `moe_launch.kernel_settings`; K_PAIRS: a stage holds two K steps
-TRY_VARIANTS = [False]  # --variants: put them in the FP8 space (off: on the H200 they wrote other bits, session 42)
-
-
 def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[dict]:
     """Settings tried for `kernel` at a tile height: small tiles stream weights, large ones feed the tensor cores.
     FP8: gate_up's columns in blocks of 128 (its epilogue quantizes per 128), steps of 128 (one scale group), down
     64-256 columns, 8 warps only on tiles of 64+ rows, no tile whose accumulators would spill
-    (`moe_launch.fp8_accumulator_registers`); TMA or pointers, persistent or not, as for bf16; on tiles of 64+ rows
-    also with LAG (each step's second dot left in flight during the promotion; not with ONE_DOT) or K_PAIRS (two K
-    steps a loop step, one stage fewer), which the table gets only where faster (same bits)."""
+    (`moe_launch.fp8_accumulator_registers`); TMA or pointers, persistent or not, as for bf16."""
     from afd.kernels.moe_launch import fp8_accumulator_registers
 
     if fp8:
         columns = (128,) if kernel == "gate_up" else (64, 128) if block_m <= 32 else (128, 256)
         space = itertools.product(columns, (128,), (4,) if block_m <= 32 else (4, 8), (3, 4))
-        variants = ({},) + (FP8_VARIANTS if TRY_VARIANTS[0] and block_m >= LAG_MIN_BLOCK_M else ())
-        return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s - ("K_PAIRS" in variant),
-                     GROUP_M=0, **loads, **variant)  # no variant key where off: tables keep their old form
-                for (n, k, w, s), loads, variant in itertools.product(space, load_options(kernel, block_m, tma),
-                                                                      variants)
-                if not (variant.get("LAG") and loads.get("ONE_DOT"))
-                and fp8_accumulator_registers(kernel, block_m, n, w, loads.get("ONE_DOT", False),
-                                              "LAG" in variant, "K_PAIRS" in variant) <= FP8_MAX_REGISTERS]
+        return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads)
+                for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))
+                if fp8_accumulator_registers(kernel, block_m, n, w, loads.get("ONE_DOT", False)) <= FP8_MAX_REGISTERS]
     if block_m <= 32:
         space = itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
@@ -305,9 +292,7 @@ def tune(problem: Problem, tokens: int, failed: set, tma: bool, kernels: tuple[s
 
 def describe_loads(cfg: dict) -> str:
     return (("TMA" if cfg["TMA"] else "pointers") + (" GATHER" if cfg.get("GATHER") else "")
-            + (" ONE_DOT" if cfg.get("ONE_DOT") else "") + (" LAG" if cfg.get("LAG") else "")
-            + (" K_PAIRS" if cfg.get("K_PAIRS") else "")
-            + (" persistent" if cfg.get("PERSISTENT") else ""))
+            + (" ONE_DOT" if cfg.get("ONE_DOT") else "") + (" persistent" if cfg.get("PERSISTENT") else ""))
 
 
 def describe(cfg: dict) -> str:
@@ -325,15 +310,11 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="FP8 experts (block scales), into their own table")
     parser.add_argument("--layouts", default="",
                         help="layout block-Ms allowed, e.g. 16,64 (a token count none of whose own fits keeps its own)")
-    parser.add_argument("--variants", action="store_true",
-                        help="FP8: also try the LAG and K_PAIRS kernel variants (more tensor-core overlap; equal to the "
-                             "base kernels in Triton's interpreter but NOT on the H200 in session 42: fix them first)")
     parser.add_argument("--deadline", type=float, default=0,
                         help="seconds of timing after which no further token count is started (0: none)")
     args = parser.parse_args()
     require_cuda(__file__)
     sizes = [int(t) for t in args.tokens.split(",")]
-    TRY_VARIANTS[0] = args.variants
     LAYOUTS.update(int(bm) for bm in args.layouts.split(",") if bm)
     kernels = tuple(args.kernels.split(","))
     if not kernels or set(kernels) - set(KERNELS):

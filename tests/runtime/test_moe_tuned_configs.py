@@ -13,9 +13,8 @@ from afd.kernels import moe_launch
 from afd.kernels.moe_launch import kernel_settings
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT", "LAG", "K_PAIRS"}  # newer tables: a
-# kernel's own tile height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot, a persistent
-# grid, FP8's promotion overlapped with the next dot (session 42)
+OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT"}  # newer tables: a kernel's own
+# tile height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot, a persistent grid
 
 
 def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:
@@ -32,7 +31,7 @@ def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:
     assert kernel.get("ONE_DOT", False) in (False, kernel.get("TMA", False))  # one dot needs TMA
     persistent = kernel.get("PERSISTENT", 0)
     assert isinstance(persistent, int) and not isinstance(persistent, bool) and persistent >= 0
-    kernel_settings(kernel, layout_m, bool(fp8), fp8)  # and what the launcher itself refuses (LAG, K_PAIRS: FP8 only)
+    kernel_settings(kernel, layout_m, bool(fp8), fp8)  # and what the launcher itself refuses
 
 
 def test_pick_config_takes_the_nearest_token_count():
@@ -44,8 +43,9 @@ def test_an_unknown_device_gets_the_defaults():
     assert config_table(66, 2048, 1408, "Some GPU") is DEFAULT_CONFIGS
 
 
-@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("E*.json")), ids=lambda p: p.name)
 def test_every_committed_table_is_complete(path):
+    """Every MoE table (E….json; the skinny GEMM's table beside them is tested with the skinny GEMM)."""
     document = json.loads(path.read_text())
     experts, hidden, inter = (int(part[1:]) for part in path.stem.split("_")[:3])
     fp8 = document.get("fp8", False)
@@ -90,6 +90,17 @@ def test_fp8_register_count_of_a_tile():
     assert fp8_accumulator_registers("down", 128, 256, 8) == 2 * 128 * 256 // 256
     assert fp8_accumulator_registers("gate_up", 64, 128, 4) == 3 * 64 * 128 // 128
     assert fp8_accumulator_registers("gate_up", 64, 128, 4, one_dot=True) == 4 * 64 * 128 // 128
+
+
+@pytest.mark.parametrize("key", ["LAG", "K_PAIRS"])
+def test_an_entry_with_a_removed_fp8_variant_is_refused_by_name(key):
+    """Session 42's LAG / K_PAIRS kernel variants wrote wrong rows on the H200 and were removed (issue 32): a table
+    entry that still asks for one is refused, naming the key, not run silently as the base kernel."""
+    entry = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, key: True}
+    with pytest.raises(ValueError, match=f"down table entry has {key}: the FP8 {key} kernel variant was removed"):
+        kernel_settings(entry, 64, fp8=True, kernel="down")
+    with pytest.raises(ValueError, match=f"drop {key}"):
+        kernel_settings({**entry, key: False}, 64)  # even off: the key itself is gone
 
 
 def test_fp8_experts_have_tables_of_their_own():

@@ -25,6 +25,7 @@ except ImportError:  # no Triton: nothing is launched
 
 log = logging.getLogger(__name__)
 _FITTING_STAGES: dict[tuple, int] = {}  # (kernel, settings, constants) → the pipeline depth that fits this GPU
+REMOVED_KEYS = ("LAG", "K_PAIRS")  # FP8 kernel variants removed in issue 32 (wrong rows on the H200)
 
 
 def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "") -> dict:
@@ -36,10 +37,11 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
     ignores it) and PERSISTENT (0: one program per job of the worst-case grid; n: n programs per
     multiprocessor loop over the used tiles' jobs). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
     stays in one scale group) and gate_up's BLOCK_N a multiple of 128 (act is quantized per 128 columns there).
-    LAG (FP8 only; off when left out, so older tables and bf16 entries are unchanged): two dots a step, the second's
-    product added one step late so its MMA overlaps the promotion (`moe_fp8_overlap.gate_up_lagged` / `down_lagged`;
-    down's halves need BLOCK_N 32-256). K_PAIRS (FP8 only, likewise; not with LAG): two K steps a loop step, the
-    second's dot promoted in the next, so the loop waits for the tensor cores once per two K steps."""
+    The keys of removed kernel variants (`REMOVED_KEYS`) are refused."""
+    for key in REMOVED_KEYS:
+        if key in cfg:
+            raise ValueError(f"{kernel or 'MoE'} table entry has {key}: the FP8 {key} kernel variant was removed "
+                             f"(issue 32: it wrote wrong rows on the H200); drop {key} or re-run bench/moe_tune.py")
     settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "ONE_DOT": False, "PERSISTENT": 0,
                 **cfg}
     if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
@@ -53,42 +55,15 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
         raise ValueError(f"FP8 {kernel} settings BLOCK_K {settings['BLOCK_K']} / BLOCK_N {settings['BLOCK_N']}: "
                          f"BLOCK_K must divide {GROUP} (and gate_up's BLOCK_N be a multiple of {GROUP}); "
                          "re-run bench/moe_tune.py --fp8 or fix the table")
-    if "LAG" in settings or "K_PAIRS" in settings:
-        check_lag(settings, fp8, kernel)
     return settings
 
 
-def check_lag(settings: dict, fp8: bool, kernel: str) -> None:
-    """LAG and K_PAIRS are bools, for FP8 kernels only (a bf16 dot adds its product itself: nothing to overlap), not
-    both; LAG not with ONE_DOT, and down's column halves must be dots of 16+ columns inside one weight block."""
-    lag, pairs = settings.get("LAG", False), settings.get("K_PAIRS", False)
-    for name, value in (("LAG", lag), ("K_PAIRS", pairs)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} {value!r} must be true or false")
-        if value and not fp8:
-            raise ValueError(f"{name} overlaps FP8's block-scale promotion with the tensor cores: {kernel or 'this'} "
-                             f"kernel is not FP8; drop {name} from its table entry")
-    if lag and pairs:
-        raise ValueError("LAG and K_PAIRS lay the loop out in two different ways: set one of them")
-    if lag and settings["ONE_DOT"]:
-        raise ValueError("LAG needs two dots a step and ONE_DOT makes one: set ONE_DOT off (LAG's gate_up writes "
-                         "the same bits as ONE_DOT's)")
-    if lag and kernel == "down" and not 32 <= settings["BLOCK_N"] <= 2 * GROUP:
-        raise ValueError(f"LAG splits down's BLOCK_N {settings['BLOCK_N']} in two halves of one weight block each: "
-                         f"it needs BLOCK_N from 32 to {2 * GROUP}")
-
-
-def fp8_accumulator_registers(kernel: str, block_m: int, block_n: int, warps: int, one_dot: bool = False,
-                              lag: bool = False, k_pairs: bool = False) -> int:
+def fp8_accumulator_registers(kernel: str, block_m: int, block_n: int, warps: int, one_dot: bool = False) -> int:
     """float32 registers per thread an FP8 tile of `kernel` holds: its accumulators plus a step's product, which FP8
     cannot add in the dot (it is scaled first): down BM×BN twice; gate_up two BM×BN accumulators and one product,
-    or with ONE_DOT a BM×2BN accumulator and its product. LAG keeps the previous step's second product while this
-    step's two are live: down 2.5 BM×BN (accumulators, three half-width products), gate_up 5 (two accumulators,
-    the gate and up products, the kept up product). K_PAIRS keeps the second K step's product(s) beside the first's:
-    down 3 BM×BN, gate_up 6 (either way). Of a thread's 255, well over half spills."""
-    halves = {"down": 6 if k_pairs else 5 if lag else 4,
-              "gate_up": 12 if k_pairs else 10 if lag else 8 if one_dot else 6}[kernel]  # BM×BN/2 tiles
-    return halves * block_m * block_n // (64 * warps)
+    or with ONE_DOT a BM×2BN accumulator and its product. Of a thread's 255, well over half spills."""
+    tiles = {"down": 2, "gate_up": 4 if one_dot else 3}[kernel]
+    return tiles * block_m * block_n // (32 * warps)
 
 
 def tma_supported(device: torch.device) -> bool:

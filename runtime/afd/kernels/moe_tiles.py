@@ -1,4 +1,4 @@
-"""The MoE GEMM kernels' building blocks (`moe_triton`, `moe_fp8_overlap`): which tile and column block a
+"""The MoE GEMM kernels' building blocks (`moe_triton`): which tile and column block a
 program takes, and the A and weight tiles of one K step, through TMA descriptors or pointer loads."""
 
 from __future__ import annotations

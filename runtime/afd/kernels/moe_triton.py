@@ -19,10 +19,8 @@ a copy kernel (`moe_rows.gather_rows`) first writes `gate_up`'s A rows in layout
 buffer (`x_rows`, zeros for padding), which `gate_up` then reads contiguously: through TMA too.
 With `ONE_DOT` (TMA only) `gate_up` takes a column block's gate and up rows in one 3-D TMA
 box and multiplies them in one dot twice as wide, splitting the two halves after the loop. A table entry's
-settings are checked and the grid sized in `moe_launch`.
-
-FP8 kernels may overlap their block-scale promotion with the tensor cores (table keys `LAG`, `K_PAIRS`):
-their K loops are in `moe_fp8_overlap`; the tile loaders and the program order are in `moe_tiles`.
+settings are checked and the grid sized in `moe_launch`; the tile loaders and the program order are in
+`moe_tiles`.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ import triton.language as tl
 
 from afd.kernels.fp8_gemm import FP8, FP8_MAX, GROUP, quant_groups
 from afd.kernels.moe_align import Layout
-from afd.kernels.moe_fp8_overlap import down_k_pairs, down_lagged, gate_up_k_pairs, gate_up_lagged
 from afd.kernels.moe_launch import TensorDescriptor, kernel_settings, launch, operand, tma_supported
 from afd.kernels.moe_rows import gather_rows
 from afd.kernels.moe_tiles import gate_up_rows, row_tile, tile_and_col, weight_tile
@@ -43,15 +40,13 @@ E4M3_MAX = tl.constexpr(FP8_MAX)  # a kernel reads only constexpr globals
 @triton.jit
 def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col, num_pairs, slots,
                  hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, LAG: tl.constexpr,
-                 K_PAIRS: tl.constexpr):
+                 TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr):
     """act[tile's rows, col's block] = SiLU(A @ gate) * (A @ up) for one tile and column block. With ONE_DOT,
     `w` is a 3-D descriptor over [2E, I, H] and one TMA box brings the gate and up blocks of the column block
     ([2, BN, BK]) for one dot of width 2·BN (the A tile is read once per step); else two loads and two dots.
     With FP8, A and the weights are e4m3: each step's product is added times the A rows' group scales
     (`x_scale` [T, H/128], by token) and the weight blocks' (`w_scale` [E, 2I/128, H/128]), and act is written
-    in e4m3 with one scale per row per 128 columns (`act_scale` [rows, I/128]). LAG and K_PAIRS (FP8 only):
-    `gate_up_lagged`, `gate_up_k_pairs`."""
+    in e4m3 with one scale per row per 128 columns (`act_scale` [rows, I/128])."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,13 +56,7 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
     tokens = (pairs // slots).to(tl.int64)
     h_groups = tl.cdiv(hidden, 128)
     i_groups = inter // 128  # FP8 needs I % 128 == 0 (the gate's scale rows, then the up's)
-    if K_PAIRS:
-        acc_g, acc_u = gate_up_k_pairs(x, w, x_scale, w_scale, tile, col, expert, tokens, valid, offs_n, n_ok, hidden,
-                                        inter, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT)
-    elif LAG:
-        acc_g, acc_u = gate_up_lagged(x, w, x_scale, w_scale, tile, col, expert, tokens, valid, offs_n, n_ok, hidden,
-                                       inter, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER)
-    elif ONE_DOT:
+    if ONE_DOT:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         if FP8:  # each column's weight scale row: gate's then up's, as the box holds them
             both = tl.arange(0, 2 * BLOCK_N)
@@ -133,7 +122,6 @@ def _gate_up_kernel(
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-    LAG: tl.constexpr, K_PAIRS: tl.constexpr,
 ):
     """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
     [rows, H] buffer (a TMA descriptor when TMA is on)."""
@@ -144,53 +132,44 @@ def _gate_up_kernel(
             tile, col = tile_and_col(job, num_tiles, num_cols, group_m)
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8, LAG, K_PAIRS)
+                         FP8)
     else:  # one job of the worst-case grid; a tile of padding only exits (an expert's real rows come first)
         tile, col = tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8, LAG, K_PAIRS)
+                         FP8)
 
 
 @triton.jit
 def _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col,
               num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, SHARED_APART: tl.constexpr,
-              LAG: tl.constexpr, K_PAIRS: tl.constexpr):
+              BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, SHARED_APART: tl.constexpr):
     """out[pair of each real row, col's block] = weight(pair) * act[row] @ down[e]ᵀ for one tile. With FP8 each
     step's product is added times act's row group scales (`act_scale` [rows, I/128]) and the weight blocks'
     (`w_scale` [E, H/128, I/128]). With SHARED_APART a routed pair's row goes to out[token·k + slot], a shared
-    expert's to shared_ptr[token·S + slot - k] in that buffer's dtype (float32: never rounded before the sum).
-    LAG and K_PAIRS (FP8 only): `down_lagged`, `down_k_pairs`."""
+    expert's to shared_ptr[token·S + slot - k] in that buffer's dtype (float32: never rounded before the sum)."""
     expert = tl.load(tile_expert_ptr + tile * BLOCK_M // layout_m)
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
+    down_row = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     i_groups = tl.cdiv(inter, 128)
     a_scale_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * i_groups
-    if K_PAIRS:
-        acc = down_k_pairs(act, w, act_scale, w_scale, a_scale_rows, tile, col, expert, offs_n, n_ok, hidden, inter,
-                            BLOCK_M, BLOCK_N, BLOCK_K, TMA)
-    elif LAG:
-        acc = down_lagged(act, w, act_scale, w_scale, a_scale_rows, tile, col, expert, hidden, inter, BLOCK_M,
-                           BLOCK_N, BLOCK_K, TMA)
-    else:
-        down_row = expert * hidden + col * BLOCK_N  # rows of w viewed as [E * H, I]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_scale_rows = (expert * tl.cdiv(hidden, 128) + offs_n // 128) * i_groups
-        b_scale_row = (expert * tl.cdiv(hidden, 128) + col * BLOCK_N // 128) * i_groups
-        for k0 in range(0, inter, BLOCK_K):
-            a = row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
-            b = weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
-            if FP8:
-                a_s = tl.load(act_scale + a_scale_rows + k0 // 128)
-                if BLOCK_N <= 128:  # the column block lies in one weight block: one scale a step
-                    acc += tl.dot(a, b) * (a_s * tl.load(w_scale + b_scale_row + k0 // 128))[:, None]
-                else:
-                    b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=0.0)
-                    acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+    b_scale_rows = (expert * tl.cdiv(hidden, 128) + offs_n // 128) * i_groups
+    b_scale_row = (expert * tl.cdiv(hidden, 128) + col * BLOCK_N // 128) * i_groups
+    for k0 in range(0, inter, BLOCK_K):
+        a = row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
+        b = weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
+        if FP8:
+            a_s = tl.load(act_scale + a_scale_rows + k0 // 128)
+            if BLOCK_N <= 128:  # the column block lies in one weight block: one scale a step
+                acc += tl.dot(a, b) * (a_s * tl.load(w_scale + b_scale_row + k0 // 128))[:, None]
             else:
-                acc = tl.dot(a, b, acc)
+                b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=0.0)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        else:
+            acc = tl.dot(a, b, acc)
     pairs = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     slot = pairs % slots
@@ -213,8 +192,7 @@ def _down_kernel(
     act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr, act_scale, w_scale,
     num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
-    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr, LAG: tl.constexpr,
-    K_PAIRS: tl.constexpr,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr,
 ):
     num_cols = tl.cdiv(hidden, BLOCK_N)
     if PERSISTENT:
@@ -223,13 +201,13 @@ def _down_kernel(
             tile, col = tile_and_col(job, num_tiles, num_cols, group_m)
             _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
                       col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
-                      SHARED_APART, LAG, K_PAIRS)
+                      SHARED_APART)
     else:
         tile, col = tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
             _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
                       col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
-                      SHARED_APART, LAG, K_PAIRS)
+                      SHARED_APART)
 
 
 def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
@@ -261,8 +239,7 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
     scales = (x_scale, w_scale, act_scale) if fp8 else (act, act, act)  # unread placeholders without FP8
     args = (x, w, act, pairs, tile_expert, used_tiles, *scales, num_pairs, slots, hidden, inter)
     return launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8, LAG=cfg.get("LAG", False),
-                  K_PAIRS=cfg.get("K_PAIRS", False))
+                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8)
 
 
 def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,
@@ -278,13 +255,11 @@ def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k
         raise ValueError("FP8 down needs act_scale and w_scale")
     cfg = kernel_settings(cfg, block_m, fp8, "down")
     cfg["TMA"] = cfg["TMA"] and tma_supported(act.device)
-    lag = cfg.get("LAG", False)
     a = operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
-    w = operand(w_down, [cfg["BLOCK_N"] // (2 if lag else 1), cfg["BLOCK_K"]], cfg["TMA"])  # LAG: half-column tiles
+    w = operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (act_scale, w_scale) if fp8 else (out, out)  # unread placeholders without FP8
     shared = out if shared_out is None else shared_out  # an unwritten placeholder without shared rows apart
     args = (a, w, out, shared, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden,
             inter)
     return launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, FP8=fp8, SHARED_APART=shared_out is not None, LAG=lag,
-                  K_PAIRS=cfg.get("K_PAIRS", False))
+                   act.device, FP8=fp8, SHARED_APART=shared_out is not None)
