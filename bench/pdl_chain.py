@@ -11,6 +11,8 @@ adding float32 partials into a zeroed output, captured in one CUDA graph, four w
   cublas      torch.mv per link (what bf16 projections run today), bf16 out
   plain       the Triton kernel, normal launches
   pdl_wait    launched with PDL, gdc_wait first (only the launch overlaps)
+  pdl_release launched with PDL, gdc_wait first, then the next kernel released at once (what `afd.kernels.pdl`
+              does to the decode path's Triton kernels)
   pdl_early   launched with PDL, its weight slice loaded before gdc_wait, dependents released at once
 Prints µs per link, the byte floor per link (weight bytes / the measured copy rate) and the ratio; checks
 each chain's last vector against torch's. Writes $OUT/pdl_chain.json.
@@ -31,11 +33,14 @@ def build_kernel():
 
     @triton.jit
     def gemv_kernel(w_ptr, x_ptr, y_ptr, n, k, BLOCK_N: tl.constexpr, SLICE_K: tl.constexpr, MODE: tl.constexpr):
-        """y[n-block] += W[n-block, k-slice] . x[k-slice] in float32 (MODE 0 plain, 1 wait first, 2 weights first)."""
+        """y[n-block] += W[n-block, k-slice] . x[k-slice] in float32 (MODE 0 plain, 1 wait first, 2 weights first,
+        3 wait first and release the next kernel)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * SLICE_K + tl.arange(0, SLICE_K)
-        if MODE == 1:
+        if MODE == 1 or MODE == 3:
             tl.extra.cuda.gdc_wait()
+        if MODE == 3:
+            tl.extra.cuda.gdc_launch_dependents()
         w = tl.load(w_ptr + rows[:, None] * k + cols[None, :], mask=(rows < n)[:, None])
         if MODE == 2:
             tl.extra.cuda.gdc_launch_dependents()
@@ -108,7 +113,7 @@ def main() -> int:
         rate = ceilings()["copy_bytes_per_s"]
         floor_us = 2 * args.n * args.k / rate * 1e6
         rows = {"cublas": graph_time_us(cublas_chain)}
-        for name, mode in (("plain", 0), ("pdl_wait", 1), ("pdl_early", 2)):
+        for name, mode in (("plain", 0), ("pdl_wait", 1), ("pdl_release", 3), ("pdl_early", 2)):
             rows[name] = graph_time_us(triton_chain(mode))
             triton_chain(mode)()
             torch.cuda.synchronize()
@@ -116,7 +121,7 @@ def main() -> int:
             rows[f"{name}_rel_error"] = error
     print(f"{torch.cuda.get_device_name()}: {args.chain} links of {args.n}x{args.k} bf16, floor {floor_us:.2f} µs a link")
     result = {"n": args.n, "k": args.k, "chain": args.chain, "split_k": args.split_k, "floor_us": floor_us}
-    for name in ("cublas", "plain", "pdl_wait", "pdl_early"):
+    for name in ("cublas", "plain", "pdl_wait", "pdl_release", "pdl_early"):
         per = rows[name] / args.chain
         note = f"  rel error {rows[name + '_rel_error']:.1e}" if name != "cublas" else ""
         print(f"  {name:10} {per:7.2f} µs a link  {per / floor_us:5.2f}x floor{note}")
