@@ -73,6 +73,10 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
     ProcessVariable("AFD_FP8_GEMM", "auto", "FP8 block-scaled GEMM: `scaled_mm` (torch, Hopper), `triton` or `auto` "
                     "(scaled_mm on Hopper where the shapes fit).", "afd.kernels.fp8_gemm",
                     choices=("auto", "scaled_mm", "triton")),
+    ProcessVariable("AFD_PDL", "false", "Experiment: launch the decode path's Triton kernels with programmatic "
+                    "dependent launch (Hopper and later: each starts while the one before drains, waiting for it on "
+                    "the device; `afd.kernels.pdl`). Off until `bench/pdl_chain.py` and `bench/step_floor.py` show it "
+                    "pays.", "afd.kernels.pdl", parse=parse_bool),
     ProcessVariable("AFD_FUSED_GLUE", "true", "`false`: the torch path instead of the fused RMSNorm/RoPE glue kernels "
                     "on CUDA.", "afd.kernels.norm_rope", parse=parse_bool),
     ProcessVariable("AFD_NCCL_LIBRARY", "", "Path of the libnccl to load first (else the one torch loaded, then "

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.kernels.pdl import gdc_enter, launch_options
+
 
 @triton.jit(do_not_specialize=["splits", "table_width"])
 def _decode_kernel(
@@ -27,10 +29,11 @@ def _decode_kernel(
     heads, table_width, block_size, group, scale, splits,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ob, stride_oh,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr = False,
 ):
     """One program: the `group` query heads of one key head of one sequence, over one of `splits` slices of
     its keys (each key and value row is read once per key head, on tensor cores)."""
+    gdc_enter(GDC)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + seq)
     begin, end = _split_range(length, split, splits, BLOCK_N)
@@ -89,8 +92,9 @@ def _finish(acc, m_i, l_i, out_ptr, part_ptr, stat_ptr, seq, offs_h, live_h, spl
 
 @triton.jit(do_not_specialize=["splits"])
 def _combine_kernel(part_ptr, stat_ptr, out_ptr, heads, stride_ob, stride_oh, splits,
-                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr = False):
     """One (sequence, head): the softmax-weighted sum of its slices' partial outputs."""
+    gdc_enter(GDC)
     seq, head = tl.program_id(0), tl.program_id(1)
     slices = tl.arange(0, BLOCK_S)
     live_s = slices < splits
@@ -137,7 +141,8 @@ def _combine(part, stat, out, splits: int, dv: int, block_dv: int) -> None:
     if splits > 1:
         batch, heads = out.shape[0], out.shape[1]
         _combine_kernel[(batch, heads)](part, stat, out, heads, out.stride(0), out.stride(1), splits, DV=dv,
-                                        BLOCK_DV=block_dv, BLOCK_S=triton.next_power_of_2(MAX_SPLITS), num_warps=4)
+                                        BLOCK_DV=block_dv, BLOCK_S=triton.next_power_of_2(MAX_SPLITS), num_warps=4,
+                                        **launch_options(out.device))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -173,6 +178,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         DK=dk, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=block_dv, BLOCK_N=32, SPLIT=splits > 1, PRECISION=_precision(q.dtype), num_warps=4,
+        **launch_options(q.device),
     )
     _combine(part, stat, out, splits, dv, block_dv)
     return out
@@ -185,7 +191,9 @@ def _latent_decode_kernel(
     stride_qb, stride_qh, stride_rb, stride_rh, stride_cr, stride_ob, stride_oh,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
+    gdc_enter(GDC)
     seq, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     begin, end = _split_range(tl.load(lens_ptr + seq), split, splits, BLOCK_N)
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
@@ -257,7 +265,7 @@ def paged_latent_decode_attention(
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_L=block_l,
         BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=32, SPLIT=splits > 1, PRECISION=_precision(q.dtype),
-        num_warps=4,
+        num_warps=4, **launch_options(q.device),
     )
     _combine(part, stat, out, splits, latent_dim, block_l)
     return out

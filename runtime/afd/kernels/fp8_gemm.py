@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from afd.config import process_setting
+from afd.kernels.pdl import gdc_enter, launch_options
 
 GROUP = 128  # columns per activation scale, and the weight block's side
 FP8 = torch.float8_e4m3fn
@@ -51,9 +52,10 @@ def quant_groups(values, FP8_MAX_C: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rows", "x_rows"])
 def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, x_rows, cols, x_stride, s_row_stride, s_col_stride,
-                  BLOCK_R: tl.constexpr, GROUP_C: tl.constexpr, FP8_MAX_C: tl.constexpr):
+                  BLOCK_R: tl.constexpr, GROUP_C: tl.constexpr, FP8_MAX_C: tl.constexpr, GDC: tl.constexpr = False):
     """q[r, g·128 + i] = x / scale[r, g] for a block of rows and one column group (columns past `cols`: none);
     rows from `x_rows` to `rows` (padding) are written as zeros."""
+    gdc_enter(GDC)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     group = tl.program_id(1)
     c = group * GROUP_C + tl.arange(0, GROUP_C)
@@ -89,15 +91,16 @@ def per_token_group_quant(x: torch.Tensor, group: int = GROUP, column_major_scal
         block_r = 16
         _quant_kernel[(triton.cdiv(rows, block_r), groups)](
             x, quant, scales, rows, x_rows, cols, x.stride(0), scales.stride(0), scales.stride(1),
-            BLOCK_R=block_r, GROUP_C=group, FP8_MAX_C=FP8_MAX, num_warps=4)
+            BLOCK_R=block_r, GROUP_C=group, FP8_MAX_C=FP8_MAX, num_warps=4, **launch_options(x.device))
     return quant, scales
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, rows, n, k, a_scale_stride,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, GDC: tl.constexpr = False):
     """out[BM, BN] = Σ over K steps of (a_q @ w_qᵀ) · a_scale[row, group] · w_scale[col block, group]."""
+    gdc_enter(GDC)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -146,7 +149,7 @@ def fp8_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tens
         _gemm_kernel[grid](x_q, x_scale, weight, scale_inv, bias if bias is not None else out, out, rows, n, k,
                            x_scale.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP,
                            GROUP_K=GROUP, HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
-                           num_stages=cfg["num_stages"])
+                           num_stages=cfg["num_stages"], **launch_options(out.device))
     return out
 
 

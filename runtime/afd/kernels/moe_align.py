@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.kernels.pdl import gdc_enter, launch_options
+
 
 @triton.jit
 def _pair_expert(ids_ptr, p, ok, top_k, slots, num_routed):
@@ -85,10 +87,11 @@ def _scatter_kernel(ids_ptr, starts_ptr, cursor_ptr, pairs_ptr, num_pairs, top_k
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
 def _align_one_kernel(ids_ptr, cursor_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, num_pairs, top_k, slots,
                       num_routed, num_experts, max_tiles, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr,
-                      BLOCK: tl.constexpr, TILE_BINS: tl.constexpr):
+                      BLOCK: tl.constexpr, TILE_BINS: tl.constexpr, GDC: tl.constexpr = False):
     """The whole alignment in one program (a decode step's few thousand pairs): count, padded prefix sum, tiles'
     experts, every row marked as padding, then each pair scattered through a cursor per expert that starts at its
     expert's first row. The barriers order this program's own writes (padding marks, cursors) before its reads."""
+    gdc_enter(GDC)
     experts = tl.arange(0, NUM_BINS)
     valid = experts < num_experts
     counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
@@ -158,7 +161,7 @@ def align(ids: torch.Tensor, num_shared: int, num_experts: int, block_m: int) ->
         tile_bins = triton.next_power_of_2(max_rows(ONE_PROGRAM_PAIRS, num_experts, block_m) // block_m + 1)
         _align_one_kernel[(1,)](ids, cursors, pairs, tile_expert, used_tiles, num_pairs, top_k, slots, num_routed,
                                 num_experts, rows // block_m, BLOCK_M=block_m, NUM_BINS=bins, BLOCK=block,
-                                TILE_BINS=tile_bins, num_warps=8)
+                                TILE_BINS=tile_bins, num_warps=8, **launch_options(ids.device))
         return Layout(pairs, tile_expert, used_tiles)
     counters = torch.zeros(2, num_experts, dtype=torch.int32, device=device)  # counts, cursors
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)

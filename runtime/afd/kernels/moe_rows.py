@@ -13,12 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.kernels.pdl import gdc_enter, launch_options
+
 
 @triton.jit(do_not_specialize=["num_pairs", "layout_m"])
 def _gather_kernel(x_ptr, x_rows_ptr, pairs_ptr, num_pairs, slots, hidden, layout_m,
-                   ROWS: tl.constexpr, COLS: tl.constexpr):
+                   ROWS: tl.constexpr, COLS: tl.constexpr, GDC: tl.constexpr = False):
     """x_rows[row] = x[token of pairs[row]], zeros for padding rows, for ROWS rows and COLS columns.
     Skips layout tiles of padding only (gate_up never reads them); ROWS divides the layout's block_m."""
+    gdc_enter(GDC)
     row0 = tl.program_id(0) * ROWS
     if tl.load(pairs_ptr + row0 // layout_m * layout_m) >= num_pairs:
         return
@@ -41,15 +44,16 @@ def gather_rows(x, x_rows, pairs, num_pairs: int, slots: int, block_m: int) -> N
     hidden = x.shape[1]
     grid = (pairs.shape[0] // GATHER_ROWS, triton.cdiv(hidden, GATHER_COLS))
     _gather_kernel[grid](x, x_rows, pairs, num_pairs, slots, hidden, block_m, ROWS=GATHER_ROWS, COLS=GATHER_COLS,
-                         num_warps=4)
+                         num_warps=4, **launch_options(x.device))
 
 
 @triton.jit
 def _sum_slots_kernel(pair_rows, shared_rows, out, hidden, SLOTS: tl.constexpr, SHARED: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, GDC: tl.constexpr = False):
     """out[token, cols] = Σ over the token's SLOTS pair rows, in float32, slot 0 first, rounded once; the last
     SHARED slots' rows read from `shared_rows` ([T·SHARED, H]), the others' from `pair_rows`
     ([T·(SLOTS - SHARED), H])."""
+    gdc_enter(GDC)
     ROUTED: tl.constexpr = SLOTS - SHARED
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -79,5 +83,5 @@ def sum_slots(pair_rows: torch.Tensor, slots: int, dtype: torch.dtype, shared_ro
     if tokens:
         _sum_slots_kernel[(tokens, triton.cdiv(hidden, SUM_COLS))](
             pair_rows, pair_rows if shared_rows is None else shared_rows, out, hidden, SLOTS=slots, SHARED=shared,
-            BLOCK=SUM_COLS, num_warps=4)
+            BLOCK=SUM_COLS, num_warps=4, **launch_options(out.device))
     return out

@@ -33,6 +33,7 @@ from afd.kernels.moe_align import Layout
 from afd.kernels.moe_launch import TensorDescriptor, kernel_settings, launch, operand, tma_supported
 from afd.kernels.moe_rows import gather_rows
 from afd.kernels.moe_tiles import gate_up_rows, row_tile, tile_and_col, weight_tile
+from afd.kernels.pdl import gdc_enter
 
 E4M3_MAX = tl.constexpr(FP8_MAX)  # a kernel reads only constexpr globals
 
@@ -122,9 +123,11 @@ def _gate_up_kernel(
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
     [rows, H] buffer (a TMA descriptor when TMA is on)."""
+    gdc_enter(GDC)
     num_cols = tl.cdiv(inter, BLOCK_N)
     if PERSISTENT:  # every PROGRAMS-th job over the tiles of the used layout tiles
         num_tiles = tl.load(used_tiles_ptr) * (layout_m // BLOCK_M)
@@ -192,8 +195,9 @@ def _down_kernel(
     act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr, act_scale, w_scale,
     num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
-    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr, GDC: tl.constexpr = False,
 ):
+    gdc_enter(GDC)
     num_cols = tl.cdiv(hidden, BLOCK_N)
     if PERSISTENT:
         num_tiles = tl.load(used_tiles_ptr) * (layout_m // BLOCK_M)

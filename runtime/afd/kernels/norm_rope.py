@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from afd.config import process_setting
+from afd.kernels.pdl import gdc_enter, launch_options
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -25,7 +26,8 @@ def enabled(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, count, size, stride_x, stride_out, stride_res, stride_sum,
-                     eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr):
+                     eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr, GDC: tl.constexpr = False):
+    gdc_enter(GDC)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     live = (rows[:, None] < count) & (cols[None, :] < size)
@@ -84,13 +86,14 @@ def _launch(x, weight, eps, out, residual):
             rows2d.stride(0), out2d.stride(0), 0 if res2d is None else res2d.stride(0),
             0 if sum2d is None else sum2d.stride(0), eps,
             BLOCK=triton.next_power_of_2(size), ROWS=rows_per_program, RESIDUAL=residual is not None,
-            num_warps=4 if size <= 1024 else 8)
+            num_warps=4 if size <= 1024 else 8, **launch_options(weight.device))
     return total, out
 
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, heads, max_pos, stride_t, stride_h,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, GDC: tl.constexpr = False):
+    gdc_enter(GDC)
     token = tl.program_id(0)
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + token), 0), max_pos - 1).to(tl.int64)  # never past the table
     i = tl.arange(0, HALF)
@@ -120,7 +123,8 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
         raise ValueError(f"rope_ needs a power-of-two half width, got {half}")
     if tokens:
         _rope_kernel[(tokens,)](x, positions, cos, sin, heads, cos.shape[0], x.stride(0), x.stride(1),
-                                HALF=half, BLOCK_H=triton.next_power_of_2(heads), INTERLEAVED=interleaved, num_warps=4)
+                                HALF=half, BLOCK_H=triton.next_power_of_2(heads), INTERLEAVED=interleaved, num_warps=4,
+                                **launch_options(x.device))
     return x
 
 
@@ -153,9 +157,11 @@ def _norm_rows_(ptrs, w_ptr, cols, live, size, eps):
 @triton.jit
 def _mla_rows_kernel(q_ptr, row_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, index_ptr, heads, max_pos,
                      stride_qt, stride_qh, stride_row, stride_cache, eps, Q_ROPE: tl.constexpr, LATENT: tl.constexpr,
-                     BLOCK_L: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr):
+                     BLOCK_L: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr,
+                     GDC: tl.constexpr = False):
     """One token of MLA: its query heads' rotary part (at column Q_ROPE), its latent normed and its rotary key
     rotated (both in place in the row), and, when STORE, the row written to its cache row."""
+    gdc_enter(GDC)
     token = tl.program_id(0)
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + token), 0), max_pos - 1).to(tl.int64)
     i = tl.arange(0, HALF)
@@ -196,16 +202,17 @@ def mla_rows_(query: torch.Tensor, row: torch.Tensor, weight: torch.Tensor, eps:
             query, row, weight, positions, cos, sin, cache if store else row, write_index if store else positions,
             heads, cos.shape[0], query.stride(0), query.stride(1), row.stride(0), cache.stride(0) if store else 0, eps,
             Q_ROPE=query.shape[2] - 2 * half, LATENT=latent, BLOCK_L=triton.next_power_of_2(latent), HALF=half,
-            BLOCK_H=triton.next_power_of_2(heads), STORE=store, num_warps=4)
+            BLOCK_H=triton.next_power_of_2(heads), STORE=store, num_warps=4, **launch_options(row.device))
 
 
 @triton.jit
 def _qk_rows_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, cache_k_ptr, cache_v_ptr,
                     index_ptr, heads, kv_heads, max_pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                     stride_vh, stride_ckr, stride_ckh, stride_cvr, stride_cvh, eps_q, eps_k, HALF: tl.constexpr,
-                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr):
+                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, GDC: tl.constexpr = False):
     """One token of a normed-q/k attention (Qwen3): every query and key head normed, then rotated (halves), in
     place; when STORE its key and value heads written to the cache row `index[token]`."""
+    gdc_enter(GDC)
     token = tl.program_id(0).to(tl.int64)
     dim = tl.arange(0, 2 * HALF)[None, :]
     hq, hk = tl.arange(0, BLOCK_HQ)[:, None], tl.arange(0, BLOCK_HK)[:, None]
@@ -255,4 +262,4 @@ def qk_rows_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.
             heads, k.shape[1], cos.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1), eps_q, eps_k, HALF=half,
             BLOCK_HQ=triton.next_power_of_2(heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]), STORE=store,
-            num_warps=4)
+            num_warps=4, **launch_options(q.device))

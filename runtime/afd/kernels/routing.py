@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.kernels.pdl import gdc_enter, launch_options
+
 MAX_EXPERTS = 512  # one program holds a token's logits in registers
 
 
@@ -54,7 +56,8 @@ def _group_mask(choice, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, GROUPS: tl
 def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_experts, stride, scaling,
                    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                    NORMALIZE: tl.constexpr, SCALE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, PARTS: tl.constexpr):
+                   GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, PARTS: tl.constexpr, GDC: tl.constexpr = False):
+    gdc_enter(GDC)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -163,5 +166,5 @@ def _launch_select(logits, correction_bias, top_k: int, normalize: bool, scale: 
             logits, weights, ids, bias, tokens, num_experts, logits.stride(0), float(scaling_factor), TOP_K=top_k,
             BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=scale,
             SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, GROUPS=groups, TOPK_GROUPS=topk_groups,
-            PARTS=parts, num_warps=1)
+            PARTS=parts, num_warps=1, **launch_options(logits.device))
     return weights, ids
