@@ -1,6 +1,6 @@
 """The decode step against its floor (issue 33): time, floor, ratio and kernels per step, on one GPU.
 
-    python3 bench/step_floor.py [--shapes deepseek-v2-lite,qwen3-30b-a3b] [--layers 0] [--batches 1,64,256]
+    python3 bench/step_floor.py [--shapes deepseek-v2-lite,qwen3-30b-a3b] [--layers 0] [--batches 1,64,256] [--pdl off,on]
                                 [--contexts 128,2048] [--steps 20]
     python3 bench/step_floor.py --memory-probe   # what building the model leaves held on the GPU (issue 33, KV)
 
@@ -20,6 +20,8 @@ replayed step from the profiler (per layer too). Writes $OUT/step_floor.json; pr
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import contextlib
 from dataclasses import asdict, dataclass
 
@@ -217,7 +219,8 @@ def kv_cache(model, batch: int, context: int):
     return kv
 
 
-def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], steps: int, rates: dict) -> list[dict]:
+def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], steps: int, rates: dict,
+              pdl_settings: tuple[bool, ...] = (False,)) -> list[dict]:
     from afd.graphs.decode import DecodeGraphs
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
@@ -232,42 +235,63 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
     mono = model_traffic(model)
     moe_layers = len(mono.experts)
     runner = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)
-    with torch.inference_mode():
-        runner.graphs = DecodeGraphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, tuple(sorted(batches)), StagePolicy(),
-                                     kv.keys[0].device)
-        runner.graphs.capture_all()
-    hits = {b: experts_hit(runner, kv, b, min(contexts), vocab, moe_layers) for b in batches}
-    for context in contexts:
-        for batch in batches:
-            got = measure(runner, runner.graphs, kv, batch, context, vocab, steps)
-            rows.append(_row(name, "mono", batch, context, got, step_floor(mono, batch, context, hits[batch], **rates),
-                             spec.num_layers, hits[batch]))
-            print(_line(rows[-1]), flush=True)
-    runner.graphs = None
+    hits = {}
+    for pdl in pdl_settings:
+        with pdl_launches(pdl), torch.inference_mode():
+            runner.graphs = DecodeGraphs(lambda ids, micro: model(ids, micro[0][1], kv), kv, tuple(sorted(batches)),
+                                         StagePolicy(), kv.keys[0].device)
+            runner.graphs.capture_all()
+            hits = hits or {b: experts_hit(runner, kv, b, min(contexts), vocab, moe_layers) for b in batches}
+            for context in contexts:
+                for batch in batches:
+                    got = measure(runner, runner.graphs, kv, batch, context, vocab, steps)
+                    rows.append(_row(name, "mono", batch, context, got,
+                                     step_floor(mono, batch, context, hits[batch], **rates), spec.num_layers, hits[batch], pdl))
+                    print(_line(rows[-1]), flush=True)
+        runner.graphs = None
     del runner, model
     torch.cuda.empty_cache()
     model, spec, crossing = random_model(config, "attention")
     attn = model_traffic(model)
     loaded = LoadedModel(model, spec, crossing, "random")
-    for stages in (1, 2):
-        solo = AttentionRunner(loaded, StandInFFN(), kv, StepOptions(StagePolicy(stages)))
-        solo.capture_graphs(buckets=batches)
-        for context in contexts:
-            for batch in batches:
-                got = measure(solo, solo.graphs, kv, batch, context, vocab, steps)
-                rows.append(_row(name, f"attn{stages}", batch, context, got, step_floor(attn, batch, context, [], **rates),
-                                 spec.num_layers, []))
-                print(_line(rows[-1]), flush=True)
-        solo.graphs = None
+    for stages, pdl in itertools.product((1, 2), pdl_settings):
+        with pdl_launches(pdl):
+            solo = AttentionRunner(loaded, StandInFFN(), kv, StepOptions(StagePolicy(stages)))
+            solo.capture_graphs(buckets=batches)
+            for context in contexts:
+                for batch in batches:
+                    got = measure(solo, solo.graphs, kv, batch, context, vocab, steps)
+                    rows.append(_row(name, f"attn{stages}", batch, context, got,
+                                     step_floor(attn, batch, context, [], **rates), spec.num_layers, [], pdl))
+                    print(_line(rows[-1]), flush=True)
+            solo.graphs = None
     del solo, loaded, model, kv
     torch.cuda.empty_cache()
     return rows
 
 
-def _row(shape, mode, batch, context, got, floor: Floor, layers: int, hits: list[int]) -> dict:
+@contextlib.contextmanager
+def pdl_launches(on: bool):
+    """Kernels launched and graphs captured inside run with programmatic dependent launch on or off (AFD_PDL)."""
+    from afd.kernels import pdl
+
+    before = os.environ.get("AFD_PDL")
+    os.environ["AFD_PDL"] = "true" if on else "false"
+    pdl._enabled.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("AFD_PDL")
+        else:
+            os.environ["AFD_PDL"] = before
+        pdl._enabled.cache_clear()
+
+
+def _row(shape, mode, batch, context, got, floor: Floor, layers: int, hits: list[int], pdl: bool = False) -> dict:
     top = sorted(got["by_name"].items(), key=lambda kv: -kv[1])[:25]
     slowest = sorted(got["us_by_name"].items(), key=lambda kv: -kv[1])[:15]
-    return {"shape": shape, "mode": mode, "batch": batch, "context": context, "gpu_ms": got["gpu_ms"],
+    return {"shape": shape, "mode": mode, "pdl": pdl, "batch": batch, "context": context, "gpu_ms": got["gpu_ms"],
             "wall_ms": got["wall_ms"], "floor_ms": floor.ms, "bytes_floor_ms": floor.bytes_ms,
             "flops_floor_ms": floor.flops_ms, "floor": asdict(floor), "ratio": got["gpu_ms"] / floor.ms,
             "kernels": got["kernels"], "kernels_per_layer": got["kernels"] / layers, "copies": got["copies"],
@@ -276,7 +300,7 @@ def _row(shape, mode, batch, context, got, floor: Floor, layers: int, hits: list
 
 
 def _line(row: dict) -> str:
-    return (f"{row['shape']:<17} {row['mode']:<5} b {row['batch']:>4} ctx {row['context']:>5}  gpu {row['gpu_ms']:7.3f} ms"
+    return (f"{row['shape']:<17} {row['mode']:<5}{' pdl' if row['pdl'] else '    '} b {row['batch']:>4} ctx {row['context']:>5}  gpu {row['gpu_ms']:7.3f} ms"
             f"  wall {row['wall_ms']:7.3f}  floor {row['floor_ms']:6.3f} ({'bytes' if row['bytes_floor_ms'] >= row['flops_floor_ms'] else 'flops'})"
             f"  ratio {row['ratio']:5.2f}  kernels {row['kernels']:5d} ({row['kernels_per_layer']:.1f}/layer)")
 
@@ -343,6 +367,14 @@ def kv_sizing(model, spec, crossing) -> dict:
     return {"label": "kv tokens", "tokens": tokens}
 
 
+def parse_pdl(text: str) -> tuple[bool, ...]:
+    """`--pdl`: "off", "on" or both, in the order given."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if not words or any(w not in ("off", "on") for w in words):
+        raise SystemExit(f"--pdl {text!r}: give off, on or off,on")
+    return tuple(dict.fromkeys(w == "on" for w in words))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="deepseek-v2-lite,qwen3-30b-a3b")
@@ -350,6 +382,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--contexts", default="128,2048")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--pdl", default="off", help="off, on or off,on: each step measured with programmatic "
+                        "dependent launch off and/or on (AFD_PDL), graphs captured anew for each, one model build")
     parser.add_argument("--memory-probe", action="store_true")
     parser.add_argument("--probe-now-only", action="store_true", help="--memory-probe without the old loading order")
     args = parser.parse_args()
@@ -360,6 +394,7 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         write_json("memory_probe", memory_probe(args.layers, before=not args.probe_now_only))
         return
+    pdl_settings = parse_pdl(args.pdl)
     batches = sorted({int(b) for b in args.batches.split(",")})
     contexts = [int(c) for c in args.contexts.split(",")]
     measured = ceilings()
@@ -371,15 +406,19 @@ def main() -> None:
         config = {**SHAPES[name]}
         if args.layers:
             config["num_hidden_layers"] = args.layers
-        rows += run_shape(name, config, batches, contexts, args.steps, rates)
+        rows += run_shape(name, config, batches, contexts, args.steps, rates, pdl_settings)
     write_json("step_floor", {"ceilings": measured, "layers": args.layers, "rows": rows})
-    print("\nshape             mode  batch   ctx   gpu ms  wall ms  floor ms  ratio  kernels/layer  attn2/attn1")
-    by_key = {(r["shape"], r["mode"], r["batch"], r["context"]): r for r in rows}
+    print("\nshape             mode  pdl batch   ctx   gpu ms  wall ms  floor ms  ratio  kernels/layer  attn2/attn1"
+          "  pdl on/off")
+    by_key = {(r["shape"], r["mode"], r["pdl"], r["batch"], r["context"]): r for r in rows}
     for r in rows:
-        one = by_key.get((r["shape"], "attn1", r["batch"], r["context"]))
+        one = by_key.get((r["shape"], "attn1", r["pdl"], r["batch"], r["context"]))
         split = f"{r['gpu_ms'] / one['gpu_ms']:.2f}" if r["mode"] == "attn2" and one else ""
-        print(f"{r['shape']:<17} {r['mode']:<5} {r['batch']:>5} {r['context']:>5} {r['gpu_ms']:8.3f} {r['wall_ms']:8.3f}"
-              f" {r['floor_ms']:9.3f} {r['ratio']:6.2f} {r['kernels_per_layer']:13.1f}  {split}")
+        off = by_key.get((r["shape"], r["mode"], False, r["batch"], r["context"]))
+        gain = f"{r['gpu_ms'] / off['gpu_ms']:.3f}" if r["pdl"] and off else ""
+        print(f"{r['shape']:<17} {r['mode']:<5} {'on' if r['pdl'] else 'off':>3} {r['batch']:>5} {r['context']:>5}"
+              f" {r['gpu_ms']:8.3f} {r['wall_ms']:8.3f} {r['floor_ms']:9.3f} {r['ratio']:6.2f}"
+              f" {r['kernels_per_layer']:13.1f}  {split:>11}  {gain:>10}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """bench/step_floor.py's floor: what a decode step must read and compute, from the model's own tensors."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from step_floor import ModelTraffic, ExpertLayer, model_traffic, step_floor  # noqa: E402
+from step_floor import ModelTraffic, ExpertLayer, model_traffic, parse_pdl, pdl_launches, step_floor  # noqa: E402
 
 from afd.models.loader import load_model  # noqa: E402
 
@@ -41,3 +42,25 @@ def test_model_traffic_counts_every_weight_once(arch, checkpoints):
     assert [e.top_k for e in traffic.experts] == [m.routing.top_k for m in moe]
     assert shared == 0 or traffic.dense_params > shared
     assert traffic.kv_bytes_per_token == sum(l.elements_per_token for l in model.kv_layouts()) * element
+
+
+def test_pdl_settings_are_off_on_or_both_in_order_and_nothing_else():
+    assert parse_pdl("off") == (False,)
+    assert parse_pdl("on,off") == (True, False)
+    assert parse_pdl("off, on,off") == (False, True)
+    for bad in ("", "yes", "off,maybe"):
+        with pytest.raises(SystemExit, match="--pdl"):
+            parse_pdl(bad)
+
+
+def test_pdl_launches_sets_the_variable_inside_and_restores_it(monkeypatch):
+    from afd.config import process_setting
+
+    monkeypatch.setenv("AFD_PDL", "false")
+    with pdl_launches(True):
+        assert process_setting("AFD_PDL") is True
+    assert process_setting("AFD_PDL") is False
+    monkeypatch.delenv("AFD_PDL")
+    with pdl_launches(False):
+        assert process_setting("AFD_PDL") is False
+    assert "AFD_PDL" not in os.environ
