@@ -16,7 +16,7 @@ def fresh():
 
 @pytest.mark.parametrize("setting, capability, want", [
     (None, (9, 0), {}), ("false", (9, 0), {}), ("true", (8, 0), {}),
-    ("true", (9, 0), {"GDC": True, "launch_pdl": True}), ("1", (10, 0), {"GDC": True, "launch_pdl": True})])
+    ("true", (9, 0), {"GDC": 2, "launch_pdl": True}), ("1", (10, 0), {"GDC": 2, "launch_pdl": True})])
 def test_only_a_hopper_or_later_gpu_with_the_setting_on_launches_dependently(monkeypatch, setting, capability, want):
     if setting is None:
         monkeypatch.delenv("AFD_PDL", raising=False)
@@ -24,6 +24,12 @@ def test_only_a_hopper_or_later_gpu_with_the_setting_on_launches_dependently(mon
         monkeypatch.setenv("AFD_PDL", setting)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
     assert pdl.launch_options(torch.device("cuda", 0)) == want
+
+
+def test_a_gemm_waits_but_does_not_release_the_next_kernel_early(monkeypatch):
+    monkeypatch.setenv("AFD_PDL", "true")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    assert pdl.launch_options(torch.device("cuda", 0), release_early=False) == {"GDC": 1, "launch_pdl": True}
 
 
 def test_a_cpu_tensor_never_does(monkeypatch):

@@ -29,7 +29,7 @@ def _decode_kernel(
     heads, table_width, block_size, group, scale, splits,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ob, stride_oh,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr = 0,
 ):
     """One program: the `group` query heads of one key head of one sequence, over one of `splits` slices of
     its keys (each key and value row is read once per key head, on tensor cores)."""
@@ -92,7 +92,7 @@ def _finish(acc, m_i, l_i, out_ptr, part_ptr, stat_ptr, seq, offs_h, live_h, spl
 
 @triton.jit(do_not_specialize=["splits"])
 def _combine_kernel(part_ptr, stat_ptr, out_ptr, heads, stride_ob, stride_oh, splits,
-                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr = False):
+                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr = 0):
     """One (sequence, head): the softmax-weighted sum of its slices' partial outputs."""
     gdc_enter(GDC)
     seq, head = tl.program_id(0), tl.program_id(1)
@@ -191,7 +191,7 @@ def _latent_decode_kernel(
     stride_qb, stride_qh, stride_rb, stride_rh, stride_cr, stride_ob, stride_oh,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
 ):
     gdc_enter(GDC)
     seq, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)

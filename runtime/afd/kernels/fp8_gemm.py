@@ -52,7 +52,7 @@ def quant_groups(values, FP8_MAX_C: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rows", "x_rows"])
 def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, x_rows, cols, x_stride, s_row_stride, s_col_stride,
-                  BLOCK_R: tl.constexpr, GROUP_C: tl.constexpr, FP8_MAX_C: tl.constexpr, GDC: tl.constexpr = False):
+                  BLOCK_R: tl.constexpr, GROUP_C: tl.constexpr, FP8_MAX_C: tl.constexpr, GDC: tl.constexpr = 0):
     """q[r, g·128 + i] = x / scale[r, g] for a block of rows and one column group (columns past `cols`: none);
     rows from `x_rows` to `rows` (padding) are written as zeros."""
     gdc_enter(GDC)
@@ -98,7 +98,7 @@ def per_token_group_quant(x: torch.Tensor, group: int = GROUP, column_major_scal
 @triton.jit(do_not_specialize=["rows"])
 def _gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, rows, n, k, a_scale_stride,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GDC: tl.constexpr = False):
+                 HAS_BIAS: tl.constexpr, GDC: tl.constexpr = 0):
     """out[BM, BN] = Σ over K steps of (a_q @ w_qᵀ) · a_scale[row, group] · w_scale[col block, group]."""
     gdc_enter(GDC)
     pid_n = tl.program_id(0)
@@ -149,7 +149,7 @@ def fp8_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tens
         _gemm_kernel[grid](x_q, x_scale, weight, scale_inv, bias if bias is not None else out, out, rows, n, k,
                            x_scale.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP,
                            GROUP_K=GROUP, HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
-                           num_stages=cfg["num_stages"], **launch_options(out.device))
+                           num_stages=cfg["num_stages"], **launch_options(out.device, release_early=False))
     return out
 
 

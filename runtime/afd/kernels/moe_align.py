@@ -87,7 +87,7 @@ def _scatter_kernel(ids_ptr, starts_ptr, cursor_ptr, pairs_ptr, num_pairs, top_k
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
 def _align_one_kernel(ids_ptr, cursor_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, num_pairs, top_k, slots,
                       num_routed, num_experts, max_tiles, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr,
-                      BLOCK: tl.constexpr, TILE_BINS: tl.constexpr, GDC: tl.constexpr = False):
+                      BLOCK: tl.constexpr, TILE_BINS: tl.constexpr, GDC: tl.constexpr = 0):
     """The whole alignment in one program (a decode step's few thousand pairs): count, padded prefix sum, tiles'
     experts, every row marked as padding, then each pair scattered through a cursor per expert that starts at its
     expert's first row. The barriers order this program's own writes (padding marks, cursors) before its reads."""

@@ -114,7 +114,8 @@ def launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, 
             return kernel[(min(programs, tiles * cols) if programs else tiles * cols,)](
                 *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(programs), PROGRAMS=programs,
-                num_warps=cfg["num_warps"], num_stages=stages, **constants, **launch_options(device))
+                num_warps=cfg["num_warps"], num_stages=stages, **constants,
+                **launch_options(device, release_early=False))
         except OutOfResources as err:  # raised before the kernel runs (at its first launch: warm-up)
             if stages <= 1:
                 raise

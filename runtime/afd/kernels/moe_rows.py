@@ -18,7 +18,7 @@ from afd.kernels.pdl import gdc_enter, launch_options
 
 @triton.jit(do_not_specialize=["num_pairs", "layout_m"])
 def _gather_kernel(x_ptr, x_rows_ptr, pairs_ptr, num_pairs, slots, hidden, layout_m,
-                   ROWS: tl.constexpr, COLS: tl.constexpr, GDC: tl.constexpr = False):
+                   ROWS: tl.constexpr, COLS: tl.constexpr, GDC: tl.constexpr = 0):
     """x_rows[row] = x[token of pairs[row]], zeros for padding rows, for ROWS rows and COLS columns.
     Skips layout tiles of padding only (gate_up never reads them); ROWS divides the layout's block_m."""
     gdc_enter(GDC)
@@ -49,7 +49,7 @@ def gather_rows(x, x_rows, pairs, num_pairs: int, slots: int, block_m: int) -> N
 
 @triton.jit
 def _sum_slots_kernel(pair_rows, shared_rows, out, hidden, SLOTS: tl.constexpr, SHARED: tl.constexpr,
-                      BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+                      BLOCK: tl.constexpr, GDC: tl.constexpr = 0):
     """out[token, cols] = Σ over the token's SLOTS pair rows, in float32, slot 0 first, rounded once; the last
     SHARED slots' rows read from `shared_rows` ([T·SHARED, H]), the others' from `pair_rows`
     ([T·(SLOTS - SHARED), H])."""

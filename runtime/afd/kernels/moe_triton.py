@@ -123,7 +123,7 @@ def _gate_up_kernel(
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
 ):
     """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
     [rows, H] buffer (a TMA descriptor when TMA is on)."""
@@ -195,7 +195,7 @@ def _down_kernel(
     act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr, act_scale, w_scale,
     num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
-    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr, GDC: tl.constexpr = False,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr, GDC: tl.constexpr = 0,
 ):
     gdc_enter(GDC)
     num_cols = tl.cdiv(hidden, BLOCK_N)

@@ -26,7 +26,7 @@ def enabled(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, count, size, stride_x, stride_out, stride_res, stride_sum,
-                     eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr, GDC: tl.constexpr = False):
+                     eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr, GDC: tl.constexpr = 0):
     gdc_enter(GDC)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -92,7 +92,7 @@ def _launch(x, weight, eps, out, residual):
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, heads, max_pos, stride_t, stride_h,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, GDC: tl.constexpr = False):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, GDC: tl.constexpr = 0):
     gdc_enter(GDC)
     token = tl.program_id(0)
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + token), 0), max_pos - 1).to(tl.int64)  # never past the table
@@ -158,7 +158,7 @@ def _norm_rows_(ptrs, w_ptr, cols, live, size, eps):
 def _mla_rows_kernel(q_ptr, row_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, index_ptr, heads, max_pos,
                      stride_qt, stride_qh, stride_row, stride_cache, eps, Q_ROPE: tl.constexpr, LATENT: tl.constexpr,
                      BLOCK_L: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr,
-                     GDC: tl.constexpr = False):
+                     GDC: tl.constexpr = 0):
     """One token of MLA: its query heads' rotary part (at column Q_ROPE), its latent normed and its rotary key
     rotated (both in place in the row), and, when STORE, the row written to its cache row."""
     gdc_enter(GDC)
@@ -209,7 +209,7 @@ def mla_rows_(query: torch.Tensor, row: torch.Tensor, weight: torch.Tensor, eps:
 def _qk_rows_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, cache_k_ptr, cache_v_ptr,
                     index_ptr, heads, kv_heads, max_pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                     stride_vh, stride_ckr, stride_ckh, stride_cvr, stride_cvh, eps_q, eps_k, HALF: tl.constexpr,
-                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, GDC: tl.constexpr = False):
+                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, GDC: tl.constexpr = 0):
     """One token of a normed-q/k attention (Qwen3): every query and key head normed, then rotated (halves), in
     place; when STORE its key and value heads written to the cache row `index[token]`."""
     gdc_enter(GDC)

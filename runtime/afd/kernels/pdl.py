@@ -7,9 +7,14 @@ kernel has finished and its writes are visible, so every read and write of the k
 whatever kernel came before, cuBLAS included), and its second is `gdc_launch_dependents`, which lets the kernel
 after it start in turn. Graph capture keeps these as programmatic edges.
 
+A GEMM does not let the next kernel start early (`release_early=False`: it waits, and the next one starts as its
+last blocks exit): on the H200 the early start slowed the monolith's batch-1 step by 15 % (session 44), the waiting
+blocks of the next grid taking the SM slots the GEMM's later blocks needed.
+
 Off unless `AFD_PDL=true` (and on compute capability 9.0 and later): `bench/pdl_chain.py` and
-`bench/step_floor.py` measure it first. A kernel takes the constexpr `GDC` (default off: the interpreter and
-older GPUs never see the instructions) and calls `gdc_enter(GDC)` first; its launch passes `**launch_options(device)`.
+`bench/step_floor.py --pdl off,on` measure it. A kernel takes the constexpr `GDC` (0, the default: off, so the
+interpreter and older GPUs never see the instructions; 1: wait; 2: wait, then release the next kernel) and calls
+`gdc_enter(GDC)` first; its launch passes `**launch_options(device)`.
 """
 
 from __future__ import annotations
@@ -23,20 +28,24 @@ import triton.language as tl
 from afd.config import process_setting
 
 _OFF: dict = {}
-_ON = {"GDC": True, "launch_pdl": True}
+_WAIT = {"GDC": 1, "launch_pdl": True}
+_RELEASE = {"GDC": 2, "launch_pdl": True}
 
 
 @triton.jit
 def gdc_enter(GDC: tl.constexpr):
-    """First thing in a kernel: wait for the kernel before (PDL), then let the one after start."""
-    if GDC:
+    """First thing in a kernel: wait for the kernel before (PDL, GDC >= 1), then let the one after start (GDC 2)."""
+    if GDC >= 1:
         tl.extra.cuda.gdc_wait()
+    if GDC >= 2:
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def launch_options(device: torch.device) -> dict:
+def launch_options(device: torch.device, release_early: bool = True) -> dict:
     """Keyword arguments for a launch on `device`: `GDC` and `launch_pdl` where PDL is on, else none."""
-    return _ON if device.type == "cuda" and _enabled(device.index if device.index is not None else -1) else _OFF
+    if device.type != "cuda" or not _enabled(device.index if device.index is not None else -1):
+        return _OFF
+    return _RELEASE if release_early else _WAIT
 
 
 @functools.lru_cache(maxsize=None)

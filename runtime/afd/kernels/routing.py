@@ -56,7 +56,7 @@ def _group_mask(choice, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, GROUPS: tl
 def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_experts, stride, scaling,
                    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                    NORMALIZE: tl.constexpr, SCALE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, PARTS: tl.constexpr, GDC: tl.constexpr = False):
+                   GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, PARTS: tl.constexpr, GDC: tl.constexpr = 0):
     gdc_enter(GDC)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)

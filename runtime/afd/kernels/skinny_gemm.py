@@ -37,7 +37,7 @@ MAX_SPLITS = 64  # partials summed by one unrolled loop
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn, stride_om,
                    stride_os, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                   GDC: tl.constexpr = False):
+                   GDC: tl.constexpr = 0):
     gdc_enter(GDC)
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -63,7 +63,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, strid
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = 0):
     gdc_enter(GDC)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < total
@@ -122,7 +122,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None, s
     grid = (triton.cdiv(n, setting["BLOCK_N"]), splits)
     _skinny_kernel[grid](x, weight, target, m, n, k, k_per_split, x.stride(0), x.stride(1), weight.stride(0),
                          n, m * n, BLOCK_M=block_m, BLOCK_N=setting["BLOCK_N"], BLOCK_K=block_k, DOT=setting["DOT"],
-                         num_warps=setting["num_warps"], num_stages=setting["num_stages"], **launch_options(x.device))
+                         num_warps=setting["num_warps"], num_stages=setting["num_stages"],
+                         **launch_options(x.device, release_early=False))
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=SUM_BLOCK,
                                                              **launch_options(out.device))
