@@ -158,6 +158,42 @@ def test_split_linear_blocks_are_summed_in_the_kernel_as_sum_parts_adds_them(met
     assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.equal(weights.cpu(), want_weights.cpu())
 
 
+@pytest.mark.parametrize("method", ["greedy", "noaux_tc"])
+def test_split_k_partials_are_added_in_the_kernel_as_the_skinny_gemm_adds_them(method):
+    """The skinny GEMM's split-K partials of the router's three blocks ([S, T, 3E]) go to the kernel unsummed
+    (issue 33: its sum launch gone): the same bits as the partials summed in split order, then the kernel."""
+    from afd.kernels import routing
+    from afd.kernels.skinny_gemm import sum_partials
+
+    experts, top_k, tokens, splits = 64, 6, 9, 8
+    torch.manual_seed(3)
+    partials = torch.randn(splits, tokens, 3 * experts) * torch.tensor([1.0, 1e-3, 1e-6]).repeat_interleave(experts)
+    if method == "greedy":
+        run = lambda logits: routing.select_greedy(logits.to(DEVICE), top_k, False, True, 1.0,  # noqa: E731
+                                                   torch.float32, 3)
+    else:
+        run = lambda logits: routing.select_noaux_tc(logits.to(DEVICE), None, top_k, 8, 3, True,  # noqa: E731
+                                                     2.5, torch.float32, 3)
+    weights, ids = run(partials)
+    want_weights, want_ids = run(sum_partials(partials))
+    assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.equal(weights.cpu(), want_weights.cpu())
+    with pytest.raises(ValueError, match="partials"):
+        run(partials[None])
+
+
+def test_the_torch_routing_adds_split_k_partials_first():
+    """Where the routing kernel does not run, `Routing.select` adds [S, T, E] partials itself, in split order."""
+    from afd.kernels.skinny_gemm import sum_partials
+    from afd.models.layers import Routing
+
+    torch.manual_seed(4)
+    partials = torch.randn(4, 5, 32)
+    route = Routing(top_k=3, num_experts=32)
+    got = route.select(partials, torch.float32)
+    want = route.select(sum_partials(partials), torch.float32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_the_moe_layer_routes_raw_router_output_as_the_shipped_logits_route():
     """`MoE.forward` hands `Router.raw`'s output to the routing (split_linear's blocks where it has them): the same
     weights and experts, bit for bit, as the float32 logits an attention rank ships (`Router.forward`)."""

@@ -79,6 +79,21 @@ def test_the_same_inputs_give_the_same_bits(dot):
         assert first.abs().sum() > 0
 
 
+@pytest.mark.parametrize("split", [1, 3, 8])
+def test_unsummed_partials_add_up_in_split_order_to_the_summed_product(split):
+    """`sum_splits=False`: the split-K partials a consumer adds itself (the routing kernel, issue 33); added in
+    split order they are the float32 product's bits."""
+    from afd.kernels.skinny_gemm import gemm, sum_partials
+
+    x, w = operands(3, 96, 512, DTYPE, seed=split)  # K 512: whole slices of 32 for 1, 3 and 8 splits
+    chosen = setting(SPLIT_K=split, BLOCK_K=32)
+    partials = gemm(x, w, torch.float32, chosen, sum_splits=False)
+    assert partials.dtype == torch.float32 and partials.shape == (split, 3, 96)
+    assert torch.equal(sum_partials(partials), gemm(x, w, torch.float32, chosen))
+    with pytest.raises(ValueError, match="partials are float32"):
+        gemm(x, w, None, chosen, sum_splits=False)
+
+
 def test_bad_calls_are_refused():
     from afd.kernels.skinny_gemm import gemm
 

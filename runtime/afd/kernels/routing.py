@@ -22,6 +22,7 @@ import triton.language as tl
 from afd.kernels.pdl import gdc_enter, launch_options
 
 MAX_EXPERTS = 512  # one program holds a token's logits in registers
+MAX_SPLITS = 64  # split-K partials of the logits, added by one unrolled loop (as skinny_gemm.MAX_SPLITS)
 
 
 NAN_RANK = tl.constexpr(-2.0e38)  # a NaN score ranks after every real one (sigmoid + bias may be negative)
@@ -53,10 +54,21 @@ def _group_mask(choice, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, GROUPS: tl
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_experts, stride, scaling,
+def _load_splits(at, split_stride, live, SPLITS: tl.constexpr):
+    """The float32 logits at `at`: the sum of SPLITS split-K partials `split_stride` apart, in split order (as
+    `skinny_gemm.sum_partials` and the skinny GEMM's own sum add them)."""
+    total = tl.load(at, mask=live, other=0.0).to(tl.float32)
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(at + split * split_stride, mask=live, other=0.0).to(tl.float32)
+    return total
+
+
+@triton.jit
+def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_experts, stride, split_stride, scaling,
                    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                    NORMALIZE: tl.constexpr, SCALE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, PARTS: tl.constexpr, GDC: tl.constexpr = 0):
+                   GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, PARTS: tl.constexpr, SPLITS: tl.constexpr,
+                   GDC: tl.constexpr = 0):
     gdc_enter(GDC)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
@@ -64,10 +76,10 @@ def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_e
     expert_ok = experts[None, :] < num_experts
     at = logits_ptr + rows[:, None].to(tl.int64) * stride + experts[None, :]
     live = row_ok[:, None] & expert_ok
-    logits = tl.load(at, mask=live, other=0.0).to(tl.float32)
+    logits = _load_splits(at, split_stride, live, SPLITS)
     if PARTS == 3:  # split_linear's three column blocks: high + (middle + low), as `split_linear.sum_parts` adds
-        middle = tl.load(at + num_experts, mask=live, other=0.0).to(tl.float32)
-        low = tl.load(at + 2 * num_experts, mask=live, other=0.0).to(tl.float32)
+        middle = _load_splits(at + num_experts, split_stride, live, SPLITS)
+        low = _load_splits(at + 2 * num_experts, split_stride, live, SPLITS)
         logits = logits + (middle + low)
     logits = tl.where(expert_ok, logits, float("-inf"))
     if SIGMOID:
@@ -110,8 +122,9 @@ def select_greedy(logits: torch.Tensor, top_k: int, normalize: bool, scale: bool
                   dtype: torch.dtype, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] logits (any float dtype, read as float32) → ([T, k] weights in `dtype`, [T, k] int64 expert ids):
     softmax in float32, the k largest scores, divided by their sum when `normalize`, times `scaling_factor` when
-    `scale`. `parts` 3: the logits come as split_linear's [T, 3E] blocks, summed here (no launch of their own)."""
-    num_experts = logits.shape[1] // parts
+    `scale`. `parts` 3: the logits come as split_linear's [T, 3E] blocks, summed here (no launch of their own);
+    [S, T, parts·E]: as S split-K partials (`skinny_gemm.linear_partials`), added here in split order."""
+    num_experts = logits.shape[-1] // parts
     if num_experts > MAX_EXPERTS or top_k > num_experts:
         raise ValueError(f"select_greedy takes up to {MAX_EXPERTS} experts and top_k <= experts; "
                          f"got {num_experts} experts, top_k {top_k}")
@@ -137,7 +150,7 @@ def select_noaux_tc(logits: torch.Tensor, correction_bias: torch.Tensor | None, 
     `num_groups` groups (by the sum of each group's two best biased scores), the k best biased experts weighted
     by their unbiased scores, divided by their sum when `normalize`, times `scaling_factor` (`parts` as in
     `select_greedy`)."""
-    num_experts = logits.shape[1] // parts
+    num_experts = logits.shape[-1] // parts
     if not noaux_tc_fits(num_experts, top_k, num_groups, topk_groups):
         raise ValueError(f"select_noaux_tc takes up to {MAX_EXPERTS} experts, 0 < top_k <= experts and, with "
                          f"groups, power-of-two expert and group counts; got {num_experts} experts, top_k {top_k}, "
@@ -148,11 +161,17 @@ def select_noaux_tc(logits: torch.Tensor, correction_bias: torch.Tensor | None, 
 
 def _launch_select(logits, correction_bias, top_k: int, normalize: bool, scale: bool, scaling_factor: float,
                    dtype: torch.dtype, sigmoid: bool, groups: int = 1, topk_groups: int = 1, parts: int = 1):
-    """One launch of `_select_kernel` over [T, parts·E] logits: ([T, k] weights in `dtype`, [T, k] int64 ids)."""
-    if parts not in (1, 3) or logits.shape[1] % parts:
-        raise ValueError(f"routing logits come whole or in 3 split_linear blocks; got {parts} parts of {logits.shape[1]}")
-    tokens, num_experts = logits.shape[0], logits.shape[1] // parts
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    """One launch of `_select_kernel` over [T, parts·E] logits, or [S, T, parts·E] split-K partials of them
+    (`skinny_gemm.linear_partials`, added here): ([T, k] weights in `dtype`, [T, k] int64 ids)."""
+    if parts not in (1, 3) or logits.shape[-1] % parts:
+        raise ValueError(f"routing logits come whole or in 3 split_linear blocks; got {parts} parts of {logits.shape[-1]}")
+    if logits.dim() == 2:
+        logits = logits.unsqueeze(0)
+    if logits.dim() != 3 or not 1 <= logits.shape[0] <= MAX_SPLITS:
+        raise ValueError(f"routing logits are [T, E] or [S <= {MAX_SPLITS}, T, E] partials; "
+                         f"got {tuple(logits.shape)}")
+    tokens, num_experts = logits.shape[1], logits.shape[2] // parts
+    logits = logits if logits.stride(2) == 1 else logits.contiguous()
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     block_e = triton.next_power_of_2(num_experts)
@@ -163,8 +182,9 @@ def _launch_select(logits, correction_bias, top_k: int, normalize: bool, scale: 
     if tokens:
         bias = correction_bias.contiguous() if correction_bias is not None else logits
         _select_kernel[(triton.cdiv(tokens, block_t),)](
-            logits, weights, ids, bias, tokens, num_experts, logits.stride(0), float(scaling_factor), TOP_K=top_k,
+            logits, weights, ids, bias, tokens, num_experts, logits.stride(1), logits.stride(0), float(scaling_factor),
+            TOP_K=top_k,
             BLOCK_T=block_t, BLOCK_E=block_e, NORMALIZE=normalize, SCALE=scale,
             SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, GROUPS=groups, TOPK_GROUPS=topk_groups,
-            PARTS=parts, num_warps=1, **launch_options(logits.device))
+            PARTS=parts, SPLITS=logits.shape[0], num_warps=1, **launch_options(logits.device))
     return weights, ids

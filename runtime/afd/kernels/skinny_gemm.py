@@ -99,9 +99,13 @@ def _out_kind(x: torch.Tensor, out_dtype: torch.dtype | None) -> str:
     raise ValueError(f"skinny GEMM output {out_dtype} for {x.dtype} inputs: only the input's dtype or float32")
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None, setting: dict) -> torch.Tensor:
-    """[M, N] = x [M, K] @ weight [N, K]ᵀ by the Triton kernel with `setting`, in `out_dtype` (None: x's)."""
+def gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None, setting: dict,
+         sum_splits: bool = True) -> torch.Tensor:
+    """[M, N] = x [M, K] @ weight [N, K]ᵀ by the Triton kernel with `setting`, in `out_dtype` (None: x's).
+    `sum_splits=False` (float32 only): the split-K partials unsummed, [S, M, N] (S = 1 without a split)."""
     check_setting(setting)
+    if not sum_splits and out_dtype != torch.float32:
+        raise ValueError(f"skinny GEMM partials are float32; asked for {out_dtype}")
     kind = _out_kind(x, out_dtype)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny GEMM of x {tuple(x.shape)} and weight {tuple(weight.shape)}: need [M, K] and [N, K]")
@@ -124,6 +128,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None, s
                          n, m * n, BLOCK_M=block_m, BLOCK_N=setting["BLOCK_N"], BLOCK_K=block_k, DOT=setting["DOT"],
                          num_warps=setting["num_warps"], num_stages=setting["num_stages"],
                          **launch_options(x.device, release_early=False))
+    if not sum_splits:
+        return target if splits > 1 else out.unsqueeze(0)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=SUM_BLOCK,
                                                              **launch_options(out.device))
@@ -220,3 +226,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     table picks it for these shapes (`choice`), else `torch_linear`. Shapes alone choose: capturable."""
     setting = choice(x, weight, out_dtype)
     return torch_linear(x, weight, out_dtype) if setting is None else gemm(x, weight, out_dtype, setting)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear(x, weight, torch.float32)` as [S, M, N] float32 partial products over S slices of K, to be added
+    in slice order (S = 1: the product itself): a consumer that reads the product anyway (the routing kernel)
+    adds the slices where it reads them, and the second launch goes (issue 33). Their sum in slice order is
+    `linear`'s result bit for bit."""
+    setting = choice(x, weight, torch.float32)
+    if setting is None:
+        return torch_linear(x, weight, torch.float32).unsqueeze(0)
+    return gemm(x, weight, torch.float32, setting, sum_splits=False)
+
+
+def sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """[S, M, N] partials → [M, N], added in slice order as the kernels add them (the same bits)."""
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    return total

@@ -139,7 +139,7 @@ class Routing:
         Greedy routing on a GPU with the Triton MoE kernel runs as one Triton kernel (`afd.kernels.routing`).
         `correction_bias` [experts] (noaux_tc only) shifts the scores that choose experts, not their weights.
         `parts` 3: the logits are `Router.raw`'s split_linear blocks [tokens, 3·experts], summed by the kernel
-        (or here, where the torch path runs)."""
+        (or here, where the torch path runs); [S, tokens, parts·experts]: S split-K partials of them, likewise."""
         normalize = self.norm_topk_prob and self.top_k > 1
         if logits.is_cuda and kernel_choice() == "triton" and self.kernel_fits(logits.shape[-1] // parts):
             from afd.kernels import routing  # local import: the routing kernel imports Triton
@@ -149,6 +149,10 @@ class Routing:
                                                self.norm_topk_prob, self.scaling_factor, dtype, parts)
             return routing.select_greedy(logits, self.top_k, normalize, not normalize or self.scale_when_normalized,
                                          self.scaling_factor, dtype, parts)
+        if logits.dim() == 3:  # split-K partials (`Router.raw` on a GPU), added in split order
+            from afd.kernels import skinny_gemm
+
+            logits = skinny_gemm.sum_partials(logits)
         if parts != 1:
             logits = split_linear.sum_parts(logits)
         if self.topk_method == "noaux_tc":
@@ -215,9 +219,14 @@ class Router(nn.Module):
 
     def raw(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(logits as the routing takes them, parts): `forward`'s float32 logits, or split_linear's three float32
-        column blocks unsummed (parts 3: `Routing.select` adds them in its kernel, no launch of their own)."""
+        column blocks unsummed (parts 3: `Routing.select` adds them in its kernel, no launch of their own); on a
+        GPU where the skinny GEMM splits K, its [S, T, 3E] partials unsummed too (added by the routing kernel)."""
         if self.fp32_logits and self.weight_parts is not None and x.dtype == torch.bfloat16 and \
                 x.device == self.weight_parts.device:
+            if x.is_cuda and triton_available():
+                from afd.kernels import skinny_gemm  # local import: Triton
+
+                return skinny_gemm.linear_partials(x, self.weight_parts), 3
             return self._part_products(x), 3
         return self(x), 1
 
