@@ -36,6 +36,8 @@ DIVISIBLE = ("hidden", "inter")  # sizes that are multiples of 128 in every FP8 
 def compile_variant(fn, signature: dict, constants: dict, warps: int, stages: int):
     """triton.compile of `fn` for Hopper with `signature` (name → Triton type) and `constants`."""
     names = list(fn.arg_names)
+    if "GDC" in names:  # programmatic dependent launch off, as served by default (afd.kernels.pdl)
+        constants = {"GDC": 0, **constants}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
              if kind.startswith("*") or name in DIVISIBLE}
     source = ASTSource(fn, {**signature, **{name: "constexpr" for name in constants}}, constants, attrs)
