@@ -8,8 +8,13 @@ whatever kernel came before, cuBLAS included), and its second is `gdc_launch_dep
 after it start in turn. Graph capture keeps these as programmatic edges.
 
 A GEMM does not let the next kernel start early (`release_early=False`: it waits, and the next one starts as its
-last blocks exit): on the H200 the early start slowed the monolith's batch-1 step by 15 % (session 44), the waiting
-blocks of the next grid taking the SM slots the GEMM's later blocks needed.
+last blocks exit): with every kernel releasing early, the monolith's batch-1 step was 15 % slower on the H200
+(session 44: the profiler showed the MoE down and row-sum kernels' time doubled, their blocks resident and waiting
+while the GEMM before them ran).
+
+Measured (bench/RESULTS.md, issue 33, session 44): a chain of 64 one-token GEMVs in a graph, 4.09 µs a link plain,
+3.42 with early release (H200); but a whole decode step gains only on the attention-only step at batch 1 (0.92-0.94x)
+and loses on the monolith even with GEMMs only waiting (1.07x, H100), so it stays off by default.
 
 Off unless `AFD_PDL=true` (and on compute capability 9.0 and later): `bench/pdl_chain.py` and
 `bench/step_floor.py --pdl off,on` measure it. A kernel takes the constexpr `GDC` (0, the default: off, so the
