@@ -1,0 +1,61 @@
+"""Is torch's bf16 GEMM (cuBLAS) batch-invariant at DeepSeek-V3's shapes? (issue 32: the bf16 V3 2A1F mismatch)
+
+    python3 bench/gemm_invariance.py [--rows 1,2,4,8,16,32,64,128,192] [--full 256]
+
+AFD over NCCL equals the monolith only where each row's product does not depend on how many rows share the GEMM:
+an attention rank of a 2A1F deployment multiplies its own prompts' and decodes' rows, the monolith all of them. On
+one H200 (session 44) rows at M = 2, 4 and 8 equal M = 1 bit for bit at every decode projection; the bf16
+V3-shaped 2A1F test still differs (session 42), FP8 (Triton GEMMs with a K order fixed by the 128-wide scale
+blocks) does not. Here, per projection of a DeepSeek-V3 layer, x[:M] @ Wᵀ against the first M rows of a
+`--full`-row product, for each M of `--rows` (prompt steps are padded to token buckets of 16..2048): "=" where
+equal, else the largest difference. Writes $OUT/gemm_invariance.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import require_cuda, write_json
+
+V3_PROJECTIONS = {  # name: (K, N) of x [M, K] @ W [N, K]ᵀ
+    "q_a_proj + kv_a_proj": (7168, 1536 + 576), "q_b_proj": (1536, 24576), "kv_b_proj": (512, 32768),
+    "o_proj": (16384, 7168), "dense gate_up": (7168, 2 * 18432), "dense down": (18432, 7168),
+    "shared gate_up": (7168, 2 * 2048), "shared down": (2048, 7168), "router": (7168, 256), "lm_head": (7168, 129280),
+}
+
+
+def compare(k: int, n: int, rows: list[int], full: int, generator: torch.Generator) -> list[float]:
+    """For each M in `rows`: 0.0 where x[:M] @ Wᵀ equals the full product's first M rows, else the largest
+    absolute difference."""
+    w = (torch.randn(n, k, generator=generator, device="cuda") / k ** 0.5).bfloat16()
+    x = torch.randn(full, k, generator=generator, device="cuda").bfloat16()
+    whole = x @ w.T
+    return [(x[:m] @ w.T - whole[:m]).float().abs().max().item() for m in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,192")
+    parser.add_argument("--full", type=int, default=256)
+    args = parser.parse_args()
+    require_cuda(__file__)
+    rows = [int(m) for m in args.rows.split(",")]
+    if not rows or min(rows) < 1 or max(rows) > args.full:
+        raise SystemExit(f"--rows {args.rows}: each must be 1..--full ({args.full})")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}: rows M of x[:M] @ Wᵀ against the first M of {args.full} rows")
+    print(f"{'projection':<22} {'K':>6} {'N':>7}  " + " ".join(f"{m:>6}" for m in rows))
+    results = {}
+    for name, (k, n) in V3_PROJECTIONS.items():
+        diffs = compare(k, n, rows, args.full, generator)
+        results[name] = {"k": k, "n": n, "max_abs_diff": dict(zip(map(str, rows), diffs))}
+        print(f"{name:<22} {k:>6} {n:>7}  " + " ".join(f"{'=' if d == 0 else f'{d:.0e}':>6}" for d in diffs),
+              flush=True)
+    write_json("gemm_invariance", {"device": torch.cuda.get_device_name(), "full": args.full, "rows": rows,
+                                   "projections": results})
+
+
+if __name__ == "__main__":
+    main()
