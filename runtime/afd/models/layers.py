@@ -150,7 +150,7 @@ class Routing:
             return routing.select_greedy(logits, self.top_k, normalize, not normalize or self.scale_when_normalized,
                                          self.scaling_factor, dtype, parts)
         if logits.dim() == 3:  # split-K partials (`Router.raw` on a GPU), added in split order
-            from afd.kernels import skinny_gemm
+            from afd.kernels import skinny_gemm  # local import: Triton (only 3-D partials, from a GPU, come here)
 
             logits = skinny_gemm.sum_partials(logits)
         if parts != 1:
