@@ -53,7 +53,7 @@ def _group_mask(choice, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, GROUPS: tl
     return tl.reshape(tl.broadcast_to(keep[:, :, None], (BLOCK_T, GROUPS, SIZE)), (BLOCK_T, BLOCK_E)) != 0
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit
 def _load_splits(at, split_stride, live, SPLITS: tl.constexpr):
     """The float32 logits at `at`: the sum of SPLITS split-K partials `split_stride` apart, in split order (as
     `skinny_gemm.sum_partials` and the skinny GEMM's own sum add them)."""
@@ -63,7 +63,7 @@ def _load_splits(at, split_stride, live, SPLITS: tl.constexpr):
     return total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _select_kernel(logits_ptr, weights_ptr, ids_ptr, bias_ptr, num_tokens, num_experts, stride, split_stride, scaling,
                    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                    NORMALIZE: tl.constexpr, SCALE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
