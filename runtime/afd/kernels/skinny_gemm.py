@@ -117,22 +117,24 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None, s
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     dtype = x.dtype if kind == "input" else torch.float32
-    out = torch.empty(m, n, dtype=dtype, device=x.device)
     splits, block_k = setting["SPLIT_K"], setting["BLOCK_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # whole blocks: aligned loads per slice
     splits = triton.cdiv(k, k_per_split)  # no empty slices
-    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    target = torch.empty(m, n, dtype=dtype, device=x.device) if splits == 1 else \
+        torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     block_m = max(16, triton.next_power_of_2(m)) if setting["DOT"] else triton.next_power_of_2(m)
     grid = (triton.cdiv(n, setting["BLOCK_N"]), splits)
     _skinny_kernel[grid](x, weight, target, m, n, k, k_per_split, x.stride(0), x.stride(1), weight.stride(0),
                          n, m * n, BLOCK_M=block_m, BLOCK_N=setting["BLOCK_N"], BLOCK_K=block_k, DOT=setting["DOT"],
                          num_warps=setting["num_warps"], num_stages=setting["num_stages"],
                          **launch_options(x.device, release_early=False))
+    if splits == 1:
+        return target if sum_splits else target.unsqueeze(0)
     if not sum_splits:
-        return target if splits > 1 else out.unsqueeze(0)
-    if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=SUM_BLOCK,
-                                                             **launch_options(out.device))
+        return target
+    out = torch.empty(m, n, dtype=dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=SUM_BLOCK,
+                                                         **launch_options(out.device))
     return out
 
 
