@@ -75,8 +75,9 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
                     choices=("auto", "scaled_mm", "triton")),
     ProcessVariable("AFD_PDL", "false", "Experiment: launch the decode path's Triton kernels with programmatic "
                     "dependent launch (Hopper and later: each starts while the one before drains, waiting for it on "
-                    "the device; `afd.kernels.pdl`). Off by measurement: 0.92-0.94x on the attention-only step at batch 1, "
-                    "1.07x slower on the monolith's (bench/step_floor.py --pdl off,on, session 44).", "afd.kernels.pdl", parse=parse_bool),
+                    "the device; `afd.kernels.pdl`). Off by measurement: 0.92-0.94x on the attention-only step at "
+                    "batch 1, 1.07x slower on the monolith's (bench/step_floor.py --pdl off,on, session 44).",
+                    "afd.kernels.pdl", parse=parse_bool),
     ProcessVariable("AFD_FUSED_GLUE", "true", "`false`: the torch path instead of the fused RMSNorm/RoPE glue kernels "
                     "on CUDA.", "afd.kernels.norm_rope", parse=parse_bool),
     ProcessVariable("AFD_NCCL_LIBRARY", "", "Path of the libnccl to load first (else the one torch loaded, then "
