@@ -2,19 +2,20 @@
 
     python3 bench/step_floor.py [--shapes deepseek-v2-lite,qwen3-30b-a3b] [--layers 0] [--batches 1,64,256] [--pdl off,on]
                                 [--contexts 128,2048] [--steps 20]
-    python3 bench/step_floor.py --memory-probe   # what building the model leaves held on the GPU (issue 33, KV)
+    python3 bench/step_floor.py --memory-probe   # bench/memory_probe.py: what the model leaves held on the GPU (KV)
 
 Random bf16 weights at each sample shape (`--layers 0`: the model's own depth), CUDA graphs,
 every sequence with `context` cached tokens. Per shape, batch and context, three steps:
   mono    the monolithic step (attention + FFN);
   attn1   the AFD attention rank's step with one micro-batch, no FFN behind its link (zeros come back);
-  attn2   the same with two micro-batches.
+  attn2   the same with two micro-batches (each reads the layers' weights: its floor counts them twice).
 For each: `gpu_ms` (CUDA events around the graph's replay), `wall_ms` (`runner(ids).argmax().tolist()`, what a
 serving loop sees), the floor from what the step really touches and the measured device ceilings
 (bytes: every dense weight once, the routed experts the step's routing actually hit, the embedding rows, the
 KV it reads; FLOPs: 2 per weight per token on the matmuls, plus attention over the context; the floor is the
 larger of bytes / copy rate and FLOPs / bf16 matmul rate), `ratio` = gpu_ms / floor, and the kernels of one
-replayed step from the profiler (per layer too). Writes $OUT/step_floor.json; prints a table last.
+replayed step from the profiler (per layer too). Writes $OUT/step_floor.json; prints a table last, where
+`attn2/attn1` (time) stands beside `floor2/floor1`, the least that ratio can be when both steps run at their floors.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ModelTraffic:
     embed_row_bytes: int
     kv_bytes_per_token: int  # all layers
     attention_flops_per_cached_token: int  # all layers, per sequence (scores + weighted sum)
+    layer_dense_bytes: int = 0  # the part of dense_bytes in the decoder layers: read again by each micro-batch
 
 
 def model_traffic(model) -> ModelTraffic:
@@ -77,9 +79,12 @@ def model_traffic(model) -> ModelTraffic:
             seen.update(id(p) for p in module.parameters(recurse=False))
     embed = model.model.embed_tokens.weight
     seen.add(id(embed))
+    in_layers = {id(p) for p in model.layers.parameters()}
+    layer_dense_bytes = 0
     for param in model.parameters():
         if id(param) not in seen:
             dense_bytes += param.numel() * param.element_size()
+            layer_dense_bytes += param.numel() * param.element_size() if id(param) in in_layers else 0
             dense_params += param.numel() if param.dim() > 1 else 0  # norms' weights scale, they do not multiply
     top_ks = [layer.mlp.routing.top_k for layer in model.layers if layer.mlp is not None and hasattr(layer.mlp, "routing")]
     element = embed.element_size()
@@ -89,7 +94,11 @@ def model_traffic(model) -> ModelTraffic:
         attn, lay = layer.self_attn, layer.self_attn.kv_layout
         attn_flops += 2 * attn.heads * (lay.key_dim + lay.value_dim)  # q·k over key_dim, p·v over value_dim
     layers = tuple(ExpertLayer(b, p, k) for (b, p), k in zip(experts, top_ks or [0] * len(experts)))
-    return ModelTraffic(dense_bytes, dense_params, layers, embed.shape[1] * element, kv_per_token, attn_flops)
+    # shared experts and routers sit in the layers too (counted into dense_bytes above)
+    layer_dense_bytes += dense_bytes - sum(p.numel() * p.element_size() for p in model.parameters()
+                                           if id(p) not in seen)
+    return ModelTraffic(dense_bytes, dense_params, layers, embed.shape[1] * element, kv_per_token, attn_flops,
+                        layer_dense_bytes)
 
 
 @dataclass(frozen=True)
@@ -105,15 +114,16 @@ class Floor:
 
 
 def step_floor(traffic: ModelTraffic, batch: int, context: int, experts_hit: list[int],
-               copy_bytes_per_s: float, flops_per_s: float) -> Floor:
+               copy_bytes_per_s: float, flops_per_s: float, micro_batches: int = 1) -> Floor:
     """The floor of a decode step of `batch` sequences of `context` cached tokens (+1 new), whose routing hit
-    `experts_hit[i]` distinct routed experts in MoE layer i."""
+    `experts_hit[i]` distinct routed experts in MoE layer i, run as `micro_batches` passes over the layers (each
+    reads the layers' dense weights; the embedding and LM head are read once)."""
     if batch < 1 or context < 0:
         raise ValueError(f"batch {batch} and context {context}: need batch >= 1 and context >= 0")
     if len(experts_hit) != len(traffic.experts):
         raise ValueError(f"{len(experts_hit)} expert-hit counts for {len(traffic.experts)} MoE layers")
     keys = context + 1
-    moved = (traffic.dense_bytes + batch * traffic.embed_row_bytes + batch * keys * traffic.kv_bytes_per_token
+    moved = (traffic.dense_bytes + (micro_batches - 1) * traffic.layer_dense_bytes + batch * traffic.embed_row_bytes + batch * keys * traffic.kv_bytes_per_token
              + sum(hit * layer.expert_bytes for hit, layer in zip(experts_hit, traffic.experts)))
     flops = (2 * batch * traffic.dense_params + batch * keys * traffic.attention_flops_per_cached_token
              + sum(2 * batch * layer.top_k * layer.expert_params for layer in traffic.experts))
@@ -261,8 +271,10 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
             for context in contexts:
                 for batch in batches:
                     got = measure(solo, solo.graphs, kv, batch, context, vocab, steps)
+                    parts = sum(1 for count in StagePolicy(stages).rows(batch) if count)
                     rows.append(_row(name, f"attn{stages}", batch, context, got,
-                                     step_floor(attn, batch, context, [], **rates), spec.num_layers, [], pdl))
+                                     step_floor(attn, batch, context, [], **rates, micro_batches=parts),
+                                     spec.num_layers, [], pdl))
                     print(_line(rows[-1]), flush=True)
             solo.graphs = None
     del solo, loaded, model, kv
@@ -305,68 +317,6 @@ def _line(row: dict) -> str:
             f"  ratio {row['ratio']:5.2f}  kernels {row['kernels']:5d} ({row['kernels_per_layer']:.1f}/layer)")
 
 
-def memory_probe(layers: int, before: bool = True) -> dict:
-    """Bytes allocated, held by the allocator and used on the device after building the DeepSeek-V2-Lite-shaped model,
-    the caching allocator emptied: as the loader did before issue 33 (float32, then converted) and as it does now."""
-    from afd.models import loader
-
-    def state(label: str) -> dict:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        got = {"label": label, "allocated_gib": torch.cuda.memory_allocated() / 2**30,
-               "reserved_gib": torch.cuda.memory_reserved() / 2**30, "device_used_gib": (total - free) / 2**30}
-        print(f"memory {label:<28} allocated {got['allocated_gib']:6.2f} GiB  held by the allocator "
-              f"{got['reserved_gib']:6.2f}  used on the device {got['device_used_gib']:6.2f}", flush=True)
-        return got
-
-    def old_build_share(config, role, gate_on_attention, dtype, device, shard=(0, 1)):
-        spec = loader.parse_spec(config)
-        with torch.device("meta"):
-            model = loader.FAMILIES[spec.arch](config, spec)
-        crossing = loader.crossing_layers(spec.moe_layers, gate_on_attention)
-        loader.prune_for_role(model, role, crossing, gate_on_attention)
-        model.to_empty(device=device)  # float32 first ...
-        model.to(dtype)  # ... then converted, parameter by parameter
-        for module in model.modules():
-            if isinstance(module, loader.Router) and module.fp32_logits:
-                module.float()
-        return model, spec, crossing
-
-    config = {**V2_LITE, "num_hidden_layers": layers or V2_LITE["num_hidden_layers"]}
-    out = [state("empty")]
-    new_build = loader.build_share
-    builds = [("float32 then bf16 (before)", old_build_share)] if before else []
-    for label, build in builds + [("bf16 at once (now)", new_build)]:
-        loader.build_share = build
-        try:
-            model, spec, crossing = random_model(config, "monolithic")
-        finally:
-            loader.build_share = new_build
-        out.append(state(label))
-        if build is new_build:
-            out.append(kv_sizing(model, spec, crossing))
-        del model
-        out.append(state("freed"))
-    return {"layers": config["num_hidden_layers"], "states": out}
-
-
-def kv_sizing(model, spec, crossing) -> dict:
-    """What `afd serve` would size the monolith's KV cache to here (256 sequences, 2,048-token steps, graphs)."""
-    from afd.config import AFDConfig
-    from afd.kv_budget import CudaMemory
-    from afd.models.loader import LoadedModel
-    from afd.server.serve.attention import profiled_cache_tokens
-
-    config = AFDConfig(role="monolithic", device="cuda", dtype="bfloat16", max_num_seqs=256,
-                       max_num_batched_tokens=2048, cuda_graphs=True, max_model_len=4096)
-    tokens = profiled_cache_tokens(config, LoadedModel(model, spec, crossing, "random"),
-                                   CudaMemory(torch.device("cuda", torch.cuda.current_device())), torch.bfloat16,
-                                   torch.device("cuda", torch.cuda.current_device()))
-    print(f"memory KV cache sized to {tokens:,} tokens", flush=True)
-    return {"label": "kv tokens", "tokens": tokens}
-
-
 def parse_pdl(text: str) -> tuple[bool, ...]:
     """`--pdl`: "off", "on" or both, in the order given."""
     words = [w.strip() for w in text.split(",") if w.strip()]
@@ -384,16 +334,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--pdl", default="off", help="off, on or off,on: each step measured with programmatic "
                         "dependent launch off and/or on (AFD_PDL), graphs captured anew for each, one model build")
-    parser.add_argument("--memory-probe", action="store_true")
+    parser.add_argument("--memory-probe", action="store_true", help="run bench/memory_probe.py instead")
     parser.add_argument("--probe-now-only", action="store_true", help="--memory-probe without the old loading order")
     args = parser.parse_args()
-    require_cuda(__file__)
     if args.memory_probe:
-        import logging
+        import sys
 
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-        write_json("memory_probe", memory_probe(args.layers, before=not args.probe_now_only))
+        import memory_probe
+
+        sys.argv = [sys.argv[0], "--layers", str(args.layers)] + (["--now-only"] if args.probe_now_only else [])
+        memory_probe.main()
         return
+    require_cuda(__file__)
     pdl_settings = parse_pdl(args.pdl)
     batches = sorted({int(b) for b in args.batches.split(",")})
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -409,16 +361,17 @@ def main() -> None:
         rows += run_shape(name, config, batches, contexts, args.steps, rates, pdl_settings)
     write_json("step_floor", {"ceilings": measured, "layers": args.layers, "rows": rows})
     print("\nshape             mode  pdl batch   ctx   gpu ms  wall ms  floor ms  ratio  kernels/layer  attn2/attn1"
-          "  pdl on/off")
+          "  floor2/floor1  pdl on/off")
     by_key = {(r["shape"], r["mode"], r["pdl"], r["batch"], r["context"]): r for r in rows}
     for r in rows:
         one = by_key.get((r["shape"], "attn1", r["pdl"], r["batch"], r["context"]))
         split = f"{r['gpu_ms'] / one['gpu_ms']:.2f}" if r["mode"] == "attn2" and one else ""
+        least = f"{r['floor_ms'] / one['floor_ms']:.2f}" if r["mode"] == "attn2" and one else ""
         off = by_key.get((r["shape"], r["mode"], False, r["batch"], r["context"]))
         gain = f"{r['gpu_ms'] / off['gpu_ms']:.3f}" if r["pdl"] and off else ""
         print(f"{r['shape']:<17} {r['mode']:<5} {'on' if r['pdl'] else 'off':>3} {r['batch']:>5} {r['context']:>5}"
               f" {r['gpu_ms']:8.3f} {r['wall_ms']:8.3f} {r['floor_ms']:9.3f} {r['ratio']:6.2f}"
-              f" {r['kernels_per_layer']:13.1f}  {split:>11}  {gain:>10}")
+              f" {r['kernels_per_layer']:13.1f}  {split:>11}  {least:>13}  {gain:>10}")
 
 
 if __name__ == "__main__":

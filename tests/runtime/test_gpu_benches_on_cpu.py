@@ -10,7 +10,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_BENCHES = ["afd_decode", "attention_split", "fp8_probe", "gemm_invariance", "graphs_vs_eager", "mixed_step",
-               "mla_decode", "moe_fp8_spills", "moe_layer", "moe_layer_fp8", "moe_small", "moe_tune", "pdl_chain",
+               "memory_probe", "mla_decode", "moe_fp8_spills", "moe_layer", "moe_layer_fp8", "moe_small", "moe_tune", "pdl_chain",
                "plan_gpu", "skinny_tune", "step_floor"]
 
 

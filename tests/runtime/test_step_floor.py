@@ -21,6 +21,12 @@ def test_the_floor_reads_dense_weights_once_hit_experts_and_the_kv_of_every_sequ
     assert floor.bytes == 1000 + 3 * 8 + 3 * 10 * 4 + (2 + 5) * 100
     assert floor.flops == 2 * 3 * 400 + 3 * 10 * 10 + 2 * (2 * 3 * 2 * 50)
     assert floor.ms == pytest.approx(max(floor.bytes, floor.flops / 1e3))
+    two = step_floor(traffic, batch=3, context=9, experts_hit=[2, 5], copy_bytes_per_s=1e3, flops_per_s=1e6,
+                     micro_batches=2)
+    assert two.bytes == floor.bytes  # no layer_dense_bytes given: nothing is read twice
+    split = ModelTraffic(1000, 400, (), 8, 4, 10, layer_dense_bytes=900)
+    once, twice = (step_floor(split, 4, 9, [], 1e3, 1e6, micro_batches=m) for m in (1, 2))
+    assert twice.bytes - once.bytes == 900 and twice.flops == once.flops  # the layers' weights read again, no more work
     with pytest.raises(ValueError, match="2 MoE layers"):
         step_floor(traffic, 1, 0, [1], 1e3, 1e6)
     with pytest.raises(ValueError, match="batch 0"):
@@ -38,6 +44,9 @@ def test_model_traffic_counts_every_weight_once(arch, checkpoints):
     total = sum(p.numel() for p in model.parameters())
     element = embed.element_size()
     assert traffic.dense_bytes == (total - routed - embed.numel()) * element
+    in_layers = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("model.layers."))
+    assert traffic.layer_dense_bytes == in_layers - routed * element  # all but the embedding, final norm and LM head
+    assert 0 < traffic.layer_dense_bytes < traffic.dense_bytes
     assert sum(e.expert_bytes * m.experts.num_experts for e, m in zip(traffic.experts, moe)) == routed * element
     assert [e.top_k for e in traffic.experts] == [m.routing.top_k for m in moe]
     assert shared == 0 or traffic.dense_params > shared
