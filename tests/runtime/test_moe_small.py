@@ -85,15 +85,19 @@ def test_the_small_path_equals_the_aligned_path(tokens, top_k, shared, fp8, sum_
 
 
 @needs_kernels
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("settings", [
-    {"gate_up": {"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4}, "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}},
-    {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2}, "down": {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8}},
-], ids=["act-quantized-in-gate-up", "act-quantized-in-down"])
-def test_every_block_setting_gives_the_same_result(settings, fp8, monkeypatch):
-    """FP8 act is quantized in gate_up's epilogue when its column block is a multiple of 128, else in down as it
-    reads act: the same values either way."""
-    from afd.kernels.moe_small import experts_small
+@pytest.mark.parametrize("fp8,labels", [
+    (False, ("n128k256w4s1", "n64k512w4s2")), (False, ("n32k128w2s3", "n2k256w8s1")),
+    (False, ("n8k64w4s4", "n1k128w4s4")),
+    (True, ("n128k128w4s1", "n64k128w4s2")), (True, ("n32k128w2s3", "n2k128w8s1")),
+    (True, ("n16k128w4s4", "n2k128w4s4")),
+], ids=["bf16-wide", "bf16-narrow", "bf16-deep", "fp8-act-quantized-in-gate-up", "fp8-act-quantized-in-down",
+        "fp8-deep"])
+def test_every_block_setting_gives_the_same_result(labels, fp8, monkeypatch):
+    """FP8 act is quantized in gate_up's epilogue when its column block is 128, else in down as it reads act: the
+    same values either way; pipelined loads (num_stages > 1) or not, one step or several."""
+    from afd.kernels.moe_small import experts_small, parse_settings
+
+    settings = parse_settings(*labels)
 
     tokens, routed, top_k, shared, hidden, inter = 3, 6, 2, 1, 320, 384
     generator = torch.Generator().manual_seed(7)
@@ -106,10 +110,13 @@ def test_every_block_setting_gives_the_same_result(settings, fp8, monkeypatch):
     assert relative_error(out, aligned(monkeypatch, *args)) < (1e-2 if fp8 else 2e-3)
 
 
-def exact_case(tokens: int, top_k: int, shared: int, routed: int = 6, hidden: int = 64, inter: int = 48):
+def exact_case(tokens: int, top_k: int, shared: int, routed: int = 6, hidden: int = 64, inter: int = 48,
+               tiny_shared: bool = False):
     """Inputs whose every product and float32 sum is exact, so both paths must give one result bit for bit: x and
     the weights small integers, down's entries multiples of 1/64, every gate ≥ 20 (SiLU(g) == g in float32).
-    Returns (x, weights, ids, gate_up, down) on the CPU and, per token, the slot rows in float32."""
+    `tiny_shared`: the first shared expert's down times 2^-12 (its rows still exact), so that adding the slot rows
+    in float32 rounds: the order of the sum shows. Returns (x, weights, ids, gate_up, down) on the CPU and, per token,
+    the slot rows in float32."""
     generator = torch.Generator().manual_seed(100 * tokens + 10 * top_k + shared)
     experts = routed + shared
     x = torch.randint(-1, 2, (tokens, hidden), generator=generator).float()
@@ -118,6 +125,10 @@ def exact_case(tokens: int, top_k: int, shared: int, routed: int = 6, hidden: in
     gate_up[:, :inter] *= torch.rand(experts, inter, hidden, generator=generator) < 0.2  # sparse gate rows
     gate_up[:, :inter, 0] = 32
     down = torch.randint(-63, 64, (experts, hidden, inter), generator=generator).float() / 64
+    scale = torch.ones(experts, 1, 1)
+    if tiny_shared:
+        scale[routed] = 2 ** -12
+    down *= scale
     scores = torch.rand(tokens, routed, generator=generator)
     weights, ids = scores.topk(top_k, dim=-1)
     weights = weights.to(DTYPE)  # 8–11 significant bits: a row times its weight needs more than DTYPE holds
@@ -129,18 +140,21 @@ def exact_case(tokens: int, top_k: int, shared: int, routed: int = 6, hidden: in
         assert bool((gate >= 20).all())  # the design: SiLU(gate) == gate in float32
         act = (gate * up).float().to(DTYPE).double()  # act is stored in DTYPE
         terms = act[:, None, :] * down[all_ids[token]].double()  # [slots, H, I]
-        assert float(terms.abs().sum(-1).max()) < 2 ** 17  # every partial sum a multiple of 1/64 below 2^17: exact
+        # every partial sum a multiple of 1/64 below 2^17 (both × the expert's scale): exact
+        assert bool((terms.abs().sum(-1) < 2 ** 17 * scale[all_ids[token]][:, :, 0]).all())
         rows.append(terms.sum(-1).float())
     return x.to(DTYPE), weights, ids, gate_up.to(DTYPE), down.to(DTYPE), rows
 
 
-def summed(rows, weights, top_k: int, round_routed: bool = True, round_shared: bool = False) -> torch.Tensor:
+def summed(rows, weights, top_k: int, round_routed: bool = True, round_shared: bool = False,
+           reverse: bool = False) -> torch.Tensor:
     """[T, H] float32: each token's slot rows, routed ones times their weight (float32) and rounded to DTYPE, added
-    in float32 in slot order."""
+    in float32 in slot order (`reverse`: last slot first)."""
     out = []
     for token, token_rows in enumerate(rows):
         total = torch.zeros(token_rows.shape[1])
-        for slot, row in enumerate(token_rows):
+        order = list(enumerate(token_rows))
+        for slot, row in reversed(order) if reverse else order:
             if slot < top_k:
                 row = row * weights[token, slot].float()
             if round_routed if slot < top_k else round_shared:
@@ -169,8 +183,23 @@ def test_both_paths_round_each_row_as_documented(tokens, top_k, shared, sum_dtyp
 
 
 @needs_kernels
+@pytest.mark.parametrize("tokens,top_k,shared", [(1, 3, 2), (4, 2, 2), (2, 0, 3)])
+def test_both_paths_add_the_slots_in_order(tokens, top_k, shared, monkeypatch):
+    """Bit for bit, where float32 sums across slots round (one shared expert's rows 2^-12 times the others'): the
+    rows added slot 0 first, one at a time (the small path's down kernel holds all the slots' rows at once)."""
+    from afd.kernels.moe_small import experts_small
+
+    x, weights, ids, gate_up, down, rows = exact_case(tokens, top_k, shared, tiny_shared=True)
+    expected = summed(rows, weights, top_k)
+    assert not torch.equal(expected, summed(rows, weights, top_k, reverse=True))  # the order shows
+    args = [t.to(DEVICE) for t in (x, weights, ids, gate_up, down)]
+    assert torch.equal(experts_small(*args, shared, torch.float32).cpu(), expected)
+    assert torch.equal(aligned(monkeypatch, *args, shared, torch.float32).cpu(), expected)
+
+
+@needs_kernels
 def test_bad_input_is_refused():
-    from afd.kernels.moe_small import MAX_TOKENS, experts_small
+    from afd.kernels.moe_small import MAX_TOKENS, experts_small, parse_settings
 
     generator = torch.Generator().manual_seed(0)
     gate_up, down, gate_up_scale, down_scale = fp8_experts(3, 256, 128, generator)
@@ -185,14 +214,36 @@ def test_bad_input_is_refused():
         experts_small(x, weights, ids, gate_up, down, 1, None, gate_up_scale, None)
     with pytest.raises(ValueError, match=r"want x \[T, H\]"):
         experts_small(x[:, :128], weights, ids, gate_up, down, 1, None, gate_up_scale, down_scale)
-    with pytest.raises(ValueError, match="BLOCK_K must be a multiple of 128"):
+    for labels, message in [(("n16k256w4s3", "n4k128w4s3"), "BLOCK_K must be 128"),
+                            (("n16k128w4s3", "n256k128w4s3"), "BLOCK_N at most 128"),
+                            (("n24k128w4s3", "n4k128w4s3"), "powers of two"),
+                            (("n16k128w4s9", "n4k128w4s3"), "num_stages 1-8")]:
+        with pytest.raises(ValueError, match=message):
+            experts_small(x, weights, ids, gate_up, down, 1, None, gate_up_scale, down_scale,
+                          settings=parse_settings(*labels))
+    with pytest.raises(ValueError, match="exactly BLOCK_N, BLOCK_K, num_warps, num_stages"):
         experts_small(x, weights, ids, gate_up, down, 1, None, gate_up_scale, down_scale,
-                      settings={"gate_up": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4},
+                      settings={"gate_up": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4},
                                 "down": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}})
-    with pytest.raises(ValueError, match="powers of two"):
-        experts_small(x, weights, ids, gate_up, down, 1, None, gate_up_scale, down_scale,
-                      settings={"gate_up": {"BLOCK_N": 24, "BLOCK_K": 128, "num_warps": 4},
-                                "down": {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}})
+    with pytest.raises(ValueError, match="looks like n16k256w4s3"):
+        parse_settings("n16k256w4", "n4k128w4s3")
+
+
+@needs_triton
+def test_the_settings_table_gives_each_token_count_its_entry(monkeypatch):
+    """`SETTINGS[fp8]` keys each entry by the fewest tokens it serves: a token count takes the entry with the
+    largest key not above it; a label reads and writes back unchanged."""
+    from afd.kernels import moe_small
+
+    for fp8 in (False, True):  # the shipped entries pass their own checks, the first serving 1 token
+        assert min(moe_small.SETTINGS[fp8]) == 1
+        for cfg in moe_small.SETTINGS[fp8].values():
+            moe_small.check_settings(cfg, fp8)
+    entries = {tokens: moe_small.parse_settings(f"n{tokens}k128w4s3", "n4k128w4s4") for tokens in (1, 4, 8)}
+    monkeypatch.setitem(moe_small.SETTINGS, True, entries)
+    assert [moe_small.settings_for(tokens, True)["gate_up"]["BLOCK_N"] for tokens in range(1, 17)] == \
+        [1] * 3 + [4] * 4 + [8] * 9
+    assert moe_small.label(moe_small.parse_label("n16k256w8s6")) == "n16k256w8s6"
 
 
 @needs_triton
@@ -234,7 +285,7 @@ def test_experts_triton_takes_the_small_path_up_to_the_setting(setting, tokens, 
                            torch.zeros(4, 64, 48))
 
 
-def compile_for_hopper(fn, signature: dict, constants: dict, warps: int):
+def compile_for_hopper(fn, signature: dict, constants: dict, warps: int, stages: int = 3):
     """(registers, stack bytes) a thread of `fn` takes, compiled for sm_90 by this Triton (no GPU needed): pointers
     and the hidden and intermediate sizes marked 16-divisible, as the launcher marks real ones."""
     import re
@@ -250,7 +301,8 @@ def compile_for_hopper(fn, signature: dict, constants: dict, warps: int):
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
              if kind.startswith("*") or name in ("hidden", "inter")}
     source = ASTSource(fn, {**signature, **{name: "constexpr" for name in constants}}, constants, attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+    options = {"num_warps": warps, "num_stages": stages}
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(kernel.asm["cubin"])
@@ -271,31 +323,42 @@ def hopper_compiler_missing() -> bool:
     return not (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump").is_file()
 
 
-@pytest.mark.skipif(hopper_compiler_missing(), reason="needs Triton's NVIDIA backend (ptxas, cuobjdump), not the "
-                    "interpreter")
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("top_k,shared", [(6, 2), (0, 1)])
-def test_the_kernels_compile_for_hopper_without_spilling(fp8, top_k, shared):
-    """The interpreter runs what a GPU compiler may refuse: both kernels at their default settings compile for an
-    H100/H200, and keep every value in registers (no stack: spills)."""
+def hopper_usage(cfg: dict, fp8: bool, top_k: int, shared: int) -> dict:
+    """kernel → (registers, stack bytes) of both kernels at `cfg` (`moe_small.SETTINGS`' form), compiled for sm_90."""
+    import triton
+
     from afd.kernels import moe_small
 
-    cfg = moe_small.FP8_SETTINGS if fp8 else moe_small.SETTINGS
-    act_fp8 = fp8 and cfg["gate_up"]["BLOCK_N"] % 128 == 0
+    up_cfg, down_cfg = cfg["gate_up"], cfg["down"]
+    act_fp8 = fp8 and up_cfg["BLOCK_N"] % 128 == 0
     weight, act = ("*fp8e4nv", "*fp8e4nv" if act_fp8 else "*fp32") if fp8 else ("*bf16", "*bf16")
     sizes = {"hidden": "i32", "inter": "i32", "num_routed": "i32"}
     up = compile_for_hopper(
         moe_small._gate_up_kernel, {"x": "*bf16", "ids": "*i64", "w": weight, "act": act, "w_scale": "*fp32",
                                     "act_scale": "*fp32", **sizes},
-        dict(SLOTS=top_k + shared, TOP_K=top_k, BLOCK_N=cfg["gate_up"]["BLOCK_N"], BLOCK_K=cfg["gate_up"]["BLOCK_K"],
-             FP8=fp8, ACT_FP8=act_fp8), cfg["gate_up"]["num_warps"])
+        dict(SLOTS=top_k + shared, TOP_K=top_k, BLOCK_N=up_cfg["BLOCK_N"], BLOCK_K=up_cfg["BLOCK_K"],
+             STAGES=up_cfg["num_stages"], FP8=fp8, ACT_FP8=act_fp8), up_cfg["num_warps"], up_cfg["num_stages"])
     down = compile_for_hopper(
         moe_small._down_sum_kernel, {"act": act, "act_scale": "*fp32", "ids": "*i64", "weights": "*bf16", "w": weight,
                                      "w_scale": "*fp32", "x": "*bf16", "out": "*fp32", **sizes},
-        dict(TOP_K=top_k, SHARED=shared, BLOCK_N=cfg["down"]["BLOCK_N"], BLOCK_K=cfg["down"]["BLOCK_K"], FP8=fp8,
-             ACT_FP8=act_fp8), cfg["down"]["num_warps"])
-    assert up[1] == 0 and down[1] == 0, (up, down)
-    assert 0 < up[0] <= 255 and 0 < down[0] <= 255
+        dict(TOP_K=top_k, SHARED=shared, SLOTS_P2=triton.next_power_of_2(top_k + shared), BLOCK_N=down_cfg["BLOCK_N"],
+             BLOCK_K=down_cfg["BLOCK_K"], STAGES=down_cfg["num_stages"], FP8=fp8, ACT_FP8=act_fp8),
+        down_cfg["num_warps"], down_cfg["num_stages"])
+    return {"gate_up": up, "down": down}
+
+
+@pytest.mark.skipif(hopper_compiler_missing(), reason="needs Triton's NVIDIA backend (ptxas, cuobjdump), not the "
+                    "interpreter")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("top_k,shared", [(6, 2), (8, 1), (0, 1)])
+def test_the_kernels_compile_for_hopper_without_spilling(fp8, top_k, shared):
+    """The interpreter runs what a GPU compiler may refuse: both kernels at every default setting compile for an
+    H100/H200, and keep every value in registers (no stack: spills); 8 + 1 slots: down's widest tile (16 slots)."""
+    from afd.kernels import moe_small
+
+    for tokens, cfg in moe_small.SETTINGS[fp8].items():
+        usage = hopper_usage(cfg, fp8, top_k, shared)
+        assert all(stack == 0 and 0 < regs <= 255 for regs, stack in usage.values()), (tokens, usage)
 
 
 SAMPLE_SHAPES = {  # (routed, shared, top_k, hidden, inter, fp8): bench/common.py's MOE_SHAPES; DeepSeek-V3 with 32

@@ -68,8 +68,9 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
                     choices=("auto", "triton", "grouped")),
     ProcessVariable("AFD_MOE_SMALL_TOKENS", "0", "Experiment: up to this many tokens (at most 16) the `triton` "
                     "MoE runs as two GEMV launches (`afd.kernels.moe_small`: no alignment, no separate slot sum; the "
-                    "same result). `0`: off, the default: on an H200 it was 1.2-2.3x slower than the aligned GEMMs at 1-8 "
-                    "tokens (`bench/moe_small.py`, session 42).", "afd.kernels.moe", parse=_small_tokens),
+                    "same result). `0`: off, the default: on an H200 session 42's kernels were 1.2-2.3x slower than "
+                    "the aligned GEMMs at 1-8 tokens; their rewrite (every slot streamed at once, pipelined loads) is "
+                    "unmeasured (`bench/moe_small.py --variants 1,2,4,8`).", "afd.kernels.moe", parse=_small_tokens),
     ProcessVariable("AFD_FP8_GEMM", "auto", "FP8 block-scaled GEMM: `scaled_mm` (torch, Hopper), `triton` or `auto` "
                     "(scaled_mm on Hopper where the shapes fit).", "afd.kernels.fp8_gemm",
                     choices=("auto", "scaled_mm", "triton")),
