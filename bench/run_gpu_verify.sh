@@ -14,7 +14,7 @@
 #   moe_small the small-token MoE path (issue 33, session 42: tested in the CPU interpreter only) on the GPU
 #            (tests/runtime/test_moe_small.py, 120 s), then bench/moe_small.py (60 s): it vs the aligned path at
 #            T = 1, 2, 4, 8, both bf16 sample shapes and DeepSeek-V3 FP8, against the byte floor, to set
-#            AFD_MOE_SMALL_TOKENS (default 0: off). Its block variants: bench/moe_small.py --variants 1,4
+#            AFD_MOE_SMALL_TOKENS (default 0: off). Its settings sweep: bench/moe_small.py --variants 1,2,4,8
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1 AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN
