@@ -11,10 +11,10 @@
 #   v3       the DeepSeek-V3-shaped monolith == AFD over NCCL, FP8 then bf16 (EP2 with the gate on attention)
 #   moe_fp8  bench/moe_layer_fp8.py at DeepSeek-V3 shapes (the float32 shared row's cost against RESULTS' figures)
 #   skinny   the skinny GEMM (issue 33) on the GPU, then bench/skinny_tune.py's table at the decode projections
-#   moe_small the small-token MoE path (issue 33, session 42: tested in the CPU interpreter only) on the GPU
-#            (tests/runtime/test_moe_small.py, 120 s), then bench/moe_small.py (60 s): it vs the aligned path at
-#            T = 1, 2, 4, 8, both bf16 sample shapes and DeepSeek-V3 FP8, against the byte floor, to set
-#            AFD_MOE_SMALL_TOKENS (default 0: off). Its settings sweep: bench/moe_small.py --variants 1,2,4,8
+#   moe_small the small-token MoE path (issue 33) on the GPU (tests/runtime/test_moe_small.py, 60-120 s), then
+#            bench/moe_small.py (60 s): it vs the aligned path at T = 1, 2, 4, 8, both bf16 sample shapes and
+#            DeepSeek-V3 FP8, against the byte floor (AFD_MOE_SMALL_TOKENS: 8 by default, 16-bit experts only,
+#            set on an H100 in session 45). Its settings sweep: bench/moe_small.py --variants 1,2,4,8
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1 AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN

@@ -27,7 +27,8 @@ def test_moe_kernels_equal_the_reference(kernel, tokens, num_shared, monkeypatch
     from afd.models.layers import Experts
 
     monkeypatch.setenv("AFD_MOE_KERNEL", kernel.removesuffix("-gather"))
-    if kernel == "triton-gather":
+    if kernel == "triton-gather":  # the aligned path's gathered gate_up (plain triton: the small path up to 8 tokens)
+        monkeypatch.setenv("AFD_MOE_SMALL_TOKENS", "0")
         tuned = moe.device_table
         monkeypatch.setattr(moe, "device_table", lambda *args: gathered(tuned(*args)))
     torch.manual_seed(tokens)
@@ -65,6 +66,7 @@ def test_every_entry_of_a_shipped_table_equals_the_reference(path, monkeypatch):
     num_experts, hidden, inter = int(num_experts), int(hidden), int(inter)
     table = {int(tokens): cfg for tokens, cfg in json.loads(path.read_text())["configs"].items()}
     monkeypatch.setenv("AFD_MOE_KERNEL", "triton")
+    monkeypatch.setenv("AFD_MOE_SMALL_TOKENS", "0")  # every entry through the aligned path it tunes
     torch.manual_seed(0)
     experts = Experts(num_experts, hidden, inter).cuda()
     experts.gate_up.data.normal_(0, 0.02)

@@ -5,9 +5,9 @@ Two implementations of one function, `experts(x, weights, ids, gate_up, down)`:
 sum, `moe_rows`, with block sizes from a table tuned per shape and device by `bench/moe_tune.py`) and
 `grouped` (`torch._grouped_mm` with a gather and a reordering pass). Both are capturable in CUDA graphs:
 every shape follows from the token count, never from the routing. `AFD_MOE_KERNEL` picks one
-(auto|triton|grouped); auto prefers Triton when it imports. Up to `AFD_MOE_SMALL_TOKENS` tokens (default 0:
-off) `triton` takes `moe_small` instead: a GEMV per (token, expert) pair and one per token summing its slots,
-two launches, the same result and rounding.
+(auto|triton|grouped); auto prefers Triton when it imports. Up to `AFD_MOE_SMALL_TOKENS` tokens (default 8)
+`triton` takes `moe_small` for 16-bit experts: a GEMV per (token, expert) pair and one per token summing its
+slots, two launches, the same roundings (K summed in another order); FP8 experts keep the aligned path.
 
 Shared experts of width n·I are folded in as n extra experts that every token visits
 with weight 1 (`fuse_shared_experts`), so one kernel pair does the whole MoE layer. A routed
@@ -132,7 +132,8 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     from afd.kernels import fp8_gemm, moe_align, moe_rows, moe_triton  # local import: Triton is optional: imported where it runs
 
     tokens, top_k = ids.shape
-    if 0 < tokens <= small_tokens():  # two GEMV launches, no alignment or slot sum (same result and rounding)
+    if 0 < tokens <= small_tokens() and gate_up_scale is None:  # two GEMV launches, no alignment or slot sum
+        # (the same roundings, K summed in another order); FP8 experts keep the aligned path (measured faster)
         from afd.kernels import moe_small  # local import: Triton is optional: imported where it runs
 
         return moe_small.experts_small(x, weights, ids, gate_up, down, num_shared, sum_dtype, gate_up_scale,
