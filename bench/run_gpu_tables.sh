@@ -1,0 +1,41 @@
+#!/bin/bash
+# The kernels' tuned tables for the card at hand, in one device call (a card without its own tables runs the untuned
+# defaults: session 45 found the H100 had none). Every table written so far goes to $OUT after each step, so a cut run
+# keeps what it had; commit them under runtime/afd/kernels/configs/, then check them on the card
+# (`pytest tests/runtime/test_moe_tuned_configs.py tests/runtime/test_skinny_gemm.py tests/gpu/test_gpu_path.py`).
+#   bash bench/run_gpu_tables.sh
+# Run it in a tree of one commit (`git archive HEAD`, unpacked under /tmp, .whl copied beside it). Steps, most wanted
+# first (TABLES picks some): skinny (the decode projections), bf16 (the MoE of both sample shapes), fp8 (DeepSeek-V3 and
+# Qwen3 FP8 experts); each step has its own time limit and deadline (DEADLINE scales them).
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+start=$SECONDS LOG=$OUT/log.txt
+scale=${DEADLINE:-1}  # all three steps take about 9 minutes at 1: split them with TABLES, or scale them down
+card=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))") || exit 1
+save() { cp runtime/afd/kernels/configs/*"$card".json $OUT/ 2>/dev/null; }
+step() {  # step SECONDS COMMAND...: the command's output into the log
+  local limit=$1; shift
+  echo "=== +$((SECONDS - start)) s: $*" | tee -a $LOG
+  OUT=/tmp/afd_tables timeout $limit "$@" 2>&1 | tee -a $LOG | tail -n 20
+  save
+}
+mkdir -p /tmp/afd_tables
+tables=" ${TABLES:-skinny bf16 fp8} "
+tokens=1,64,256,16,4,8,1024,4096,32,128,512,2048  # most wanted first: a deadline drops the last
+seconds() { python3 -c "print(int($1 * $scale))"; }
+if [[ $tables == *" skinny "* ]]; then
+  step $(seconds 75) python3 bench/skinny_tune.py --deadline $(seconds 40) --write
+fi
+if [[ $tables == *" bf16 "* ]]; then
+  for shape in qwen3-30b-a3b deepseek-v2-lite; do
+    step $(seconds 125) python3 bench/moe_tune.py --shape $shape --tokens $tokens --deadline $(seconds 55) --workers 15
+  done
+fi
+if [[ $tables == *" fp8 "* ]]; then
+  step $(seconds 130) python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 64,256,1024,4096 --layouts 16,64 \
+    --deadline $(seconds 60) --workers 15
+  step $(seconds 95) python3 bench/moe_tune.py --fp8 --shape qwen3-30b-a3b --tokens 64,256,1024,4096 \
+    --deadline $(seconds 40) --workers 15
+fi
+echo "=== done at +$((SECONDS - start)) s; tables in \$OUT: $(cd $OUT && ls *.json 2>/dev/null | tr '\n' ' ')" | tee -a $LOG
