@@ -14,9 +14,9 @@ copy rate (bytes read + written per second, as moe_layer.py's floor). `rel err`:
 `--variants T,..`: at those token counts each kernel's settings in `VARIANTS` (labels `moe_small.parse_label`
 reads: n16k256w4s3 = BLOCK_N 16, BLOCK_K 256, 4 warps, 3 stages) are timed with the other kernel at its default,
 then the fastest of each together: `best ms` and its labels (gate_up/down); a variant whose result strays from the
-aligned one (rel err) is never the best. At the end, `suggested SETTINGS`: per dtype and token count, each
-kernel's label with the least geometric mean over that dtype's shapes of its time / the shape's fastest — a
-line to paste into moe_small.py. `--deadline S` starts no shape or token count after S seconds (what is done is
+aligned one (rel err) is never the best. At the end, `suggested SETTINGS`: per dtype, each kernel's label with
+the least geometric mean over that dtype's swept shapes and token counts of its time / that row's fastest — one
+setting for every token count, a line to paste into moe_small.py. `--deadline S` starts no shape or token count after S seconds (what is done is
 printed and written). Without a CUDA GPU it says so and exits 1.
 """
 
@@ -123,37 +123,29 @@ def print_row(row: dict) -> None:
 
 
 def suggest(rows: list) -> dict:
-    """FP8 → tokens → kernel → the label with the least geometric mean, over that dtype's swept shapes, of its
-    time / the shape's fastest (of the labels timed at every such shape)."""
+    """FP8 → kernel → the label with the least geometric mean, over that dtype's swept shapes and token counts, of its
+    time / that row's fastest (of the labels timed in every such row): one setting for every token count, as
+    `moe_small.SETTINGS` keeps (a token's result then does not depend on how many tokens share its step)."""
     table: dict = {}
     for fp8 in (False, True):
-        for tokens in sorted({row["tokens"] for row in rows}):
-            swept = [row for row in rows if row["tokens"] == tokens and (row["shape"] in FP8_SHAPES) == fp8
-                     and "variants_ms" in row]
-            if not swept:
-                continue
-            pair = {}
-            for kernel in ("gate_up", "down"):
-                common = set.intersection(*(set(row["variants_ms"][kernel]) for row in swept))
-                score = {label: math.prod(row["variants_ms"][kernel][label] / min(row["variants_ms"][kernel].values())
-                                          for row in swept) for label in common}
-                score = {label: value for label, value in score.items() if math.isfinite(value)}
-                if score:  # else every label strayed somewhere: no suggestion
-                    pair[kernel] = min(sorted(score), key=score.get)
-            if len(pair) == 2:
-                table.setdefault(fp8, {})[tokens] = pair
+        swept = [row for row in rows if (row["shape"] in FP8_SHAPES) == fp8 and "variants_ms" in row]
+        if not swept:
+            continue
+        pair = {}
+        for kernel in ("gate_up", "down"):
+            common = set.intersection(*(set(row["variants_ms"][kernel]) for row in swept))
+            score = {label: math.prod(row["variants_ms"][kernel][label] / min(row["variants_ms"][kernel].values())
+                                      for row in swept) for label in common}
+            score = {label: value for label, value in score.items() if math.isfinite(value)}
+            if score:  # else every label strayed somewhere: no suggestion
+                pair[kernel] = min(sorted(score), key=score.get)
+        if len(pair) == 2:
+            table[fp8] = pair
     return table
 
 
 def print_suggestion(table: dict) -> None:
-    entries = []
-    for fp8, by_tokens in table.items():
-        kept, last = [], None
-        for tokens, pair in sorted(by_tokens.items()):
-            if pair != last:  # a token count whose settings equal the one below it needs no entry
-                kept.append(f'{tokens}: parse_settings("{pair["gate_up"]}", "{pair["down"]}")')
-            last = pair
-        entries.append(f"{fp8}: {{{', '.join(kept)}}}")
+    entries = [f'{fp8}: {{1: parse_settings("{pair["gate_up"]}", "{pair["down"]}")}}' for fp8, pair in table.items()]
     if entries:
         print("suggested SETTINGS = {" + ",\n            ".join(entries) + "}", flush=True)
 
