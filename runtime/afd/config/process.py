@@ -69,7 +69,7 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
     ProcessVariable("AFD_MOE_SMALL_TOKENS", "8", "Up to this many tokens (at most 16) the `triton` MoE of 16-bit "
                     "experts runs as two GEMV launches (`afd.kernels.moe_small`: no alignment, no separate slot sum; "
                     "the same roundings, K summed in another order); `0`: never. FP8 experts keep the aligned path. "
-                    "Default by measurement on an H100 (`bench/moe_small.py`, session 45): 0.74-0.90x the aligned "
+                    "Default by measurement on an H100 (`bench/moe_small.py`, session 45): 0.70-0.90x the aligned "
                     "path's time at 1-8 tokens at both sample shapes, the batch-1 step 0.86-0.88x; not measured on "
                     "an H200.", "afd.kernels.moe", parse=_small_tokens),
     ProcessVariable("AFD_FP8_GEMM", "auto", "FP8 block-scaled GEMM: `scaled_mm` (torch, Hopper), `triton` or `auto` "
