@@ -94,7 +94,7 @@ def measure(name: str, tokens: int, stacks: dict, copy_rate: float, generator: t
                 float((out - reference).norm() / reference.norm()))
 
     row["small_ms"], row["rel_err"] = run(None)
-    default = moe_small.settings_for(tokens, fp8)
+    default = moe_small.SETTINGS[fp8]
     best = {kernel: moe_small.label(cfg) for kernel, cfg in default.items()}
     row["best"] = {**best, "ms": row["small_ms"], "rel_err": row["rel_err"]}
     if sweep:
@@ -145,7 +145,7 @@ def suggest(rows: list) -> dict:
 
 
 def print_suggestion(table: dict) -> None:
-    entries = [f'{fp8}: {{1: parse_settings("{pair["gate_up"]}", "{pair["down"]}")}}' for fp8, pair in table.items()]
+    entries = [f'{fp8}: parse_settings("{pair["gate_up"]}", "{pair["down"]}")' for fp8, pair in table.items()]
     if entries:
         print("suggested SETTINGS = {" + ",\n            ".join(entries) + "}", flush=True)
 

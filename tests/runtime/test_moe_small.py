@@ -230,19 +230,12 @@ def test_bad_input_is_refused():
 
 
 @needs_triton
-def test_the_settings_table_gives_each_token_count_its_entry(monkeypatch):
-    """`SETTINGS[fp8]` keys each entry by the fewest tokens it serves: a token count takes the entry with the
-    largest key not above it; a label reads and writes back unchanged."""
+def test_the_shipped_settings_pass_their_checks_and_labels_round_trip():
+    """One setting per dtype serves every token count; a label reads and writes back unchanged."""
     from afd.kernels import moe_small
 
-    for fp8 in (False, True):  # the shipped entries pass their own checks, the first serving 1 token
-        assert min(moe_small.SETTINGS[fp8]) == 1
-        for cfg in moe_small.SETTINGS[fp8].values():
-            moe_small.check_settings(cfg, fp8)
-    entries = {tokens: moe_small.parse_settings(f"n{tokens}k128w4s3", "n4k128w4s4") for tokens in (1, 4, 8)}
-    monkeypatch.setitem(moe_small.SETTINGS, True, entries)
-    assert [moe_small.settings_for(tokens, True)["gate_up"]["BLOCK_N"] for tokens in range(1, 17)] == \
-        [1] * 3 + [4] * 4 + [8] * 9
+    for fp8 in (False, True):
+        moe_small.check_settings(moe_small.SETTINGS[fp8], fp8)
     assert moe_small.label(moe_small.parse_label("n16k256w8s6")) == "n16k256w8s6"
 
 
@@ -365,9 +358,8 @@ def test_the_kernels_compile_for_hopper_without_spilling(fp8, top_k, shared):
     H100/H200, and keep every value in registers (no stack: spills); 8 + 1 slots: down's widest tile (16 slots)."""
     from afd.kernels import moe_small
 
-    for tokens, cfg in moe_small.SETTINGS[fp8].items():
-        usage = hopper_usage(cfg, fp8, top_k, shared)
-        assert all(stack == 0 and 0 < regs <= 255 for regs, stack in usage.values()), (tokens, usage)
+    usage = hopper_usage(moe_small.SETTINGS[fp8], fp8, top_k, shared)
+    assert all(stack == 0 and 0 < regs <= 255 for regs, stack in usage.values()), usage
 
 
 SAMPLE_SHAPES = {  # (routed, shared, top_k, hidden, inter, fp8): bench/common.py's MOE_SHAPES; DeepSeek-V3 with 32
@@ -382,8 +374,10 @@ SAMPLE_SHAPES = {  # (routed, shared, top_k, hidden, inter, fp8): bench/common.p
 @pytest.mark.parametrize("tokens", [1, 2, 4, 8])
 @pytest.mark.parametrize("shape", sorted(SAMPLE_SHAPES))
 def test_both_paths_agree_at_the_sample_shapes_on_a_gpu(shape, tokens, monkeypatch):
-    """bf16 on the GPU, the tuned tables where they exist: the small path against the aligned one."""
+    """bf16 on the GPU, the tuned tables where they exist: the small path against the aligned one (FP8 too, which
+    `experts_triton` keeps on the aligned path: the small one called itself)."""
     from afd.kernels import moe
+    from afd.kernels.moe_small import experts_small
 
     routed, shared, top_k, hidden, inter, fp8 = SAMPLE_SHAPES[shape]
     generator = torch.Generator(device="cuda").manual_seed(tokens)
@@ -402,7 +396,6 @@ def test_both_paths_agree_at_the_sample_shapes_on_a_gpu(shape, tokens, monkeypat
     args = (x, weights.bfloat16(), ids, gate_up, down, shared, None, *scales)
     monkeypatch.setenv("AFD_MOE_SMALL_TOKENS", "0")
     reference = moe.experts_triton(*args)
-    monkeypatch.setenv("AFD_MOE_SMALL_TOKENS", "8")
-    out = moe.experts_triton(*args)
+    out = experts_small(*args)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
     assert relative_error(out, reference) < (1e-2 if fp8 else 2e-3)

@@ -60,20 +60,14 @@ def label(cfg: dict) -> str:
     return "n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}".format(**cfg)
 
 
-# FP8 → {fewest tokens → settings}: the T = 1 picks of `bench/moe_small.py --tokens 1,4,8 --variants 1,8` on an
+# FP8 → both kernels' settings: the T = 1 picks of `bench/moe_small.py --tokens 1,4,8 --variants 1,8` on an
 # H100 (session 45), one row for every token count, so that a token's result does not depend on how many tokens
 # share its step (the settings fix each column's summation order). gate_up runs one program per (pair, column
 # block); down one per (token, column block), each streaming all the token's slots at once, so its column block is
 # narrower still. FP8: BLOCK_K 128, BLOCK_N at most 128 (a gate_up block of 128 quantizes act in its epilogue);
 # the FP8 row is the best the sweep found, still 1.2-1.4x slower than the aligned path, which FP8 experts keep.
-SETTINGS = {False: {1: parse_settings("n16k256w4s3", "n8k128w4s3")},
-            True: {1: parse_settings("n128k128w8s3", "n4k128w4s1")}}
-
-
-def settings_for(tokens: int, fp8: bool) -> dict:
-    """The `SETTINGS` entry for this many tokens: the one of the most tokens not above it."""
-    table = SETTINGS[fp8]
-    return table[max((t for t in table if t <= tokens), default=min(table))]
+SETTINGS = {False: parse_settings("n16k256w4s3", "n8k128w4s3"),
+            True: parse_settings("n128k128w8s3", "n4k128w4s1")}
 
 
 @triton.jit
@@ -231,7 +225,7 @@ def experts_small(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtype
     if not 0 <= num_shared <= num_experts:
         raise ValueError(f"{num_shared} shared experts of {num_experts}")
     fp8 = check_fp8(gate_up, down, gate_up_scale, down_scale)
-    cfg = check_settings(settings or settings_for(tokens, fp8), fp8)
+    cfg = check_settings(settings or SETTINGS[fp8], fp8)
     out_dtype = sum_dtype or x.dtype
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=x.device)
     if not tokens:
