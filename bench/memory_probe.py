@@ -86,8 +86,13 @@ def main() -> None:
     parser.add_argument("--now-only", action="store_true", help="without the old loading order")
     args = parser.parse_args()
     require_cuda(__file__)
+    run(args.layers, before=not args.now_only)
+
+
+def run(layers: int, before: bool = True) -> None:
+    """The probe with the loaders' log lines shown; its states into $OUT/memory_probe.json."""
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    write_json("memory_probe", memory_probe(args.layers, before=not args.now_only))
+    write_json("memory_probe", memory_probe(layers, before))
 
 
 if __name__ == "__main__":

@@ -79,8 +79,8 @@ def model_traffic(model) -> ModelTraffic:
             seen.update(id(p) for p in module.parameters(recurse=False))
     embed = model.model.embed_tokens.weight
     seen.add(id(embed))
+    layer_dense_bytes = dense_bytes  # so far the shared experts and routers: all in the decoder layers
     in_layers = {id(p) for p in model.layers.parameters()}
-    layer_dense_bytes = 0
     for param in model.parameters():
         if id(param) not in seen:
             dense_bytes += param.numel() * param.element_size()
@@ -94,9 +94,6 @@ def model_traffic(model) -> ModelTraffic:
         attn, lay = layer.self_attn, layer.self_attn.kv_layout
         attn_flops += 2 * attn.heads * (lay.key_dim + lay.value_dim)  # q·k over key_dim, p·v over value_dim
     layers = tuple(ExpertLayer(b, p, k) for (b, p), k in zip(experts, top_ks or [0] * len(experts)))
-    # shared experts and routers sit in the layers too (counted into dense_bytes above)
-    layer_dense_bytes += dense_bytes - sum(p.numel() * p.element_size() for p in model.parameters()
-                                           if id(p) not in seen)
     return ModelTraffic(dense_bytes, dense_params, layers, embed.shape[1] * element, kv_per_token, attn_flops,
                         layer_dense_bytes)
 
@@ -123,7 +120,8 @@ def step_floor(traffic: ModelTraffic, batch: int, context: int, experts_hit: lis
     if len(experts_hit) != len(traffic.experts):
         raise ValueError(f"{len(experts_hit)} expert-hit counts for {len(traffic.experts)} MoE layers")
     keys = context + 1
-    moved = (traffic.dense_bytes + (micro_batches - 1) * traffic.layer_dense_bytes + batch * traffic.embed_row_bytes + batch * keys * traffic.kv_bytes_per_token
+    moved = (traffic.dense_bytes + (micro_batches - 1) * traffic.layer_dense_bytes + batch * traffic.embed_row_bytes
+             + batch * keys * traffic.kv_bytes_per_token
              + sum(hit * layer.expert_bytes for hit, layer in zip(experts_hit, traffic.experts)))
     flops = (2 * batch * traffic.dense_params + batch * keys * traffic.attention_flops_per_cached_token
              + sum(2 * batch * layer.top_k * layer.expert_params for layer in traffic.experts))
@@ -337,15 +335,12 @@ def main() -> None:
     parser.add_argument("--memory-probe", action="store_true", help="run bench/memory_probe.py instead")
     parser.add_argument("--probe-now-only", action="store_true", help="--memory-probe without the old loading order")
     args = parser.parse_args()
+    require_cuda(__file__)
     if args.memory_probe:
-        import sys
-
         import memory_probe
 
-        sys.argv = [sys.argv[0], "--layers", str(args.layers)] + (["--now-only"] if args.probe_now_only else [])
-        memory_probe.main()
+        memory_probe.run(args.layers, before=not args.probe_now_only)
         return
-    require_cuda(__file__)
     pdl_settings = parse_pdl(args.pdl)
     batches = sorted({int(b) for b in args.batches.split(",")})
     contexts = [int(c) for c in args.contexts.split(",")]
