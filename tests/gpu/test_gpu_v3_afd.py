@@ -30,31 +30,38 @@ def v3_checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def v3_monolith(v3_checkpoints):
-    """The monolith's tokens per weight format, computed once per module (its model freed after)."""
+    """The monolith's tokens per weight format (and batch-invariant mode or not), computed once per module (its
+    model freed after)."""
+    from afd.kernels import batch_invariant
     from tests.gpu.test_gpu_path import monolithic
 
     tokens = {}
 
-    def reference(weights: str) -> list:
+    def reference(weights: str, invariant: bool = False) -> list:
         if v3_checkpoints[weights] is None:
             pytest.skip(f"AFD_V3_FORMATS={','.join(FORMATS)}: no {weights} checkpoint written")
-        if weights not in tokens:
-            result, runner = monolithic(v3_checkpoints[weights], torch.bfloat16)
+        if (weights, invariant) not in tokens:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("AFD_BATCH_INVARIANT", "1" if invariant else "0")
+                result, runner = monolithic(v3_checkpoints[weights], torch.bfloat16)
+            batch_invariant.uninstall()  # the loader installed it for this process
             if weights == "fp8":  # the weights stayed FP8 on the GPU: experts and dense projections
                 experts = next(m for m in runner.model.modules() if type(m).__name__ == "Experts")
                 assert experts.gate_up.dtype == torch.float8_e4m3fn and experts.gate_up_scale is not None
                 assert any(type(m).__name__ == "Fp8Linear" for m in runner.model.modules())
-            tokens[weights] = result.tokens
+            tokens[weights, invariant] = result.tokens
             del runner
             torch.cuda.empty_cache()
-        return tokens[weights]
+        return tokens[weights, invariant]
 
     return reference
 
 
-def afd_v3(path, topology: str, stages: int, graphs: bool, gate: str = "ffn", shards: int = 1) -> list:
+def afd_v3(path, topology: str, stages: int, graphs: bool, gate: str = "ffn", shards: int = 1,
+           invariant: bool = False) -> list:
     """Greedy tokens of PROMPTS from real processes over NCCL: attention ranks on GPU 0, the FFN rank's `shards`
-    expert-parallel processes on GPU 1 (all on GPU 0 under AFD_GPU_SHARE_ONE: `tests.gpu.nccl_env`)."""
+    expert-parallel processes on GPU 1 (all on GPU 0 under AFD_GPU_SHARE_ONE: `tests.gpu.nccl_env`); every process
+    in batch-invariant mode if `invariant`."""
     from afd.config import AFDConfig, config_to_env
     from afd.local.children import LocalProcesses, free_port_block
     from afd.local.group_processes import local_zmq_config
@@ -68,15 +75,16 @@ def afd_v3(path, topology: str, stages: int, graphs: bool, gate: str = "ffn", sh
     )
     config = local_zmq_config(base).replace(connector="nccl")
     metrics_ports = free_port_block(shards)
+    mode = {"AFD_BATCH_INVARIANT": "1" if invariant else "0"}
     with LocalProcesses() as processes:
         ffn_names = []
         for shard in range(shards):
             name = f"ffn-0-shard-{shard}" if shards > 1 else "ffn-0"
             role = config.replace(role="ffn", **({"ffn_shard": shard, "metrics_port": metrics_ports + shard}
                                                  if shards > 1 else {}))
-            processes.start(name, ["serve"], {**config_to_env(role), **gpu_env(name, 1)})
+            processes.start(name, ["serve"], {**config_to_env(role), **gpu_env(name, 1), **mode})
             ffn_names.append(name)
-        return attention_tokens(processes, config, ffn_names, GPU_TOKENS)
+        return attention_tokens(processes, config, ffn_names, GPU_TOKENS, lambda name: {**gpu_env(name, 0), **mode})
 
 
 @nccl_pairs
@@ -97,3 +105,13 @@ def test_v3_shaped_monolith_equals_afd_with_graphs(weights, topology, stages, ga
     attention side."""
     reference = v3_monolith(weights)
     assert afd_v3(v3_checkpoints[weights], topology, stages, True, gate, shards) == reference
+
+
+@nccl_pairs
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_v3_shaped_2a1f_equals_the_monolith_in_batch_invariant_mode(weights, v3_checkpoints, v3_monolith):
+    """2A1F at two stages with CUDA graphs, every process with AFD_BATCH_INVARIANT=1: each attention rank runs
+    its own block of the prompts (fewer rows a step than the monolith's), and a token's projections no longer
+    round by the row count (`afd.kernels.batch_invariant`)."""
+    reference = v3_monolith(weights, invariant=True)
+    assert afd_v3(v3_checkpoints[weights], "2A1F", 2, True, invariant=True) == reference

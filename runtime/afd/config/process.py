@@ -80,6 +80,11 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
                     "the device; `afd.kernels.pdl`). Off by measurement: 0.92-0.94x on the attention-only step at "
                     "batch 1, 1.07x slower on the monolith's (bench/step_floor.py --pdl off,on, session 44).",
                     "afd.kernels.pdl", parse=parse_bool),
+    ProcessVariable("AFD_BATCH_INVARIANT", "false", "`true`: on CUDA a token's result no longer depends on what "
+                    "shares its step (`afd.kernels.batch_invariant`: every dense GEMM one fixed-tiling Triton kernel "
+                    "instead of cuBLAS's per-row-count choice, one MoE setting for every token count, fixed decode "
+                    "key slices). For determinism and parity across topologies (bf16 2A1F = monolith); slower.",
+                    "afd.kernels.batch_invariant", parse=parse_bool),
     ProcessVariable("AFD_FUSED_GLUE", "true", "`false`: the torch path instead of the fused RMSNorm/RoPE glue kernels "
                     "on CUDA.", "afd.kernels.norm_rope", parse=parse_bool),
     ProcessVariable("AFD_NCCL_LIBRARY", "", "Path of the libnccl to load first (else the one torch loaded, then "

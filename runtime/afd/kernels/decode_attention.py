@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.kernels import batch_invariant
 from afd.kernels.pdl import gdc_enter, launch_options
 
 
@@ -126,6 +127,14 @@ def plan_splits(programs: int, multiprocessors: int, max_splits: int = MAX_SPLIT
     return max(1, min(max_splits, -(-multiprocessors // programs)))
 
 
+def default_splits(programs: int, device: torch.device) -> int:
+    """`plan_splits` on `device`; in batch-invariant mode one slice whatever the batch (a sequence's keys summed in
+    one order: `afd.kernels.batch_invariant`)."""
+    if batch_invariant.enabled():
+        return batch_invariant.DECODE_SPLITS
+    return plan_splits(programs, _multiprocessors(device))
+
+
 def _partials(batch: int, heads: int, splits: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Workspaces of the slices: unnormalised outputs [B, H, S, width] and (max, denominator) [B, H, S, 2]."""
     if not 1 <= splits <= MAX_SPLITS:
@@ -167,7 +176,7 @@ def paged_decode_attention(
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key heads evenly")
     group = heads // kv_heads
-    splits = splits or plan_splits(batch * kv_heads, _multiprocessors(q.device))
+    splits = splits or default_splits(batch * kv_heads, q.device)
     block_dv = max(16, triton.next_power_of_2(dv))
     out = torch.empty(batch, heads, dv, dtype=q.dtype, device=q.device)
     part, stat = _partials(batch, heads, splits, block_dv, q.device)
@@ -256,7 +265,7 @@ def paged_latent_decode_attention(
     out = torch.empty(batch, heads, latent_dim, dtype=q.dtype, device=q.device)
     block_h = 16  # tl.dot needs 16 rows; fewer heads are masked
     head_blocks = triton.cdiv(heads, block_h)
-    splits = splits or plan_splits(batch * head_blocks, _multiprocessors(q.device))
+    splits = splits or default_splits(batch * head_blocks, q.device)
     block_l = max(16, triton.next_power_of_2(latent_dim))
     part, stat = _partials(batch, heads, splits, block_l, q.device)
     _latent_decode_kernel[(batch, head_blocks, splits)](

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from afd.config import process_setting
+from afd.kernels import batch_invariant
 from afd.kernels.pdl import gdc_enter, launch_options
 
 GROUP = 128  # columns per activation scale, and the weight block's side
@@ -144,7 +145,7 @@ def fp8_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tens
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=out_dtype, device=x_q.device)
     if rows:
-        cfg = gemm_settings(rows)
+        cfg = gemm_settings(batch_invariant.FP8_ROWS if batch_invariant.enabled() else rows)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(rows, cfg["BLOCK_M"]))
         _gemm_kernel[grid](x_q, x_scale, weight, scale_inv, bias if bias is not None else out, out, rows, n, k,
                            x_scale.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP,
@@ -185,6 +186,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     x2 = x.reshape(-1, k)
     choice = gemm_choice()
     use_scaled_mm = choice == "scaled_mm" or (choice == "auto" and scaled_mm_fits(x2, weight))
+    use_scaled_mm = use_scaled_mm and not batch_invariant.enabled()  # cuBLASLt's kernel choice sees the rows
     if use_scaled_mm:  # cuBLASLt refuses row counts that are not a multiple of 4 (seen with 1 and 7 on an H200)
         x_q, x_scale = per_token_group_quant(x2, column_major_scales=True, pad_rows_to=SCALED_MM_ROWS)
         out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=scale_inv.t(), out_dtype=x.dtype)

@@ -129,10 +129,11 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     with their block scales (`gate_up_scale`, `down_scale`). Each routed pair's weighted row is kept in x's
     dtype before the sum, each shared expert's in float32 (see the module's docstring); `ids` may have no
     column (k = 0: the shared experts only)."""
-    from afd.kernels import fp8_gemm, moe_align, moe_rows, moe_triton  # local import: Triton is optional: imported where it runs
+    from afd.kernels import batch_invariant, fp8_gemm, moe_align, moe_rows, moe_triton  # local import: Triton is optional: imported where it runs
 
     tokens, top_k = ids.shape
-    if 0 < tokens <= small_tokens() and gate_up_scale is None:  # two GEMV launches, no alignment or slot sum
+    invariant = batch_invariant.enabled()  # one setting and one path for every token count
+    if 0 < tokens <= small_tokens() and gate_up_scale is None and not invariant:  # two GEMV launches, no alignment or slot sum
         # (the same roundings, K summed in another order); FP8 experts keep the aligned path (measured faster)
         from afd.kernels import moe_small  # local import: Triton is optional: imported where it runs
 
@@ -142,7 +143,8 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
     slots = top_k + num_shared
     num_pairs = tokens * slots
     fp8 = check_fp8(gate_up, down, gate_up_scale, down_scale)
-    cfg = pick_config(device_table(x.device, num_experts, hidden, inter, fp8), tokens)
+    cfg = pick_config(device_table(x.device, num_experts, hidden, inter, fp8),
+                      batch_invariant.MOE_TOKENS if invariant else tokens)
     block_m = cfg["BLOCK_M"]
     layout = moe_align.align(ids, num_shared, num_experts, block_m)
     rows = layout.pairs.shape[0]

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from afd.kernels import batch_invariant
 from afd.kernels.pdl import gdc_enter, launch_options
 
 MAX_ROWS = 16
@@ -218,8 +219,8 @@ def choice(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     kind = _out_kind(x, out_dtype)
     if (x.device.type not in KERNEL_DEVICES or x.dim() != 2 or weight.dim() != 2 or weight.device != x.device
             or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
-            or x.shape[1] != weight.shape[1] or not 1 <= x.shape[0] <= MAX_ROWS):
-        return None
+            or x.shape[1] != weight.shape[1] or not 1 <= x.shape[0] <= MAX_ROWS or batch_invariant.enabled()):
+        return None  # batch-invariant mode: the table's settings differ by row count
     return _choice(_device_name(x.device), weight.shape[0], weight.shape[1], x.shape[0], kind)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afd.config.process import process_setting
 from afd.models import deepseek_v2, deepseek_v3, qwen3_moe
 from afd.models.base import MoECausalLM
 from afd.models.checkpoint import Checkpoint
@@ -95,9 +96,15 @@ def build_share(config: dict, role: str, gate_on_attention: bool, dtype: torch.d
 
 
 def finish_share(model: MoECausalLM, dtype: torch.dtype, device: str | torch.device) -> None:
-    """Once the weights are set: inference mode, and on a GPU in bf16/fp16 one kernel pair per MoE layer
-    (and in bf16 float32 routers on tensor cores)."""
+    """Once the weights are set: inference mode; on a GPU the batch-invariant GEMMs if AFD_BATCH_INVARIANT asks,
+    and in bf16/fp16 one kernel pair per MoE layer (and in bf16 float32 routers on tensor cores)."""
     model.eval().requires_grad_(False)
+    if torch.device(device).type == "cuda" and process_setting("AFD_BATCH_INVARIANT"):
+        from afd.kernels import batch_invariant  # local import: Triton, only where its kernel runs
+
+        if batch_invariant.install():
+            log.info("batch-invariant mode: aten's dense products run one fixed-tiling Triton kernel "
+                     "(AFD_BATCH_INVARIANT)")
     if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         for module in model.modules():
             if isinstance(module, MoE):
