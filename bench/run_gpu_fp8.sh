@@ -9,10 +9,7 @@
 # beside them), then the DeepSeek-V3-shaped monolith = AFD-over-NCCL tests (one GPU shared; V3_TESTS). Each step
 # has its own time limit.
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-PYTHONPATH=/tmp/site:$PWD/runtime python3 -c "import afd.engine.engine, afd.server.serve.attention, afd.server.api.app" || { echo "a package the runtime imports is missing: carry its wheel in .whl/ (README, GPU path)"; exit 1; }
+source bench/gpu_env.sh || exit 1
 start=$SECONDS LOG=$OUT/log.txt JSON=/tmp/afd_json
 mkdir -p $JSON
 save() { tar czf $OUT/json.tgz -C $JSON . 2>/dev/null; cp runtime/afd/kernels/configs/*fp8*.json $OUT/ 2>/dev/null; }

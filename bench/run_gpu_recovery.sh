@@ -4,9 +4,7 @@
 # starlette, uvicorn, opentelemetry-api in .whl/ (carried); see the README's "GPU path" section.
 # PYTEST_K: a -k expression (spaces allowed); AFD_RECOVERY_STREAM_TOKENS: tokens per stream (3000).
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-PYTHONPATH=/tmp/site:$PWD/runtime python3 -c "import afd.engine.engine, afd.server.serve.attention, afd.server.api.app" || { echo "a package the runtime imports is missing: carry its wheel in .whl/ (README, GPU path)"; exit 1; }
+source bench/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch; from afd.connector.transports.nccl import lib as nccl_lib; print('torch', torch.__version__, 'nccl', nccl_lib.version(), 'gpus', torch.cuda.device_count())"
 AFD_GPU_RESULTS=$OUT/recovery.jsonl AFD_GPU_LOGS=$OUT/children.log NCCL_DEBUG=WARN timeout ${RECOVERY_S:-400} \

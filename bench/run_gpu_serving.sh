@@ -9,10 +9,8 @@
 # Needs in .whl/ (carried): the wheels the README's "GPU path" section lists, and py-spy for PHASE=profile.
 # Tables go to stdout, JSON and logs under $OUT.
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source bench/gpu_env.sh || exit 1
 export AFD_CONNECTOR=nccl PATH=/tmp/site/bin:$PATH
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-PYTHONPATH=/tmp/site:$PWD/runtime python3 -c "import afd.engine.engine, afd.server.serve.attention, afd.server.api.app" || { echo "a package the runtime imports is missing: carry its wheel in .whl/ (README, GPU path)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 CK="--checkpoint-dir /tmp/ck --layers ${LAYERS:-27}"
 MODES=${MODES:-afd}  # monolithic needs one GPU, afd two

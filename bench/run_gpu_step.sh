@@ -11,10 +11,8 @@
 #   serve0  serve_gpu monolithic at 1,16,64,256 streams, 64 again with penalties, 64 with arriving prompts; pacer off
 #   serve2  the same bursts (16,64,256) and arriving prompts with AFD_PREFILL_ITL_RATIO=2
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export NVSHMEM_DISABLE_NVLS=1 AFD_GPU_SHARE_ONE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-PYTHONPATH=/tmp/site:$PWD/runtime python3 -c "import afd.engine.engine, afd.server.serve.attention, afd.server.api.app" || { echo "a package the runtime imports is missing: carry its wheel in .whl/ (README, GPU path)"; exit 1; }
+source bench/gpu_env.sh || exit 1
+export AFD_GPU_SHARE_ONE=1
 start=$SECONDS LOG=$OUT/log.txt JSON=/tmp/afd_json
 mkdir -p $JSON
 save() { tar czf $OUT/json.tgz -C $JSON . 2>/dev/null; }

@@ -8,8 +8,7 @@
 # first (TABLES picks some): skinny (the decode projections), bf16 (the MoE of both sample shapes), fp8 (DeepSeek-V3 and
 # Qwen3 FP8 experts); each step has its own time limit and deadline (DEADLINE scales them).
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+SERVING_IMPORTS=0 source bench/gpu_env.sh || exit 1
 start=$SECONDS LOG=$OUT/log.txt
 scale=${DEADLINE:-1}  # all three steps take about 9 minutes at 1: split them with TABLES, or scale them down
 card=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))") || exit 1

@@ -16,10 +16,8 @@
 #            DeepSeek-V3 FP8, against the byte floor (AFD_MOE_SMALL_TOKENS: 8 by default, 16-bit experts only,
 #            set on an H100 in session 45). Its settings sweep: bench/moe_small.py --variants 1,2,4,8
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export NVSHMEM_DISABLE_NVLS=1 AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-PYTHONPATH=/tmp/site:$PWD/runtime python3 -c "import afd.engine.engine, afd.server.serve.attention, afd.server.api.app" || { echo "a package the runtime imports is missing: carry its wheel in .whl/ (README, GPU path)"; exit 1; }
+source bench/gpu_env.sh || exit 1
+export AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN
 group() {  # group NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   [[ " ${VERIFY_GROUPS:-kernels afd v3 moe_fp8 skinny moe_small} " == *" $name "* ]] || return 0
