@@ -195,6 +195,8 @@ def compile_jobs(shape_and_jobs: tuple) -> tuple[list, list]:
     """Worker: run each (kernel, layout block_m, cfg, tokens) once so Triton compiles and caches it; returns the
     failures and each compiled variant's (kernel, cfg, registers per thread, spilled registers)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from afd.kernels import moe_launch  # local import: a spawned worker finds the runtime only after the line above
+
     shape_name, fp8, jobs = shape_and_jobs
     shape = MOE_SHAPES[shape_name]
     gate_up, down, scales = random_experts(shape, fp8, COMPILE_ROUTED if fp8 else None)
@@ -202,13 +204,18 @@ def compile_jobs(shape_and_jobs: tuple) -> tuple[list, list]:
     for kernel, block_m, cfg, tokens in jobs:
         problem = problems.setdefault(tokens, Problem(gate_up, down, shape["shared"], shape["top_k"], tokens,
                                                       scales=scales))
+        lowered = moe_launch.lowered_entries()
         try:
             binary = problem.launcher(kernel, block_m, cfg)()
             torch.cuda.synchronize()
         except Exception as err:  # out of shared memory or registers: not a candidate
             failed.append((kernel, cfg, type(err).__name__))
         else:
-            compiled.append((kernel, cfg, getattr(binary, "n_regs", None), getattr(binary, "n_spills", None)))
+            if moe_launch.lowered_entries() > lowered:  # ran at fewer stages than asked (shared memory): another
+                # candidate's variant, and its re-lowering inside a graph capture broke the capture (session 46)
+                failed.append((kernel, cfg, "OutOfResources: stages lowered"))
+            else:
+                compiled.append((kernel, cfg, getattr(binary, "n_regs", None), getattr(binary, "n_spills", None)))
     return failed, compiled
 
 

@@ -126,6 +126,12 @@ def launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, 
             _FITTING_STAGES[key] = stages
 
 
+def lowered_entries() -> int:
+    """How many (kernel, entry, constants) have run with fewer pipeline stages than asked so far (`launch`): a tuner
+    drops a candidate whose first launch added one (it would time another candidate's depth under its name)."""
+    return len(_FITTING_STAGES)
+
+
 def _stages_key(kernel, cfg: dict, constants: dict) -> tuple:
     """What `_FITTING_STAGES` remembers a lowered pipeline depth by: the kernel, its table entry, its constants."""
     return getattr(kernel, "__name__", repr(kernel)), tuple(sorted(cfg.items())), tuple(sorted(constants.items()))
