@@ -1,16 +1,18 @@
 #!/bin/bash
 # The kernels' tuned tables for the card at hand, in one device call (a card without its own tables runs the untuned
-# defaults: session 45 found the H100 had none). Every table written so far goes to $OUT after each step, so a cut run
+# defaults: session 45 found the H100 had none; session 46 tuned its skinny table and DeepSeek-V2-Lite's bf16 one). Every table written so far goes to $OUT after each step, so a cut run
 # keeps what it had; commit them under runtime/afd/kernels/configs/, then check them on the card
 # (`pytest tests/runtime/test_moe_tuned_configs.py tests/runtime/test_skinny_gemm.py tests/gpu/test_gpu_path.py`).
 #   bash bench/run_gpu_tables.sh
 # Run it in a tree of one commit (`git archive HEAD`, unpacked under /tmp, .whl copied beside it). Steps, most wanted
 # first (TABLES picks some): skinny (the decode projections), bf16 (the MoE of both sample shapes), fp8 (DeepSeek-V3 and
-# Qwen3 FP8 experts); each step has its own time limit and deadline (DEADLINE scales them).
+# Qwen3 FP8 experts; BF16_SHAPES picks the bf16 shapes); each step has its own time limit and deadline (DEADLINE
+# scales them). A bf16 shape takes up to ~110 s to compile its candidates on a cold Triton cache before its deadline's
+# clock starts, then ~10-20 s a token count (H100, session 46): one device call each for skinny, bf16 and fp8.
 set -u
 SERVING_IMPORTS=0 source bench/gpu_env.sh || exit 1
 start=$SECONDS LOG=$OUT/log.txt
-scale=${DEADLINE:-1}  # all three steps take about 9 minutes at 1: split them with TABLES, or scale them down
+scale=${DEADLINE:-1}  # all three steps take about 15 minutes at 1: split them with TABLES
 card=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))") || exit 1
 save() { cp runtime/afd/kernels/configs/*"$card".json $OUT/ 2>/dev/null; }
 step() {  # step SECONDS COMMAND...: the command's output into the log
@@ -27,8 +29,8 @@ if [[ $tables == *" skinny "* ]]; then
   step $(seconds 75) python3 bench/skinny_tune.py --deadline $(seconds 40) --write
 fi
 if [[ $tables == *" bf16 "* ]]; then
-  for shape in qwen3-30b-a3b deepseek-v2-lite; do
-    step $(seconds 125) python3 bench/moe_tune.py --shape $shape --tokens $tokens --deadline $(seconds 55) --workers 15
+  for shape in ${BF16_SHAPES:-qwen3-30b-a3b deepseek-v2-lite}; do
+    step $(seconds 280) python3 bench/moe_tune.py --shape $shape --tokens $tokens --deadline $(seconds 140) --workers 15
   done
 fi
 if [[ $tables == *" fp8 "* ]]; then
