@@ -130,7 +130,10 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
     if beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == b.shape[1] and _fits(a, b, bias):
         return matmul(a, b, bias=bias.contiguous())  # nn.Linear's bias: added before the one rounding, as cuBLAS does
     product = _mm(a, b)
-    return (product if alpha == 1 else product * alpha) + (bias if beta == 1 else bias * beta)
+    product = product if alpha == 1 else product * alpha
+    if beta == 0:  # torch ignores self then (NaN and inf in it included)
+        return product
+    return product + (bias if beta == 1 else bias * beta)
 
 
 def _addmm_out(bias, a, b, *, beta=1, alpha=1, out):
