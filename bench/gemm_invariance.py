@@ -3,10 +3,9 @@
     python3 bench/gemm_invariance.py [--rows 1,2,4,8,16,32,64,128,192] [--full 256] [--time-rows 1,8,64,256]
 
 AFD over NCCL equals the monolith only where each row's product does not depend on how many rows share the GEMM:
-an attention rank of a 2A1F deployment multiplies its own prompts' and decodes' rows, the monolith all of them. On
-one H200 (session 44) rows at M = 2, 4 and 8 equal M = 1 bit for bit at every decode projection; the bf16
-V3-shaped 2A1F test still differs (session 42), FP8 (Triton GEMMs with a K order fixed by the 128-wide scale
-blocks) does not. Here, per projection of a DeepSeek-V3 layer, x[:M] @ Wᵀ against the first M rows of a
+an attention rank of a 2A1F deployment multiplies its own prompts' and decodes' rows, the monolith all of them.
+cuBLAS rounds rows of 1-128 apart from rows of 256 at several projections (an H100, session 45), and the bf16
+V3-shaped 2A1F test parts from the monolith in default mode and equals it in batch-invariant mode (session 46). Here, per projection of a DeepSeek-V3 layer, x[:M] @ Wᵀ against the first M rows of a
 `--full`-row product, for each M of `--rows` (prompt steps are padded to token buckets of 16..2048): "=" where
 equal, else the largest difference; for torch's GEMM (cuBLAS) and for batch-invariant mode's one-tiling kernel
 (`afd.kernels.batch_invariant`, AFD_BATCH_INVARIANT=1), then both kernels' median times at each M of
