@@ -2,14 +2,15 @@
 
     python3 bench/gemm_invariance.py [--rows 1,2,4,8,16,32,64,128,192] [--full 256] [--time-rows 1,8,64,256]
 
-AFD over NCCL equals the monolith only where each row's product does not depend on how many rows share the GEMM:
-an attention rank of a 2A1F deployment multiplies its own prompts' and decodes' rows, the monolith all of them.
-cuBLAS rounds rows of 1-128 apart from rows of 256 at several projections (an H100, session 45), and the bf16
-V3-shaped 2A1F test parts from the monolith in default mode and equals it in batch-invariant mode (session 46). Here, per projection of a DeepSeek-V3 layer, x[:M] @ Wᵀ against the first M rows of a
-`--full`-row product, for each M of `--rows` (prompt steps are padded to token buckets of 16..2048): "=" where
-equal, else the largest difference; for torch's GEMM (cuBLAS) and for batch-invariant mode's one-tiling kernel
-(`afd.kernels.batch_invariant`, AFD_BATCH_INVARIANT=1), then both kernels' median times at each M of
-`--time-rows` (the mode's cost). Writes $OUT/gemm_invariance.json.
+AFD over NCCL equals the monolith only where each row's product does not depend on how many rows share the GEMM: an
+attention rank of a 2A1F deployment multiplies its own prompts' and decodes' rows, the monolith all of them. cuBLAS
+rounds rows of 1-128 apart from rows of 256 at several projections (an H100, session 45), and the bf16 V3-shaped
+2A1F test parts from the monolith in default mode and equals it in batch-invariant mode (session 46). Here, per
+projection of a DeepSeek-V3 layer, x[:M] @ Wᵀ against the first M rows of a `--full`-row product, for each M of
+`--rows` (prompt steps are padded to token buckets of 16..2048): "=" where equal, else the largest difference; for
+torch's GEMM (cuBLAS) and for batch-invariant mode's one-tiling kernel (`afd.kernels.batch_invariant`,
+AFD_BATCH_INVARIANT=1), then both kernels' median times at each M of `--time-rows` (the mode's cost). Writes
+$OUT/gemm_invariance.json.
 """
 
 from __future__ import annotations

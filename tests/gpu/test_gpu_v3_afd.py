@@ -1,9 +1,9 @@
 """A reduced DeepSeek-V3-shaped model (the real MoE shapes: 256 routed + 1 shared experts at hidden 7168, width
 2048, top-8 by noaux_tc; two layers) in bf16 and in FP8: the monolith's 32 greedy tokens equal AFD's over NCCL —
 1A1F at stage 1 without graphs, and then 2A1F at two stages with CUDA graphs and an FFN rank of two expert-parallel
-shards with the gate on the attention side; bf16 2A1F in batch-invariant mode (AFD_BATCH_INVARIANT=1). Needs CUDA and NCCL pairs (two GPUs, or AFD_GPU_SHARE_ONE=1 on one,
-where every rank and shard shares GPU 0); about 35 GB of checkpoints under /tmp (AFD_V3_FORMATS=fp8: 13 GB, the
-bf16 cases skip)."""
+shards with the gate on the attention side; bf16 2A1F in batch-invariant mode (AFD_BATCH_INVARIANT=1). Needs CUDA
+and NCCL pairs (two GPUs, or AFD_GPU_SHARE_ONE=1 on one, where every rank and shard shares GPU 0); about 35 GB of
+checkpoints under /tmp (AFD_V3_FORMATS=fp8: 13 GB, the bf16 cases skip)."""
 
 import os
 

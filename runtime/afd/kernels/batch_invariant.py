@@ -74,11 +74,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, ou
     """a [M, K] @ b [K, N] (or batched: [B, M, K] @ [B, K, N]) by the one-tiling kernel, into `out` (any strides)
     or a new tensor of `out_dtype` (default a's); `bias` [N] added in float32 before the rounding."""
     batched = a.dim() == 3
-    if a.dim() != b.dim() or a.dim() not in (2, 3) or a.shape[-1] != b.shape[-2] or (batched and a.shape[0] != b.shape[0]):
-        raise RuntimeError(f"batch-invariant matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
+    if a.dim() != b.dim() or a.dim() not in (2, 3) or a.shape[-1] != b.shape[-2] or \
+            (batched and a.shape[0] != b.shape[0]):
+        raise RuntimeError(f"batch-invariant matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be "
+                           "multiplied")
     if a.dtype != b.dtype or a.dtype not in DTYPES:
-        raise RuntimeError(f"batch-invariant matmul takes two {'/'.join(str(d) for d in DTYPES)} operands of one dtype, "
-                           f"got {a.dtype} and {b.dtype}")
+        raise RuntimeError(f"batch-invariant matmul takes two {'/'.join(str(d) for d in DTYPES)} operands of one "
+                           f"dtype, got {a.dtype} and {b.dtype}")
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     shape = (a.shape[0], m, n) if batched else (m, n)
     if out is None:
