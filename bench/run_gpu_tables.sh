@@ -1,8 +1,8 @@
 #!/bin/bash
-# The kernels' tuned tables for the card at hand, in one device call (a card without its own tables runs the untuned
-# defaults: session 45 found the H100 had none; session 46 tuned its skinny table and DeepSeek-V2-Lite's bf16 one). Every table written so far goes to $OUT after each step, so a cut run
-# keeps what it had; commit them under runtime/afd/kernels/configs/, then check them on the card
-# (`pytest tests/runtime/test_moe_tuned_configs.py tests/runtime/test_skinny_gemm.py tests/gpu/test_gpu_path.py`).
+# The kernels' tuned tables for the card at hand (a card without its own tables runs the untuned defaults: session 45
+# found the H100 had none; session 46 tuned its skinny table and DeepSeek-V2-Lite's bf16 one). Every table written so
+# far goes to $OUT after each step, so a cut run keeps what it had; commit them under runtime/afd/kernels/configs/,
+# then check them on the card (`pytest tests/runtime/test_moe_tuned_configs.py tests/runtime/test_skinny_gemm.py tests/gpu/test_gpu_path.py`).
 #   bash bench/run_gpu_tables.sh
 # Run it in a tree of one commit (`git archive HEAD`, unpacked under /tmp, .whl copied beside it). Steps, most wanted
 # first (TABLES picks some): skinny (the decode projections), bf16 (the MoE of both sample shapes), fp8 (DeepSeek-V3 and

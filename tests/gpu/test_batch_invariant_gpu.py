@@ -21,17 +21,9 @@ def invariant(monkeypatch):
 
 
 def generate(path, prompts: list, graphs: bool):
-    from afd.generation import greedy_generate
-    from afd.kv_cache import KVCache
-    from afd.models.loader import load_model
-    from afd.runners.monolithic import MonolithicRunner
+    from tests.gpu.test_gpu_path import monolithic
 
-    loaded = load_model(str(path), dtype=torch.bfloat16, device="cuda")
-    kv_cache = KVCache(loaded.model.kv_layouts(), 64, torch.bfloat16, "cuda", block_size=16)
-    runner = MonolithicRunner(loaded, kv_cache)
-    if graphs:
-        runner.capture_graphs(8)
-    return greedy_generate(runner, kv_cache, prompts, 16, ignore_eos=True, device="cuda")
+    return monolithic(path, torch.bfloat16, graphs, prompts=prompts, max_tokens=16)[0]
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])

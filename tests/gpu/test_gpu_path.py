@@ -127,7 +127,7 @@ def test_latent_decode_kernel_equals_the_reference(dtype):
     assert float((got.float().cpu() - want).norm() / want.norm()) < tolerance
 
 
-def monolithic(path, dtype, graphs=False, mixed_tokens=0):
+def monolithic(path, dtype, graphs=False, mixed_tokens=0, prompts=PROMPTS, max_tokens=GPU_TOKENS):
     from afd.generation import greedy_generate
     from afd.kv_cache import KVCache
     from afd.models.loader import load_model
@@ -138,7 +138,7 @@ def monolithic(path, dtype, graphs=False, mixed_tokens=0):
     runner = MonolithicRunner(loaded, kv_cache)
     if graphs:
         runner.capture_graphs(8, mixed_tokens)
-    return greedy_generate(runner, kv_cache, PROMPTS, GPU_TOKENS, ignore_eos=True, device="cuda"), runner
+    return greedy_generate(runner, kv_cache, prompts, max_tokens, ignore_eos=True, device="cuda"), runner
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2", "qwen3_moe"])

@@ -133,8 +133,9 @@ def experts_triton(x, weights, ids, gate_up, down, num_shared: int = 0, sum_dtyp
 
     tokens, top_k = ids.shape
     invariant = batch_invariant.enabled()  # one setting and one path for every token count
-    if 0 < tokens <= small_tokens() and gate_up_scale is None and not invariant:  # two GEMV launches, no alignment or slot sum
-        # (the same roundings, K summed in another order); FP8 experts keep the aligned path (measured faster)
+    if 0 < tokens <= small_tokens() and gate_up_scale is None and not invariant:
+        # two GEMV launches, no alignment or slot sum (the same roundings, K summed in another order); FP8 experts
+        # keep the aligned path (measured faster)
         from afd.kernels import moe_small  # local import: Triton is optional: imported where it runs
 
         return moe_small.experts_small(x, weights, ids, gate_up, down, num_shared, sum_dtype, gate_up_scale,

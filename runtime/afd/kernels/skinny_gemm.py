@@ -220,7 +220,7 @@ def choice(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     if (x.device.type not in KERNEL_DEVICES or x.dim() != 2 or weight.dim() != 2 or weight.device != x.device
             or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
             or x.shape[1] != weight.shape[1] or not 1 <= x.shape[0] <= MAX_ROWS or batch_invariant.enabled()):
-        return None  # batch-invariant mode: the table's settings differ by row count
+        return None  # (batch-invariant mode too: the table's settings differ by row count; torch's GEMM then)
     return _choice(_device_name(x.device), weight.shape[0], weight.shape[1], x.shape[0], kind)
 
 
