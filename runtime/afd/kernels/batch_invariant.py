@@ -125,6 +125,8 @@ def _mm_dtype(a, b, out_dtype):
 
 
 def _mm_dtype_out(a, b, out_dtype, *, out):
+    if out.dtype != out_dtype:
+        raise RuntimeError(f"batch-invariant matmul: out is {out.dtype}, out_dtype {out_dtype}")
     return matmul(a, b, out=out)
 
 
