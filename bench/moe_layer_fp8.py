@@ -2,6 +2,7 @@
 
     python3 bench/moe_layer_fp8.py --shape deepseek-v3     # writes $OUT/moe_layer_fp8-SHAPE.json, prints a table
     python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens 64,1024,4096
+    python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens 1024,4096 --gluon --no-bf16   # + the Gluon kernels
 
 The layer is the router, the routing (DeepSeek-V3: noaux_tc in the Triton kernel; Qwen3: greedy softmax) and
 the routed + shared experts (shared folded in as experts) in FP8: e4m3 weights with 128×128 block scales,
@@ -10,6 +11,10 @@ bf16, quantized by `afd.kernels.fp8_blocks.quantize_block_fp8`; the bf16 layer m
 `experts ms` is the experts alone on a fixed routing (both layers get the same one, so `rel err` — the FP8
 output against the bf16 one, by norm — is the experts' arithmetic only). Floor = max(FP8 bytes of the touched
 experts and their scales / the measured copy rate, matmul FLOPs / the measured FP8 rate (cuBLAS, 8192³)).
+
+With `--gluon` each token count also runs the layer with the table entry's kernels swapped for the Gluon ones
+(`afd.kernels.moe_fp8_gluon`, `GLUON_VARIANTS`: both GEMMs, or one of them) and prints each variant's layer time,
+÷ floor, ÷ the table's layer, and its largest difference from the table's output (another tiling: not bit-equal).
 """
 
 from __future__ import annotations
@@ -19,12 +24,31 @@ import argparse
 import torch
 from common import MOE_SHAPES, ceilings, require_cuda, time_callable, time_graph, write_json
 
-from afd.kernels import split_linear
+from afd.kernels import moe, split_linear
 from afd.kernels.moe import experts_cuda
 from afd.kernels.routing import select_greedy, select_noaux_tc
 from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 
 TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
+GLUON_VARIANTS = {  # name → (gate_up settings or None: the table's, down settings or None), Gluon's constraints
+    "both-s3": ({"num_warps": 8, "num_stages": 3}, {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}),
+    "both-s4": ({"num_warps": 8, "num_stages": 4}, {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4}),
+    "down-w8": ({"num_warps": 8, "num_stages": 3}, {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4}),
+    "down-n64": ({"num_warps": 8, "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}),
+    "gate_up-only": ({"num_warps": 8, "num_stages": 3}, None),
+    "down-only": (None, {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}),
+}
+
+
+def gluon_entry(entry: dict, gate_up: dict | None, down: dict | None) -> dict:
+    """A table entry with a layout of 64 rows whose gate_up and/or down run as Gluon kernels at the given settings
+    (each keeps the entry's GROUP_M)."""
+    def swap(kernel: dict, settings: dict | None) -> dict:
+        if settings is None:
+            return {**kernel, "BLOCK_M": min(kernel.get("BLOCK_M", entry["BLOCK_M"]), 64)}
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "TMA": True, "GATHER": True, "GLUON": True,
+                "GROUP_M": kernel.get("GROUP_M", 0), **settings}
+    return {"BLOCK_M": 64, "gate_up": swap(entry["gate_up"], gate_up), "down": swap(entry["down"], down)}
 
 
 def fp8_rate() -> float:
@@ -57,11 +81,42 @@ def dequantized(quant: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
                       for i in range(0, quant.shape[0], 16)])
 
 
+def device_table_entry(x, fp8: dict, tokens: int) -> dict:
+    """The table entry the FP8 experts take at `tokens` on this GPU."""
+    experts, hidden, inter = fp8["down"].shape
+    return moe.pick_config(moe.device_table(x.device, experts, hidden, inter, True), tokens)
+
+
+def gluon_rows(layer, entry: dict, floor: float, table_ms: float) -> dict:
+    """Each Gluon variant's layer time (the table's routing and every other kernel unchanged) and its largest
+    difference from the table's output; printed as it goes."""
+    reference = layer().float()
+    table = moe.device_table
+    rows = {}
+    try:
+        for name, (gate_up, down) in GLUON_VARIANTS.items():
+            variant = gluon_entry(entry, gate_up, down)
+            moe.device_table = lambda *args, variant=variant: {1: variant}
+            try:
+                ms = time_graph(layer)
+                diff = float((layer().float() - reference).abs().max() / reference.abs().max())
+            except Exception as err:  # noqa: BLE001 - a variant this GPU cannot run is reported, not fatal
+                print(f"      gluon {name}: failed ({type(err).__name__}: {str(err)[:200]})", flush=True)
+                continue
+            rows[name] = {"ms": ms, "max_diff_rel": diff, "entry": variant}
+            print(f"      gluon {name}: {ms:.3f} ms ({ms / floor:.2f}x floor, {ms / table_ms:.3f}x the table's), "
+                  f"max |diff| / max |out| {diff:.1e}", flush=True)
+    finally:
+        moe.device_table = table
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="deepseek-v3", choices=sorted(MOE_SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 layer (its time and the error)")
+    parser.add_argument("--gluon", action="store_true", help="also the layer with Gluon kernels (GLUON_VARIANTS)")
     args = parser.parse_args()
     require_cuda(__file__)
     shape = MOE_SHAPES[args.shape]
@@ -112,6 +167,8 @@ def main() -> None:
                                        fp8["gate_up_scale"], fp8["down_scale"]).float()
                 out_bf16 = experts_cuda(x, weights, ids, bf16["gate_up"], bf16["down"], shared).float()
                 row["rel_err_vs_bf16"] = float((out_fp8 - out_bf16).norm() / out_bf16.norm())
+            if args.gluon:
+                row["gluon"] = gluon_rows(layer, device_table_entry(x, fp8, tokens), floor, row["fp8_ms"])
             rows.append(row)
             print(f"{tokens:>5} tokens: floor {floor:.3f} ms, FP8 layer {row['fp8_ms']:.3f} ms "
                   f"({row['fp8_ms'] / floor:.2f}x floor), FP8 experts {row['fp8_experts_ms']:.3f} ms"

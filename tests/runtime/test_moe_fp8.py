@@ -134,7 +134,14 @@ FP8_SETTINGS = {  # id → a table entry for FP8 experts (gate_up's BLOCK_N a mu
     "one-dot-wide-down-wide": {"BLOCK_M": 32, "gate_up": kernel(256, TMA=True, ONE_DOT=True),
                                "down": kernel(256, TMA=True, BLOCK_M=16)},
     **{f"default-{tokens}": FP8_DEFAULT_CONFIGS[tokens] for tokens in (1024, 4096)},  # the tall untuned ones
+    # the Gluon kernels on a Hopper GPU (their Triton form elsewhere): down at 128 and 64 columns, 2-4 stages
+    "gluon": {"BLOCK_M": 64, "gate_up": kernel(TMA=True, GATHER=True, GLUON=True, num_warps=8),
+              "down": kernel(TMA=True, GLUON=True, num_stages=2)},
+    "gluon-128-rows-down-64": {"BLOCK_M": 128, "gate_up": kernel(TMA=True, GATHER=True, GLUON=True, BLOCK_M=64,
+                                                                 num_warps=8, num_stages=4, GROUP_M=2),
+                               "down": kernel(64, TMA=True, GLUON=True, BLOCK_M=128, num_warps=8, num_stages=4)},
 }
+GLUON_SETTINGS = sorted(name for name, entry in FP8_SETTINGS.items() if entry["gate_up"].get("GLUON"))
 
 
 @pytest.mark.parametrize("tokens", [1, 37, 130])
@@ -162,6 +169,46 @@ def test_fp8_moe_equals_the_dequantized_experts(name, tokens, monkeypatch):
     quantized = quantized_moe_reference(x, weights, ids, reference_experts.gate_up, reference_experts.down,
                                         num_shared)
     assert relative_error(out, quantized) < 2e-2  # the same quantization: only rounding and summation order
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 130])
+@pytest.mark.parametrize("name", GLUON_SETTINGS)
+def test_gluon_kernels_equal_their_triton_form_bit_for_bit(name, tokens, monkeypatch):
+    """On a Hopper GPU the Gluon kernels (`moe_fp8_gluon`) add the same scaled products in the same order as the
+    Triton kernels at the same tiles, so every output bit matches."""
+    from afd.kernels import moe
+
+    if DEVICE != "cuda" or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on a Hopper GPU only (elsewhere their Triton form runs)")
+    routed, num_shared, top_k, hidden, inter = 8, 1, 3, 384, 256
+    monkeypatch.setenv("AFD_MOE_KERNEL", "triton")
+    generator = torch.Generator().manual_seed(tokens)
+    gate_up, gate_up_scale, down, down_scale = (t.to(DEVICE) for t in fp8_experts(routed + num_shared, hidden,
+                                                                                   inter, generator))
+    x = blocky(tokens, hidden, generator=generator).to(DTYPE).to(DEVICE)
+    weights, ids = torch.rand(tokens, routed, generator=generator).topk(top_k, dim=-1)
+    weights, ids = weights.to(DTYPE).to(DEVICE), ids.to(DEVICE)
+    outputs = []
+    for gluon in (True, False):
+        entry = {key: ({**value, "GLUON": gluon} if isinstance(value, dict) else value)
+                 for key, value in FP8_SETTINGS[name].items()}
+        monkeypatch.setattr(moe, "device_table", lambda *args, entry=entry: {1: entry})
+        outputs.append(moe.experts_cuda(x, weights, ids, gate_up, down, num_shared, None, gate_up_scale, down_scale))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_gluon_settings_are_checked():
+    from afd.kernels.moe_launch import kernel_settings
+
+    good = kernel(TMA=True, GATHER=True, GLUON=True, num_warps=8)
+    assert kernel_settings(good, 64, fp8=True, kernel="gate_up")["GLUON"]
+    for bad, problem in ((good, "FP8 experts only"), ({**good, "GATHER": False}, "GATHER"),
+                         ({**good, "BLOCK_K": 64}, "BLOCK_K 128"), ({**good, "BLOCK_N": 256}, "BLOCK_N 128"),
+                         ({**good, "PERSISTENT": 1}, "PERSISTENT 0"), ({**good, "num_stages": 1}, "num_stages 2")):
+        with pytest.raises(ValueError, match=problem):
+            kernel_settings(bad, 64, fp8=bad is not good, kernel="gate_up")
+    with pytest.raises(ValueError, match="BLOCK_M 64 or 128"):
+        kernel_settings({**good, "BLOCK_M": 32}, 64, fp8=True, kernel="down")
 
 
 def test_fp8_experts_without_their_scales_are_refused():

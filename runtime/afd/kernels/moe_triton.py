@@ -20,7 +20,8 @@ buffer (`x_rows`, zeros for padding), which `gate_up` then reads contiguously: t
 With `ONE_DOT` (TMA only) `gate_up` takes a column block's gate and up rows in one 3-D TMA
 box and multiplies them in one dot twice as wide, splitting the two halves after the loop. A table entry's
 settings are checked and the grid sized in `moe_launch`; the tile loaders and the program order are in
-`moe_tiles`.
+`moe_tiles`. With `GLUON` (FP8 on Hopper) both GEMMs run as `moe_fp8_gluon`'s kernels instead, which overlap each
+K step's block-scale promotion with the next step's wgmma.
 """
 
 from __future__ import annotations
@@ -214,6 +215,12 @@ def _down_kernel(
                       SHARED_APART)
 
 
+def _gluon(cfg: dict, device) -> bool:
+    """Whether an entry's GLUON kernels run here: on a Hopper GPU with TMA (elsewhere, and under Triton's CPU
+    interpreter, its Triton form runs: the same sums)."""
+    return cfg["GLUON"] and cfg["TMA"] and device.type == "cuda"
+
+
 def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
                    x_rows=None, x_scale=None, w_scale=None, act_scale=None):
     """act[rows, I] = SiLU(x[pair token] @ gate[e]ᵀ) * (x @ up[e]ᵀ) for every real row (padding rows: garbage),
@@ -234,6 +241,11 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
         if x_rows is None:
             raise ValueError("GATHER needs x_rows: a [layout rows, hidden] buffer of x's dtype")
         gather_rows(x, x_rows, pairs, num_pairs, slots, block_m)
+        if _gluon(cfg, x.device):
+            from afd.kernels import moe_fp8_gluon  # local import: Gluon runs on Hopper only
+
+            return moe_fp8_gluon.launch_gate_up(x_rows, w_gate_up, act, pairs, tile_expert, num_pairs, slots,
+                                                block_m, cfg, x_scale, w_scale, act_scale)
         x = operand(x_rows, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     if cfg["ONE_DOT"]:  # [2E, I, H]: block 2e is expert e's gate rows, 2e + 1 its up rows
         blocks = w_gate_up.view(2 * experts, inter, hidden)
@@ -259,10 +271,15 @@ def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k
         raise ValueError("FP8 down needs act_scale and w_scale")
     cfg = kernel_settings(cfg, block_m, fp8, "down")
     cfg["TMA"] = cfg["TMA"] and tma_supported(act.device)
+    shared = out if shared_out is None else shared_out  # an unwritten placeholder without shared rows apart
+    if _gluon(cfg, act.device):
+        from afd.kernels import moe_fp8_gluon  # local import: Gluon runs on Hopper only
+
+        return moe_fp8_gluon.launch_down(act, w_down, out, shared, pairs, tile_expert, weights, num_pairs, top_k,
+                                         slots, block_m, cfg, act_scale, w_scale, shared_out is not None)
     a = operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     w = operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (act_scale, w_scale) if fp8 else (out, out)  # unread placeholders without FP8
-    shared = out if shared_out is None else shared_out  # an unwritten placeholder without shared rows apart
     args = (a, w, out, shared, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden,
             inter)
     return launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
