@@ -59,6 +59,15 @@ def variant_entry(entry: dict, layout_m: int, gate_up: dict | None, down: dict |
     return {"BLOCK_M": layout_m, "gate_up": over(entry["gate_up"], gate_up), "down": over(entry["down"], down)}
 
 
+def fp8_rate() -> float:
+    """FLOP/s of cuBLAS's FP8 GEMM (per-tensor scales) at 8192³: the FP8 ceiling."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms = time_callable(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 20)
+    return 2 * 8192**3 / (ms / 1e3)
+
+
 def quantized_experts(shape: dict, seed: int = 0):
     """(gate_up, gate_up_scale, down, down_scale) in FP8 for routed + shared experts, quantized a few at a time."""
     experts, hidden, inter = shape["routed"] + shape["shared"], shape["hidden"], shape["inter"]
