@@ -137,6 +137,40 @@ def nccl_pingpong(comm, rank: int, rows_list, hidden: int, trips: int = 100, war
     return out
 
 
+def count_kernels(run) -> dict:
+    """Device activities of `run()` from the profiler: kernels, copies and sets, and the kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names: dict[str, int] = {}
+    micros: dict[str, float] = {}
+    copies = 0
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if event.name.startswith(("Memcpy", "Memset")):
+            copies += 1
+        else:
+            names[event.name] = names.get(event.name, 0) + 1
+            micros[event.name] = micros.get(event.name, 0.0) + event.time_range.elapsed_us()
+    return {"kernels": sum(names.values()), "copies": copies, "by_name": names, "us_by_name": micros}
+
+
+def print_kernel_times(run, label: str, top: int = 8) -> dict:
+    """Profile one `run()` (after it has run once: nothing compiles inside) and print its `top` kernels by summed
+    device time, µs and share; returns {kernel name: µs}."""
+    run()
+    micros = count_kernels(run)["us_by_name"]
+    total = sum(micros.values()) or 1.0
+    print(f"      {label}: {total:.0f} µs of kernels", flush=True)
+    for name, us in sorted(micros.items(), key=lambda item: -item[1])[:top]:
+        print(f"        {us:>8.1f} µs {100 * us / total:>5.1f} %  {name[:90]}", flush=True)
+    return micros
+
+
 def write_json(name: str, data) -> None:
     out = Path(os.environ.get("OUT", "."))
     (out / f"{name}.json").write_text(json.dumps(data, indent=2))

@@ -2,7 +2,7 @@
 
     python3 bench/moe_layer.py        # prints a table, writes $OUT/moe_layer.json (or moe_layer-SHAPE.json)
     python3 bench/moe_layer.py --before OLD_TABLE.json   # also the Triton kernel on another tuned table
-    python3 bench/moe_layer.py --shape qwen3-30b-a3b
+    python3 bench/moe_layer.py --shape qwen3-30b-a3b --tokens 1024,4096 --profile   # + the slowest kernels, µs
 
 The layer is router + top-k routing + routed experts + shared experts (folded in as experts),
 bf16: by default DeepSeek-V2-Lite's (top-6 of 64, 2 shared, hidden 2048, width 1408, fp32 router), or
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 import torch
-from common import MOE_SHAPES, ceilings, require_cuda, time_graph, write_json
+from common import MOE_SHAPES, ceilings, print_kernel_times, require_cuda, time_graph, write_json
 
 from afd.models.moe_prep import fuse_shared_experts
 from afd.models.layers import MoE, Routing
@@ -74,6 +74,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", help="a tuned table file (e.g. the one before a re-tune) to time Triton on as well")
     parser.add_argument("--shape", default="deepseek-v2-lite", choices=sorted(MOE_SHAPES))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--profile", action="store_true", help="print the Triton layer's slowest kernels per count")
     args = parser.parse_args()
     require_cuda(__file__)
     limits = ceilings()
@@ -81,7 +83,7 @@ def main() -> None:
     layer = build_layer(shape)
     rows = []
     with torch.inference_mode():
-        for tokens in TOKENS:
+        for tokens in (int(count) for count in args.tokens.split(",")):
             x = torch.randn(tokens, shape["hidden"], dtype=torch.bfloat16, device="cuda")
             row = {"tokens": tokens, "floor_ms": floor_ms(layer, x, limits),
                    "router_ms": time_graph(lambda: layer.routing.select(layer.gate(x), x.dtype))}
@@ -90,6 +92,9 @@ def main() -> None:
                 os.environ["AFD_MOE_KERNEL"] = kernel
                 row[f"{kernel}_ms"] = time_graph(lambda: layer(x))
                 outputs[kernel] = layer(x).float()
+            if args.profile:
+                os.environ["AFD_MOE_KERNEL"] = "triton"
+                row["triton_kernel_us"] = print_kernel_times(lambda: layer(x), f"{tokens} tokens, Triton")
             if args.before:
                 os.environ["AFD_MOE_KERNEL"] = "triton"
                 with settings_from(args.before):

@@ -3,6 +3,7 @@
     python3 bench/moe_layer_fp8.py --shape deepseek-v3     # writes $OUT/moe_layer_fp8-SHAPE.json, prints a table
     python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens 64,1024,4096
     python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens 1024,4096 --variants all --no-bf16   # + variants
+    python3 bench/moe_layer_fp8.py --tokens 1024,4096 --no-bf16 --profile     # + the slowest kernels, µs
 
 The layer is the router, the routing (DeepSeek-V3: noaux_tc in the Triton kernel; Qwen3: greedy softmax) and
 the routed + shared experts (shared folded in as experts) in FP8: e4m3 weights with 128×128 block scales,
@@ -23,7 +24,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import MOE_SHAPES, ceilings, require_cuda, time_callable, time_graph, write_json
+from common import MOE_SHAPES, ceilings, print_kernel_times, require_cuda, time_callable, time_graph, write_json
 
 from afd.kernels import moe, split_linear
 from afd.kernels.moe import experts_cuda
@@ -124,6 +125,7 @@ def main() -> None:
     parser.add_argument("--shape", default="deepseek-v3", choices=sorted(MOE_SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 layer (its time and the error)")
+    parser.add_argument("--profile", action="store_true", help="print the layer's slowest kernels at each count")
     parser.add_argument("--variants", default="", help="also the layer with these kernel variants (VARIANTS: "
                         f"{','.join(VARIANTS)}), or 'all'")
     args = parser.parse_args()
@@ -176,6 +178,9 @@ def main() -> None:
                                        fp8["gate_up_scale"], fp8["down_scale"]).float()
                 out_bf16 = experts_cuda(x, weights, ids, bf16["gate_up"], bf16["down"], shared).float()
                 row["rel_err_vs_bf16"] = float((out_fp8 - out_bf16).norm() / out_bf16.norm())
+            if args.profile:
+                micros = print_kernel_times(layer, f"{tokens} tokens, the table's kernels")
+                row["kernel_us"] = micros
             if args.variants:
                 names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
                 row["variants"] = variant_rows(layer, device_table_entry(x, fp8, tokens), floor, row["fp8_ms"], names)

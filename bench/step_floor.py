@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from common import QWEN3_30B_A3B, V2_LITE, ceilings, random_model, require_cuda, time_callable, write_json
+from common import (QWEN3_30B_A3B, V2_LITE, ceilings, count_kernels, random_model, require_cuda, time_callable,
+                    write_json)
 
 SHAPES = {"deepseek-v2-lite": V2_LITE, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
@@ -146,28 +147,6 @@ def recording_routes(record: list):
         yield record
     finally:
         Routing.select = original
-
-
-def count_kernels(run) -> dict:
-    """Device activities of `run()` from the profiler: kernels, copies and sets, and the kernels by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    names: dict[str, int] = {}
-    micros: dict[str, float] = {}
-    copies = 0
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        if event.name.startswith(("Memcpy", "Memset")):
-            copies += 1
-        else:
-            names[event.name] = names.get(event.name, 0) + 1
-            micros[event.name] = micros.get(event.name, 0.0) + event.time_range.elapsed_us()
-    return {"kernels": sum(names.values()), "copies": copies, "by_name": names, "us_by_name": micros}
 
 
 def _layout(kv, batch: int, context: int):
