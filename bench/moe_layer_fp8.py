@@ -2,7 +2,6 @@
 
     python3 bench/moe_layer_fp8.py --shape deepseek-v3     # writes $OUT/moe_layer_fp8-SHAPE.json, prints a table
     python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens 64,1024,4096
-    python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens 1024,4096 --variants all --no-bf16   # + variants
     python3 bench/moe_layer_fp8.py --tokens 1024,4096 --no-bf16 --profile     # + the slowest kernels, µs
 
 The layer is the router, the routing (DeepSeek-V3: noaux_tc in the Triton kernel; Qwen3: greedy softmax) and
@@ -12,11 +11,6 @@ bf16, quantized by `afd.kernels.fp8_blocks.quantize_block_fp8`; the bf16 layer m
 `experts ms` is the experts alone on a fixed routing (both layers get the same one, so `rel err` — the FP8
 output against the bf16 one, by norm — is the experts' arithmetic only). Floor = max(FP8 bytes of the touched
 experts and their scales / the measured copy rate, matmul FLOPs / the measured FP8 rate (cuBLAS, 8192³)).
-
-With `--variants` each token count also runs the layer with other kernel settings laid over the table entry's
-(`VARIANTS`: the Gluon kernels of `afd.kernels.moe_fp8_gluon`, RESCALE's one accumulator and the 128-row tiles it
-fits) and prints each one's layer time, ÷ floor, ÷ the table's layer, and its largest difference from the table's
-output.
 """
 
 from __future__ import annotations
@@ -26,38 +20,12 @@ import argparse
 import torch
 from common import MOE_SHAPES, ceilings, print_kernel_times, require_cuda, time_callable, time_graph, write_json
 
-from afd.kernels import moe, split_linear
+from afd.kernels import split_linear
 from afd.kernels.moe import experts_cuda
 from afd.kernels.routing import select_greedy, select_noaux_tc
 from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
 
 TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
-GLUON_GATE_UP = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "TMA": True, "GATHER": True, "ONE_DOT": False,
-                 "GLUON": True, "num_warps": 8, "num_stages": 4}
-GLUON_DOWN = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "TMA": True, "GLUON": True, "num_warps": 4,
-              "num_stages": 4}
-TALL_GATE_UP = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "TMA": True, "GATHER": True, "ONE_DOT": False,
-                "RESCALE": True, "num_warps": 8, "num_stages": 3}
-TALL_DOWN = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "TMA": True, "RESCALE": True, "num_warps": 8,
-             "num_stages": 3}
-VARIANTS = {  # name → (layout rows, settings laid over the table's gate_up, over its down; None: the table's own)
-    "gluon": (64, GLUON_GATE_UP, GLUON_DOWN),
-    "gluon-down": (64, None, GLUON_DOWN),
-    "rescale-64": (64, {"RESCALE": True}, {"RESCALE": True}),
-    "rescale-128": (128, TALL_GATE_UP, TALL_DOWN),
-    "rescale-128-s4": (128, {**TALL_GATE_UP, "num_stages": 4}, {**TALL_DOWN, "num_stages": 4}),
-    "rescale-128-one-dot": (128, {**TALL_GATE_UP, "ONE_DOT": True}, TALL_DOWN),
-    "rescale-128-gate_up": (128, TALL_GATE_UP, None),
-    "rescale-128-down": (128, None, TALL_DOWN),
-}
-
-
-def variant_entry(entry: dict, layout_m: int, gate_up: dict | None, down: dict | None) -> dict:
-    """The table entry in a layout of `layout_m` rows with `gate_up` / `down` settings laid over its kernels (each
-    kernel's own tile no taller than the layout's)."""
-    def over(kernel: dict, settings: dict | None) -> dict:
-        return {**kernel, "BLOCK_M": min(kernel.get("BLOCK_M", entry["BLOCK_M"]), layout_m), **(settings or {})}
-    return {"BLOCK_M": layout_m, "gate_up": over(entry["gate_up"], gate_up), "down": over(entry["down"], down)}
 
 
 def fp8_rate() -> float:
@@ -90,44 +58,12 @@ def dequantized(quant: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
                       for i in range(0, quant.shape[0], 16)])
 
 
-def device_table_entry(x, fp8: dict, tokens: int) -> dict:
-    """The table entry the FP8 experts take at `tokens` on this GPU."""
-    experts, hidden, inter = fp8["down"].shape
-    return moe.pick_config(moe.device_table(x.device, experts, hidden, inter, True), tokens)
-
-
-def variant_rows(layer, entry: dict, floor: float, table_ms: float, names: list[str]) -> dict:
-    """Each variant's layer time (the routing and every other kernel unchanged) and its largest difference from
-    the table's output; printed as it goes."""
-    reference = layer().float()
-    table = moe.device_table
-    rows = {}
-    try:
-        for name in names:
-            variant = variant_entry(entry, *VARIANTS[name])
-            moe.device_table = lambda *args, variant=variant: {1: variant}
-            try:
-                ms = time_graph(layer)
-                diff = float((layer().float() - reference).abs().max() / reference.abs().max())
-            except Exception as err:  # noqa: BLE001 - a variant this GPU cannot run is reported, not fatal
-                print(f"      {name}: failed ({type(err).__name__}: {str(err)[:200]})", flush=True)
-                continue
-            rows[name] = {"ms": ms, "max_diff_rel": diff, "entry": variant}
-            print(f"      {name}: {ms:.3f} ms ({ms / floor:.2f}x floor, {ms / table_ms:.3f}x the table's), "
-                  f"max |diff| / max |out| {diff:.1e}", flush=True)
-    finally:
-        moe.device_table = table
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="deepseek-v3", choices=sorted(MOE_SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 layer (its time and the error)")
     parser.add_argument("--profile", action="store_true", help="print the layer's slowest kernels at each count")
-    parser.add_argument("--variants", default="", help="also the layer with these kernel variants (VARIANTS: "
-                        f"{','.join(VARIANTS)}), or 'all'")
     args = parser.parse_args()
     require_cuda(__file__)
     shape = MOE_SHAPES[args.shape]
@@ -179,11 +115,7 @@ def main() -> None:
                 out_bf16 = experts_cuda(x, weights, ids, bf16["gate_up"], bf16["down"], shared).float()
                 row["rel_err_vs_bf16"] = float((out_fp8 - out_bf16).norm() / out_bf16.norm())
             if args.profile:
-                micros = print_kernel_times(layer, f"{tokens} tokens, the table's kernels")
-                row["kernel_us"] = micros
-            if args.variants:
-                names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-                row["variants"] = variant_rows(layer, device_table_entry(x, fp8, tokens), floor, row["fp8_ms"], names)
+                row["kernel_us"] = print_kernel_times(layer, f"{tokens} tokens")
             rows.append(row)
             print(f"{tokens:>5} tokens: floor {floor:.3f} ms, FP8 layer {row['fp8_ms']:.3f} ms "
                   f"({row['fp8_ms'] / floor:.2f}x floor), FP8 experts {row['fp8_experts_ms']:.3f} ms"

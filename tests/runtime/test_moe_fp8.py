@@ -134,51 +134,7 @@ FP8_SETTINGS = {  # id → a table entry for FP8 experts (gate_up's BLOCK_N a mu
     "one-dot-wide-down-wide": {"BLOCK_M": 32, "gate_up": kernel(256, TMA=True, ONE_DOT=True),
                                "down": kernel(256, TMA=True, BLOCK_M=16)},
     **{f"default-{tokens}": FP8_DEFAULT_CONFIGS[tokens] for tokens in (1024, 4096)},  # the tall untuned ones
-    # RESCALE (one accumulator in the last step's scale units): one dot, two dots, per-column scales (BLOCK_N 256)
-    "rescale-one-dot": {"BLOCK_M": 32, "gate_up": kernel(TMA=True, ONE_DOT=True, RESCALE=True),
-                        "down": kernel(TMA=True, RESCALE=True)},
-    "rescale-wide": {"BLOCK_M": 16, "gate_up": kernel(256, 64, RESCALE=True),
-                     "down": kernel(256, RESCALE=True, num_warps=8)},
-    "rescale-one-dot-wide-gather": {"BLOCK_M": 32, "gate_up": kernel(256, TMA=True, ONE_DOT=True, GATHER=True,
-                                                                     RESCALE=True),
-                                    "down": kernel(64, 64, RESCALE=True, GROUP_M=2)},
-    # the Gluon kernels on a Hopper GPU (their Triton form elsewhere): down at 128 and 64 columns, 2-4 stages
-    "gluon": {"BLOCK_M": 64, "gate_up": kernel(TMA=True, GATHER=True, GLUON=True, num_warps=8),
-              "down": kernel(TMA=True, GLUON=True, num_stages=2)},
-    "gluon-128-rows-down-64": {"BLOCK_M": 128, "gate_up": kernel(TMA=True, GATHER=True, GLUON=True, BLOCK_M=64,
-                                                                 num_warps=8, num_stages=4, GROUP_M=2),
-                               "down": kernel(64, TMA=True, GLUON=True, BLOCK_M=128, num_warps=8, num_stages=4)},
 }
-GLUON_SETTINGS = sorted(name for name, entry in FP8_SETTINGS.items() if entry["gate_up"].get("GLUON"))
-RESCALE_SETTINGS = sorted(name for name, entry in FP8_SETTINGS.items() if entry["gate_up"].get("RESCALE"))
-
-
-def small_fp8_moe(tokens: int, hidden: int = 384):
-    """(x, weights, ids, gate_up, down, num_shared, scales) of a small random FP8 MoE on DEVICE."""
-    routed, num_shared, top_k, inter = 8, 1, 3, 256
-    generator = torch.Generator().manual_seed(tokens)
-    gate_up, gate_up_scale, down, down_scale = (t.to(DEVICE) for t in fp8_experts(routed + num_shared, hidden,
-                                                                                   inter, generator))
-    x = blocky(tokens, hidden, generator=generator).to(DTYPE).to(DEVICE)
-    weights, ids = torch.rand(tokens, routed, generator=generator).topk(top_k, dim=-1)
-    return x, weights.to(DTYPE).to(DEVICE), ids.to(DEVICE), gate_up, down, num_shared, gate_up_scale, down_scale
-
-
-def run_entries(entries: list[dict], tokens: int, monkeypatch, hidden: int = 384) -> list[torch.Tensor]:
-    """The small MoE's output under each table entry."""
-    from afd.kernels import moe
-
-    monkeypatch.setenv("AFD_MOE_KERNEL", "triton")
-    x, weights, ids, gate_up, down, num_shared, gate_up_scale, down_scale = small_fp8_moe(tokens, hidden)
-    outputs = []
-    for entry in entries:
-        monkeypatch.setattr(moe, "device_table", lambda *args, entry=entry: {1: entry})
-        outputs.append(moe.experts_cuda(x, weights, ids, gate_up, down, num_shared, None, gate_up_scale, down_scale))
-    return outputs
-
-
-def with_kernel_key(entry: dict, key: str, value) -> dict:
-    return {name: ({**part, key: value} if isinstance(part, dict) else part) for name, part in entry.items()}
 
 
 @pytest.mark.parametrize("tokens", [1, 37, 130])
@@ -206,43 +162,6 @@ def test_fp8_moe_equals_the_dequantized_experts(name, tokens, monkeypatch):
     quantized = quantized_moe_reference(x, weights, ids, reference_experts.gate_up, reference_experts.down,
                                         num_shared)
     assert relative_error(out, quantized) < 2e-2  # the same quantization: only rounding and summation order
-
-
-@pytest.mark.parametrize("tokens", [1, 37, 130])
-@pytest.mark.parametrize("name", GLUON_SETTINGS)
-def test_gluon_kernels_equal_their_triton_form_bit_for_bit(name, tokens, monkeypatch):
-    """On a Hopper GPU the Gluon kernels (`moe_fp8_gluon`) add the same scaled products in the same order as the
-    Triton kernels at the same tiles, so every output bit matches."""
-    if DEVICE != "cuda" or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels run on a Hopper GPU only (elsewhere their Triton form runs)")
-    entry = FP8_SETTINGS[name]
-    gluon, triton_form = run_entries([entry, with_kernel_key(entry, "GLUON", False)], tokens, monkeypatch)
-    assert torch.equal(gluon, triton_form)
-
-
-@pytest.mark.parametrize("tokens", [37, 130])
-@pytest.mark.parametrize("name", RESCALE_SETTINGS)
-def test_rescale_sums_what_the_scaled_products_sum(name, tokens, monkeypatch):
-    """RESCALE's accumulator, kept in the last step's scale units (hidden 640: five scale steps whose scales differ
-    by up to 2^±6), sums what adding each scaled product does, up to a rounding a step (and the odd e4m3 rounding
-    of act that flips with it)."""
-    entry = FP8_SETTINGS[name]
-    rescaled, scaled = run_entries([entry, with_kernel_key(entry, "RESCALE", False)], tokens, monkeypatch, 640)
-    assert relative_error(rescaled, scaled.double().cpu()) < 3e-3
-
-
-def test_gluon_settings_are_checked():
-    from afd.kernels.moe_launch import kernel_settings
-
-    good = kernel(TMA=True, GATHER=True, GLUON=True, num_warps=8)
-    assert kernel_settings(good, 64, fp8=True, kernel="gate_up")["GLUON"]
-    for bad, problem in ((good, "FP8 experts only"), ({**good, "GATHER": False}, "GATHER"),
-                         ({**good, "BLOCK_K": 64}, "BLOCK_K 128"), ({**good, "BLOCK_N": 256}, "BLOCK_N 128"),
-                         ({**good, "PERSISTENT": 1}, "PERSISTENT 0"), ({**good, "num_stages": 1}, "num_stages 2")):
-        with pytest.raises(ValueError, match=problem):
-            kernel_settings(bad, 64, fp8=bad is not good, kernel="gate_up")
-    with pytest.raises(ValueError, match="BLOCK_M 64 or 128"):
-        kernel_settings({**good, "BLOCK_M": 32}, 64, fp8=True, kernel="down")
 
 
 def test_fp8_experts_without_their_scales_are_refused():

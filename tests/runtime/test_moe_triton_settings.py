@@ -87,7 +87,7 @@ def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
     from afd.kernels.moe_launch import kernel_settings
 
     assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False, "GATHER": False,
-                                             "ONE_DOT": False, "PERSISTENT": 0, "GLUON": False}
+                                             "ONE_DOT": False, "PERSISTENT": 0}
     with pytest.raises(ValueError, match="divide the layout's BLOCK_M 64"):
         kernel_settings(kernel(BLOCK_M=48), 64)
     with pytest.raises(ValueError, match="PERSISTENT -1 must be 0"):

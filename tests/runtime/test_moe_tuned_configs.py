@@ -13,9 +13,8 @@ from afd.kernels import moe_launch
 from afd.kernels.moe_launch import kernel_settings
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT", "GLUON"}  # newer tables: a
-# kernel's own tile height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot, a persistent
-# grid, the Gluon FP8 kernels
+OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT"}  # newer tables: a kernel's own
+# tile height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot, a persistent grid
 
 
 def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:

@@ -35,10 +35,8 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
     tiles in one group, the column-major order of old), TMA (off), GATHER (off: gate_up
     gathers its rows itself; on: from a buffer filled first; `down` ignores it), ONE_DOT (off:
     gate_up loads and multiplies its gate and up blocks apart; on, with TMA only: as one; `down`
-    ignores it), PERSISTENT (0: one program per job of the worst-case grid; n: n programs per
-    multiprocessor loop over the used tiles' jobs), GLUON (off; on: the FP8 kernels of `moe_fp8_gluon` on Hopper,
-    `_check_gluon` says what they take) and RESCALE (off; FP8 only: one accumulator kept in the last step's scale
-    units, `moe_triton._unit_scales`). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
+    ignores it) and PERSISTENT (0: one program per job of the worst-case grid; n: n programs per
+    multiprocessor loop over the used tiles' jobs). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
     stays in one scale group) and gate_up's BLOCK_N a multiple of 128 (act is quantized per 128 columns there).
     The keys of removed kernel variants (`REMOVED_KEYS`) are refused."""
     for key in REMOVED_KEYS:
@@ -46,7 +44,7 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
             raise ValueError(f"{kernel or 'MoE'} table entry has {key}: the FP8 {key} kernel variant was removed "
                              f"(issue 32: it wrote wrong rows on the H200); drop {key} or re-run bench/moe_tune.py")
     settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "ONE_DOT": False, "PERSISTENT": 0,
-                "GLUON": False, "RESCALE": False, **cfg}
+                **cfg}
     if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
         raise ValueError(f"kernel BLOCK_M {settings['BLOCK_M']} must be at least 16 and divide the layout's "
                          f"BLOCK_M {layout_m}; re-run bench/moe_tune.py or fix the table")
@@ -58,30 +56,7 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
         raise ValueError(f"FP8 {kernel} settings BLOCK_K {settings['BLOCK_K']} / BLOCK_N {settings['BLOCK_N']}: "
                          f"BLOCK_K must divide {GROUP} (and gate_up's BLOCK_N be a multiple of {GROUP}); "
                          "re-run bench/moe_tune.py --fp8 or fix the table")
-    if settings["RESCALE"] and not fp8:
-        raise ValueError(f"{kernel or 'MoE'} table entry has RESCALE on: it is for FP8 experts only")
-    if settings["GLUON"]:
-        _check_gluon(settings, fp8, kernel)
     return settings
-
-
-def _check_gluon(settings: dict, fp8: bool, kernel: str) -> None:
-    """What the Gluon FP8 kernels (`moe_fp8_gluon`) take: FP8 with TMA (gate_up: GATHER too), one program per job,
-    BLOCK_K 128, tiles of 64 or 128 rows, gate_up's BLOCK_N 128 and down's at most 128, two stages or more."""
-    problems = []
-    if not fp8:
-        problems.append("FP8 experts only")
-    if not settings["TMA"] or settings["PERSISTENT"] or settings["ONE_DOT"]:
-        problems.append("TMA on, PERSISTENT 0 and ONE_DOT off")
-    if kernel == "gate_up" and not settings["GATHER"]:
-        problems.append("gate_up with GATHER")
-    if settings["BLOCK_K"] != GROUP or settings["BLOCK_M"] not in (64, 128) or settings["num_stages"] < 2:
-        problems.append(f"BLOCK_K {GROUP}, BLOCK_M 64 or 128, num_stages 2 or more")
-    if settings["BLOCK_N"] > GROUP or (kernel == "gate_up" and settings["BLOCK_N"] != GROUP):
-        problems.append(f"BLOCK_N {GROUP} (down: up to {GROUP})")
-    if problems:
-        raise ValueError(f"{kernel or 'MoE'} table entry {settings} has GLUON on, which needs "
-                         f"{'; '.join(problems)}; fix the table or re-run bench/moe_tune.py --fp8")
 
 
 def fp8_accumulator_registers(kernel: str, block_m: int, block_n: int, warps: int, one_dot: bool = False) -> int:

@@ -20,8 +20,7 @@ buffer (`x_rows`, zeros for padding), which `gate_up` then reads contiguously: t
 With `ONE_DOT` (TMA only) `gate_up` takes a column block's gate and up rows in one 3-D TMA
 box and multiplies them in one dot twice as wide, splitting the two halves after the loop. A table entry's
 settings are checked and the grid sized in `moe_launch`; the tile loaders and the program order are in
-`moe_tiles`. With `GLUON` (FP8 on Hopper) both GEMMs run as `moe_fp8_gluon`'s kernels instead, which overlap each
-K step's block-scale promotion with the next step's wgmma.
+`moe_tiles`.
 """
 
 from __future__ import annotations
@@ -40,21 +39,9 @@ E4M3_MAX = tl.constexpr(FP8_MAX)  # a kernel reads only constexpr globals
 
 
 @triton.jit
-def _unit_scales(BLOCK_M: tl.constexpr, SCALE_N: tl.constexpr):
-    """RESCALE's starting scales: ones for the rows [BM, 1] and the weight's columns [1, SCALE_N].
-
-    With RESCALE an FP8 accumulator is kept in the units of the last K step's scales (row scale a · column scale
-    b) so that the next step's product is added inside the dot: acc = dot(A_k, B_k, acc · (a_{k-1} b_{k-1}) /
-    (a_k b_k)), and the sum is multiplied by the last scales after the loop. The tile then holds one accumulator
-    (no separate product), so taller tiles fit the registers; the sums are the same up to one rounding a step."""
-    return tl.full((BLOCK_M, 1), 1.0, tl.float32), tl.full((1, SCALE_N), 1.0, tl.float32)
-
-
-@triton.jit
 def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col, num_pairs, slots,
                  hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr,
-                 RESCALE: tl.constexpr):
+                 TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr):
     """act[tile's rows, col's block] = SiLU(A @ gate) * (A @ up) for one tile and column block. With ONE_DOT,
     `w` is a 3-D descriptor over [2E, I, H] and one TMA box brings the gate and up blocks of the column block
     ([2, BN, BK]) for one dot of width 2·BN (the A tile is read once per step); else two loads and two dots.
@@ -78,32 +65,20 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
             b_scale_rows = (expert * 2 * i_groups + both // BLOCK_N * i_groups + both_n // 128) * h_groups
             gate_scale_row = (expert * 2 * i_groups + col * BLOCK_N // 128) * h_groups  # BLOCK_N == 128: one block
             is_gate = (both < BLOCK_N)[None, :]
-        prev_a, prev_b = _unit_scales(BLOCK_M, 2 * BLOCK_N)  # RESCALE: the scales acc is counted in
         for k0 in range(0, hidden, BLOCK_K):
             a = gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
             b = tl.reshape(w.load([2 * expert, col * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K)).T  # [BK, gate | up]
             if FP8:
-                a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=1.0)[:, None]
+                a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=0.0)[:, None]
                 if BLOCK_N == 128:  # two scalars a step (the gate's block, the up's), not one load per column
                     g_s = tl.load(w_scale + gate_scale_row + k0 // 128)
                     u_s = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k0 // 128)
-                    if RESCALE:
-                        b_s = tl.where(is_gate, g_s, u_s)
-                        acc = tl.dot(a, b, acc * ((prev_a / a_s) * (prev_b / b_s)))
-                        prev_a, prev_b = a_s, b_s
-                    else:
-                        acc += tl.dot(a, b) * tl.where(is_gate, a_s * g_s, a_s * u_s)
+                    acc += tl.dot(a, b) * tl.where(is_gate, a_s * g_s, a_s * u_s)
                 else:
-                    b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=both_n < inter, other=1.0)[None, :]
-                    if RESCALE:
-                        acc = tl.dot(a, b, acc * ((prev_a / a_s) * (prev_b / b_s)))
-                        prev_a, prev_b = a_s, b_s
-                    else:
-                        acc += tl.dot(a, b) * (a_s * b_s)
+                    b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=both_n < inter, other=0.0)
+                    acc += tl.dot(a, b) * (a_s * b_s[None, :])
             else:
                 acc = tl.dot(a, b, acc)
-        if RESCALE:
-            acc = acc * (prev_a * prev_b)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     else:
         gate_row = expert * 2 * inter + col * BLOCK_N  # rows of w viewed as [E * 2I, H]
@@ -111,36 +86,25 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         gate_scale_rows = (expert * 2 * i_groups + offs_n // 128) * h_groups
         gate_scale_row = (expert * 2 * i_groups + col * BLOCK_N // 128) * h_groups
-        prev_a, prev_g = _unit_scales(BLOCK_M, 1 if BLOCK_N <= 128 else BLOCK_N)  # RESCALE, as above
-        prev_u = prev_g
         for k0 in range(0, hidden, BLOCK_K):
             a = gate_up_rows(x, tile, tokens, valid, k0, hidden, BLOCK_M, BLOCK_K, TMA, GATHER)
             g = weight_tile(w, gate_row, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
             u = weight_tile(w, gate_row + inter, k0, n_ok, hidden, BLOCK_N, BLOCK_K, TMA)
             if FP8:
-                a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=1.0)[:, None]
+                a_s = tl.load(x_scale + tokens * h_groups + k0 // 128, mask=valid, other=0.0)[:, None]
                 if BLOCK_N <= 128:  # the column block lies in one weight block: one scale each a step
-                    g_s = tl.load(w_scale + gate_scale_row + k0 // 128) + tl.zeros((1, 1), tl.float32)
-                    u_s = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k0 // 128) + \
-                        tl.zeros((1, 1), tl.float32)
-                else:
-                    g_s = tl.load(w_scale + gate_scale_rows + k0 // 128, mask=n_ok, other=1.0)[None, :]
-                    u_s = tl.load(w_scale + gate_scale_rows + i_groups * h_groups + k0 // 128, mask=n_ok,
-                                  other=1.0)[None, :]
-                if RESCALE:
-                    row_ratio = prev_a / a_s
-                    acc_g = tl.dot(a, g, acc_g * (row_ratio * (prev_g / g_s)))
-                    acc_u = tl.dot(a, u, acc_u * (row_ratio * (prev_u / u_s)))
-                    prev_a, prev_g, prev_u = a_s, g_s, u_s
-                else:
+                    g_s = tl.load(w_scale + gate_scale_row + k0 // 128)
+                    u_s = tl.load(w_scale + gate_scale_row + i_groups * h_groups + k0 // 128)
                     acc_g += tl.dot(a, g) * (a_s * g_s)
                     acc_u += tl.dot(a, u) * (a_s * u_s)
+                else:
+                    g_s = tl.load(w_scale + gate_scale_rows + k0 // 128, mask=n_ok, other=0.0)
+                    u_s = tl.load(w_scale + gate_scale_rows + i_groups * h_groups + k0 // 128, mask=n_ok, other=0.0)
+                    acc_g += tl.dot(a, g) * (a_s * g_s[None, :])
+                    acc_u += tl.dot(a, u) * (a_s * u_s[None, :])
             else:
                 acc_g = tl.dot(a, g, acc_g)
                 acc_u = tl.dot(a, u, acc_u)
-        if RESCALE:
-            acc_g = acc_g * (prev_a * prev_g)
-            acc_u = acc_u * (prev_a * prev_u)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, in float32
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + offs_n[None, :]
     if FP8:  # quantized per row per 128 columns here, for the down GEMM (BLOCK_N is a multiple of 128)
@@ -159,7 +123,7 @@ def _gate_up_kernel(
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-    GDC: tl.constexpr = 0, RESCALE: tl.constexpr = 0,
+    GDC: tl.constexpr = 0,
 ):
     """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
     [rows, H] buffer (a TMA descriptor when TMA is on)."""
@@ -171,20 +135,19 @@ def _gate_up_kernel(
             tile, col = tile_and_col(job, num_tiles, num_cols, group_m)
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8, RESCALE)
+                         FP8)
     else:  # one job of the worst-case grid; a tile of padding only exits (an expert's real rows come first)
         tile, col = tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
             _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8, RESCALE)
+                         FP8)
 
 
 @triton.jit
 def _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile, col,
               num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, SHARED_APART: tl.constexpr,
-              RESCALE: tl.constexpr):
+              BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, SHARED_APART: tl.constexpr):
     """out[pair of each real row, col's block] = weight(pair) * act[row] @ down[e]ᵀ for one tile. With FP8 each
     step's product is added times act's row group scales (`act_scale` [rows, I/128]) and the weight blocks'
     (`w_scale` [E, H/128, I/128]). With SHARED_APART a routed pair's row goes to out[token·k + slot], a shared
@@ -198,30 +161,18 @@ def _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_p
     a_scale_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * i_groups
     b_scale_rows = (expert * tl.cdiv(hidden, 128) + offs_n // 128) * i_groups
     b_scale_row = (expert * tl.cdiv(hidden, 128) + col * BLOCK_N // 128) * i_groups
-    prev_a, prev_b = _unit_scales(BLOCK_M, 1 if BLOCK_N <= 128 else BLOCK_N)  # RESCALE: the scales acc is counted in
     for k0 in range(0, inter, BLOCK_K):
         a = row_tile(act, tile * BLOCK_M, k0, inter, BLOCK_M, BLOCK_K, TMA)
         b = weight_tile(w, down_row, k0, n_ok, inter, BLOCK_N, BLOCK_K, TMA)
         if FP8:
             a_s = tl.load(act_scale + a_scale_rows + k0 // 128)
             if BLOCK_N <= 128:  # the column block lies in one weight block: one scale a step
-                if RESCALE:
-                    b_s = tl.load(w_scale + b_scale_row + k0 // 128) + tl.zeros((1, 1), tl.float32)
-                    acc = tl.dot(a, b, acc * ((prev_a / a_s[:, None]) * (prev_b / b_s)))
-                    prev_a, prev_b = a_s[:, None], b_s
-                else:
-                    acc += tl.dot(a, b) * (a_s * tl.load(w_scale + b_scale_row + k0 // 128))[:, None]
+                acc += tl.dot(a, b) * (a_s * tl.load(w_scale + b_scale_row + k0 // 128))[:, None]
             else:
-                b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=1.0)
-                if RESCALE:
-                    acc = tl.dot(a, b, acc * ((prev_a / a_s[:, None]) * (prev_b / b_s[None, :])))
-                    prev_a, prev_b = a_s[:, None], b_s[None, :]
-                else:
-                    acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+                b_s = tl.load(w_scale + b_scale_rows + k0 // 128, mask=n_ok, other=0.0)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         else:
             acc = tl.dot(a, b, acc)
-    if RESCALE:
-        acc = acc * (prev_a * prev_b)
     pairs = tl.load(pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     slot = pairs % slots
@@ -245,7 +196,6 @@ def _down_kernel(
     num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
     PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, SHARED_APART: tl.constexpr, GDC: tl.constexpr = 0,
-    RESCALE: tl.constexpr = 0,
 ):
     gdc_enter(GDC)
     num_cols = tl.cdiv(hidden, BLOCK_N)
@@ -255,19 +205,13 @@ def _down_kernel(
             tile, col = tile_and_col(job, num_tiles, num_cols, group_m)
             _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
                       col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
-                      SHARED_APART, RESCALE)
+                      SHARED_APART)
     else:
         tile, col = tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
             _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, act_scale, w_scale, tile,
                       col, num_pairs, top_k, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, FP8,
-                      SHARED_APART, RESCALE)
-
-
-def _gluon(cfg: dict, device) -> bool:
-    """Whether an entry's GLUON kernels run here: on a Hopper GPU with TMA (elsewhere, and under Triton's CPU
-    interpreter, its Triton form runs: the same sums)."""
-    return cfg["GLUON"] and cfg["TMA"] and device.type == "cuda"
+                      SHARED_APART)
 
 
 def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int, block_m: int, cfg: dict,
@@ -290,11 +234,6 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
         if x_rows is None:
             raise ValueError("GATHER needs x_rows: a [layout rows, hidden] buffer of x's dtype")
         gather_rows(x, x_rows, pairs, num_pairs, slots, block_m)
-        if _gluon(cfg, x.device):
-            from afd.kernels import moe_fp8_gluon  # local import: Gluon runs on Hopper only
-
-            return moe_fp8_gluon.launch_gate_up(x_rows, w_gate_up, act, pairs, tile_expert, num_pairs, slots,
-                                                block_m, cfg, x_scale, w_scale, act_scale)
         x = operand(x_rows, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     if cfg["ONE_DOT"]:  # [2E, I, H]: block 2e is expert e's gate rows, 2e + 1 its up rows
         blocks = w_gate_up.view(2 * experts, inter, hidden)
@@ -304,7 +243,7 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
     scales = (x_scale, w_scale, act_scale) if fp8 else (act, act, act)  # unread placeholders without FP8
     args = (x, w, act, pairs, tile_expert, used_tiles, *scales, num_pairs, slots, hidden, inter)
     return launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8, RESCALE=cfg["RESCALE"])
+                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8)
 
 
 def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,
@@ -320,16 +259,11 @@ def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k
         raise ValueError("FP8 down needs act_scale and w_scale")
     cfg = kernel_settings(cfg, block_m, fp8, "down")
     cfg["TMA"] = cfg["TMA"] and tma_supported(act.device)
-    shared = out if shared_out is None else shared_out  # an unwritten placeholder without shared rows apart
-    if _gluon(cfg, act.device):
-        from afd.kernels import moe_fp8_gluon  # local import: Gluon runs on Hopper only
-
-        return moe_fp8_gluon.launch_down(act, w_down, out, shared, pairs, tile_expert, weights, num_pairs, top_k,
-                                         slots, block_m, cfg, act_scale, w_scale, shared_out is not None)
     a = operand(act, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
     w = operand(w_down, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (act_scale, w_scale) if fp8 else (out, out)  # unread placeholders without FP8
+    shared = out if shared_out is None else shared_out  # an unwritten placeholder without shared rows apart
     args = (a, w, out, shared, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden,
             inter)
     return launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, FP8=fp8, SHARED_APART=shared_out is not None, RESCALE=cfg["RESCALE"])
+                   act.device, FP8=fp8, SHARED_APART=shared_out is not None)
