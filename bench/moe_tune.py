@@ -178,14 +178,23 @@ def random_experts(shape: dict, fp8: bool = False, max_routed: int | None = None
     (a compile worker needs the shapes, not every expert)."""
     routed = min(shape["routed"], max_routed or shape["routed"])
     experts, hidden, inter = routed + shape["shared"], shape["hidden"], shape["inter"]
-    gate_up = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02
-    down = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02
     if not fp8:
+        gate_up = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02
+        down = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02
         return gate_up, down, None
     blocks = -(-hidden // 128), inter // 128
     scales = (torch.rand(experts, 2 * blocks[1], blocks[0], device="cuda") * 1e-3,
               torch.rand(experts, *blocks, device="cuda") * 1e-3)
-    return (gate_up * 1e3).to(torch.float8_e4m3fn), (down * 1e3).to(torch.float8_e4m3fn), scales
+    gate_up, down = _e4m3_stack(experts, 2 * inter, hidden), _e4m3_stack(experts, hidden, inter)
+    torch.cuda.empty_cache()  # the bf16 chunks' blocks back to the driver: the compile workers share this GPU
+    return gate_up, down, scales
+
+
+def _e4m3_stack(experts: int, rows: int, cols: int) -> torch.Tensor:
+    """[experts, rows, cols] e4m3 of N(0, 20²) values, made 16 experts at a time (DeepSeek-V3's whole bf16 stack
+    would take 23 GB of an 80 GB card beside the compile workers: session 47 ran out of memory)."""
+    return torch.cat([(torch.randn(min(16, experts - first), rows, cols, dtype=torch.bfloat16, device="cuda") * 20)
+                      .to(torch.float8_e4m3fn) for first in range(0, experts, 16)])
 
 
 COMPILE_ROUTED = 16  # routed experts of a compile worker's FP8 problem (the variants do not depend on the count)
