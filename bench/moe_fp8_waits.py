@@ -6,9 +6,11 @@ memory it needs.
     python3 bench/moe_fp8_waits.py --json          # one JSON line per setting (what the tests read)
 
 A `dot` followed by `wait0` in the loop is synchronous: the tensor cores idle until its step's promotion is done
-(every FP8 dot is, as the block scales are applied to each step's product; a kernel that overlaps them needs warp
-specialization, see bench/RESULTS.md, issue 32). Compiled by the Triton installed here (3.7 here; the device runs
-3.6); pointer and size arguments are marked 16-divisible, as the launcher's specialization marks the real ones.
+(every FP8 dot is, as the block scales are applied to each step's product). Session 47 measured a Gluon form of both
+kernels that leaves each step's wgmma in flight while the step before is promoted (commit 5085b88): no faster at
+1,024-4,096 tokens, so those waits are not what the FP8 MoE's time is (bench/RESULTS.md, issue 32, session 47).
+Compiled by the Triton installed here (3.7 here; the device runs 3.6); pointer and size arguments are marked
+16-divisible, as the launcher's specialization marks the real ones.
 Needs Triton's NVIDIA backend (its bundled ptxas and cuobjdump), and TRITON_INTERPRET unset.
 """
 

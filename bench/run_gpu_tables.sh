@@ -1,6 +1,6 @@
 #!/bin/bash
 # The kernels' tuned tables for the card at hand (a card without its own tables runs the untuned defaults: session 45
-# found the H100 had none; session 46 tuned its skinny table and DeepSeek-V2-Lite's bf16 one). Every table written so
+# found the H100 had none; sessions 46-47 tuned all of them there). Every table written so
 # far goes to $OUT after each step, so a cut run keeps what it had; commit them under runtime/afd/kernels/configs/,
 # then check them on the card (`pytest tests/runtime/test_moe_tuned_configs.py tests/runtime/test_skinny_gemm.py tests/gpu/test_gpu_path.py`).
 #   bash bench/run_gpu_tables.sh
@@ -8,7 +8,8 @@
 # first (TABLES picks some): skinny (the decode projections), bf16 (the MoE of both sample shapes), fp8 (DeepSeek-V3 and
 # Qwen3 FP8 experts; BF16_SHAPES picks the bf16 shapes); each step has its own time limit and deadline (DEADLINE
 # scales them). A bf16 shape takes up to ~110 s to compile its candidates on a cold Triton cache before its deadline's
-# clock starts, then ~10-20 s a token count (H100, session 46): one device call each for skinny, bf16 and fp8.
+# clock starts, then ~10-25 s a token count (H100, sessions 46-47: Qwen3's 12 counts took 156 s, DeepSeek-V2-Lite's
+# five largest 132 s): one device call each for skinny, each bf16 shape (BF16_SHAPES) and fp8.
 set -u
 SERVING_IMPORTS=0 source bench/gpu_env.sh || exit 1
 start=$SECONDS LOG=$OUT/log.txt
@@ -30,12 +31,12 @@ if [[ $tables == *" skinny "* ]]; then
 fi
 if [[ $tables == *" bf16 "* ]]; then
   for shape in ${BF16_SHAPES:-qwen3-30b-a3b deepseek-v2-lite}; do
-    step $(seconds 280) python3 bench/moe_tune.py --shape $shape --tokens $tokens --deadline $(seconds 140) --workers 15
+    step $(seconds 330) python3 bench/moe_tune.py --shape $shape --tokens $tokens --deadline $(seconds 200) --workers 15
   done
 fi
 if [[ $tables == *" fp8 "* ]]; then
   step $(seconds 130) python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 64,256,1024,4096 --layouts 16,64 \
-    --deadline $(seconds 60) --workers 15
+    --deadline $(seconds 60) --workers 10  # DeepSeek-V3's FP8 experts take ~12 GB beside each worker's ~3.4 GB
   step $(seconds 95) python3 bench/moe_tune.py --fp8 --shape qwen3-30b-a3b --tokens 64,256,1024,4096 \
     --deadline $(seconds 40) --workers 15
 fi
