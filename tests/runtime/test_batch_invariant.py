@@ -103,7 +103,7 @@ def test_install_is_idempotent(installed):
 
 
 def test_the_other_kernels_follow_the_setting(monkeypatch):
-    from afd.kernels import batch_invariant, decode_attention, fp8_gemm, skinny_gemm
+    from afd.kernels import batch_invariant, decode_attention, skinny_gemm
 
     x, w = randn(4, 64, seed=13), randn(32, 64, seed=14)
     table = {(32, 64, 4, "input"): {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "DOT": False, "num_warps": 4,
