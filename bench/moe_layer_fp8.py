@@ -11,6 +11,12 @@ bf16, quantized by `afd.kernels.fp8_blocks.quantize_block_fp8`; the bf16 layer m
 `experts ms` is the experts alone on a fixed routing (both layers get the same one, so `rel err` — the FP8
 output against the bf16 one, by norm — is the experts' arithmetic only). Floor = max(FP8 bytes of the touched
 experts and their scales / the measured copy rate, matmul FLOPs / the measured FP8 rate (cuBLAS, 8192³)).
+
+DeepSeek-V3's `e_score_correction_bias` is drawn with `--bias-std` (default 0.01). A trained bias balances the experts'
+load (that is what it is for), and 0.01 leaves the random router's choices balanced: every expert touched, the
+busiest ~2× the mean. Sessions 40-47 drew it at 0.1, which decides most picks by the bias alone (the sigmoid scores of
+the best experts saturate near 1): at 4,096 tokens ~70 of the 256 experts go untouched and the busiest gets ~10× the
+mean, which lowers the byte floor and is no routing a trained model makes. `--bias-std 0.1` repeats those figures.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 layer (its time and the error)")
     parser.add_argument("--profile", action="store_true", help="print the layer's slowest kernels at each count")
+    parser.add_argument("--bias-std", type=float, default=0.01,
+                        help="spread of DeepSeek-V3's random e_score_correction_bias (0.1: sessions 40-47's skewed routing)")
     args = parser.parse_args()
     require_cuda(__file__)
     shape = MOE_SHAPES[args.shape]
@@ -77,7 +85,7 @@ def main() -> None:
     parts = split_linear.bf16_parts(router) if shape["fp32_logits"] else None  # as the model's float32 gate runs
     if not shape["fp32_logits"]:
         router = router.bfloat16()
-    bias = torch.randn(routed, device="cuda", generator=generator) * 0.1
+    bias = torch.randn(routed, device="cuda", generator=generator) * args.bias_std
     grouped = "n_group" in shape
 
     def route(x):
@@ -93,7 +101,8 @@ def main() -> None:
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", generator=generator)
             weights, ids = route(x)
-            touched = int(ids.unique().numel()) + shared
+            loads = torch.bincount(ids.flatten(), minlength=routed)
+            touched = int((loads > 0).sum()) + shared
             weight_bytes = touched * (3 * hidden * inter + scale_bytes) + router.numel() * router.element_size()
             flops = 2 * tokens * (top_k + shared) * 3 * hidden * inter
             floor = 1e3 * max(weight_bytes / limits["copy_bytes_per_s"], flops / limits["fp8_flops"])
@@ -103,7 +112,8 @@ def main() -> None:
                 return experts_cuda(x, w, i, fp8["gate_up"], fp8["down"], shared, None, fp8["gate_up_scale"],
                                     fp8["down_scale"])
 
-            row = {"tokens": tokens, "touched_experts": touched, "floor_ms": floor, "fp8_ms": time_graph(layer),
+            row = {"tokens": tokens, "touched_experts": touched, "busiest_expert_rows": int(loads.max()),
+                   "floor_ms": floor, "fp8_ms": time_graph(layer),
                    "fp8_experts_ms": time_graph(lambda: experts_cuda(
                        x, weights, ids, fp8["gate_up"], fp8["down"], shared, None, fp8["gate_up_scale"],
                        fp8["down_scale"]))}
@@ -117,11 +127,13 @@ def main() -> None:
             if args.profile:
                 row["kernel_us"] = print_kernel_times(layer, f"{tokens} tokens")
             rows.append(row)
-            print(f"{tokens:>5} tokens: floor {floor:.3f} ms, FP8 layer {row['fp8_ms']:.3f} ms "
+            print(f"{tokens:>5} tokens ({touched} experts touched, the busiest {int(loads.max())} rows): floor "
+                  f"{floor:.3f} ms, FP8 layer {row['fp8_ms']:.3f} ms "
                   f"({row['fp8_ms'] / floor:.2f}x floor), FP8 experts {row['fp8_experts_ms']:.3f} ms"
                   + (f", bf16 experts {row['bf16_experts_ms']:.3f} ms, rel err {row['rel_err_vs_bf16']:.2e}"
                      if bf16 is not None else ""), flush=True)
-    write_json(f"moe_layer_fp8-{args.shape}", {"shape": args.shape, "ceilings": limits, "rows": rows})
+    write_json(f"moe_layer_fp8-{args.shape}", {"shape": args.shape, "bias_std": args.bias_std, "ceilings": limits,
+                                               "rows": rows})
     print(f"copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), FP8 matmul "
           f"{limits['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
     print(f"{'tokens':>6} {'floor ms':>9} {'fp8 ms':>8} {'x floor':>8} {'experts':>8} {'bf16 exp':>9} {'rel err':>8}")
