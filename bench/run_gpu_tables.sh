@@ -9,8 +9,9 @@
 # Qwen3 FP8 experts; BF16_SHAPES picks the bf16 shapes); each step has its own time limit and deadline (DEADLINE
 # scales them). A bf16 shape takes up to ~110 s to compile its candidates on a cold Triton cache before its deadline's
 # clock starts, then ~10-25 s a token count (H100, sessions 46-47: Qwen3's 12 counts took 156 s, DeepSeek-V2-Lite's
-# five largest 132 s): one device call each for skinny, each bf16 shape (BF16_SHAPES) and fp8. FP8_V3_LAYOUTS (default
-# 16,64) widens DeepSeek-V3's FP8 layouts: 64,128 tries the 128-row tiles no V3 table has timed (session 47's note).
+# five largest 132 s): one device call each for skinny, each bf16 shape (BF16_SHAPES) and fp8. DeepSeek-V3's FP8 table
+# takes 16- and 64-row layouts up to 1,024 tokens and 64- and 128-row ones at 2,048 and 4,096 (on an H100, session 48,
+# a 128-row gate_up won at 4,096: 79 s for those two counts).
 set -u
 SERVING_IMPORTS=0 source bench/gpu_env.sh || exit 1
 start=$SECONDS LOG=$OUT/log.txt
@@ -36,8 +37,10 @@ if [[ $tables == *" bf16 "* ]]; then
   done
 fi
 if [[ $tables == *" fp8 "* ]]; then
-  step $(seconds 130) python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 64,256,1024,4096 --layouts ${FP8_V3_LAYOUTS:-16,64} \
+  step $(seconds 130) python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 64,256,1024 --layouts 16,64 \
     --deadline $(seconds 60) --workers 10  # DeepSeek-V3's FP8 experts take ~12 GB beside each worker's ~3.4 GB
+  step $(seconds 150) python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 4096,2048 --layouts 64,128 \
+    --deadline $(seconds 90) --workers 10
   step $(seconds 95) python3 bench/moe_tune.py --fp8 --shape qwen3-30b-a3b --tokens 64,256,1024,4096 \
     --deadline $(seconds 40) --workers 15
 fi
