@@ -89,6 +89,12 @@ def test_torch_calls_take_the_kernel_while_installed_and_not_after(installed):
     out = torch.empty(10, 4, 24, dtype=DTYPE, device=DEVICE)
     torch.bmm(heads, value_up.transpose(1, 2), out=out.transpose(0, 1))  # bmm.out into a transposed view, as MLA
     assert torch.equal(out.transpose(0, 1), installed.matmul(heads, value_up.transpose(1, 2)))
+    other = torch.float64 if DTYPE != torch.float64 else torch.float32
+    for call in (torch.mm, torch.bmm):  # an out of another dtype is refused, as aten refuses it
+        operands = (x, w.t()) if call is torch.mm else (heads, value_up.transpose(1, 2))
+        wrong = torch.empty(call(*operands).shape, dtype=other, device=DEVICE)
+        with pytest.raises(RuntimeError, match="expected out tensor to have dtype"):
+            call(*operands, out=wrong)
     nan = torch.full((10, 56), float("nan"), dtype=DTYPE, device=DEVICE)
     assert torch.equal(torch.addmm(nan, x[:10], w.t(), beta=0, alpha=2), linear[:10] * 2)  # beta 0: self ignored
     doubles = torch.randn(5, 7, dtype=torch.float64, device=DEVICE)  # a dtype the kernel does not take

@@ -115,6 +115,9 @@ def _mm(a, b):
 
 
 def _mm_out(a, b, *, out):
+    if out.dtype != a.dtype:  # as aten's mm.out and bmm.out refuse it (no silent cast into out)
+        raise RuntimeError(f"batch-invariant matmul: expected out tensor to have dtype {a.dtype}, but got "
+                           f"{out.dtype} instead")
     if _fits(a, b, out):
         return matmul(a, b, out=out)
     return out.copy_(_reference(a, b))
