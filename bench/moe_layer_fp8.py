@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 layer (its time and the error)")
     parser.add_argument("--profile", action="store_true", help="print the layer's slowest kernels at each count")
     parser.add_argument("--bias-std", type=float, default=0.01,
-                        help="spread of DeepSeek-V3's random e_score_correction_bias (0.1: sessions 40-47's skewed routing)")
+                        help="spread of DeepSeek-V3's random e_score_correction_bias (0.1: sessions 40-47's, skewed)")
     args = parser.parse_args()
     require_cuda(__file__)
     shape = MOE_SHAPES[args.shape]

@@ -37,8 +37,8 @@ step ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider --timeout 50 
 wait
 cat /tmp/spills.log >>$LOG; tail -n 20 /tmp/spills.log; save
 v3=tests/gpu/test_gpu_v3_afd.py
-v3_tests=("$v3::test_v3_shaped_monolith_equals_afd_with_graphs[fp8-2A1F-stages2]"
-          "$v3::test_v3_shaped_monolith_equals_afd_with_graphs[fp8-1A1F-stages2-gate_attention-ep2]"
+v3_tests=("$v3::test_v3_shaped_monolith_equals_afd_with_graphs_in_batch_invariant_mode[fp8-2A1F-stages2]"
+          "$v3::test_v3_shaped_monolith_equals_afd_with_graphs_in_batch_invariant_mode[fp8-1A1F-stages2-gate_attention-ep2]"
           "$v3::test_v3_shaped_monolith_equals_afd_over_nccl[fp8]")
 [ -n "${V3_TESTS:-}" ] && read -r -a v3_tests <<<"$V3_TESTS"
 export AFD_GPU_SHARE_ONE=1 NCCL_DEBUG=WARN AFD_V3_FORMATS=${V3_FORMATS:-fp8}

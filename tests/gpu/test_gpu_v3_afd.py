@@ -109,7 +109,7 @@ def test_v3_shaped_monolith_equals_afd_with_graphs_in_batch_invariant_mode(weigh
     ranks with their own prompts, or two micro-batches), and in the default mode cuBLAS rounds a token's dense
     projections by the row count of its GEMM (bf16 and FP8 block-scaled alike): on an H100 greedy tokens parted from
     the monolith's in the default mode for bf16 2A1F (at the third token, session 46) and for both FP8 cases (session
-    48), where on an H200 the FP8 ones had matched (session 42). Batch-invariant mode (`afd.kernels.batch_invariant`) rounds a
-    token alike whatever its step's row count, so equality holds by design."""
+    48), where on an H200 the FP8 ones had matched (session 42). Batch-invariant mode (`afd.kernels.batch_invariant`)
+    rounds a token alike whatever its step's row count, so equality holds by design."""
     reference = v3_monolith(weights, invariant=True)
     assert afd_v3(v3_checkpoints[weights], topology, stages, True, gate, shards, invariant=True) == reference
