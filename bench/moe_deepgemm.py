@@ -5,7 +5,8 @@ MoE on Hopper), same shapes, same balanced routing, same GPU.
     python3 bench/moe_deepgemm.py --formats fp8 --tokens 4096
 
 Needs a `deep_gemm` built against the torch at hand (PyPI's `sgl-deep-gemm` 0.2.5 is built against another torch:
-its `_C.so` does not load under torch 2.11). What session 48 built on the device image (not in this repository):
+its `_C.so` does not load under torch 2.11); `bench/deepgemm_build.sh` packs the sources here and builds them on the
+device. What session 48 built on the device image (not in this repository):
 deepseek-ai/DeepGEMM 54e2261 (2.6.1) with NVIDIA/cutlass f3fde58 and fmtlib/fmt 553ec11 as its third-party
 directories, `cute` and `cutlass` copied into `deep_gemm/include`, then
 `CC=/usr/bin/g++-13 CXX=/usr/bin/g++-13 LDSHARED="/usr/bin/g++-13 -shared" python3 setup.py build_ext --inplace`
