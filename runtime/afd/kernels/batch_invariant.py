@@ -114,10 +114,15 @@ def _mm(a, b):
     return matmul(a, b) if _fits(a, b) else _reference(a, b)
 
 
+def _check_out(out: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse an `out` of another dtype than the product's, as aten's `.out` forms do (no silent cast into it)."""
+    if out.dtype != dtype:
+        raise RuntimeError(f"batch-invariant matmul: expected out tensor to have dtype {dtype}, but got {out.dtype} "
+                           "instead")
+
+
 def _mm_out(a, b, *, out):
-    if out.dtype != a.dtype:  # as aten's mm.out and bmm.out refuse it (no silent cast into out)
-        raise RuntimeError(f"batch-invariant matmul: expected out tensor to have dtype {a.dtype}, but got "
-                           f"{out.dtype} instead")
+    _check_out(out, a.dtype)
     if _fits(a, b, out):
         return matmul(a, b, out=out)
     return out.copy_(_reference(a, b))
@@ -128,8 +133,7 @@ def _mm_dtype(a, b, out_dtype):
 
 
 def _mm_dtype_out(a, b, out_dtype, *, out):
-    if out.dtype != out_dtype:
-        raise RuntimeError(f"batch-invariant matmul: out is {out.dtype}, out_dtype {out_dtype}")
+    _check_out(out, out_dtype)
     return matmul(a, b, out=out)
 
 
