@@ -58,6 +58,9 @@ class DeepGemmLayer:
         row_of_pair[layout.pairs.long()] = torch.arange(layout.pairs.shape[0], device=x.device)
         self.row_of_pair, self.slots, self.top_k = row_of_pair[:num_pairs], slots, top_k
         self.rows = layout.pairs.shape[0]
+        # the two GEMMs' outputs ([rows, 2I], [rows, H], bf16: what DeepGEMM writes), shared by __call__ and gemms
+        self.first = torch.empty(self.rows, 2 * self.inter, dtype=torch.bfloat16, device=x.device)
+        self.second = torch.empty(self.rows, self.hidden, dtype=torch.bfloat16, device=x.device)
 
     def _grouped(self, a, a_scale, w, w_scale, out):
         if w_scale is None:
@@ -67,14 +70,14 @@ class DeepGemmLayer:
 
     def gemms(self, x):
         """(gate_up, down) closures over fixed operands, for timing the GEMMs alone."""
-        fp8 = self.gate_up_scale is not None
-        first = torch.empty(self.rows, 2 * self.inter, dtype=torch.bfloat16, device=x.device)
-        second = torch.empty(self.rows, self.hidden, dtype=torch.bfloat16, device=x.device)
         a, a_scale = self._rows(x)
-        act = torch.randn(self.rows, self.inter, device=x.device, dtype=torch.bfloat16)
-        act, act_scale = fp8_gemm.per_token_group_quant(act) if fp8 else (act, None)
-        return (lambda: self._grouped(a, a_scale, self.gate_up, self.gate_up_scale, first),
-                lambda: self._grouped(act, act_scale, self.down, self.down_scale, second))
+        act, act_scale = self._down_operand(torch.randn(self.rows, self.inter, device=x.device, dtype=torch.bfloat16))
+        return (lambda: self._grouped(a, a_scale, self.gate_up, self.gate_up_scale, self.first),
+                lambda: self._grouped(act, act_scale, self.down, self.down_scale, self.second))
+
+    def _down_operand(self, act):
+        """(down's A, its scales): `act` (bf16), quantized per 128 columns for FP8 experts."""
+        return fp8_gemm.per_token_group_quant(act) if self.down_scale is not None else (act, None)
 
     def _rows(self, x):
         if self.gate_up_scale is None:
@@ -83,13 +86,10 @@ class DeepGemmLayer:
         return x_q[self.token_of_row], x_scale[self.token_of_row].contiguous()
 
     def __call__(self, x, weights):
-        first = torch.empty(self.rows, 2 * self.inter, dtype=torch.bfloat16, device=x.device)
-        second = torch.empty(self.rows, self.hidden, dtype=torch.bfloat16, device=x.device)
+        first, second = self.first, self.second
         self._grouped(*self._rows(x), self.gate_up, self.gate_up_scale, first)
-        act = (torch.nn.functional.silu(first[:, :self.inter].float()) * first[:, self.inter:].float())
-        act, act_scale = (fp8_gemm.per_token_group_quant(act.bfloat16()) if self.gate_up_scale is not None
-                          else (act.bfloat16(), None))
-        self._grouped(act, act_scale, self.down, self.down_scale, second)
+        act = torch.nn.functional.silu(first[:, :self.inter].float()) * first[:, self.inter:].float()
+        self._grouped(*self._down_operand(act.bfloat16()), self.down, self.down_scale, second)
         per_slot = second[self.row_of_pair].view(x.shape[0], self.slots, self.hidden).float()
         routed = (per_slot[:, :self.top_k] * weights[..., None].float()).bfloat16().float().sum(1)
         return (routed + per_slot[:, self.top_k:].sum(1)).to(x.dtype)
