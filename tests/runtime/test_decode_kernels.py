@@ -48,11 +48,12 @@ def test_grouped_decode_kernel_equals_attention(heads, kv_heads, dk, dv, splits)
 
 @needs_triton
 @pytest.mark.parametrize("splits", [1, 5])
-def test_latent_decode_kernel_in_slices_equals_attention(splits):
+@pytest.mark.parametrize("heads", [4, 40])  # one block of 16 heads, or three (the last part-filled)
+def test_latent_decode_kernel_in_slices_equals_attention(splits, heads):
     from afd.kernels.decode_attention import paged_latent_decode_attention
 
     latent, rope = 32, 16
-    q, cache, _, tables, lens, block_size = _case(7, 4, 1, latent + rope, 1, [5, 1, 66])
+    q, cache, _, tables, lens, block_size = _case(7, heads, 1, latent + rope, 1, [5, 1, 66])
     want = _reference(q, cache, cache[:, :, :latent], tables, lens, block_size, 0.3)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     got = paged_latent_decode_attention(to(q), to(cache), latent, to(tables), to(lens), block_size, 0.3, splits=splits)
@@ -115,7 +116,10 @@ def test_slices_fill_the_device_from_shapes_alone():
     from afd.kernels.decode_attention import MAX_SPLITS, plan_splits
 
     assert plan_splits(1, 132) == MAX_SPLITS  # one sequence: its keys over many multiprocessors
-    assert plan_splits(64, 132) == 3
-    assert plan_splits(256, 132) == 1  # enough programs: no slices, no merge kernel
+    assert plan_splits(32, 132) == 8  # at most two programs a multiprocessor (bench/decode_tune.py's best)
+    assert plan_splits(64, 132) == 4
+    assert plan_splits(128, 132) == 2
+    assert plan_splits(264, 132) == 1  # enough programs: no slices, no merge kernel
+    assert plan_splits(1000, 132) == 1
     with pytest.raises(ValueError, match="must be positive"):
         plan_splits(0, 132)

@@ -4,17 +4,20 @@ Graph-friendly: every shape is (batch, heads, dims); each sequence's length is r
 the device, so one captured graph serves any mix of context lengths up to the table width.
 A program serves every query head that shares a key head (MLA: a block of 16 heads of the one
 latent row), so each cached row is read once per key head, and each sequence's keys are cut
-into as many slices as fill the device (`plan_splits`: many at batch 1, one from ~132 programs
-up), merged by a second small kernel (flash-decoding). The slice count is an argument, not a compile-time
-constant: an eager step (decodes beside a prompt) meets every count from 1 to 16, and each compiled variant
-cost a JIT compile in the middle of serving (issue 33: TTFT 0.7-6 s at 16-64 streams); two variants remain. The
-block tables' width (the step's longest sequence, in blocks) is not specialized on either (Triton would compile
+into as many slices as give the device two programs a multiprocessor (`plan_splits`: many at batch 1,
+one from ~264 programs up), merged by a second small kernel (flash-decoding); slices and launch
+settings were measured against the KV byte floor (`bench/decode_tune.py`). The slice count is an
+argument, not a compile-time constant: an eager step (decodes beside a prompt) meets every count
+from 1 to 16, and each compiled variant cost a JIT compile in the middle of serving (issue 33: TTFT
+0.7-6 s at 16-64 streams); two variants remain. The block tables' width (the step's longest
+sequence, in blocks) is not specialized on either (Triton would compile
 apart widths of 1 and multiples of 16).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -113,18 +116,44 @@ def _combine_kernel(part_ptr, stat_ptr, out_ptr, heads, stride_ob, stride_oh, sp
 MAX_SPLITS = 16
 
 
+PROGRAMS_PER_MULTIPROCESSOR = 2  # measured: one program a multiprocessor leaves HBM idle, more cost merge traffic
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How a decode kernel is launched: key rows a loop step, warps, software-pipeline stages."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def options(self) -> dict:
+        return {"BLOCK_N": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+# The fastest settings of bench/decode_tune.py's sweep at batch 32-256 and contexts 1,024-4,096 (H100): two stages
+# of 64 key rows; the latent kernel's [16, 512] float32 accumulator wants 8 warps.
+LATENT_LAUNCH = DecodeLaunch(block_n=64, num_warps=8, num_stages=2)
+GQA_LAUNCH = DecodeLaunch(block_n=64, num_warps=4, num_stages=2)
+FP32_LAUNCH = DecodeLaunch(block_n=32, num_warps=4, num_stages=3)  # float32 rows (parity runs): half the key rows
+
+
+def _launch(chosen: DecodeLaunch | None, bf16_default: DecodeLaunch, dtype: torch.dtype) -> DecodeLaunch:
+    """`chosen`, else the measured default for 16-bit caches; float32's 64-row stages would not fit shared memory."""
+    return chosen or (FP32_LAUNCH if dtype == torch.float32 else bf16_default)
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def plan_splits(programs: int, multiprocessors: int, max_splits: int = MAX_SPLITS) -> int:
-    """Slices of every sequence's keys so that `programs` (sequences × head groups) fill the device: a step of
-    few sequences reads a long context on many multiprocessors, not one (pure; from shapes only, so a
-    captured graph serves any context length)."""
+    """Slices of every sequence's keys so that `programs` (sequences × head groups) come to at most two a
+    multiprocessor: a step of few sequences reads a long context on many multiprocessors, not one (pure; from
+    shapes only, so a captured graph serves any context length)."""
     if programs < 1 or multiprocessors < 1:
         raise ValueError(f"programs {programs} and multiprocessors {multiprocessors} must be positive")
-    return max(1, min(max_splits, -(-multiprocessors // programs)))
+    return max(1, min(max_splits, PROGRAMS_PER_MULTIPROCESSOR * multiprocessors // programs))
 
 
 def default_splits(programs: int, device: torch.device) -> int:
@@ -167,6 +196,7 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     splits: int | None = None,  # slices of each sequence's keys (None: `plan_splits`)
+    launch: DecodeLaunch | None = None,  # None: GQA_LAUNCH (FP32_LAUNCH for float32)
 ) -> torch.Tensor:
     """Attention of each sequence's one new query over its cached keys: [B, Hq, Dv]."""
     batch, heads, dk = q.shape
@@ -186,7 +216,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1),
         out.stride(0), out.stride(1),
         DK=dk, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-        BLOCK_DV=block_dv, BLOCK_N=32, SPLIT=splits > 1, PRECISION=_precision(q.dtype), num_warps=4,
+        BLOCK_DV=block_dv, SPLIT=splits > 1, PRECISION=_precision(q.dtype),
+        **_launch(launch, GQA_LAUNCH, cache_k.dtype).options(),
         **launch_options(q.device),
     )
     _combine(part, stat, out, splits, dv, block_dv)
@@ -245,6 +276,7 @@ def paged_latent_decode_attention(
     scale: float,
     splits: int | None = None,  # slices of each sequence's keys (None: `plan_splits`)
     q_rope: torch.Tensor | None = None,  # [B, H, rope]: the queries' rotary part apart (then q is [B, H, latent])
+    launch: DecodeLaunch | None = None,  # None: LATENT_LAUNCH (FP32_LAUNCH for float32)
 ) -> torch.Tensor:
     """MLA decode over a paged latent cache: [B, H, latent], the latent doubling as the value.
 
@@ -273,8 +305,8 @@ def paged_latent_decode_attention(
         heads, block_table.shape[1], block_size, scale, splits,
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_L=block_l,
-        BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_N=32, SPLIT=splits > 1, PRECISION=_precision(q.dtype),
-        num_warps=4, **launch_options(q.device),
+        BLOCK_R=max(16, triton.next_power_of_2(rope)), SPLIT=splits > 1, PRECISION=_precision(q.dtype),
+        **_launch(launch, LATENT_LAUNCH, cache.dtype).options(), **launch_options(q.device),
     )
     _combine(part, stat, out, splits, latent_dim, block_l)
     return out
