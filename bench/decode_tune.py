@@ -2,7 +2,7 @@
 
 For the MLA latent kernel (DeepSeek-V2-Lite: 16 heads over one 576-wide latent row; DeepSeek-V3: 128 heads) and the
 grouped-query kernel (Qwen3-30B-A3B: 32 query heads on 4 key heads of 128), at each batch and context: the default
-(`plan_splits`, `LATENT_LAUNCH` / `GQA_LAUNCH`) and every (slices, rows a step, warps, stages) of the sweep,
+(`plan_splits`, `latent_launch` / `gqa_launch`) and every (slices, rows a step, warps, stages) of the sweep,
 each the median of graph replays; the cache is read through shuffled block tables over copies that together
 outgrow L2, so every call reads its keys from HBM. Prints µs and ÷ the floor (the KV bytes at the measured copy rate).
 `python3 bench/decode_tune.py [--shapes ...] [--batches 32,64,128,256] [--contexts 1024,4096]`
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import asdict
 
 import torch
 
@@ -61,10 +62,14 @@ def make_call(shape: str, batch: int, context: int):
 
 
 def sweep(shape: str, batch: int, context: int, splits_list, launches, copy_rate: float) -> dict:
-    from afd.kernels.decode_attention import default_splits
+    from afd.kernels.decode_attention import default_splits, gqa_launch, latent_launch
 
-    kind, _, kv_heads, _, _ = SHAPES[shape]
-    programs = batch * (-(-SHAPES[shape][1] // 16) if kind == "latent" else kv_heads)
+    kind, heads, kv_heads, _, _ = SHAPES[shape]
+    if kind == "latent":
+        per_program, measured = latent_launch(heads, torch.bfloat16)
+        programs = batch * -(-heads // per_program)
+    else:
+        measured, programs = gqa_launch(torch.bfloat16), batch * kv_heads
     call, copies = make_call(shape, batch, context)
     floor_us = kv_bytes(shape, batch, context) / copy_rate * 1e6
 
@@ -81,11 +86,11 @@ def sweep(shape: str, batch: int, context: int, splits_list, launches, copy_rate
     for splits, launch in itertools.product(splits_list, launches):
         us = timed(splits, launch)
         if us is not None:
-            results.append({"splits": splits, **launch.__dict__, "us": us})
+            results.append({"splits": splits, **asdict(launch), "us": us})
     best = min(results, key=lambda r: r["us"])
-    row = {"shape": shape, "batch": batch, "context": context, "programs": programs,
-           "default_splits": default_splits(programs, torch.device("cuda")), "floor_us": floor_us,
-           "default_us": default, "best": best, "results": results}
+    splits = default_splits(programs, torch.device("cuda"), measured.programs_per_multiprocessor)
+    row = {"shape": shape, "batch": batch, "context": context, "programs": programs, "default_splits": splits,
+           "floor_us": floor_us, "default_us": default, "best": best, "results": results}
     print(f"{shape:<17} b {batch:>4} ctx {context:>5}  floor {floor_us:8.1f} us  default {default:8.1f} us "
           f"(÷ {default / floor_us:4.2f}, {row['default_splits']} slices)  best {best['us']:8.1f} us "
           f"(÷ {best['us'] / floor_us:4.2f}: {best['splits']} slices, {best['block_n']} rows, "
@@ -108,7 +113,7 @@ def main() -> None:
     from afd.kernels.decode_attention import DecodeLaunch
 
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    launches = [DecodeLaunch(n, w, s)
+    launches = [DecodeLaunch(n, w, s)  # slices are swept, so programs_per_multiprocessor plays no part
                 for n, w, s in itertools.product(ints(args.block_n), ints(args.warps), ints(args.stages))]
     copy_rate = ceilings()["copy_bytes_per_s"]
     print(f"copy rate {copy_rate / 1e12:.2f} TB/s; {len(launches)} launch settings × {len(ints(args.splits))} "

@@ -114,12 +114,13 @@ def test_paged_decode_kernel_equals_sdpa():
     assert torch.allclose(out.cpu(), reference, atol=1e-4)
 
 
+@pytest.mark.parametrize("heads", [16, 128])  # DeepSeek-V2-Lite; DeepSeek-V3 (64 heads a program in bf16)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_latent_decode_kernel_equals_the_reference(dtype):
+def test_latent_decode_kernel_equals_the_reference(dtype, heads):
     from afd.kernels.decode_attention import paged_latent_decode_attention
     from tests.runtime.test_mla_cache import _expanded_reference, _latent_decode_case
 
-    q, cache, tables, lens, block_size, latent = _latent_decode_case(heads=16, latent=512, rope=64)
+    q, cache, tables, lens, block_size, latent = _latent_decode_case(heads=heads, latent=512, rope=64)
     want = _expanded_reference(q, cache, tables, lens, block_size, latent, 0.07)
     got = paged_latent_decode_attention(q.to("cuda", dtype), cache.to("cuda", dtype), latent, tables.cuda(), lens.cuda(),
                                         block_size, 0.07)

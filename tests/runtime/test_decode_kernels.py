@@ -4,7 +4,7 @@ attention. Runs on a GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1 bef
 import pytest
 import torch
 
-from tests.kernel_device import NO_KERNEL_DEVICE, LaunchRecorder, kernel_device
+from tests.kernel_device import KERNEL_DTYPES, NO_KERNEL_DEVICE, LaunchRecorder, kernel_device
 
 DEVICE = kernel_device()
 needs_triton = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
@@ -58,6 +58,33 @@ def test_latent_decode_kernel_in_slices_equals_attention(splits, heads):
     to = lambda t: t.to(DEVICE)  # noqa: E731
     got = paged_latent_decode_attention(to(q), to(cache), latent, to(tables), to(lens), block_size, 0.3, splits=splits)
     assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 5])
+def test_latent_decode_kernel_with_64_heads_a_program_equals_attention_in_16_bits(splits):
+    """DeepSeek-V3's 128 heads (here 80: a full block of 64 and a part-filled one) run 64 heads a program in
+    16-bit: the same attention, within the 16-bit rounding."""
+    from afd.kernels.decode_attention import latent_launch, paged_latent_decode_attention
+
+    dtype = KERNEL_DTYPES[DEVICE]
+    assert latent_launch(80, dtype)[0] == 64
+    latent, rope = 32, 16
+    q, cache, _, tables, lens, block_size = _case(9, 80, 1, latent + rope, 1, [5, 1, 66])
+    q, cache = q.to(dtype), cache.to(dtype)
+    want = _reference(q, cache, cache[:, :, :latent], tables, lens, block_size, 0.3)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    got = paged_latent_decode_attention(to(q), to(cache), latent, to(tables), to(lens), block_size, 0.3, splits=splits)
+    assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-2
+
+
+def test_the_latent_kernel_serves_64_heads_a_program_where_a_layer_has_that_many_in_16_bits():
+    from afd.kernels.decode_attention import latent_launch
+
+    assert latent_launch(16, torch.bfloat16)[0] == 16  # DeepSeek-V2-Lite
+    heads, launch = latent_launch(128, torch.bfloat16)  # DeepSeek-V3
+    assert heads == 64 and launch.programs_per_multiprocessor == 1
+    assert latent_launch(128, torch.float32)[0] == 16  # float32's accumulator would not fit registers
 
 
 @needs_triton
@@ -121,5 +148,6 @@ def test_slices_fill_the_device_from_shapes_alone():
     assert plan_splits(128, 132) == 2
     assert plan_splits(264, 132) == 1  # enough programs: no slices, no merge kernel
     assert plan_splits(1000, 132) == 1
+    assert plan_splits(32, 132, per_multiprocessor=1) == 4  # a math-bound launch (64 heads a program)
     with pytest.raises(ValueError, match="must be positive"):
         plan_splits(0, 132)

@@ -116,30 +116,42 @@ def _combine_kernel(part_ptr, stat_ptr, out_ptr, heads, stride_ob, stride_oh, sp
 MAX_SPLITS = 16
 
 
-PROGRAMS_PER_MULTIPROCESSOR = 2  # measured: one program a multiprocessor leaves HBM idle, more cost merge traffic
-
-
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """How a decode kernel is launched: key rows a loop step, warps, software-pipeline stages."""
+    """How a decode kernel is launched: key rows a loop step, warps, software-pipeline stages, and the programs a
+    multiprocessor that `plan_splits` cuts keys for (two: one leaves HBM idle, more cost merge traffic)."""
     block_n: int
     num_warps: int
     num_stages: int
+    programs_per_multiprocessor: int = 2
 
     def options(self) -> dict:
         return {"BLOCK_N": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
 # The fastest settings of bench/decode_tune.py's sweep at batch 32-256 and contexts 1,024-4,096 (H100): two stages
-# of 64 key rows; the latent kernel's [16, 512] float32 accumulator wants 8 warps.
+# of 64 key rows; the latent kernel's [16, 512] float32 accumulator wants 8 warps. With 64 heads a program the
+# latent kernel is bound by its math, not its reads: one program a multiprocessor.
 LATENT_LAUNCH = DecodeLaunch(block_n=64, num_warps=8, num_stages=2)
+LATENT_MANY_HEADS_LAUNCH = DecodeLaunch(block_n=64, num_warps=8, num_stages=2, programs_per_multiprocessor=1)
 GQA_LAUNCH = DecodeLaunch(block_n=64, num_warps=4, num_stages=2)
 FP32_LAUNCH = DecodeLaunch(block_n=32, num_warps=4, num_stages=3)  # float32 rows (parity runs): half the key rows
+MANY_HEADS = 64
 
 
-def _launch(chosen: DecodeLaunch | None, bf16_default: DecodeLaunch, dtype: torch.dtype) -> DecodeLaunch:
-    """`chosen`, else the measured default for 16-bit caches; float32's 64-row stages would not fit shared memory."""
-    return chosen or (FP32_LAUNCH if dtype == torch.float32 else bf16_default)
+def gqa_launch(dtype: torch.dtype) -> DecodeLaunch:
+    """The grouped-query kernel's launch: measured for 16-bit caches; float32's 64-row stages would not fit shared
+    memory."""
+    return FP32_LAUNCH if dtype == torch.float32 else GQA_LAUNCH
+
+
+def latent_launch(heads: int, dtype: torch.dtype) -> tuple[int, DecodeLaunch]:
+    """The latent kernel's query heads a program and launch. 16 heads (tl.dot's fewest rows; fewer are masked), or
+    64 where a layer has that many in 16-bit: DeepSeek-V3's 128 heads read each latent row twice, not eight times,
+    and its math, not its reads, bounds it (1.7× faster at batch 64 on an H100, bench/RESULTS.md session 49)."""
+    if dtype == torch.float32:
+        return 16, FP32_LAUNCH
+    return (MANY_HEADS, LATENT_MANY_HEADS_LAUNCH) if heads >= MANY_HEADS else (16, LATENT_LAUNCH)
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,21 +159,22 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def plan_splits(programs: int, multiprocessors: int, max_splits: int = MAX_SPLITS) -> int:
-    """Slices of every sequence's keys so that `programs` (sequences × head groups) come to at most two a
-    multiprocessor: a step of few sequences reads a long context on many multiprocessors, not one (pure; from
-    shapes only, so a captured graph serves any context length)."""
-    if programs < 1 or multiprocessors < 1:
-        raise ValueError(f"programs {programs} and multiprocessors {multiprocessors} must be positive")
-    return max(1, min(max_splits, PROGRAMS_PER_MULTIPROCESSOR * multiprocessors // programs))
+def plan_splits(programs: int, multiprocessors: int, per_multiprocessor: int = 2, max_splits: int = MAX_SPLITS) -> int:
+    """Slices of every sequence's keys so that `programs` (sequences × head groups) come to at most
+    `per_multiprocessor` a multiprocessor: a step of few sequences reads a long context on many multiprocessors,
+    not one (pure; from shapes only, so a captured graph serves any context length)."""
+    if programs < 1 or multiprocessors < 1 or per_multiprocessor < 1:
+        raise ValueError(f"programs {programs}, multiprocessors {multiprocessors} and per_multiprocessor "
+                         f"{per_multiprocessor} must be positive")
+    return max(1, min(max_splits, per_multiprocessor * multiprocessors // programs))
 
 
-def default_splits(programs: int, device: torch.device) -> int:
+def default_splits(programs: int, device: torch.device, per_multiprocessor: int = 2) -> int:
     """`plan_splits` on `device`; in batch-invariant mode one slice whatever the batch (a sequence's keys summed in
     one order: `afd.kernels.batch_invariant`)."""
     if batch_invariant.enabled():
         return batch_invariant.DECODE_SPLITS
-    return plan_splits(programs, _multiprocessors(device))
+    return plan_splits(programs, _multiprocessors(device), per_multiprocessor)
 
 
 def _partials(batch: int, heads: int, splits: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +209,7 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     splits: int | None = None,  # slices of each sequence's keys (None: `plan_splits`)
-    launch: DecodeLaunch | None = None,  # None: GQA_LAUNCH (FP32_LAUNCH for float32)
+    launch: DecodeLaunch | None = None,  # None: `gqa_launch`
 ) -> torch.Tensor:
     """Attention of each sequence's one new query over its cached keys: [B, Hq, Dv]."""
     batch, heads, dk = q.shape
@@ -206,7 +219,8 @@ def paged_decode_attention(
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key heads evenly")
     group = heads // kv_heads
-    splits = splits or default_splits(batch * kv_heads, q.device)
+    launch = launch or gqa_launch(cache_k.dtype)
+    splits = splits or default_splits(batch * kv_heads, q.device, launch.programs_per_multiprocessor)
     block_dv = max(16, triton.next_power_of_2(dv))
     out = torch.empty(batch, heads, dv, dtype=q.dtype, device=q.device)
     part, stat = _partials(batch, heads, splits, block_dv, q.device)
@@ -216,8 +230,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1),
         out.stride(0), out.stride(1),
         DK=dk, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-        BLOCK_DV=block_dv, SPLIT=splits > 1, PRECISION=_precision(q.dtype),
-        **_launch(launch, GQA_LAUNCH, cache_k.dtype).options(),
+        BLOCK_DV=block_dv, SPLIT=splits > 1, PRECISION=_precision(q.dtype), **launch.options(),
         **launch_options(q.device),
     )
     _combine(part, stat, out, splits, dv, block_dv)
@@ -276,12 +289,12 @@ def paged_latent_decode_attention(
     scale: float,
     splits: int | None = None,  # slices of each sequence's keys (None: `plan_splits`)
     q_rope: torch.Tensor | None = None,  # [B, H, rope]: the queries' rotary part apart (then q is [B, H, latent])
-    launch: DecodeLaunch | None = None,  # None: LATENT_LAUNCH (FP32_LAUNCH for float32)
+    launch: DecodeLaunch | None = None,  # None: `latent_launch`
 ) -> torch.Tensor:
     """MLA decode over a paged latent cache: [B, H, latent], the latent doubling as the value.
 
-    One program serves a block of heads of one sequence, so each latent row is read once
-    per head block (not once per head as the per-head kernel would). The queries' latent and rotary
+    One program serves a block of heads of one sequence (`latent_launch`), so each latent
+    row is read once per head block (not once per head as the per-head kernel would). The queries' latent and rotary
     parts may come as two tensors of any row strides (`q_rope`): the absorbed latent straight from its
     batched GEMM, the rotary part where the projection left it, with no concatenation.
     """
@@ -295,9 +308,10 @@ def paged_latent_decode_attention(
                          f"queries; got cache {tuple(cache.shape)}, q {tuple(q.shape)}, q_rope {tuple(q_rope.shape)}")
     rope = width - latent_dim
     out = torch.empty(batch, heads, latent_dim, dtype=q.dtype, device=q.device)
-    block_h = 16  # tl.dot needs 16 rows; fewer heads are masked
+    block_h, measured = latent_launch(heads, cache.dtype)
+    launch = launch or measured
     head_blocks = triton.cdiv(heads, block_h)
-    splits = splits or default_splits(batch * head_blocks, q.device)
+    splits = splits or default_splits(batch * head_blocks, q.device, launch.programs_per_multiprocessor)
     block_l = max(16, triton.next_power_of_2(latent_dim))
     part, stat = _partials(batch, heads, splits, block_l, q.device)
     _latent_decode_kernel[(batch, head_blocks, splits)](
@@ -306,7 +320,7 @@ def paged_latent_decode_attention(
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_L=block_l,
         BLOCK_R=max(16, triton.next_power_of_2(rope)), SPLIT=splits > 1, PRECISION=_precision(q.dtype),
-        **_launch(launch, LATENT_LAUNCH, cache.dtype).options(), **launch_options(q.device),
+        **launch.options(), **launch_options(q.device),
     )
     _combine(part, stat, out, splits, latent_dim, block_l)
     return out
