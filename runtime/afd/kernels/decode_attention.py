@@ -3,14 +3,15 @@
 Graph-friendly: every shape is (batch, heads, dims); each sequence's length is read on
 the device, so one captured graph serves any mix of context lengths up to the table width.
 A program serves every query head that shares a key head (MLA: a block of 16 heads of the one
-latent row), so each cached row is read once per key head, and each sequence's keys are cut
-into as many slices as give the device two programs a multiprocessor (`plan_splits`: many at batch 1,
-one from ~264 programs up), merged by a second small kernel (flash-decoding); slices and launch
-settings were measured against the KV byte floor (`bench/decode_tune.py`). The slice count is an
-argument, not a compile-time constant: an eager step (decodes beside a prompt) meets every count
-from 1 to 16, and each compiled variant cost a JIT compile in the middle of serving (issue 33: TTFT
-0.7-6 s at 16-64 streams); two variants remain. The block tables' width (the step's longest
-sequence, in blocks) is not specialized on either (Triton would compile
+latent row, 64 with DeepSeek-V3's 128), so each cached row is read once per key head, and each
+sequence's keys are cut into as many slices as give the device two programs a multiprocessor
+(`plan_splits`: many at batch 1, one from ~264 programs up), merged by a second small kernel
+(flash-decoding); slices and launch settings were measured against the KV byte floor
+(`bench/decode_tune.py`). The slice count is an argument, not a compile-time constant: an eager
+step (decodes beside a prompt) meets every count from 1 to 16, and each compiled variant cost a JIT
+compile in the middle of serving (issue 33: TTFT 0.7-6 s at 16-64 streams); two variants remain.
+The block tables' width (the step's longest sequence, in blocks) is not specialized on either
+(Triton would compile
 apart widths of 1 and multiples of 16).
 """
 
