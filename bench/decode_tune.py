@@ -87,6 +87,9 @@ def sweep(shape: str, batch: int, context: int, splits_list, launches, copy_rate
         us = timed(splits, launch)
         if us is not None:
             results.append({"splits": splits, **asdict(launch), "us": us})
+    if not results:
+        raise SystemExit(f"{shape} batch {batch} context {context}: no swept setting fits the GPU (shared memory or "
+                         "registers); sweep smaller --block-n or --stages")
     best = min(results, key=lambda r: r["us"])
     splits = default_splits(programs, torch.device("cuda"), measured.programs_per_multiprocessor)
     row = {"shape": shape, "batch": batch, "context": context, "programs": programs, "default_splits": splits,

@@ -11,8 +11,7 @@ sequence's keys are cut into as many slices as give the device two programs a mu
 step (decodes beside a prompt) meets every count from 1 to 16, and each compiled variant cost a JIT
 compile in the middle of serving (issue 33: TTFT 0.7-6 s at 16-64 streams); two variants remain.
 The block tables' width (the step's longest sequence, in blocks) is not specialized on either
-(Triton would compile
-apart widths of 1 and multiples of 16).
+(Triton would compile apart widths of 1 and multiples of 16).
 """
 
 from __future__ import annotations
@@ -117,14 +116,17 @@ def _combine_kernel(part_ptr, stat_ptr, out_ptr, heads, stride_ob, stride_oh, sp
 MAX_SPLITS = 16
 
 
+PROGRAMS_PER_MULTIPROCESSOR = 2  # what slices aim at: one leaves HBM idle, more cost merge traffic (measured)
+
+
 @dataclass(frozen=True)
 class DecodeLaunch:
     """How a decode kernel is launched: key rows a loop step, warps, software-pipeline stages, and the programs a
-    multiprocessor that `plan_splits` cuts keys for (two: one leaves HBM idle, more cost merge traffic)."""
+    multiprocessor that `plan_splits` cuts keys for."""
     block_n: int
     num_warps: int
     num_stages: int
-    programs_per_multiprocessor: int = 2
+    programs_per_multiprocessor: int = PROGRAMS_PER_MULTIPROCESSOR
 
     def options(self) -> dict:
         return {"BLOCK_N": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -160,7 +162,8 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def plan_splits(programs: int, multiprocessors: int, per_multiprocessor: int = 2, max_splits: int = MAX_SPLITS) -> int:
+def plan_splits(programs: int, multiprocessors: int, per_multiprocessor: int = PROGRAMS_PER_MULTIPROCESSOR,
+                max_splits: int = MAX_SPLITS) -> int:
     """Slices of every sequence's keys so that `programs` (sequences × head groups) come to at most
     `per_multiprocessor` a multiprocessor: a step of few sequences reads a long context on many multiprocessors,
     not one (pure; from shapes only, so a captured graph serves any context length)."""
@@ -170,7 +173,7 @@ def plan_splits(programs: int, multiprocessors: int, per_multiprocessor: int = 2
     return max(1, min(max_splits, per_multiprocessor * multiprocessors // programs))
 
 
-def default_splits(programs: int, device: torch.device, per_multiprocessor: int = 2) -> int:
+def default_splits(programs: int, device: torch.device, per_multiprocessor: int = PROGRAMS_PER_MULTIPROCESSOR) -> int:
     """`plan_splits` on `device`; in batch-invariant mode one slice whatever the batch (a sequence's keys summed in
     one order: `afd.kernels.batch_invariant`)."""
     if batch_invariant.enabled():
@@ -294,10 +297,10 @@ def paged_latent_decode_attention(
 ) -> torch.Tensor:
     """MLA decode over a paged latent cache: [B, H, latent], the latent doubling as the value.
 
-    One program serves a block of heads of one sequence (`latent_launch`), so each latent
-    row is read once per head block (not once per head as the per-head kernel would). The queries' latent and rotary
-    parts may come as two tensors of any row strides (`q_rope`): the absorbed latent straight from its
-    batched GEMM, the rotary part where the projection left it, with no concatenation.
+    One program serves a block of heads of one sequence (`latent_launch`), so each latent row is
+    read once per head block (not once per head as the per-head kernel would). The queries' latent
+    and rotary parts may come as two tensors of any row strides (`q_rope`): the absorbed latent
+    straight from its batched GEMM, the rotary part where the projection left it, with no concatenation.
     """
     batch, heads = q.shape[:2]
     if q_rope is None:
