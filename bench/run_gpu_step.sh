@@ -25,7 +25,7 @@ step() {  # step SECONDS COMMAND...: the command's output into the log, its JSON
 steps=" ${STEPS:-tests floor serve0 serve2} "
 gpu=tests/gpu/test_gpu_path.py
 if [[ $steps == *" tests "* ]]; then
-  step ${TESTS_TIMEOUT:-100} python3 -m pytest -q -p no:cacheprovider --timeout 80 --maxfail 20 \
+  step ${TESTS_TIMEOUT:-180} python3 -m pytest -q -rfE -p no:cacheprovider --timeout 100 --maxfail 20 \
     tests/runtime/test_norm_rope.py tests/runtime/test_decode_kernels.py tests/runtime/test_routing_kernel.py \
     "tests/runtime/test_moe_triton_settings.py::test_the_one_program_layout_equals_the_four_launch_layout" \
     "$gpu::test_latent_decode_kernel_equals_the_reference" "$gpu::test_graph_replay_equals_eager_output" \

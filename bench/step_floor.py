@@ -206,6 +206,25 @@ def kv_cache(model, batch: int, context: int):
     return kv
 
 
+def fitting_kv_cache(model, batches: list[int], contexts: list[int], make=None):
+    """The KV cache for the largest batch (at the longest context) that fits beside the model, and the batches it
+    serves: a batch too large for this GPU (Qwen3-30B-A3B's 256 × 2,048 on 80 GB) is named and left out, not the
+    whole shape."""
+    make = make or kv_cache
+    batches = sorted(batches)
+    while True:
+        try:
+            return make(model, batches[-1], max(contexts)), batches
+        except torch.OutOfMemoryError:
+            if len(batches) == 1:
+                raise
+            print(f"batch {batches[-1]} × context {max(contexts):,}: its KV cache does not fit beside the weights "
+                  "on this GPU; measured without it", flush=True)
+            batches = batches[:-1]
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
 def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], steps: int, rates: dict,
               pdl_settings: tuple[bool, ...] = (False,)) -> list[dict]:
     from afd.graphs.decode import DecodeGraphs
@@ -218,7 +237,7 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
     rows = []
     vocab = config["vocab_size"]
     model, spec, crossing = random_model(config, "monolithic")
-    kv = kv_cache(model, max(batches), max(contexts))
+    kv, batches = fitting_kv_cache(model, batches, contexts)
     mono = model_traffic(model)
     moe_layers = len(mono.experts)
     runner = MonolithicRunner(LoadedModel(model, spec, crossing, "random"), kv)

@@ -9,7 +9,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from step_floor import ModelTraffic, ExpertLayer, model_traffic, parse_pdl, pdl_launches, step_floor  # noqa: E402
+from step_floor import (ExpertLayer, ModelTraffic, fitting_kv_cache, model_traffic, parse_pdl,  # noqa: E402
+                        pdl_launches, step_floor)
 
 from afd.models.loader import load_model  # noqa: E402
 
@@ -73,3 +74,16 @@ def test_pdl_launches_sets_the_variable_inside_and_restores_it(monkeypatch):
     with pdl_launches(False):
         assert process_setting("AFD_PDL") is False
     assert "AFD_PDL" not in os.environ
+
+
+def test_a_batch_whose_kv_cache_does_not_fit_is_left_out_not_the_whole_shape(capsys):
+    """Qwen3-30B-A3B's batch 256 at context 2,048 ran out of an 80 GB GPU and took the shape's other rows with it."""
+    def make(model, batch, context):
+        if batch * context > 64 * 2048:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return f"kv for {batch} × {context}"
+
+    assert fitting_kv_cache(None, [256, 1, 64], [128, 2048], make) == ("kv for 64 × 2048", [1, 64])
+    assert "batch 256 × context 2,048: its KV cache does not fit" in capsys.readouterr().out
+    with pytest.raises(torch.OutOfMemoryError):
+        fitting_kv_cache(None, [512], [2048], make)
