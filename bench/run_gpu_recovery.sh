@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 20 on the device machine: rank-loss recovery tests over NCCL, then the NCCL teardown timings. Logs under $OUT.
 # Needs the wheels of pyzmq, pydantic(-core), annotated-types, typing-inspection, typing-extensions, fastapi,
-# starlette, uvicorn, opentelemetry-api in .whl/ (carried); see the README's "GPU path" section.
+# starlette, uvicorn, opentelemetry-api in .whl/ (carried); see docs/gpu.md.
 # PYTEST_K: a -k expression (spaces allowed); AFD_RECOVERY_STREAM_TOKENS: tokens per stream (3000).
 set -u
 source bench/gpu_env.sh || exit 1

@@ -6,7 +6,7 @@
 #   PHASE=profile  py-spy samples of the API rank at 64 and 256 streams, default switch interval and 0.5 ms
 #   PHASE=pace     bench/engine_pace.py: the engine loop alone (no HTTP) against its ceiling, monolithic
 #   PHASE=largest  serve_gpu --context 2048 --largest-batch: each mode at the most streams its KV cache holds
-# Needs in .whl/ (carried): the wheels the README's "GPU path" section lists, and py-spy for PHASE=profile.
+# Needs in .whl/ (carried): the wheels docs/gpu.md lists, and py-spy for PHASE=profile.
 # Tables go to stdout, JSON and logs under $OUT.
 set -u
 source bench/gpu_env.sh || exit 1

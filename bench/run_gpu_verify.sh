@@ -9,7 +9,7 @@
 #   afd      AFD over NCCL == monolith after session 40's fusions and transports move, graph replay == eager,
 #            piecewise prompt graphs, expert parallelism, n choices sharing a prompt's KV blocks on CUDA
 #   v3       the DeepSeek-V3-shaped monolith == AFD over NCCL, FP8 then bf16 (EP2 with the gate on attention)
-#   moe_fp8  bench/moe_layer_fp8.py at DeepSeek-V3 shapes (the float32 shared row's cost against RESULTS' figures)
+#   moe_fp8  bench/moe_layer_fp8.py at DeepSeek-V3 shapes (the float32 shared row's cost against docs/performance.md)
 #   skinny   the skinny GEMM (issue 33) on the GPU, then bench/skinny_tune.py's table at the decode projections
 #   moe_small the small-token MoE path (issue 33) on the GPU (tests/runtime/test_moe_small.py, 60-120 s), then
 #            bench/moe_small.py (60 s): it vs the aligned path at T = 1, 2, 4, 8, both bf16 sample shapes and

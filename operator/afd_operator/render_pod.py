@@ -24,7 +24,7 @@ MODEL_DIR = "/models"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 DEFAULT_SCHEDULERS = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
-# Disruptions (README, "Failure handling"). A pod being stopped first stays in service this
+# Disruptions (docs/failure-handling.md). A pod being stopped first stays in service this
 # long, unready, so that every proxy has dropped it from the client Service before it stops accepting.
 DRAIN_SECONDS = 5
 STOP_MARGIN_SECONDS = 10  # after the grace: the engine stops, the FFN link says goodbye
