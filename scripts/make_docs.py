@@ -59,7 +59,7 @@ def render_configuration() -> str:
         return ", ".join(f"`{name}`" for name in settings)
 
     lines += ["", "## From an AFDDeployment", "",
-              "The operator renders `spec.afd` (`AFDSettings.runtime()` in `operator/afd_operator/model.py`: same names,",
+              "The operator renders `spec.afd` (`AFDSettings.runtime()` in `operator/afd_operator/model/spec.py`: same names,",
               "but `computeGateOnAttention` → `gate_on_attention`, `cudaGraphs.enabled` → `cuda_graphs`, `vllmArgs` →",
               "`vllm_args` shell-quoted, `apiServers` N > 0 → `api_process` and `api_servers`) into every pod:",
               f"as variables: {names(ENV_SETTINGS)}; on vLLM attention pods also {names(VLLM_ENV_SETTINGS)};",

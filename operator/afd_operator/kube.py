@@ -15,7 +15,7 @@ import time
 from typing import Any, Optional, Protocol
 
 from afd_operator.labels import OPERATOR
-from afd_operator.model import API_VERSION
+from afd_operator.model.spec import API_VERSION
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import base64
 from typing import Any
 
 from afd_operator import labels as L
-from afd_operator.model import AFDDeploymentSpec, Owner
+from afd_operator.model.spec import AFDDeploymentSpec, Owner
 
 HOME_DIR = "/home/afd"  # the runtime image's home; mounted over, so any image works
 TMP_DIR = "/tmp"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from afd_operator.model import parse_spec
+from afd_operator.model.spec import parse_spec
 from afd_operator.observe import PodFacts, format_time
 from afd_operator.plan import Desired, GroupState, plan_groups
 from afd_operator.reconcile import reconcile

@@ -102,7 +102,7 @@ def test_api_servers_are_stored_as_given_and_default_to_the_engines_process(clus
 def test_the_rendered_probes_and_prestop_drain_are_kept_by_the_api_server(cluster, namespace, afd):
     """Issue 22: 1 s readiness, /live liveness, the preStop drain (httpGet, or the kubelet's sleep
     for vLLM) and the grace period: a server that did not know a field would drop it silently."""
-    from afd_operator.model import parse_owner, parse_spec
+    from afd_operator.model.spec import parse_owner, parse_spec
     from afd_operator.render import render_group
 
     body = make_cr(name="drain", namespace=namespace, afd=afd)
@@ -124,7 +124,7 @@ def test_a_namespace_whose_quota_requires_requests_and_limits_admits_the_role_po
     """Issue 35: a ResourceQuota on requests and memory limits refuses a pod any of whose containers
     lacks them; the hf:// download init container has them now, so the rendered pods are admitted
     (dry run), and they carry no service-account token."""
-    from afd_operator.model import parse_owner, parse_spec
+    from afd_operator.model.spec import parse_owner, parse_spec
     from afd_operator.render import render_group
 
     cluster.create({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "needs-resources", "namespace": namespace},
