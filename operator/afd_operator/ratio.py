@@ -23,7 +23,7 @@ from afd.planner.advice import Bounds, TooFewMetrics, plan
 from afd.planner.samples import RankSample
 from afd.topology import Topology, TopologyError
 from afd_operator.model.spec import AFDDeploymentSpec
-from afd_operator.model_options import Ratio
+from afd_operator.model.options import Ratio
 from afd_operator.observe import format_time, parse_time
 
 CONFIRMATIONS = 2  # consecutive evaluations that must agree before Auto acts
