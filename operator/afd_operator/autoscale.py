@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from afd_operator.autoscaling_spec import Autoscaling
+from afd_operator.model.autoscaling import Autoscaling
 from afd_operator.observe import format_time, parse_time
 from afd_operator.slo_signals import Load
 

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from afd_operator.autoscaling_spec import Autoscaling
+from afd_operator.model.autoscaling import Autoscaling
 from afd_operator.slo_signals import load_of
 from autoscale_sim import RecordedLevels, simulate, square, steps
 

@@ -176,7 +176,7 @@ def test_the_api_server_refuses_what_the_schema_refuses(cluster, namespace, chan
 def test_replicas_cannot_change_while_autoscaling_not_even_through_scale(cluster, namespace):
     """spec.autoscaling owns the group count: a /scale write (kubectl scale) and an edit of
     spec.replicas are refused with the rule's message; other edits, and turning it off, are not."""
-    from afd_operator.autoscaling_spec import REPLICAS_MANAGED_MESSAGE
+    from afd_operator.model.autoscaling import REPLICAS_MANAGED_MESSAGE
 
     autoscaling = {"enabled": True, "maxGroups": 3, "targets": {"ttftP90Seconds": 2.0}}
     cluster.create(_cr(namespace, "scaled", autoscaling=autoscaling))
