@@ -22,7 +22,7 @@ from typing import Any, Optional
 import kopf
 
 from afd.config import process_setting
-from afd_operator import labels as L
+from afd_operator.model import labels as L
 from afd_operator.kube import KubeError, KubeStore, Store
 from afd_operator.metrics import OperatorMetrics
 from afd_operator.model.spec import API_GROUP, PLURAL

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any, Optional, Protocol
 
-from afd_operator.labels import OPERATOR
+from afd_operator.model.labels import OPERATOR
 from afd_operator.model.spec import API_VERSION
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from afd_operator import labels as L
+from afd_operator.model import labels as L
 from afd_operator.model.spec import AFDDeploymentSpec, AFDSettings, Owner
 from afd_operator.render_network import render_network_policy
 from afd_operator.render_pod import ENV_SETTINGS, VLLM_ENV_SETTINGS, render_pod_template

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from afd_operator import labels as L
+from afd_operator.model import labels as L
 from afd_operator.model.spec import AFDDeploymentSpec, Owner
 
 HOME_DIR = "/home/afd"  # the runtime image's home; mounted over, so any image works

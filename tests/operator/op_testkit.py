@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from afd_operator import labels as L
+from afd_operator.model import labels as L
 from afd_operator.kube import KubeError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import yaml
 
-from afd_operator import labels as L
+from afd_operator.model import labels as L
 from afd_operator.kube import PLURALS
 from afd_operator.model.spec import parse_spec
 from afd_operator.observe import GroupMemory, PodFacts, format_time, observe_groups, pod_facts, remember
