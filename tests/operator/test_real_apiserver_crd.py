@@ -103,7 +103,7 @@ def test_the_rendered_probes_and_prestop_drain_are_kept_by_the_api_server(cluste
     """Issue 22: 1 s readiness, /live liveness, the preStop drain (httpGet, or the kubelet's sleep
     for vLLM) and the grace period: a server that did not know a field would drop it silently."""
     from afd_operator.model.spec import parse_owner, parse_spec
-    from afd_operator.render import render_group
+    from afd_operator.rendering.children import render_group
 
     body = make_cr(name="drain", namespace=namespace, afd=afd)
     for sts in (o for o in render_group(parse_spec(body["spec"]), parse_owner(body), 0, "r1") if o["kind"] == "StatefulSet"):
@@ -125,7 +125,7 @@ def test_a_namespace_whose_quota_requires_requests_and_limits_admits_the_role_po
     lacks them; the hf:// download init container has them now, so the rendered pods are admitted
     (dry run), and they carry no service-account token."""
     from afd_operator.model.spec import parse_owner, parse_spec
-    from afd_operator.render import render_group
+    from afd_operator.rendering.children import render_group
 
     cluster.create({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "needs-resources", "namespace": namespace},
                     "spec": {"hard": {"requests.cpu": "64", "requests.memory": "256Gi", "limits.memory": "512Gi"}}})
