@@ -53,7 +53,7 @@ def render_configuration() -> str:
             lines.append(f"| `{spec.env}` | `{spec.name}` | {spec.type.__name__} | {shown} | {spec.allowed} | {roles} | "
                          f"{spec.help} |")
     from afd_operator.rendering.children import CONFIG_ALWAYS, CONFIG_WHEN_SET
-    from afd_operator.render_pod import ENV_SETTINGS, VLLM_ENV_SETTINGS
+    from afd_operator.rendering.pod import ENV_SETTINGS, VLLM_ENV_SETTINGS
 
     def names(settings):
         return ", ".join(f"`{name}`" for name in settings)

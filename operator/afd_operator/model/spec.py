@@ -104,7 +104,7 @@ class ModelSource(_Model):
     uri: str
     cache: ModelCache = Field(default_factory=ModelCache)
     secret_ref: Optional[SecretKeyRef] = None
-    # the hf:// download init container's; empty: render_pod.DOWNLOAD_RESOURCES
+    # the hf:// download init container's; empty: rendering.pod.DOWNLOAD_RESOURCES
     download_resources: Resources = Field(default_factory=Resources)
 
     @model_validator(mode="after")
