@@ -14,7 +14,7 @@ import yaml
 
 from afd_operator.model import labels as L
 from afd_operator.model.spec import AFDDeploymentSpec, AFDSettings, Owner
-from afd_operator.render_network import render_network_policy
+from afd_operator.rendering.network import render_network_policy
 from afd_operator.rendering.pod import ENV_SETTINGS, VLLM_ENV_SETTINGS, render_pod_template
 
 VOLCANO_PODGROUP = "scheduling.volcano.sh/v1beta1"
