@@ -18,7 +18,7 @@ import yaml
 
 from afd_operator.model.spec import SpecError, parse_owner, parse_spec
 from afd_operator.rendering.children import dump_yaml, render_all
-from afd_operator.render_security import render_group_secret
+from afd_operator.rendering.security import render_group_secret
 from afd_operator.secret import new_secret_value
 
 

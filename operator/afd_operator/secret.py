@@ -16,7 +16,7 @@ from typing import Any, Optional
 from afd_operator.model import labels as L
 from afd_operator.kube import KubeError, Store
 from afd_operator.model.spec import Owner
-from afd_operator.render_security import SECRET_KEY, render_group_secret
+from afd_operator.rendering.security import SECRET_KEY, render_group_secret
 
 SECRET_BYTES = 32
 
