@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from afd_operator.model.autoscaling import Autoscaling
-from afd_operator.observe import format_time, parse_time
+from afd_operator.groups.observe import format_time, parse_time
 from afd_operator.slo_signals import Load
 
 PROPORTIONAL = ("waitingPerGroup", "kvCacheUsage")  # signals that grow with the load per group

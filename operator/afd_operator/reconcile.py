@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from afd_operator.model import labels as L
 from afd_operator.kube import Store
 from afd_operator.model.spec import AFDDeploymentSpec, Owner, SpecError, parse_owner, parse_spec
-from afd_operator.observe import GroupMemory, GroupView, PodFacts, observe_groups, remember
+from afd_operator.groups.observe import GroupMemory, GroupView, PodFacts, observe_groups, remember
 from afd_operator.scale_step import History, scale_step
 from afd_operator.groups.plan import RECREATE, Action, Desired, Plan, plan_groups
 from afd_operator.ratio import Fleet, Scrapes, decide, effective_spec, max_unavailable

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from afd_operator.autoscale import Groups, decide
 from afd_operator.model.spec import AFDDeploymentSpec
-from afd_operator.observe import GroupMemory, GroupView, PodFacts
+from afd_operator.groups.observe import GroupMemory, GroupView, PodFacts
 from afd_operator.groups.plan import Action, GroupState
 from afd_operator.slo_signals import ServiceSample, load_of
 

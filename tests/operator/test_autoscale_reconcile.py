@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from afd_operator.model.spec import parse_spec
-from afd_operator.observe import PodFacts, format_time
+from afd_operator.groups.observe import PodFacts, format_time
 from afd_operator.groups.plan import Desired, GroupState, plan_groups
 from afd_operator.reconcile import reconcile
 from afd_operator.slo_signals import ServiceSample

@@ -4,7 +4,7 @@ keeps, and the drain call."""
 from __future__ import annotations
 
 from afd_operator.model.spec import parse_spec
-from afd_operator.observe import PodFacts, format_time
+from afd_operator.groups.observe import PodFacts, format_time
 from afd_operator.slo_feed import ServiceFeed
 from op_testkit import make_cr
 
