@@ -10,7 +10,7 @@ from afd.planner.simulate import SimulatedGroup
 from afd.topology import Topology
 from afd_operator.model.spec import parse_spec
 from afd_operator.groups.observe import PodFacts
-from afd_operator.ratio import CONFIRMATIONS, Fleet, decide, effective_spec, max_unavailable
+from afd_operator.ratio.recommend import CONFIRMATIONS, Fleet, decide, effective_spec, max_unavailable
 from afd_operator.reconcile import reconcile
 from op_testkit import FakeStore, make_cr
 
