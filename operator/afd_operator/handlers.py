@@ -27,7 +27,7 @@ from afd_operator.kube import KubeError, KubeStore, Store
 from afd_operator.metrics import OperatorMetrics
 from afd_operator.model.spec import API_GROUP, PLURAL
 from afd_operator.groups.observe import pod_facts
-from afd_operator.ratio_feed import RatioFeed
+from afd_operator.ratio.feed import RatioFeed
 from afd_operator.reconcile import Outcome, reconcile
 from afd_operator.slo_feed import ServiceFeed
 

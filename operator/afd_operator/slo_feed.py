@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 from afd.planner.prometheus import PrometheusError, exposition, selector
 from afd_operator.model.spec import SpecError, parse_spec
 from afd_operator.groups.observe import PodFacts
-from afd_operator.ratio_feed import http_get
+from afd_operator.ratio.feed import http_get
 from afd_operator.slo_signals import SERIES, ServiceSample, parse_service
 
 log = logging.getLogger(__name__)
