@@ -19,7 +19,7 @@ from typing import Callable
 
 from afd_operator.autoscale import Groups, decide
 from afd_operator.model.autoscaling import Autoscaling
-from afd_operator.slo_signals import ServiceSample, delta, load_of, parse_service
+from afd_operator.autoscaler.signals import ServiceSample, delta, load_of, parse_service
 
 TRACE = Path(__file__).parent / "traces" / "cpu-2A1F-levels.json"
 
