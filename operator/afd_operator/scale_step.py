@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from afd_operator.autoscale import Groups, decide
+from afd_operator.autoscaler.group_count import Groups, decide
 from afd_operator.model.spec import AFDDeploymentSpec
 from afd_operator.groups.observe import GroupMemory, GroupView, PodFacts
 from afd_operator.groups.plan import Action, GroupState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd_operator.autoscale import Groups, decide, initial_groups
+from afd_operator.autoscaler.group_count import Groups, decide, initial_groups
 from afd_operator.model.autoscaling import Autoscaling
 from afd_operator.model.spec import SpecError, parse_spec
 from afd_operator.autoscaler.signals import Load, ServiceSample, delta, load_of, parse_service, quantile
