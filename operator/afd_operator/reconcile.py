@@ -16,7 +16,7 @@ from afd_operator.model import labels as L
 from afd_operator.kube import Store
 from afd_operator.model.spec import AFDDeploymentSpec, Owner, SpecError, parse_owner, parse_spec
 from afd_operator.groups.observe import GroupMemory, GroupView, PodFacts, observe_groups, remember
-from afd_operator.scale_step import History, scale_step
+from afd_operator.autoscaler.step import History, scale_step
 from afd_operator.groups.plan import RECREATE, Action, Desired, Plan, plan_groups
 from afd_operator.ratio.recommend import Fleet, Scrapes, decide, effective_spec, max_unavailable
 from afd_operator.rendering.children import optional_shared_kinds, render_group, render_shared, unwanted_group_objects
