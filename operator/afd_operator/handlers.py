@@ -29,7 +29,7 @@ from afd_operator.model.spec import API_GROUP, PLURAL
 from afd_operator.groups.observe import pod_facts
 from afd_operator.ratio.feed import RatioFeed
 from afd_operator.reconcile import Outcome, reconcile
-from afd_operator.slo_feed import ServiceFeed
+from afd_operator.autoscaler.feed import ServiceFeed
 
 VERSION = "v1alpha1"
 RESYNC_ENV = "AFD_OPERATOR_RESYNC_SECONDS"  # default and check: afd.config.PROCESS_VARIABLES
