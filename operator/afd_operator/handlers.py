@@ -23,7 +23,7 @@ import kopf
 
 from afd.config import process_setting
 from afd_operator.model import labels as L
-from afd_operator.kube import KubeError, KubeStore, Store
+from afd_operator.apiserver import KubeError, KubeStore, Store
 from afd_operator.metrics import OperatorMetrics
 from afd_operator.model.spec import API_GROUP, PLURAL
 from afd_operator.groups.observe import pod_facts

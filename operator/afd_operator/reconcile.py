@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from afd_operator.model import labels as L
-from afd_operator.kube import Store
+from afd_operator.apiserver import Store
 from afd_operator.model.spec import AFDDeploymentSpec, Owner, SpecError, parse_owner, parse_spec
 from afd_operator.groups.observe import GroupMemory, GroupView, PodFacts, observe_groups, remember
 from afd_operator.autoscaler.step import History, scale_step

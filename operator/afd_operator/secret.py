@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from afd_operator.model import labels as L
-from afd_operator.kube import KubeError, Store
+from afd_operator.apiserver import KubeError, Store
 from afd_operator.model.spec import Owner
 from afd_operator.rendering.security import SECRET_KEY, render_group_secret
 

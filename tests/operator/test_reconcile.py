@@ -6,7 +6,7 @@ from __future__ import annotations
 import yaml
 
 from afd_operator.model import labels as L
-from afd_operator.kube import PLURALS
+from afd_operator.apiserver import PLURALS
 from afd_operator.model.spec import parse_spec
 from afd_operator.groups.observe import GroupMemory, PodFacts, format_time, observe_groups, pod_facts, remember
 from afd_operator.reconcile import reconcile
