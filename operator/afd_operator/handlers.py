@@ -1,4 +1,4 @@
-"""kopf wiring: thin adapters from kopf's callbacks to `reconcile.reconcile`.
+"""kopf wiring: thin adapters from kopf's callbacks to `reconcile.deployment.reconcile`.
 
 Handlers live on a registry built by `build_registry()`, so a test can run a fresh
 operator against a mock API without global state. Spec changes reconcile at once; a
@@ -28,7 +28,7 @@ from afd_operator.metrics import OperatorMetrics
 from afd_operator.model.spec import API_GROUP, PLURAL
 from afd_operator.groups.observe import pod_facts
 from afd_operator.ratio.feed import RatioFeed
-from afd_operator.reconcile import Outcome, reconcile
+from afd_operator.reconcile.deployment import Outcome, reconcile
 from afd_operator.autoscaler.feed import ServiceFeed
 
 VERSION = "v1alpha1"

@@ -8,7 +8,7 @@ from dataclasses import replace
 from afd_operator.model.spec import parse_spec
 from afd_operator.groups.observe import PodFacts, format_time
 from afd_operator.groups.plan import Desired, GroupState, plan_groups
-from afd_operator.reconcile import reconcile
+from afd_operator.reconcile.deployment import reconcile
 from afd_operator.autoscaler.signals import ServiceSample
 from op_testkit import FakeStore, make_cr
 
