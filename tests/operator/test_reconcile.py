@@ -10,7 +10,7 @@ from afd_operator.apiserver import PLURALS
 from afd_operator.model.spec import parse_spec
 from afd_operator.groups.observe import GroupMemory, PodFacts, format_time, observe_groups, pod_facts, remember
 from afd_operator.reconcile.deployment import reconcile
-from afd_operator.status import merge_conditions, Condition
+from afd_operator.reconcile.status import merge_conditions, Condition
 from op_testkit import ROOT, FakeStore, make_cr
 
 NOW = 1_800_000_000.0
