@@ -77,7 +77,7 @@ class KubeStore:
     @classmethod
     def from_environment(cls) -> "KubeStore":
         """Credentials from the pod's service account, else from `KUBECONFIG`/~/.kube/config."""
-        import kubernetes  # the operator extra: `afd-operator render` imports this module (secret.py) without it
+        import kubernetes  # the operator extra: `afd-operator render` imports this module (reconcile.secret) without it
 
         try:
             kubernetes.config.load_incluster_config()

@@ -20,7 +20,7 @@ from afd_operator.autoscaler.step import History, scale_step
 from afd_operator.groups.plan import RECREATE, Action, Desired, Plan, plan_groups
 from afd_operator.ratio.recommend import Fleet, Scrapes, decide, effective_spec, max_unavailable
 from afd_operator.rendering.children import optional_shared_kinds, render_group, render_shared, unwanted_group_objects
-from afd_operator.secret import ensure_group_secret
+from afd_operator.reconcile.secret import ensure_group_secret
 from afd_operator.reconcile.status import (
     GroupReport, StatusInput, invalid_spec_conditions, memories_from_status, merge_conditions,
     render_status, transitions,
