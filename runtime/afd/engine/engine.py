@@ -36,7 +36,7 @@ from afd.engine.outputs import OutputProcessor
 from afd.engine.prompt_logprobs import prompt_rows
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from afd.engine.sampler import sample
-from afd.engine.scheduler import Scheduler
+from afd.engine.scheduling.scheduler import Scheduler
 from afd.engine.shared_prompt import copy_tails
 from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
 from afd.engine.structured import Grammars, StepMask, consume_step, step_mask
