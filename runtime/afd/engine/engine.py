@@ -13,7 +13,7 @@ steps are taken back and every request is held while the link re-handshakes (`af
 any other exception fails only the requests it touched; if the thread dies anyway, `problem` says
 so and the rank turns unhealthy.
 With `prefill_itl_ratio`, every step's own duration (`StepClock`) teaches the scheduler's
-`PrefillPacer` what a step costs (`afd.engine.step_cost`).
+`PrefillPacer` what a step costs (`afd.engine.scheduling.step_cost`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingP
 from afd.engine.sampler import sample
 from afd.engine.scheduling.scheduler import Scheduler
 from afd.engine.shared_prompt import copy_tails
-from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
+from afd.engine.scheduling.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
 from afd.engine.structured import Grammars, StepMask, consume_step, step_mask
 from afd.kv_cache import KVCache
 from afd.layout import SeqLayout

@@ -8,7 +8,7 @@ admission means a running request never has to be preempted. Admission is strict
 first-come-first-served: a large request at the head is not overtaken. With a `PrefillPacer`,
 a step that has decodes takes only as many prompt tokens as keep it within the pacer's
 multiple of a decode-only step, but enough that every prompt is in within `prefill_backlog_steps` steps of being
-queued (`afd.engine.step_cost`). The choices of one prompt are admitted together where the cache allows and
+queued (`afd.engine.scheduling.step_cost`). The choices of one prompt are admitted together where the cache allows and
 share its prefill and full blocks (`afd.engine.shared_prompt`).
 """
 
@@ -19,7 +19,7 @@ from itertools import islice
 
 from afd.engine.request import InvalidRequest, Request
 from afd.engine.shared_prompt import BlockOwners, hand_over, leader_of, leave, rejoin, ride, riding, shared_blocks
-from afd.engine.step_cost import PrefillPacer
+from afd.engine.scheduling.step_cost import PrefillPacer
 from afd.kv_cache import KVCache
 
 
