@@ -1,5 +1,5 @@
 """The choices of one prompt (n > 1) share its prefill and full KV blocks: one prefill, fewer blocks, the same outputs
-as separate requests with the same seeds (`afd.engine.shared_prompt`)."""
+as separate requests with the same seeds (`afd.engine.scheduling.shared_prompt`)."""
 
 import pytest
 import torch

@@ -37,7 +37,7 @@ from afd.engine.prompt_logprobs import prompt_rows
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from afd.engine.sampler import sample
 from afd.engine.scheduling.scheduler import Scheduler
-from afd.engine.shared_prompt import copy_tails
+from afd.engine.scheduling.shared_prompt import copy_tails
 from afd.engine.scheduling.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
 from afd.engine.structured import Grammars, StepMask, consume_step, step_mask
 from afd.kv_cache import KVCache
@@ -110,7 +110,7 @@ class Engine:
         `text=False`: outputs carry no text and stop strings are not looked for (the caller detokenizes);
         `arrival`: when the caller took it (`time.monotonic()`; default now), where its time to first token starts;
         `carried`: output tokens the client already has from another rank, continued from (`afd.engine.carry`);
-        `group`: requests of one group with one prompt (a request's choices) share its prefill (`afd.engine.shared_prompt`)."""
+        `group`: requests of one group with one prompt (a request's choices) share its prefill (`afd.engine.scheduling.shared_prompt`)."""
         request = new_request(prompt_ids, params, on_output, carried, group, request_id, arrival)
         if carried and self.observer is not None and hasattr(self.observer, "on_carried"):
             self.observer.on_carried()
