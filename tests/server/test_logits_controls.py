@@ -7,7 +7,7 @@ import torch
 from afd.engine.engine import Engine
 from afd.engine.logits_controls import ControlState, step_controls
 from afd.engine.request import InvalidRequest, Request, SamplingParams
-from afd.engine.sampler import mask_min_p, sample
+from afd.engine.sampling.sampler import mask_min_p, sample
 from afd.engine.text import StopChecker
 from afd.engine.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache

@@ -35,7 +35,7 @@ from afd.engine.logits_controls import Controls
 from afd.engine.outputs import OutputProcessor
 from afd.engine.prompt_logprobs import prompt_rows
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
-from afd.engine.sampler import sample
+from afd.engine.sampling.sampler import sample
 from afd.engine.scheduling.scheduler import Scheduler
 from afd.engine.scheduling.shared_prompt import copy_tails
 from afd.engine.scheduling.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
