@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from afd.engine.banned_words import step_words
-from afd.engine.logits_controls import ControlState, step_controls
+from afd.engine.sampling.logits_controls import ControlState, step_controls
 from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.server.api.sse import StreamEvents
 

@@ -31,7 +31,7 @@ from afd.engine.inputs import build_inputs, riders_of, to_device
 from afd.engine.intake import new_request, prepare
 from afd.engine.launched import Launched, run_step
 from afd.engine.link_care import LinkCare
-from afd.engine.logits_controls import Controls
+from afd.engine.sampling.logits_controls import Controls
 from afd.engine.outputs import OutputProcessor
 from afd.engine.prompt_logprobs import prompt_rows
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams

@@ -33,7 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report, 0 = only the chosen token
-    # Logits controls (`afd.engine.logits_controls`); a request that sets none takes the plain sampler.
+    # Logits controls (`afd.engine.sampling.logits_controls`); a request that sets none takes the plain sampler.
     presence_penalty: float = 0.0  # OpenAI: minus this once for each token already in the output
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
     repetition_penalty: float = 1.0  # transformers/vLLM: a token in the prompt or output is divided (>0) or multiplied
