@@ -33,7 +33,7 @@ from afd.engine.launched import Launched, run_step
 from afd.engine.link_care import LinkCare
 from afd.engine.sampling.logits_controls import Controls
 from afd.engine.outputs import OutputProcessor
-from afd.engine.prompt_logprobs import prompt_rows
+from afd.engine.sampling.prompt_logprobs import prompt_rows
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from afd.engine.sampling.sampler import sample
 from afd.engine.scheduling.scheduler import Scheduler
