@@ -8,7 +8,7 @@ import torch
 
 from afd.engine.carry import carried_params, prime_text, seeded_generator
 from afd.engine.request import Request, RequestOutput, SamplingParams
-from afd.engine.structured import Grammars, consume
+from afd.engine.structured_output.grammars import Grammars, consume
 from afd.engine.text import IncrementalDetokenizer, StopChecker
 
 

@@ -48,7 +48,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None  # the prompt's logprobs from the prefill, with this many alternatives
-    grammar: str | None = None  # structured output: an llguidance grammar (`afd.engine.structured`)
+    grammar: str | None = None  # structured output: an llguidance grammar (`afd.engine.structured_output.grammars`)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
