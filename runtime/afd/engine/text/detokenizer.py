@@ -7,7 +7,7 @@ streaming client is sent text only up to where no stop string could still begin.
 
 from __future__ import annotations
 
-from afd.engine.tokenizer import text_decoder
+from afd.engine.text.tokenizer import text_decoder
 
 
 class IncrementalDetokenizer:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from afd.config import AFDConfig
 from afd.engine.engine import Engine
-from afd.engine.tokenizer import load_tokenizer
+from afd.engine.text.tokenizer import load_tokenizer
 from afd.kv_budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
 from afd.kernels.compile_watch import WATCH
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
