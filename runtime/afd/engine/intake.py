@@ -9,7 +9,8 @@ import torch
 from afd.engine.carry import carried_params, prime_text, seeded_generator
 from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.engine.structured_output.grammars import Grammars, consume
-from afd.engine.text.detokenizer import IncrementalDetokenizer, StopChecker
+from afd.engine.text.detokenizer import IncrementalDetokenizer
+from afd.engine.text.stop_strings import StopChecker
 
 
 def new_request(prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
