@@ -19,7 +19,7 @@ import torch
 
 from afd.engine.inputs import start_host_copy, to_device
 from afd.engine.sampling.logits_controls import StepControls
-from afd.engine.structured_output.grammars import StepMask
+from afd.engine.structured_output.step_mask import StepMask
 from afd.engine.request import SamplingParams, TokenLogprobs
 
 
