@@ -9,7 +9,7 @@ A request that stops early (EOS, stop string) may so run one step more, whose to
 dropped. The step function is the attention runner (remote FFN) or the monolithic model. A
 step failing because the FFN peer is gone ends every request in flight with an explicit
 error until the link is back (`afd.engine.link_care`), unless `hold_s` > 0: then the lost
-steps are taken back and every request is held while the link re-handshakes (`afd.engine.hold`);
+steps are taken back and every request is held while the link re-handshakes (`afd.engine.recovery.hold`);
 any other exception fails only the requests it touched; if the thread dies anyway, `problem` says
 so and the rank turns unhealthy.
 With `prefill_itl_ratio`, every step's own duration (`StepClock`) teaches the scheduler's
@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd.engine.hold import Hold
+from afd.engine.recovery.hold import Hold
 from afd.engine.inputs import build_inputs, riders_of, to_device
 from afd.engine.intake import new_request, prepare
 from afd.engine.launched import Launched, run_step
