@@ -8,7 +8,7 @@ detokenization, stop strings and callbacks run on the output thread (`afd.engine
 A request that stops early (EOS, stop string) may so run one step more, whose token is
 dropped. The step function is the attention runner (remote FFN) or the monolithic model. A
 step failing because the FFN peer is gone ends every request in flight with an explicit
-error until the link is back (`afd.engine.link_care`), unless `hold_s` > 0: then the lost
+error until the link is back (`afd.engine.recovery.link_care`), unless `hold_s` > 0: then the lost
 steps are taken back and every request is held while the link re-handshakes (`afd.engine.recovery.hold`);
 any other exception fails only the requests it touched; if the thread dies anyway, `problem` says
 so and the rank turns unhealthy.
@@ -30,7 +30,7 @@ from afd.engine.recovery.hold import Hold
 from afd.engine.inputs import build_inputs, riders_of, to_device
 from afd.engine.intake import new_request, prepare
 from afd.engine.launched import Launched, run_step
-from afd.engine.link_care import LinkCare
+from afd.engine.recovery.link_care import LinkCare
 from afd.engine.sampling.logits_controls import Controls
 from afd.engine.outputs import OutputProcessor
 from afd.engine.sampling.prompt_logprobs import prompt_rows
