@@ -110,7 +110,7 @@ class Engine:
         """Queue a request; `InvalidRequest` if it can never run here. `request_id`: the caller's id for it;
         `text=False`: outputs carry no text and stop strings are not looked for (the caller detokenizes);
         `arrival`: when the caller took it (`time.monotonic()`; default now), where its time to first token starts;
-        `carried`: output tokens the client already has from another rank, continued from (`afd.engine.carry`);
+        `carried`: output tokens the client already has from another rank, continued from (`afd.engine.recovery.carry`);
         `group`: requests of one group with one prompt (a request's choices) share its prefill (`afd.engine.scheduling.shared_prompt`)."""
         request = new_request(prompt_ids, params, on_output, carried, group, request_id, arrival)
         if carried and self.observer is not None and hasattr(self.observer, "on_carried"):

@@ -156,7 +156,7 @@ class Request:
     done: bool = False  # its final output (or error) was delivered; later tokens are dropped
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # gathered over its prompt chunks
     grammar: object = None  # its llguidance matcher (structured output), advanced by the engine thread
-    carried: int = 0  # output tokens produced on an earlier rank, at the end of prompt_ids (`afd.engine.carry`)
+    carried: int = 0  # output tokens produced on an earlier rank, at the end of prompt_ids (`afd.engine.recovery.carry`)
     # The choices of one prompt share its prefill and full KV blocks (`afd.engine.scheduling.shared_prompt`).
     group: str | None = None  # requests of one group with the same prompt may share it
     shares: "Request | None" = None  # the request whose prefill this one takes its prompt's KV cache from

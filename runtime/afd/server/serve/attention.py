@@ -92,7 +92,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         prefill_itl_ratio=config.prefill_itl_ratio,
         prefill_backlog_steps=config.prefill_backlog_steps,
         hold_s=config.ffn_hold_s,
-        vocab_size=spec.vocab_size,  # the sampler's width: a seeded stream is advanced over it (afd.engine.carry)
+        vocab_size=spec.vocab_size,  # the sampler's width: a seeded stream is advanced over it (afd.engine.recovery.carry)
     )
     metrics.track(engine)
     state = ServerState(
