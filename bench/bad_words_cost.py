@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import torch
 
+from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.engine.sampling.banned_words import step_words
 from afd.engine.sampling.logits_controls import ControlState, step_controls
-from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.server.api.sse import StreamEvents
 
 VOCAB, ROWS = 151_936, 64

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from afd.engine.engine import Engine
-from afd.engine.sampling.logits_controls import ControlState, step_controls
 from afd.engine.request import InvalidRequest, Request, SamplingParams
+from afd.engine.sampling.logits_controls import ControlState, step_controls
 from afd.engine.sampling.sampler import mask_min_p, sample
 from afd.engine.text.stop_strings import StopChecker
 from afd.engine.text.tokenizer import load_tokenizer

@@ -26,15 +26,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd.engine.recovery.hold import Hold
 from afd.engine.inputs import build_inputs, riders_of, to_device
 from afd.engine.intake import new_request, prepare
 from afd.engine.launched import Launched, run_step
-from afd.engine.recovery.link_care import LinkCare
-from afd.engine.sampling.logits_controls import Controls
 from afd.engine.outputs import OutputProcessor
-from afd.engine.sampling.prompt_logprobs import prompt_rows
+from afd.engine.recovery.hold import Hold
+from afd.engine.recovery.link_care import LinkCare
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
+from afd.engine.sampling.logits_controls import Controls
+from afd.engine.sampling.prompt_logprobs import prompt_rows
 from afd.engine.sampling.sampler import sample
 from afd.engine.scheduling.scheduler import Scheduler
 from afd.engine.scheduling.shared_prompt import copy_tails

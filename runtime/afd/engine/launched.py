@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from afd.engine.inputs import to_device
-from afd.engine.sampling.prompt_logprobs import PromptLogprobs, PromptRows
 from afd.engine.request import Request
+from afd.engine.sampling.prompt_logprobs import PromptLogprobs, PromptRows
 from afd.engine.sampling.sampler import Sampled
 from afd.layout import SeqLayout
 

@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from afd.engine.request import Request
 from afd.engine.recovery.rewind import StepUndo, rewind, snapshot
+from afd.engine.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from afd.engine.inputs import start_host_copy, to_device
+from afd.engine.request import SamplingParams, TokenLogprobs
 from afd.engine.sampling.logits_controls import StepControls
 from afd.engine.structured_output.step_mask import StepMask
-from afd.engine.request import SamplingParams, TokenLogprobs
 
 
 @dataclass
