@@ -30,7 +30,7 @@ from afd.graphs.buckets import bucket_for, capture_order
 from afd.graphs.capture import make_pool
 from afd.kv_cache import KVCache
 from afd.models.attention import AttentionBatch
-from afd.models.base import MoECausalLM
+from afd.models.decoder import MoECausalLM
 from afd.layout import SeqLayout
 
 log = logging.getLogger(__name__)
