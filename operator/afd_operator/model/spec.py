@@ -19,8 +19,8 @@ from pydantic.alias_generators import to_camel
 
 from afd.config import SETTINGS, AttentionEngine, Dtype, StageCount
 from afd.topology import Topology
-from afd_operator.autoscaling_spec import Autoscaling
-from afd_operator.model_options import (
+from afd_operator.model.autoscaling import Autoscaling
+from afd_operator.model.options import (
     DisruptionBudget, GangScheduling, ImagePullSecret, Monitoring, NetworkPolicy, Placement, PodSecurity, Ratio,
     SpecModel as _Model,
 )
@@ -104,7 +104,7 @@ class ModelSource(_Model):
     uri: str
     cache: ModelCache = Field(default_factory=ModelCache)
     secret_ref: Optional[SecretKeyRef] = None
-    # the hf:// download init container's; empty: render_pod.DOWNLOAD_RESOURCES
+    # the hf:// download init container's; empty: rendering.pod.DOWNLOAD_RESOURCES
     download_resources: Resources = Field(default_factory=Resources)
 
     @model_validator(mode="after")
@@ -152,7 +152,7 @@ def _runtime(name: str, **bounds: Any) -> Any:
 
 class AFDSettings(_Model):
     """The runtime knobs of docs/configuration.md that the whole group shares (same names as the runtime's
-    settings where they are one: render.py writes those into the group's ConfigMap)."""
+    settings where they are one: rendering/children.py writes those into the group's ConfigMap)."""
 
     connector: Literal["zmq", "nccl"] = _runtime("connector")  # not loopback: that one is for tests
     stages: StageCount = _runtime("stages")
@@ -173,7 +173,8 @@ class AFDSettings(_Model):
 
     def runtime(self) -> dict[str, Any]:
         """These knobs as the runtime's settings (afd.config names and types): what the group's pods run with.
-        The API processes are not here: `api_servers` 0 means none (render.py writes api_process only when set)."""
+        The API processes are not here: `api_servers` 0 means none (rendering/children.py writes api_process
+        only when set)."""
         values = {name: getattr(self, name) for name in type(self).model_fields if name in SETTINGS}
         values.update(gate_on_attention=self.compute_gate_on_attention, cuda_graphs=self.cuda_graphs.enabled,
                       vllm_args=shlex.join(self.vllm_args))

@@ -11,9 +11,9 @@ import math
 from typing import Any
 
 from afd.config import SETTINGS
-from afd_operator import labels as L
-from afd_operator.model import AFDDeploymentSpec, Owner
-from afd_operator.render_security import (
+from afd_operator.model import labels as L
+from afd_operator.model.spec import AFDDeploymentSpec, Owner
+from afd_operator.rendering.security import (
     container_security_context, group_secret_env, pod_security_context, scratch_env, scratch_mounts,
     scratch_volumes,
 )

@@ -22,9 +22,9 @@ from typing import Any, Mapping, Optional
 from afd.planner.advice import Bounds, TooFewMetrics, plan
 from afd.planner.samples import RankSample
 from afd.topology import Topology, TopologyError
-from afd_operator.model import AFDDeploymentSpec
-from afd_operator.model_options import Ratio
-from afd_operator.observe import format_time, parse_time
+from afd_operator.model.spec import AFDDeploymentSpec
+from afd_operator.model.options import Ratio
+from afd_operator.groups.observe import format_time, parse_time
 
 CONFIRMATIONS = 2  # consecutive evaluations that must agree before Auto acts
 # Written as null when they do not apply: the status is merge-patched, and only null removes a key.

@@ -14,8 +14,8 @@ import os
 import time
 from typing import Any, Optional, Protocol
 
-from afd_operator.labels import OPERATOR
-from afd_operator.model import API_VERSION
+from afd_operator.model.labels import OPERATOR
+from afd_operator.model.spec import API_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class KubeStore:
     @classmethod
     def from_environment(cls) -> "KubeStore":
         """Credentials from the pod's service account, else from `KUBECONFIG`/~/.kube/config."""
-        import kubernetes  # the operator extra: `afd-operator render` imports this module (secret.py) without it
+        import kubernetes  # the operator extra: `afd-operator render` imports this module (reconcile.secret) without it
 
         try:
             kubernetes.config.load_incluster_config()

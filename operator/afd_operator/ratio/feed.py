@@ -15,9 +15,9 @@ from typing import Any, Callable, Mapping
 
 from afd.planner.prometheus import PrometheusError, scrape_at, selector
 from afd.planner.samples import RankSample, parse_exposition
-from afd_operator.model import SpecError, parse_spec
-from afd_operator.observe import PodFacts
-from afd_operator.ratio import Scrapes, effective_spec
+from afd_operator.model.spec import SpecError, parse_spec
+from afd_operator.groups.observe import PodFacts
+from afd_operator.ratio.recommend import Scrapes, effective_spec
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from afd_operator import labels as L
-from afd_operator.kube import KubeError, Store
-from afd_operator.model import Owner
-from afd_operator.render_security import SECRET_KEY, render_group_secret
+from afd_operator.model import labels as L
+from afd_operator.apiserver import KubeError, Store
+from afd_operator.model.spec import Owner
+from afd_operator.rendering.security import SECRET_KEY, render_group_secret
 
 SECRET_BYTES = 32
 

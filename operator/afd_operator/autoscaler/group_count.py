@@ -1,6 +1,6 @@
 """spec.autoscaling: how many groups, from the service levels the groups meet. Pure.
 
-Each evaluation takes the latest `Load` (slo_signals) and the previous status.autoscaling
+Each evaluation takes the latest `Load` (autoscaler.signals) and the previous status.autoscaling
 and returns the desired group count, the new status and the Event of a change:
 
 - up when a target is missed at every evaluation for `scaleUpWindowSeconds`: one group, or for
@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from afd_operator.autoscaling_spec import Autoscaling
-from afd_operator.observe import format_time, parse_time
-from afd_operator.slo_signals import Load
+from afd_operator.model.autoscaling import Autoscaling
+from afd_operator.groups.observe import format_time, parse_time
+from afd_operator.autoscaler.signals import Load
 
 PROPORTIONAL = ("waitingPerGroup", "kvCacheUsage")  # signals that grow with the load per group
 LATENCIES = ("ttftP90Seconds", "itlP90Seconds")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Optional
 
 from afd.topology import Topology
-from afd_operator.labels import GROUP, NAME, REVISION, ROLE
-from afd_operator.plan import GroupState
+from afd_operator.model.labels import GROUP, NAME, REVISION, ROLE
+from afd_operator.groups.plan import GroupState
 
 
 @dataclass(frozen=True)

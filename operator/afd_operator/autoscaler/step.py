@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from afd_operator.autoscale import Groups, decide
-from afd_operator.model import AFDDeploymentSpec
-from afd_operator.observe import GroupMemory, GroupView, PodFacts
-from afd_operator.plan import Action, GroupState
-from afd_operator.slo_signals import ServiceSample, load_of
+from afd_operator.autoscaler.group_count import Groups, decide
+from afd_operator.model.spec import AFDDeploymentSpec
+from afd_operator.groups.observe import GroupMemory, GroupView, PodFacts
+from afd_operator.groups.plan import Action, GroupState
+from afd_operator.autoscaler.signals import ServiceSample, load_of
 
 History = Sequence[ServiceSample]  # one group's scrapes, oldest first
 

@@ -18,10 +18,10 @@ import urllib.request
 from typing import Any, Callable, Mapping, Sequence
 
 from afd.planner.prometheus import PrometheusError, exposition, selector
-from afd_operator.model import SpecError, parse_spec
-from afd_operator.observe import PodFacts
-from afd_operator.ratio_feed import http_get
-from afd_operator.slo_signals import SERIES, ServiceSample, parse_service
+from afd_operator.model.spec import SpecError, parse_spec
+from afd_operator.groups.observe import PodFacts
+from afd_operator.ratio.feed import http_get
+from afd_operator.autoscaler.signals import SERIES, ServiceSample, parse_service
 
 log = logging.getLogger(__name__)
 History = Sequence[ServiceSample]  # one group's scrapes, oldest first

@@ -4,7 +4,7 @@ Role pods run as a fixed non-root user with a read-only root filesystem, no priv
 escalation, no capabilities and the runtime's default seccomp profile (the Pod Security
 Standards' "restricted" profile). What the runtime must write goes to emptyDirs: /tmp,
 and a home directory that holds every cache (Hugging Face, torch, Triton, CUDA);
-/dev/shm is the memory-backed volume of render_pod.
+/dev/shm is the memory-backed volume of rendering.pod.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from afd_operator import labels as L
-from afd_operator.model import AFDDeploymentSpec, Owner
+from afd_operator.model import labels as L
+from afd_operator.model.spec import AFDDeploymentSpec, Owner
 
 HOME_DIR = "/home/afd"  # the runtime image's home; mounted over, so any image works
 TMP_DIR = "/tmp"

@@ -12,9 +12,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
-from afd_operator import labels as L
-from afd_operator.model import AFDDeploymentSpec
-from afd_operator.observe import GroupMemory, format_time, parse_time
+from afd_operator.model import labels as L
+from afd_operator.model.spec import AFDDeploymentSpec
+from afd_operator.groups.observe import GroupMemory, format_time, parse_time
 
 CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "Failed")
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from afd_operator import labels as L
-from afd_operator.model import AFDDeploymentSpec, Owner
+from afd_operator.model import labels as L
+from afd_operator.model.spec import AFDDeploymentSpec, Owner
 
 
 def render_network_policy(

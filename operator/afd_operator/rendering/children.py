@@ -12,10 +12,10 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from afd_operator import labels as L
-from afd_operator.model import AFDDeploymentSpec, AFDSettings, Owner
-from afd_operator.render_network import render_network_policy
-from afd_operator.render_pod import ENV_SETTINGS, VLLM_ENV_SETTINGS, render_pod_template
+from afd_operator.model import labels as L
+from afd_operator.model.spec import AFDDeploymentSpec, AFDSettings, Owner
+from afd_operator.rendering.network import render_network_policy
+from afd_operator.rendering.pod import ENV_SETTINGS, VLLM_ENV_SETTINGS, render_pod_template
 
 VOLCANO_PODGROUP = "scheduling.volcano.sh/v1beta1"
 COSCHEDULING_PODGROUP = "scheduling.x-k8s.io/v1alpha1"
@@ -77,7 +77,7 @@ def dump_yaml(objects: Iterable[dict]) -> str:
     return yaml.dump_all(list(objects), Dumper=_Dumper, sort_keys=True, default_flow_style=False)
 
 
-# spec.afd's runtime settings (AFDSettings.runtime) not rendered as AFD_* variables (render_pod) reach the pods
+# spec.afd's runtime settings (AFDSettings.runtime) not rendered as AFD_* variables (rendering.pod) reach the pods
 # in the group's ConfigMap: always (CONFIG_ALWAYS), or only when set off their default (so existing groups'
 # config and revision stay); api_servers becomes api_process + api_servers when set.
 CONFIG_ALWAYS = ("dtype", "max_num_seqs", "max_model_len")

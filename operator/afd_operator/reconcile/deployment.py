@@ -12,16 +12,16 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from afd_operator import labels as L
-from afd_operator.kube import Store
-from afd_operator.model import AFDDeploymentSpec, Owner, SpecError, parse_owner, parse_spec
-from afd_operator.observe import GroupMemory, GroupView, PodFacts, observe_groups, remember
-from afd_operator.scale_step import History, scale_step
-from afd_operator.plan import RECREATE, Action, Desired, Plan, plan_groups
-from afd_operator.ratio import Fleet, Scrapes, decide, effective_spec, max_unavailable
-from afd_operator.render import optional_shared_kinds, render_group, render_shared, unwanted_group_objects
-from afd_operator.secret import ensure_group_secret
-from afd_operator.status import (
+from afd_operator.model import labels as L
+from afd_operator.apiserver import Store
+from afd_operator.model.spec import AFDDeploymentSpec, Owner, SpecError, parse_owner, parse_spec
+from afd_operator.groups.observe import GroupMemory, GroupView, PodFacts, observe_groups, remember
+from afd_operator.autoscaler.step import History, scale_step
+from afd_operator.groups.plan import RECREATE, Action, Desired, Plan, plan_groups
+from afd_operator.ratio.recommend import Fleet, Scrapes, decide, effective_spec, max_unavailable
+from afd_operator.rendering.children import optional_shared_kinds, render_group, render_shared, unwanted_group_objects
+from afd_operator.reconcile.secret import ensure_group_secret
+from afd_operator.reconcile.status import (
     GroupReport, StatusInput, invalid_spec_conditions, memories_from_status, merge_conditions,
     render_status, transitions,
 )

@@ -10,7 +10,7 @@ from typing import Optional
 
 from pydantic import Field, model_validator
 
-from afd_operator.model_options import SpecModel
+from afd_operator.model.options import SpecModel
 
 BOUNDS_MESSAGE = "autoscaling.minGroups must not exceed autoscaling.maxGroups"
 NO_TARGET_MESSAGE = ("autoscaling.enabled needs at least one target: ttftP90Seconds, itlP90Seconds, "
