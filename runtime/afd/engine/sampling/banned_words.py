@@ -4,7 +4,7 @@ tokens are the last tokens of the output.
 Each request with such words keeps a ring of its last `RING` output tokens on the device and a count of
 tokens written (`ControlState.history`, `written`), appended in stream order right after sampling, so the
 pipelined loop never reads them on the host. A step takes back its tokens by lowering the count (hold and
-resume, `afd.engine.rewind`); the ring is longer than the longest word by more than the steps that can be
+resume, `afd.engine.recovery.rewind`); the ring is longer than the longest word by more than the steps that can be
 taken back, so what a match reads is never overwritten.
 """
 

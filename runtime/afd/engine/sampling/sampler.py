@@ -1,7 +1,7 @@
 """Batched sampling on the device: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
 
 Logits controls (penalties, logit_bias, allowed/banned tokens, min_tokens) are applied first
-when the step has any (`afd.engine.logits_controls`); logprobs are those of the raw logits,
+when the step has any (`afd.engine.sampling.logits_controls`); logprobs are those of the raw logits,
 as vLLM reports them by default.
 
 `sample` never waits for the device: which masks apply is decided from the requests'
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from afd.engine.inputs import start_host_copy, to_device
-from afd.engine.logits_controls import StepControls
-from afd.engine.structured import StepMask
 from afd.engine.request import SamplingParams, TokenLogprobs
+from afd.engine.sampling.logits_controls import StepControls
+from afd.engine.structured_output.step_mask import StepMask
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd.engine.carry import seeded_generator
+from afd.engine.recovery.carry import seeded_generator
 from afd.engine.request import Request
 
 

@@ -8,8 +8,8 @@ admission means a running request never has to be preempted. Admission is strict
 first-come-first-served: a large request at the head is not overtaken. With a `PrefillPacer`,
 a step that has decodes takes only as many prompt tokens as keep it within the pacer's
 multiple of a decode-only step, but enough that every prompt is in within `prefill_backlog_steps` steps of being
-queued (`afd.engine.step_cost`). The choices of one prompt are admitted together where the cache allows and
-share its prefill and full blocks (`afd.engine.shared_prompt`).
+queued (`afd.engine.scheduling.step_cost`). The choices of one prompt are admitted together where the cache allows and
+share its prefill and full blocks (`afd.engine.scheduling.shared_prompt`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections import deque
 from itertools import islice
 
 from afd.engine.request import InvalidRequest, Request
-from afd.engine.shared_prompt import BlockOwners, hand_over, leader_of, leave, rejoin, ride, riding, shared_blocks
-from afd.engine.step_cost import PrefillPacer
+from afd.engine.scheduling.shared_prompt import BlockOwners, hand_over, leader_of, leave, rejoin, ride, riding, shared_blocks
+from afd.engine.scheduling.step_cost import PrefillPacer
 from afd.kv_cache import KVCache
 
 
@@ -28,7 +28,7 @@ class Scheduler:
                  pacer: PrefillPacer | None = None):
         self.kv_cache = kv_cache
         self.blocks = BlockOwners(kv_cache)  # blocks the choices of one prompt share have counted owners
-        self.leaders: set[Request] = set()  # running requests whose prefill others ride (`afd.engine.shared_prompt`)
+        self.leaders: set[Request] = set()  # running requests whose prefill others ride (`afd.engine.scheduling.shared_prompt`)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -130,7 +130,7 @@ class Scheduler:
 
     def taken_back(self) -> None:
         """Launched steps were taken back (hold and resume): riders waiting again for a leader that ended meanwhile
-        ride the first of them (`afd.engine.shared_prompt.rejoin`)."""
+        ride the first of them (`afd.engine.scheduling.shared_prompt.rejoin`)."""
         rejoin(self.running, self.leaders)
 
     def abort(self, request_ids: set[str]) -> list[Request]:

@@ -1,7 +1,7 @@
 """Holding requests for a lost FFN rank (`hold_s` > 0), and the launched steps taken back when it is lost.
 
-Each launched step's undo (`afd.engine.rewind.snapshot`) is kept until its tokens are read. When the
-FFN rank is lost, the unread steps are taken back (`afd.engine.rewind.rewind`) and every request waits,
+Each launched step's undo (`afd.engine.recovery.rewind.snapshot`) is kept until its tokens are read. When the
+FFN rank is lost, the unread steps are taken back (`afd.engine.recovery.rewind.rewind`) and every request waits,
 KV cache intact, while the link re-handshakes; once it is back they go on, and past `hold_s` they fail.
 """
 
@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
+from afd.engine.recovery.rewind import StepUndo, rewind, snapshot
 from afd.engine.request import Request
-from afd.engine.rewind import StepUndo, rewind, snapshot
 
 log = logging.getLogger(__name__)
 

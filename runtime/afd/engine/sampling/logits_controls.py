@@ -5,7 +5,7 @@ none never builds a `StepControls` and samples exactly as before. Each such requ
 slot of `ControlState` for its life: a row of output-token counts (int32), a row saying
 which tokens its prompt holds, and a row of static additive bias (logit_bias, -inf outside
 `allowed_token_ids` and on banned tokens), and for multi-token bad words the output's last tokens
-(`afd.engine.banned_words`). Counts are updated on the device from the sampled
+(`afd.engine.sampling.banned_words`). Counts are updated on the device from the sampled
 tokens (`StepControls.record`), in stream order right after sampling, so the pipelined loop
 never waits for the host; min_tokens is decided on the host from the scheduled output count,
 which the engine knows in advance.
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.engine.banned_words import RING, BannedWords, step_words, tail_row
 from afd.engine.inputs import to_device
 from afd.engine.request import Request
+from afd.engine.sampling.banned_words import RING, BannedWords, step_words, tail_row
 from afd.host_copy import host_to_device
 
 MIN_SLOTS = 8
@@ -41,7 +41,7 @@ class ControlState:
         self.in_prompt = torch.zeros((0, vocab), dtype=torch.bool, device=self.device)
         self.bias = torch.zeros((0, vocab), dtype=torch.float32, device=self.device)
         self.history = torch.zeros((0, RING), dtype=torch.long, device=self.device)  # multi-token bad words' tails
-        self.written = torch.zeros(0, dtype=torch.long, device=self.device)  # (`afd.engine.banned_words`)
+        self.written = torch.zeros(0, dtype=torch.long, device=self.device)  # (`afd.engine.sampling.banned_words`)
 
     def release(self, live: set) -> None:
         """Give back the slots of requests no longer in `live` (finished, aborted, failed)."""

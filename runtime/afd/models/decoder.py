@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.models.attention import AttentionBatch
+from afd.models.paged_attention import AttentionBatch
 from afd.models.layers import MoE, RMSNorm
 from afd.models.spec import KVLayout, ModelSpec
 
