@@ -37,68 +37,28 @@ import time
 import traceback
 from pathlib import Path
 
-from afd_decode_report import report
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-HERE = Path(__file__).resolve().parent
-PHASES = {  # name: (attention ranks, stages, FFN batch window s, DBO from this many tokens)
-    "A": (1, 2, 0.0, 0),
-    "B": (1, 1, 0.0, 0),
-    "C": (2, 2, 0.05, 0),
-    "D": (1, 2, 0.0, 192),  # AFD_DBO_MIN_TOKENS=192: one micro-batch below 192 tokens, DBO from there
-}
-
-
-# ---------------------------------------------------------------- helpers (children only import torch)
-def _setup(gpu: int, deadline: float) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    import faulthandler
-
-    faulthandler.dump_traceback_later(max(5.0, deadline - time.time()), exit=True)
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE.parent / "runtime"))
-
-
-def _model_config(layers: int) -> dict:
-    from common import V2_LITE
-
-    return {**V2_LITE, "num_hidden_layers": layers}
-
-
-def _afd_config(args, phase: str, role: str, rank: int):
-    from afd.config import AFDConfig
-
-    ranks, stages, window, dbo_min_tokens = PHASES[phase]
-    port = args.ports[phase]
-    return AFDConfig(
-        role=role, rank=rank, num_attention_ranks=ranks, num_ffn_ranks=1, connector="nccl", stages=stages,
-        ffn_address_template="127.0.0.1", bind_host="127.0.0.1", control_port=port, data_port=port + 1,
-        dtype="bfloat16", device="cuda", cuda_graphs=True, peer_timeout_s=60.0, connect_timeout_s=120.0,
-        ffn_batch_window_s=window, max_num_seqs=max(args.batches), profile_every=0, dbo_min_tokens=dbo_min_tokens,
-    )
-
-
-def _split(total: int, stages: int) -> tuple:
-    from afd.stages import StagePolicy
-
-    return StagePolicy(stages).rows(total)
-
+from bench.cluster.afd_decode_phases import PHASES, afd_config, child_setup, split_rows  # noqa: E402
+from bench.cluster.afd_decode_report import report  # noqa: E402
 
 # ---------------------------------------------------------------- FFN rank (GPU 1)
 def ffn_main(args, q, events) -> None:
-    _setup(1, args.deadline_at)
+    child_setup(1, args.deadline_at)
     import threading
 
     import torch
-    from common import random_model, time_graph
-
-    from common import nccl_pingpong
+    from bench.harness.measure import nccl_pingpong, time_graph
+    from bench.harness.random_weights import random_model
+    from bench.harness.shapes import v2_lite
 
     from afd.connector.transports.nccl.lib import PairComm, new_unique_id
     from afd.metrics.layer_clock import LayerClock, StepInstruments
     from afd.models.loader import LoadedModel
     from afd.roles import Share, assemble_ffn
 
-    config = _model_config(args.layers)
+    config = v2_lite(args.layers)
     model, spec, crossing = random_model(config, "ffn")
     loaded = LoadedModel(model, spec, crossing, "random")
     from afd.models.moe_prep import warm_up
@@ -110,7 +70,7 @@ def ffn_main(args, q, events) -> None:
     with torch.inference_mode():
         for stages in (2, 1):
             for batch in args.batches:
-                xs = [torch.randn(rows, spec.hidden_size, dtype=torch.bfloat16, device="cuda") for rows in _split(batch, stages)]
+                xs = [torch.randn(rows, spec.hidden_size, dtype=torch.bfloat16, device="cuda") for rows in split_rows(batch, stages)]
 
                 def body(xs=xs):
                     for layer in crossing:
@@ -131,7 +91,7 @@ def ffn_main(args, q, events) -> None:
 
     for phase in PHASES:
         profiles = []
-        worker = assemble_ffn(_afd_config(args, phase, "ffn", 0), Share(loaded, torch.device("cuda"), "bfloat16"),
+        worker = assemble_ffn(afd_config(args, phase, "ffn", 0), Share(loaded, torch.device("cuda"), "bfloat16"),
                               StepInstruments(LayerClock("cuda", profile_every=1), profiles.append))
         executor = worker.executor
         stop = threading.Event()
@@ -179,13 +139,12 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds until every child is killed")
     args = parser.parse_args()
-    from common import require_cuda
+    from bench.harness.measure import require_cuda
 
     require_cuda(__file__)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.rows = sorted(set(args.batches))
     args.deadline_at = time.time() + args.deadline
-    sys.path.insert(0, str(HERE.parent / "runtime"))
     from afd.local.children import free_port_block
 
     args.ports = {phase: free_port_block(2) + 0 for phase in PHASES}
@@ -198,7 +157,7 @@ def main() -> None:
         events[f"serving/{phase}"] = ctx.Event()
         for rank in range(ranks):
             events[f"done/{phase}/{rank}"] = ctx.Event()
-    from afd_decode_attention import attn0_main, attn1_main
+    from bench.cluster.afd_decode_attention import attn0_main, attn1_main
 
     procs = {name: ctx.Process(target=_child, args=(fn, args, q, events, name), name=name, daemon=True)
              for name, fn in (("ffn", ffn_main), ("attn-0", attn0_main), ("attn-1", attn1_main))}

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-from afd_decode import _afd_config, _model_config, _setup
-from decode_steps import NoFFN, capture_decode_graphs, kv_cache_for, profile_steps, time_steps
+from bench.cluster.afd_decode_phases import afd_config, child_setup
+from bench.harness.decode_steps import NoFFN, capture_decode_graphs, kv_cache_for, profile_steps, time_steps
+from bench.harness.shapes import v2_lite
 
 
 def _connect(args, phase, rank, loaded, kv):
@@ -15,7 +16,7 @@ def _connect(args, phase, rank, loaded, kv):
 
     from afd.roles import Share, assemble_attention
 
-    afd = _afd_config(args, phase, "attention", rank).replace(cuda_graphs=False)  # the buckets measured, not the defaults
+    afd = afd_config(args, phase, "attention", rank).replace(cuda_graphs=False)  # the buckets measured, not the defaults
     return assemble_attention(afd, Share(loaded, torch.device("cuda"), "bfloat16"), kv)
 
 
@@ -31,11 +32,10 @@ def _close(role, q, label):
 
 
 def attn0_main(args, q, events) -> None:
-    _setup(0, args.deadline_at)
+    child_setup(0, args.deadline_at)
     import torch
-    from common import random_model
-
-    from common import nccl_pingpong
+    from bench.harness.measure import nccl_pingpong
+    from bench.harness.random_weights import random_model
 
     from afd.connector.transports.nccl.lib import PairComm, UniqueId
     from afd.models.loader import LoadedModel
@@ -43,7 +43,7 @@ def attn0_main(args, q, events) -> None:
     from afd.stages import StagePolicy
     from afd.runners.monolithic import MonolithicRunner
 
-    config = _model_config(args.layers)
+    config = v2_lite(args.layers)
     vocab, top = config["vocab_size"], max(args.batches)
 
     # monolithic on this GPU, the same kernels, decode graphs over exactly the measured batches
@@ -112,7 +112,7 @@ def _rank_share(batch: int, rank: int) -> int:
 
 
 def _phase_c(args, q, events, rank, loaded, kv) -> None:
-    vocab = _model_config(args.layers)["vocab_size"]
+    vocab = v2_lite(args.layers)["vocab_size"]
     shares = [_rank_share(batch, rank) for batch in args.batches]  # rank 0 takes the odd sequence
     events["serving/C"].wait(max(1.0, args.deadline_at - time.time()))
     role = _connect(args, "C", rank, loaded, kv)
@@ -132,13 +132,13 @@ def _phase_c(args, q, events, rank, loaded, kv) -> None:
 
 
 def attn1_main(args, q, events) -> None:
-    _setup(0, args.deadline_at)
+    child_setup(0, args.deadline_at)
     import torch  # noqa: F401
-    from common import random_model
+    from bench.harness.random_weights import random_model
 
     from afd.models.loader import LoadedModel
 
-    config = _model_config(args.layers)
+    config = v2_lite(args.layers)
     model, spec, crossing = random_model(config, "attention", seed=1)
     kv = kv_cache_for(model, max(args.batches) // 2, args.context)
     events["serving/C"].wait(max(1.0, args.deadline_at - time.time()))

@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
 
 
 def worker(rank: int, queue, threaded: bool) -> None:
-    from common import nccl_pingpong
+    from bench.harness.measure import nccl_pingpong
 
     from afd.connector.transports.nccl.lib import Group, PairComm, UniqueId, new_unique_id
 

@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
 CAP_S = 20.0
 CASES = ("destroy_both", "destroy_alone", "destroy_graph_alive", "destroy_graph_freed", "abort_idle", "abort_peer_dead")
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from load import client_loop, running_up  # noqa: E402
+from bench.harness.clients import client_loop, running_up  # noqa: E402
 
 
 async def phase(api: str, model: str, clients: int, seconds: float, urls: list[str], scrapes: list) -> None:

@@ -35,11 +35,13 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import require_cuda, write_json  # noqa: E402  (also puts runtime/ on the path)
-from random_checkpoint import write_v2_lite  # noqa: E402
-from serve_gpu import add_group_arguments, ceilings, keep_log_tails, serving, shell_connector  # noqa: E402
-from steady_streams import SteadyStreams  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.measure import require_cuda, write_json  # noqa: E402
+from bench.harness.random_weights import write_v2_lite  # noqa: E402
+from bench.serving.serve_gpu import (add_group_arguments, ceilings, keep_log_tails, serving, shell_connector)  # noqa: E402
+from bench.harness.steady_streams import SteadyStreams  # noqa: E402
 
 from afd.planner.advice import Bounds, TooFewMetrics  # noqa: E402
 from afd.planner.collect import ScrapeError, scrape_once  # noqa: E402

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from load import client_loop, running_up  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator")]  # `bench`, this checkout's `afd` and `afd_operator`
+
+from bench.harness.clients import client_loop, running_up  # noqa: E402
 
 from afd_operator.slo_signals import SERIES  # noqa: E402
 

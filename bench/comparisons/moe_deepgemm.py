@@ -23,12 +23,19 @@ GEMMs write bf16, ours keep float32 to the epilogue; the FP8 activations are qua
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from common import MOE_SHAPES, count_kernels, require_cuda, time_graph, write_json
 
-from afd.kernels import fp8_gemm, moe_align
-from afd.kernels.moe import experts_triton
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
+from bench.harness.measure import count_kernels, require_cuda, time_graph, write_json  # noqa: E402
+
+from afd.kernels import fp8_gemm, moe_align  # noqa: E402
+from afd.kernels.moe import experts_triton  # noqa: E402
 
 
 def balanced_routing(tokens: int, routed: int, top_k: int, seed: int = 3):
@@ -98,7 +105,7 @@ class DeepGemmLayer:
 def experts(shape: dict, fp8: bool):
     """(gate_up, down, gate_up_scale, down_scale): random routed + shared experts, FP8 with block scales or bf16."""
     if fp8:
-        from moe_layer_fp8 import quantized_experts
+        from bench.kernels.moe_layer_fp8 import quantized_experts
 
         q = quantized_experts(shape)
         return q["gate_up"], q["down"], q["gate_up_scale"], q["down_scale"]

@@ -26,10 +26,12 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import one_request, percentile  # noqa: E402  (bench/serve.py: one streaming client)
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness.clients import one_request  # noqa: E402
+from bench.harness.measure import percentile  # noqa: E402
+
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 

@@ -1,6 +1,7 @@
-"""A DeepSeek-V2-Lite-shaped random bf16 checkpoint, written from the device in seconds.
+"""Random bf16 weights: a model built in memory at any sample shape (`random_model`), or a DeepSeek-V2-Lite-shaped
+checkpoint written from the device in seconds (`write_v2_lite`):
 
-    python bench/random_checkpoint.py --out /tmp/v2lite --layers 27 [--device cuda]
+    python bench/harness/random_weights.py --out /tmp/v2lite --layers 27 [--device cuda]
 
 Hugging Face layout: config.json, one safetensors file per decoder layer (plus one for the
 embeddings, final norm and LM head) under the model's tensor names, experts stacked as
@@ -13,12 +14,32 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from common import V2_LITE  # noqa: E402  (bench/common.py puts runtime/ on the path)
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import V2_LITE  # noqa: E402
+
+
+def random_model(config: dict, role: str = "monolithic", gate_on_attention: bool = False, seed: int = 0):
+    """A `role`-pruned model with random bf16 weights on the current GPU (shared experts folded in)."""
+    from afd.models.loader import build_share, finish_share
+
+    model, spec, crossing = build_share(config, role, gate_on_attention, torch.bfloat16, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name or name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0, 0.02, generator=generator)
+    finish_share(model, torch.bfloat16, "cuda")
+    return model, spec, crossing
 
 
 def write_v2_lite(out: Path, layers: int, device: str = "cuda", seed: int = 0) -> Path:

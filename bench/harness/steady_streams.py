@@ -11,7 +11,7 @@ import asyncio
 import random
 import time
 
-from serve import one_request
+from bench.harness.clients import one_request
 
 
 class SteadyStreams:

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
-from common import ceilings, require_cuda, time_graph, write_json
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.measure import ceilings, require_cuda, time_graph, write_json  # noqa: E402
 
 SHAPES = {  # kind, query heads, key heads, key width (latent: latent + rope), value width (latent: latent)
     "deepseek-v2-lite": ("latent", 16, 1, 576, 512),

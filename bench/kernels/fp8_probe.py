@@ -6,11 +6,17 @@ weight scales (checked against the dequantized product, timed against the Triton
 
 from __future__ import annotations
 
+import sys
 import torch
-from common import require_cuda, time_graph, write_json
+from pathlib import Path
 
-from afd.kernels import fp8_gemm
-from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.measure import require_cuda, time_graph, write_json  # noqa: E402
+
+from afd.kernels import fp8_gemm  # noqa: E402
+from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 
 SHAPES = [(rows, n, k) for rows in (7, 64, 4096) for n, k in ((2048, 7168), (7168, 2048))]
 

@@ -16,10 +16,15 @@ $OUT/gemm_invariance.json.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from common import require_cuda, time_callable, write_json
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.measure import require_cuda, time_callable, write_json  # noqa: E402
 
 V3_PROJECTIONS = {  # name: (K, N) of x [M, K] @ W [N, K]ᵀ
     "q_a_proj + kv_a_proj": (7168, 1536 + 576), "q_b_proj": (1536, 24576), "kv_b_proj": (512, 32768),

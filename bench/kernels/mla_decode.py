@@ -9,10 +9,16 @@ token and the tokens a fixed budget holds. `python3 bench/mla_decode.py [--budge
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from common import V2_LITE, require_cuda, time_graph, write_json
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import V2_LITE  # noqa: E402
+from bench.harness.measure import require_cuda, time_graph, write_json  # noqa: E402
 
 
 def main() -> None:

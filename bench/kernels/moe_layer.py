@@ -17,13 +17,19 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
-from common import MOE_SHAPES, ceilings, print_kernel_times, require_cuda, time_graph, write_json
 
-from afd.models.moe_prep import fuse_shared_experts
-from afd.models.layers import MoE, Routing
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
+from bench.harness.measure import ceilings, print_kernel_times, require_cuda, time_graph, write_json  # noqa: E402
+
+from afd.models.moe_prep import fuse_shared_experts  # noqa: E402
+from afd.models.layers import MoE, Routing  # noqa: E402
 
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 

@@ -22,14 +22,21 @@ mean, which lowers the byte floor and is no routing a trained model makes. `--bi
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from common import MOE_SHAPES, ceilings, print_kernel_times, require_cuda, time_callable, time_graph, write_json
 
-from afd.kernels import split_linear
-from afd.kernels.moe import experts_cuda
-from afd.kernels.routing import select_greedy, select_noaux_tc
-from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
+from bench.harness.measure import ceilings, print_kernel_times, require_cuda, time_callable, time_graph, write_json  # noqa: E402
+
+from afd.kernels import split_linear  # noqa: E402
+from afd.kernels.moe import experts_cuda  # noqa: E402
+from afd.kernels.routing import select_greedy, select_noaux_tc  # noqa: E402
+from afd.kernels.fp8_blocks import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 
 TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
 

@@ -27,9 +27,15 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
-from common import MOE_SHAPES, ceilings, require_cuda, time_graph, write_json
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
+from bench.harness.measure import ceilings, require_cuda, time_graph, write_json  # noqa: E402
 
 DEVICE = "cuda"
 SHAPES = ("deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3")

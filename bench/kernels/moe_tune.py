@@ -34,7 +34,12 @@ import time
 from pathlib import Path
 
 import torch
-from common import MOE_SHAPES, require_cuda, time_graph, write_json
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
+from bench.harness.measure import require_cuda, time_graph, write_json  # noqa: E402
 
 TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -203,7 +208,7 @@ COMPILE_ROUTED = 16  # routed experts of a compile worker's FP8 problem (the var
 def compile_jobs(shape_and_jobs: tuple) -> tuple[list, list]:
     """Worker: run each (kernel, layout block_m, cfg, tokens) once so Triton compiles and caches it; returns the
     failures and each compiled variant's (kernel, cfg, registers per thread, spilled registers)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    sys.path.insert(0, str(REPO / "runtime"))
     from afd.kernels import moe_launch  # local import: a spawned worker finds the runtime only after the line above
 
     shape_name, fp8, jobs = shape_and_jobs

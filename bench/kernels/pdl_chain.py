@@ -21,10 +21,15 @@ each chain's last vector against torch's. Writes $OUT/pdl_chain.json.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from common import ceilings, require_cuda, write_json
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.measure import ceilings, require_cuda, write_json  # noqa: E402
 
 
 def build_kernel():

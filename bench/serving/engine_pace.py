@@ -24,8 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
 import afd.engine.engine as engine_module  # noqa: E402
 from afd.config import AFDConfig  # noqa: E402
@@ -177,7 +177,7 @@ def main() -> int:
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     if args.model is None:
-        from random_checkpoint import write_v2_lite
+        from bench.harness.random_weights import write_v2_lite
 
         args.model = str(write_v2_lite(Path(args.checkpoint_dir) / f"v2lite-{args.layers}", args.layers, args.device))
     gpu = args.device == "cuda"

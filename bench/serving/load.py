@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.clients import client_loop, running_up  # noqa: E402
 
 
 def rss_bytes(pids: list[int]) -> int:
@@ -33,34 +33,6 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
-async def client_loop(client, api, model, deadline, latencies, failures, counter):
-    index = 0
-    while time.monotonic() < deadline:
-        index += 1
-        body = {"model": model, "prompt": f"Load test request {index}", "max_tokens": 16 + index % 17, "stream": True}
-        started = time.monotonic()
-        try:
-            async with client.stream("POST", f"{api}/completions", json=body) as response:
-                if response.status_code != 200:
-                    failures.append(f"HTTP {response.status_code}")
-                    continue
-                finished = False
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            failures.append(chunk["error"]["message"])
-                            break
-                        counter[0] += len(chunk["choices"])
-                        finished = finished or any(c["finish_reason"] for c in chunk["choices"])
-                if not finished:
-                    failures.append("stream ended without a finish reason")
-        except httpx.HTTPError as err:
-            failures.append(f"{type(err).__name__}: {err}")
-            continue
-        latencies.append(time.monotonic() - started)
-
-
 async def run_load(api, model, clients, seconds):
     latencies, failures, counter = [], [], [0]
     deadline = time.monotonic() + seconds
@@ -68,25 +40,6 @@ async def run_load(api, model, clients, seconds):
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         await asyncio.gather(*(client_loop(client, api, model, deadline, latencies, failures, counter) for _ in range(clients)))
     return latencies, failures, counter[0]
-
-
-@contextlib.contextmanager
-def running_up(topology: str, port: int, log: str | None = None):
-    """`afd up` of `topology` on `port` until the block ends; yields (its state file's content, the model id)."""
-    state_file = Path(tempfile.mkdtemp()) / "state.json"
-    stderr = open(log, "w") if log else subprocess.DEVNULL
-    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", topology, "--port", str(port),
-                           "--state-file", str(state_file), "--no-demo"], stderr=stderr)
-    try:
-        while not state_file.exists():
-            if up.poll() is not None:
-                raise SystemExit("afd up did not start")
-            time.sleep(0.5)
-        state = json.loads(state_file.read_text())
-        yield state, httpx.get(f"{state['api']}/models").json()["data"][0]["id"]
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(timeout=60)
 
 
 def main() -> int:

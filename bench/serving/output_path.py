@@ -35,8 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-from output_path_cpu import STAGES
-from output_path_server import TEXT, serve
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # `bench` (run as bench/<folder>/<name>.py); `afd` is the tree under test's
+
+from bench.serving.output_path_cpu import STAGES  # noqa: E402
+from bench.serving.output_path_server import TEXT, serve  # noqa: E402
 
 
 async def stream(port: int, max_tokens: int, arrivals: list) -> int:
@@ -152,7 +155,7 @@ def main() -> int:
     if args.serve:
         serve(args.serve, args.step_ms, args.tokenizer, args.profile, args.split)
         return 0
-    trees = dict(t.split("=", 1) for t in args.tree) if args.tree else {"this": str(Path(__file__).parents[1] / "runtime")}
+    trees = dict(t.split("=", 1) for t in args.tree) if args.tree else {"this": str(REPO / "runtime")}
     variants = {(f"{name}/{mode}" if len(args.modes) > 1 else name): (tree, mode == "split")
                 for name, tree in trees.items() for mode in args.modes}
     results = {name: {s: [] for s in args.streams} for name in variants}

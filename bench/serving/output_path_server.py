@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 
-from output_path_cpu import Timers, child_pids, instrument, proc_cpu, thread_cpu
+from bench.serving.output_path_cpu import Timers, child_pids, instrument, proc_cpu, thread_cpu
 
 TEXT = ("The attention layers keep the keys and values of every sequence, while the experts of the feed-forward "
         "layers are shared by all of them; splitting the two lets each side run on the hardware that suits it. ")

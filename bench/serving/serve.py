@@ -23,32 +23,13 @@ from pathlib import Path
 
 import httpx
 
-from afd.config import process_setting
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
+from bench.harness.clients import one_request  # noqa: E402
+from bench.harness.measure import percentile  # noqa: E402
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-async def one_request(client, api, model, prompt, max_tokens, ttfts, itls, extra: dict | None = None) -> int:
-    """Tokens of one streamed completion (TTFT and gaps appended); `extra`: more request fields (penalties)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            **(extra or {})}
-    started, last, tokens = time.perf_counter(), None, 0
-    async with client.stream("POST", f"{api}/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            if json.loads(line[6:]).get("choices"):
-                if last is None:
-                    ttfts.append(now - started)
-                else:
-                    itls.append(now - last)
-                last, tokens = now, tokens + 1
-    return tokens
+from afd.config import process_setting  # noqa: E402
 
 
 async def drive(api, model, prompts, clients, max_tokens):

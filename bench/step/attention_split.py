@@ -14,13 +14,19 @@ The goal is afd_s{1,2} / mono_attn <= 1.1. Writes $OUT/attention_split.json.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from afd_decode import _model_config
-from decode_steps import NoFFN, capture_decode_graphs, kv_cache_for, time_steps
-from common import random_model, require_cuda, write_json
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import v2_lite  # noqa: E402
+from bench.harness.decode_steps import NoFFN, capture_decode_graphs, kv_cache_for, time_steps  # noqa: E402
+from bench.harness.random_weights import random_model  # noqa: E402
+from bench.harness.measure import require_cuda, write_json  # noqa: E402
 
 
 class _ZeroFFN(nn.Module):
@@ -43,7 +49,7 @@ def main() -> None:
     from afd.stages import StagePolicy
     from afd.runners.monolithic import MonolithicRunner
 
-    config = _model_config(args.layers)
+    config = v2_lite(args.layers)
     vocab, rows = config["vocab_size"], []
     for context in (int(c) for c in args.contexts.split(",")):
         result = {b: {"batch": b, "context": context} for b in batches}

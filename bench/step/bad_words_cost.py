@@ -11,15 +11,20 @@ a plain output. Runs on CPU (or `--device cuda`).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from afd.engine.banned_words import step_words
-from afd.engine.logits_controls import ControlState, step_controls
-from afd.engine.request import Request, RequestOutput, SamplingParams
-from afd.server.api.sse import StreamEvents
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from afd.engine.banned_words import step_words  # noqa: E402
+from afd.engine.logits_controls import ControlState, step_controls  # noqa: E402
+from afd.engine.request import Request, RequestOutput, SamplingParams  # noqa: E402
+from afd.server.api.sse import StreamEvents  # noqa: E402
 
 VOCAB, ROWS = 151_936, 64
 WORDS = ((11, 12, 13), (21, 22), (31, 32, 33, 34), (41, 42))

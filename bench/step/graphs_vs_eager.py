@@ -9,13 +9,21 @@ serving loop sees), median of STEPS steps.
 
 from __future__ import annotations
 
+import sys
 import torch
-from common import V2_LITE, random_model, require_cuda, write_json
-from decode_steps import time_steps
+from pathlib import Path
 
-from afd.kv_cache import KVCache
-from afd.models.loader import LoadedModel
-from afd.runners.monolithic import MonolithicRunner
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import V2_LITE  # noqa: E402
+from bench.harness.random_weights import random_model  # noqa: E402
+from bench.harness.measure import require_cuda, write_json  # noqa: E402
+from bench.harness.decode_steps import time_steps  # noqa: E402
+
+from afd.kv_cache import KVCache  # noqa: E402
+from afd.models.loader import LoadedModel  # noqa: E402
+from afd.runners.monolithic import MonolithicRunner  # noqa: E402
 
 BATCHES, CONTEXT, STEPS = (1, 4, 16, 32, 64), 128, 20
 

@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from pathlib import Path
 
 import torch
 
-from common import V2_LITE, random_model, require_cuda, write_json
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import V2_LITE  # noqa: E402
+from bench.harness.random_weights import random_model  # noqa: E402
+from bench.harness.measure import require_cuda, write_json  # noqa: E402
 
 
 def memory_probe(layers: int, before: bool = True) -> dict:

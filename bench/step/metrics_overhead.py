@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from afd.config import AFDConfig
-from afd.metrics.layer_clock import LayerClock, NullClock
-from afd.metrics.layer_metrics import LayerMetrics
-from afd.roles import build_attention, build_ffn
-from afd.layout import SeqLayout
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from afd.config import AFDConfig  # noqa: E402
+from afd.metrics.layer_clock import LayerClock, NullClock  # noqa: E402
+from afd.metrics.layer_metrics import LayerMetrics  # noqa: E402
+from afd.roles import build_attention, build_ffn  # noqa: E402
+from afd.layout import SeqLayout  # noqa: E402
 
 
 def main() -> int:

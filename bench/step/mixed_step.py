@@ -16,15 +16,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from common import V2_LITE, random_model, require_cuda, write_json
-from decode_steps import kv_cache_for
 
-from afd.models.loader import LoadedModel
-from afd.layout import SeqLayout
-from afd.runners.monolithic import MonolithicRunner
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import V2_LITE  # noqa: E402
+from bench.harness.random_weights import random_model  # noqa: E402
+from bench.harness.measure import require_cuda, write_json  # noqa: E402
+from bench.harness.decode_steps import kv_cache_for  # noqa: E402
+
+from afd.models.loader import LoadedModel  # noqa: E402
+from afd.layout import SeqLayout  # noqa: E402
+from afd.runners.monolithic import MonolithicRunner  # noqa: E402
 
 SHAPES = (  # (decode rows, their context, prompt chunk lengths)
     (0, 0, (512,)),

@@ -21,15 +21,21 @@ replayed step from the profiler (per layer too). Writes $OUT/step_floor.json; pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
-import contextlib
+import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from common import (QWEN3_30B_A3B, V2_LITE, ceilings, count_kernels, random_model, require_cuda, time_callable,
-                    write_json)
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
+
+from bench.harness.shapes import QWEN3_30B_A3B, V2_LITE  # noqa: E402
+from bench.harness.measure import ceilings, count_kernels, require_cuda, time_callable, write_json  # noqa: E402
+from bench.harness.random_weights import random_model  # noqa: E402
 
 SHAPES = {"deepseek-v2-lite": V2_LITE, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
@@ -333,7 +339,7 @@ def main() -> None:
     args = parser.parse_args()
     require_cuda(__file__)
     if args.memory_probe:
-        import memory_probe
+        from bench.step import memory_probe
 
         memory_probe.run(args.layers, before=not args.probe_now_only)
         return
