@@ -1,7 +1,7 @@
 """(b) AFD decode vs monolithic, (c) per-layer transfer latency in a step vs bare NCCL, (e) 2A1F vs 1A1F;
 and the DBO threshold (phase D). Tables: `afd_decode_report.py`.
 
-    NCCL_DEBUG=WARN python3 bench/afd_decode.py [--layers 27] [--batches 32,128,512] [--deadline 420]
+    NCCL_DEBUG=WARN python3 bench/cluster/afd_decode.py [--layers 27] [--batches 32,128,512] [--deadline 420]
 
 Needs two GPUs. DeepSeek-V2-Lite-shaped random bf16 model (`--layers` of them, first dense),
 gate on the FFN, nccl connector, CUDA graphs on both sides, one process per rank:

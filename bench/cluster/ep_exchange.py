@@ -1,6 +1,6 @@
 """Expert-parallel dispatch and combine on NCCL: time per layer against a bare exchange of the same bytes.
 
-    NCCL_DEBUG=WARN python3 bench/ep_exchange.py [--shards 2] [--hidden 2048] [--rows 16,64,256,1024] [--layers 26]
+    NCCL_DEBUG=WARN python3 bench/cluster/ep_exchange.py [--shards 2] [--hidden 2048] [--rows 16,64,256,1024] [--layers 26]
 
 Process 0 is an attention rank on GPU 0 running the real `ShardedLink` over one `NcclAttentionPlane`
 per shard (every shard gets all bf16 rows; the float32 partial outputs are summed). Processes

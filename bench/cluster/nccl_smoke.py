@@ -1,6 +1,6 @@
 """NCCL pair smoke test and ping-pong latency on two GPUs: eager, grouped send+recv, captured in a graph.
 
-    NCCL_DEBUG=WARN python3 bench/nccl_smoke.py
+    NCCL_DEBUG=WARN python3 bench/cluster/nccl_smoke.py
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Two processes, one GPU each, one `PairComm` per case, the teardown timed with a 
   abort_stuck         end 0 posts a receive the dead peer never answers, then aborts on another thread;
                       reports the abort time and how long until the stream drained
 
-    NCCL_DEBUG=WARN python3 bench/nccl_teardown.py
+    NCCL_DEBUG=WARN python3 bench/cluster/nccl_teardown.py
 """
 
 from __future__ import annotations

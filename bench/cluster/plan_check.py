@@ -2,7 +2,7 @@
 concurrencies (one scrape at the start and one at the end of each phase, while the load is on),
 then prints the plan: the last window is steady, so its measured and predicted tokens/s compare.
 
-    .venv/bin/python bench/plan_check.py [--topology 2A1F] [--phases 2,6,12,8] [--seconds 20]
+    .venv/bin/python bench/cluster/plan_check.py [--topology 2A1F] [--phases 2,6,12,8] [--seconds 20]
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Does `afd plan`'s model predict a GPU group (issue 19)? A live 1A1F under steady streaming load at
 several concurrencies; per level the measured tokens/s, the prediction and the predicted 2A1F/3A1F/2A2F.
 
-    NCCL_NVLS_ENABLE=0 AFD_CONNECTOR=nccl python3 bench/plan_gpu.py [--layers 27] [--levels 32,128] [--seconds 40]
-    python bench/plan_gpu.py --device cpu --model ~/.cache/afd/tiny-qwen3_moe --levels 2,8 --seconds 10 --ramp 3 \
+    NCCL_NVLS_ENABLE=0 AFD_CONNECTOR=nccl python3 bench/cluster/plan_gpu.py [--layers 27] [--levels 32,128] [--seconds 40]
+    python bench/cluster/plan_gpu.py --device cpu --model ~/.cache/afd/tiny-qwen3_moe --levels 2,8 --seconds 10 --ramp 3 \
         --output-tokens 32 --prompt-tokens 8,24          # CPU: the same code path in a minute
 
 Starts serve_gpu.py's `afd` processes (attention rank on GPU 0, FFN on GPU 1, NCCL, CUDA graphs, stages 2, a
 random DeepSeek-V2-Lite-shaped bf16 checkpoint unless `--model`). The levels run back to back on the same
 streams (added ones start spread over half the ramp; surplus ones stop after their current request): after
 `--ramp` s, one scrape of every rank's /metrics, `--seconds` of steady load, another scrape. As
-bench/plan_check.py and `afd plan` do, one model is fitted over every window (steady and transitions: the
+bench/cluster/plan_check.py and `afd plan` do, one model is fitted over every window (steady and transitions: the
 costs' growth with the batch needs several loads) and each steady window is compared with the model at that
 window's measured batch. The other topologies are predicted at the same load per GPU (`streams` = the
 concurrency to run them at). Writes $OUT/plan_gpu.json (with the raw scrapes) and the tail of each rank's
@@ -17,7 +17,7 @@ log, $OUT/plan_gpu-<rank>.log.
 Exit status: 0 every level within 15 %; 1 a level outside; 2 a rank did not start or stop cleanly, a request
 failed, or the metrics were too few to fit (the message says which).
 
-    python bench/plan_gpu.py --from-json plan_gpu.json [--ffn-rows-from-attention]   # redo the fit offline
+    python bench/cluster/plan_gpu.py --from-json plan_gpu.json [--ffn-rows-from-attention]   # redo the fit offline
 
 `--from-json` refits a saved run's scrapes and prints the same table (no GPU). `--ffn-rows-from-attention`
 repairs runs recorded before the FFN counted the rows of graph-replayed steps: its rows become the attention

@@ -1,9 +1,9 @@
 """Record the attention ranks' serving series of one `afd up` group at fixed load levels.
 
-    .venv/bin/python bench/record_slo_trace.py --levels 0,1,2,4,8,16 --seconds 24 --interval 3 \
+    .venv/bin/python bench/cluster/record_slo_trace.py --levels 0,1,2,4,8,16 --seconds 24 --interval 3 \
         --out tests/operator/traces/cpu-2A1F-levels.json
 
-For each level, C streaming clients (bench/load.py's) run for the given seconds while every
+For each level, C streaming clients (bench/serving/load.py's) run for the given seconds while every
 attention rank's /metrics is scraped each interval; the scrapes keep only the series
 spec.autoscaling reads (afd_operator.slo_signals.SERIES). The autoscaler's simulation tests
 (tests/operator/test_autoscale_sim.py) replay these scrapes: a group carrying C streams is
@@ -65,7 +65,7 @@ def main() -> int:
     parser.add_argument("--log", help="afd up's stderr goes here (default: discarded)")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
-    record = {"command": " ".join(["bench/record_slo_trace.py", *sys.argv[1:]]), "topology": args.topology,
+    record = {"command": " ".join(["bench/cluster/record_slo_trace.py", *sys.argv[1:]]), "topology": args.topology,
               "interval_s": args.interval, "levels": []}
     with running_up(args.topology, args.port, args.log) as (state, model):
         urls = [rank["metrics"] for rank in state["ranks"] if rank.get("role") == "attention"]

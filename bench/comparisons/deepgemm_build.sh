@@ -1,9 +1,9 @@
 #!/bin/bash
-# DeepGEMM for bench/moe_deepgemm.py (the yardstick, not a dependency of the product), in two steps:
-#   here:       bash bench/deepgemm_build.sh pack DEEPGEMM_GIT CUTLASS_GIT FMT_GIT .dgwhl/dgsrc.tgz
+# DeepGEMM for bench/comparisons/moe_deepgemm.py (the yardstick, not a dependency of the product), in two steps:
+#   here:       bash bench/comparisons/deepgemm_build.sh pack DEEPGEMM_GIT CUTLASS_GIT FMT_GIT .dgwhl/dgsrc.tgz
 #               (the three git directories as `fetch github:deepseek-ai/DeepGEMM`, `github:NVIDIA/cutlass` and
 #               `github:fmtlib/fmt` give them; the tarball is ~5 MB: carry its folder)
-#   on the GPU: eval "$(bash bench/deepgemm_build.sh build .dgwhl/dgsrc.tgz)"   # ~60-90 s; sets PYTHONPATH
+#   on the GPU: eval "$(bash bench/comparisons/deepgemm_build.sh build .dgwhl/dgsrc.tgz)"   # ~60-90 s; sets PYTHONPATH
 # Pinned to what session 48 measured: DeepGEMM 54e2261 (2.6.1), cutlass f3fde58 and fmt 553ec11 (its submodules).
 # The build uses /usr/bin/g++-13: the device image's /opt/gcc/bin/g++ links libstdc++ statically into `_C.so`, which
 # then crashed beside the libstdc++ torch loads (session 48, cuda-gdb: std::regex, then an ostream, at the first JIT

@@ -1,11 +1,11 @@
 """Our MoE GEMM kernels against DeepGEMM's m-grouped contiguous GEMMs (what SGLang and vLLM run for FP8 block-scaled
 MoE on Hopper), same shapes, same balanced routing, same GPU.
 
-    python3 bench/moe_deepgemm.py                          # FP8 DeepSeek-V3 and Qwen3-30B-A3B, bf16 both sample shapes
-    python3 bench/moe_deepgemm.py --formats fp8 --tokens 4096
+    python3 bench/comparisons/moe_deepgemm.py                          # FP8 DeepSeek-V3 and Qwen3-30B-A3B, bf16 both sample shapes
+    python3 bench/comparisons/moe_deepgemm.py --formats fp8 --tokens 4096
 
 Needs a `deep_gemm` built against the torch at hand (PyPI's `sgl-deep-gemm` 0.2.5 is built against another torch:
-its `_C.so` does not load under torch 2.11); `bench/deepgemm_build.sh` packs the sources here and builds them on the
+its `_C.so` does not load under torch 2.11); `bench/comparisons/deepgemm_build.sh` packs the sources here and builds them on the
 device. What session 48 built on the device image (not in this repository):
 deepseek-ai/DeepGEMM 54e2261 (2.6.1) with NVIDIA/cutlass f3fde58 and fmtlib/fmt 553ec11 as its third-party
 directories, `cute` and `cutlass` copied into `deep_gemm/include`, then
@@ -161,7 +161,7 @@ def main() -> None:
     try:
         import deep_gemm
     except ImportError as error:
-        raise SystemExit(f"bench/moe_deepgemm.py needs DeepGEMM built against torch {torch.__version__} ({error}); "
+        raise SystemExit(f"bench/comparisons/moe_deepgemm.py needs DeepGEMM built against torch {torch.__version__} ({error}); "
                          "its docstring says how session 48 built it") from error
     token_counts = [int(t) for t in args.tokens.split(",")]
     plan = {"fp8": (("deepseek-v3", True), ("qwen3-30b-a3b", True)),

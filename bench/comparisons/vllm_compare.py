@@ -1,6 +1,6 @@
 """Serving benchmark: `afd up` (our engine) vs vLLM attention + our FFN ranks vs plain vLLM.
 
-    .venv/bin/python bench/vllm_compare.py --topology 1A1F --clients 8 --requests 32 --max-tokens 32
+    .venv/bin/python bench/comparisons/vllm_compare.py --topology 1A1F --clients 8 --requests 32 --max-tokens 32
 
 Same tiny checkpoint (Qwen3-MoE, head_dim 32 for vLLM's CPU attention), same prompts,
 same concurrency, float32, greedy, `ignore_eos`. Each system gets the whole machine in

@@ -5,7 +5,7 @@ grouped-query kernel (Qwen3-30B-A3B: 32 query heads on 4 key heads of 128), at e
 (`plan_splits`, `latent_launch` / `gqa_launch`) and every (slices, rows a step, warps, stages) of the sweep,
 each the median of graph replays; the cache is read through shuffled block tables over copies that together
 outgrow L2, so every call reads its keys from HBM. Prints µs and ÷ the floor (the KV bytes at the measured copy rate).
-`python3 bench/decode_tune.py [--shapes ...] [--batches 32,64,128,256] [--contexts 1024,4096]`
+`python3 bench/kernels/decode_tune.py [--shapes ...] [--batches 32,64,128,256] [--contexts 1024,4096]`
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What this GPU's torch offers for FP8 block-scaled GEMMs: torch._scaled_mm with 1x128 activation and 128x128
 weight scales (checked against the dequantized product, timed against the Triton kernel of afd.kernels.fp8_gemm).
 
-    python3 bench/fp8_probe.py      # prints one line per shape, writes $OUT/fp8_probe.json
+    python3 bench/kernels/fp8_probe.py      # prints one line per shape, writes $OUT/fp8_probe.json
 """
 
 from __future__ import annotations

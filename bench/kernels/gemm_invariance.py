@@ -1,6 +1,6 @@
 """Is torch's bf16 GEMM (cuBLAS) batch-invariant at DeepSeek-V3's shapes? (issue 32: the bf16 V3 2A1F mismatch)
 
-    python3 bench/gemm_invariance.py [--rows 1,2,4,8,16,32,64,128,192] [--full 256] [--time-rows 1,8,64,256]
+    python3 bench/kernels/gemm_invariance.py [--rows 1,2,4,8,16,32,64,128,192] [--full 256] [--time-rows 1,8,64,256]
 
 AFD over NCCL equals the monolith only where each row's product does not depend on how many rows share the GEMM: an
 attention rank of a 2A1F deployment multiplies its own prompts' and decodes' rows, the monolith all of them. cuBLAS

@@ -3,7 +3,7 @@ expanded per-head cache it replaces, at DeepSeek-V2-Lite shapes on one GPU.
 
 Prints, per batch and context: the paged-decode kernel time over each cache (graph-replayed,
 median ms), the whole MLA layer's decode time with the latent cache, and the cache bytes per
-token and the tokens a fixed budget holds. `python3 bench/mla_decode.py [--budget-gib 100]`.
+token and the tokens a fixed budget holds. `python3 bench/kernels/mla_decode.py [--budget-gib 100]`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Registers and spills of the FP8 MoE kernels' untuned defaults (before and after session 40) and of the tuned
 table's entries at a sample model's shapes, as ptxas reports them for Triton's compiled kernels.
 
-    python3 bench/moe_fp8_spills.py --shape deepseek-v3     # prints a line per entry, writes $OUT/moe_fp8_spills-SHAPE.json
+    python3 bench/kernels/moe_fp8_spills.py --shape deepseek-v3     # prints a line per entry, writes $OUT/moe_fp8_spills-SHAPE.json
 """
 
 from __future__ import annotations

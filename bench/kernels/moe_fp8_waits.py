@@ -2,8 +2,8 @@
 sequence of wgmma dots and waits in its K loop, the registers / stack bytes ptxas gives a thread and the shared
 memory it needs.
 
-    python3 bench/moe_fp8_waits.py                 # the settings in SETTINGS
-    python3 bench/moe_fp8_waits.py --json          # one JSON line per setting (what the tests read)
+    python3 bench/kernels/moe_fp8_waits.py                 # the settings in SETTINGS
+    python3 bench/kernels/moe_fp8_waits.py --json          # one JSON line per setting (what the tests read)
 
 A `dot` followed by `wait0` in the loop is synchronous: the tensor cores idle until its step's promotion is done
 (every FP8 dot is, as the block scales are applied to each step's product). Session 47 measured a Gluon form of both

@@ -1,8 +1,8 @@
 """(a) MoE layer time vs its floor at a sample model's shapes, per kernel, CUDA-graph replays.
 
-    python3 bench/moe_layer.py        # prints a table, writes $OUT/moe_layer.json (or moe_layer-SHAPE.json)
-    python3 bench/moe_layer.py --before OLD_TABLE.json   # also the Triton kernel on another tuned table
-    python3 bench/moe_layer.py --shape qwen3-30b-a3b --tokens 1024,4096 --profile   # + the slowest kernels, µs
+    python3 bench/kernels/moe_layer.py        # prints a table, writes $OUT/moe_layer.json (or moe_layer-SHAPE.json)
+    python3 bench/kernels/moe_layer.py --before OLD_TABLE.json   # also the Triton kernel on another tuned table
+    python3 bench/kernels/moe_layer.py --shape qwen3-30b-a3b --tokens 1024,4096 --profile   # + the slowest kernels, µs
 
 The layer is router + top-k routing + routed experts + shared experts (folded in as experts),
 bf16: by default DeepSeek-V2-Lite's (top-6 of 64, 2 shared, hidden 2048, width 1408, fp32 router), or

@@ -1,8 +1,8 @@
 """The FP8 MoE layer vs its floor and vs the bf16 layer on the same (dequantized) weights, CUDA-graph replays.
 
-    python3 bench/moe_layer_fp8.py --shape deepseek-v3     # writes $OUT/moe_layer_fp8-SHAPE.json, prints a table
-    python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens 64,1024,4096
-    python3 bench/moe_layer_fp8.py --tokens 1024,4096 --no-bf16 --profile     # + the slowest kernels, µs
+    python3 bench/kernels/moe_layer_fp8.py --shape deepseek-v3     # writes $OUT/moe_layer_fp8-SHAPE.json, prints a table
+    python3 bench/kernels/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens 64,1024,4096
+    python3 bench/kernels/moe_layer_fp8.py --tokens 1024,4096 --no-bf16 --profile     # + the slowest kernels, µs
 
 The layer is the router, the routing (DeepSeek-V3: noaux_tc in the Triton kernel; Qwen3: greedy softmax) and
 the routed + shared experts (shared folded in as experts) in FP8: e4m3 weights with 128×128 block scales,

@@ -1,9 +1,9 @@
 """The small-token MoE path (`afd.kernels.moe_small`) vs the aligned Triton path at a few tokens, CUDA-graph replays.
 
-    python3 bench/moe_small.py          # 3 shapes × T = 1, 2, 4, 8: a table; writes $OUT/moe_small.json
-    python3 bench/moe_small.py --variants 1,2,4,8 --deadline 80   # + the settings sweep (~60-90 s on an H100/H200)
+    python3 bench/kernels/moe_small.py          # 3 shapes × T = 1, 2, 4, 8: a table; writes $OUT/moe_small.json
+    python3 bench/kernels/moe_small.py --variants 1,2,4,8 --deadline 80   # + the settings sweep (~60-90 s on an H100/H200)
 
-Shapes (bench/common.py's MOE_SHAPES): deepseek-v2-lite and qwen3-30b-a3b in bf16, deepseek-v3 in FP8 (e4m3
+Shapes (bench/harness/shapes.py's MOE_SHAPES): deepseek-v2-lite and qwen3-30b-a3b in bf16, deepseek-v3 in FP8 (e4m3
 with 128×128 block scales, `quantize_block_fp8` of random weights). The experts alone (gate_up and down stacks,
 shared experts folded in as the last ones) on a random greedy top-k routing. `aligned ms`: `moe.experts_triton`
 with `AFD_MOE_SMALL_TOKENS=0` (FP8: the tokens' quantization, alignment, two GEMMs, slot sum, with the tuned

@@ -1,8 +1,8 @@
 """Tune the Triton MoE block sizes per token count at a sample model's MoE shapes; write the table.
 
-    python3 bench/moe_tune.py [--shape deepseek-v2-lite|qwen3-30b-a3b] [--tokens 1,16,64] [--workers 12]
-    python3 bench/moe_tune.py --kernels down --tokens 1024,4096   # re-tune one kernel, keep the rest of each row
-    python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 64,256,1024,4096 --deadline 120   # FP8 experts
+    python3 bench/kernels/moe_tune.py [--shape deepseek-v2-lite|qwen3-30b-a3b] [--tokens 1,16,64] [--workers 12]
+    python3 bench/kernels/moe_tune.py --kernels down --tokens 1024,4096   # re-tune one kernel, keep the rest of each row
+    python3 bench/kernels/moe_tune.py --fp8 --shape deepseek-v3 --tokens 64,256,1024,4096 --deadline 120   # FP8 experts
 
 Every candidate of each kernel (gate_up, down) is compiled first in parallel worker
 processes (Triton's on-disk cache then serves the timing process), then timed alone

@@ -1,6 +1,6 @@
 """Does programmatic dependent launch (PDL) take the fixed cost off a chain of one-token GEMMs? (issue 33, batch 1)
 
-    python3 bench/pdl_chain.py [--n 2048] [--k 2048] [--chain 64] [--split-k 8]
+    python3 bench/kernels/pdl_chain.py [--n 2048] [--k 2048] [--chain 64] [--split-k 8]
 
 At batch 1 the decode step is a chain of small kernels, each reading its weight once: a 2048 x 2048 bf16
 projection moves 8 MiB (~2 µs at the H200's copy rate) but takes ~6 µs in a graph (session 42's skinny tables),

@@ -9,8 +9,8 @@ elements that differ from the monolith and the largest difference in units of th
 max(|output|, |shared output|). Also: how many elements the monolith itself changed by keeping the shared row
 in float32 (before: rounded first).
 
-    python3 bench/shared_slice_rounding.py                       # a GPU: bf16
-    TRITON_INTERPRET=1 python3 bench/shared_slice_rounding.py    # no GPU: Triton's interpreter, float16
+    python3 bench/kernels/shared_slice_rounding.py                       # a GPU: bf16
+    TRITON_INTERPRET=1 python3 bench/kernels/shared_slice_rounding.py    # no GPU: Triton's interpreter, float16
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tune the skinny GEMM (afd.kernels.skinny_gemm) at the decode step's dense projections; write its table.
 
-    python3 bench/skinny_tune.py [--shapes deepseek-v2-lite,qwen3-30b-a3b] [--rows 1,2,4,8,16] [--deadline 60]
+    python3 bench/kernels/skinny_tune.py [--shapes deepseek-v2-lite,qwen3-30b-a3b] [--rows 1,2,4,8,16] [--deadline 60]
                                  [--write]
 
 The shapes are the GEMMs the decode path sends through `skinny_gemm.linear`, read off each sample model built

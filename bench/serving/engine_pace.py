@@ -1,7 +1,7 @@
 """The engine loop alone, without HTTP: does it keep pace with its own graph-replayed step?
 
-    python3 bench/engine_pace.py [--layers 27] [--levels 16,64,256]          # GPU: random V2-Lite-shaped bf16
-    python3 bench/engine_pace.py --device cpu --model <tiny> --levels 4      # CPU smoke
+    python3 bench/serving/engine_pace.py [--layers 27] [--levels 16,64,256]          # GPU: random V2-Lite-shaped bf16
+    python3 bench/serving/engine_pace.py --device cpu --model <tiny> --levels 4      # CPU smoke
 
 For each level B, B greedy requests (prompts of 128-1024 tokens, 256 outputs, ignore_eos) go through the
 serving `Engine` over a monolithic rank (`AFD_ROLE=monolithic`'s stepper, decode graphs on a GPU), and the

@@ -1,6 +1,6 @@
 """Sustained-load test: C concurrent streaming clients against `afd up` for D seconds.
 
-    .venv/bin/python bench/load.py --clients 64 --seconds 120
+    .venv/bin/python bench/serving/load.py --clients 64 --seconds 120
 
 Reports completed and failed requests, p50/p99 request latency, output tokens/s, and
 the summed RSS of every rank at the start and the end (growth must stay under 10%).

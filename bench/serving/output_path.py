@@ -1,11 +1,11 @@
 """CPU cost of the serving process's output path, per token, with no model: the real app and engine
 around a stand-in step.
 
-    PYTHONPATH=runtime .venv/bin/python bench/output_path.py --streams 16 64 256 --runs 3
+    PYTHONPATH=runtime .venv/bin/python bench/serving/output_path.py --streams 16 64 256 --runs 3
     # before/after, interleaved: one server per tree and run, alternating
-    .venv/bin/python bench/output_path.py --tree main=/work/main/runtime --tree out=runtime
+    .venv/bin/python bench/serving/output_path.py --tree main=/work/main/runtime --tree out=runtime
     # one process against the API in its own process (AFD_API_PROCESS), interleaved
-    PYTHONPATH=runtime .venv/bin/python bench/output_path.py --modes one split --step-ms 15
+    PYTHONPATH=runtime .venv/bin/python bench/serving/output_path.py --modes one split --step-ms 15
 
 The server (a subprocess) runs the real `Engine` (pipelined, output thread, metrics observer),
 `create_app` behind `Failover` and uvicorn, exactly as `afd serve` does; only the step is

@@ -1,6 +1,6 @@
 """Serving benchmark: N concurrent streaming clients against `afd up`, versus transformers `generate`.
 
-    .venv/bin/python bench/serve.py --clients 16 --requests 64 --max-tokens 64
+    .venv/bin/python bench/serving/serve.py --clients 16 --requests 64 --max-tokens 64
 
 Prints output tokens/s, time to first token and inter-token latency (p50/p99) for the
 AFD deployment, then the throughput of the same checkpoint through `transformers`

@@ -1,9 +1,9 @@
 """What a user gets on GPUs: the real `afd serve` processes driven through the OpenAI API, against their own step ceiling.
 
-    AFD_CONNECTOR=nccl python bench/serve_gpu.py [--layers 27] [--levels 1,16,64,256,512] [--modes afd,monolithic]
-    python bench/serve_gpu.py --device cpu --layers 2 --levels 1,4 --output-tokens 8 --prompt-tokens 16,32   # CPU smoke
+    AFD_CONNECTOR=nccl python bench/serving/serve_gpu.py [--layers 27] [--levels 1,16,64,256,512] [--modes afd,monolithic]
+    python bench/serving/serve_gpu.py --device cpu --layers 2 --levels 1,4 --output-tokens 8 --prompt-tokens 16,32   # CPU smoke
 
-Writes (or takes `--model`) a DeepSeek-V2-Lite-shaped random bf16 checkpoint (bench/random_checkpoint.py),
+Writes (or takes `--model`) a DeepSeek-V2-Lite-shaped random bf16 checkpoint (bench/harness/random_weights.py),
 then per mode starts the processes a pod runs: `afd` = the `--topology` group (attention rank a on GPU a,
 FFN rank f on GPU A+f, `AFD_CONNECTOR` nccl by default on GPUs, CUDA graphs, `--stages`), `monolithic` =
 one `AFD_ROLE=monolithic` process on GPU 0. Each rank times its graph-replayed decode step at every level's

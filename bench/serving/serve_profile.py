@@ -1,13 +1,13 @@
 """Where the serving process's host time goes under steady load: py-spy samples of the API rank.
 
-Starts the same processes as `bench/serve_gpu.py` (AFD group or monolithic), keeps `--streams`
+Starts the same processes as `bench/serving/serve_gpu.py` (AFD group or monolithic), keeps `--streams`
 streams busy (new prompts arrive as others finish), and after `--delay` seconds samples the
 API-serving rank with py-spy (`pip install py-spy`): every thread, idle included, then only the
 thread holding the GIL. Prints per thread the share of samples and its top frames, and the level's
 ITL next to the rank's graph-replayed step; writes the raw stacks to $OUT (or .).
 
-    python3 bench/serve_profile.py --modes afd,monolithic --streams 64
-    AFD_SWITCH_INTERVAL_S=0.0005 python3 bench/serve_profile.py ...   # the interpreter's GIL hand-off interval
+    python3 bench/serving/serve_profile.py --modes afd,monolithic --streams 64
+    AFD_SWITCH_INTERVAL_S=0.0005 python3 bench/serving/serve_profile.py ...   # the interpreter's GIL hand-off interval
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """n > 1 with the prompt prefilled once (issue 34): tokens fed, KV blocks in use and wall time of one request of n
 choices, shared (one group) and as n separate requests, on a tiny CPU model (fp32). Prints one line per n.
 
-    .venv/bin/python bench/shared_prompt.py --prompt 512 --tokens 16
+    .venv/bin/python bench/serving/shared_prompt.py --prompt 512 --tokens 16
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Issue 16 (2): the attention-only AFD step against the attention part of the monolithic step, on one GPU.
 
-    python3 bench/attention_split.py [--layers 27] [--batches 64,256,512] [--contexts 128,2048]
+    python3 bench/step/attention_split.py [--layers 27] [--batches 64,256,512] [--contexts 128,2048]
 
 DeepSeek-V2-Lite-shaped random bf16 model, CUDA graphs, every sequence with --context cached
 tokens. Per batch and context, median wall-clock ms of a decode step (`runner(ids).argmax().tolist()`):

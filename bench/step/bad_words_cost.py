@@ -5,7 +5,7 @@ recorded) for rows with a logit bias only, and the part that multi-token bad wor
 four (`afd.engine.banned_words`: built, applied, recorded). Also the cost per streamed event of `StreamEvents` on
 a plain output. Runs on CPU (or `--device cuda`).
 
-    .venv/bin/python bench/bad_words_cost.py [--device cpu] [--steps 50]
+    .venv/bin/python bench/step/bad_words_cost.py [--device cpu] [--steps 50]
 """
 
 from __future__ import annotations

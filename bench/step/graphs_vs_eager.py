@@ -1,6 +1,6 @@
 """(d) Decode step with CUDA graphs vs eager, DeepSeek-V2-Lite-shaped random bf16 model on one GPU.
 
-    python3 bench/graphs_vs_eager.py     # prints a table, writes $OUT/graphs_vs_eager.json
+    python3 bench/step/graphs_vs_eager.py     # prints a table, writes $OUT/graphs_vs_eager.json
 
 Each sequence has CONTEXT cached tokens; a step decodes one token per sequence. Step
 time is wall-clock around `runner(input_ids, layout)` plus a device sync (what a

@@ -1,7 +1,7 @@
 """What building the DeepSeek-V2-Lite-shaped model leaves held on the GPU, and the KV cache `afd serve` sizes from
 what is left (issue 33's KV item), on one GPU:
 
-    python3 bench/memory_probe.py [--layers 0] [--now-only]
+    python3 bench/step/memory_probe.py [--layers 0] [--now-only]
 
 Builds the model as the loader did before issue 33 (float32, then converted) and as it does now, printing after
 each the bytes allocated, held by the caching allocator (emptied) and used on the device; then the monolith's KV

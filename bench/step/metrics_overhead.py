@@ -1,6 +1,6 @@
 """Step-time overhead of per-layer metrics: profiling every N-th step vs never.
 
-    .venv/bin/python bench/metrics_overhead.py [--model PATH] [--steps 400] [--every 16]
+    .venv/bin/python bench/step/metrics_overhead.py [--model PATH] [--steps 400] [--every 16]
 
 Runs one loopback AFD group (1A1F, both roles instrumented exactly as `afd serve` does)
 decoding a batch of 16 sequences in blocks of `--every` steps (each "on" block holds

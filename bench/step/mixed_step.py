@@ -1,6 +1,6 @@
 """Steps that carry prompt tokens, eager vs piecewise graphs, DeepSeek-V2-Lite-shaped random bf16 model, one GPU.
 
-    python3 bench/mixed_step.py [--layers 27] [--eager-only] [--tag NAME]   # a table; $OUT/mixed_step[-NAME].json
+    python3 bench/step/mixed_step.py [--layers 27] [--eager-only] [--tag NAME]   # a table; $OUT/mixed_step[-NAME].json
 
 Each row is one step shape: D decode rows at context C beside prompt chunks (the mixed steps chunked
 prefill makes), or prompt chunks alone. Columns, medians of --steps steps, each followed by a sync:

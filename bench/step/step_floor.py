@@ -1,8 +1,8 @@
 """The decode step against its floor (issue 33): time, floor, ratio and kernels per step, on one GPU.
 
-    python3 bench/step_floor.py [--shapes deepseek-v2-lite,qwen3-30b-a3b] [--layers 0] [--batches 1,64,256] [--pdl off,on]
+    python3 bench/step/step_floor.py [--shapes deepseek-v2-lite,qwen3-30b-a3b] [--layers 0] [--batches 1,64,256] [--pdl off,on]
                                 [--contexts 128,2048] [--steps 20]
-    python3 bench/step_floor.py --memory-probe   # bench/memory_probe.py: what the model leaves held on the GPU (KV)
+    python3 bench/step/step_floor.py --memory-probe   # bench/step/memory_probe.py: what the model leaves held on the GPU (KV)
 
 Random bf16 weights at each sample shape (`--layers 0`: the model's own depth), CUDA graphs,
 every sequence with `context` cached tokens. Per shape, batch and context, three steps:
@@ -334,7 +334,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--pdl", default="off", help="off, on or off,on: each step measured with programmatic "
                         "dependent launch off and/or on (AFD_PDL), graphs captured anew for each, one model build")
-    parser.add_argument("--memory-probe", action="store_true", help="run bench/memory_probe.py instead")
+    parser.add_argument("--memory-probe", action="store_true", help="run bench/step/memory_probe.py instead")
     parser.add_argument("--probe-now-only", action="store_true", help="--memory-probe without the old loading order")
     args = parser.parse_args()
     require_cuda(__file__)

@@ -186,7 +186,7 @@ class PairComm:
 
         `ncclCommDestroy` waits until every CUDA graph that captured this pair's transfers
         is destroyed (measured: 0.46 s with the graphs freed first, > 20 s with one alive;
-        `bench/nccl_teardown.py`): release the graphs before closing the pair.
+        `bench/cluster/nccl_teardown.py`): release the graphs before closing the pair.
         """
         return self._release(library().lib.ncclCommDestroy, wait_s)
 
