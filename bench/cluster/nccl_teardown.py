@@ -66,7 +66,7 @@ def worker(rank: int, queues, barrier, results) -> None:
     for case in CASES:
         barrier.wait()
         comm = pair()
-        handle, comm._comm = comm._comm, None  # the raw ncclComm_t, torn down by hand below
+        handle = comm.detach()  # the raw ncclComm_t, torn down by hand below
         graph = None
         if case.startswith("destroy_graph"):
             graph = torch.cuda.CUDAGraph()
@@ -111,7 +111,7 @@ def stuck(lib, device, queues, results) -> None:
     event = torch.cuda.Event()
     event.record()
     time.sleep(0.5)
-    handle, comm._comm = comm._comm, None
+    handle = comm.detach()
     started = time.monotonic()
     thread = threading.Thread(target=lib.ncclCommAbort, args=(handle,), daemon=True)
     thread.start()

@@ -15,7 +15,7 @@ and that copy crashed (std::regex, then an ostream) at the first JIT compile, be
 
 Rows: each expert's rows padded to DeepGEMM's alignment (128), in our `moe_align` layout; padding rows marked -1 so
 DeepGEMM skips their blocks. DeepGEMM's gate_up and down are timed alone (CUDA-graph medians, its per-call scale
-layout transform included); ours are the layer's `_gate_up_kernel` and `_down_kernel` from the profiler (one run of
+layout transform included); ours are the layer's `gate_up_kernel` and `down_kernel` from the profiler (one run of
 the table's settings), beside the whole layer's graph median. `rel diff` compares the two layers' outputs (DeepGEMM's
 GEMMs write bf16, ours keep float32 to the epilogue; the FP8 activations are quantized from those).
 """
@@ -138,8 +138,8 @@ def compare(dg, shape_name: str, fp8: bool, token_counts) -> list[dict]:
             dg_gate_up, dg_down = (time_graph(f) for f in theirs.gemms(x))
             ours()
             row = {"shape": shape_name, "format": "fp8" if fp8 else "bf16", "tokens": tokens,
-                   "ours_layer_ms": time_graph(ours), "ours_gate_up_ms": kernel_us(ours, "_gate_up_kernel") / 1e3,
-                   "ours_down_ms": kernel_us(ours, "_down_kernel") / 1e3, "deepgemm_gate_up_ms": dg_gate_up,
+                   "ours_layer_ms": time_graph(ours), "ours_gate_up_ms": kernel_us(ours, "gate_up_kernel") / 1e3,
+                   "ours_down_ms": kernel_us(ours, "down_kernel") / 1e3, "deepgemm_gate_up_ms": dg_gate_up,
                    "deepgemm_down_ms": dg_down, "rel_diff": diff}
         ours_sum = row["ours_gate_up_ms"] + row["ours_down_ms"]
         row["deepgemm_over_ours"] = (dg_gate_up + dg_down) / ours_sum

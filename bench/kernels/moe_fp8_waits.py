@@ -82,7 +82,7 @@ def down(block_m: int, block_n: int, block_k: int, warps: int, stages: int):
                  "layout_m": "i32", "group_m": "i32"}
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TMA=True, FP8=True, PERSISTENT=False,
                      PROGRAMS=0, SHARED_APART=True)
-    return compile_variant(moe_triton._down_kernel, signature, constants, warps, stages)
+    return compile_variant(moe_triton.down_kernel, signature, constants, warps, stages)
 
 
 def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, one_dot: bool):
@@ -96,7 +96,7 @@ def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, o
                  "hidden": "i32", "inter": "i32", "layout_m": "i32", "group_m": "i32"}
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TMA=True, GATHER=True, ONE_DOT=one_dot,
                      FP8=True, PERSISTENT=False, PROGRAMS=0)
-    return compile_variant(moe_triton._gate_up_kernel, signature, constants, warps, stages)
+    return compile_variant(moe_triton.gate_up_kernel, signature, constants, warps, stages)
 
 
 SETTINGS = [  # (kernel, settings): the session-40 winners at 1,024-4,096 tokens and their neighbours

@@ -30,6 +30,7 @@ sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's
 import afd.engine.engine as engine_module  # noqa: E402
 from afd.config import AFDConfig  # noqa: E402
 from afd.engine.engine import Engine  # noqa: E402
+from afd.engine.outputs import OutputProcessor  # noqa: E402
 from afd.engine.request import SamplingParams  # noqa: E402
 from afd.engine.sampler import Sampled  # noqa: E402
 from afd.monolithic import build_monolithic  # noqa: E402
@@ -55,14 +56,25 @@ class PhaseClock:
 def run_level(role, batch: int, args, rng: random.Random) -> dict:
     clock = PhaseClock()
     steps = []
+
+    class Steps:
+        def on_step(self, _engine, tokens, seconds):
+            steps.append((time.perf_counter(), tokens))
+
+        def on_token(self, request, now):
+            pass
+
+        def on_error(self):
+            pass
+
     engine = Engine(role.runner, role.kv_cache, None, [], max_num_seqs=batch, max_model_len=2048,
                     max_num_batched_tokens=args.max_num_batched_tokens, device=role.device,
-                    prefill_itl_ratio=args.prefill_itl_ratio)
+                    prefill_itl_ratio=args.prefill_itl_ratio, observer=Steps())
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     runner = _ProfiledRunner(engine.step, args.profile_prompt_step)
     engine.step = clock.wrap("step launch", runner)
-    engine._outputs.tokens = clock.wrap("outputs handed over", engine._outputs.tokens)
-    originals = engine_module.build_inputs, engine_module.sample, Sampled.wait
+    originals = engine_module.build_inputs, engine_module.sample, Sampled.wait, OutputProcessor.tokens
+    OutputProcessor.tokens = clock.wrap("outputs handed over", OutputProcessor.tokens)  # this level's one engine
     engine_module.build_inputs = clock.wrap("build inputs", engine_module.build_inputs)
     engine_module.sample = clock.wrap("sampling launch", engine_module.sample)
     Sampled.wait = clock.wrap("wait for device", Sampled.wait)
@@ -81,17 +93,6 @@ def run_level(role, batch: int, args, rng: random.Random) -> dict:
                         done.set()
         return on_output
 
-    class Steps:
-        def on_step(self, _engine, tokens, seconds):
-            steps.append((time.perf_counter(), tokens))
-
-        def on_token(self, request, now):
-            pass
-
-        def on_error(self):
-            pass
-
-    engine.observer = engine._outputs.observer = Steps()
     replays_before = role.runner.graphs.replays if role.runner.graphs is not None else 0
     mixed = role.runner.mixed_graphs
     mixed_before = mixed.replays if mixed is not None else 0
@@ -107,7 +108,7 @@ def run_level(role, batch: int, args, rng: random.Random) -> dict:
         wall = time.perf_counter() - started
     finally:
         engine.stop()
-        engine_module.build_inputs, engine_module.sample, Sampled.wait = originals
+        engine_module.build_inputs, engine_module.sample, Sampled.wait, OutputProcessor.tokens = originals
     all_in = max(times[0] for times in token_times.values())  # every prompt has its first token: decode only after
     gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:]) if a >= all_in]
     gaps = gaps or [b - a for times in token_times.values() for a, b in zip(times, times[1:])]  # short CPU smoke runs

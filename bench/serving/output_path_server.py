@@ -61,7 +61,7 @@ def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = 
                 api += seconds
         processes = {"proc:core": core, "proc:api": api} if split else {}
         return {"cpu_s": core + api, "threads": {**threads, **processes}, "stages": timers.seconds,
-                "present": sorted(timers.present), "tokens": metrics.generation_tokens._value.get()}
+                "present": sorted(timers.present), "tokens": registry.get_sample_value("afd_generation_tokens_total", {"role": "attention", "rank": "0"})}
 
     engine.start()
     if split:

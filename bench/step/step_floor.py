@@ -289,7 +289,7 @@ def pdl_launches(on: bool):
 
     before = os.environ.get("AFD_PDL")
     os.environ["AFD_PDL"] = "true" if on else "false"
-    pdl._enabled.cache_clear()
+    pdl.enabled.cache_clear()
     try:
         yield
     finally:
@@ -297,7 +297,7 @@ def pdl_launches(on: bool):
             os.environ.pop("AFD_PDL")
         else:
             os.environ["AFD_PDL"] = before
-        pdl._enabled.cache_clear()
+        pdl.enabled.cache_clear()
 
 
 def _row(shape, mode, batch, context, got, floor: Floor, layers: int, hits: list[int], pdl: bool = False) -> dict:

@@ -48,13 +48,15 @@ def gdc_enter(GDC: tl.constexpr):
 
 def launch_options(device: torch.device, release_early: bool = True) -> dict:
     """Keyword arguments for a launch on `device`: `GDC` and `launch_pdl` where PDL is on, else none."""
-    if device.type != "cuda" or not _enabled(device.index if device.index is not None else -1):
+    if device.type != "cuda" or not enabled(device.index if device.index is not None else -1):
         return _OFF
     return _RELEASE if release_early else _WAIT
 
 
 @functools.lru_cache(maxsize=None)
-def _enabled(index: int) -> bool:
+def enabled(index: int) -> bool:
+    """PDL on for device `index` (-1: the current one): `AFD_PDL` and compute capability 9.0 or later; cached, so a
+    caller that changes `AFD_PDL` clears it (`enabled.cache_clear()`)."""
     if not process_setting("AFD_PDL"):
         return False
     index = torch.cuda.current_device() if index < 0 else index
