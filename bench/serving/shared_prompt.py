@@ -20,7 +20,7 @@ sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's
 
 from afd.engine.engine import Engine  # noqa: E402
 from afd.engine.request import SamplingParams  # noqa: E402
-from afd.engine.tokenizer import load_tokenizer  # noqa: E402
+from afd.engine.text.tokenizer import load_tokenizer  # noqa: E402
 from afd.kv_cache import KVCache  # noqa: E402
 from afd.models.loader import load_model  # noqa: E402
 from afd.runners.monolithic import MonolithicRunner  # noqa: E402

@@ -2,7 +2,7 @@
 
 64 sampling rows of a 151,936-token vocabulary (Qwen3's): the whole logits controls of one step (built, applied,
 recorded) for rows with a logit bias only, and the part that multi-token bad words add when each row carries
-four (`afd.engine.banned_words`: built, applied, recorded). Also the cost per streamed event of `StreamEvents` on
+four (`afd.engine.sampling.banned_words`: built, applied, recorded). Also the cost per streamed event of `StreamEvents` on
 a plain output. Runs on CPU (or `--device cuda`).
 
     .venv/bin/python bench/step/bad_words_cost.py [--device cpu] [--steps 50]
@@ -21,9 +21,9 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from afd.engine.banned_words import step_words  # noqa: E402
-from afd.engine.logits_controls import ControlState, step_controls  # noqa: E402
 from afd.engine.request import Request, RequestOutput, SamplingParams  # noqa: E402
+from afd.engine.sampling.banned_words import step_words  # noqa: E402
+from afd.engine.sampling.logits_controls import ControlState, step_controls  # noqa: E402
 from afd.server.api.sse import StreamEvents  # noqa: E402
 
 VOCAB, ROWS = 151_936, 64
