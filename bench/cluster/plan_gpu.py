@@ -40,8 +40,8 @@ sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's
 
 from bench.harness.measure import require_cuda, write_json  # noqa: E402
 from bench.harness.random_weights import write_v2_lite  # noqa: E402
-from bench.serving.serve_gpu import (add_group_arguments, ceilings, keep_log_tails, serving, shell_connector)  # noqa: E402
 from bench.harness.steady_streams import SteadyStreams  # noqa: E402
+from bench.serving.serve_gpu import add_group_arguments, ceilings, keep_log_tails, serving, shell_connector  # noqa: E402
 
 from afd.planner.advice import Bounds, TooFewMetrics  # noqa: E402
 from afd.planner.collect import ScrapeError, scrape_once  # noqa: E402

@@ -17,8 +17,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import V2_LITE  # noqa: E402
 from bench.harness.measure import require_cuda, time_graph, write_json  # noqa: E402
+from bench.harness.shapes import V2_LITE  # noqa: E402
 
 
 def main() -> None:

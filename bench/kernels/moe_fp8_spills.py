@@ -16,8 +16,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 from bench.harness.measure import require_cuda, write_json  # noqa: E402
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 from bench.kernels.moe_tune import COMPILE_ROUTED, Problem, random_experts  # noqa: E402
 
 # FP8_DEFAULT_CONFIGS' tall entries before session 40 (gate_up in one dot over a BM×256 float32 tile)

@@ -25,8 +25,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 from bench.harness.measure import ceilings, print_kernel_times, require_cuda, time_graph, write_json  # noqa: E402
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 
 from afd.models.moe_prep import fuse_shared_experts  # noqa: E402
 from afd.models.layers import MoE, Routing  # noqa: E402

@@ -30,8 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 from bench.harness.measure import ceilings, print_kernel_times, require_cuda, time_callable, time_graph, write_json  # noqa: E402
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 
 from afd.kernels import split_linear  # noqa: E402
 from afd.kernels.moe import experts_cuda  # noqa: E402

@@ -34,8 +34,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 from bench.harness.measure import ceilings, require_cuda, time_graph, write_json  # noqa: E402
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 
 DEVICE = "cuda"
 SHAPES = ("deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3")

@@ -38,8 +38,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 from bench.harness.measure import require_cuda, time_graph, write_json  # noqa: E402
+from bench.harness.shapes import MOE_SHAPES  # noqa: E402
 
 TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 

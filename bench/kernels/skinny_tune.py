@@ -37,8 +37,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import QWEN3_30B_A3B, V2_LITE  # noqa: E402
 from bench.harness.measure import ceilings, require_cuda, time_graph  # noqa: E402
+from bench.harness.shapes import QWEN3_30B_A3B, V2_LITE  # noqa: E402
 
 SHAPES = {"deepseek-v2-lite": V2_LITE, "qwen3-30b-a3b": QWEN3_30B_A3B}
 WIN = 1.05  # torch's time over the kernel's at least this for a table entry

@@ -39,10 +39,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.measure import write_json  # noqa: E402
-from bench.harness.random_weights import write_v2_lite  # noqa: E402
 from bench.harness.clients import one_request  # noqa: E402
+from bench.harness.measure import write_json  # noqa: E402
 from bench.harness.measure import percentile  # noqa: E402
+from bench.harness.random_weights import write_v2_lite  # noqa: E402
 
 from afd.config import values_from_env  # noqa: E402
 from afd.local.children import LocalProcesses, free_port_block, threads_per_rank  # noqa: E402

@@ -31,8 +31,8 @@ import httpx  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.serving.serve_gpu import add_group_arguments, ceilings, drive_level, serving  # noqa: E402
 from bench.harness.random_weights import write_v2_lite  # noqa: E402
+from bench.serving.serve_gpu import add_group_arguments, ceilings, drive_level, serving  # noqa: E402
 
 from afd.config import process_setting  # noqa: E402
 

@@ -23,10 +23,10 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import v2_lite  # noqa: E402
 from bench.harness.decode_steps import NoFFN, capture_decode_graphs, kv_cache_for, time_steps  # noqa: E402
-from bench.harness.random_weights import random_model  # noqa: E402
 from bench.harness.measure import require_cuda, write_json  # noqa: E402
+from bench.harness.random_weights import random_model  # noqa: E402
+from bench.harness.shapes import v2_lite  # noqa: E402
 
 
 class _ZeroFFN(nn.Module):

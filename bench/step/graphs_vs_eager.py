@@ -16,10 +16,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import V2_LITE  # noqa: E402
-from bench.harness.random_weights import random_model  # noqa: E402
-from bench.harness.measure import require_cuda, write_json  # noqa: E402
 from bench.harness.decode_steps import time_steps  # noqa: E402
+from bench.harness.measure import require_cuda, write_json  # noqa: E402
+from bench.harness.random_weights import random_model  # noqa: E402
+from bench.harness.shapes import V2_LITE  # noqa: E402
 
 from afd.kv_cache import KVCache  # noqa: E402
 from afd.models.loader import LoadedModel  # noqa: E402

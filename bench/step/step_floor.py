@@ -33,9 +33,9 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's `afd` (run as bench/<folder>/<name>.py)
 
-from bench.harness.shapes import QWEN3_30B_A3B, V2_LITE  # noqa: E402
 from bench.harness.measure import ceilings, count_kernels, require_cuda, time_callable, write_json  # noqa: E402
 from bench.harness.random_weights import random_model  # noqa: E402
+from bench.harness.shapes import QWEN3_30B_A3B, V2_LITE  # noqa: E402
 
 SHAPES = {"deepseek-v2-lite": V2_LITE, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
