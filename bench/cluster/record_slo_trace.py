@@ -3,7 +3,7 @@
     .venv/bin/python bench/cluster/record_slo_trace.py --levels 0,1,2,4,8,16 --seconds 24 --interval 3 \
         --out tests/operator/traces/cpu-2A1F-levels.json
 
-For each level, C streaming clients (bench/serving/load.py's) run for the given seconds while every
+For each level, C streaming clients (bench/harness/clients.py's `client_loop`) run for the given seconds while every
 attention rank's /metrics is scraped each interval; the scrapes keep only the series
 spec.autoscaling reads (afd_operator.autoscaler.signals.SERIES). The autoscaler's simulation tests
 (tests/operator/test_autoscale_sim.py) replay these scrapes: a group carrying C streams is

@@ -2,7 +2,7 @@
 
 Each client sends streamed completions back to back (prompts of random token ids, lengths uniform in
 `prompt_tokens`, greedy, ignore_eos, max_tokens uniform in [output_tokens / 2, output_tokens] so the
-clients drift apart). Tokens received so far = TTFTs + ITLs recorded (serve.py's `one_request`).
+clients drift apart). Tokens received so far = TTFTs + ITLs recorded (`bench.harness.clients.one_request`).
 """
 
 from __future__ import annotations
