@@ -23,6 +23,14 @@ def _positive_ints(text: str) -> str | None:
     return None
 
 
+def _api_keys(text: str) -> str | None:
+    """keys separated by commas, none empty, none with a space"""
+    keys = str(text).split(",")
+    if text and any(not key.strip() or any(c.isspace() for c in key.strip()) for key in keys):
+        return "must be keys separated by commas, none empty, none holding a space"
+    return None
+
+
 @dataclass(frozen=True)
 class AFDConfig:
     """Everything a role process needs to know: one flat field per setting (grouped views: `section`)."""
@@ -108,6 +116,11 @@ class AFDConfig:
                                section="group", roles=(A, F))
     group_secret: str = setting("", "Shared secret of the group (from the operator's Secret); proves a peer in the "
                                 "handshake, never sent or logged.", section="group", roles=(A, F), secret=True)
+    api_key: str = setting(
+        "", "Keys a client must send as `Authorization: Bearer <key>` on every `/v1` route and `/tokenize`, "
+        "`/detokenize` (401 otherwise); several separated by commas, any one accepted (vLLM's `--api-key`). `/health`, "
+        "`/live` and `/metrics` stay open. Empty: no key asked. Never logged; prefer the variable to the flag (a "
+        "command line shows in `ps`).", section="api", roles=(A, M), check=_api_keys, secret=True, flag=True)
     connect_timeout_s: float = setting(60.0, "How long an attention rank waits for its FFN rank at start-up and on "
                                        "reconnect.", section="link", roles=(A,), gt=0)
     peer_timeout_s: float = setting(5.0, "A peer silent this long is lost (an FFN rank's requests are then held for "
@@ -175,6 +188,11 @@ class AFDConfig:
                 f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
                 f"all {self.num_ffn_ranks * self.ffn_expert_parallel} FFN processes would share one address"
             )
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys of `api_key`, one per comma (empty: the API asks for none)."""
+        return tuple(key.strip() for key in self.api_key.split(",") if key.strip())
 
     @property
     def api_children(self) -> int:

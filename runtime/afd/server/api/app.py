@@ -26,6 +26,7 @@ from afd.engine.request import InvalidRequest
 from afd.engine.structured_output.grammars import Grammars
 from afd.engine.text.tokenizer import chat_prompt_ids
 from afd.server.api import choices, json_body, resume as resumes, streams, tokenize_api, validation
+from afd.server.api.api_keys import ApiKeys, RequireApiKey
 from afd.server.api.formatting import PromptShown, chat_response, completion_response
 from afd.server.api.http_body import BodyTimeout, BodyTooLarge, read_body
 from afd.server.api.liveness import LoopWatch
@@ -55,6 +56,7 @@ class ServerState:
     exposition: Callable[[], bytes] | None = None
     grammars: Grammars | None = None  # structured-output grammars checked here when the engine is in another process
     resume_key: bytes = field(default=b"", repr=False)  # the group secret: signs streams moved here (`resume`)
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # `api_key`: what every route but the probes asks for
 
     def problem(self) -> str | None:
         """Why this rank cannot serve (engine, FFN link or event loop), or None."""
@@ -78,6 +80,7 @@ def create_app(state: ServerState) -> FastAPI:
         watch.cancel()
 
     app = FastAPI(title="AFD attention rank", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(RequireApiKey, keys=state.api_keys)
     _add_error_handlers(app)
 
     @app.get("/health")

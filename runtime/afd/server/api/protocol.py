@@ -179,8 +179,8 @@ def field_path(loc) -> str:
     return json_body.short(path, 80)
 
 
-_KINDS = {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
-          503: "service_unavailable"}
+_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+          408: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

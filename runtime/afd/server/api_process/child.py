@@ -27,6 +27,7 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
 
     from afd.engine.text.tokenizer import load_tokenizer
     from afd.kv_cache import KVBlocks
+    from afd.server.api.api_keys import ApiKeys
     from afd.server.api.app import ServerState, create_app, http_server
     from afd.server.api.validation import Limits
     from afd.server.api_process.engine_client import EngineClient
@@ -41,6 +42,7 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
         registry=CollectorRegistry(),
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, facts["max_model_len"]),
         exposition=lambda: urllib.request.urlopen(facts["metrics_url"], timeout=5).read(),  # the core's series
+        api_keys=ApiKeys(config.api_keys),
     )
     app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(
         config.failover_url, resume_key=config.group_secret.encode()))
