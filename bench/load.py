@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from afd.server.api.api_keys import env_bearer
+
 
 def rss_bytes(pids: list[int]) -> int:
     total = 0
@@ -65,7 +67,7 @@ async def run_load(api, model, clients, seconds):
     latencies, failures, counter = [], [], [0]
     deadline = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=120, limits=limits, headers=env_bearer()) as client:
         await asyncio.gather(*(client_loop(client, api, model, deadline, latencies, failures, counter) for _ in range(clients)))
     return latencies, failures, counter[0]
 
@@ -83,7 +85,7 @@ def running_up(topology: str, port: int, log: str | None = None):
                 raise SystemExit("afd up did not start")
             time.sleep(0.5)
         state = json.loads(state_file.read_text())
-        yield state, httpx.get(f"{state['api']}/models").json()["data"][0]["id"]
+        yield state, httpx.get(f"{state['api']}/models", headers=env_bearer()).json()["data"][0]["id"]
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from afd.config import process_setting
+from afd.server.api.api_keys import env_bearer
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,7 +54,7 @@ async def one_request(client, api, model, prompt, max_tokens, ttfts, itls, extra
 
 async def drive(api, model, prompts, clients, max_tokens):
     ttfts, itls, queue = [], [], list(prompts)
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, headers=env_bearer()) as client:
         async def worker():
             done = 0
             while queue:
@@ -106,7 +107,7 @@ def main() -> int:
                 raise SystemExit("afd up did not start")
             time.sleep(0.5)
         api = json.loads(state_file.read_text())["api"]
-        model = httpx.get(f"{api}/models").json()["data"][0]["id"]
+        model = httpx.get(f"{api}/models", headers=env_bearer()).json()["data"][0]["id"]
         model_path = args.model or str(process_setting("AFD_CACHE_DIR") / "tiny-qwen3_moe")  # where afd up made it
         asyncio.run(drive(api, model, prompts[: args.clients], args.clients, 4))  # warm-up
         tokens, seconds, ttfts, itls = asyncio.run(drive(api, model, prompts, args.clients, args.max_tokens))

@@ -144,3 +144,12 @@ def test_a_served_rank_asks_every_api_route_for_a_key(checkpoints, tmp_path, ser
         served.stop()
     log = (tmp_path / "serve.log").read_text(errors="replace")
     assert "serving on" in log and not any(key in log for key in KEYS)
+
+
+def test_benches_send_the_key_of_their_environment(monkeypatch):
+    from afd.server.api.api_keys import env_bearer
+
+    monkeypatch.setenv("AFD_API_KEY", ",".join(KEYS))
+    assert env_bearer() == {"Authorization": f"Bearer {KEYS[0]}"}
+    monkeypatch.delenv("AFD_API_KEY")
+    assert env_bearer() == {}

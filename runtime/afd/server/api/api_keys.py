@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 
+from afd.config import AFDConfig
 from afd.server.api.protocol import error_response
 
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})  # probes and scrapes: never a key
@@ -41,6 +43,11 @@ class ApiKeys:
 def bearer(keys: tuple[str, ...]) -> dict[str, str]:
     """The header our own calls to the API send: the first key of `keys`, or none."""
     return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
+def env_bearer() -> dict[str, str]:
+    """The header for a client of an API started with this environment's `AFD_API_KEY` (benches), or none."""
+    return bearer(AFDConfig(api_key=os.environ.get("AFD_API_KEY", "")).api_keys)
 
 
 def guarded(path: str) -> bool:
