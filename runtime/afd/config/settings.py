@@ -15,12 +15,19 @@ from afd.config.declare import (
 )
 from afd.topology import Topology, TopologyError
 
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3")  # afd.server.api.reasoning.PARSERS
+
 
 def _positive_ints(text: str) -> str | None:
     """positive integers, comma-separated"""
     if any(not b.strip().isdigit() or int(b) < 1 for b in filter(None, str(text).split(","))):
         return "must be positive integers separated by commas"
     return None
+
+
+def _reasoning_parser(name: str) -> str | None:
+    """empty, deepseek_r1, qwen3 or deepseek_v3"""
+    return None if name in ("", *REASONING_PARSERS) else "must be empty or one of " + ", ".join(REASONING_PARSERS)
 
 
 def _api_keys(text: str) -> str | None:
@@ -116,6 +123,13 @@ class AFDConfig:
                                section="group", roles=(A, F))
     group_secret: str = setting("", "Shared secret of the group (from the operator's Secret); proves a peer in the "
                                 "handshake, never sent or logged.", section="group", roles=(A, F), secret=True)
+    reasoning_parser: str = setting(
+        "", "Chat completions: split the model's thinking from its answer into `message.reasoning` (streamed as "
+        "`delta.reasoning`), as vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3` or `deepseek_v3` (V3.1's "
+        "thinking mode, `chat_template_kwargs: {\"thinking\": true}`). Empty: the thinking stays in `content`.",
+        section="api", roles=(A, M), check=_reasoning_parser)
+    reasoning_content: bool = setting(False, "With `reasoning_parser`: the thinking also as `reasoning_content`, the "
+                                      "field older clients read.", section="api", roles=(A, M))
     api_key: str = setting(
         "", "Keys a client must send as `Authorization: Bearer <key>` on every `/v1` route and `/tokenize`, "
         "`/detokenize` (401 otherwise); several separated by commas, any one accepted (vLLM's `--api-key`). `/health`, "

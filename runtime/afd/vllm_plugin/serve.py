@@ -67,6 +67,8 @@ def vllm_serve_argv(config: AFDConfig, dtype: str, extra: list[str] | None = Non
     ]
     if config.max_model_len:
         argv += ["--max-model-len", str(config.max_model_len)]
+    if config.reasoning_parser:  # vLLM's parsers of the same names
+        argv += ["--reasoning-parser", config.reasoning_parser]
     backend = cpu_mla_backend(config.model, dtype, device_type)
     if backend and not any(arg.startswith("--attention-backend") for arg in extra or []):
         argv += ["--attention-backend", backend]

@@ -149,6 +149,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[Any] | None = None
+    reasoning: str | None = None  # an answer's thinking sent back (vLLM's name), for templates that show it
+    reasoning_content: str | None = None  # the same under the older name (Qwen3's template reads this one)
 
 
 class ChatRequest(_Common):
@@ -157,6 +159,7 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (Qwen3), {"thinking": true}
 
 
 def parse_request(model: type[BaseModel], body: dict):

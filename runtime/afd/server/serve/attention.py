@@ -26,6 +26,7 @@ from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
 from afd.server.api.api_keys import ApiKeys
 from afd.server.api.app import ServerState, create_app, http_server
+from afd.server.api.reasoning import PARSERS
 from afd.server.api.validation import Limits
 from afd.server.api_process.core import serve_with_api_process
 from afd.server.front.failover import Failover, FailoverSettings
@@ -107,6 +108,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
         resume_key=config.group_secret.encode(),
         api_keys=ApiKeys(config.api_keys),
+        reasoning=PARSERS.get(config.reasoning_parser), reasoning_content=config.reasoning_content,
     )
     if role.link is not None:  # a monolithic rank has no FFN link
         watch_attention(registry, config, role, engine)

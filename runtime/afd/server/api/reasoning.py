@@ -1,0 +1,98 @@
+"""Reasoning parsers (`reasoning_parser`): a model's thinking split from its answer, whole or as it streams.
+
+Each family writes its thinking between `<think>` and `</think>`; they differ in who writes the opening tag:
+
+- `deepseek_r1`: DeepSeek-R1's chat template ends the prompt with `<think>\\n` (R1-0528 and the updated R1), so the
+  output starts inside the thinking, which ends at `</think>`; an opening tag the model writes itself (the first
+  R1 release) is dropped. No `</think>` at all: everything is thinking.
+- `qwen3`: Qwen3 writes `<think>…</think>` itself when thinking (`enable_thinking`, on by default); with
+  `enable_thinking: false` its template ends the prompt with an empty `<think>\\n\\n</think>\\n\\n` and the output is
+  all answer. A template that ends the prompt with `<think>` (Qwen3-2507 Thinking) starts the output inside it.
+- `deepseek_v3`: DeepSeek-V3.1 thinks only when its template is rendered with `thinking: true`, which ends the prompt
+  with `<think>`; rendered without, the prompt ends with `</think>` and the output is all answer.
+
+So a split starts inside the thinking where the family always does (R1) or where the prompt's text ends with the
+opening tag; otherwise an opening tag at the very start of the output opens it (R1, Qwen3). Once the thinking has
+ended the rest is answer, tags included. Streamed, a piece of text that could be the start of a tag is held back
+until the next piece says what it is, so no part of a tag ever reaches either field. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family marks its thinking (see the module's docstring)."""
+
+    always_open: bool  # the output starts inside the thinking, whatever the prompt
+    leading_tag: bool  # an opening tag at the very start of the output opens the thinking
+
+
+PARSERS: dict[str, Family] = {
+    "deepseek_r1": Family(always_open=True, leading_tag=True),
+    "qwen3": Family(always_open=False, leading_tag=True),
+    "deepseek_v3": Family(always_open=False, leading_tag=False),
+}
+
+
+def opens_thinking(family: Family, prompt_tail: str) -> bool:
+    """Whether the output of a prompt ending with `prompt_tail` starts inside the thinking."""
+    return family.always_open or prompt_tail.rstrip().endswith(START)
+
+
+class ThinkingSplit:
+    """One output's thinking and answer, fed as it streams: `feed(text)` and `finish()` return the (reasoning,
+    content) text that can be shown now."""
+
+    def __init__(self, family: Family, thinking: bool):
+        self.family = family
+        self.thinking = thinking  # inside the thinking now
+        self.at_start = True  # nothing shown yet: a leading opening tag may come
+        self.answering = False  # the thinking is over: the rest is answer, unparsed
+        self.held = ""  # text that may be the start of a tag
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self.answering:
+            return "", text
+        self.held += text
+        if self.at_start and self.family.leading_tag:
+            if START.startswith(self.held):
+                return "", ""  # so far only a (partial) opening tag: wait
+            if self.held.startswith(START):
+                self.held, self.thinking = self.held[len(START):], True
+        self.at_start = False
+        if not self.thinking:
+            self.answering, content, self.held = True, self.held, ""
+            return "", content
+        reasoning, found, after = self.held.partition(END)
+        if found:
+            self.answering, self.held = True, ""
+            return reasoning, after
+        keep = _partial_tag(self.held, END)
+        reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return reasoning, ""
+
+    def finish(self) -> tuple[str, str]:
+        """The output ended: what was held is shown as what it was inside of."""
+        held, self.held = self.held, ""
+        return (held, "") if self.thinking and not self.answering else ("", held)
+
+
+def split(family: Family, thinking: bool, text: str) -> tuple[str | None, str | None]:
+    """A whole output as (reasoning, content), each None where empty (vLLM's shape)."""
+    parts = ThinkingSplit(family, thinking)
+    reasoning, content = parts.feed(text)
+    more_reasoning, more_content = parts.finish()
+    return (reasoning + more_reasoning) or None, (content + more_content) or None
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is the start of `tag` (0: none)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
