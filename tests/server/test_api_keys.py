@@ -41,7 +41,7 @@ def test_the_setting_takes_several_keys_and_never_shows_them():
     assert not any(key in repr(config) for key in KEYS)
     assert config_to_env(config)["AFD_API_KEY"] == config.api_key  # the API processes get it
     assert SETTINGS["api_key"].secret and SETTINGS["api_key"].flag_name == "--api-key"
-    for bad in (f"{KEYS[0]},", f"{KEYS[0]},,{KEYS[1]}", "sk one"):
+    for bad in (f"{KEYS[0]},", f"{KEYS[0]},,{KEYS[1]}", "sk one", "sk-clé"):
         with pytest.raises(ConfigError) as refused:
             load_config(env={"AFD_API_KEY": bad})
         assert "sk" not in str(refused.value) and "api_key=(secret)" in str(refused.value)

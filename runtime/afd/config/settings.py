@@ -31,10 +31,10 @@ def _reasoning_parser(name: str) -> str | None:
 
 
 def _api_keys(text: str) -> str | None:
-    """keys separated by commas, none empty, none with a space"""
-    keys = str(text).split(",")
-    if text and any(not key.strip() or any(c.isspace() for c in key.strip()) for key in keys):
-        return "must be keys separated by commas, none empty, none holding a space"
+    """keys separated by commas: printable ASCII, no space (what an HTTP header carries as is)"""
+    keys = [key.strip() for key in str(text).split(",")]
+    if text and any(not key or not all("!" <= c <= "~" for c in key) for key in keys):
+        return "must be keys separated by commas, each printable ASCII without spaces"
     return None
 
 
