@@ -129,3 +129,23 @@ def test_without_a_parser_the_thinking_stays_in_content_and_template_settings_ar
     refused = asyncio.run(_post(state, {"messages": [{"role": "user", "content": "Hi"}],
                                         "chat_template_kwargs": {"tokenize": False}}))
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_each_choice_of_a_stream_has_its_own_split(tokenizer):
+    events = _chat(_state(tokenizer, PIECES), stream=True, n=2, chat_template_kwargs={"thinking": True})
+    for index in (0, 1):
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"][0]["index"] == index]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == "Plan the reply."
+        assert "".join(d.get("content") or "" for d in deltas) == "Hello."
+
+
+def test_a_moved_stream_goes_on_from_what_its_client_saw():
+    """A stream moved from a lost rank: its split is first fed the text already sent, so a tag cut by the move
+    (here "</th" sent before, "ink>" after) still ends the thinking."""
+    from afd.server.api.app import _thinking_splits
+
+    decoded = {(1, 2): "Plan the reply.</th"}
+    state = SimpleNamespace(reasoning=PARSERS["deepseek_r1"], tokenizer=SimpleNamespace(decode=lambda ids: decoded[tuple(ids)]))
+    split = _thinking_splits(state, True, SimpleNamespace(choices=[(1, 2)]))(0)
+    assert split.feed("ink>Hello.") == ("", "Hello.")
+    assert _thinking_splits(SimpleNamespace(reasoning=None), True, None) is None
