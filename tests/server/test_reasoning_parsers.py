@@ -8,7 +8,9 @@ import pytest
 from afd.config.settings import REASONING_PARSERS
 from afd.server.api.reasoning import PARSERS, ThinkingSplit, opens_thinking, split
 
-R1, QWEN3, V31 = PARSERS["deepseek_r1"], PARSERS["qwen3"], PARSERS["deepseek_v3"]
+R1, QWEN3, V31, KIMI = (PARSERS[name] for name in ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2"))
+KIMI_CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+             '{"city": "Tokyo"}<|tool_call_end|><|tool_calls_section_end|>')
 
 # (family, output starts inside the thinking, output, expected (reasoning, content))
 CASES = [
@@ -29,6 +31,11 @@ CASES = [
     (V31, True, "Plan the reply.</think>Hello.", ("Plan the reply.", "Hello.")),
     (V31, False, "Hello.", (None, "Hello.")),
     (V31, False, "<think>not a tag here</think>", (None, "<think>not a tag here</think>")),
+    # Kimi-K2-Thinking: thinking by default; a tool-call section ends it and stays in the answer
+    (KIMI, True, "<think>Sunny, say so.</think>It is sunny.", ("Sunny, say so.", "It is sunny.")),
+    (KIMI, True, "Need the weather." + KIMI_CALL, ("Need the weather.", KIMI_CALL)),
+    (KIMI, True, "Plan.</think>Calling." + KIMI_CALL, ("Plan.", "Calling." + KIMI_CALL)),
+    (KIMI, False, "It is sunny.", (None, "It is sunny.")),  # thinking: false
 ]
 
 
@@ -73,3 +80,6 @@ def test_the_prompt_says_whether_the_thinking_is_open():
     assert opens_thinking(QWEN3, "<|im_start|>assistant\n<think>\n")
     assert not opens_thinking(QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not opens_thinking(QWEN3, "<|im_start|>assistant\n")
+    assert opens_thinking(KIMI, "<|im_assistant|>assistant<|im_middle|>")  # on unless switched off
+    assert not opens_thinking(KIMI, "<|im_assistant|>assistant<|im_middle|>", {"thinking": False})
+    assert opens_thinking(R1, "", {"thinking": False})  # R1 has no switch: its template always opens it

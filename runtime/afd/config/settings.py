@@ -15,7 +15,7 @@ from afd.config.declare import (
 )
 from afd.topology import Topology, TopologyError
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3")  # afd.server.api.reasoning.PARSERS
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2")  # afd.server.api.reasoning.PARSERS
 
 
 def _positive_ints(text: str) -> str | None:
@@ -26,7 +26,7 @@ def _positive_ints(text: str) -> str | None:
 
 
 def _reasoning_parser(name: str) -> str | None:
-    """empty, deepseek_r1, qwen3 or deepseek_v3"""
+    """empty, deepseek_r1, qwen3, deepseek_v3 or kimi_k2"""
     return None if name in ("", *REASONING_PARSERS) else "must be empty or one of " + ", ".join(REASONING_PARSERS)
 
 
@@ -125,8 +125,8 @@ class AFDConfig:
                                 "handshake, never sent or logged.", section="group", roles=(A, F), secret=True)
     reasoning_parser: str = setting(
         "", "Chat completions: split the model's thinking from its answer into `message.reasoning` (streamed as "
-        "`delta.reasoning`), as vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3` or `deepseek_v3` (V3.1's "
-        "thinking mode, `chat_template_kwargs: {\"thinking\": true}`). Empty: the thinking stays in `content`.",
+        "`delta.reasoning`), as vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `deepseek_v3` (V3.1's "
+        "thinking mode, `chat_template_kwargs: {\"thinking\": true}`) or `kimi_k2` (Kimi-K2-Thinking). Empty: the thinking stays in `content`.",
         section="api", roles=(A, M), check=_reasoning_parser)
     reasoning_content: bool = setting(False, "With `reasoning_parser`: the thinking also as `reasoning_content`, the "
                                       "field older clients read.", section="api", roles=(A, M))

@@ -240,10 +240,11 @@ def _prepare_chat(state: ServerState, body: dict):
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
     messages = validation.chat_messages([m.model_dump(exclude_none=True) for m in request.messages], state.limits)
-    prompt = chat_prompt_ids(state.tokenizer, messages,
-                             template_kwargs=validation.template_kwargs(request.chat_template_kwargs))
+    template_kwargs = validation.template_kwargs(request.chat_template_kwargs)
+    prompt = chat_prompt_ids(state.tokenizer, messages, template_kwargs=template_kwargs)
     # the prompt's last tokens say whether the template opened the thinking (`reasoning.opens_thinking`)
-    thinking = bool(state.reasoning) and opens_thinking(state.reasoning, state.tokenizer.decode(prompt[-8:]))
+    thinking = bool(state.reasoning) and opens_thinking(state.reasoning, state.tokenizer.decode(prompt[-8:]),
+                                                        template_kwargs)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params = request.sampling(_max_tokens(state, prompt, max_tokens), logprobs, state.vocab_size, state.limits,

@@ -10,6 +10,9 @@ Each family writes its thinking between `<think>` and `</think>`; they differ in
   all answer. A template that ends the prompt with `<think>` (Qwen3-2507 Thinking) starts the output inside it.
 - `deepseek_v3`: DeepSeek-V3.1 thinks only when its template is rendered with `thinking: true`, which ends the prompt
   with `<think>`; rendered without, the prompt ends with `</think>` and the output is all answer.
+- `kimi_k2`: Kimi-K2-Thinking thinks unless the request says `thinking: false` (`chat_template_kwargs`), starting
+  inside the thinking or with its own `<think>`; a tool-call section (`<|tool_calls_section_begin|>`) also ends
+  the thinking, and stays in the answer, where the tool calls are read.
 
 So a split starts inside the thinking where the family always does (R1) or where the prompt's text ends with the
 opening tag; otherwise an opening tag at the very start of the output opens it (R1, Qwen3). Once the thinking has
@@ -30,17 +33,24 @@ class Family:
 
     always_open: bool  # the output starts inside the thinking, whatever the prompt
     leading_tag: bool  # an opening tag at the very start of the output opens the thinking
+    off_switch: str = ""  # a template variable that, false, turns the thinking off (always_open then does not hold)
+    answer_starts: tuple[str, ...] = ()  # markup that ends the thinking and belongs to the answer
 
 
 PARSERS: dict[str, Family] = {
     "deepseek_r1": Family(always_open=True, leading_tag=True),
     "qwen3": Family(always_open=False, leading_tag=True),
     "deepseek_v3": Family(always_open=False, leading_tag=False),
+    "kimi_k2": Family(always_open=True, leading_tag=True, off_switch="thinking",
+                      answer_starts=("<|tool_calls_section_begin|>",)),
 }
 
 
-def opens_thinking(family: Family, prompt_tail: str) -> bool:
-    """Whether the output of a prompt ending with `prompt_tail` starts inside the thinking."""
+def opens_thinking(family: Family, prompt_tail: str, template_kwargs: dict | None = None) -> bool:
+    """Whether the output of a prompt ending with `prompt_tail`, rendered with `template_kwargs`, starts inside the
+    thinking."""
+    if family.off_switch and (template_kwargs or {}).get(family.off_switch, True) is False:
+        return False
     return family.always_open or prompt_tail.rstrip().endswith(START)
 
 
@@ -68,11 +78,13 @@ class ThinkingSplit:
         if not self.thinking:
             self.answering, content, self.held = True, self.held, ""
             return "", content
-        reasoning, found, after = self.held.partition(END)
-        if found:
+        ends = [(at, mark) for mark in (END, *self.family.answer_starts) if (at := self.held.find(mark)) >= 0]
+        if ends:
+            at, mark = min(ends)
+            reasoning, after = self.held[:at], self.held[at + len(mark) if mark == END else at:]
             self.answering, self.held = True, ""
             return reasoning, after
-        keep = _partial_tag(self.held, END)
+        keep = max(_partial_tag(self.held, mark) for mark in (END, *self.family.answer_starts))
         reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return reasoning, ""
 
