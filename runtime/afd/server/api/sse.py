@@ -82,7 +82,7 @@ class StreamEvents:
             self._split_of[index] = self.splits(index)
         split = self._split_of[index]
         reasoning, content = split.feed(output.text)
-        if output.finish_reason is not None:
+        if output.finished:
             more_reasoning, more_content = split.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
         return reasoning, content
