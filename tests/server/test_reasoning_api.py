@@ -32,10 +32,11 @@ class ScriptedEngine:
     """Answers every request with `pieces` (one output each, the last finished), from another thread."""
 
     def __init__(self, pieces: list[str]):
-        self.pieces, self.prompts = pieces, []
+        self.pieces, self.prompts, self.params = pieces, [], []
 
     def submit(self, prompt, params, on_output, **_):
         self.prompts.append(list(prompt))
+        self.params.append(params)
         request_id = uuid.uuid4().hex
 
         def run():
@@ -149,3 +150,33 @@ def test_a_moved_stream_goes_on_from_what_its_client_saw():
     split = _thinking_splits(state, True, SimpleNamespace(choices=[(1, 2)]))(0)
     assert split.feed("ink>Hello.") == ("", "Hello.")
     assert _thinking_splits(SimpleNamespace(reasoning=None), True, None) is None
+
+
+def _accepts(grammars, grammar: str, tokenizer, text: str) -> bool:
+    matcher = grammars.matcher(grammar)
+    ids = tokenizer.encode(text)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def test_structured_output_constrains_the_answer_after_the_thinking(tokenizer):
+    """As vLLM with a reasoning parser: the thinking is free, the answer follows the schema."""
+    from afd.engine.structured_output.grammars import Grammars
+
+    grammars = Grammars(tokenizer, len(tokenizer), ())
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    asked = {"response_format": schema, "chat_template_kwargs": {"thinking": True}}
+    state = _state(tokenizer, ['{"a": 1}'], parser="deepseek_v3")
+    _chat(state, **asked)
+    thinking_first = state.engine.params[-1].grammar
+    assert _accepts(grammars, thinking_first, tokenizer, 'Free {"b": text}.</think>{"a":1}')
+    assert not _accepts(grammars, thinking_first, tokenizer, 'Free.</think>{"b":1}')
+    assert not _accepts(grammars, thinking_first, tokenizer, '{"a":1}')  # the thinking must end first
+    _chat(state, response_format=schema)  # V3.1 without thinking: the schema from the first token
+    assert _accepts(grammars, state.engine.params[-1].grammar, tokenizer, '{"a":1}')
+    qwen = _state(tokenizer, ['{"a": 1}'], parser="qwen3")
+    _chat(qwen, response_format=schema)  # Qwen3 may think first, or not
+    optional = qwen.engine.params[-1].grammar
+    assert _accepts(grammars, optional, tokenizer, '<think>hmm</think>{"a":1}')
+    assert _accepts(grammars, optional, tokenizer, '{"a":1}')
+    assert not _accepts(grammars, optional, tokenizer, 'hmm{"a":1}')

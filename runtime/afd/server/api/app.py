@@ -32,7 +32,7 @@ from afd.server.api.http_body import BodyTimeout, BodyTooLarge, read_body
 from afd.server.api.liveness import LoopWatch
 from afd.server.api.protocol import (ChatRequest, CompletionRequest, ModelNotFound, Unavailable, error_response,
                                      parse_request)
-from afd.server.api.reasoning import Family, ThinkingSplit, opens_thinking
+from afd.server.api.reasoning import Family, ThinkingSplit, grammar_after_thinking, opens_thinking
 from afd.server.api.sse import StreamEvents
 from afd.server.api.validation import Limits
 
@@ -248,7 +248,7 @@ def _prepare_chat(state: ServerState, body: dict):
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params = request.sampling(_max_tokens(state, prompt, max_tokens), logprobs, state.vocab_size, state.limits,
-                              state.tokenizer, grammar=_grammar(state, request))
+                              state.tokenizer, grammar=_grammar(state, request, thinking))
     return request, prompt, params, thinking
 
 
@@ -267,12 +267,15 @@ def _thinking_splits(state: ServerState, thinking: bool, resume: resumes.Resume 
     return split_of
 
 
-def _grammar(state: ServerState, request) -> str | None:
-    """The request's structured-output grammar, compiled (and cached) here on the worker, or None."""
+def _grammar(state: ServerState, request, thinking: bool = False) -> str | None:
+    """The request's structured-output grammar, compiled (and cached) here on the worker, or None; with a reasoning
+    parser, a chat answer's grammar applies after its thinking (`thinking`: the answer starts inside it)."""
     found = request.grammar()
     if found is None:
         return None
     grammar, field = found
+    if state.reasoning is not None and isinstance(request, ChatRequest):
+        grammar = grammar_after_thinking(grammar, state.reasoning, thinking)
     grammars = getattr(state.engine, "grammars", None)
     if grammars is None:  # an API process: checked here on its own cache (the engine core compiles it again)
         with _GRAMMARS_LOCK:

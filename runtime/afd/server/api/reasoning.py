@@ -22,6 +22,8 @@ until the next piece says what it is, so no part of a tag ever reaches either fi
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
@@ -44,6 +46,21 @@ PARSERS: dict[str, Family] = {
     "kimi_k2": Family(always_open=True, leading_tag=True, off_switch="thinking",
                       answer_starts=("<|tool_calls_section_begin|>",)),
 }
+
+
+def grammar_after_thinking(grammar: str, family: Family, thinking: bool) -> str:
+    """A structured-output grammar (llguidance's serialized form) that constrains the answer only, as vLLM does with a
+    reasoning parser: free text up to `</think>` first where the output starts inside the thinking; where a family
+    may open it itself (Qwen3), an optional `<think>…</think>` first; else `grammar` as it is."""
+    optional = family.leading_tag and not family.always_open
+    if not thinking and not optional:
+        return grammar
+    top = json.loads(grammar)
+    answer = top["grammars"][0]
+    answer["name"] = name = answer.get("name") or "answer"
+    start = f"thinking @{name}" if thinking else f'@{name} | "{START}" thinking @{name}'
+    rules = f"start: {start}\nthinking[lazy]: /(?s:.*){re.escape(END).replace('/', chr(92) + '/')}/\n"
+    return json.dumps({**top, "grammars": [{"name": "after_thinking", "lark_grammar": rules}, *top["grammars"]]})
 
 
 def opens_thinking(family: Family, prompt_tail: str, template_kwargs: dict | None = None) -> bool:
