@@ -65,7 +65,7 @@ def test_pipelined_afd_over_nccl_equals_step_by_step(checkpoints, graphs):
     after the next one is launched gives the same tokens as finishing every step first."""
     from afd.local.children import LocalProcesses
     from afd.local.group_processes import local_zmq_config
-    from afd.roles import build_attention
+    from afd.roles.attention import build_attention
 
     path = str(checkpoints["deepseek_v2"])
     config = local_zmq_config(AFDConfig(

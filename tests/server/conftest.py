@@ -51,7 +51,7 @@ class LiveServer:
         import uvicorn
 
         from afd.config import AFDConfig
-        from afd.roles import build_attention, build_ffn
+        from afd.roles.attention import build_attention, build_ffn
         from afd.server.api.app import create_app
         from afd.server.serve.attention import build_server
 

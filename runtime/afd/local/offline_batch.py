@@ -13,7 +13,7 @@ from afd.config import AFDConfig
 from afd.engine.offline import generate_with_engine
 from afd.generation import GenerationResult
 from afd.kv_cache import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
-from afd.roles import build_attention
+from afd.roles.attention import build_attention
 
 
 def split_prompts(num_prompts: int, num_ranks: int) -> list[list[int]]:

@@ -21,7 +21,7 @@ from afd.metrics.wiring import attention_instruments, export_kernel_compiles, ex
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.monolithic import build_monolithic
-from afd.roles import build_attention
+from afd.roles.attention import build_attention
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
 from afd.server.api.app import ServerState, create_app, http_server

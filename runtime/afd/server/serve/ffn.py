@@ -11,7 +11,7 @@ from afd.config import AFDConfig
 from afd.metrics.expert_load import shard_labelled
 from afd.kernels.compile_watch import WATCH
 from afd.metrics.wiring import export_kernel_compiles, export_resident_bytes, ffn_instruments, watch_ffn
-from afd.roles import assemble_ffn, load_share
+from afd.roles.attention import assemble_ffn, load_share
 from afd.runners.device import resolve_device
 from afd.runners.ffn_worker import MIN_STALL_S
 from afd.server.probe_http import Probes, start_probe_server

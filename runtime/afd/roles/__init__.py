@@ -1,0 +1,1 @@
+"""The roles' wiring, one module each: `attention`, `ffn`, `monolithic`."""
