@@ -188,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if bad:
             raise ConfigError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary of {path} (size {spec.vocab_size})")
     if args.monolithic:
-        from afd.monolithic import generate_monolithic  # local import: torch
+        from afd.roles.monolithic import generate_monolithic  # local import: torch
 
         result = generate_monolithic(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]

@@ -20,7 +20,7 @@ RUNTIME = ROOT / "runtime"
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("entry points", frozenset({"__main__", "cli", "up"})),
     ("processes and tools", frozenset({"server", "local", "planner", "vllm_plugin"})),
-    ("role wiring", frozenset({"roles", "monolithic"})),
+    ("role wiring", frozenset({"roles"})),
     ("runners", frozenset({"runners"})),
     ("engine", frozenset({"engine", "generation"})),
     ("step graphs", frozenset({"graphs"})),

@@ -20,7 +20,7 @@ from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.metrics.wiring import attention_instruments, export_kernel_compiles, export_resident_bytes, watch_attention
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
-from afd.monolithic import build_monolithic
+from afd.roles.monolithic import build_monolithic
 from afd.roles.attention import build_attention
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
