@@ -41,7 +41,7 @@ def main() -> None:
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
     from afd.stages import StagePolicy
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
 
     config = _model_config(args.layers)
     vocab, rows = config["vocab_size"], []

@@ -15,7 +15,7 @@ from decode_steps import time_steps
 
 from afd.kv_cache import KVCache
 from afd.models.loader import LoadedModel
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 
 BATCHES, CONTEXT, STEPS = (1, 4, 16, 32, 64), 128, 20
 

@@ -24,7 +24,7 @@ from decode_steps import kv_cache_for
 
 from afd.models.loader import LoadedModel
 from afd.layout import SeqLayout
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 
 SHAPES = (  # (decode rows, their context, prompt chunk lengths)
     (0, 0, (512,)),

@@ -22,7 +22,7 @@ from afd.engine.request import SamplingParams  # noqa: E402
 from afd.engine.tokenizer import load_tokenizer  # noqa: E402
 from afd.kv_cache import KVCache  # noqa: E402
 from afd.models.loader import load_model  # noqa: E402
-from afd.runners.monolithic import MonolithicRunner  # noqa: E402
+from afd.runners.monolithic_runner import MonolithicRunner  # noqa: E402
 from afd.tiny import make_tiny_model  # noqa: E402
 
 

@@ -229,7 +229,7 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
     from afd.stages import StagePolicy
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
     from afd.runners.profile_step import StandInFFN
 
     rows = []

@@ -132,7 +132,7 @@ def monolithic(path, dtype, graphs=False, mixed_tokens=0, prompts=PROMPTS, max_t
     from afd.generation import greedy_generate
     from afd.kv_cache import KVCache
     from afd.models.loader import load_model
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
 
     loaded = load_model(str(path), dtype=dtype, device="cuda")
     kv_cache = KVCache(loaded.model.kv_layouts(), 64, dtype, "cuda", block_size=16)

@@ -10,7 +10,7 @@ from afd.engine.tokenizer import load_tokenizer
 from afd.kv_budget import CudaMemory, profile_peak
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.runners.profile_step import run_largest_steps
 from afd.server.serve.attention import profiled_cache_tokens
 from afd.server.serve.ceiling import step_seconds

@@ -69,7 +69,7 @@ def test_padded_decode_replay_equals_eager_steps(name, checkpoints):
     from afd.generation import greedy_generate
     from afd.kv_cache import KVCache
     from afd.models.loader import load_model
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
     from tests.conftest import NEW_TOKENS, PROMPTS
 
     loaded = load_model(str(checkpoints[name]))

@@ -32,7 +32,7 @@ def _steps(kv_cache):
 def test_piecewise_prompt_steps_give_the_eager_logits(name, checkpoints):
     from afd.kv_cache import KVCache
     from afd.models.loader import load_model
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
 
     loaded = load_model(str(checkpoints[name]))
     results = {}
@@ -54,7 +54,7 @@ def test_padding_rows_never_reach_the_cache(checkpoints):
     """Only the step's own tokens are written: every cache row outside its blocks is untouched."""
     from afd.kv_cache import KVCache
     from afd.models.loader import load_model
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
 
     loaded = load_model(str(checkpoints["deepseek_v2"]))
     kv_cache = KVCache(loaded.model.kv_layouts(), 40, torch.float32, "cpu", block_size=4)

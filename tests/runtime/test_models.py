@@ -6,7 +6,7 @@ import torch
 from afd.generation import greedy_generate
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error
 
 

@@ -12,7 +12,7 @@ from afd.engine.request import SamplingParams
 from afd.engine.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from tests.server.conftest import submit_all
 
 PROMPTS = [[5, 6, 7], [9, 8], [11, 12, 13, 14], [3, 4]]

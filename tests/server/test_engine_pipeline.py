@@ -11,7 +11,7 @@ from afd.engine.tokenizer import load_tokenizer
 from afd.generation import greedy_generate
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from tests.server.conftest import submit_all
 
 PROMPTS = [[5 + i, 6 + 2 * i, 7, 8 + i % 5, 9][: 2 + i % 4] for i in range(12)]

@@ -10,7 +10,7 @@ from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from tests.server.conftest import Outputs
 
 N, MAX_TOKENS, BLOCK = 4, 6, 16

@@ -20,7 +20,7 @@ from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel, load_model
 from afd.models.moe_prep import warm_up
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.runners.warm_steps import warm_rank
 
 log = logging.getLogger(__name__)

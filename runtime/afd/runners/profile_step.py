@@ -18,7 +18,7 @@ from afd.engine.sampler import sample
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel
 from afd.runners.attention_runner import AttentionRunner, StepOptions
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.layout import SeqLayout
 
 
