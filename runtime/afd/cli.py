@@ -240,7 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if interval := process_setting("AFD_SWITCH_INTERVAL_S"):  # experiment: how often Python hands the GIL on
         sys.setswitchinterval(interval)
     if config.role == "ffn":
-        from afd.server.serve.ffn import serve_ffn  # local import: torch
+        from afd.roles.ffn import serve_ffn  # local import: torch
 
         return serve_ffn(config, stop)
     from afd.server.serve.attention import serve_attention  # local import: torch, fastapi
