@@ -91,7 +91,7 @@ def serve_split(port: int, engine, state, tokenizer_path: str, stats) -> None:
 
     from afd.config import AFDConfig
     from afd.server.api_process.core import serve_with_api_process
-    from afd.server.serve.attention import attention_probes
+    from afd.server.serve.engine_api import attention_probes
 
     class Stats(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802

@@ -243,7 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from afd.roles.ffn import serve_ffn  # local import: torch
 
         return serve_ffn(config, stop)
-    from afd.server.serve.attention import serve_attention  # local import: torch, fastapi
+    from afd.server.serve.engine_api import serve_attention  # local import: torch, fastapi
 
     return serve_attention(config, stop)
 

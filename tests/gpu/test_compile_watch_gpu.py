@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from afd.config import AFDConfig
 from afd.engine.request import SamplingParams
 from afd.kernels.compile_watch import WATCH, kernel_name
-from afd.server.serve.attention import build_role, build_server
+from afd.server.serve.engine_api import build_role, build_server
 
 assert WATCH.install()
 config = AFDConfig(role="monolithic", model=sys.argv[1], device="cuda", dtype="bfloat16", cuda_graphs=True,

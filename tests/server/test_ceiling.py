@@ -8,7 +8,7 @@ from afd.kv_cache import KVCache
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.roles.monolithic import build_monolithic
-from afd.server.serve.attention import cache_tokens_for
+from afd.server.serve.engine_api import cache_tokens_for
 from afd.server.serve.ceiling import export_ceiling, step_seconds
 
 
