@@ -96,7 +96,8 @@ def ffn_main(args, q, events) -> None:
     from afd.connector.transports.nccl.lib import PairComm, new_unique_id
     from afd.metrics.layer_clock import LayerClock, StepInstruments
     from afd.models.loader import LoadedModel
-    from afd.roles.attention import Share, assemble_ffn
+    from afd.roles.ffn import assemble_ffn
+    from afd.roles.share import Share
 
     config = _model_config(args.layers)
     model, spec, crossing = random_model(config, "ffn")

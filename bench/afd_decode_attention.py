@@ -13,7 +13,8 @@ def _connect(args, phase, rank, loaded, kv):
     """A handshaken attention role around `loaded` and `kv`; the caller captures the decode graphs it measures."""
     import torch
 
-    from afd.roles.attention import Share, assemble_attention
+    from afd.roles.attention import assemble_attention
+    from afd.roles.share import Share
 
     afd = _afd_config(args, phase, "attention", rank).replace(cuda_graphs=False)  # the buckets measured, not the defaults
     return assemble_attention(afd, Share(loaded, torch.device("cuda"), "bfloat16"), kv)

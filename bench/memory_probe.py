@@ -69,7 +69,7 @@ def kv_sizing(model, spec, crossing) -> dict:
     from afd.config import AFDConfig
     from afd.kv_budget import CudaMemory
     from afd.models.loader import LoadedModel
-    from afd.server.serve.engine_api import profiled_cache_tokens
+    from afd.roles.kv_sizing import profiled_cache_tokens
 
     config = AFDConfig(role="monolithic", device="cuda", dtype="bfloat16", max_num_seqs=256,
                        max_num_batched_tokens=2048, cuda_graphs=True, max_model_len=4096)

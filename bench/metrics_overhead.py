@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry
 from afd.config import AFDConfig
 from afd.metrics.layer_clock import LayerClock, NullClock
 from afd.metrics.layer_metrics import LayerMetrics
-from afd.roles.attention import build_attention, build_ffn
+from afd.roles.attention import build_attention
+from afd.roles.ffn import build_ffn
 from afd.layout import SeqLayout
 
 

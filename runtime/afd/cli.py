@@ -243,7 +243,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from afd.roles.ffn import serve_ffn  # local import: torch
 
         return serve_ffn(config, stop)
-    from afd.server.serve.engine_api import serve_attention  # local import: torch, fastapi
+    if config.role == "monolithic":
+        from afd.roles.monolithic import serve_monolithic  # local import: torch, fastapi
+
+        return serve_monolithic(config, stop)
+    from afd.roles.attention import serve_attention  # local import: torch, fastapi
 
     return serve_attention(config, stop)
 

@@ -12,7 +12,7 @@ from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic_runner import MonolithicRunner
 from afd.runners.profile_step import run_largest_steps
-from afd.server.serve.engine_api import profiled_cache_tokens
+from afd.roles.kv_sizing import profiled_cache_tokens
 from afd.server.serve.ceiling import step_seconds
 from tests.server.test_engine_pipeline import PROMPTS, run_engine, tokens_of
 

@@ -197,7 +197,8 @@ def test_bf16_shards_equal_the_unsharded_rank(shards, gate, qwen_top6):
 
     from afd.config import AFDConfig
     from afd.generation import greedy_generate
-    from afd.roles.attention import build_attention, build_ffn
+    from afd.roles.attention import build_attention
+    from afd.roles.ffn import build_ffn
     from tests.conftest import PROMPTS
 
     def generate(g):
@@ -251,7 +252,8 @@ def test_attention_transfer_bytes_count_every_shard(gate, checkpoints):
 
     from afd.config import AFDConfig
     from afd.engine.offline import generate_with_engine
-    from afd.roles.attention import build_attention, build_ffn
+    from afd.roles.attention import build_attention
+    from afd.roles.ffn import build_ffn
     from tests.conftest import NEW_TOKENS, PROMPTS
 
     base = AFDConfig(connector="loopback", model=str(checkpoints["deepseek_v2"]), ffn_expert_parallel=2,

@@ -9,7 +9,7 @@ from afd.config import CONNECTORS, AFDConfig
 from afd.connector import registry
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
-from afd.roles.attention import graphs_usable
+from afd.roles.share import graphs_usable
 from afd.runners.handshake import make_hello
 
 

@@ -51,7 +51,8 @@ class LiveServer:
         import uvicorn
 
         from afd.config import AFDConfig
-        from afd.roles.attention import build_attention, build_ffn
+        from afd.roles.attention import build_attention
+        from afd.roles.ffn import build_ffn
         from afd.server.api.app import create_app
         from afd.server.serve.engine_api import build_server
 

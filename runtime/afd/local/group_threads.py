@@ -12,7 +12,7 @@ from typing import Sequence
 from afd.local.offline_batch import run_attention_batch, split_prompts
 from afd.config import AFDConfig
 from afd.generation import GenerationResult
-from afd.roles.attention import build_ffn
+from afd.roles.ffn import build_ffn
 
 
 def generate_in_threads(

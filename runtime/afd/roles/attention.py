@@ -1,100 +1,32 @@
-"""A role from its config in two parts: `load_share` reads the weights, `assemble_*` wires the rest.
+"""The attention role: its share of the weights, a KV cache, the link to its FFN rank (one per expert shard), the
+runner and its graphs (`build_attention`), behind the engine and the HTTP API (`serve_attention`).
 
-`build_ffn` gives a ready FFN worker; `build_attention` a connected, handshaken attention
-rank with its KV cache. Both read the whole configuration from `AFDConfig`; the benchmarks
-assemble roles around a share they loaded once.
+The benchmarks assemble a rank around a share they loaded once (`assemble_attention`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from afd.config import AFDConfig
-from afd.connector import registry
 from afd.connector.attention_link import AttentionLink
 from afd.connector.expert_link import ShardedLink
-from afd.connector.ffn_link import FFNLink
-from afd.connector.identity import identity_key
-from afd.connector.plane import DataContract, PlaneOptions
-from afd.graphs.ffn import FFNGraphs
 from afd.kv_cache import KVCache
 from afd.metrics.layer_clock import StepInstruments
-from afd.models.loader import LoadedModel, load_model
-from afd.models.moe_prep import warm_up
+from afd.metrics.wiring import attention_instruments
+from afd.models.loader import LoadedModel
+from afd.roles.kv_sizing import serving_cache_tokens
+from afd.roles.share import Share, graphs_usable, load_share, watched_registry
 from afd.runners.attention_runner import AttentionRunner, StepOptions
-from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
-from afd.runners.ffn_executor import FFNStepExecutor
-from afd.runners.ffn_worker import FFNWorker
-from afd.runners.handshake import make_hello
-from afd.runners.step_order import step_order
+from afd.runners.device import resolve_device, torch_dtype
 from afd.runners.warm_steps import warm_rank
+from afd.server.serve.engine_api import serve_api
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Share:
-    """One role's loaded share of the model, on its device, in its dtype."""
-
-    loaded: LoadedModel
-    device: torch.device
-    dtype: str  # a name of afd.connector.tensors.DTYPES
-
-    def hello(self, config: AFDConfig):
-        return make_hello(config, self.loaded.spec, self.loaded.crossing, self.loaded.fingerprint, self.dtype)
-
-
-def load_share(config: AFDConfig) -> Share:
-    """The weights of `config.role` on its device (the FFN's MoE kernels warmed up on a GPU)."""
-    device = resolve_device(config)
-    dtype = resolve_dtype(config, device)
-    shard = (config.ffn_shard, config.ffn_expert_parallel) if config.role == "ffn" else (0, 1)
-    loaded = load_model(config.model, config.role, config.gate_on_attention, torch_dtype(dtype), device, shard)
-    if config.role == "ffn" and device.type == "cuda":
-        log.info("ffn rank %d: MoE kernels warmed up for %d token counts", config.rank, warm_up(loaded.model))
-    return Share(loaded, device, dtype)
-
-
-def assemble_ffn(config: AFDConfig, share: Share, instruments: StepInstruments = StepInstruments()) -> FFNWorker:
-    """FFN rank `config.rank` around its loaded share: listening for its attention peers."""
-    expected = share.hello(config)
-    transport = registry.transport(config.connector)
-    server = transport.open_server(config)
-    contract = DataContract(share.loaded.spec.hidden_size, share.dtype, expected.router_width)
-    plane = transport.ffn_plane(PlaneOptions(share.device, config.peer_timeout_s), contract, server)
-    served = config.topology.attention_ranks_of(config.rank)
-    log.info("ffn rank %d%s serves attention ranks %s on layers %s", config.rank,
-             f" shard {config.ffn_shard} of {config.ffn_expert_parallel}" if config.ffn_expert_parallel > 1 else "",
-             list(served), list(share.loaded.crossing))
-    link = FFNLink(server, plane, expected, served, config.rank, identity_key(config.group_token, config.group_secret))
-    graphs = None
-    if graphs_usable(config, share.device, share.dtype):
-        graphs = FFNGraphs(share.device)
-    return FFNWorker(link, FFNStepExecutor(share.loaded, plane, expected, graphs, instruments), order=step_order(config))
-
-
-def build_ffn(config: AFDConfig, instruments: StepInstruments = StepInstruments()) -> FFNWorker:
-    return assemble_ffn(config, load_share(config), instruments)
-
-
-def graphs_usable(config: AFDConfig, device: torch.device, dtype: str) -> bool:
-    """CUDA graphs need a GPU, a data plane whose transfers can be captured (not host frames) and bf16/fp16."""
-    if not config.cuda_graphs:
-        return False
-    problems = [
-        why for bad, why in (
-            (device.type != "cuda", "no CUDA device"),
-            (not registry.transport(config.connector).graph_capturable,
-             f"connector={config.connector} moves tensors through the host"),
-            (dtype == "float32", "float32 experts take the host-synchronising reference path"),
-        ) if bad
-    ]
-    if problems:
-        log.warning("cuda_graphs is on but disabled here: %s", "; ".join(problems))
-    return not problems
 
 
 @dataclass(frozen=True)
@@ -145,15 +77,27 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
     return AttentionRole(share.loaded, kv_cache, link, runner, share.device)
 
 
-def build_attention(config: AFDConfig, cache_tokens, instruments: StepInstruments = StepInstruments()) -> AttentionRole:
-    """Attention rank `config.rank`: its weights, a KV cache of `cache_tokens` (an int, or a callable
-    that sizes it from the loaded model and the free device memory), a handshaken FFN link, and
-    what its runner reports to (`metrics.wiring.attention_instruments`)."""
-    share = load_share(config)
+def build_attention(config: AFDConfig, cache_tokens: int | None = None, instruments: StepInstruments = StepInstruments(),
+                    device: torch.device | None = None) -> AttentionRole:
+    """Attention rank `config.rank` on `device` (None: the config's): its weights, a KV cache of `cache_tokens`
+    (None: sized for serving, `afd.roles.kv_sizing`), a handshaken FFN link, and what its runner reports to
+    (`metrics.wiring.attention_instruments`)."""
+    share = load_share(config, resolve_device(config) if device is None else device)
     dtype = torch_dtype(share.dtype)
-    tokens = cache_tokens(share.loaded) if callable(cache_tokens) else cache_tokens
+    tokens = serving_cache_tokens(config, share.loaded, share.device, dtype) if cache_tokens is None else cache_tokens
     kv_cache = KVCache.for_tokens(share.loaded.model.kv_layouts(), tokens, dtype, share.device)
     log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token",
              config.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
              KVCache.bytes_per_token(kv_cache.layouts, dtype))
     return assemble_attention(config, share, kv_cache, instruments)
+
+
+def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
+    """`afd serve` on attention rank `config.rank`: connected to its FFN rank, its step timed, the HTTP API served
+    until `stop` is set; the exit code."""
+    registry = watched_registry(config)
+    device = resolve_device(config)  # once per process: the instruments, the weights and the KV cache use it
+    log.info("attention rank %d: loading %s and connecting to ffn rank %d",
+             config.rank, config.model, config.topology.ffn_rank_of(config.rank))
+    role = build_attention(config, None, attention_instruments(registry, config, device), device)
+    return serve_api(config, stop, role, registry)
