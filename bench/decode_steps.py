@@ -11,7 +11,7 @@ import time
 def kv_cache_for(model, max_seqs: int, context: int):
     import torch
 
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
 
     blocks = max_seqs * (-(-(context + 1) // 16)) + 8
     kv = KVCache(model.kv_layouts(), blocks, torch.bfloat16, "cuda", block_size=16)

@@ -13,7 +13,7 @@ import torch
 from common import V2_LITE, random_model, require_cuda, write_json
 from decode_steps import time_steps
 
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import LoadedModel
 from afd.runners.monolithic_runner import MonolithicRunner
 

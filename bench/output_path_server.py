@@ -21,7 +21,7 @@ def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = 
 
     from afd.engine.engine import Engine
     from afd.engine.tokenizer import load_tokenizer
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.models.spec import KVLayout
     from afd.server.api.app import ServerState, create_app
     from afd.server.front.failover import Failover, FailoverSettings

@@ -198,7 +198,7 @@ def experts_hit(runner, kv, batch: int, context: int, vocab: int, layers: int) -
 
 
 def kv_cache(model, batch: int, context: int):
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
 
     kv = KVCache(model.kv_layouts(), batch * (-(-(context + 1) // 16)) + 8, torch.bfloat16, "cuda", block_size=16)
     for tensor in kv.keys + [v for v, lay in zip(kv.values, kv.layouts) if not lay.values_in_keys]:

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.layout import SeqLayout
 
 Stepper = Callable[[torch.Tensor, SeqLayout], torch.Tensor]

@@ -30,7 +30,7 @@ def _steps(kv_cache):
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2", "deepseek_v2_full", "deepseek_v3"])
 def test_piecewise_prompt_steps_give_the_eager_logits(name, checkpoints):
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.models.loader import load_model
     from afd.runners.monolithic_runner import MonolithicRunner
 
@@ -52,7 +52,7 @@ def test_piecewise_prompt_steps_give_the_eager_logits(name, checkpoints):
 
 def test_padding_rows_never_reach_the_cache(checkpoints):
     """Only the step's own tokens are written: every cache row outside its blocks is untouched."""
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.models.loader import load_model
     from afd.runners.monolithic_runner import MonolithicRunner
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from afd.generation import greedy_generate
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic_runner import MonolithicRunner
 from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error

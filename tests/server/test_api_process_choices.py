@@ -12,7 +12,7 @@ import zmq
 
 from afd.engine.engine import Engine
 from afd.engine.request import SamplingParams
-from afd.kv_cache import KVBlocks, KVCache
+from afd.kv.cache import KVBlocks, KVCache
 from afd.runners.monolithic_runner import MonolithicRunner
 from afd.server.api_process.core_link import ApiLink
 from afd.server.api_process.core_wire import CoreState

@@ -4,7 +4,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from afd.config import AFDConfig
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
 from afd.roles.kv_sizing import serving_cache_tokens
 from afd.roles.monolithic import build_monolithic

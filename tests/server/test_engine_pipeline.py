@@ -9,7 +9,7 @@ from afd.engine.request import SamplingParams
 from afd.engine.step_cost import PrefillPacer, StepCostModel
 from afd.engine.tokenizer import load_tokenizer
 from afd.generation import greedy_generate
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic_runner import MonolithicRunner
 from tests.server.conftest import submit_all

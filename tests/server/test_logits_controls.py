@@ -10,7 +10,7 @@ from afd.engine.request import InvalidRequest, Request, SamplingParams
 from afd.engine.sampler import mask_min_p, sample
 from afd.engine.text import StopChecker
 from afd.engine.tokenizer import load_tokenizer
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic_runner import MonolithicRunner
 from tests.server.conftest import submit_all

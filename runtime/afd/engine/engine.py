@@ -40,7 +40,7 @@ from afd.engine.scheduler import Scheduler
 from afd.engine.shared_prompt import copy_tails
 from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
 from afd.engine.structured import Grammars, StepMask, consume_step, step_mask
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.layout import SeqLayout
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import torch
 from afd.engine.engine import Engine
 from afd.engine.request import RequestOutput, SamplingParams
 from afd.generation import GenerationResult, Stepper
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 
 
 class _NoText:

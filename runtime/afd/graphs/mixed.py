@@ -28,7 +28,7 @@ import torch
 
 from afd.graphs.buckets import bucket_for, capture_order
 from afd.graphs.capture import make_pool
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.base import MoECausalLM
 from afd.layout import SeqLayout

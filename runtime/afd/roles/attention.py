@@ -15,7 +15,7 @@ import torch
 from afd.config import AFDConfig
 from afd.connector.attention_link import AttentionLink
 from afd.connector.expert_link import ShardedLink
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.metrics.layer_clock import StepInstruments
 from afd.metrics.wiring import attention_instruments
 from afd.models.loader import LoadedModel

@@ -9,7 +9,7 @@ import torch
 
 from afd.config import AFDConfig
 from afd.kv_budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
-from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel
 from afd.models.spec import ModelSpec
 from afd.runners.profile_step import run_largest_steps

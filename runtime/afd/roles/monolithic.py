@@ -17,7 +17,7 @@ import torch
 from afd.config import AFDConfig
 from afd.engine.offline import generate_with_engine
 from afd.generation import GenerationResult
-from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel, load_model
 from afd.models.moe_prep import warm_up
 from afd.roles.kv_sizing import serving_cache_tokens

@@ -25,7 +25,7 @@ import torch
 
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
 from afd.engine.sampler import sample
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.layout import SeqLayout
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
     from prometheus_client import CollectorRegistry
 
     from afd.engine.tokenizer import load_tokenizer
-    from afd.kv_cache import KVBlocks
+    from afd.kv.cache import KVBlocks
     from afd.server.api.app import ServerState, create_app, http_server
     from afd.server.api.validation import Limits
     from afd.server.api_process.engine_client import EngineClient
