@@ -67,7 +67,7 @@ def memory_probe(layers: int, before: bool = True) -> dict:
 def kv_sizing(model, spec, crossing) -> dict:
     """What `afd serve` would size the monolith's KV cache to here (256 sequences, 2,048-token steps, graphs)."""
     from afd.config import AFDConfig
-    from afd.kv_budget import CudaMemory
+    from afd.kv.budget import CudaMemory
     from afd.models.loader import LoadedModel
     from afd.roles.kv_sizing import profiled_cache_tokens
 

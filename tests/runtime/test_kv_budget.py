@@ -5,7 +5,7 @@ import torch
 
 import afd.runners.profile_step as profile_step
 from afd.config import AFDConfig
-from afd.kv_budget import GRAPH_MARGIN_BYTES, graph_margin_bytes, kv_budget_from, plan_kv_budget, profile_peak
+from afd.kv.budget import GRAPH_MARGIN_BYTES, graph_margin_bytes, kv_budget_from, plan_kv_budget, profile_peak
 from afd.kv.cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.profile_step import plan_profile_shapes

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from afd.config import AFDConfig
-from afd.kv_budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
+from afd.kv.budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
 from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel
 from afd.models.spec import ModelSpec
@@ -34,7 +34,7 @@ def fixed_cache_tokens(config: AFDConfig, spec: ModelSpec, dtype: torch.dtype) -
 
 def profiled_cache_tokens(config: AFDConfig, loaded: LoadedModel, memory: DeviceMemory, dtype: torch.dtype,
                           device: torch.device) -> int:
-    """KV-cache tokens that fit beside the weights and the peak of the largest step, run now (`afd.kv_budget`)."""
+    """KV-cache tokens that fit beside the weights and the peak of the largest step, run now (`afd.kv.budget`)."""
     try:
         max_len = config.max_model_len_of(loaded.spec)
         peak = profile_peak(lambda: run_largest_steps(config, loaded, dtype, device, max_len), memory)
