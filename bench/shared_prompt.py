@@ -23,7 +23,7 @@ from afd.engine.tokenizer import load_tokenizer  # noqa: E402
 from afd.kv.cache import KVCache  # noqa: E402
 from afd.models.loader import load_model  # noqa: E402
 from afd.runners.monolithic_runner import MonolithicRunner  # noqa: E402
-from afd.tiny import make_tiny_model  # noqa: E402
+from afd.checkpoint_tools.tiny import make_tiny_model  # noqa: E402
 
 
 class Counting:

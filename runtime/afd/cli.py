@@ -19,7 +19,7 @@ from afd.local.log_folders import KEEP
 from afd.models.spec import UnsupportedModelError, parse_spec
 from afd.planner.command import add_parser as add_plan_parser
 from afd.planner.command import cmd_plan
-from afd.tiny import ARCHES, FP8_ARCHES, make_tiny_model
+from afd.checkpoint_tools.tiny import ARCHES, FP8_ARCHES, make_tiny_model
 from afd.topology import TopologyError
 from afd.vllm_plugin import serve as vllm_serve
 

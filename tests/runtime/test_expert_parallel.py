@@ -181,7 +181,7 @@ def test_config_checks_the_shard():
 @pytest.fixture(scope="module")
 def qwen_top6(tmp_path_factory):
     """Qwen3-MoE routing each token to 6 of its 8 experts: a shard then sums several of a token's pairs."""
-    from afd.tiny import make_tiny_model
+    from afd.checkpoint_tools.tiny import make_tiny_model
 
     return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("top6") / "qwen", seed=0,
                            overrides={"num_experts_per_tok": 6})
