@@ -62,7 +62,7 @@ def write_v3_shaped(bf16_out: Path | None, fp8_out: Path | None, seed: int = 0, 
     other holds the same weights either way)."""
     from safetensors.torch import save_file
 
-    from afd.fp8_convert import SCALE_SUFFIX, is_quantized_weight, quantization_config
+    from afd.checkpoint_tools.fp8_convert import SCALE_SUFFIX, is_quantized_weight, quantization_config
     from afd.models import deepseek_v3
     from afd.kernels.fp8_blocks import quantize_block_fp8
     from afd.models.spec import parse_spec

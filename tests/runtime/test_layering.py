@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("engine", frozenset({"engine", "generation"})),
     ("step graphs", frozenset({"graphs"})),
     ("links, metrics, KV cache, checkpoint tools",
-     frozenset({"connector", "metrics", "kv", "fp8_convert", "checkpoint_tools"})),
+     frozenset({"connector", "metrics", "kv", "checkpoint_tools"})),
     ("models", frozenset({"models"})),
     ("kernels", frozenset({"kernels"})),
     ("foundation", frozenset({"__init__", "config", "topology", "stages", "layout", "host_copy",
