@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
     if args.model is None:
-        from afd.up import ensure_tiny_model
+        from afd.local.up import ensure_tiny_model
 
         args.model = str(ensure_tiny_model())
     config = AFDConfig(connector="loopback", model=args.model, ffn_address_template="overhead", profile_every=args.every)

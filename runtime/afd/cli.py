@@ -268,7 +268,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from afd.models.checkpoint import Checkpoint  # local import: torch
     from afd.server.front.door import FrontSettings  # local import: fastapi
-    from afd.up import ensure_tiny_model, run_up  # local import: torch
+    from afd.local.up import ensure_tiny_model, run_up  # local import: torch
 
     config = _group_config(args, "up", UP_DEFAULTS, max_request_bytes=args.max_request_bytes,
                            max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars)

@@ -155,7 +155,7 @@ def test_expert_load_counts_each_shards_experts(checkpoints):
 
 def test_afd_up_plans_one_process_per_shard(tmp_path):
     from afd.config import AFDConfig
-    from afd.up import plan_ranks
+    from afd.local.up import plan_ranks
 
     base = AFDConfig(num_attention_ranks=2, model=str(tmp_path), ffn_expert_parallel=2, port_stride=2)
     ranks = plan_ranks(base)

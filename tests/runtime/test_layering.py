@@ -18,7 +18,7 @@ RUNTIME = ROOT / "runtime"
 # From the entry points down. A unit imports units of its own layer or of layers below it; within a
 # layer the cycle check keeps the imports one way.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("entry points", frozenset({"__main__", "cli", "up"})),
+    ("entry points", frozenset({"__main__", "cli"})),
     ("processes and tools", frozenset({"local", "planner", "vllm_plugin"})),
     ("role wiring", frozenset({"roles"})),
     ("HTTP serving", frozenset({"server"})),
