@@ -29,8 +29,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
      frozenset({"connector", "metrics", "kv", "checkpoint_tools"})),
     ("models", frozenset({"models"})),
     ("kernels", frozenset({"kernels"})),
-    ("foundation", frozenset({"__init__", "config", "topology", "stages", "layout", "host_copy",
-                              "up_messages"})),
+    ("foundation", frozenset({"__init__", "config", "topology", "stages", "layout", "host_copy"})),
 )
 
 # Imports still pointing up, each with why it is left and what removes it. A listed import that is gone

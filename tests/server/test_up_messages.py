@@ -7,7 +7,7 @@ import pytest
 
 import afd.local.up
 from afd.config import AFDConfig
-from afd.up_messages import RANDOM_WEIGHTS_NOTE, WaitReport
+from afd.local.up_messages import RANDOM_WEIGHTS_NOTE, WaitReport
 
 
 class Clock:
