@@ -129,7 +129,7 @@ def test_latent_decode_kernel_equals_the_reference(dtype, heads):
 
 
 def monolithic(path, dtype, graphs=False, mixed_tokens=0, prompts=PROMPTS, max_tokens=GPU_TOKENS):
-    from afd.generation import greedy_generate
+    from afd.engine.generation import greedy_generate
     from afd.kv.cache import KVCache
     from afd.models.loader import load_model
     from afd.runners.monolithic_runner import MonolithicRunner

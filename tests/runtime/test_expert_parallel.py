@@ -196,7 +196,7 @@ def test_bf16_shards_equal_the_unsharded_rank(shards, gate, qwen_top6):
     import threading
 
     from afd.config import AFDConfig
-    from afd.generation import greedy_generate
+    from afd.engine.generation import greedy_generate
     from afd.roles.attention import build_attention
     from afd.roles.ffn import build_ffn
     from tests.conftest import PROMPTS

@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("role wiring", frozenset({"roles"})),
     ("HTTP serving", frozenset({"server"})),
     ("runners", frozenset({"runners"})),
-    ("engine", frozenset({"engine", "generation"})),
+    ("engine", frozenset({"engine"})),
     ("step graphs", frozenset({"graphs"})),
     ("links, metrics, KV cache, checkpoint tools",
      frozenset({"connector", "metrics", "kv", "checkpoint_tools"})),

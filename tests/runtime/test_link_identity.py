@@ -15,7 +15,7 @@ from afd.connector import attention_link, wire
 from afd.connector.attention_link import AttentionLink
 from afd.connector.base import AttnTransfer
 from afd.connector.identity import check_identity, identity_key, new_identity, show
-from afd.generation import greedy_generate
+from afd.engine.generation import greedy_generate
 from afd.models.loader import load_model
 from afd.local.children import free_port_block
 from afd.roles.attention import build_attention

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from afd.generation import greedy_generate
+from afd.engine.generation import greedy_generate
 from afd.kv.cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic_runner import MonolithicRunner

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from afd.engine.offline import generate_with_engine
-from afd.generation import greedy_generate
+from afd.engine.generation import greedy_generate
 from afd.kv.cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic_runner import MonolithicRunner

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from afd.local.offline_batch import run_attention_batch, split_prompts
 from afd.config import AFDConfig
-from afd.generation import GenerationResult
+from afd.engine.generation import GenerationResult
 from afd.roles.ffn import build_ffn
 
 

@@ -16,7 +16,7 @@ import torch
 
 from afd.config import AFDConfig
 from afd.engine.offline import generate_with_engine
-from afd.generation import GenerationResult
+from afd.engine.generation import GenerationResult
 from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel, load_model
 from afd.models.moe_prep import warm_up
