@@ -34,7 +34,7 @@ def time_steps(runner, kv, batch: int, steps: int, context: int, vocab: int, war
     """Median wall-clock ms of decode steps of `batch` sequences."""
     import torch
 
-    from afd.layout import SeqLayout
+    from afd.step.layout import SeqLayout
 
     tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
     layout = SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)
@@ -56,7 +56,7 @@ def profile_steps(runner, kv, batch: int, count: int, context: int, vocab: int) 
     import torch
 
     from afd.metrics.layer_clock import LayerClock, NullClock
-    from afd.layout import SeqLayout
+    from afd.step.layout import SeqLayout
 
     tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
     layout = SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)

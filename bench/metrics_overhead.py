@@ -23,7 +23,7 @@ from afd.metrics.layer_clock import LayerClock, NullClock
 from afd.metrics.layer_metrics import LayerMetrics
 from afd.roles.attention import build_attention
 from afd.roles.ffn import build_ffn
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 
 def main() -> int:

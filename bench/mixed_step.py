@@ -23,7 +23,7 @@ from common import V2_LITE, random_model, require_cuda, write_json
 from decode_steps import kv_cache_for
 
 from afd.models.loader import LoadedModel
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 from afd.runners.monolithic_runner import MonolithicRunner
 
 SHAPES = (  # (decode rows, their context, prompt chunk lengths)

@@ -150,7 +150,7 @@ def recording_routes(record: list):
 
 
 def _layout(kv, batch: int, context: int):
-    from afd.layout import SeqLayout
+    from afd.step.layout import SeqLayout
 
     tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
     return tables, SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)

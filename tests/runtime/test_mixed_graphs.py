@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from afd.graphs.mixed import token_buckets
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 
 def test_token_buckets_double_to_256_then_step_by_256_then_512():

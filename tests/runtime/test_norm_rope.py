@@ -112,7 +112,7 @@ def test_the_attention_rank_with_fused_glue_equals_the_torch_path(stages, checkp
     from afd.kv.cache import KVCache
     from afd.runners.attention_runner import AttentionRunner, StepOptions
     from afd.stages import StagePolicy
-    from afd.layout import SeqLayout
+    from afd.step.layout import SeqLayout
     from afd.runners.profile_step import StandInFFN
 
     loaded = load_model(str(checkpoints["deepseek_v2"]), "attention")

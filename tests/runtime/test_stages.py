@@ -3,7 +3,7 @@
 import pytest
 
 from afd.config import AFDConfig
-from afd.layout import SeqLayout, split_layout
+from afd.step.layout import SeqLayout, split_layout
 from afd.runners.attention_runner import StepOptions
 from afd.stages import StagePolicy
 from afd.vllm_plugin.link import LinkPlan

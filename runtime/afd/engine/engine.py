@@ -41,7 +41,7 @@ from afd.engine.shared_prompt import copy_tails
 from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
 from afd.engine.structured import Grammars, StepMask, consume_step, step_mask
 from afd.kv.cache import KVCache
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 Step = Callable[[torch.Tensor, SeqLayout], torch.Tensor]

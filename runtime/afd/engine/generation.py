@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from afd.kv.cache import KVCache
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 Stepper = Callable[[torch.Tensor, SeqLayout], torch.Tensor]
 

@@ -17,7 +17,7 @@ import torch
 from afd.engine.request import Request
 from afd.engine.shared_prompt import board
 from afd.host_copy import host_to_device
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 
 @dataclass

@@ -22,7 +22,7 @@ from afd.graphs.buckets import bucket_for, capture_order, is_decode
 from afd.graphs.capture import make_pool
 from afd.kv.cache import KVCache
 from afd.models.attention import AttentionBatch
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 from afd.stages import StagePolicy
 
 log = logging.getLogger(__name__)

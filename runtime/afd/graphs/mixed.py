@@ -31,7 +31,7 @@ from afd.graphs.capture import make_pool
 from afd.kv.cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.base import MoECausalLM
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs
 from afd.graphs.mixed import MixedGraphs, token_buckets
 from afd.metrics.layer_clock import StepInstruments
-from afd.layout import SeqLayout, split_layout
+from afd.step.layout import SeqLayout, split_layout
 from afd.stages import StagePolicy
 
 

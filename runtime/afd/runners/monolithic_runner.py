@@ -10,7 +10,7 @@ from afd.graphs.mixed import MixedGraphs, token_buckets
 from afd.kv.cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 from afd.stages import StagePolicy
 
 

@@ -26,7 +26,7 @@ import torch
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
 from afd.engine.sampler import sample
 from afd.kv.cache import KVCache
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 
