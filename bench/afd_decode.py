@@ -78,7 +78,7 @@ def _afd_config(args, phase: str, role: str, rank: int):
 
 
 def _split(total: int, stages: int) -> tuple:
-    from afd.stages import StagePolicy
+    from afd.step.stages import StagePolicy
 
     return StagePolicy(stages).rows(total)
 

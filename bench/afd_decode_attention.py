@@ -41,7 +41,7 @@ def attn0_main(args, q, events) -> None:
     from afd.connector.transports.nccl.lib import PairComm, UniqueId
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
-    from afd.stages import StagePolicy
+    from afd.step.stages import StagePolicy
     from afd.runners.monolithic_runner import MonolithicRunner
 
     config = _model_config(args.layers)

@@ -40,7 +40,7 @@ def main() -> None:
 
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
-    from afd.stages import StagePolicy
+    from afd.step.stages import StagePolicy
     from afd.runners.monolithic_runner import MonolithicRunner
 
     config = _model_config(args.layers)

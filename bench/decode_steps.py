@@ -22,7 +22,7 @@ def kv_cache_for(model, max_seqs: int, context: int):
 
 def capture_decode_graphs(runner_body, kv, buckets, policy=None, before=None):
     from afd.graphs.decode import DecodeGraphs
-    from afd.stages import StagePolicy
+    from afd.step.stages import StagePolicy
 
     graphs = DecodeGraphs(runner_body, kv, tuple(sorted(set(buckets))), policy or StagePolicy(), kv.keys[0].device,
                           before=before)

@@ -228,7 +228,7 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
     from afd.graphs.decode import DecodeGraphs
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
-    from afd.stages import StagePolicy
+    from afd.step.stages import StagePolicy
     from afd.runners.monolithic_runner import MonolithicRunner
     from afd.runners.profile_step import StandInFFN
 

@@ -111,7 +111,7 @@ def test_the_attention_rank_with_fused_glue_equals_the_torch_path(stages, checkp
     """Each FFN output comes back added to the residual stream in one launch with the next layer's norm."""
     from afd.kv.cache import KVCache
     from afd.runners.attention_runner import AttentionRunner, StepOptions
-    from afd.stages import StagePolicy
+    from afd.step.stages import StagePolicy
     from afd.step.layout import SeqLayout
     from afd.runners.profile_step import StandInFFN
 

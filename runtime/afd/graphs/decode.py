@@ -23,7 +23,7 @@ from afd.graphs.capture import make_pool
 from afd.kv.cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.step.layout import SeqLayout
-from afd.stages import StagePolicy
+from afd.step.stages import StagePolicy
 
 log = logging.getLogger(__name__)
 Body = Callable[[torch.Tensor, list], torch.Tensor]

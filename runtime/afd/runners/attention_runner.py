@@ -27,7 +27,7 @@ from afd.graphs.decode import DecodeGraphs
 from afd.graphs.mixed import MixedGraphs, token_buckets
 from afd.metrics.layer_clock import StepInstruments
 from afd.step.layout import SeqLayout, split_layout
-from afd.stages import StagePolicy
+from afd.step.stages import StagePolicy
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from afd.kv.cache import KVCache
 from afd.models.attention import AttentionBatch
 from afd.models.loader import LoadedModel
 from afd.step.layout import SeqLayout
-from afd.stages import StagePolicy
+from afd.step.stages import StagePolicy
 
 
 class MonolithicRunner:
