@@ -16,7 +16,7 @@ import torch
 
 from afd.engine.request import Request
 from afd.engine.shared_prompt import board
-from afd.host_copy import host_to_device
+from afd.step.host_copy import host_to_device
 from afd.step.layout import SeqLayout
 
 

@@ -18,7 +18,7 @@ import torch
 from llguidance import LLMatcher
 
 from afd.engine.request import InvalidRequest
-from afd.host_copy import host_to_device
+from afd.step.host_copy import host_to_device
 
 CACHED_GRAMMARS = 128
 
