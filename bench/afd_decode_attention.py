@@ -108,7 +108,7 @@ def args_uid_from_queue(events) -> str:
 
 
 def _rank_share(batch: int, rank: int) -> int:
-    """Sequences of a total `batch` on attention rank `rank` of two (contiguous blocks, as `afd.topology`)."""
+    """Sequences of a total `batch` on attention rank `rank` of two (contiguous blocks, as `afd.config.topology`)."""
     return (batch + 1) // 2 if rank == 0 else batch // 2
 
 

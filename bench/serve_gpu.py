@@ -43,7 +43,7 @@ from serve import one_request, percentile  # noqa: E402
 
 from afd.config import values_from_env  # noqa: E402
 from afd.local.children import LocalProcesses, free_port_block, threads_per_rank  # noqa: E402
-from afd.topology import Topology  # noqa: E402
+from afd.config.topology import Topology  # noqa: E402
 
 
 def shell_connector(default: str) -> str:

@@ -20,7 +20,7 @@ from afd.models.spec import UnsupportedModelError, parse_spec
 from afd.planner.command import add_parser as add_plan_parser
 from afd.planner.command import cmd_plan
 from afd.checkpoint_tools.tiny import ARCHES, FP8_ARCHES, make_tiny_model
-from afd.topology import TopologyError
+from afd.config.topology import TopologyError
 from afd.vllm_plugin import serve as vllm_serve
 
 # Imported where used instead: whatever needs torch, msgpack or fastapi (the operator image runs `afd operator`

@@ -7,7 +7,7 @@ import torch
 
 from afd.models.expert_shard import routed_expert_bytes
 from afd.models.loader import load_model
-from afd.topology import TopologyError, shard_range
+from afd.config.topology import TopologyError, shard_range
 
 
 def test_shard_ranges_cover_every_item_once():

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
      frozenset({"connector", "metrics", "kv", "checkpoint_tools"})),
     ("models", frozenset({"models"})),
     ("kernels", frozenset({"kernels"})),
-    ("foundation", frozenset({"__init__", "config", "topology", "step"})),
+    ("foundation", frozenset({"__init__", "config", "step"})),
 )
 
 # Imports still pointing up, each with why it is left and what removes it. A listed import that is gone

@@ -13,7 +13,7 @@ from afd.config.declare import (
     MAX_API_SERVERS, MAX_EXPERT_PARALLEL, SECTIONS, AttentionEngine, ConfigError, Connector, Device, Dtype, Role,
     Setting, StageCount, A, F, M, setting, settings_of,
 )
-from afd.topology import Topology, TopologyError
+from afd.config.topology import Topology, TopologyError
 
 
 def _positive_ints(text: str) -> str | None:

@@ -41,7 +41,7 @@ from afd.models.checkpoint import Checkpoint
 from afd.models.spec import ModelSpec, parse_spec
 from afd.runners.handshake import make_hello
 from afd.step.stages import StagePolicy
-from afd.topology import crossing_layers
+from afd.config.topology import crossing_layers
 
 log = logging.getLogger(__name__)
 RECONNECT_TIMEOUT_S = 2.0
