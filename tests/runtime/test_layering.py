@@ -247,7 +247,7 @@ def test_an_import_pointing_up_is_named_even_inside_a_function(tmp_path):
     root = _write(tmp_path, {"__init__.py": "", "layout.py": "", "server/__init__.py": "",
                              "server/run.py": "from afd.engine.engine import Engine\n",
                              "engine/__init__.py": "",
-                             "engine/engine.py": "import afd.step.layout\n\ndef f():\n    from afd.server import run\n"})
+                             "engine/engine.py": "import afd.layout\n\ndef f():\n    from afd.server import run\n"})
     problems = layer_problems(root, _TOY_LAYERS, {})
     assert problems == ["afd.engine.engine (line 4, layer 'middle') imports afd.server (layer 'top', above it)",
                         "afd.engine.engine (line 4, layer 'middle') imports afd.server.run (layer 'top', above it)",
@@ -265,5 +265,5 @@ def test_an_unplaced_unit_and_a_stale_exception_are_named(tmp_path):
     root = _write(tmp_path, {"__init__.py": "", "layout.py": "", "planner/__init__.py": ""})
     assert layer_problems(root, _TOY_LAYERS, {}) == ["planner is in no layer: add it to LAYERS"]
     root = _write(tmp_path / "stale", {"__init__.py": "", "layout.py": ""})
-    assert layer_problems(root, _TOY_LAYERS, {("afd.step.layout", "afd.server"): "why"}) == [
-        "exception afd.step.layout → afd.server is gone: remove it from EXCEPTIONS"]
+    assert layer_problems(root, _TOY_LAYERS, {("afd.layout", "afd.server"): "why"}) == [
+        "exception afd.layout → afd.server is gone: remove it from EXCEPTIONS"]
