@@ -2,7 +2,7 @@
 
 64 sampling rows of a 151,936-token vocabulary (Qwen3's): the whole logits controls of one step (built, applied,
 recorded) for rows with a logit bias only, and the part that multi-token bad words add when each row carries
-four (`afd.engine.banned_words`: built, applied, recorded). Also the cost per streamed event of `StreamEvents` on
+four (`afd.engine.sampling.banned_words`: built, applied, recorded). Also the cost per streamed event of `StreamEvents` on
 a plain output. Runs on CPU (or `--device cuda`).
 
     .venv/bin/python bench/bad_words_cost.py [--device cpu] [--steps 50]
@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import torch
 
-from afd.engine.banned_words import step_words
-from afd.engine.logits_controls import ControlState, step_controls
 from afd.engine.request import Request, RequestOutput, SamplingParams
+from afd.engine.sampling.banned_words import step_words
+from afd.engine.sampling.logits_controls import ControlState, step_controls
 from afd.server.api.sse import StreamEvents
 
 VOCAB, ROWS = 151_936, 64

@@ -31,7 +31,7 @@ import afd.engine.engine as engine_module  # noqa: E402
 from afd.config import AFDConfig  # noqa: E402
 from afd.engine.engine import Engine  # noqa: E402
 from afd.engine.request import SamplingParams  # noqa: E402
-from afd.engine.sampler import Sampled  # noqa: E402
+from afd.engine.sampling.sampler import Sampled  # noqa: E402
 from afd.roles.monolithic import build_monolithic  # noqa: E402
 from afd.server.serve.ceiling import step_seconds  # noqa: E402
 

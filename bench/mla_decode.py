@@ -25,7 +25,7 @@ def main() -> None:
 
     from afd.kernels.decode_attention import paged_decode_attention, paged_latent_decode_attention
     from afd.kv.cache import KVCache
-    from afd.models.attention import AttentionBatch
+    from afd.models.paged_attention import AttentionBatch
     from afd.models.deepseek_v2 import MultiHeadLatentAttention
     from afd.models.spec import KVLayout, kv_layout
 

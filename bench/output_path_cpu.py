@@ -46,13 +46,14 @@ def instrument(timers: Timers) -> None:
     """Stage timers on whichever of the known seams this tree has."""
     import json as json_module
 
-    from afd.engine import outputs, text
+    from afd.engine import outputs
+    from afd.engine.text import detokenizer, stop_strings
     from afd.server.api import app
 
     timers.wrap(outputs.OutputProcessor, "_deliver", "deliver")
-    timers.wrap(text.IncrementalDetokenizer, "add", "detokenize")
-    timers.wrap(text.StopChecker, "add", "stop")
-    timers.wrap(text.StopChecker, "take", "stop")
+    timers.wrap(detokenizer.IncrementalDetokenizer, "add", "detokenize")
+    timers.wrap(stop_strings.StopChecker, "add", "stop")
+    timers.wrap(stop_strings.StopChecker, "take", "stop")
     for name in ("completion_chunk", "chat_chunk"):  # looked up in app's globals at call time
         timers.wrap(app, name, "format")
     with contextlib.suppress(ImportError):  # a tree that formats each event from a template

@@ -20,7 +20,7 @@ def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = 
     from prometheus_client import CollectorRegistry
 
     from afd.engine.engine import Engine
-    from afd.engine.tokenizer import load_tokenizer
+    from afd.engine.text.tokenizer import load_tokenizer
     from afd.kv.cache import KVCache
     from afd.models.spec import KVLayout
     from afd.server.api.app import ServerState, create_app

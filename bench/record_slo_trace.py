@@ -5,7 +5,7 @@
 
 For each level, C streaming clients (bench/load.py's) run for the given seconds while every
 attention rank's /metrics is scraped each interval; the scrapes keep only the series
-spec.autoscaling reads (afd_operator.slo_signals.SERIES). The autoscaler's simulation tests
+spec.autoscaling reads (afd_operator.autoscaler.signals.SERIES). The autoscaler's simulation tests
 (tests/operator/test_autoscale_sim.py) replay these scrapes: a group carrying C streams is
 assumed to look like the recorded group at level C.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from load import client_loop, running_up  # noqa: E402
 
-from afd_operator.slo_signals import SERIES  # noqa: E402
+from afd_operator.autoscaler.signals import SERIES  # noqa: E402
 
 
 def keep(line: str) -> bool:

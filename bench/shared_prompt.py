@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from afd.engine.engine import Engine  # noqa: E402
 from afd.engine.request import SamplingParams  # noqa: E402
-from afd.engine.tokenizer import load_tokenizer  # noqa: E402
+from afd.engine.text.tokenizer import load_tokenizer  # noqa: E402
 from afd.kv.cache import KVCache  # noqa: E402
 from afd.models.loader import load_model  # noqa: E402
 from afd.runners.monolithic_runner import MonolithicRunner  # noqa: E402

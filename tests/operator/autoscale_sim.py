@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from afd_operator.autoscale import Groups, decide
-from afd_operator.autoscaling_spec import Autoscaling
-from afd_operator.slo_signals import ServiceSample, delta, load_of, parse_service
+from afd_operator.autoscaler.group_count import Groups, decide
+from afd_operator.model.autoscaling import Autoscaling
+from afd_operator.autoscaler.signals import ServiceSample, delta, load_of, parse_service
 
 TRACE = Path(__file__).parent / "traces" / "cpu-2A1F-levels.json"
 

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from afd_operator.autoscaling_spec import Autoscaling
-from afd_operator.slo_signals import load_of
+from afd_operator.model.autoscaling import Autoscaling
+from afd_operator.autoscaler.signals import load_of
 from autoscale_sim import RecordedLevels, simulate, square, steps
 
 TICK = 15.0

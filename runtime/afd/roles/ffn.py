@@ -13,7 +13,7 @@ from afd.connector import registry
 from afd.connector.ffn_link import FFNLink
 from afd.connector.identity import identity_key
 from afd.connector.plane import DataContract, PlaneOptions
-from afd.graphs.ffn import FFNGraphs
+from afd.graphs.ffn_graphs import FFNGraphs
 from afd.metrics.expert_load import shard_labelled
 from afd.metrics.layer_clock import StepInstruments
 from afd.metrics.wiring import export_resident_bytes, ffn_instruments, watch_ffn
