@@ -1,6 +1,6 @@
 """Replay recorded serving scrapes through `autoscale.decide`: a small fleet simulator.
 
-The trace (bench/record_slo_trace.py) holds one real `afd up` group's attention-rank scrapes at
+The trace (bench/cluster/record_slo_trace.py) holds one real `afd up` group's attention-rank scrapes at
 fixed load levels (C concurrent streams). A simulated group carrying c streams shows the recorded
 interval of the level nearest c (on a log scale), the intervals taken in turn, added to its own
 cumulative histograms; its scrapes of the scale-down window are kept, as the operator's feed keeps them. The simulator

@@ -1,4 +1,4 @@
-"""spec.autoscaling simulated on a recorded trace (tests/operator/traces/, bench/record_slo_trace.py):
+"""spec.autoscaling simulated on a recorded trace (tests/operator/traces/, bench/cluster/record_slo_trace.py):
 a surge scales up within the window, a flapping load does not flap, a drop scales down after
 the window, the bounds hold."""
 

@@ -16,7 +16,9 @@ from afd.engine.engine import Engine
 from afd.engine.text.tokenizer import load_tokenizer
 from afd.kernels.compile_watch import WATCH
 from afd.metrics.wiring import export_resident_bytes, watch_attention
+from afd.server.api.api_keys import ApiKeys
 from afd.server.api.app import ServerState, create_app, http_server
+from afd.server.api.reasoning import PARSERS
 from afd.server.api.validation import Limits
 from afd.server.api_process.core import serve_with_api_process
 from afd.server.front.failover import Failover, FailoverSettings
@@ -61,6 +63,8 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         registry=registry,
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
         resume_key=config.group_secret.encode(),
+        api_keys=ApiKeys(config.api_keys),
+        reasoning=PARSERS.get(config.reasoning_parser), reasoning_content=config.reasoning_content,
     )
     if role.link is not None:  # a monolithic rank has no FFN link
         watch_attention(registry, config, role, engine)
