@@ -5,6 +5,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/runtime:$PWD NCCL_NVLS_ENABL
 export NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 if [[ ${SERVING_IMPORTS:-1} == 1 ]]; then
-  python3 -c "import afd.engine.engine, afd.server.serve.attention, afd.server.api.app" || {
+  python3 -c "import afd.engine.engine, afd.server.serve.engine_api, afd.server.api.app" || {
     echo "a package the runtime imports is missing: carry its wheel in .whl/ (docs/gpu.md)"; return 1; }
 fi

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import afd.up
+import afd.local.up
 from afd import cli
 from afd.config import ENV_VARS, ConfigError, config_to_env, load_config, values_from_env
 
@@ -57,7 +57,7 @@ def clean_env(monkeypatch):
 
 def up_children(argv, monkeypatch):
     """The environment of every rank `afd up <argv>` would start, as each child sees it."""
-    from afd.up import Supervisor, plan_ranks
+    from afd.local.up import Supervisor, plan_ranks
 
     planned = {}
 
@@ -65,7 +65,7 @@ def up_children(argv, monkeypatch):
         planned.update(config=config, front=front)
         return 0
 
-    monkeypatch.setattr(afd.up, "run_up", fake_run_up)
+    monkeypatch.setattr(afd.local.up, "run_up", fake_run_up)
     assert cli.cmd_up(cli.build_parser().parse_args(["up", *argv])) == 0
     started = []
 

@@ -13,7 +13,7 @@ from afd.config.declare import (
     MAX_API_SERVERS, MAX_EXPERT_PARALLEL, SECTIONS, AttentionEngine, ConfigError, Connector, Device, Dtype, Role,
     Setting, StageCount, A, F, M, setting, settings_of,
 )
-from afd.topology import Topology, TopologyError
+from afd.config.topology import Topology, TopologyError
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2")  # afd.server.api.reasoning.PARSERS
 
