@@ -28,6 +28,7 @@ HONOURED = {
     "AFD_FFN_BATCH_WINDOW_S": "0.002", "AFD_DBO_MIN_TOKENS": "64", "AFD_VLLM_ARGS": "--enforce-eager",
     "AFD_GPU_MEMORY_UTILIZATION": "0.5", "AFD_CEILING_BATCHES": "1,8", "AFD_CEILING_CONTEXT": "128",
     "AFD_API_PROCESS": "true", "AFD_API_SERVERS": "2", "AFD_FFN_HOLD_S": "4.5",
+    "AFD_API_KEY": "key-1,key-2", "AFD_REASONING_PARSER": "qwen3", "AFD_REASONING_CONTENT": "true",
 }
 # set by each test: the model, and where the two commands' defaults differ
 PER_COMMAND = {"up": {"AFD_STAGES": "1", "AFD_ATTENTION_ENGINE": "vllm"},

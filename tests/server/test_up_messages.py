@@ -55,7 +55,7 @@ def test_the_demo_answer_says_when_the_weights_are_random(default_model, tmp_pat
     posted = []
     monkeypatch.setenv("AFD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(afd.local.up, "progress", said.append)
-    monkeypatch.setattr(afd.local.up.httpx, "post", lambda url, json, headers, timeout: posted.append(json) or SimpleNamespace(json=lambda: reply))
+    monkeypatch.setattr(afd.local.up.httpx, "post", lambda url, json, timeout, headers=None: posted.append(json) or SimpleNamespace(json=lambda: reply))
     afd.local.up._demo_request("http://127.0.0.1:1/v1", str(model), SimpleNamespace(started=True))
     assert posted[0]["model"] == model.name  # the served model's name, as /v1/models lists it
     assert said[0].startswith("demo request answered (24 tokens): ") and said[-1].startswith("ready: ")
