@@ -197,7 +197,8 @@ def print_rates(shape: str, rows: list[dict], limits: dict) -> None:
           f"{'bf16 exp':>9} {'÷ dense':>8} {'x bytes':>8} {'before':>8} {'÷ dense':>8}")
     nan = float("nan")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['flops'] / 1e12:>7.2f} {r['fp8_layer_tflops']:>10.0f} {r['fp8_layer_of_dense']:>8.2f} "
+        print(f"{r['tokens']:>6} {r['flops'] / 1e12:>7.2f} {r['fp8_layer_tflops']:>10.0f} "
+              f"{r['fp8_layer_of_dense']:>8.2f} "
               f"{r['fp8_experts_tflops']:>8.0f} {r['fp8_experts_of_dense']:>8.2f} "
               f"{r.get('bf16_experts_tflops', nan):>9.0f} {r.get('bf16_experts_of_dense', nan):>8.2f} "
               f"{r['fp8_over_byte_floor']:>8.2f} {r.get('before_fp8_layer_tflops', nan):>8.0f} "
