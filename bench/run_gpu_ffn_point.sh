@@ -49,15 +49,15 @@ fi
 case $mode in
 final|all)
   before() { [ -n "${BEFORE_DIR:-}" ] && echo "--before $BEFORE_DIR/$1"; }
-  step 150 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens $tokens --profile \
+  step 130 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens $tokens --profile \
     $(before $(fp8_table E257_H7168_I2048))
   step 90 python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens $tokens --profile \
     $(before $(fp8_table E128_H2048_I768))
-  step 70 python3 bench/moe_layer.py --shape qwen3-30b-a3b --tokens $tokens \
-    $([ -n "${BF16_TUNE:-}" ] && before E128_H2048_I768_$card.json)
   step ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --timeout 100 --maxfail 10 \
     tests/runtime/test_moe_tuned_configs.py tests/gpu/test_gpu_fp8.py tests/runtime/test_moe_fp8.py \
-    $([ -n "${BF16_TUNE:-}" ] && echo tests/gpu/test_gpu_path.py::test_every_entry_of_a_shipped_table_equals_the_reference) ;;
+    $([ -n "${BF16_TUNE:-}" ] && echo tests/gpu/test_gpu_path.py::test_every_entry_of_a_shipped_table_equals_the_reference)
+  step 70 python3 bench/moe_layer.py --shape qwen3-30b-a3b --tokens $tokens \
+    $([ -n "${BF16_TUNE:-}" ] && before E128_H2048_I768_$card.json) ;;
 baseline|tune) ;;
 *) echo "usage: run_gpu_ffn_point.sh baseline|tune|final|all" >&2; exit 2 ;;
 esac
