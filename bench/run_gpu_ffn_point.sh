@@ -7,7 +7,8 @@
 #   BEFORE_DIR=DIR bash bench/run_gpu_ffn_point.sh final   # the layers on the tables here and on DIR's (before)
 #   BEFORE_DIR=DIR bash bench/run_gpu_ffn_point.sh all     # tune, final, then DeepGEMM: one device call (~8 min)
 # TOKENS (default 8192,16384,32768) picks the counts. DeepGEMM runs where .dgwhl/dgsrc.tgz was packed
-# (bench/deepgemm_build.sh pack; skipped without it). Every bench measures the dense rates it divides by in the run.
+# (bench/comparisons/deepgemm_build.sh pack; skipped without it). Every bench measures the dense rates it divides by
+# in the run.
 set -u
 SERVING_IMPORTS=0 source bench/gpu_env.sh || exit 1
 mode=${1:?usage: run_gpu_ffn_point.sh baseline|tune|final|all}
@@ -24,39 +25,40 @@ step() {  # step SECONDS COMMAND...: the command's output into the log, its JSON
 deepgemm() {  # build DeepGEMM from the packed sources, then time it beside our kernels
   echo "=== +$((SECONDS - start)) s: DeepGEMM build" | tee -a $LOG
   local dg
-  if dg=$(timeout 200 bash bench/deepgemm_build.sh build .dgwhl/dgsrc.tgz 2>>$LOG); then
+  if dg=$(timeout 200 bash bench/comparisons/deepgemm_build.sh build .dgwhl/dgsrc.tgz 2>>$LOG); then
     eval "$dg"
-    step ${DG_TIMEOUT:-200} python3 bench/moe_deepgemm.py --formats ${DG_FORMATS:-fp8,bf16} --tokens $tokens
+    step ${DG_TIMEOUT:-200} python3 bench/comparisons/moe_deepgemm.py --formats ${DG_FORMATS:-fp8,bf16} --tokens $tokens
   fi
 }
 fp8_table() { echo "E$1_fp8_$card.json"; }  # fp8_table E257_H7168_I2048
 case $mode in
 baseline)
-  step 170 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens $tokens --profile
-  step 90 python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens $tokens --profile
-  step 70 python3 bench/moe_layer.py --shape qwen3-30b-a3b --tokens $tokens
+  step 170 python3 bench/kernels/moe_layer_fp8.py --shape deepseek-v3 --tokens $tokens --profile
+  step 90 python3 bench/kernels/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens $tokens --profile
+  step 70 python3 bench/kernels/moe_layer.py --shape qwen3-30b-a3b --tokens $tokens
   [ -f .dgwhl/dgsrc.tgz ] && deepgemm ;;
 esac
 if [[ $mode == tune || $mode == all ]]; then  # DeepSeek-V3: a 16,384-token gate_up takes ~20 ms, so that count on
   # the 128-row layout only (every tile full there) and 32,768 left to it (the table's nearest entry)
-  step 110 python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 8192 --layouts 64,128 --workers 12
-  step 80 python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 16384 --layouts 128 --workers 12
-  step 80 python3 bench/moe_tune.py --fp8 --shape qwen3-30b-a3b --tokens $tokens --layouts 64,128 --deadline 40 \
-    --workers 15
-  [ -n "${BF16_TUNE:-}" ] && step 150 python3 bench/moe_tune.py --shape qwen3-30b-a3b --tokens $BF16_TUNE \
+  step 110 python3 bench/kernels/moe_tune.py --fp8 --shape deepseek-v3 --tokens 8192 --layouts 64,128 --workers 12
+  step 80 python3 bench/kernels/moe_tune.py --fp8 --shape deepseek-v3 --tokens 16384 --layouts 128 --workers 12
+  step 80 python3 bench/kernels/moe_tune.py --fp8 --shape qwen3-30b-a3b --tokens $tokens --layouts 64,128 \
+    --deadline 40 --workers 15
+  [ -n "${BF16_TUNE:-}" ] && step 150 python3 bench/kernels/moe_tune.py --shape qwen3-30b-a3b --tokens $BF16_TUNE \
     --layouts 128 --deadline 60 --workers 15
 fi
 case $mode in
 final|all)
   before() { [ -n "${BEFORE_DIR:-}" ] && echo "--before $BEFORE_DIR/$1"; }
-  step 130 python3 bench/moe_layer_fp8.py --shape deepseek-v3 --tokens $tokens --profile \
+  step 130 python3 bench/kernels/moe_layer_fp8.py --shape deepseek-v3 --tokens $tokens --profile \
     $(before $(fp8_table E257_H7168_I2048))
-  step 90 python3 bench/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens $tokens --profile \
+  step 90 python3 bench/kernels/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens $tokens --profile \
     $(before $(fp8_table E128_H2048_I768))
   step ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --timeout 100 --maxfail 10 \
     tests/runtime/test_moe_tuned_configs.py tests/gpu/test_gpu_fp8.py tests/runtime/test_moe_fp8.py \
-    $([ -n "${BF16_TUNE:-}" ] && echo tests/gpu/test_gpu_path.py::test_every_entry_of_a_shipped_table_equals_the_reference)
-  step 70 python3 bench/moe_layer.py --shape qwen3-30b-a3b --tokens $tokens \
+    $([ -n "${BF16_TUNE:-}" ] && echo "tests/gpu/test_gpu_path.py::test_every_entry_of_a_shipped_table_equals_the_\
+reference")
+  step 70 python3 bench/kernels/moe_layer.py --shape qwen3-30b-a3b --tokens $tokens \
     $([ -n "${BF16_TUNE:-}" ] && before E128_H2048_I768_$card.json) ;;
 baseline|tune) ;;
 *) echo "usage: run_gpu_ffn_point.sh baseline|tune|final|all" >&2; exit 2 ;;
