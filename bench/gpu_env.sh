@@ -22,6 +22,6 @@ if have != want:
              "image's base) once its tests pass here, or set AFD_OTHER_STACK=1 to run anyway")
 PY
 if [[ ${SERVING_IMPORTS:-1} == 1 ]]; then
-  python3 -c "import afd.engine.engine, afd.server.serve.attention, afd.server.api.app" || {
+  python3 -c "import afd.engine.engine, afd.server.serve.engine_api, afd.server.api.app" || {
     echo "a package the runtime imports is missing: carry its wheel in .whl/ (README, GPU path)"; return 1; }
 fi
