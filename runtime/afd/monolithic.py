@@ -46,9 +46,9 @@ class MonolithicRole:
 
 def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedModel], int]) -> MonolithicRole:
     """Load the whole model; a KV cache of `cache_tokens` (or of what the callable makes of the loaded model)."""
-    device = resolve_device(config)
-    dtype = resolve_dtype(config, device)
-    loaded = load_model(config.model, "monolithic", config.gate_on_attention, torch_dtype(dtype), device)
+    device = resolve_device(config.load)
+    dtype = resolve_dtype(config.load, device)
+    loaded = load_model(config.load.model, "monolithic", config.split.gate_on_attention, torch_dtype(dtype), device)
     if device.type == "cuda":
         warm_up(loaded.model)
     tokens = cache_tokens(loaded) if callable(cache_tokens) else cache_tokens
@@ -56,17 +56,18 @@ def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedMode
     log.info("monolithic rank: KV cache of %d tokens (%d blocks of %d), %.2f GiB",
              kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30)
     runner = MonolithicRunner(loaded, kv_cache)
-    if config.cuda_graphs:
+    scheduler = config.scheduler
+    if config.graphs.cuda_graphs:
         if device.type == "cuda" and dtype != "float32":
-            mixed_tokens = config.piecewise_graph_tokens
-            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks), mixed_tokens)
+            mixed_tokens = config.graphs.piecewise_tokens(scheduler.max_num_batched_tokens)
+            graphs = runner.capture_graphs(min(scheduler.max_num_seqs, kv_cache.num_blocks), mixed_tokens)
             log.info("monolithic rank: decode graphs for %s sequences%s, %.1f MiB", list(graphs.buckets),
                      f", piecewise prefill graphs up to {mixed_tokens} tokens" if mixed_tokens else "",
                      graphs.memory_bytes / 2**20)
         else:
             log.warning("cuda_graphs is on but disabled here: graphs need a CUDA device and bf16/fp16")
     if device.type == "cuda":  # Triton compiles what prompt steps meet now, not while serving
-        warm_rank(config, loaded.spec, runner, kv_cache)
+        warm_rank(scheduler, config.graphs, loaded.spec, runner, kv_cache)
     return MonolithicRole(loaded, kv_cache, runner, device)
 
 

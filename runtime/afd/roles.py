@@ -1,8 +1,8 @@
 """A role from its config in two parts: `load_share` reads the weights, `assemble_*` wires the rest.
 
 `build_ffn` gives a ready FFN worker; `build_attention` a connected, handshaken attention
-rank with its KV cache. Both read the whole configuration from `AFDConfig`; the benchmarks
-assemble roles around a share they loaded once.
+rank with its KV cache. Both read the whole `AFDConfig` and hand each component the sections it
+reads; the benchmarks assemble roles around a share they loaded once.
 """
 
 from __future__ import annotations
@@ -44,36 +44,40 @@ class Share:
     dtype: str  # a name of afd.connector.tensors.DTYPES
 
     def hello(self, config: AFDConfig):
-        return make_hello(config, self.loaded.spec, self.loaded.crossing, self.loaded.fingerprint, self.dtype)
+        return make_hello(config.group, config.split, config.link, self.loaded.spec, self.loaded.crossing,
+                          self.loaded.fingerprint, self.dtype)
 
 
 def load_share(config: AFDConfig) -> Share:
-    """The weights of `config.role` on its device (the FFN's MoE kernels warmed up on a GPU)."""
-    device = resolve_device(config)
-    dtype = resolve_dtype(config, device)
-    shard = (config.ffn_shard, config.ffn_expert_parallel) if config.role == "ffn" else (0, 1)
-    loaded = load_model(config.model, config.role, config.gate_on_attention, torch_dtype(dtype), device, shard)
-    if config.role == "ffn" and device.type == "cuda":
-        log.info("ffn rank %d: MoE kernels warmed up for %d token counts", config.rank, warm_up(loaded.model))
+    """The weights of `config`'s role on its device (the FFN's MoE kernels warmed up on a GPU)."""
+    group = config.group
+    device = resolve_device(config.load)
+    dtype = resolve_dtype(config.load, device)
+    shard = (group.ffn_shard, group.ffn_expert_parallel) if group.role == "ffn" else (0, 1)
+    loaded = load_model(config.load.model, group.role, config.split.gate_on_attention, torch_dtype(dtype), device, shard)
+    if group.role == "ffn" and device.type == "cuda":
+        log.info("ffn rank %d: MoE kernels warmed up for %d token counts", group.rank, warm_up(loaded.model))
     return Share(loaded, device, dtype)
 
 
 def assemble_ffn(config: AFDConfig, share: Share, instruments: StepInstruments = StepInstruments()) -> FFNWorker:
-    """FFN rank `config.rank` around its loaded share: listening for its attention peers."""
+    """FFN rank `config.group.rank` around its loaded share: listening for its attention peers."""
+    group = config.group
     expected = share.hello(config)
-    transport = registry.transport(config.connector)
-    server = transport.open_server(config)
+    transport = registry.transport(config.link.connector)
+    server = transport.open_server(config.link, group.own_endpoint)
     contract = DataContract(share.loaded.spec.hidden_size, share.dtype, expected.router_width)
-    plane = transport.ffn_plane(PlaneOptions(share.device, config.peer_timeout_s), contract, server)
-    served = config.topology.attention_ranks_of(config.rank)
-    log.info("ffn rank %d%s serves attention ranks %s on layers %s", config.rank,
-             f" shard {config.ffn_shard} of {config.ffn_expert_parallel}" if config.ffn_expert_parallel > 1 else "",
+    plane = transport.ffn_plane(PlaneOptions(share.device, config.link.peer_timeout_s), contract, server)
+    served = group.topology.attention_ranks_of(group.rank)
+    log.info("ffn rank %d%s serves attention ranks %s on layers %s", group.rank,
+             f" shard {group.ffn_shard} of {group.ffn_expert_parallel}" if group.ffn_expert_parallel > 1 else "",
              list(served), list(share.loaded.crossing))
-    link = FFNLink(server, plane, expected, served, config.rank, identity_key(config.group_token, config.group_secret))
+    link = FFNLink(server, plane, expected, served, group.rank, identity_key(group.group_token, group.group_secret))
     graphs = None
     if graphs_usable(config, share.device, share.dtype):
         graphs = FFNGraphs(share.device)
-    return FFNWorker(link, FFNStepExecutor(share.loaded, plane, expected, graphs, instruments), order=step_order(config))
+    return FFNWorker(link, FFNStepExecutor(share.loaded, plane, expected, graphs, instruments),
+                     order=step_order(group, config.link))
 
 
 def build_ffn(config: AFDConfig, instruments: StepInstruments = StepInstruments()) -> FFNWorker:
@@ -82,13 +86,13 @@ def build_ffn(config: AFDConfig, instruments: StepInstruments = StepInstruments(
 
 def graphs_usable(config: AFDConfig, device: torch.device, dtype: str) -> bool:
     """CUDA graphs need a GPU, a data plane whose transfers can be captured (not host frames) and bf16/fp16."""
-    if not config.cuda_graphs:
+    if not config.graphs.cuda_graphs:
         return False
+    connector = config.link.connector
     problems = [
         why for bad, why in (
             (device.type != "cuda", "no CUDA device"),
-            (not registry.transport(config.connector).graph_capturable,
-             f"connector={config.connector} moves tensors through the host"),
+            (not registry.transport(connector).graph_capturable, f"connector={connector} moves tensors through the host"),
             (dtype == "float32", "float32 experts take the host-synchronising reference path"),
         ) if bad
     ]
@@ -117,26 +121,28 @@ class AttentionRole:
 
 def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
                        instruments: StepInstruments = StepInstruments()) -> AttentionRole:
-    """Attention rank `config.rank` around its share and KV cache: handshaken, decode graphs captured."""
-    if config.ffn_expert_parallel > 1:  # one link per shard, summed (afd.connector.expert_link)
-        link = ShardedLink.connect(config, share.hello(config), share.device)
+    """Attention rank `config.group.rank` around its share and KV cache: handshaken, decode graphs captured."""
+    group, scheduler = config.group, config.scheduler
+    if group.ffn_expert_parallel > 1:  # one link per shard, summed (afd.connector.expert_link)
+        link = ShardedLink.connect(group, config.link, share.hello(config), share.device)
     else:
-        link = AttentionLink.connect(config, share.hello(config), share.device)
-    runner = AttentionRunner(share.loaded, link, kv_cache, StepOptions.of(config), instruments)
+        link = AttentionLink.connect(group, config.link, share.hello(config), share.device)
+    runner = AttentionRunner(share.loaded, link, kv_cache, StepOptions.of(config.split), instruments)
     link.listen(runner)
     if graphs_usable(config, share.device, share.dtype):
         try:  # warm-up and capture drive the FFN through their plans; Ready only after this
-            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks),
-                                           mixed_tokens=config.piecewise_graph_tokens)
+            graphs = runner.capture_graphs(min(scheduler.max_num_seqs, kv_cache.num_blocks),
+                                           mixed_tokens=config.graphs.piecewise_tokens(scheduler.max_num_batched_tokens))
         except Exception:
             link.close("graph capture failed")
             raise
         log.info("attention rank %d: decode graphs for %s sequences, %.1f MiB",
-                 config.rank, list(graphs.buckets), graphs.memory_bytes / 2**20)
+                 group.rank, list(graphs.buckets), graphs.memory_bytes / 2**20)
     if share.device.type == "cuda":  # Triton compiles what prompt steps meet now, not while serving
         runner.warming = True  # the FFN counts its own compiles in these steps as warm-up
         try:
-            warm_rank(config, share.loaded.spec, runner, kv_cache, lambda: link.wait_step(link.end_step()))
+            warm_rank(scheduler, config.graphs, share.loaded.spec, runner, kv_cache,
+                      lambda: link.wait_step(link.end_step()))
         except Exception:
             link.close("warm-up steps failed")
             raise
@@ -146,7 +152,7 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
 
 
 def build_attention(config: AFDConfig, cache_tokens, instruments: StepInstruments = StepInstruments()) -> AttentionRole:
-    """Attention rank `config.rank`: its weights, a KV cache of `cache_tokens` (an int, or a callable
+    """Attention rank `config.group.rank`: its weights, a KV cache of `cache_tokens` (an int, or a callable
     that sizes it from the loaded model and the free device memory), a handshaken FFN link, and
     what its runner reports to (`metrics.wiring.attention_instruments`)."""
     share = load_share(config)
@@ -154,6 +160,6 @@ def build_attention(config: AFDConfig, cache_tokens, instruments: StepInstrument
     tokens = cache_tokens(share.loaded) if callable(cache_tokens) else cache_tokens
     kv_cache = KVCache.for_tokens(share.loaded.model.kv_layouts(), tokens, dtype, share.device)
     log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token",
-             config.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
+             config.group.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
              KVCache.bytes_per_token(kv_cache.layouts, dtype))
     return assemble_attention(config, share, kv_cache, instruments)

@@ -16,7 +16,7 @@ def test_ceiling_is_timed_per_batch_exported_and_gives_its_blocks_back(checkpoin
     config = AFDConfig(role="monolithic", model=str(checkpoints["qwen3_moe"]), device="cpu", ceiling_batches="1,2,4096")
     role = build_monolithic(config, 4096)
     registry = CollectorRegistry()
-    results = export_ceiling(registry, config, role)
+    results = export_ceiling(registry, config.group, config.graphs, config.scheduler, role)
     assert sorted(results) == [1, 2] and all(0 < s < 10 for s in results.values())  # 4096 > max_num_seqs: skipped
     assert role.kv_cache.free_blocks == role.kv_cache.num_blocks
     assert 'afd_step_ceiling_seconds{batch="2",rank="0",role="monolithic"}' in generate_latest(registry).decode()

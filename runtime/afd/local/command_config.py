@@ -40,4 +40,5 @@ def local_config(command: str, flags: Mapping[str, Any], defaults: Mapping[str, 
         fixed.update(num_attention_ranks=1, num_ffn_ranks=1, ffn_expert_parallel=1)
     config = load_config(cli=flags, env=env, file=file, defaults={**defaults, **fixed},
                          decided=decided_settings(command, monolithic))
-    return config.replace(model=str(Path(config.model).resolve())) if config.model else config
+    model = config.load.model
+    return config.replace(model=str(Path(model).resolve())) if model else config

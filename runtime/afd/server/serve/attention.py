@@ -11,13 +11,15 @@ from typing import Callable
 import torch
 from prometheus_client import CollectorRegistry
 
-from afd.config import AFDConfig
+from afd.config import AFDConfig, config_to_env
 from afd.engine.engine import Engine
 from afd.engine.tokenizer import load_tokenizer
 from afd.kv_budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
 from afd.kernels.compile_watch import WATCH
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
-from afd.metrics.wiring import attention_instruments, export_kernel_compiles, export_resident_bytes, watch_attention
+from afd.metrics.wiring import (
+    attention_instruments, export_group_info, export_kernel_compiles, export_resident_bytes, watch_attention,
+)
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
 from afd.monolithic import build_monolithic
@@ -40,31 +42,34 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 def cache_tokens_for(config: AFDConfig, spec) -> int | Callable:
     """KV-cache capacity in tokens: from `kv_cache_bytes` when set (1 GiB on CPU when not); on a GPU, by
     default, a callable that sizes it from the device's free memory once the weights are loaded."""
-    device = resolve_device(config)
-    dtype = torch_dtype(resolve_dtype(config, device))
+    device = resolve_device(config.load)
+    dtype = torch_dtype(resolve_dtype(config.load, device))
     layouts = [spec.kv_layout] * spec.num_layers
-    if config.kv_cache_bytes or device.type != "cuda":
-        return (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // KVCache.bytes_per_token(layouts, dtype)
+    budget = config.kv.kv_cache_bytes
+    if budget or device.type != "cuda":
+        return (budget or DEFAULT_KV_CACHE_BYTES) // KVCache.bytes_per_token(layouts, dtype)
     return lambda loaded: profiled_cache_tokens(config, loaded, CudaMemory(device), dtype, device)
 
 
 def profiled_cache_tokens(config: AFDConfig, loaded, memory: DeviceMemory, dtype: torch.dtype,
                           device: torch.device) -> int:
     """KV-cache tokens that fit beside the weights and the peak of the largest step, run now (`afd.kv_budget`)."""
+    scheduler = config.scheduler
     try:
-        max_len = config.max_model_len_of(loaded.spec)
-        peak = profile_peak(lambda: run_largest_steps(config, loaded, dtype, device, max_len), memory)
+        max_len = scheduler.max_model_len_of(loaded.spec)
+        peak = profile_peak(lambda: run_largest_steps(config.group.role, scheduler, config.split, loaded, dtype, device,
+                                                      max_len), memory)
     except torch.cuda.OutOfMemoryError as err:
         raise RuntimeError(
-            f"the largest step this rank can be given ({config.max_num_batched_tokens} tokens over up to "
-            f"{config.max_num_seqs} sequences) does not fit in GPU memory beside the weights: lower "
+            f"the largest step this rank can be given ({scheduler.max_num_batched_tokens} tokens over up to "
+            f"{scheduler.max_num_seqs} sequences) does not fit in GPU memory beside the weights: lower "
             f"max_num_batched_tokens or max_num_seqs ({err})") from None
     per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), dtype)
-    if config.cuda_graphs:  # the decode graphs' block tables grow with the cache
-        per_token += 4 * config.max_num_seqs // DEFAULT_BLOCK_SIZE + 1
-    mixed_tokens = config.piecewise_graph_tokens
-    budget = plan_kv_budget(memory, config.gpu_memory_utilization, peak, per_token, graph_margin_bytes(mixed_tokens))
-    log.info("KV cache sized from the GPU (activation peak of a %d-token step): %s", config.max_num_batched_tokens,
+    if config.graphs.cuda_graphs:  # the decode graphs' block tables grow with the cache
+        per_token += 4 * scheduler.max_num_seqs // DEFAULT_BLOCK_SIZE + 1
+    mixed_tokens = config.graphs.piecewise_tokens(scheduler.max_num_batched_tokens)
+    budget = plan_kv_budget(memory, config.kv.gpu_memory_utilization, peak, per_token, graph_margin_bytes(mixed_tokens))
+    log.info("KV cache sized from the GPU (activation peak of a %d-token step): %s", scheduler.max_num_batched_tokens,
              budget.describe(per_token))
     if budget.held_bytes > 1 << 30:
         log.warning("the CUDA caching allocator holds %.1f GiB that no tensor uses (fragments left by loading): the KV "
@@ -76,41 +81,42 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
     """Engine + app state around a connected attention role (or a monolithic one); `registry`
     already holds the series the role was built with, if any."""
     spec = role.loaded.spec
+    group, scheduler, api = config.group, config.scheduler, config.api
     registry = CollectorRegistry() if registry is None else registry
-    metrics = ServingMetrics(registry, config.rank, config.role)
+    metrics = ServingMetrics(registry, group.rank, group.role)
     engine = Engine(
         role.runner,
         role.kv_cache,
-        load_tokenizer(config.model),
+        load_tokenizer(config.load.model),
         spec.eos_token_ids,
-        config.max_num_seqs,
-        config.max_model_len_of(spec),
-        config.max_num_batched_tokens,
+        scheduler.max_num_seqs,
+        scheduler.max_model_len_of(spec),
+        scheduler.max_num_batched_tokens,
         role.device,
         observer=metrics,
         link=role.link,
-        prefill_itl_ratio=config.prefill_itl_ratio,
-        prefill_backlog_steps=config.prefill_backlog_steps,
-        hold_s=config.ffn_hold_s,
+        prefill_itl_ratio=scheduler.prefill_itl_ratio,
+        prefill_backlog_steps=scheduler.prefill_backlog_steps,
+        hold_s=config.link.ffn_hold_s,
         vocab_size=spec.vocab_size,  # the sampler's width: a seeded stream is advanced over it (afd.engine.carry)
     )
     metrics.track(engine)
     state = ServerState(
         engine=engine,
         tokenizer=engine.tokenizer,
-        model_name=config.served_model_name or os.path.basename(os.path.normpath(config.model)),
+        model_name=api.served_model_name or os.path.basename(os.path.normpath(config.load.model)),
         max_model_len=engine.max_model_len,
         vocab_size=spec.vocab_size,
         health=lambda: engine.problem,
         registry=registry,
-        limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
-        resume_key=config.group_secret.encode(),
+        limits=Limits.for_server(api.max_request_bytes, api.max_prompts, api.max_prompt_chars, engine.max_model_len),
+        resume_key=group.group_secret.encode(),
     )
     if role.link is not None:  # a monolithic rank has no FFN link
-        watch_attention(registry, config, role, engine)
+        watch_attention(registry, group, role, engine)
     loaded = getattr(role, "loaded", None)
     if loaded is not None:
-        export_resident_bytes(registry, config, loaded.resident_bytes)
+        export_resident_bytes(registry, group, loaded.resident_bytes)
     return state, engine
 
 
@@ -172,47 +178,51 @@ def attention_probes(state: ServerState, listening: Callable[[], bool], stop: th
 def build_role(config: AFDConfig, registry: CollectorRegistry):
     """The loaded role: the whole model (monolithic: no split step to time), or an attention rank connected to its
     FFN rank, its step timed into `registry`."""
-    tokens = cache_tokens_for(config, parse_spec(Checkpoint(config.model).config))
-    if config.role == "monolithic":
-        log.info("monolithic rank: loading %s", config.model)
+    group, model = config.group, config.load.model
+    tokens = cache_tokens_for(config, parse_spec(Checkpoint(model).config))
+    if group.role == "monolithic":
+        log.info("monolithic rank: loading %s", model)
         return build_monolithic(config, tokens)
     log.info("attention rank %d: loading %s and connecting to ffn rank %d",
-             config.rank, config.model, config.topology.ffn_rank_of(config.rank))
-    return build_attention(config, tokens, attention_instruments(registry, config, resolve_device(config)))
+             group.rank, model, group.topology.ffn_rank_of(group.rank))
+    export_group_info(registry, group, config.split, config.link)
+    instruments = attention_instruments(registry, group, config.process, resolve_device(config.load))
+    return build_attention(config, tokens, instruments)
 
 
 def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
+    group, api = config.group, config.api
     registry = CollectorRegistry()
     if WATCH.install():  # Triton kernels compiled after warm-up are logged and counted
-        export_kernel_compiles(registry, config, WATCH)
+        export_kernel_compiles(registry, group, WATCH)
     role = build_role(config, registry)
     state, engine = build_server(config, role, registry)
-    if config.ceiling_batches:
-        export_ceiling(state.registry, config, role)
+    if config.graphs.ceiling_batches:
+        export_ceiling(state.registry, group, config.graphs, config.scheduler, role)
     WATCH.set_serving()
     engine.start()
     ffn_draining = lambda: getattr(role.link, "ffn_draining", None)  # noqa: E731
-    if config.api_children:  # the HTTP API in child processes (afd.server.api_process)
+    if api.api_children:  # the HTTP API in child processes (afd.server.api_process)
         try:
-            return serve_with_api_process(config, stop, state, engine,
+            return serve_with_api_process(group, api, config.process, config_to_env(config), stop, state, engine,
                                           lambda listening: attention_probes(state, listening, stop, ffn_draining))
         finally:
-            role.close(f"{config.role} rank shutting down")
+            role.close(f"{group.role} rank shutting down")
     # `probes` is bound below, before the server takes its first request
-    failover = FailoverSettings(config.failover_url, resume_key=config.group_secret.encode())
+    failover = FailoverSettings(api.failover_url, resume_key=group.group_secret.encode())
     app = Failover(create_app(state), lambda: probes.readiness() is not None, failover)
-    server = http_server(app, config)
+    server = http_server(app, api, config.process)
     probes = attention_probes(state, lambda: server.started, stop, ffn_draining, app.quiet_s)
-    probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
+    probe = start_probe_server(api.http_host, config.process.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     threading.Thread(target=exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
-    log.info("%s rank %d serving on http://%s:%d/v1", config.role, config.rank, config.http_host, config.http_port)
+    log.info("%s rank %d serving on http://%s:%d/v1", group.role, group.rank, api.http_host, api.http_port)
     try:
         server.run()
     finally:
-        stop_serving(config, engine, probe)
-        role.close(f"{config.role} rank shutting down")
-    if engine_died(config, engine):
+        stop_serving(group, engine, probe)
+        role.close(f"{group.role} rank shutting down")
+    if engine_died(group, engine):
         return 1
-    log.info("%s rank %d stopped", config.role, config.rank)
+    log.info("%s rank %d stopped", group.role, group.rank)
     return 0
