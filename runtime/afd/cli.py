@@ -11,10 +11,11 @@ import sys
 import threading
 from pathlib import Path
 
-from afd.config import SECTIONS, SETTINGS, AFDConfig, ConfigError, load_config, process_setting, values_from_topology
+from afd.config import (
+    SECTIONS, SETTINGS, AFDConfig, ConfigError, load_config, local_config, process_setting, values_from_topology,
+)
 from afd.connector.base import ConnectorError
 from afd.local.children import ChildFailed
-from afd.local.command_config import local_config
 from afd.local.log_folders import KEEP
 from afd.models.spec import UnsupportedModelError, parse_spec
 from afd.planner.command import add_parser as add_plan_parser

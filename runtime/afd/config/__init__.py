@@ -16,7 +16,8 @@ log level) are declared in `PROCESS_VARIABLES` and read only through `process_se
 The modules: `declare` (how a setting and a section are declared, `Setting`, the choice types), `sections`
 (the section classes and their settings), `settings` (`AFDConfig`, its sections and checks, `SECTIONS`,
 `SETTINGS`, `ENV_VARS`), `load` (file, environment and flags into a config, and
-back into an environment) and `process` (the variables outside the config). Import from `afd.config`.
+back into an environment), `local` (the config of `afd up` and `afd generate`) and `process` (the variables
+outside the config). Import from `afd.config`.
 """
 
 from afd.config.declare import (
@@ -24,6 +25,7 @@ from afd.config.declare import (
     AttentionEngine, ConfigError, Connector, Device, Dtype, Role, Setting, StageCount, section, setting, settings_of,
 )
 from afd.config.load import config_to_env, load_config, values_from_env, values_from_file, values_from_topology
+from afd.config.local import local_config
 from afd.config.process import PROCESS_VARIABLES, ProcessVariable, process_setting
 from afd.config.sections import (
     ApiSettings, GraphSettings, GroupSettings, KVCacheSettings, LinkSettings, LoadSettings, ProcessSettings,
@@ -36,6 +38,7 @@ __all__ = [
     "PROCESS_VARIABLES", "ROLES", "SECTIONS", "SECTION_TYPES", "SETTINGS", "STAGES", "AFDConfig", "ApiSettings",
     "AttentionEngine", "ConfigError", "Connector", "Device", "Dtype", "GraphSettings", "GroupSettings",
     "KVCacheSettings", "LinkSettings", "LoadSettings", "ProcessSettings", "ProcessVariable", "Role",
-    "SchedulerSettings", "Setting", "SplitSettings", "StageCount", "config_to_env", "load_config", "process_setting",
-    "section", "setting", "settings_of", "values_from_env", "values_from_file", "values_from_topology",
+    "SchedulerSettings", "Setting", "SplitSettings", "StageCount", "config_to_env", "load_config", "local_config",
+    "process_setting", "section", "setting", "settings_of", "values_from_env", "values_from_file",
+    "values_from_topology",
 ]

@@ -1,12 +1,14 @@
 """The config of `afd up` and `afd generate`: everything `afd serve` reads (a settings file, `AFD_*`, flags),
-less what a local group decides itself; a source that sets one of those is refused by name, not dropped."""
+less what a local group decides itself; a source that sets one of those is refused by name, not dropped.
+Torch-free."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Mapping
 
-from afd.config import AFDConfig, load_config
+from afd.config.load import load_config
+from afd.config.settings import AFDConfig
 
 TOPOLOGY_SETTINGS = ("num_attention_ranks", "num_ffn_ranks", "ffn_expert_parallel")
 # every rank on 127.0.0.1, each FFN process on its own pair of ports (the children get the real ports)
