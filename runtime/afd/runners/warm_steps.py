@@ -25,7 +25,7 @@ import torch
 
 from afd.config import GraphSettings, SchedulerSettings
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
-from afd.engine.sampler import sample
+from afd.engine.sampling.sampler import sample
 from afd.kv_cache import KVCache
 from afd.layout import SeqLayout
 
