@@ -35,10 +35,10 @@ def setting(default: Any, help: str, *, roles: tuple[str, ...] = ROLES, ge: floa
             gt: float | None = None, le: float | None = None, check: Callable[[Any], str | None] | None = None,
             flag: bool = True, secret: bool = False) -> Any:
     """Declare one setting, a field of its section's class (its section), and everything derived from it. Its
-    variable is `AFD_` + the name in capitals and its flag `--the-name`; `help` is its line in docs/configuration.md and `afd serve --help`;
-    `ge`/`gt`/`le` bound a number (every number needs one: a test); a `Literal` type lists the allowed values;
-    `check` says what is wrong with a value, or None; `roles` read it; `flag=False`: no `afd serve` flag (the rank
-    counts: `--topology` sets them); `secret`: no flag, not in repr, no default shown."""
+    variable is `AFD_` + the name in capitals and its flag `--the-name`; `help` is its line in docs/configuration.md
+    and `afd serve --help`; `ge`/`gt`/`le` bound a number (every number needs one: a test); a `Literal` type lists
+    the allowed values; `check` says what is wrong with a value, or None; `roles` read it; `flag=False`: no
+    `afd serve` flag (the rank counts: `--topology` sets them); `secret`: no flag, not in repr, no default shown."""
     metadata = {"help": help, "roles": roles, "ge": ge, "gt": gt, "le": le, "check": check,
                 "flag": flag and not secret, "secret": secret}
     return field(default=default, repr=not secret, metadata=metadata)

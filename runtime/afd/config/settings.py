@@ -78,7 +78,8 @@ class AFDConfig:
 SECTIONS: dict[str, str] = {f.name: f.metadata["title"] for f in fields(AFDConfig)}  # name → title, in order
 SECTION_TYPES: dict[str, type] = {name: kind for name, kind in get_type_hints(AFDConfig).items() if name in SECTIONS}
 SETTINGS: dict[str, Setting] = {  # setting name → its declaration, section by section
-    name: spec for section_name, kind in SECTION_TYPES.items() for name, spec in settings_of(kind, section_name).items()}
+    name: spec for section_name, kind in SECTION_TYPES.items()
+    for name, spec in settings_of(kind, section_name).items()}
 if len(SETTINGS) != sum(len(fields(kind)) for kind in SECTION_TYPES.values()):
     raise TypeError("two sections declare a setting of one name")
 ENV_VARS: dict[str, str] = {spec.env: name for name, spec in SETTINGS.items()}  # AFD_* variable → setting
