@@ -33,14 +33,15 @@ class ConfigError(ValueError):
 
 def setting(default: Any, help: str, *, roles: tuple[str, ...] = ROLES, ge: float | None = None,
             gt: float | None = None, le: float | None = None, check: Callable[[Any], str | None] | None = None,
-            flag: bool = True, secret: bool = False) -> Any:
+            flag: bool | None = None, secret: bool = False) -> Any:
     """Declare one setting, a field of its section's class (its section), and everything derived from it. Its
     variable is `AFD_` + the name in capitals and its flag `--the-name`; `help` is its line in docs/configuration.md
     and `afd serve --help`; `ge`/`gt`/`le` bound a number (every number needs one: a test); a `Literal` type lists
     the allowed values; `check` says what is wrong with a value, or None; `roles` read it; `flag=False`: no
-    `afd serve` flag (the rank counts: `--topology` sets them); `secret`: no flag, not in repr, no default shown."""
+    `afd serve` flag (the rank counts: `--topology` sets them); `secret`: not in repr, errors or docs, no default
+    shown, and no flag unless `flag=True` says so (a value on a command line shows in `ps`)."""
     metadata = {"help": help, "roles": roles, "ge": ge, "gt": gt, "le": le, "check": check,
-                "flag": flag and not secret, "secret": secret}
+                "flag": (not secret) if flag is None else flag, "secret": secret}
     return field(default=default, repr=not secret, metadata=metadata)
 
 
@@ -106,7 +107,7 @@ class Setting:
                                                                else f"be {self.allowed}"))
         problem = self.check_value(value) if self.check_value else None
         if problem:
-            raise ConfigError(f"{self.name}={value!r}: {problem}")
+            raise ConfigError(f"{self.name}={'(secret)' if self.secret else repr(value)}: {problem}")
 
 
 def settings_of(cls: type, section: str) -> dict[str, Setting]:

@@ -13,10 +13,26 @@ from afd.config.declare import (
 from afd.topology import Topology
 
 
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2")  # afd.server.api.reasoning.PARSERS
+
+
 def _positive_ints(text: str) -> str | None:
     """positive integers, comma-separated"""
     if any(not b.strip().isdigit() or int(b) < 1 for b in filter(None, str(text).split(","))):
         return "must be positive integers separated by commas"
+    return None
+
+
+def _reasoning_parser(name: str) -> str | None:
+    """empty, deepseek_r1, qwen3, deepseek_v3 or kimi_k2"""
+    return None if name in ("", *REASONING_PARSERS) else "must be empty or one of " + ", ".join(REASONING_PARSERS)
+
+
+def _api_keys(text: str) -> str | None:
+    """keys separated by commas: printable ASCII, no space (what an HTTP header carries as is)"""
+    keys = [key.strip() for key in str(text).split(",")]
+    if text and any(not key or not all("!" <= c <= "~" for c in key) for key in keys):
+        return "must be keys separated by commas, each printable ASCII without spaces"
     return None
 
 
@@ -187,6 +203,18 @@ class ApiSettings:
                                roles=(A, M), gt=0)
     max_prompt_chars: int = setting(0, "Most characters of one prompt (or of all chat messages) before tokenization "
                                     "(0: 32 per context token).", roles=(A, M), ge=0)
+    reasoning_parser: str = setting(
+        "", "Chat completions: split the model's thinking from its answer into `message.reasoning` (streamed as "
+        "`delta.reasoning`), as vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `deepseek_v3` (V3.1's "
+        "thinking mode, `chat_template_kwargs: {\"thinking\": true}`) or `kimi_k2` (Kimi-K2-Thinking). Empty: the thinking stays in `content`.",
+        roles=(A, M), check=_reasoning_parser)
+    reasoning_content: bool = setting(False, "With `reasoning_parser`: the thinking also as `reasoning_content`, the "
+                                      "field older clients read.", roles=(A, M))
+    api_key: str = setting(
+        "", "Keys a client must send as `Authorization: Bearer <key>` on every `/v1` route and `/tokenize`, "
+        "`/detokenize` (401 otherwise); several separated by commas, any one accepted (vLLM's `--api-key`). `/health`, "
+        "`/live` and `/metrics` stay open. Empty: no key asked. Never logged; prefer the variable to the flag (a "
+        "command line shows in `ps`).", roles=(A, M), check=_api_keys, secret=True, flag=True)
     api_process: bool = setting(
         False, "`true`: the OpenAI API (uvicorn, tokenization, SSE) runs in a child process and talks to the engine "
         "core over local zmq sockets, so the HTTP work does not hold the engine's GIL; probes and `/metrics` stay on "
@@ -195,6 +223,11 @@ class ApiSettings:
         1, "How many API processes share the HTTP port (SO_REUSEPORT: the kernel spreads connections over them), each "
         "its own event loop and core of CPU, like vLLM's `--api-server-count`; more than 1 implies `api_process`.",
         roles=(A, M), ge=1, le=MAX_API_SERVERS)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys of `api_key`, one per comma (empty: the API asks for none)."""
+        return tuple(key.strip() for key in self.api_key.split(",") if key.strip())
 
     @property
     def api_children(self) -> int:

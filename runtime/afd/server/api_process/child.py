@@ -28,7 +28,9 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
 
     from afd.engine.text.tokenizer import load_tokenizer
     from afd.kv_cache import KVBlocks
+    from afd.server.api.api_keys import ApiKeys
     from afd.server.api.app import ServerState, create_app, http_server
+    from afd.server.api.reasoning import PARSERS
     from afd.server.api.validation import Limits
     from afd.server.api_process.engine_client import EngineClient
     from afd.server.front.failover import Failover, FailoverSettings
@@ -43,6 +45,8 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
         registry=CollectorRegistry(),
         limits=Limits.for_server(api.max_request_bytes, api.max_prompts, api.max_prompt_chars, facts["max_model_len"]),
         exposition=lambda: urllib.request.urlopen(facts["metrics_url"], timeout=5).read(),  # the core's series
+        api_keys=ApiKeys(api.api_keys),
+        reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
     )
     app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(
         api.failover_url, resume_key=group.group_secret.encode()))

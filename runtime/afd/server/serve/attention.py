@@ -26,7 +26,9 @@ from afd.monolithic import build_monolithic
 from afd.roles import build_attention
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.profile_step import run_largest_steps
+from afd.server.api.api_keys import ApiKeys
 from afd.server.api.app import ServerState, create_app, http_server
+from afd.server.api.reasoning import PARSERS
 from afd.server.api.validation import Limits
 from afd.server.api_process.core import serve_with_api_process
 from afd.server.front.failover import Failover, FailoverSettings
@@ -111,6 +113,8 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         registry=registry,
         limits=Limits.for_server(api.max_request_bytes, api.max_prompts, api.max_prompt_chars, engine.max_model_len),
         resume_key=group.group_secret.encode(),
+        api_keys=ApiKeys(api.api_keys),
+        reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
     )
     if role.link is not None:  # a monolithic rank has no FFN link
         watch_attention(registry, group, role, engine)
