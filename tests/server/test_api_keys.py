@@ -153,3 +153,6 @@ def test_benches_send_the_key_of_their_environment(monkeypatch):
     assert env_bearer() == {"Authorization": f"Bearer {KEYS[0]}"}
     monkeypatch.delenv("AFD_API_KEY")
     assert env_bearer() == {}
+    monkeypatch.setenv("AFD_API_KEY", "sk one")
+    with pytest.raises(ConfigError, match=r"^api_key=\(secret\)"):  # refused as `afd serve` refuses it
+        env_bearer()

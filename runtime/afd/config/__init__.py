@@ -24,7 +24,9 @@ from afd.config.declare import (
     ATTENTION_ENGINES, CONNECTORS, DEVICES, DTYPES, MAX_API_SERVERS, MAX_EXPERT_PARALLEL, ROLES, STAGES,
     AttentionEngine, ConfigError, Connector, Device, Dtype, Role, Setting, StageCount, section, setting, settings_of,
 )
-from afd.config.load import config_to_env, load_config, values_from_env, values_from_file, values_from_topology
+from afd.config.load import (
+    config_to_env, load_config, setting_from_env, values_from_env, values_from_file, values_from_topology,
+)
 from afd.config.local import local_config
 from afd.config.process import PROCESS_VARIABLES, ProcessVariable, process_setting
 from afd.config.sections import (
@@ -39,6 +41,6 @@ __all__ = [
     "AttentionEngine", "ConfigError", "Connector", "Device", "Dtype", "GraphSettings", "GroupSettings",
     "KVCacheSettings", "LinkSettings", "LoadSettings", "ProcessSettings", "ProcessVariable", "Role",
     "SchedulerSettings", "Setting", "SplitSettings", "StageCount", "config_to_env", "load_config", "local_config",
-    "process_setting", "section", "setting", "settings_of", "values_from_env", "values_from_file",
+    "process_setting", "section", "setting", "setting_from_env", "settings_of", "values_from_env", "values_from_file",
     "values_from_topology",
 ]

@@ -49,6 +49,16 @@ def values_from_env(env: Mapping[str, str], hostname_rank: bool = True) -> dict[
     return values
 
 
+def setting_from_env(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The typed, checked value of setting `name` from its `AFD_*` variable in `env` (default: this process's
+    environment), or its default when unset: one setting read outside a role process (a bench's client)."""
+    env = os.environ if env is None else env
+    spec = SETTINGS[name]
+    value = _coerce(spec.env, name, env[spec.env]) if spec.env in env else spec.default
+    spec.check(value)
+    return value
+
+
 def values_from_topology(text: str, source: str = "topology") -> dict[str, int]:
     try:
         topology = Topology.parse(text)
