@@ -74,13 +74,14 @@ def memory_probe(layers: int, before: bool = True) -> dict:
 def kv_sizing(model, spec, crossing) -> dict:
     """What `afd serve` would size the monolith's KV cache to here (256 sequences, 2,048-token steps, graphs)."""
     from afd.config import AFDConfig
-    from afd.kv_budget import CudaMemory
+    from afd.kv.budget import CudaMemory
     from afd.models.loader import LoadedModel
-    from afd.server.serve.attention import profiled_cache_tokens
+    from afd.roles.kv_sizing import profiled_cache_tokens
 
     config = AFDConfig(role="monolithic", device="cuda", dtype="bfloat16", max_num_seqs=256,
                        max_num_batched_tokens=2048, cuda_graphs=True, max_model_len=4096)
-    tokens = profiled_cache_tokens(config, LoadedModel(model, spec, crossing, "random"),
+    tokens = profiled_cache_tokens("monolithic", config.kv, config.scheduler, config.split, config.graphs,
+                                   LoadedModel(model, spec, crossing, "random"),
                                    CudaMemory(torch.device("cuda", torch.cuda.current_device())), torch.bfloat16,
                                    torch.device("cuda", torch.cuda.current_device()))
     print(f"memory KV cache sized to {tokens:,} tokens", flush=True)

@@ -7,12 +7,12 @@ import torch
 from afd.config import AFDConfig, config_to_env
 from afd.engine.request import SamplingParams
 from afd.engine.text.tokenizer import load_tokenizer
-from afd.kv_budget import CudaMemory, profile_peak
-from afd.kv_cache import KVCache
+from afd.kv.budget import CudaMemory, profile_peak
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.runners.profile_step import run_largest_steps
-from afd.server.serve.attention import profiled_cache_tokens
+from afd.roles.kv_sizing import profiled_cache_tokens
 from afd.server.serve.ceiling import step_seconds
 from tests.server.test_engine_pipeline import PROMPTS, run_engine, tokens_of
 
@@ -54,7 +54,8 @@ def test_step_ceiling_and_kv_sizing_on_gpu(gpu_runner, checkpoints):
                                                     config.split, loaded, torch.bfloat16, cuda, 8192), memory)
              for budget in (256, 4096)]
     assert 0 < peaks[0] < peaks[1]
-    tokens = profiled_cache_tokens(config, loaded, memory, torch.bfloat16, cuda)
+    tokens = profiled_cache_tokens("monolithic", config.kv, config.scheduler, config.split, config.graphs, loaded, memory,
+                                   torch.bfloat16, cuda)
     _, total = torch.cuda.mem_get_info()
     assert 0 < tokens * KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.bfloat16) < 0.9 * total - peaks[1]
 
@@ -66,7 +67,7 @@ def test_pipelined_afd_over_nccl_equals_step_by_step(checkpoints, graphs):
     after the next one is launched gives the same tokens as finishing every step first."""
     from afd.local.children import LocalProcesses
     from afd.local.group_processes import local_zmq_config
-    from afd.roles import build_attention
+    from afd.roles.attention import build_attention
 
     path = str(checkpoints["deepseek_v2"])
     config = local_zmq_config(AFDConfig(

@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from afd.config import SETTINGS, AttentionEngine, Dtype, StageCount
-from afd.topology import Topology
+from afd.config.topology import Topology
 from afd_operator.model.autoscaling import Autoscaling
 from afd_operator.model.options import (
     DisruptionBudget, GangScheduling, ImagePullSecret, Monitoring, NetworkPolicy, Placement, PodSecurity, Ratio,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 # The allowed values of the settings that name a choice; the tuples are what other modules check against.
-Role = Literal["attention", "ffn", "monolithic"]  # monolithic: one process, the FFN local (afd.monolithic)
+Role = Literal["attention", "ffn", "monolithic"]  # monolithic: one process, the FFN local (afd.roles.monolithic)
 Connector = Literal["loopback", "zmq", "nccl"]
 StageCount = Literal[1, 2]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from afd.config.declare import (
     MAX_API_SERVERS, MAX_EXPERT_PARALLEL, AttentionEngine, Connector, Device, Dtype, Role, StageCount, A, F, M, setting,
 )
-from afd.topology import Topology
+from afd.config.topology import Topology
 
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2")  # afd.server.api.reasoning.PARSERS

@@ -13,7 +13,7 @@ from afd.config.sections import (
     ApiSettings, GraphSettings, GroupSettings, KVCacheSettings, LinkSettings, LoadSettings, ProcessSettings,
     SchedulerSettings, SplitSettings,
 )
-from afd.topology import TopologyError
+from afd.config.topology import TopologyError
 
 
 @dataclass(frozen=True, init=False)

@@ -11,8 +11,9 @@ from typing import Sequence
 
 from afd.local.offline_batch import batch_cache_tokens, run_attention_batch, split_prompts
 from afd.config import AFDConfig
-from afd.generation import GenerationResult
-from afd.roles import build_attention, build_ffn
+from afd.engine.generation import GenerationResult
+from afd.roles.attention import build_attention
+from afd.roles.ffn import build_ffn
 
 
 def generate_in_threads(

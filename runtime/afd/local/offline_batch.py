@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from afd.engine.offline import generate_with_engine
-from afd.generation import GenerationResult
-from afd.kv_cache import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
+from afd.engine.generation import GenerationResult
+from afd.kv.cache import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
 
 
 def split_prompts(num_prompts: int, num_ranks: int) -> list[list[int]]:

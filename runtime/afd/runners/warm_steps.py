@@ -26,8 +26,8 @@ import torch
 from afd.config import GraphSettings, SchedulerSettings
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
 from afd.engine.sampling.sampler import sample
-from afd.kv_cache import KVCache
-from afd.layout import SeqLayout
+from afd.kv.cache import KVCache
+from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
     from prometheus_client import CollectorRegistry
 
     from afd.engine.text.tokenizer import load_tokenizer
-    from afd.kv_cache import KVBlocks
+    from afd.kv.cache import KVBlocks
     from afd.server.api.api_keys import ApiKeys
     from afd.server.api.app import ServerState, create_app, http_server
     from afd.server.api.reasoning import PARSERS

@@ -22,7 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry, Gauge
 
 from afd.config import GraphSettings, GroupSettings, SchedulerSettings
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 CEILING_CONTEXT = 704  # the serving benchmark's mean context: prompts of 128-1024 tokens, half of 256 outputs

@@ -26,8 +26,8 @@ from afd.local.group_processes import local_zmq_config
 from afd.local.children import LocalProcesses, exit_summary, free_port_block, threads_per_rank
 from afd.server.api.api_keys import ApiKeys, bearer
 from afd.server.front.door import Backends, FrontSettings, create_front_app
-from afd.tiny import make_tiny_model
-from afd.up_messages import WaitReport, demo_answer
+from afd.checkpoint_tools.tiny import make_tiny_model
+from afd.local.up_messages import WaitReport, demo_answer
 
 log = logging.getLogger(__name__)
 
