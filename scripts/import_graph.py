@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Print the import arrows between the runtime's packages, the ones pointing up the layer order, and the cycles;
-then the same for the benchmarks (`bench/`, by their own order), with the private `afd` names they use.
+"""Print the import arrows between the runtime's packages, the ones pointing up the layer order, the cycles, and
+the modules that import the whole config (`AFDConfig`; issue 50: entry points and role builders only); then the
+same for the benchmarks (`bench/`, by their own order), with the private `afd` names they use.
 
 Built on the layering test's own reading of the imports (`tests/runtime/test_layering.py`: `ast`, every import
 at any depth, the layer order `LAYERS`), so what this prints is what the test checks. A unit is a top-level
@@ -10,7 +11,7 @@ modules of `b`.
 Usage:
   python scripts/import_graph.py                      # this checkout's runtime/
   python scripts/import_graph.py --root DIR           # DIR holds afd/ (or is afd/ itself), e.g. an older worktree
-  python scripts/import_graph.py --summary            # the counts, the arrows pointing up and the cycles only
+  python scripts/import_graph.py --summary            # all but the per-package arrow lists
 
 bench/ is read beside the runtime's folder (`--root`'s parent) where there is one.
 """
@@ -25,8 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))
 
-from test_layering import (BENCH_LAYERS, LAYERS, RUNTIME, bench_problems, cycles, import_graph,  # noqa: E402
-                           imports_of, local_imports, module_name, unit_of)
+from test_layering import (BENCH_LAYERS, LAYERS, RUNTIME, WHOLE_CONFIG_LIMITS, bench_problems,  # noqa: E402
+                           config_loaders, cycles, import_graph, imports_of, local_imports, module_name, unit_of,
+                           whole_config_importers)
 
 
 def runtime_root(path: Path) -> Path:
@@ -65,13 +67,29 @@ def report(root: Path, summary: bool = False) -> list[str]:
              f"units in no layer of LAYERS: {', '.join(u for u in units if u not in depth) or 'none'}",
              f"module imports pointing up the layer order: {len(up)}", *up,
              f"cycles between units: {len(unit_cycles)}", *(f"  {' ⇄ '.join(group)}" for group in unit_cycles),
-             f"cycles between modules: {len(module_cycles)}", *(f"  {' ⇄ '.join(group)}" for group in module_cycles)]
+             f"cycles between modules: {len(module_cycles)}", *(f"  {' ⇄ '.join(group)}" for group in module_cycles),
+             *whole_config_lines(root)]
     if not summary:
         lines.append("package arrows (importer → imported (modules of the importer that import it)):")
         for unit in sorted(units, key=lambda u: (depth.get(u, -1), u)):
             targets = sorted((t for s, t in arrows if s == unit), key=lambda t: (depth.get(t, -1), t))
             if targets:
                 lines.append(f"  {unit} → " + ", ".join(f"{t} ({arrows[unit, t]})" for t in targets))
+    return lines
+
+
+def whole_config_lines(root: Path) -> list[str]:
+    """How many modules name the whole `AFDConfig` (issue 50: entry points and role builders only), which ones, and
+    the entry points that load it only to hand its sections on; the operator's too, beside a checkout's runtime."""
+    lines = []
+    operator = root.parent / "operator" / "afd_operator"
+    for package in [root / "afd"] + ([operator] if operator.is_dir() else []):
+        importers = whole_config_importers(package)
+        lines += [f"{package.name} modules importing the whole config (AFDConfig) outside config/: {len(importers)} "
+                  f"(at most {WHOLE_CONFIG_LIMITS.get(package.name, 0)})", *(f"  {name}" for name in importers)]
+        loaders = config_loaders(package)
+        lines += [f"{package.name} entry points loading it (load_config) to hand on its sections: {len(loaders)}",
+                  *(f"  {name}" for name in loaders)]
     return lines
 
 

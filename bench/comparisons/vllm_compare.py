@@ -99,7 +99,7 @@ def launch_vllm_attention(model: str, topology: str, stages: int, port: int, vll
 
     config = local_zmq_config(AFDConfig(model=model, stages=stages, dtype="float32", device="cpu", http_host="127.0.0.1",
                                         attention_engine="vllm", **values_from_topology(topology)))
-    ranks = config.topology
+    ranks = config.group.topology
     share = threads(ranks.num_attention + ranks.num_ffn)
     launched, metrics = Launched(workdir), free_port_block(ranks.num_ffn)
     for rank in range(ranks.num_ffn):

@@ -89,7 +89,7 @@ def serve_split(port: int, engine, state, tokenizer_path: str, stats) -> None:
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from afd.config import AFDConfig
+    from afd.config import AFDConfig, config_to_env
     from afd.server.api_process.core import serve_with_api_process
     from afd.server.serve.engine_api import attention_probes
 
@@ -109,4 +109,5 @@ def serve_split(port: int, engine, state, tokenizer_path: str, stats) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     config = AFDConfig(role="monolithic", model=tokenizer_path, api_process=True, http_host="127.0.0.1", http_port=port,
                        metrics_port=port + 1, max_num_seqs=512, max_num_batched_tokens=16384, shutdown_grace_s=5)
-    serve_with_api_process(config, stop, state, engine, lambda listening: attention_probes(state, listening, stop))
+    serve_with_api_process(config.group, config.api, config.process, config_to_env(config), stop, state, engine,
+                           lambda listening: attention_probes(state, listening, stop))

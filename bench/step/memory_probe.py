@@ -80,7 +80,8 @@ def kv_sizing(model, spec, crossing) -> dict:
 
     config = AFDConfig(role="monolithic", device="cuda", dtype="bfloat16", max_num_seqs=256,
                        max_num_batched_tokens=2048, cuda_graphs=True, max_model_len=4096)
-    tokens = profiled_cache_tokens(config, LoadedModel(model, spec, crossing, "random"),
+    tokens = profiled_cache_tokens("monolithic", config.kv, config.scheduler, config.split, config.graphs,
+                                   LoadedModel(model, spec, crossing, "random"),
                                    CudaMemory(torch.device("cuda", torch.cuda.current_device())), torch.bfloat16,
                                    torch.device("cuda", torch.cuda.current_device()))
     print(f"memory KV cache sized to {tokens:,} tokens", flush=True)

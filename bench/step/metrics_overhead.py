@@ -76,7 +76,7 @@ def main() -> int:
     print(f"  metrics off: median {off / args.every * 1e3:.3f} ms per step ({len(times['off'])} blocks of {args.every})")
     print(f"  metrics on : median {on / args.every * 1e3:.3f} ms per step ({len(times['on'])} blocks of {args.every})")
     print(f"  overhead   : {100 * (on / off - 1):+.2f}% (end to end; on a busy machine this is within the noise)")
-    cost = instrumentation_cost(len(role.loaded.crossing), config.stages)
+    cost = instrumentation_cost(len(role.loaded.crossing), config.split.stages)
     print(f"  instrumentation alone: {cost * 1e6:.1f} us per profiled step = "
           f"{100 * cost / args.every / (off / args.every):.3f}% of a step at 1 profiled step in {args.every}")
 

@@ -11,10 +11,11 @@ import sys
 import threading
 from pathlib import Path
 
-from afd.config import SECTIONS, SETTINGS, AFDConfig, ConfigError, load_config, process_setting, values_from_topology
+from afd.config import (
+    SECTIONS, SETTINGS, AFDConfig, ConfigError, load_config, local_config, process_setting, values_from_topology,
+)
 from afd.connector.base import ConnectorError
 from afd.local.children import ChildFailed
-from afd.local.command_config import local_config
 from afd.local.log_folders import KEEP
 from afd.models.spec import UnsupportedModelError, parse_spec
 from afd.planner.command import add_parser as add_plan_parser
@@ -175,14 +176,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-tokens {args.max_tokens}: must be at least 1")
     config = _group_config(args, "generate", GENERATE_DEFAULTS, connector=args.connector, dtype=args.dtype,
                            device=args.device)
-    if not config.model:
+    model, connector = config.load.model, config.link.connector
+    if not model:
         raise ConfigError("no model: pass --model or set AFD_MODEL")
-    if config.attention_engine != "afd":
-        raise ConfigError(f"attention_engine={config.attention_engine} (AFD_ATTENTION_ENGINE): afd generate runs "
+    if config.load.attention_engine != "afd":
+        raise ConfigError(f"attention_engine={config.load.attention_engine} (AFD_ATTENTION_ENGINE): afd generate runs "
                           "afd's own engine (vLLM attention serves through `afd serve` or `afd up`)")
-    if config.connector == "nccl":
+    if connector == "nccl":
         raise ConfigError("connector=nccl (--connector or AFD_CONNECTOR): afd generate runs zmq or loopback groups")
-    for path in {config.model, args.ffn_model or config.model}:
+    for path in {model, args.ffn_model or model}:
         spec = parse_spec(Checkpoint(path).config)
         bad = [i for prompt in args.prompt_ids for i in prompt if i >= spec.vocab_size]
         if bad:
@@ -192,7 +194,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         result = generate_monolithic(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
-    elif config.connector == "loopback":
+    elif connector == "loopback":
         from afd.local.group_threads import generate_in_threads  # local import: torch
 
         result = generate_in_threads(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
@@ -210,11 +212,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from afd.local.offline_batch import run_attention_batch  # local import: torch
+    from afd.local.offline_batch import batch_cache_tokens, run_attention_batch  # local import: torch
+    from afd.roles.attention import build_attention  # local import: torch
 
     job = json.loads(Path(args.input).read_text())
-    config = load_config()
-    result = run_attention_batch(config, job["prompts"], job["max_tokens"], job["ignore_eos"])
+    role = build_attention(load_config(), batch_cache_tokens(job["prompts"], job["max_tokens"]))
+    result = run_attention_batch(role, job["prompts"], job["max_tokens"], job["ignore_eos"])
     output = {"tokens": result.tokens, "last_logits": [row.tolist() for row in result.last_logits]}
     Path(args.output).write_text(json.dumps(output))
     return 0
@@ -230,20 +233,21 @@ def serve_config(args: argparse.Namespace) -> AFDConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
-    if not config.model:
+    if not config.load.model:
         raise ConfigError("no model: set AFD_MODEL or pass --model")
-    if config.role == "attention" and config.attention_engine == "vllm":
-        return vllm_serve.exec_vllm_server(config)  # this process becomes vLLM's OpenAI server (afd.vllm_plugin)
+    if config.group.role == "attention" and config.load.attention_engine == "vllm":
+        # this process becomes vLLM's OpenAI server (afd.vllm_plugin)
+        return vllm_serve.exec_vllm_server(config.group, config.load, config.api, config.scheduler)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     if interval := process_setting("AFD_SWITCH_INTERVAL_S"):  # experiment: how often Python hands the GIL on
         sys.setswitchinterval(interval)
-    if config.role == "ffn":
+    if config.group.role == "ffn":
         from afd.roles.ffn import serve_ffn  # local import: torch
 
         return serve_ffn(config, stop)
-    if config.role == "monolithic":
+    if config.group.role == "monolithic":
         from afd.roles.monolithic import serve_monolithic  # local import: torch, fastapi
 
         return serve_monolithic(config, stop)
@@ -272,12 +276,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     config = _group_config(args, "up", UP_DEFAULTS, max_request_bytes=args.max_request_bytes,
                            max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars)
-    if not config.model:
+    if not config.load.model:
         config = config.replace(model=str(ensure_tiny_model()))
-    Checkpoint(config.model)  # a clear error now rather than in every rank's log
+    Checkpoint(config.load.model)  # a clear error now rather than in every rank's log
     if args.read_timeout <= 0:
         raise ConfigError(f"--read-timeout {args.read_timeout}: must be positive")
-    front = FrontSettings(max_request_bytes=config.max_request_bytes, read_timeout_s=args.read_timeout)
+    front = FrontSettings(max_request_bytes=config.api.max_request_bytes, read_timeout_s=args.read_timeout)
     return run_up(config, args.port, Path(args.state_file) if args.state_file else None, demo=not args.no_demo, front=front)
 
 

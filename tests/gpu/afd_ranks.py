@@ -17,7 +17,7 @@ def attention_tokens(processes, config, watch: list[str], max_tokens: int,
     `processes` (a `LocalProcesses`) with `attention_env(name)` added to their environment, while the processes
     named in `watch` (the FFN side) keep running. On a failure or a timeout every process writes its threads'
     stacks into its log (afd.cli's faulthandler) and the logs' tails are printed."""
-    blocks = split_prompts(len(PROMPTS), config.num_attention_ranks)
+    blocks = split_prompts(len(PROMPTS), config.group.num_attention_ranks)
     names = []
     for rank, block in enumerate(blocks):
         job = processes.workdir / f"a{rank}.json"

@@ -185,7 +185,7 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
         tokens = attention_tokens(processes, config, ["ffn-0"], GPU_TOKENS)
         if graphs:  # the prompt step had piecewise graphs to replay (their equality is the tokens')
             assert all("captured piecewise prefill graphs" in processes.log_path(f"attn-{rank}").read_text()
-                       for rank in range(config.num_attention_ranks))
+                       for rank in range(config.group.num_attention_ranks))
     return tokens
 
 

@@ -50,10 +50,12 @@ def test_step_ceiling_and_kv_sizing_on_gpu(gpu_runner, checkpoints):
     assert runner.kv_cache.free_blocks == free
     cuda, memory = torch.device("cuda"), CudaMemory(torch.device("cuda"))
     config = AFDConfig(role="monolithic", model=str(checkpoints["deepseek_v2"]), device="cuda", max_num_seqs=64)
-    peaks = [profile_peak(lambda: run_largest_steps(config.replace(max_num_batched_tokens=budget), loaded,
-                                                    torch.bfloat16, cuda, 8192), memory) for budget in (256, 4096)]
+    peaks = [profile_peak(lambda: run_largest_steps("monolithic", config.replace(max_num_batched_tokens=budget).scheduler,
+                                                    config.split, loaded, torch.bfloat16, cuda, 8192), memory)
+             for budget in (256, 4096)]
     assert 0 < peaks[0] < peaks[1]
-    tokens = profiled_cache_tokens(config, loaded, memory, torch.bfloat16, cuda)
+    tokens = profiled_cache_tokens("monolithic", config.kv, config.scheduler, config.split, config.graphs, loaded, memory,
+                                   torch.bfloat16, cuda)
     _, total = torch.cuda.mem_get_info()
     assert 0 < tokens * KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.bfloat16) < 0.9 * total - peaks[1]
 

@@ -254,7 +254,7 @@ def test_pods_drain_before_they_stop(case):
             assert drain >= DRAIN_SECONDS
         assert grace >= drain
         if role == "attention":
-            assert grace >= drain + afd_config.AFDConfig().shutdown_grace_s
+            assert grace >= drain + afd_config.AFDConfig().process.shutdown_grace_s
     assert graces["ffn"] > graces["attention"]
 
 
@@ -262,7 +262,7 @@ def test_the_grace_period_follows_the_attention_shutdown_grace():
     spec = parse_spec(make_cr(attention={"env": [{"name": "AFD_SHUTDOWN_GRACE_S", "value": "120"}]})["spec"])
     assert termination_grace_seconds(spec, "attention") >= DRAIN_SECONDS + 120
     assert termination_grace_seconds(parse_spec(make_cr()["spec"]), "attention") < DRAIN_SECONDS + 120
-    assert DEFAULT_SHUTDOWN_GRACE_S == afd_config.AFDConfig().shutdown_grace_s  # the operator knows the default
+    assert DEFAULT_SHUTDOWN_GRACE_S == afd_config.AFDConfig().process.shutdown_grace_s  # the operator knows the default
     with pytest.raises(SpecError, match="AFD_SHUTDOWN_GRACE_S='soon': not a number"):
         parse_spec(make_cr(attention={"env": [{"name": "AFD_SHUTDOWN_GRACE_S", "value": "soon"}]})["spec"])
 
@@ -285,22 +285,23 @@ def test_pods_configure_the_runtime_through_afd_config(case, tmp_path):
         for ordinal in range(sts["spec"]["replicas"]):
             env.update(HOSTNAME=f"{sts['metadata']['name']}-{ordinal}", AFD_CONFIG_FILE=str(config_file))
             cfg = afd_config.load_config(env=env)
+            g = cfg.group
             shards = spec.ffn.expert_parallel
             rank, shard = divmod(ordinal, shards) if role == "ffn" else (ordinal, 0)
-            assert (cfg.role, cfg.rank, cfg.ffn_shard, cfg.ffn_expert_parallel) == (role, rank, shard, shards)
+            assert (g.role, g.rank, g.ffn_shard, g.ffn_expert_parallel) == (role, rank, shard, shards)
             if role == "ffn":  # attention finds this pod as shard `shard` of FFN rank `rank`
-                assert cfg.ffn_endpoint(cfg.rank, cfg.ffn_shard) == ordinal
-            assert cfg.topology == spec.topology
-            assert cfg.connector == spec.afd.connector and cfg.stages == spec.afd.stages
+                assert g.own_endpoint == ordinal
+            assert g.topology == spec.topology
+            assert cfg.link.connector == spec.afd.connector and cfg.split.stages == spec.afd.stages
             ffn = f"{body['metadata']['name']}-g{group}-ffn"
-            assert cfg.ffn_host(1) == f"{ffn}-1.{ffn}.ns.svc"  # the FFN pod's DNS via its headless Service
-            assert cfg.dtype == spec.afd.dtype and cfg.max_num_seqs == spec.afd.max_num_seqs
-            assert cfg.dbo_min_tokens == spec.afd.dbo_min_tokens
-            assert (cfg.max_num_batched_tokens, cfg.kv_cache_bytes, cfg.gpu_memory_utilization) == (
+            assert cfg.link.ffn_host(1) == f"{ffn}-1.{ffn}.ns.svc"  # the FFN pod's DNS via its headless Service
+            assert cfg.load.dtype == spec.afd.dtype and cfg.scheduler.max_num_seqs == spec.afd.max_num_seqs
+            assert cfg.split.dbo_min_tokens == spec.afd.dbo_min_tokens
+            assert (cfg.scheduler.max_num_batched_tokens, cfg.kv.kv_cache_bytes, cfg.kv.gpu_memory_utilization) == (
                 spec.afd.max_num_batched_tokens, spec.afd.kv_cache_bytes, spec.afd.gpu_memory_utilization)
-            assert cfg.prefill_itl_ratio == spec.afd.prefill_itl_ratio
-            assert cfg.group_token.startswith(f"{body['metadata']['name']}-g{group}-")
-            assert cfg.served_model_name == (spec.served_model_name or spec.model.default_served_name)
+            assert cfg.scheduler.prefill_itl_ratio == spec.afd.prefill_itl_ratio
+            assert g.group_token.startswith(f"{body['metadata']['name']}-g{group}-")
+            assert cfg.api.served_model_name == (spec.served_model_name or spec.model.default_served_name)
 
 
 def test_model_sources_become_volumes():
@@ -383,7 +384,7 @@ def test_the_prefill_itl_ratio_reaches_the_runtime_only_when_set():
     assert "prefill_itl_ratio" not in runtime_of({})  # existing groups' config and revision stay as they were
     runtime = runtime_of({"prefillItlRatio": 2})  # the default is 0 (off): a ratio turns the pacer on
     assert runtime["prefill_itl_ratio"] == 2
-    assert afd_config.AFDConfig(**runtime).prefill_itl_ratio == 2
+    assert afd_config.AFDConfig(**runtime).scheduler.prefill_itl_ratio == 2
 
 
 def test_api_servers_reach_the_runtime_as_api_processes_only_when_set():
@@ -395,4 +396,4 @@ def test_api_servers_reach_the_runtime_as_api_processes_only_when_set():
     runtime = runtime_of({"apiServers": 3})
     assert (runtime["api_process"], runtime["api_servers"]) == (True, 3)
     config = afd_config.AFDConfig(**runtime)
-    assert config.api_children == 3
+    assert config.api.api_children == 3

@@ -72,7 +72,7 @@ def test_every_spec_afd_field_reaches_the_pods(name, tmp_path):
     else:
         assert after != before, f"spec.afd.{to_camel(name)} changed nothing the runtime reads"
     if name in SETTINGS and name not in ("vllm_args", "cuda_graphs"):  # those two: a list, a nested switch
-        assert getattr(after, name) == getattr(AFDSettings(**{name: changed[to_camel(name)]}), name)
+        assert after.value(name) == getattr(AFDSettings(**{name: changed[to_camel(name)]}), name)
 
 
 @pytest.mark.parametrize("name", [n for n in AFDSettings.model_fields if n in SETTINGS and n not in NOT_THE_RUNTIMES])

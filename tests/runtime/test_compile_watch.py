@@ -34,7 +34,7 @@ def compiles_metric(registry):
 def test_warm_up_compiles_are_counted_apart_and_serving_ones_are_logged_and_exported(hook_slot, caplog):
     watch, registry = CompileWatch(), CollectorRegistry()
     assert watch.install()
-    export_kernel_compiles(registry, AFDConfig(role="monolithic", model="m"), watch)
+    export_kernel_compiles(registry, AFDConfig(role="monolithic", model="m").group, watch)
     call_hook(hook_slot)
     call_hook(hook_slot, "_down_kernel")
     assert watch.warmup_compiles == 2 and watch.serving_compiles == [] and compiles_metric(registry) == 0

@@ -20,25 +20,28 @@ def test_env_contract_of_design_section_2():
         "AFD_METRICS_PORT": "9100",
     }
     config = load_config(env=env)
-    assert config.role == "ffn" and config.rank == 1 and config.stages == 2 and config.gate_on_attention
-    assert str(config.topology) == "4A2F"
-    assert config.ffn_host(1) == "demo-g0-ffn-1.demo-g0-ffn.ns.svc"
-    assert config.ffn_ports(1) == (7000, 7001)
+    group = config.group
+    assert group.role == "ffn" and group.rank == 1 and config.split.stages == 2 and config.split.gate_on_attention
+    assert str(group.topology) == "4A2F"
+    assert config.link.ffn_host(1) == "demo-g0-ffn-1.demo-g0-ffn.ns.svc"
+    assert config.link.ffn_ports(1) == (7000, 7001)
     with pytest.raises(Exception):
-        config.stages = 1  # frozen
+        config.split.stages = 1  # frozen
+    with pytest.raises(Exception):
+        config.split = config.split  # frozen
 
 
 def test_rank_from_statefulset_ordinal():
     env = {"AFD_ROLE": "attention", "AFD_NUM_ATTENTION_RANKS": "4", "HOSTNAME": "demo-g0-attn-3"}
-    assert load_config(env=env).rank == 3
+    assert load_config(env=env).group.rank == 3
 
 
 def test_precedence_file_env_cli(tmp_path):
     path = tmp_path / "afd.yaml"
     path.write_text("topology: 2A1F\nstages: 2\nmodel: /from/file\n")
     config = load_config(cli={"model": "/from/cli"}, env={"AFD_STAGES": "1"}, file=path)
-    assert (config.num_attention_ranks, config.num_ffn_ranks) == (2, 1)
-    assert config.stages == 1 and config.model == "/from/cli"
+    assert (config.group.num_attention_ranks, config.group.num_ffn_ranks) == (2, 1)
+    assert config.split.stages == 1 and config.load.model == "/from/cli"
 
 
 @pytest.mark.parametrize(
@@ -71,17 +74,17 @@ def test_unknown_file_key_is_refused(tmp_path):
 
 
 def test_defaults_are_valid():
-    assert AFDConfig().topology.num_attention == 1
+    assert AFDConfig().group.topology.num_attention == 1
 
 
 def test_prefill_pacing_is_on_at_twice_a_decode_step_and_can_be_turned_off():
-    assert AFDConfig().prefill_itl_ratio == 0  # off by default: it cost 16 streams 25 % of their tokens/s (issue 33)
-    assert load_config(env={"AFD_PREFILL_ITL_RATIO": "0"}).prefill_itl_ratio == 0
-    assert load_config(env={"AFD_PREFILL_ITL_RATIO": "1.5"}).prefill_itl_ratio == 1.5
+    assert AFDConfig().scheduler.prefill_itl_ratio == 0  # off by default: it cost 16 streams 25 % of their tokens/s (issue 33)
+    assert load_config(env={"AFD_PREFILL_ITL_RATIO": "0"}).scheduler.prefill_itl_ratio == 0
+    assert load_config(env={"AFD_PREFILL_ITL_RATIO": "1.5"}).scheduler.prefill_itl_ratio == 1.5
 
 
 def test_the_api_runs_in_the_engines_process_unless_asked_for_api_processes():
-    assert AFDConfig().api_children == 0
-    assert load_config(env={"AFD_API_PROCESS": "1"}).api_children == 1
-    assert load_config(env={"AFD_API_SERVERS": "4"}).api_children == 4  # more than one implies api_process
-    assert load_config(env={"AFD_API_PROCESS": "true", "AFD_API_SERVERS": "2"}).api_children == 2
+    assert AFDConfig().api.api_children == 0
+    assert load_config(env={"AFD_API_PROCESS": "1"}).api.api_children == 1
+    assert load_config(env={"AFD_API_SERVERS": "4"}).api.api_children == 4  # more than one implies api_process
+    assert load_config(env={"AFD_API_PROCESS": "true", "AFD_API_SERVERS": "2"}).api.api_children == 2

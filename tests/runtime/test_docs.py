@@ -5,14 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from afd.config import ENV_VARS, SETTINGS, AFDConfig
+from afd.config import ENV_VARS, SECTION_TYPES, SETTINGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_setting_has_an_env_variable_and_help():
-    names = {f.name for f in dataclasses.fields(AFDConfig)}
-    assert set(ENV_VARS.values()) == names == set(SETTINGS), "an AFDConfig field without an AFD_* variable, or the reverse"
+    names = {f.name for kind in SECTION_TYPES.values() for f in dataclasses.fields(kind)}
+    assert set(ENV_VARS.values()) == names == set(SETTINGS), "a section's field without an AFD_* variable, or the reverse"
     assert all(spec.help.strip() for spec in SETTINGS.values()), "declare each setting's help in its setting(...)"
 
 

@@ -160,8 +160,8 @@ def test_afd_up_plans_one_process_per_shard(tmp_path):
     base = AFDConfig(num_attention_ranks=2, model=str(tmp_path), ffn_expert_parallel=2, port_stride=2)
     ranks = plan_ranks(base)
     assert [r.name for r in ranks] == ["ffn-0-shard-0", "ffn-0-shard-1", "attention-0", "attention-1"]
-    ffn_ports = [r.config.ffn_ports(r.config.ffn_endpoint(r.rank, r.config.ffn_shard)) for r in ranks if r.role == "ffn"]
-    metrics = [r.config.metrics_port for r in ranks]
+    ffn_ports = [r.config.link.ffn_ports(r.config.group.own_endpoint) for r in ranks if r.role == "ffn"]
+    metrics = [r.config.process.metrics_port for r in ranks]
     assert len(set(ffn_ports)) == 2 and len(set(metrics)) == 4
     assert ranks[1].describe(123)["shard"] == 1
 

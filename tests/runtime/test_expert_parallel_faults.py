@@ -19,8 +19,10 @@ from afd.models.checkpoint import Checkpoint
 def _hellos(path, shards=4, attention_shard=2, ffn_shard=1):
     config = AFDConfig(model=str(path), ffn_expert_parallel=shards, ffn_address_template="ffn-{rank}")
     spec = parse_spec(Checkpoint(path).config)
-    attention = dataclasses.replace(make_hello(config, spec, (0, 1), "f", "float32"), ffn_shard=attention_shard)
-    ffn = make_hello(config.replace(role="ffn", ffn_shard=ffn_shard), spec, (0, 1), "f", "float32")
+    attention = dataclasses.replace(make_hello(config.group, config.split, config.link, spec, (0, 1), "f", "float32"),
+                                    ffn_shard=attention_shard)
+    ffn_config = config.replace(role="ffn", ffn_shard=ffn_shard)
+    ffn = make_hello(ffn_config.group, ffn_config.split, ffn_config.link, spec, (0, 1), "f", "float32")
     return attention, ffn
 
 
@@ -48,11 +50,11 @@ def test_a_shard_at_the_wrong_address_is_refused_in_the_handshake(checkpoints):
     thread = threading.Thread(target=ffn.serve, args=(stop,), daemon=True)
     thread.start()
     try:
-        share = load_share(base, resolve_device(base))
-        hello = dataclasses.replace(share.hello(base), ffn_shard=2)
+        share = load_share(base.group, base.split, base.load, resolve_device(base.load))
+        hello = dataclasses.replace(share.hello(base.group, base.split, base.link), ffn_shard=2)
         with pytest.raises(HandshakeError, match="mis-sharded peer: attention expects shard 2 of 4, this ffn process "
                                                  "is shard 1 of 4"):
-            AttentionLink.connect(base, hello, "cpu", LinkOptions(connect_timeout_s=10), shard=2)
+            AttentionLink.connect(base.group, base.link, hello, "cpu", LinkOptions(connect_timeout_s=10), shard=2)
     finally:
         stop.set()
         thread.join(5)

@@ -46,8 +46,9 @@ def group(checkpoints):
 
 def attention_hello(base, rank=0, **changes):
     config = base.replace(role="attention", rank=rank)
-    loaded = load_model(config.model, "attention")
-    hello = make_hello(config, loaded.spec, loaded.crossing, loaded.fingerprint, "float32")
+    loaded = load_model(config.load.model, "attention")
+    hello = make_hello(config.group, config.split, config.link, loaded.spec, loaded.crossing, loaded.fingerprint,
+                       "float32")
     return config, dataclasses.replace(hello, **changes)
 
 
@@ -67,7 +68,7 @@ def test_handshake_refuses_mismatches_on_both_sides(group, changes, reason, capl
     config, hello = attention_hello(base, **changes)
     with caplog.at_level(logging.ERROR, logger="afd.connector.ffn_link"):
         with pytest.raises(HandshakeError, match="refused the connection: " + reason.replace("[", r"\[").replace("]", r"\]")):
-            AttentionLink.connect(config, hello, "cpu")
+            AttentionLink.connect(config.group, config.link, hello, "cpu")
     assert any(reason in record.getMessage() for record in caplog.records)
 
 
@@ -81,7 +82,7 @@ def test_handshake_refuses_a_rank_it_does_not_serve(checkpoints):
     try:
         config, hello = attention_hello(base, rank=0, attention_rank=1)
         with pytest.raises(HandshakeError, match="not served by this ffn rank"):
-            AttentionLink.connect(config, hello, "cpu")
+            AttentionLink.connect(config.group, config.link, hello, "cpu")
     finally:
         stop.set()
         thread.join(5)
@@ -90,7 +91,7 @@ def test_handshake_refuses_a_rank_it_does_not_serve(checkpoints):
 def test_other_protocol_version_is_refused_with_a_reply(group):
     base, *_ = group
     config, _ = attention_hello(base)
-    link = AttentionLink.open(config, "cpu")
+    link = AttentionLink.open(config.group, config.link, "cpu")
     link.transport.send("control", [msgpack.packb({"v": 2, "t": "hello"})])
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -109,7 +110,7 @@ def test_idle_attention_rank_does_not_stall_a_busy_one(group, hf_reference):
     busy = build_attention(base.replace(role="attention", rank=0), 512)
     started = time.monotonic()
     result = greedy_generate(busy.runner, busy.kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True)
-    assert time.monotonic() - started < base.peer_timeout_s  # never waited for the idle peer
+    assert time.monotonic() - started < base.link.peer_timeout_s  # never waited for the idle peer
     assert result.tokens == hf_reference("qwen3_moe")[0]
     assert runner.steps_run == NEW_TOKENS
     idle.close()
@@ -177,7 +178,7 @@ def test_liveness_fails_while_the_loop_is_stuck_and_recovers_after(group):
     role.link.send_plan(wire.StepPlan(1, (3,)))  # promise rows that never come
     time.sleep(1.5)
     assert "has not come round for" in (runner.stalled(1.0) or "")
-    deadline = time.monotonic() + base.peer_timeout_s + 5
+    deadline = time.monotonic() + base.link.peer_timeout_s + 5
     while runner.stalled(1.0) is not None:  # the step drops the silent peer, the loop goes on
         assert time.monotonic() < deadline, "the ffn loop never came round after the peer timeout"
         time.sleep(0.1)

@@ -143,7 +143,7 @@ def test_resident_bytes_of_the_roles_add_up_and_are_exported(name, checkpoints):
     parts = [load_model(path, role).resident_bytes for role in ("attention", "ffn")]
     assert sum(parts) == whole
     registry = CollectorRegistry()
-    export_resident_bytes(registry, AFDConfig(role="ffn", rank=0, model=path), parts[1])
+    export_resident_bytes(registry, AFDConfig(role="ffn", rank=0, model=path).group, parts[1])
     assert registry.get_sample_value("afd_weights_resident_bytes", {"role": "ffn", "rank": "0"}) == parts[1]
 
 

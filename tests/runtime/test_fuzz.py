@@ -88,7 +88,7 @@ def test_garbage_is_rejected_counted_and_valid_peers_are_served_after_it(live_ff
     """Fuzzed frames from strangers on both sockets: the loop survives, counts them, keeps nothing
     for them, and then serves a real attention rank exactly."""
     config, runner, context, thread = live_ffn
-    control_port, data_port = config.ffn_ports(0)
+    control_port, data_port = config.link.ffn_ports(0)
 
     @settings(max_examples=150, deadline=None)
     @given(control=frames, data=frames, identity=st.sampled_from([b"attn-0", b"attn-1", b"intruder", b"\x00\xff"]))

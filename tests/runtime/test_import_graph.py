@@ -22,10 +22,12 @@ def test_it_names_an_arrow_pointing_up_the_cycles_and_the_silent_local_imports(t
         "imports inside functions: 2, 1 with a '# local import: <reason>'",
         "units in no layer of LAYERS: none",
         "module imports pointing up the layer order: 2",
-        "  afd.engine.engine:2 → afd.server  (engine → processes and tools)",
-        "  afd.engine.engine:2 → afd.server.run  (engine → processes and tools)",
+        "  afd.engine.engine:2 → afd.server  (engine → HTTP serving)",
+        "  afd.engine.engine:2 → afd.server.run  (engine → HTTP serving)",
         "cycles between units: 1", "  engine ⇄ server",
         "cycles between modules: 1", "  afd.engine.engine ⇄ afd.server.run",
+        "afd modules importing the whole config (AFDConfig) outside config/: 0 (at most 8)",
+        "afd entry points loading it (load_config) to hand on its sections: 0",
         "package arrows (importer → imported (modules of the importer that import it)):",
         "  server → engine (1), config (1)", "  engine → server (1)"]
 

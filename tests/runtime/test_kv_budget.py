@@ -87,7 +87,8 @@ def test_sizing_runs_the_largest_steps_of_the_role_between_reset_and_peak(checkp
         return real_sample(logits, params, generators)
 
     monkeypatch.setattr(profile_step, "sample", sampled)
-    tokens = profiled_cache_tokens(config, loaded, FakeMemory(log), torch.float32, torch.device("cpu"))
+    tokens = profiled_cache_tokens(role, config.kv, config.scheduler, config.split, config.graphs, loaded,
+                                   FakeMemory(log), torch.float32, torch.device("cpu"))
     vocab = loaded.spec.vocab_size
     assert log == ["release", "reset", ("sample", (6, vocab)), ("sample", (6, vocab)), "peak", "release"]
     per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.float32)
@@ -103,7 +104,8 @@ def test_piecewise_prompt_graphs_keep_their_pool_out_of_the_cache(checkpoints):
     for graphs in (False, True):
         config = AFDConfig(role="monolithic", model=path, device="cpu", max_num_batched_tokens=40, max_num_seqs=6,
                            cuda_graphs=graphs, mixed_graph_tokens=2048)
-        tokens[graphs] = profiled_cache_tokens(config, loaded, FakeMemory([]), torch.float32, torch.device("cpu"))
+        tokens[graphs] = profiled_cache_tokens("monolithic", config.kv, config.scheduler, config.split, config.graphs,
+                                               loaded, FakeMemory([]), torch.float32, torch.device("cpu"))
     per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.float32)
     expected_drop = 40 * (512 << 10) // per_token  # 40 tokens of buckets: min(2048, max_num_batched_tokens)
     graph_tables = 4 * 6 // 16 + 1  # graphs on: block-table bytes per token (afd.roles.kv_sizing)

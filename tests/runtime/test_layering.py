@@ -156,6 +156,57 @@ def test_runtime_imports_point_down_and_never_in_a_circle():
     assert not problems, "\n".join(problems)
 
 
+# Issue 50: a component is handed the config sections it reads (`afd.config.sections`); only entry points and role
+# builders name the whole `AFDConfig`. At most this many modules of each program, outside its config package.
+WHOLE_CONFIG_LIMITS = {"afd": 8, "afd_operator": 0}
+
+
+def whole_config_importers(package: Path) -> list[str]:
+    """The modules of `package` (a folder: `runtime/afd`, `operator/afd_operator`) outside `afd/config/` that name
+    the whole config: `from afd.config import AFDConfig` at any depth (`TYPE_CHECKING` too) or `x.AFDConfig`."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if (package / "config") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.ImportFrom) and any(alias.name == "AFDConfig" for alias in node.names)
+                    or isinstance(node, ast.Attribute) and node.attr == "AFDConfig"):
+                found.append(module_name(path, package.parent))
+                break
+    return found
+
+
+def config_loaders(package: Path) -> list[str]:
+    """The modules of `package` outside `afd/config/` that build the whole config (`load_config`) without naming it:
+    process entry points that hand its sections on."""
+    named = set(whole_config_importers(package))
+    return [module_name(path, package.parent) for path in sorted(package.rglob("*.py"))
+            if (package / "config") not in path.parents and module_name(path, package.parent) not in named
+            and any(isinstance(node, ast.ImportFrom) and any(alias.name == "load_config" for alias in node.names)
+                    for node in ast.walk(ast.parse(path.read_text(), str(path))))]
+
+
+def test_only_entry_points_and_role_builders_import_the_whole_config():
+    for package in (RUNTIME / "afd", ROOT / "operator" / "afd_operator"):
+        importers = whole_config_importers(package)
+        assert len(importers) <= WHOLE_CONFIG_LIMITS[package.name], (
+            f"{len(importers)} modules of {package.name} import the whole AFDConfig (at most "
+            f"{WHOLE_CONFIG_LIMITS[package.name]}): hand a component the sections it reads instead\n"
+            + "\n".join(importers))
+
+
+def test_a_whole_config_import_is_found_at_any_depth(tmp_path):
+    root = _write(tmp_path, {"__init__.py": "", "config/__init__.py": "from afd.config.settings import AFDConfig\n",
+                             "a.py": "from afd.config import AFDConfig, LinkSettings\n",
+                             "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from afd.config import AFDConfig\n",
+                             "c.py": "import afd.config\n\n\ndef f():\n    return afd.config.AFDConfig()\n",
+                             "d.py": "from afd.config import GroupSettings, LinkSettings\n",
+                             "e.py": "from afd.config import load_config\n\nsections = load_config().link\n"})
+    assert whole_config_importers(root / "afd") == ["afd.a", "afd.b", "afd.c"]
+    assert config_loaders(root / "afd") == ["afd.e"]
+
+
 LOCAL_REASON = re.compile(r"# local import: \S")
 
 

@@ -60,7 +60,7 @@ class Intruder(threading.Thread):
     def __init__(self, config: AFDConfig, hello: wire.Hello, real_identity: bytes):
         super().__init__(daemon=True)
         self.config, self.hello, self.stop = config, hello, threading.Event()
-        forged = new_identity(0, identity_key(config.group_token, "a guess"))
+        forged = new_identity(0, identity_key(config.group.group_token, "a guess"))
         self.identities = [b"attn-0", b"attn-0\x00\x01", real_identity, forged]
         self.received: list[tuple[bytes, list[bytes]]] = []
 
@@ -70,7 +70,7 @@ class Intruder(threading.Thread):
         while not self.stop.is_set():
             for identity in self.identities:
                 sockets = []
-                for port in (self.config.control_port, self.config.data_port):
+                for port in (self.config.link.control_port, self.config.link.data_port):
                     socket = context.socket(zmq.DEALER)
                     socket.setsockopt(zmq.IDENTITY, identity)
                     socket.setsockopt(zmq.LINGER, 0)
@@ -111,7 +111,8 @@ def test_a_route_takeover_attempt_leaves_serving_untouched(zmq_config, caplog):
     role = build_attention(zmq_config, 4096)
     try:
         reference = greedy_generate(role.runner, role.kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True).tokens
-        forged_hello = make_hello(zmq_config.replace(group_secret="a guess"), role.loaded.spec, role.loaded.crossing,
+        guess = zmq_config.replace(group_secret="a guess")
+        forged_hello = make_hello(guess.group, guess.split, guess.link, role.loaded.spec, role.loaded.crossing,
                                   role.loaded.fingerprint, "float32")
         intruder = Intruder(zmq_config, forged_hello, role.link.identity)
         step_times = []
@@ -148,9 +149,10 @@ def test_hellos_queued_while_the_ffn_was_down_make_one_connection(zmq_config, mo
     Hello arrives at once: one connection, one log line, the same reply to each repeat."""
     monkeypatch.setattr(attention_link, "_HELLO_RETRY_S", 0.05)
     config = zmq_config.replace(role="attention")
-    loaded = load_model(config.model, "attention")
-    link = AttentionLink.open(config, "cpu")
-    hello = make_hello(config, loaded.spec, loaded.crossing, loaded.fingerprint, "float32")
+    loaded = load_model(config.load.model, "attention")
+    link = AttentionLink.open(config.group, config.link, "cpu")
+    hello = make_hello(config.group, config.split, config.link, loaded.spec, loaded.crossing, loaded.fingerprint,
+                       "float32")
     replies = []
     handshake = threading.Thread(target=lambda: replies.append(link.handshake(hello, 20)), daemon=True)
     handshake.start()
@@ -178,9 +180,11 @@ def test_a_retired_identity_is_refused_and_a_new_connection_replaces_the_old(che
     config = AFDConfig(connector="loopback", model=str(checkpoints["qwen3_moe"]), ffn_address_template="identity-test",
                        group_secret=SECRET)
     runner = build_ffn(config.replace(role="ffn"))
-    key = identity_key(config.group_token, SECRET)
-    loaded = load_model(config.model, "attention")
-    hello = make_hello(config.replace(role="attention"), loaded.spec, loaded.crossing, loaded.fingerprint, "float32")
+    key = identity_key(config.group.group_token, SECRET)
+    loaded = load_model(config.load.model, "attention")
+    attention = config.replace(role="attention")
+    hello = make_hello(attention.group, attention.split, attention.link, loaded.spec, loaded.crossing,
+                       loaded.fingerprint, "float32")
     try:
         first, second = new_identity(0, key), new_identity(0, key)
         link = runner.link

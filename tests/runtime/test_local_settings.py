@@ -116,7 +116,7 @@ def assert_carries(children, settings):
         config = load_config(env=env)
         for var, raw in settings.items():
             field = ENV_VARS[var]
-            assert getattr(config, field) == values_from_env({var: raw})[field], f"{name}: {var}={raw} lost"
+            assert config.value(field) == values_from_env({var: raw})[field], f"{name}: {var}={raw} lost"
 
 
 def test_afd_up_gives_every_rank_every_setting(clean_env, checkpoints):
@@ -126,7 +126,7 @@ def test_afd_up_gives_every_rank_every_setting(clean_env, checkpoints):
     planned, children = up_children([], clean_env)
     assert len(children) == 2 * 2 + 4  # 4A2F, two shards per FFN rank
     assert_carries(children, settings)
-    assert sorted(load_config(env=env).rank for name, env in children if name.startswith("attention")) == [0, 1, 2, 3]
+    assert sorted(load_config(env=env).group.rank for name, env in children if name.startswith("attention")) == [0, 1, 2, 3]
     assert planned["front"].max_request_bytes == 4096  # the front door's limit too
 
 
@@ -174,8 +174,8 @@ def test_flags_beat_variables_beat_the_file_beats_the_defaults(clean_env, checkp
     clean_env.setenv("AFD_TOPOLOGY", "4A2F")
     _, children = up_children(["--model", str(checkpoints["qwen3_moe"]), "--config", str(settings), "--topology", "2A1F"], clean_env)
     configs = [load_config(env=env) for _, env in children]
-    assert len(configs) == 3 and all(str(c.topology) == "2A1F" and c.kv_cache_bytes == 4096 and c.dbo_min_tokens == 16
-                                     and c.stages == 2 for c in configs)
+    assert len(configs) == 3 and all(str(c.group.topology) == "2A1F" and c.kv.kv_cache_bytes == 4096
+                                     and c.split.dbo_min_tokens == 16 and c.split.stages == 2 for c in configs)
 
 
 def test_monolithic_refuses_a_topology(clean_env, checkpoints):
@@ -185,7 +185,7 @@ def test_monolithic_refuses_a_topology(clean_env, checkpoints):
     clean_env.delenv("AFD_TOPOLOGY")
     clean_env.setenv("AFD_KV_CACHE_BYTES", "8192")
     _, children = up_children(["--monolithic", "--model", str(checkpoints["qwen3_moe"])], clean_env)
-    assert [(name, load_config(env=env).kv_cache_bytes) for name, env in children] == [("monolithic-0", 8192)]
+    assert [(name, load_config(env=env).kv.kv_cache_bytes) for name, env in children] == [("monolithic-0", 8192)]
 
 
 def _subcommand(name):
@@ -213,4 +213,4 @@ def test_up_help_says_how_many_log_folders_are_kept():
 def test_the_defaults_the_help_names_are_the_ones_used(clean_env, checkpoints):
     _, children = up_children(["--model", str(checkpoints["qwen3_moe"])], clean_env)
     configs = [load_config(env=env) for _, env in children]
-    assert {(str(c.topology), c.stages, c.gate_on_attention) for c in configs} == {("2A1F", 2, False)}
+    assert {(str(c.group.topology), c.split.stages, c.split.gate_on_attention) for c in configs} == {("2A1F", 2, False)}

@@ -95,7 +95,7 @@ def test_attention_ranks_replay_prompt_steps_piecewise_with_the_ffn_rank_behind(
     monkeypatch.setattr(mixed.MixedGraphs, "run", counting)
     # graphs on the attention rank only: an FFN rank's graph cache replays NCCL transfers, which carry no step id
     for role in ("attention", "ffn"):
-        monkeypatch.setattr(f"afd.roles.{role}.graphs_usable", lambda config, device, dtype: config.role == "attention")
+        monkeypatch.setattr(f"afd.roles.{role}.graphs_usable", lambda *settings, on=role == "attention": on)
     config = loopback_config(checkpoints[name], topology, stages, gate, tag="piecewise-").replace(
         cuda_graphs=True, mixed_graph_tokens=32)
     tokens, logits = hf_reference(name)

@@ -1,4 +1,4 @@
-"""Each setting is declared once, on its `AFDConfig` field; everything else derives from that (issue 36).
+"""Each setting is declared once, a field of its section's class; everything else derives from that (issues 36, 50).
 
 The environment table, the checks, `afd serve`'s flags and docs/configuration.md are read from
 `afd.config.SETTINGS`; a field without a declaration, or a number without a bound, fails here. Every
@@ -14,8 +14,8 @@ import pytest
 
 from afd import cli
 from afd.config import (
-    ENV_VARS, PROCESS_VARIABLES, ROLES, SECTIONS, SETTINGS, AFDConfig, ConfigError, load_config,
-    process_setting, setting, settings_of,
+    ENV_VARS, PROCESS_VARIABLES, ROLES, SECTION_TYPES, SECTIONS, SETTINGS, AFDConfig, ConfigError, LinkSettings,
+    config_to_env, load_config, process_setting, setting, settings_of,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,18 +33,19 @@ def test_every_field_is_declared_with_help_section_roles_and_bounds():
 
 def test_a_plain_field_or_an_unbounded_number_is_refused():
     @dataclasses.dataclass(frozen=True)
-    class Plain(AFDConfig):
+    class Plain(LinkSettings):
         new_knob: int = 3
 
     with pytest.raises(TypeError, match="new_knob: declare it with setting"):
-        settings_of(Plain)
+        settings_of(Plain, "link")
 
     @dataclasses.dataclass(frozen=True)
-    class Unbounded(AFDConfig):
-        new_knob: int = setting(3, "a knob", section="link")
+    class Unbounded(LinkSettings):
+        new_knob: int = setting(3, "a knob")
 
     with pytest.raises(TypeError, match="new_knob: a number needs"):
-        settings_of(Unbounded)
+        settings_of(Unbounded, "link")
+    assert settings_of(LinkSettings, "link") == {name: spec for name, spec in SETTINGS.items() if spec.section == "link"}
 
 
 def _outside(spec):
@@ -66,7 +67,7 @@ def test_every_bound_is_checked_and_named(name):
         with pytest.raises(ConfigError, match=f"^{name}="):
             load_config(env={spec.env: str(value)})
     inside = spec.ge if spec.ge is not None else spec.le if spec.le is not None else spec.gt + 1
-    assert getattr(load_config(env={spec.env: str(inside), "AFD_RANK": "0"}), name) == inside
+    assert load_config(env={spec.env: str(inside), "AFD_RANK": "0"}).value(name) == inside
 
 
 @pytest.mark.parametrize("name", [name for name, spec in SETTINGS.items() if spec.choices])
@@ -74,13 +75,27 @@ def test_every_choice_comes_from_the_literal_type(name):
     spec = SETTINGS[name]
     with pytest.raises(ConfigError, match=f"^{name}=.*must be one of"):
         AFDConfig(**{name: "nonsense" if spec.type is str else 99})
-    assert {getattr(AFDConfig(**{name: choice}), name) for choice in spec.choices} == set(spec.choices)
+    assert {AFDConfig(**{name: choice}).value(name) for choice in spec.choices} == set(spec.choices)
 
 
-def test_sections_are_views_of_the_flat_fields():
-    config = AFDConfig(peer_timeout_s=2.5, max_num_seqs=7)
-    assert config.section("link").peer_timeout_s == 2.5 and config.section("scheduler").max_num_seqs == 7
-    assert sum(len(vars(config.section(name))) for name in SECTIONS) == len(SETTINGS)
+def test_the_config_is_its_sections_built_from_flat_settings():
+    config = AFDConfig(peer_timeout_s=2.5, max_num_seqs=7, rank=1, num_attention_ranks=2)
+    assert config.link.peer_timeout_s == 2.5 and config.scheduler.max_num_seqs == 7 and config.group.rank == 1
+    assert [field.name for field in dataclasses.fields(AFDConfig)] == list(SECTIONS) == list(SECTION_TYPES)
+    for name, kind in SECTION_TYPES.items():  # each section a frozen class of its own settings, nothing else
+        section = getattr(config, name)
+        assert type(section) is kind and dataclasses.is_dataclass(section), name
+        assert [field.name for field in dataclasses.fields(kind)] == [n for n, s in SETTINGS.items() if s.section == name]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, dataclasses.fields(kind)[0].name, None)
+    assert AFDConfig(**config.values()) == config and config_to_env(AFDConfig(**config.values())) == config_to_env(config)
+    changed = config.replace(rank=0, stages=2)
+    assert (changed.group.rank, changed.split.stages, changed.link) == (0, 2, config.link) and config.group.rank == 1
+    with pytest.raises(TypeError, match="no setting 'link'"):
+        AFDConfig(link=config.link)  # flat settings only: a section is not one
+    with pytest.raises(ConfigError, match="^rank=2: a attention rank must be in 0..1 for 2A1F"):
+        config.replace(rank=2)  # checked across sections again
+    assert "group_secret" not in repr(AFDConfig(group_secret="hush"))
 
 
 def test_serve_help_lists_every_setting_with_its_variable(capsys):
@@ -105,11 +120,12 @@ def test_every_serve_flag_reaches_the_config(monkeypatch):
     for spec in SETTINGS.values():  # each flag sets its own setting, to a value other than the default
         if spec.flag and spec.choices:
             value = next(choice for choice in spec.choices if choice != spec.default)
-            assert getattr(config_of(spec.flag_name, str(value)), spec.name) == value, spec.name
+            assert config_of(spec.flag_name, str(value)).value(spec.name) == value, spec.name
     config = config_of("--max-num-seqs", "7", "--cuda-graphs", "true", "--peer-timeout-s", "2.5",
                        "--ceiling-batches", "1,8", "--topology", "2A1F")
-    assert (config.max_num_seqs, config.cuda_graphs, config.peer_timeout_s, config.ceiling_batches) == (7, True, 2.5, "1,8")
-    assert str(config.topology) == "2A1F" and config_of().max_num_seqs == 3
+    assert (config.scheduler.max_num_seqs, config.graphs.cuda_graphs, config.link.peer_timeout_s,
+            config.graphs.ceiling_batches) == (7, True, 2.5, "1,8")
+    assert str(config.group.topology) == "2A1F" and config_of().scheduler.max_num_seqs == 3
     with pytest.raises(ConfigError, match="--max-num-seqs='x'"):
         config_of("--max-num-seqs", "x")
 

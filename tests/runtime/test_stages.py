@@ -21,10 +21,10 @@ def test_the_cut_evens_the_tokens_and_never_splits_a_sequence():
                          [(9, 0, (4, 5)), (9, 10, (9, 0)), (10, 10, (5, 5)), (1, 0, (1, 0))])
 def test_the_settings_make_one_policy_every_user_follows(rows, dbo_min_tokens, want):
     config = AFDConfig(stages=2, dbo_min_tokens=dbo_min_tokens)
-    policy = StagePolicy.of(config)
+    policy = StagePolicy.of(config.split)
     assert policy == StagePolicy(2, dbo_min_tokens) and policy.rows(rows) == want
     layout = SeqLayout(tuple(() for _ in range(rows)), (0,) * rows, (1,) * rows)
     assert tuple(part.num_tokens for part in split_layout(layout, policy)) == want  # the attention runner
-    assert StepOptions.of(config).policy == policy  # the runner and the decode graphs it captures
+    assert StepOptions.of(config.split).policy == policy  # the runner and the decode graphs it captures
     plan = LinkPlan(spec=None, crossing=(), gate_on_attention=False, policy=policy)
     assert plan.policy.rows(rows) == want  # the vLLM engine honours dboMinTokens too

@@ -33,12 +33,13 @@ def capturable_zmq(monkeypatch):
 
 def test_graphs_follow_what_the_transport_can_capture(capturable_zmq, monkeypatch):
     config = AFDConfig(connector="zmq", cuda_graphs=True)
-    assert graphs_usable(config, torch.device("cuda"), "bfloat16")  # no name check left
+    assert graphs_usable(config.graphs, config.link, torch.device("cuda"), "bfloat16")  # no name check left
     monkeypatch.undo()
-    assert not graphs_usable(config, torch.device("cuda"), "bfloat16")  # host frames cannot be captured
+    assert not graphs_usable(config.graphs, config.link, torch.device("cuda"), "bfloat16")  # host frames cannot be captured
 
 
 def test_the_hello_names_the_transport_by_its_wire_name(capturable_zmq, checkpoints):
     spec = parse_spec(Checkpoint(checkpoints["qwen3_moe"]).config)
-    hello = make_hello(AFDConfig(connector="zmq", role="attention"), spec, (0,), "f", "float32")
+    config = AFDConfig(connector="zmq", role="attention")
+    hello = make_hello(config.group, config.split, config.link, spec, (0,), "f", "float32")
     assert hello.connector == "zmq-capturable"

@@ -69,5 +69,5 @@ def test_a_layout_the_cache_cannot_hold_is_left_out_and_the_rest_run(checkpoints
     runner = MonolithicRunner(loaded, kv_cache)
     # the continued chunk (3 blocks), the prompt beside one decode (2 + 2) and two prompts (2 + 2) fit; the prompt
     # beside 5 decodes (2 + 10) does not
-    assert warm_rank(config, loaded.spec, runner, kv_cache) == 3 * 2
+    assert warm_rank(config.scheduler, config.graphs, loaded.spec, runner, kv_cache) == 3 * 2
     assert kv_cache.free_blocks == 4

@@ -36,10 +36,10 @@ def test_a_key_is_allowed_only_as_a_bearer_token_of_a_configured_key():
 
 def test_the_setting_takes_several_keys_and_never_shows_them():
     config = load_config(env={"AFD_API_KEY": f" {KEYS[0]} ,{KEYS[1]}"})
-    assert config.api_keys == KEYS
-    assert AFDConfig().api_keys == ()
+    assert config.api.api_keys == KEYS
+    assert AFDConfig().api.api_keys == ()
     assert not any(key in repr(config) for key in KEYS)
-    assert config_to_env(config)["AFD_API_KEY"] == config.api_key  # the API processes get it
+    assert config_to_env(config)["AFD_API_KEY"] == config.api.api_key  # the API processes get it
     assert SETTINGS["api_key"].secret and SETTINGS["api_key"].flag_name == "--api-key"
     for bad in (f"{KEYS[0]},", f"{KEYS[0]},,{KEYS[1]}", "sk one", "sk-clé"):
         with pytest.raises(ConfigError) as refused:
@@ -153,3 +153,6 @@ def test_benches_send_the_key_of_their_environment(monkeypatch):
     assert env_bearer() == {"Authorization": f"Bearer {KEYS[0]}"}
     monkeypatch.delenv("AFD_API_KEY")
     assert env_bearer() == {}
+    monkeypatch.setenv("AFD_API_KEY", "sk one")
+    with pytest.raises(ConfigError, match=r"^api_key=\(secret\)"):  # refused as `afd serve` refuses it
+        env_bearer()

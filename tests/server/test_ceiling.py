@@ -15,7 +15,7 @@ def test_ceiling_is_timed_per_batch_exported_and_gives_its_blocks_back(checkpoin
     config = AFDConfig(role="monolithic", model=str(checkpoints["qwen3_moe"]), device="cpu", ceiling_batches="1,2,4096")
     role = build_monolithic(config, 4096)
     registry = CollectorRegistry()
-    results = export_ceiling(registry, config, role)
+    results = export_ceiling(registry, config.group, config.graphs, config.scheduler, role)
     assert sorted(results) == [1, 2] and all(0 < s < 10 for s in results.values())  # 4096 > max_num_seqs: skipped
     assert role.kv_cache.free_blocks == role.kv_cache.num_blocks
     assert 'afd_step_ceiling_seconds{batch="2",rank="0",role="monolithic"}' in generate_latest(registry).decode()
@@ -23,10 +23,14 @@ def test_ceiling_is_timed_per_batch_exported_and_gives_its_blocks_back(checkpoin
 
 def test_kv_cache_bytes_overrides_and_cpu_defaults_to_one_gib(checkpoints):
     config = AFDConfig(model=str(checkpoints["qwen3_moe"]), device="cpu")
-    loaded, cpu = load_model(config.model, "attention"), torch.device("cpu")
+    loaded, cpu = load_model(config.load.model, "attention"), torch.device("cpu")
     per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.float32)
-    assert serving_cache_tokens(config, loaded, cpu, torch.float32) == (1 << 30) // per_token
-    assert serving_cache_tokens(config.replace(kv_cache_bytes=per_token * 100), loaded, cpu, torch.float32) == 100
+
+    def tokens(config):
+        return serving_cache_tokens("attention", config.kv, config.scheduler, config.split, config.graphs, loaded, cpu,
+                                    torch.float32)
+    assert tokens(config) == (1 << 30) // per_token
+    assert tokens(config.replace(kv_cache_bytes=per_token * 100)) == 100
 
 
 def test_ceiling_steps_differ_row_by_row_over_a_cache_of_noise(checkpoints):

@@ -15,7 +15,7 @@ from tests.server.test_up import read_state, wait_for
 def test_afd_up_monolithic_plans_one_rank_with_the_api():
     ranks = plan_ranks(AFDConfig(role="monolithic", model="m"))
     assert [(r.role, r.rank) for r in ranks] == [("monolithic", 0)]
-    assert ranks[0].config.role == "monolithic" and "api" in ranks[0].describe(1)
+    assert ranks[0].config.group.role == "monolithic" and "api" in ranks[0].describe(1)
 
 
 def test_monolithic_server_answers_like_the_reference(checkpoints, tmp_path):

@@ -54,7 +54,7 @@ def test_idle_attention_notices_a_silent_ffn_through_heartbeats(checkpoints):
         live.ffn_thread.join(5)
         started = time.monotonic()
         assert wait_until(lambda: httpx.get(f"{live.url}/health").status_code == 503, 15)
-        assert time.monotonic() - started < live.config.peer_timeout_s + 3
+        assert time.monotonic() - started < live.config.link.peer_timeout_s + 3
         assert "heartbeat" in httpx.get(f"{live.url}/health").json()["reason"]
     finally:
         live.close()

@@ -137,7 +137,7 @@ def run_afd_with_vllm(checkpoint: Path, topology: str, stages: int, gate_on_atte
     from afd.config import values_from_topology
 
     config = local_zmq_config(base.replace(**values_from_topology(topology)))
-    ranks = config.topology
+    ranks = config.group.topology
     blocks = split_prompts(len(PROMPTS), ranks.num_attention)
     metrics = free_port_block(ranks.num_ffn)
     threads = {"OMP_NUM_THREADS": "1"}

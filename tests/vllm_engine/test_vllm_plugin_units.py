@@ -31,6 +31,11 @@ def test_attention_reads_exactly_what_our_attention_role_loads(checkpoints, arch
     assert not [k for k in keys if ".experts." in k or "shared_expert" in k]
 
 
+def connect_link(path, config):
+    """The plugin's link of attention rank `config` (its group, split and link settings)."""
+    return StepLink.connect(str(path), torch.float32, config.group, config.split, config.link)
+
+
 def _ffn_group(path, stages, gate_on_attention, address):
     base = AFDConfig(model=str(path), connector="loopback", ffn_address_template=address, stages=stages,
                      gate_on_attention=gate_on_attention, dtype="float32", device="cpu", peer_timeout_s=5.0)
@@ -47,7 +52,7 @@ def test_link_returns_our_models_ffn_output(checkpoints, stages, gate_on_attenti
     path = checkpoints["qwen3_moe"]
     base, stop, thread = _ffn_group(path, stages, gate_on_attention, f"link-{stages}-{gate_on_attention}")
     mono = load_model(str(path), "monolithic").model
-    link = StepLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
+    link = connect_link(path, base.replace(role="attention"))
     try:
         torch.manual_seed(0)
         for tokens in (7, 1, 4):
@@ -69,7 +74,7 @@ def test_link_returns_our_models_ffn_output(checkpoints, stages, gate_on_attenti
 def test_link_fails_fast_once_the_ffn_is_gone(checkpoints):
     path = checkpoints["qwen3_moe"]
     base, stop, thread = _ffn_group(path, 1, False, "link-gone")
-    link = StepLink.connect(str(path), torch.float32, config=base.replace(role="attention", peer_timeout_s=1.0))
+    link = connect_link(path, base.replace(role="attention", peer_timeout_s=1.0))
     try:
         stop.set()
         thread.join(timeout=5)
@@ -84,7 +89,7 @@ def test_link_fails_fast_once_the_ffn_is_gone(checkpoints):
 def test_link_layer_order_is_checked(checkpoints):
     path = checkpoints["qwen3_moe"]
     base, stop, thread = _ffn_group(path, 1, False, "link-order")
-    link = StepLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
+    link = connect_link(path, base.replace(role="attention"))
     try:
         link.exchange(0, torch.randn(3, 64))
         with pytest.raises(RuntimeError, match="planned 3"):
@@ -99,7 +104,7 @@ def test_vllm_serve_command_from_afd_config(checkpoints):
     path = str(checkpoints["qwen3_moe"])
     config = AFDConfig(model=path, http_port=8123, max_num_seqs=32, max_model_len=1024, served_model_name="tiny",
                        attention_engine="vllm")
-    argv = vllm_serve_argv(config, "float32", ["--enforce-eager"])
+    argv = vllm_serve_argv(config.load, config.api, config.scheduler, "float32", ["--enforce-eager"])
     assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", path]
     flags = dict(zip(argv[3:-1:2], argv[4:-1:2]))
     assert flags["--port"] == "8123" and flags["--served-model-name"] == "tiny"
@@ -114,9 +119,10 @@ def test_an_fp32_deepseek_on_a_cpu_asks_for_the_cpu_mla_backend(checkpoints):
     assert cpu_mla_backend(deepseek, "float32", "cpu") == "CPU_MLA"
     assert cpu_mla_backend(deepseek, "bfloat16", "cpu") is None and cpu_mla_backend(deepseek, "float32", "cuda") is None
     assert cpu_mla_backend(qwen, "float32", "cpu") is None
-    argv = vllm_serve_argv(AFDConfig(model=deepseek, attention_engine="vllm"), "float32")
+    config = AFDConfig(model=deepseek, attention_engine="vllm")
+    argv = vllm_serve_argv(config.load, config.api, config.scheduler, "float32")
     assert argv[argv.index("--attention-backend") + 1] == "CPU_MLA"
-    chosen = vllm_serve_argv(AFDConfig(model=deepseek, attention_engine="vllm"), "float32", ["--attention-backend=X"])
+    chosen = vllm_serve_argv(config.load, config.api, config.scheduler, "float32", ["--attention-backend=X"])
     assert "--attention-backend" not in chosen and chosen[-1] == "--attention-backend=X"
 
 
@@ -137,8 +143,8 @@ def test_engine_env_keeps_our_plugin_loaded():
 def test_attention_engine_is_a_config_choice():
     from afd.config import ConfigError, load_config
 
-    assert load_config(env={"AFD_ATTENTION_ENGINE": "vllm"}).attention_engine == "vllm"
-    assert load_config(env={}).attention_engine == "afd"
+    assert load_config(env={"AFD_ATTENTION_ENGINE": "vllm"}).load.attention_engine == "vllm"
+    assert load_config(env={}).load.attention_engine == "afd"
     with pytest.raises(ConfigError, match="attention_engine='sglang'"):
         load_config(env={"AFD_ATTENTION_ENGINE": "sglang"})
 
@@ -150,8 +156,8 @@ def test_afd_serve_hands_a_vllm_attention_rank_to_vllm(checkpoints, monkeypatch)
 
     seen = {}
 
-    def fake_exec(config, extra=None):
-        seen["config"] = config
+    def fake_exec(group, load, api, scheduler, extra=None):
+        seen.update(group=group, load=load)
         return 0
 
     monkeypatch.setattr(launcher, "exec_vllm_server", fake_exec)
@@ -162,7 +168,7 @@ def test_afd_serve_hands_a_vllm_attention_rank_to_vllm(checkpoints, monkeypatch)
     monkeypatch.setenv("AFD_RANK", "1")
     monkeypatch.setenv("AFD_NUM_ATTENTION_RANKS", "2")
     assert main(["serve", "--role", "attention"]) == 0
-    assert seen["config"].rank == 1 and seen["config"].attention_engine == "vllm"
+    assert seen["group"].rank == 1 and seen["load"].attention_engine == "vllm"
 
 
 def _wait(condition, timeout_s: float) -> bool:
@@ -180,8 +186,7 @@ def test_link_heals_a_loss_while_idle(checkpoints):
     """The FFN rank restarts between steps: the keepalive thread re-handshakes, the next step works."""
     path = checkpoints["qwen3_moe"]
     base, stop, thread = _ffn_group(path, 1, False, "link-heal")
-    link = StepLink.connect(str(path), torch.float32,
-                           config=base.replace(role="attention", heartbeat_interval_s=0.1, peer_timeout_s=1.0))
+    link = connect_link(path, base.replace(role="attention", heartbeat_interval_s=0.1, peer_timeout_s=1.0))
     try:
         stop.set()
         thread.join(timeout=5)
@@ -213,7 +218,7 @@ def test_link_leaves_a_draining_ffn_once_vllm_runs_nothing(checkpoints, monkeypa
     stop = threading.Event()
     thread = threading.Thread(target=runner.serve, args=(stop,), daemon=True)
     thread.start()
-    link = StepLink.connect(str(path), torch.float32, config=base.replace(role="attention"))
+    link = connect_link(path, base.replace(role="attention"))
     try:
         hidden = torch.randn(2, link.plan.spec.hidden_size)
         for layer in link.plan.crossing:  # one whole step

@@ -1,6 +1,6 @@
-"""How a setting is declared (`setting(...)` on an `AFDConfig` field) and what derives from a declaration
-(`Setting`: its variable, flag, allowed values and check); the allowed values of the choice settings and
-the sections settings are grouped in. Torch-free.
+"""How a setting is declared (`setting(...)` on a field of a section class, `afd.config.sections`) and what
+derives from a declaration (`Setting`: its variable, flag, allowed values and check); the allowed values of
+the choice settings. Torch-free.
 """
 
 from __future__ import annotations
@@ -24,18 +24,6 @@ ATTENTION_ENGINES: tuple[str, ...] = get_args(AttentionEngine)
 MAX_EXPERT_PARALLEL = 64
 MAX_API_SERVERS = 16  # API processes of one rank
 
-# The sections settings are grouped in (docs/configuration.md, `afd serve --help`, `AFDConfig.section`).
-SECTIONS: dict[str, str] = {
-    "group": "The group: role, rank, shape, identity",
-    "link": "The attention-FFN link",
-    "stages": "Micro-batches and the router",
-    "model": "Model and engine",
-    "scheduler": "The scheduler",
-    "kv": "The KV cache",
-    "api": "The OpenAI API",
-    "graphs": "CUDA graphs and the start-up ceiling",
-    "process": "Probes, metrics, shutdown",
-}
 A, F, M = ROLES  # the roles that read a setting (`roles=`)
 
 
@@ -43,29 +31,35 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names it."""
 
 
-def setting(default: Any, help: str, *, section: str, roles: tuple[str, ...] = ROLES, ge: float | None = None,
+def setting(default: Any, help: str, *, roles: tuple[str, ...] = ROLES, ge: float | None = None,
             gt: float | None = None, le: float | None = None, check: Callable[[Any], str | None] | None = None,
             flag: bool | None = None, secret: bool = False) -> Any:
-    """Declare one `AFDConfig` field and everything derived from it. Its variable is `AFD_` + the name in
-    capitals and its flag `--the-name`; `help` is its line in docs/configuration.md and `afd serve --help`;
-    `ge`/`gt`/`le` bound a number (every number needs one: a test); a `Literal` type lists the allowed values;
-    `check` says what is wrong with a value, or None; `roles` read it; `flag=False`: no `afd serve` flag (the rank
-    counts: `--topology` sets them); `secret`: not in repr, errors or docs, no default shown, and no flag unless
-    `flag=True` says so (a value on a command line shows in `ps`)."""
-    metadata = {"help": help, "section": section, "roles": roles, "ge": ge, "gt": gt, "le": le, "check": check,
+    """Declare one setting, a field of its section's class (its section), and everything derived from it. Its
+    variable is `AFD_` + the name in capitals and its flag `--the-name`; `help` is its line in docs/configuration.md
+    and `afd serve --help`; `ge`/`gt`/`le` bound a number (every number needs one: a test); a `Literal` type lists
+    the allowed values; `check` says what is wrong with a value, or None; `roles` read it; `flag=False`: no
+    `afd serve` flag (the rank counts: `--topology` sets them); `secret`: not in repr, errors or docs, no default
+    shown, and no flag unless `flag=True` says so (a value on a command line shows in `ps`)."""
+    metadata = {"help": help, "roles": roles, "ge": ge, "gt": gt, "le": le, "check": check,
                 "flag": (not secret) if flag is None else flag, "secret": secret}
     return field(default=default, repr=not secret, metadata=metadata)
 
 
+def section(title: str) -> Any:
+    """Declare one section of `AFDConfig` (a field whose type is the section's class; its name is the section's);
+    `title` heads its settings in docs/configuration.md and `afd serve --help`."""
+    return field(metadata={"title": title})
+
+
 @dataclass(frozen=True)
 class Setting:
-    """One setting as its `AFDConfig` field declares it, with what derives from its name and type."""
+    """One setting as its field declares it, with what derives from its name and type."""
 
     name: str
     type: type  # bool, int, float or str: what a variable's text is parsed as
     default: Any
     help: str
-    section: str
+    section: str  # the `AFDConfig` section holding it (`afd.config.SECTIONS`)
     roles: tuple[str, ...]
     choices: tuple = ()  # from a Literal type
     ge: float | None = None
@@ -116,22 +110,23 @@ class Setting:
             raise ConfigError(f"{self.name}={'(secret)' if self.secret else repr(value)}: {problem}")
 
 
-def settings_of(cls: type) -> dict[str, Setting]:
-    """The declarations of `cls`'s fields (`AFDConfig`'s: `SETTINGS`); a field declared without `setting(...)`,
-    or a number without a bound, is refused here, at import, before any process can run with an unchecked setting."""
+def settings_of(cls: type, section: str) -> dict[str, Setting]:
+    """The declarations of the fields of `cls`, the class of section `section`; a field declared without
+    `setting(...)`, or a number without a bound, is refused here, at import, before any process can run with an
+    unchecked setting."""
     hints = get_type_hints(cls)
     table = {}
     for f in fields(cls):
         meta, hint = f.metadata, hints[f.name]
         if "help" not in meta:
-            raise TypeError(f"{cls.__name__}.{f.name}: declare it with setting(default, help, section=...)")
+            raise TypeError(f"{cls.__name__}.{f.name}: declare it with setting(default, help, ...)")
         choices = get_args(hint) if get_origin(hint) is Literal else ()
         table[f.name] = spec = Setting(
             name=f.name, type=type(choices[0]) if choices else hint, default=f.default, help=meta["help"],
-            section=meta["section"], roles=meta["roles"], choices=choices, ge=meta["ge"], gt=meta["gt"], le=meta["le"],
+            section=section, roles=meta["roles"], choices=choices, ge=meta["ge"], gt=meta["gt"], le=meta["le"],
             check_value=meta["check"], flag=meta["flag"], secret=meta["secret"])
-        if spec.type not in (bool, int, float, str) or spec.section not in SECTIONS:
-            raise TypeError(f"{cls.__name__}.{f.name}: a bool, int, float, str or Literal in one of {', '.join(SECTIONS)}")
+        if spec.type not in (bool, int, float, str):
+            raise TypeError(f"{cls.__name__}.{f.name}: a bool, int, float, str or Literal")
         if spec.type in (int, float) and not spec.bounded:
             raise TypeError(f"{cls.__name__}.{f.name}: a number needs bounds (ge=, gt= or le=) or a Literal type")
     return table

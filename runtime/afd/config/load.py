@@ -49,6 +49,16 @@ def values_from_env(env: Mapping[str, str], hostname_rank: bool = True) -> dict[
     return values
 
 
+def setting_from_env(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The typed, checked value of setting `name` from its `AFD_*` variable in `env` (default: this process's
+    environment), or its default when unset: one setting read outside a role process (a bench's client)."""
+    env = os.environ if env is None else env
+    spec = SETTINGS[name]
+    value = _coerce(spec.env, name, env[spec.env]) if spec.env in env else spec.default
+    spec.check(value)
+    return value
+
+
 def values_from_topology(text: str, source: str = "topology") -> dict[str, int]:
     try:
         topology = Topology.parse(text)
@@ -58,7 +68,7 @@ def values_from_topology(text: str, source: str = "topology") -> dict[str, int]:
 
 
 def values_from_file(path: str | Path) -> dict[str, Any]:
-    """Settings from a YAML or JSON mapping whose keys are `AFDConfig` field names."""
+    """Settings from a YAML or JSON mapping whose keys are setting names (`SETTINGS`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -124,8 +134,8 @@ def _env_name(field_name: str, env: Mapping[str, str]) -> str:
 def config_to_env(config: AFDConfig) -> dict[str, str]:
     """The `AFD_*` environment that makes `load_config` rebuild `config` (for child processes), whatever
     the parent's own environment holds: every variable, `AFD_TOPOLOGY` too, and no settings file."""
-    env = {"AFD_TOPOLOGY": str(config.topology), "AFD_CONFIG_FILE": ""}
-    for name, spec in SETTINGS.items():
-        value = getattr(config, name)
+    env = {"AFD_TOPOLOGY": str(config.group.topology), "AFD_CONFIG_FILE": ""}
+    for name, value in config.values().items():
+        spec = SETTINGS[name]
         env[spec.env] = ("true" if value else "false") if isinstance(value, bool) else str(value)
     return env

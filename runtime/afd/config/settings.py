@@ -1,255 +1,85 @@
-"""`AFDConfig`: every setting of a role process, each declared once as a field (`setting(...)`), checked
-against its declaration and across fields when built; `SETTINGS` and `ENV_VARS` derive from it. Torch-free.
+"""`AFDConfig`: every setting of a role process, by section (`afd.config.sections`), each setting declared once
+as a field of its section's class, checked against its declaration and across sections when built; `SECTIONS`,
+`SETTINGS` and `ENV_VARS` derive from it. Torch-free.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, get_type_hints
 
-from afd.config.declare import (
-    MAX_API_SERVERS, MAX_EXPERT_PARALLEL, SECTIONS, AttentionEngine, ConfigError, Connector, Device, Dtype, Role,
-    Setting, StageCount, A, F, M, setting, settings_of,
+from afd.config.declare import ConfigError, Setting, section, settings_of
+from afd.config.sections import (
+    ApiSettings, GraphSettings, GroupSettings, KVCacheSettings, LinkSettings, LoadSettings, ProcessSettings,
+    SchedulerSettings, SplitSettings,
 )
-from afd.config.topology import Topology, TopologyError
-
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2")  # afd.server.api.reasoning.PARSERS
+from afd.config.topology import TopologyError
 
 
-def _positive_ints(text: str) -> str | None:
-    """positive integers, comma-separated"""
-    if any(not b.strip().isdigit() or int(b) < 1 for b in filter(None, str(text).split(","))):
-        return "must be positive integers separated by commas"
-    return None
-
-
-def _reasoning_parser(name: str) -> str | None:
-    """empty, deepseek_r1, qwen3, deepseek_v3 or kimi_k2"""
-    return None if name in ("", *REASONING_PARSERS) else "must be empty or one of " + ", ".join(REASONING_PARSERS)
-
-
-def _api_keys(text: str) -> str | None:
-    """keys separated by commas: printable ASCII, no space (what an HTTP header carries as is)"""
-    keys = [key.strip() for key in str(text).split(",")]
-    if text and any(not key or not all("!" <= c <= "~" for c in key) for key in keys):
-        return "must be keys separated by commas, each printable ASCII without spaces"
-    return None
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class AFDConfig:
-    """Everything a role process needs to know: one flat field per setting (grouped views: `section`)."""
+    """Everything a role process needs to know, one section a field (`config.link.peer_timeout_s`). Built from flat
+    settings, `AFDConfig(rank=1, peer_timeout_s=2.5)` (what a file, the environment and flags hold), and changed
+    the same way, `config.replace(rank=2)`; entry points and role builders hand each component its sections."""
 
-    role: Role = setting("attention", "`attention`, `ffn`, or `monolithic` (one process, the FFN local, same engine "
-                         "and API: the A/B baseline).", section="group")
-    rank: int = setting(0, "Rank within the role. Unset in a pod: the StatefulSet ordinal at the end of `$HOSTNAME`.",
-                        section="group", ge=0)
-    num_attention_ranks: int = setting(1, "Attention ranks in the group (A of xAyF).", section="group",
-                                       roles=(A, F), gt=0, flag=False)
-    num_ffn_ranks: int = setting(1, "FFN ranks in the group (F of xAyF); attention rank a maps to FFN rank a // (A/F).",
-                                 section="group", roles=(A, F), gt=0, flag=False)
-    ffn_expert_parallel: int = setting(  # docs/expert-parallel.md
-        1, "Shards per FFN rank (G): shard s holds routed experts [s·E/G, (s+1)·E/G) and 1/G of the shared-expert "
-        "columns (dense layers: shard 0); attention sums the G partial outputs (docs/expert-parallel.md).",
-        section="group", roles=(A, F), ge=1, le=MAX_EXPERT_PARALLEL)
-    ffn_shard: int = setting(0, "FFN role: this process's shard of its rank. Unset in a pod with G > 1: the ordinal is "
-                             "rank·G + shard.", section="group", roles=(F,), ge=0)
-    ffn_address_template: str = setting(
-        "127.0.0.1", "Host of FFN process `{rank}` (its pod ordinal: rank·G + shard with expert parallelism), "
-        "e.g. `demo-g0-ffn-{rank}.demo-g0-ffn.ns.svc`.", section="link", roles=(A,))
-    control_port: int = setting(25500, "FFN control-plane port (zmq: Hello, StepPlan, Heartbeat, Goodbye).",
-                                section="link", roles=(A, F), ge=1, le=65535)
-    data_port: int = setting(25501, "FFN data-plane port (zmq frames; with nccl, only the NCCL bootstrap).",
-                             section="link", roles=(A, F), ge=1, le=65535)
-    port_stride: int = setting(0, "Added to both ports per FFN rank, so several FFN ranks can share one host "
-                               "(local runs).", section="link", roles=(A, F), ge=0)
-    bind_host: str = setting("0.0.0.0", "Address the FFN rank listens on.", section="link", roles=(F,))
-    max_message_bytes: int = setting(1 << 30, "Largest control or data message accepted; larger ones are refused and "
-                                     "counted.", section="link", roles=(A, F), gt=0)
-    connector: Connector = setting("zmq", "`zmq` (any network, CPU or GPU), `nccl` (GPU data plane, zmq control "
-                                   "plane) or `loopback` (tests).", section="link", roles=(A, F))
-    stages: StageCount = setting(1, "Micro-batches per layer: 1, or 2 for dual-batch overlap (attention computes one "
-                                 "while the FFN runs the other).", section="stages", roles=(A, F))
-    gate_on_attention: bool = setting(False, "`true`: the MoE router runs on attention and ships router logits; dense "
-                                      "layers stay on attention.", section="stages")
-    model: str = setting("", "Checkpoint folder (a Hugging Face DeepSeek-V2, DeepSeek-V3/Kimi-K2 or Qwen3-MoE layout; "
-                         "FP8 block-quantized too).", section="model")
-    dtype: Dtype = setting("auto", "`auto` (bfloat16 on CUDA, float32 on CPU), `float32`, `bfloat16` or `float16`.",
-                           section="model")
-    device: Device = setting("auto", "`auto`, `cpu` or `cuda`.", section="model")
-    http_host: str = setting("0.0.0.0", "Address of the OpenAI-compatible API (attention ranks).", section="api",
-                             roles=(A, M))
-    http_port: int = setting(8000, "Port of the OpenAI-compatible API (attention ranks).", section="api", roles=(A, M),
-                             ge=1, le=65535)
-    metrics_port: int = setting(9090, "Port of `/metrics`, `/health` (readiness), `/live` and `/drain` (preStop) "
-                                "(both roles; the probes use it).", section="process", ge=1, le=65535)
-    max_num_seqs: int = setting(64, "Most sequences in one engine step; also the largest decode graph.",
-                                section="scheduler", gt=0)
-    max_model_len: int = setting(0, "Longest prompt + output in tokens (0: the model's `max_position_embeddings`).",
-                                 section="scheduler", roles=(A, M), ge=0)
-    max_num_batched_tokens: int = setting(8192, "Most tokens (prefill + decode) in one engine step.",
-                                          section="scheduler", gt=0)
-    prefill_itl_ratio: float = setting(  # 0: off, the default (issue 33)
-        0.0, "While requests decode, a step takes only as many prompt tokens as keep its predicted time within this "
-        "multiple of a decode-only step's (both learned from the rank's own steps), so arriving prompts do not stretch "
-        "the running streams' inter-token latency; but at least 32, and enough that every prompt is in within "
-        "`prefill_backlog_steps` steps of being queued (below 1: only those floors). No cap where no chunk is known "
-        "to fit the ratio while as many requests wait for their first token as decode (a burst beside a few short "
-        "decode steps). 0: off (prompts take all of `max_num_batched_tokens`). Exported as `afd_prefill_cap_tokens`.",
-        section="scheduler", roles=(A, M), ge=0)
-    prefill_backlog_steps: int = setting(
-        64, "With `prefill_itl_ratio`: every waiting prompt is prefilled within N steps of being queued (a step beside "
-        "decodes takes at least what the most pressed deadline needs). Larger N: steadier inter-token latency during "
-        "bursts, later first tokens.", section="scheduler", roles=(A, M), gt=0)
-    kv_cache_bytes: int = setting(
-        0, "KV-cache budget of an attention rank in bytes (0: sized from the device, see `gpu_memory_utilization`; "
-        "1 GiB on CPU). Capacity in tokens is logged at start and exported as `afd_kv_cache_capacity_tokens`.",
-        section="kv", roles=(A, M), ge=0)
-    served_model_name: str = setting("", "Model id the API answers to (default: the checkpoint folder's name).",
-                                     section="api", roles=(A, M))
-    failover_url: str = setting(
-        "", "Attention: base URL (the client Service) where a request this rank answers with 503 before its first "
-        "token is sent on, e.g. while its FFN is lost; empty: no failover. The operator sets it.",
-        section="api", roles=(A,))
-    max_request_bytes: int = setting(16 << 20, "Largest API request body; larger ones get 413 (refused from "
-                                     "Content-Length or as it arrives).", section="api", roles=(A, M), gt=0)
-    max_prompts: int = setting(128, "Most prompts in one `/v1/completions` request; more get 400.", section="api",
-                               roles=(A, M), gt=0)
-    max_prompt_chars: int = setting(0, "Most characters of one prompt (or of all chat messages) before tokenization "
-                                    "(0: 32 per context token).", section="api", roles=(A, M), ge=0)
-    group_token: str = setting("", "Identifies the AFD group; a peer of another group is refused at the handshake.",
-                               section="group", roles=(A, F))
-    group_secret: str = setting("", "Shared secret of the group (from the operator's Secret); proves a peer in the "
-                                "handshake, never sent or logged.", section="group", roles=(A, F), secret=True)
-    reasoning_parser: str = setting(
-        "", "Chat completions: split the model's thinking from its answer into `message.reasoning` (streamed as "
-        "`delta.reasoning`), as vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `deepseek_v3` (V3.1's "
-        "thinking mode, `chat_template_kwargs: {\"thinking\": true}`) or `kimi_k2` (Kimi-K2-Thinking). Empty: the thinking stays in `content`.",
-        section="api", roles=(A, M), check=_reasoning_parser)
-    reasoning_content: bool = setting(False, "With `reasoning_parser`: the thinking also as `reasoning_content`, the "
-                                      "field older clients read.", section="api", roles=(A, M))
-    api_key: str = setting(
-        "", "Keys a client must send as `Authorization: Bearer <key>` on every `/v1` route and `/tokenize`, "
-        "`/detokenize` (401 otherwise); several separated by commas, any one accepted (vLLM's `--api-key`). `/health`, "
-        "`/live` and `/metrics` stay open. Empty: no key asked. Never logged; prefer the variable to the flag (a "
-        "command line shows in `ps`).", section="api", roles=(A, M), check=_api_keys, secret=True, flag=True)
-    connect_timeout_s: float = setting(60.0, "How long an attention rank waits for its FFN rank at start-up and on "
-                                       "reconnect.", section="link", roles=(A,), gt=0)
-    peer_timeout_s: float = setting(5.0, "A peer silent this long is lost (an FFN rank's requests are then held for "
-                                    "`ffn_hold_s`).", section="link", roles=(A, F), gt=0)
-    ffn_hold_s: float = setting(
-        60.0, "Attention: when the FFN rank is lost, its requests are held (KV cache intact) this many seconds for it "
-        "(its restarted pod, at the same address) to come back, and go on from where they stopped, with no error and "
-        "no token lost or sent twice; past it they fail with an error event (0: at once).",
-        section="link", roles=(A,), ge=0)
-    heartbeat_interval_s: float = setting(1.0, "Heartbeat period between steps.", section="link", roles=(A, F), gt=0)
-    shutdown_grace_s: float = setting(30.0, "On SIGTERM, how long in-flight requests may finish before they are "
-                                      "failed.", section="process", roles=(A, M), gt=0)
-    profile_every: int = setting(16, "Per-layer timings on every N-th step (0: off).", section="process", ge=0)
-    cuda_graphs: bool = setting(False, "`true`: decode graphs on attention and a step-graph cache on the FFN (CUDA "
-                                "with the nccl connector).", section="graphs")
-    mixed_graph_tokens: int = setting(
-        2048, "With `cuda_graphs` (monolithic and attention ranks): steps that carry prompt tokens, up to this many "
-        "tokens (and `max_num_batched_tokens`), replay piecewise graphs: everything between two attention kernels "
-        "captured per padded token bucket, attention eager; an attention rank's FFN rank replays its whole-step graph "
-        "for the bucket. About 0.5 MiB of graph pool per token at DeepSeek-V2-Lite shapes, kept out of the KV cache. "
-        "`0`: such steps run eagerly.", section="graphs", roles=(A, M), ge=0)
-    ffn_batch_window_s: float = setting(0.0, "FFN: wait up to this long for every peer's plan so their rows share one "
-                                        "step.", section="link", roles=(F,), ge=0)
-    dbo_min_tokens: int = setting(0, "With 2 stages, steps of fewer tokens run as one micro-batch (the FFN then reads "
-                                  "its weights once).", section="stages", roles=(A,), ge=0)
-    attention_engine: AttentionEngine = setting("afd", "`afd` (our engine) or `vllm` (vLLM's OpenAI server with "
-                                                "`afd.vllm_plugin`).", section="model", roles=(A,))
-    vllm_args: str = setting("", "Extra arguments for vLLM's server when `attention_engine` is `vllm`, shell-quoted.",
-                             section="model", roles=(A,))
-    gpu_memory_utilization: float = setting(
-        0.9, "With `kv_cache_bytes` 0 on a GPU: the KV cache takes this fraction of the GPU's memory, less what is in "
-        "use after loading the weights, the peak of the largest step (`max_num_batched_tokens`, profiled at start) "
-        "and 1 GiB for the decode graphs (vLLM's `--gpu-memory-utilization`).", section="kv", roles=(A, M), gt=0, le=1)
-    ceiling_batches: str = setting(
-        "", "Comma-separated batch sizes whose graph-replayed decode step is timed at start (log and "
-        "`afd_step_ceiling_seconds`; the serving benchmark's ceiling). Empty: off.", section="graphs", roles=(A, M),
-        check=_positive_ints)
-    ceiling_context: int = setting(704, "Cached tokens of every sequence in the start-up ceiling's timed steps "
-                                   "(`ceiling_batches`); the serving benchmark sets its load's mean context.",
-                                   section="graphs", roles=(A, M), gt=0)
-    api_process: bool = setting(
-        False, "`true`: the OpenAI API (uvicorn, tokenization, SSE) runs in a child process and talks to the engine "
-        "core over local zmq sockets, so the HTTP work does not hold the engine's GIL; probes and `/metrics` stay on "
-        "`metrics_port` in the core. `false`: one process.", section="api", roles=(A, M))
-    api_servers: int = setting(
-        1, "How many API processes share the HTTP port (SO_REUSEPORT: the kernel spreads connections over them), each "
-        "its own event loop and core of CPU, like vLLM's `--api-server-count`; more than 1 implies `api_process`.",
-        section="api", roles=(A, M), ge=1, le=MAX_API_SERVERS)
+    group: GroupSettings = section("The group: role, rank, shape, identity")
+    link: LinkSettings = section("The attention-FFN link")
+    split: SplitSettings = section("Micro-batches and the router")
+    load: LoadSettings = section("Model and engine")
+    scheduler: SchedulerSettings = section("The scheduler")
+    kv: KVCacheSettings = section("The KV cache")
+    api: ApiSettings = section("The OpenAI API")
+    graphs: GraphSettings = section("CUDA graphs and the start-up ceiling")
+    process: ProcessSettings = section("Probes, metrics, shutdown")
 
-    def __post_init__(self) -> None:
+    def __init__(self, **settings: Any) -> None:
+        """The config of these settings (a setting's name → its value; the rest at their defaults), checked."""
+        if unknown := [name for name in settings if name not in SETTINGS]:
+            raise TypeError(f"AFDConfig: no setting {unknown[0]!r}")
+        for name, kind in SECTION_TYPES.items():
+            object.__setattr__(self, name, kind(**{key: value for key, value in settings.items()
+                                                   if SETTINGS[key].section == name}))
+        self._check()
+
+    def _check(self) -> None:
         for spec in SETTINGS.values():  # every field against its own declaration: choices, bounds, format
-            spec.check(getattr(self, spec.name))
+            spec.check(self.value(spec.name))
+        group, link = self.group, self.link
         try:
-            topology = self.topology
+            topology = group.topology
         except TopologyError as err:
             raise ConfigError(str(err)) from None
-        size = topology.num_ffn if self.role == "ffn" else topology.num_attention
-        if not 0 <= self.ffn_shard < self.ffn_expert_parallel:
-            raise ConfigError(f"ffn_shard={self.ffn_shard}: must be in 0..{self.ffn_expert_parallel - 1} "
-                              f"for ffn_expert_parallel={self.ffn_expert_parallel}")
-        if not 0 <= self.rank < size:
-            raise ConfigError(f"rank={self.rank}: a {self.role} rank must be in 0..{size - 1} for {topology}")
-        if self.num_ffn_ranks * self.ffn_expert_parallel > 1 and "{rank}" not in self.ffn_address_template and not self.port_stride:
+        size = topology.num_ffn if group.role == "ffn" else topology.num_attention
+        if not 0 <= group.ffn_shard < group.ffn_expert_parallel:
+            raise ConfigError(f"ffn_shard={group.ffn_shard}: must be in 0..{group.ffn_expert_parallel - 1} "
+                              f"for ffn_expert_parallel={group.ffn_expert_parallel}")
+        if not 0 <= group.rank < size:
+            raise ConfigError(f"rank={group.rank}: a {group.role} rank must be in 0..{size - 1} for {topology}")
+        processes = group.num_ffn_ranks * group.ffn_expert_parallel
+        if processes > 1 and "{rank}" not in link.ffn_address_template and not link.port_stride:
             raise ConfigError(
-                f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
-                f"all {self.num_ffn_ranks * self.ffn_expert_parallel} FFN processes would share one address"
+                f"ffn_address_template={link.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
+                f"all {processes} FFN processes would share one address"
             )
 
-    @property
-    def api_keys(self) -> tuple[str, ...]:
-        """The keys of `api_key`, one per comma (empty: the API asks for none)."""
-        return tuple(key.strip() for key in self.api_key.split(",") if key.strip())
+    def value(self, name: str) -> Any:
+        """The value of setting `name` (`SETTINGS`), read from its section."""
+        return getattr(getattr(self, SETTINGS[name].section), name)
 
-    @property
-    def api_children(self) -> int:
-        """How many API processes this rank starts (0: the API runs in the engine's process)."""
-        return self.api_servers if self.api_process or self.api_servers > 1 else 0
-
-    @property
-    def piecewise_graph_tokens(self) -> int:
-        """The largest prompt step that replays piecewise graphs (0: none): `mixed_graph_tokens`, at most a step's
-        token budget, and only with `cuda_graphs`."""
-        return min(self.mixed_graph_tokens, self.max_num_batched_tokens) if self.cuda_graphs else 0
-
-    def max_model_len_of(self, spec) -> int:
-        """The longest sequence served with the model of `spec`: `max_model_len` where set, never past its positions."""
-        return min(self.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-
-    @property
-    def topology(self) -> Topology:
-        return Topology(self.num_attention_ranks, self.num_ffn_ranks)
-
-    def section(self, name: str) -> SimpleNamespace:
-        """The settings of one of `SECTIONS` (link, stages, scheduler, kv, api, graphs, ...) as a read-only copy,
-        e.g. `config.section("link").peer_timeout_s`; the fields themselves stay flat on the config."""
-        if name not in SECTIONS:
-            raise KeyError(f"no section {name!r}: one of {', '.join(SECTIONS)}")
-        return SimpleNamespace(**{s.name: getattr(self, s.name) for s in SETTINGS.values() if s.section == name})
-
-    def ffn_endpoint(self, ffn_rank: int, shard: int = 0) -> int:
-        """Index of shard `shard` of FFN rank `ffn_rank` among the group's FFN processes (its pod ordinal)."""
-        return ffn_rank * self.ffn_expert_parallel + shard
-
-    def ffn_host(self, endpoint: int) -> str:
-        """Host name of FFN process `endpoint` (`ffn_endpoint`; the rank itself without expert parallelism)."""
-        return self.ffn_address_template.format(rank=endpoint)
-
-    def ffn_ports(self, endpoint: int) -> tuple[int, int]:
-        """(control, data) ports of FFN process `endpoint`; a stride keeps local processes apart."""
-        offset = endpoint * self.port_stride
-        return self.control_port + offset, self.data_port + offset
+    def values(self) -> dict[str, Any]:
+        """Every setting's value by its name, flat (what `AFDConfig(**...)` takes back)."""
+        return {name: self.value(name) for name in SETTINGS}
 
     def replace(self, **changes: Any) -> "AFDConfig":
-        return dataclasses.replace(self, **changes)
+        """This config with some settings changed (by their names), checked again."""
+        return AFDConfig(**{**self.values(), **changes})
 
 
-SETTINGS: dict[str, Setting] = settings_of(AFDConfig)  # field name → its declaration, in field order
-ENV_VARS: dict[str, str] = {spec.env: name for name, spec in SETTINGS.items()}  # AFD_* variable → field
+SECTIONS: dict[str, str] = {f.name: f.metadata["title"] for f in fields(AFDConfig)}  # name → title, in order
+SECTION_TYPES: dict[str, type] = {name: kind for name, kind in get_type_hints(AFDConfig).items() if name in SECTIONS}
+SETTINGS: dict[str, Setting] = {  # setting name → its declaration, section by section
+    name: spec for section_name, kind in SECTION_TYPES.items()
+    for name, spec in settings_of(kind, section_name).items()}
+if len(SETTINGS) != sum(len(fields(kind)) for kind in SECTION_TYPES.values()):
+    raise TypeError("two sections declare a setting of one name")
+ENV_VARS: dict[str, str] = {spec.env: name for name, spec in SETTINGS.items()}  # AFD_* variable → setting

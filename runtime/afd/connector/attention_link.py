@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from afd.config import AFDConfig
+from afd.config import GroupSettings, LinkSettings
 from afd.connector import registry, wire
 from afd.connector.base import AttnTransfer, HandshakeError, PeerLeft, PeerLost
 from afd.connector.plane import AttentionPlane, PlaneOptions
@@ -36,8 +36,8 @@ class LinkOptions:
     reconnect_timeout_s: float = 5.0
 
     @classmethod
-    def of(cls, config: AFDConfig, reconnect_timeout_s: float = 5.0) -> "LinkOptions":
-        return cls(config.peer_timeout_s, config.heartbeat_interval_s, config.connect_timeout_s, reconnect_timeout_s)
+    def of(cls, link: LinkSettings, reconnect_timeout_s: float = 5.0) -> "LinkOptions":
+        return cls(link.peer_timeout_s, link.heartbeat_interval_s, link.connect_timeout_s, reconnect_timeout_s)
 
 
 class LinkListener(Protocol):
@@ -70,22 +70,23 @@ class AttentionLink:
         self._last_beat = self._last_heard = time.monotonic()
 
     @classmethod
-    def open(cls, config: AFDConfig, device: torch.device | str, options: LinkOptions | None = None,
-             shard: int = 0) -> "AttentionLink":
-        """Attention rank `config.rank`'s link to (shard `shard` of) its FFN rank, over `config.connector`;
+    def open(cls, group: GroupSettings, settings: LinkSettings, device: torch.device | str,
+             options: LinkOptions | None = None, shard: int = 0) -> "AttentionLink":
+        """Attention rank `group.rank`'s link to (shard `shard` of) its FFN rank, over `settings.connector`;
         not handshaken yet."""
-        transport = registry.transport(config.connector)
-        ffn_rank = config.topology.ffn_rank_of(config.rank)
-        endpoint = config.ffn_endpoint(ffn_rank, shard)
-        options = options or LinkOptions.of(config)
+        transport = registry.transport(settings.connector)
+        ffn_rank = group.topology.ffn_rank_of(group.rank)
+        endpoint = group.ffn_endpoint(ffn_rank, shard)
+        options = options or LinkOptions.of(settings)
         plane = transport.attention_plane(PlaneOptions(device, options.peer_timeout_s))
-        return cls(ffn_rank, lambda: transport.open_peer(config, endpoint, registry.peer_identity(config)), plane, options)
+        return cls(ffn_rank, lambda: transport.open_peer(settings, endpoint, registry.peer_identity(group)), plane,
+                   options)
 
     @classmethod
-    def connect(cls, config: AFDConfig, hello: wire.Hello, device: torch.device | str,
+    def connect(cls, group: GroupSettings, settings: LinkSettings, hello: wire.Hello, device: torch.device | str,
                 options: LinkOptions | None = None, shard: int = 0) -> "AttentionLink":
         """Open and handshake (raises `HandshakeError`; nothing is left open then)."""
-        link = cls.open(config, device, options, shard)
+        link = cls.open(group, settings, device, options, shard)
         try:
             link.handshake(hello)
         except Exception:

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from afd.config import AFDConfig
+from afd.config import GroupSettings, LinkSettings
 from afd.connector import wire
 from afd.connector.attention_link import AttentionLink, LinkListener, LinkOptions
 from afd.connector.base import AttnTransfer, ConnectorError, PeerLost
@@ -34,14 +34,14 @@ class ShardedLink:
         self._listeners: list[LinkListener] = []
 
     @classmethod
-    def connect(cls, config: AFDConfig, hello: wire.Hello, device: torch.device | str,
+    def connect(cls, group: GroupSettings, settings: LinkSettings, hello: wire.Hello, device: torch.device | str,
                 options: LinkOptions | None = None) -> "ShardedLink":
         """Open and handshake every shard (`HandshakeError` naming the shard; nothing is left open then)."""
         links: list[AttentionLink] = []
         try:
-            for shard in range(config.ffn_expert_parallel):
+            for shard in range(group.ffn_expert_parallel):
                 shard_hello = dataclasses.replace(hello, ffn_shard=shard)
-                links.append(AttentionLink.connect(config, shard_hello, device, options, shard))
+                links.append(AttentionLink.connect(group, settings, shard_hello, device, options, shard))
         except Exception:
             for link in links:
                 link.close("another shard refused the connection")

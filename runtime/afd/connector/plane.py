@@ -146,8 +146,8 @@ class Transport:
     """A registry entry: how to open each end, the data plane of each side, and what the transport can do
     (asked instead of its name)."""
 
-    open_peer: Callable[..., PeerTransport]  # (config, ffn endpoint (AFDConfig.ffn_endpoint), identity)
-    open_server: Callable[..., ServerTransport]  # (config)
+    open_peer: Callable[..., PeerTransport]  # (LinkSettings, ffn endpoint (GroupSettings.ffn_endpoint), identity)
+    open_server: Callable[..., ServerTransport]  # (LinkSettings, this FFN process's endpoint)
     attention_plane: Callable[[PlaneOptions], AttentionPlane]
     ffn_plane: Callable[[PlaneOptions, DataContract, ServerTransport], FFNPlane]
     wire_name: str  # the data plane a Hello names (`Hello.connector`): both ends must move tensors the same way

@@ -1,4 +1,4 @@
-"""The one transport registry: `config.connector` names a module of `afd.connector.transports`.
+"""The one transport registry: the `connector` setting names a module of `afd.connector.transports`.
 
 Each such module exports `TRANSPORT` (`afd.connector.plane.Transport`): how to open each
 end and the data plane of each side. Adding a transport is one file there (and its name in
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from afd.config import CONNECTORS, AFDConfig
+from afd.config import CONNECTORS, GroupSettings
 from afd.connector.base import ConnectorError
 from afd.connector.identity import identity_key, new_identity
 from afd.connector.plane import Transport
@@ -27,6 +27,6 @@ def transport(name: str) -> Transport:
     return module.TRANSPORT
 
 
-def peer_identity(config: AFDConfig) -> bytes:
-    """A fresh identity for one connection of attention rank `config.rank` (`afd.connector.identity`)."""
-    return new_identity(config.rank, identity_key(config.group_token, config.group_secret))
+def peer_identity(group: GroupSettings) -> bytes:
+    """A fresh identity for one connection of attention rank `group.rank` (`afd.connector.identity`)."""
+    return new_identity(group.rank, identity_key(group.group_token, group.group_secret))

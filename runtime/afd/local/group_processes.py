@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def local_zmq_config(base: AFDConfig) -> AFDConfig:
     """`base` with every FFN process (rank and shard) on 127.0.0.1 and its own pair of free ports."""
-    first_port = free_port_block(2 * base.num_ffn_ranks * base.ffn_expert_parallel)
+    first_port = free_port_block(2 * base.group.num_ffn_ranks * base.group.ffn_expert_parallel)
     return base.replace(
         connector="zmq",
         ffn_address_template="127.0.0.1",
@@ -40,9 +40,10 @@ def generate_in_processes(
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy (tokens, last-step logits) of `prompts`, in order, from one process per rank."""
     config = local_zmq_config(base)
-    topology = config.topology
+    group = config.group
+    topology = group.topology
     blocks = split_prompts(len(prompts), topology.num_attention)
-    shards = config.ffn_expert_parallel
+    shards = group.ffn_expert_parallel
     metrics_ports = free_port_block(topology.num_ffn * shards)
     threads = threads_per_rank(topology.num_ffn * shards + topology.num_attention)
     with LocalProcesses() as processes:
@@ -50,8 +51,8 @@ def generate_in_processes(
         for rank in range(topology.num_ffn):
             for shard in range(shards):
                 name = f"ffn-{rank}" + (f"-shard-{shard}" if shards > 1 else "")
-                ffn_config = config.replace(role="ffn", rank=rank, ffn_shard=shard, model=ffn_model or config.model,
-                                            http_host="127.0.0.1", metrics_port=metrics_ports + config.ffn_endpoint(rank, shard))
+                ffn_config = config.replace(role="ffn", rank=rank, ffn_shard=shard, model=ffn_model or config.load.model,
+                                            http_host="127.0.0.1", metrics_port=metrics_ports + group.ffn_endpoint(rank, shard))
                 processes.start(name, ["serve"], {**config_to_env(ffn_config), **threads})
                 ffn_names.append(name)
         attention_names = []

@@ -9,21 +9,22 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from afd.local.offline_batch import run_attention_batch, split_prompts
+from afd.local.offline_batch import batch_cache_tokens, run_attention_batch, split_prompts
 from afd.config import AFDConfig
 from afd.engine.generation import GenerationResult
+from afd.roles.attention import build_attention
 from afd.roles.ffn import build_ffn
 
 
 def generate_in_threads(
     base: AFDConfig, prompts: Sequence[Sequence[int]], max_tokens: int, ignore_eos: bool = False
 ) -> GenerationResult:
-    """Greedy outputs of `prompts` (in order) from a loopback deployment of `base.topology`."""
-    topology = base.topology
+    """Greedy outputs of `prompts` (in order) from a loopback deployment of `base`'s topology."""
+    topology = base.group.topology
     stop = threading.Event()
     ffn_threads = []
     for rank in range(topology.num_ffn):
-        for shard in range(base.ffn_expert_parallel):
+        for shard in range(base.group.ffn_expert_parallel):
             runner = build_ffn(base.replace(role="ffn", rank=rank, ffn_shard=shard))
             thread = threading.Thread(target=runner.serve, args=(stop,), name=f"ffn-{rank}.{shard}", daemon=True)
             thread.start()
@@ -34,8 +35,9 @@ def generate_in_threads(
 
     def attention(rank: int) -> None:
         try:
-            config = base.replace(role="attention", rank=rank)
-            results[rank] = run_attention_batch(config, [prompts[i] for i in blocks[rank]], max_tokens, ignore_eos)
+            block = [prompts[i] for i in blocks[rank]]
+            role = build_attention(base.replace(role="attention", rank=rank), batch_cache_tokens(block, max_tokens))
+            results[rank] = run_attention_batch(role, block, max_tokens, ignore_eos)
         except BaseException as err:  # surfaced in the caller's thread below
             errors.append(err)
 

@@ -1,5 +1,5 @@
-"""One attention rank's share of an offline batch: connect, generate greedily through the
-serving Engine, disconnect.
+"""One attention rank's share of an offline batch: a KV cache that holds it, greedy generation through the
+serving Engine on the connected rank, then disconnect.
 
 Used by `afd generate` for every attention rank, in threads (loopback) or in
 processes (zmq), so both paths run the same code.
@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from afd.config import AFDConfig
 from afd.engine.offline import generate_with_engine
 from afd.engine.generation import GenerationResult
 from afd.kv.cache import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
-from afd.roles.attention import build_attention
 
 
 def split_prompts(num_prompts: int, num_ranks: int) -> list[list[int]]:
@@ -27,12 +25,14 @@ def split_prompts(num_prompts: int, num_ranks: int) -> list[list[int]]:
     return blocks
 
 
-def run_attention_batch(
-    config: AFDConfig, prompts: Sequence[Sequence[int]], max_tokens: int, ignore_eos: bool
-) -> GenerationResult:
-    """Handshake with the FFN rank, decode `prompts` as one batch, say goodbye."""
-    cache_tokens = sum(len(p) + max_tokens + KV_BLOCK_SIZE for p in prompts) or KV_BLOCK_SIZE
-    role = build_attention(config, cache_tokens)
+def batch_cache_tokens(prompts: Sequence[Sequence[int]], max_tokens: int) -> int:
+    """KV-cache tokens that hold every prompt of a batch with `max_tokens` outputs each."""
+    return sum(len(p) + max_tokens + KV_BLOCK_SIZE for p in prompts) or KV_BLOCK_SIZE
+
+
+def run_attention_batch(role, prompts: Sequence[Sequence[int]], max_tokens: int, ignore_eos: bool) -> GenerationResult:
+    """Decode `prompts` as one batch on `role`, an attention rank handshaken with its FFN rank
+    (`afd.roles.build_attention` with a cache of `batch_cache_tokens`), then say goodbye."""
     try:
         if not prompts:
             return GenerationResult([], [])

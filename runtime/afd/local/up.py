@@ -55,31 +55,33 @@ class Rank:
 
     @property
     def name(self) -> str:
-        if self.role == "ffn" and self.config.ffn_expert_parallel > 1:
-            return f"ffn-{self.rank}-shard-{self.config.ffn_shard}"
+        group = self.config.group
+        if self.role == "ffn" and group.ffn_expert_parallel > 1:
+            return f"ffn-{self.rank}-shard-{group.ffn_shard}"
         return f"{self.role}-{self.rank}"
 
     def describe(self, pid: int) -> dict:
+        group = self.config.group
         entry = {"role": self.role, "rank": self.rank, "pid": pid,
-                 "metrics": f"http://127.0.0.1:{self.config.metrics_port}/metrics"}
+                 "metrics": f"http://127.0.0.1:{self.config.process.metrics_port}/metrics"}
         if self.role == "ffn":
-            if self.config.ffn_expert_parallel > 1:
-                entry["shard"] = self.config.ffn_shard
-            control, data = self.config.ffn_ports(self.config.ffn_endpoint(self.rank, self.config.ffn_shard))
+            if group.ffn_expert_parallel > 1:
+                entry["shard"] = group.ffn_shard
+            control, data = self.config.link.ffn_ports(group.ffn_endpoint(self.rank, group.ffn_shard))
             entry.update(control=f"tcp://127.0.0.1:{control}", data=f"tcp://127.0.0.1:{data}")
         else:
-            entry["api"] = f"http://127.0.0.1:{self.config.http_port}/v1"
+            entry["api"] = f"http://127.0.0.1:{self.config.api.http_port}/v1"
         return entry
 
 
 def plan_ranks(base: AFDConfig) -> list[Rank]:
     """Every rank of the group with its own ports on 127.0.0.1 (FFN ranks first)."""
     config = local_zmq_config(base)
-    topology = config.topology
-    if base.role == "monolithic":  # one process, the whole model
+    topology = config.group.topology
+    if base.group.role == "monolithic":  # one process, the whole model
         first = free_port_block(2)
         return [Rank("monolithic", 0, config.replace(rank=0, http_host="127.0.0.1", http_port=first, metrics_port=first + 1))]
-    shards = config.ffn_expert_parallel
+    shards = config.group.ffn_expert_parallel
     ports = iter(range(free_port_block(topology.num_ffn * shards + 2 * topology.num_attention), 65536))
     ranks = [Rank("ffn", f, config.replace(role="ffn", rank=f, ffn_shard=s, http_host="127.0.0.1", metrics_port=next(ports)))
              for f in range(topology.num_ffn) for s in range(shards)]
@@ -110,10 +112,10 @@ class Supervisor:
         self.processes.start(rank.name, ["serve"], env)
 
     def attention_urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{r.config.http_port}" for r in self.ranks.values() if r.role != "ffn"]
+        return [f"http://127.0.0.1:{r.config.api.http_port}" for r in self.ranks.values() if r.role != "ffn"]
 
     def metrics_urls(self) -> dict[str, str]:
-        return {name: f"http://127.0.0.1:{r.config.metrics_port}/metrics" for name, r in self.ranks.items()}
+        return {name: f"http://127.0.0.1:{r.config.process.metrics_port}/metrics" for name, r in self.ranks.items()}
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -186,16 +188,17 @@ class Supervisor:
 
 def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = True, start_timeout_s: float = 600,
            front: FrontSettings | None = None) -> int:
-    front = front or FrontSettings(max_request_bytes=base.max_request_bytes)
-    if not base.group_secret:  # the ranks' secret: signs the handshake and the streams the front door moves
+    front = front or FrontSettings(max_request_bytes=base.api.max_request_bytes)
+    if not base.group.group_secret:  # the ranks' secret: signs the handshake and the streams the front door moves
         base = base.replace(group_secret=secrets.token_hex(16))
-    front = dataclasses.replace(front, resume_key=base.group_secret.encode(), api_keys=ApiKeys(base.api_keys))
+    front = dataclasses.replace(front, resume_key=base.group.group_secret.encode(),
+                                api_keys=ApiKeys(base.api.api_keys))
 
     ranks = plan_ranks(base)
     api = f"http://127.0.0.1:{port}/v1"
     with LocalProcesses(grace_s=front.shutdown_grace_s) as processes:
         supervisor = Supervisor(ranks, processes, state_file, api)
-        shape = "a monolithic rank" if base.role == "monolithic" else str(base.topology)
+        shape = "a monolithic rank" if base.group.role == "monolithic" else str(base.group.topology)
         progress(f"starting {shape} ({len(ranks)} processes; logs in {processes.workdir})")
         supervisor.start_all()
         supervisor.wait_healthy(start_timeout_s)
@@ -208,7 +211,8 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
         # The state file names the API URL: write it once that URL answers, so its readers can use it at once.
         threading.Thread(target=_when_serving, args=(server, supervisor.write_state), daemon=True).start()
         if demo:
-            threading.Thread(target=_demo_request, args=(api, base.model, server, base.api_keys), daemon=True).start()
+            threading.Thread(target=_demo_request, args=(api, base.load.model, server, base.api.api_keys),
+                             daemon=True).start()
         try:
             server.run()
         except KeyboardInterrupt:

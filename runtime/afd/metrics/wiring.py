@@ -4,62 +4,64 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from afd.config import AFDConfig
+from afd.config import GroupSettings, LinkSettings, ProcessSettings, SplitSettings
 from afd.metrics.expert_load import ExpertLoadCollector
 from afd.metrics.ffn_metrics import FFNLinkMetrics, FFNStepMetrics
 from afd.metrics.layer_clock import LayerClock, StepInstruments
 from afd.metrics.layer_metrics import LayerMetrics, RunnerCollector
 
 
-def export_group_info(registry: CollectorRegistry, config: AFDConfig) -> None:
+def export_group_info(registry: CollectorRegistry, group: GroupSettings, split: SplitSettings,
+                      link: LinkSettings) -> None:
     """`afd_group_info{topology,stages,gate,connector}` 1: the shape `afd plan` needs besides the series."""
     Gauge("afd_group_info", "The group this rank belongs to", ["role", "rank", "topology", "stages", "gate", "connector"],
-          registry=registry).labels(role=config.role, rank=str(config.rank), topology=str(config.topology),
-                                    stages=str(config.stages), gate="attention" if config.gate_on_attention else "ffn",
-                                    connector=config.connector).set(1)
+          registry=registry).labels(role=group.role, rank=str(group.rank), topology=str(group.topology),
+                                    stages=str(split.stages), gate="attention" if split.gate_on_attention else "ffn",
+                                    connector=link.connector).set(1)
 
 
-def export_resident_bytes(registry: CollectorRegistry, config: AFDConfig, resident_bytes: int) -> None:
+def export_resident_bytes(registry: CollectorRegistry, group: GroupSettings, resident_bytes: int) -> None:
     """`afd_weights_resident_bytes{role,rank}`: the model bytes this rank holds (weights, FP8 scales, norms; an
     expert-parallel FFN shard's series also carry its `shard`), as the loader counted them."""
     Gauge("afd_weights_resident_bytes", "Bytes of model weights (FP8 scales included) resident on this rank",
-          ["role", "rank"], registry=registry).labels(role=config.role, rank=str(config.rank)).set(resident_bytes)
+          ["role", "rank"], registry=registry).labels(role=group.role, rank=str(group.rank)).set(resident_bytes)
 
 
-def export_kernel_compiles(registry: CollectorRegistry, config: AFDConfig, watch) -> None:
+def export_kernel_compiles(registry: CollectorRegistry, group: GroupSettings, watch) -> None:
     """`afd_kernel_compiles_total{role,rank}`: Triton kernel specializations compiled while serving (each paused
     the step that met it); `watch` is `afd.kernels.compile_watch.WATCH`, already installed."""
     counter = Counter("afd_kernel_compiles", "Triton kernel specializations compiled while serving, after warm-up "
                       "(each pauses the step that met it)", ["role", "rank"], registry=registry)
-    series = counter.labels(role=config.role, rank=str(config.rank))
+    series = counter.labels(role=group.role, rank=str(group.rank))
     watch.on_serving_compile(lambda _description: series.inc())
 
 
-def attention_instruments(registry: CollectorRegistry, config: AFDConfig, device) -> StepInstruments:
-    """The per-layer series of an attention rank, to build its runner with."""
-    export_group_info(registry, config)
-    return StepInstruments(LayerClock(device, config.profile_every), LayerMetrics(registry, "attention", config.rank).observe)
+def attention_instruments(registry: CollectorRegistry, group: GroupSettings, process: ProcessSettings,
+                          device) -> StepInstruments:
+    """The per-layer series of an attention rank, to build its runner with (its group info: `export_group_info`)."""
+    return StepInstruments(LayerClock(device, process.profile_every),
+                           LayerMetrics(registry, "attention", group.rank).observe)
 
 
-def watch_attention(registry: CollectorRegistry, config: AFDConfig, role, engine) -> None:
+def watch_attention(registry: CollectorRegistry, group: GroupSettings, role, engine) -> None:
     """The series read from a built attention rank and its engine: its counters and its FFN link."""
-    ffn_rank = config.topology.ffn_rank_of(config.rank)
-    RunnerCollector(registry, "attention", config.rank, role.runner,
+    ffn_rank = group.topology.ffn_rank_of(group.rank)
+    RunnerCollector(registry, "attention", group.rank, role.runner,
                     link_state=lambda: (ffn_rank, engine.error is None, engine.reconnects, role.link.recover_failures))
 
 
-def ffn_instruments(registry: CollectorRegistry, config: AFDConfig, device) -> StepInstruments:
-    """The step series of an FFN rank, to build its executor with."""
-    export_group_info(registry, config)
-    return StepInstruments(LayerClock(device, config.profile_every), LayerMetrics(registry, "ffn", config.rank).observe,
-                           FFNStepMetrics(registry, config.rank).on_step)
+def ffn_instruments(registry: CollectorRegistry, group: GroupSettings, process: ProcessSettings,
+                    device) -> StepInstruments:
+    """The step series of an FFN rank, to build its executor with (its group info: `export_group_info`)."""
+    return StepInstruments(LayerClock(device, process.profile_every), LayerMetrics(registry, "ffn", group.rank).observe,
+                           FFNStepMetrics(registry, group.rank).on_step)
 
 
-def watch_ffn(registry: CollectorRegistry, config: AFDConfig, worker) -> None:
+def watch_ffn(registry: CollectorRegistry, group: GroupSettings, worker) -> None:
     """The series read from a built FFN worker: its peers, refusals and rejections, its counters."""
-    metrics = FFNLinkMetrics(registry, config.rank, worker.link)
-    for attention_rank in config.topology.attention_ranks_of(config.rank):
+    metrics = FFNLinkMetrics(registry, group.rank, worker.link)
+    for attention_rank in group.topology.attention_ranks_of(group.rank):
         metrics.on_peer(attention_rank, False)  # every served peer exported (0) before it connects
     worker.link.watch_peers(metrics.on_peer)
-    RunnerCollector(registry, "ffn", config.rank, worker.executor)
-    ExpertLoadCollector(registry, config.rank, config.ffn_shard, worker.executor.expert_load)
+    RunnerCollector(registry, "ffn", group.rank, worker.executor)
+    ExpertLoadCollector(registry, group.rank, group.ffn_shard, worker.executor.expert_load)

@@ -17,7 +17,7 @@ from afd.connector.attention_link import AttentionLink
 from afd.connector.expert_link import ShardedLink
 from afd.kv.cache import KVCache
 from afd.metrics.layer_clock import StepInstruments
-from afd.metrics.wiring import attention_instruments
+from afd.metrics.wiring import attention_instruments, export_group_info
 from afd.models.loader import LoadedModel
 from afd.roles.kv_sizing import serving_cache_tokens
 from afd.roles.share import Share, graphs_usable, load_share, watched_registry
@@ -49,26 +49,29 @@ class AttentionRole:
 
 def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
                        instruments: StepInstruments = StepInstruments()) -> AttentionRole:
-    """Attention rank `config.rank` around its share and KV cache: handshaken, decode graphs captured."""
-    if config.ffn_expert_parallel > 1:  # one link per shard, summed (afd.connector.expert_link)
-        link = ShardedLink.connect(config, share.hello(config), share.device)
+    """Attention rank `config.group.rank` around its share and KV cache: handshaken, decode graphs captured."""
+    group, scheduler = config.group, config.scheduler
+    hello = share.hello(group, config.split, config.link)
+    if group.ffn_expert_parallel > 1:  # one link per shard, summed (afd.connector.expert_link)
+        link = ShardedLink.connect(group, config.link, hello, share.device)
     else:
-        link = AttentionLink.connect(config, share.hello(config), share.device)
-    runner = AttentionRunner(share.loaded, link, kv_cache, StepOptions.of(config), instruments)
+        link = AttentionLink.connect(group, config.link, hello, share.device)
+    runner = AttentionRunner(share.loaded, link, kv_cache, StepOptions.of(config.split), instruments)
     link.listen(runner)
-    if graphs_usable(config, share.device, share.dtype):
+    if graphs_usable(config.graphs, config.link, share.device, share.dtype):
         try:  # warm-up and capture drive the FFN through their plans; Ready only after this
-            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks),
-                                           mixed_tokens=config.piecewise_graph_tokens)
+            mixed_tokens = config.graphs.piecewise_tokens(scheduler.max_num_batched_tokens)
+            graphs = runner.capture_graphs(min(scheduler.max_num_seqs, kv_cache.num_blocks), mixed_tokens=mixed_tokens)
         except Exception:
             link.close("graph capture failed")
             raise
         log.info("attention rank %d: decode graphs for %s sequences, %.1f MiB",
-                 config.rank, list(graphs.buckets), graphs.memory_bytes / 2**20)
+                 group.rank, list(graphs.buckets), graphs.memory_bytes / 2**20)
     if share.device.type == "cuda":  # Triton compiles what prompt steps meet now, not while serving
         runner.warming = True  # the FFN counts its own compiles in these steps as warm-up
         try:
-            warm_rank(config, share.loaded.spec, runner, kv_cache, lambda: link.wait_step(link.end_step()))
+            warm_rank(scheduler, config.graphs, share.loaded.spec, runner, kv_cache,
+                      lambda: link.wait_step(link.end_step()))
         except Exception:
             link.close("warm-up steps failed")
             raise
@@ -79,25 +82,30 @@ def assemble_attention(config: AFDConfig, share: Share, kv_cache: KVCache,
 
 def build_attention(config: AFDConfig, cache_tokens: int | None = None, instruments: StepInstruments = StepInstruments(),
                     device: torch.device | None = None) -> AttentionRole:
-    """Attention rank `config.rank` on `device` (None: the config's): its weights, a KV cache of `cache_tokens`
-    (None: sized for serving, `afd.roles.kv_sizing`), a handshaken FFN link, and what its runner reports to
-    (`metrics.wiring.attention_instruments`)."""
-    share = load_share(config, resolve_device(config) if device is None else device)
+    """Attention rank `config.group.rank` on `device` (None: the config's): its weights, a KV cache of
+    `cache_tokens` (None: sized for serving, `afd.roles.kv_sizing`), a handshaken FFN link, and what its runner
+    reports to (`metrics.wiring.attention_instruments`)."""
+    device = resolve_device(config.load) if device is None else device
+    share = load_share(config.group, config.split, config.load, device)
     dtype = torch_dtype(share.dtype)
-    tokens = serving_cache_tokens(config, share.loaded, share.device, dtype) if cache_tokens is None else cache_tokens
-    kv_cache = KVCache.for_tokens(share.loaded.model.kv_layouts(), tokens, dtype, share.device)
+    if cache_tokens is None:
+        cache_tokens = serving_cache_tokens("attention", config.kv, config.scheduler, config.split, config.graphs,
+                                            share.loaded, share.device, dtype)
+    kv_cache = KVCache.for_tokens(share.loaded.model.kv_layouts(), cache_tokens, dtype, share.device)
     log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token",
-             config.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
-             KVCache.bytes_per_token(kv_cache.layouts, dtype))
+             config.group.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size,
+             kv_cache.nbytes / 2**30, KVCache.bytes_per_token(kv_cache.layouts, dtype))
     return assemble_attention(config, share, kv_cache, instruments)
 
 
 def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
-    """`afd serve` on attention rank `config.rank`: connected to its FFN rank, its step timed, the HTTP API served
+    """`afd serve` on attention rank `config.group.rank`: connected to its FFN rank, its step timed, the HTTP API served
     until `stop` is set; the exit code."""
-    registry = watched_registry(config)
-    device = resolve_device(config)  # once per process: the instruments, the weights and the KV cache use it
+    group = config.group
+    registry = watched_registry(group)
+    device = resolve_device(config.load)  # once per process: the instruments, the weights and the KV cache use it
     log.info("attention rank %d: loading %s and connecting to ffn rank %d",
-             config.rank, config.model, config.topology.ffn_rank_of(config.rank))
-    role = build_attention(config, None, attention_instruments(registry, config, device), device)
+             group.rank, config.load.model, group.topology.ffn_rank_of(group.rank))
+    export_group_info(registry, group, config.split, config.link)
+    role = build_attention(config, None, attention_instruments(registry, group, config.process, device), device)
     return serve_api(config, stop, role, registry)

@@ -52,36 +52,38 @@ def build_monolithic(config: AFDConfig, cache_tokens: int | None = None,
                      device: torch.device | None = None) -> MonolithicRole:
     """The whole model on `device` (None: the config's); a KV cache of `cache_tokens` (None: sized for serving,
     `afd.roles.kv_sizing`)."""
-    device = resolve_device(config) if device is None else device
-    dtype = resolve_dtype(config, device)
-    loaded = load_model(config.model, "monolithic", config.gate_on_attention, torch_dtype(dtype), device)
+    scheduler, graphs = config.scheduler, config.graphs
+    device = resolve_device(config.load) if device is None else device
+    dtype = resolve_dtype(config.load, device)
+    loaded = load_model(config.load.model, "monolithic", config.split.gate_on_attention, torch_dtype(dtype), device)
     if device.type == "cuda":
         warm_up(loaded.model)
     if cache_tokens is None:
-        cache_tokens = serving_cache_tokens(config, loaded, device, torch_dtype(dtype))
+        cache_tokens = serving_cache_tokens("monolithic", config.kv, scheduler, config.split, graphs, loaded, device,
+                                            torch_dtype(dtype))
     kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), cache_tokens, torch_dtype(dtype), device)
     log.info("monolithic rank: KV cache of %d tokens (%d blocks of %d), %.2f GiB",
              kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30)
     runner = MonolithicRunner(loaded, kv_cache)
-    if config.cuda_graphs:
+    if graphs.cuda_graphs:
         if device.type == "cuda" and dtype != "float32":
-            mixed_tokens = config.piecewise_graph_tokens
-            graphs = runner.capture_graphs(min(config.max_num_seqs, kv_cache.num_blocks), mixed_tokens)
-            log.info("monolithic rank: decode graphs for %s sequences%s, %.1f MiB", list(graphs.buckets),
+            mixed_tokens = graphs.piecewise_tokens(scheduler.max_num_batched_tokens)
+            captured = runner.capture_graphs(min(scheduler.max_num_seqs, kv_cache.num_blocks), mixed_tokens)
+            log.info("monolithic rank: decode graphs for %s sequences%s, %.1f MiB", list(captured.buckets),
                      f", piecewise prefill graphs up to {mixed_tokens} tokens" if mixed_tokens else "",
-                     graphs.memory_bytes / 2**20)
+                     captured.memory_bytes / 2**20)
         else:
             log.warning("cuda_graphs is on but disabled here: graphs need a CUDA device and bf16/fp16")
     if device.type == "cuda":  # Triton compiles what prompt steps meet now, not while serving
-        warm_rank(config, loaded.spec, runner, kv_cache)
+        warm_rank(scheduler, graphs, loaded.spec, runner, kv_cache)
     return MonolithicRole(loaded, kv_cache, runner, device)
 
 
 def serve_monolithic(config: AFDConfig, stop: threading.Event) -> int:
     """`afd serve` with `AFD_ROLE=monolithic`: the whole model behind the engine and the HTTP API until `stop` is
     set; the exit code."""
-    registry = watched_registry(config)
-    log.info("monolithic rank: loading %s", config.model)
+    registry = watched_registry(config.group)
+    log.info("monolithic rank: loading %s", config.load.model)
     return serve_api(config, stop, build_monolithic(config), registry)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
-from afd.config import AFDConfig
+from afd.config import GraphSettings, GroupSettings, LinkSettings, LoadSettings, SplitSettings
 from afd.connector import registry
 from afd.kernels.compile_watch import WATCH
 from afd.metrics.wiring import export_kernel_compiles
@@ -29,29 +29,30 @@ class Share:
     device: torch.device
     dtype: str  # a name of afd.connector.tensors.DTYPES
 
-    def hello(self, config: AFDConfig):
-        return make_hello(config, self.loaded.spec, self.loaded.crossing, self.loaded.fingerprint, self.dtype)
+    def hello(self, group: GroupSettings, split: SplitSettings, link: LinkSettings):
+        return make_hello(group, split, link, self.loaded.spec, self.loaded.crossing, self.loaded.fingerprint,
+                          self.dtype)
 
 
-def load_share(config: AFDConfig, device: torch.device) -> Share:
-    """The weights of `config.role` on `device` (the FFN's MoE kernels warmed up on a GPU)."""
-    dtype = resolve_dtype(config, device)
-    shard = (config.ffn_shard, config.ffn_expert_parallel) if config.role == "ffn" else (0, 1)
-    loaded = load_model(config.model, config.role, config.gate_on_attention, torch_dtype(dtype), device, shard)
-    if config.role == "ffn" and device.type == "cuda":
-        log.info("ffn rank %d: MoE kernels warmed up for %d token counts", config.rank, warm_up(loaded.model))
+def load_share(group: GroupSettings, split: SplitSettings, load: LoadSettings, device: torch.device) -> Share:
+    """The weights of `group.role` on `device` (the FFN's MoE kernels warmed up on a GPU)."""
+    dtype = resolve_dtype(load, device)
+    shard = (group.ffn_shard, group.ffn_expert_parallel) if group.role == "ffn" else (0, 1)
+    loaded = load_model(load.model, group.role, split.gate_on_attention, torch_dtype(dtype), device, shard)
+    if group.role == "ffn" and device.type == "cuda":
+        log.info("ffn rank %d: MoE kernels warmed up for %d token counts", group.rank, warm_up(loaded.model))
     return Share(loaded, device, dtype)
 
 
-def graphs_usable(config: AFDConfig, device: torch.device, dtype: str) -> bool:
+def graphs_usable(graphs: GraphSettings, link: LinkSettings, device: torch.device, dtype: str) -> bool:
     """CUDA graphs need a GPU, a data plane whose transfers can be captured (not host frames) and bf16/fp16."""
-    if not config.cuda_graphs:
+    if not graphs.cuda_graphs:
         return False
     problems = [
         why for bad, why in (
             (device.type != "cuda", "no CUDA device"),
-            (not registry.transport(config.connector).graph_capturable,
-             f"connector={config.connector} moves tensors through the host"),
+            (not registry.transport(link.connector).graph_capturable,
+             f"connector={link.connector} moves tensors through the host"),
             (dtype == "float32", "float32 experts take the host-synchronising reference path"),
         ) if bad
     ]
@@ -60,10 +61,10 @@ def graphs_usable(config: AFDConfig, device: torch.device, dtype: str) -> bool:
     return not problems
 
 
-def watched_registry(config: AFDConfig) -> CollectorRegistry:
+def watched_registry(group: GroupSettings) -> CollectorRegistry:
     """A serving rank's registry, made before its role is built: Triton kernels compiled after warm-up are logged
     and counted there."""
     series = CollectorRegistry()
     if WATCH.install():
-        export_kernel_compiles(series, config, WATCH)
+        export_kernel_compiles(series, group, WATCH)
     return series

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from afd.config import AFDConfig
+from afd.config import SplitSettings
 from afd.connector import wire
 from afd.connector.attention_link import AttentionLink
 from afd.connector.base import AttnTransfer
@@ -38,8 +38,8 @@ class StepOptions:
     gate_on_attention: bool = False
 
     @classmethod
-    def of(cls, config: AFDConfig) -> "StepOptions":
-        return cls(StagePolicy.of(config), config.gate_on_attention)
+    def of(cls, split: SplitSettings) -> "StepOptions":
+        return cls(StagePolicy.of(split), split.gate_on_attention)
 
 
 @dataclass

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from afd.config import AFDConfig
+from afd.config import LoadSettings
 from afd.connector.tensors import DTYPES
 
 
-def resolve_device(config: AFDConfig) -> torch.device:
-    if config.device == "auto":
+def resolve_device(load: LoadSettings) -> torch.device:
+    if load.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if config.device == "cuda" and not torch.cuda.is_available():
+    if load.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device=cuda but no CUDA device is visible to this process")
-    return torch.device(config.device)
+    return torch.device(load.device)
 
 
-def resolve_dtype(config: AFDConfig, device: torch.device) -> str:
+def resolve_dtype(load: LoadSettings, device: torch.device) -> str:
     """The dtype name both roles must agree on: bfloat16 on GPUs, float32 on CPUs by default."""
-    if config.dtype != "auto":
-        return config.dtype
+    if load.dtype != "auto":
+        return load.dtype
     return "bfloat16" if device.type == "cuda" else "float32"
 
 

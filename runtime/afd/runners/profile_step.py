@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from afd.config import AFDConfig
+from afd.config import SchedulerSettings, SplitSettings
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
 from afd.engine.sampling.sampler import sample
 from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
@@ -53,21 +53,22 @@ class StandInFFN:
         pass
 
 
-def _stepper(config: AFDConfig, loaded: LoadedModel, kv_cache: KVCache):
-    if config.role == "monolithic":
+def _stepper(role: str, split: SplitSettings, loaded: LoadedModel, kv_cache: KVCache):
+    if role == "monolithic":
         return MonolithicRunner(loaded, kv_cache)
-    return AttentionRunner(loaded, StandInFFN(), kv_cache, StepOptions.of(config))
+    return AttentionRunner(loaded, StandInFFN(), kv_cache, StepOptions.of(split))
 
 
 @torch.inference_mode()
-def run_largest_steps(config: AFDConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device,
-                      max_model_len: int) -> None:
-    """Run and sample each profiled shape of `config`'s step budget; nothing is kept."""
-    shapes = plan_profile_shapes(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+def run_largest_steps(role: str, scheduler: SchedulerSettings, split: SplitSettings, loaded: LoadedModel,
+                      dtype: torch.dtype, device: torch.device, max_model_len: int) -> None:
+    """Run and sample each profiled shape of `scheduler`'s step budget on a `role` (attention or monolithic)
+    rank; nothing is kept."""
+    shapes = plan_profile_shapes(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, max_model_len)
     most = max(len(shape) for shape in shapes)
-    scratch_tokens = config.max_num_batched_tokens + most * DEFAULT_BLOCK_SIZE
+    scratch_tokens = scheduler.max_num_batched_tokens + most * DEFAULT_BLOCK_SIZE
     kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), scratch_tokens, dtype, device)
-    step = _stepper(config, loaded, kv_cache)
+    step = _stepper(role, split, loaded, kv_cache)
     params = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS)
     vocab = loaded.spec.vocab_size
     for new_lens in shapes:

@@ -19,7 +19,7 @@ import logging
 import time
 from collections import deque
 
-from afd.config import AFDConfig
+from afd.config import GroupSettings, LinkSettings
 from afd.connector import registry, wire
 from afd.connector.ffn_link import FFNLink
 from afd.connector.identity import identity_key, new_identity
@@ -71,15 +71,15 @@ class LeaderOrder(LocalOrder):
 class FollowerOrder:
     """Shard s > 0: runs shard 0's steps, in its order, with the plans the attention ranks sent here."""
 
-    def __init__(self, config: AFDConfig):
-        self.config = config
-        key = identity_key(config.group_token, config.group_secret)
-        leader = config.ffn_endpoint(config.rank, 0)
-        self.transport = registry.transport(config.connector).open_peer(config, leader, new_identity(config.ffn_shard, key))
-        self.hello = wire.ShardHello(config.ffn_shard, config.ffn_expert_parallel,
-                                     token_digest(config.group_token, config.group_secret))
+    def __init__(self, group: GroupSettings, link: LinkSettings):
+        self.shard = group.ffn_shard
+        key = identity_key(group.group_token, group.group_secret)
+        leader = group.ffn_endpoint(group.rank, 0)
+        self.transport = registry.transport(link.connector).open_peer(link, leader, new_identity(group.ffn_shard, key))
+        self.hello = wire.ShardHello(group.ffn_shard, group.ffn_expert_parallel,
+                                     token_digest(group.group_token, group.group_secret))
         self.orders: deque[wire.StepOrder] = deque()
-        self.wait_s = config.peer_timeout_s  # an ordered plan that never comes is skipped after this
+        self.wait_s = link.peer_timeout_s  # an ordered plan that never comes is skipped after this
         self._hello_at = 0.0
         self._order_since = 0.0
 
@@ -111,7 +111,7 @@ class FollowerOrder:
             return {}
         if missing:
             log.warning("shard %d: no plan from attention ranks %s for shard 0's step; running without them",
-                        self.config.ffn_shard, missing)
+                        self.shard, missing)
         self.orders.popleft()
         self._order_since = time.monotonic()
         return {peer: queue.popleft() for peer, queue in ready.items()}
@@ -136,10 +136,10 @@ class FollowerOrder:
         self.transport.close()
 
 
-def step_order(config: AFDConfig):
-    """How FFN process `config` picks each step's plans."""
-    if config.ffn_expert_parallel == 1:
-        return LocalOrder(config.ffn_batch_window_s)
-    if config.ffn_shard == 0:
-        return LeaderOrder(config.ffn_batch_window_s, config.ffn_expert_parallel - 1)
-    return FollowerOrder(config)
+def step_order(group: GroupSettings, link: LinkSettings):
+    """How FFN process `group.rank` (shard `group.ffn_shard`) picks each step's plans."""
+    if group.ffn_expert_parallel == 1:
+        return LocalOrder(link.ffn_batch_window_s)
+    if group.ffn_shard == 0:
+        return LeaderOrder(link.ffn_batch_window_s, group.ffn_expert_parallel - 1)
+    return FollowerOrder(group, link)

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from afd.config import GraphSettings, SchedulerSettings
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
 from afd.engine.sampling.sampler import sample
 from afd.kv.cache import KVCache
@@ -89,8 +90,9 @@ def run_warm_steps(runner, kv_cache: KVCache, vocab_size: int, steps: list[Layou
     return ran
 
 
-def warm_rank(config, spec, runner, kv_cache: KVCache, finish: Callable[[], None] = lambda: None) -> int:
-    """`run_warm_steps` over the layouts `config`'s step budget and graphs call for (`plan_warm_steps`)."""
-    steps = plan_warm_steps(config.max_num_batched_tokens, config.max_num_seqs, kv_cache.block_size,
-                            config.max_model_len_of(spec), config.piecewise_graph_tokens)
+def warm_rank(scheduler: SchedulerSettings, graphs: GraphSettings, spec, runner, kv_cache: KVCache,
+              finish: Callable[[], None] = lambda: None) -> int:
+    """`run_warm_steps` over the layouts the step budget (`scheduler`) and the graphs call for (`plan_warm_steps`)."""
+    steps = plan_warm_steps(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, kv_cache.block_size,
+                            scheduler.max_model_len_of(spec), graphs.piecewise_tokens(scheduler.max_num_batched_tokens))
     return run_warm_steps(runner, kv_cache, spec.vocab_size, steps, finish)

@@ -9,7 +9,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from afd.config import AFDConfig
+from afd.config import GroupSettings
 
 if TYPE_CHECKING:  # the engine (torch) stays out of the API child processes
     from afd.engine.engine import Engine
@@ -17,18 +17,18 @@ if TYPE_CHECKING:  # the engine (torch) stays out of the API child processes
 log = logging.getLogger(__name__)
 
 
-def stop_serving(config: AFDConfig, engine: Engine, probe) -> None:
+def stop_serving(group: GroupSettings, engine: Engine, probe) -> None:
     """After the HTTP server: the probes go, and the engine stops, failing what the grace did not finish."""
-    log.info("%s rank %d stopping: %d running, %d waiting requests", config.role, config.rank, engine.num_running,
+    log.info("%s rank %d stopping: %d running, %d waiting requests", group.role, group.rank, engine.num_running,
              engine.num_waiting)
     probe.shutdown()
     engine.stop()
 
 
-def engine_died(config: AFDConfig, engine: Engine) -> bool:
+def engine_died(group: GroupSettings, engine: Engine) -> bool:
     """Whether the engine thread died (logged: the process then exits non-zero and is restarted)."""
     if engine.dead:
-        log.error("%s rank %d exits because %s (a supervisor or the kubelet restarts it)", config.role, config.rank, engine.dead)
+        log.error("%s rank %d exits because %s (a supervisor or the kubelet restarts it)", group.role, group.rank, engine.dead)
     return engine.dead is not None
 
 

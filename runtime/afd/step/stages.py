@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from afd.config import SplitSettings
+
 
 @dataclass(frozen=True)
 class StagePolicy:
@@ -24,9 +26,9 @@ class StagePolicy:
     dbo_min_tokens: int = 0
 
     @classmethod
-    def of(cls, config) -> "StagePolicy":
-        """The policy an `AFDConfig` sets (its `stages` and `dbo_min_tokens`)."""
-        return cls(config.stages, config.dbo_min_tokens)
+    def of(cls, split: SplitSettings) -> "StagePolicy":
+        """The policy of the `stages` and `dbo_min_tokens` settings."""
+        return cls(split.stages, split.dbo_min_tokens)
 
     def cut(self, new_lens: Sequence[int]) -> int:
         """How many of the step's sequences (in order) run in stage 0; the rest run in stage 1.

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from afd.config import AFDConfig, load_config
+from afd.config import GroupSettings, LinkSettings, SplitSettings, load_config
 from afd.connector import wire
 from afd.connector.attention_link import AttentionLink, LinkOptions
 from afd.connector.base import AttnTransfer, PeerLost
@@ -59,17 +59,16 @@ class LinkPlan:
 
 
 class StepLink:
-    """Attention rank `config.rank`'s link to its FFN rank, one vLLM step (model call) at a time."""
+    """An attention rank's link to its FFN rank, one vLLM step (model call) at a time."""
 
-    def __init__(self, config: AFDConfig, plan: LinkPlan, link: AttentionLink):
-        self.config = config
+    def __init__(self, heartbeat_interval_s: float, plan: LinkPlan, link: AttentionLink):
         self.plan = plan
         self.link = link
         self.first_layer = plan.crossing[0] if plan.crossing else -1
         self.step_id = 0
         self._stage_rows: tuple[int, ...] = ()
         self.closed = False
-        self.care = LinkCare(link, max(0.05, config.heartbeat_interval_s / 2))
+        self.care = LinkCare(link, max(0.05, heartbeat_interval_s / 2))
         self._last_step_at = time.monotonic()
         self._lock = threading.Lock()  # the link's sockets belong to one thread at a time
 
@@ -79,28 +78,34 @@ class StepLink:
         return self.care.error
 
     @classmethod
-    def connect(cls, model_path: str, dtype: torch.dtype, config: AFDConfig | None = None) -> "StepLink":
+    def from_env(cls, model_path: str, dtype: torch.dtype) -> "StepLink":
+        """`connect` as the `AFD_*` environment of vLLM's process says (the plugin's entry, in the model's class)."""
+        config = load_config(cli={"role": "attention"})
+        return cls.connect(model_path, dtype, config.group, config.split, config.link)
+
+    @classmethod
+    def connect(cls, model_path: str, dtype: torch.dtype, group: GroupSettings, split: SplitSettings,
+                settings: LinkSettings) -> "StepLink":
         """Read the checkpoint's facts, connect and handshake (raises `HandshakeError`)."""
-        config = config or load_config(cli={"role": "attention"})
-        if config.role != "attention":
-            raise ValueError(f"AFD_ROLE={config.role}: the vLLM plugin runs attention ranks only")
-        if config.ffn_expert_parallel > 1:  # it links to one FFN process: shard 0 alone would return a partial sum
-            raise ValueError(f"AFD_FFN_EXPERT_PARALLEL={config.ffn_expert_parallel}: the vLLM plugin links to "
+        if group.role != "attention":
+            raise ValueError(f"AFD_ROLE={group.role}: the vLLM plugin runs attention ranks only")
+        if group.ffn_expert_parallel > 1:  # it links to one FFN process: shard 0 alone would return a partial sum
+            raise ValueError(f"AFD_FFN_EXPERT_PARALLEL={group.ffn_expert_parallel}: the vLLM plugin links to "
                              "unsharded FFN ranks only; use attentionEngine=afd with expert parallelism")
         if not Path(model_path).is_dir():
             raise ValueError(f"model {model_path!r}: the AFD vLLM plugin needs a local checkpoint folder "
                              "(the FFN ranks fingerprint the same files); download it first")
         checkpoint = Checkpoint(model_path)
         spec = parse_spec(checkpoint.config)
-        plan = LinkPlan(spec, crossing_layers(spec.moe_layers, config.gate_on_attention), config.gate_on_attention,
-                        StagePolicy.of(config))
-        hello = make_hello(config, spec, plan.crossing, checkpoint.fingerprint(), DTYPE_NAMES[dtype])
-        options = LinkOptions.of(config, reconnect_timeout_s=min(config.connect_timeout_s, RECONNECT_TIMEOUT_S))
-        link = AttentionLink.connect(config, hello, "cpu", options)
+        plan = LinkPlan(spec, crossing_layers(spec.moe_layers, split.gate_on_attention), split.gate_on_attention,
+                        StagePolicy.of(split))
+        hello = make_hello(group, split, settings, spec, plan.crossing, checkpoint.fingerprint(), DTYPE_NAMES[dtype])
+        options = LinkOptions.of(settings, reconnect_timeout_s=min(settings.connect_timeout_s, RECONNECT_TIMEOUT_S))
+        link = AttentionLink.connect(group, settings, hello, "cpu", options)
         log.info("afd: attention rank %d linked to ffn rank %d (%s, layers %s, %d stage(s), gate on %s)",
-                 config.rank, link.ffn_rank, config.topology, list(plan.crossing), plan.policy.stages,
+                 group.rank, link.ffn_rank, group.topology, list(plan.crossing), plan.policy.stages,
                  "attention" if plan.gate_on_attention else "ffn")
-        step_link = cls(config, plan, link)
+        step_link = cls(settings.heartbeat_interval_s, plan, link)
         atexit.register(step_link.close)
         threading.Thread(target=step_link._keepalive_loop, name="afd-ffn-keepalive", daemon=True).start()
         return step_link

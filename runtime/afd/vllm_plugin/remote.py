@@ -100,7 +100,7 @@ class AFDCausalLM(nn.Module):
         config = model_config.hf_text_config
         self.config = config
         self.model_path = model_config.model
-        self.link = StepLink.connect(self.model_path, model_config.dtype)
+        self.link = StepLink.from_env(self.model_path, model_config.dtype)
         self.model = self.build_model(vllm_config, maybe_prefix(prefix, "model"), self.link, register_link(self.link))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config, prefix=maybe_prefix(prefix, "lm_head")

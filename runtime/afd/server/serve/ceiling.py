@@ -21,6 +21,7 @@ import time
 import torch
 from prometheus_client import CollectorRegistry, Gauge
 
+from afd.config import GraphSettings, GroupSettings, SchedulerSettings
 from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
@@ -63,19 +64,20 @@ def fill_with_noise(kv_cache, blocks: list[int]) -> None:
         tensor.index_copy_(0, rows, torch.randn((len(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device))
 
 
-def export_ceiling(registry: CollectorRegistry, config, role) -> dict[int, float]:
-    """Time every batch of `config.ceiling_batches` that fits; log and export them."""
+def export_ceiling(registry: CollectorRegistry, group: GroupSettings, graphs: GraphSettings,
+                   scheduler: SchedulerSettings, role) -> dict[int, float]:
+    """Time every batch of `graphs.ceiling_batches` that fits; log and export them."""
     gauge = Gauge("afd_step_ceiling_seconds", "Graph-replayed decode step time measured at start, per batch size",
                   ["role", "rank", "batch"], registry=registry)
     kv_cache, results = role.kv_cache, {}
-    context = config.ceiling_context
-    for batch in sorted({int(b) for b in config.ceiling_batches.split(",") if b.strip()}):
-        if batch > config.max_num_seqs or kv_cache.blocks_for(context + 1) * batch > kv_cache.free_blocks:
+    context = graphs.ceiling_context
+    for batch in sorted({int(b) for b in graphs.ceiling_batches.split(",") if b.strip()}):
+        if batch > scheduler.max_num_seqs or kv_cache.blocks_for(context + 1) * batch > kv_cache.free_blocks:
             log.warning("step ceiling at batch %d skipped: above max_num_seqs or the KV cache", batch)
             continue
         results[batch] = seconds = step_seconds(role.runner, kv_cache, batch, context, link=role.link,
                                                 vocab_size=role.loaded.spec.vocab_size)
-        gauge.labels(role=config.role, rank=str(config.rank), batch=str(batch)).set(seconds)
+        gauge.labels(role=group.role, rank=str(group.rank), batch=str(batch)).set(seconds)
         log.info("step ceiling at batch %d, context %d: %.2f ms per step, %.0f tokens/s", batch, context, 1e3 * seconds,
                  batch / seconds)
     return results

@@ -11,7 +11,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry
 
-from afd.config import AFDConfig
+from afd.config import AFDConfig, config_to_env
 from afd.engine.engine import Engine
 from afd.engine.text.tokenizer import load_tokenizer
 from afd.kernels.compile_watch import WATCH
@@ -34,43 +34,44 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
     """Engine + app state around a connected attention role (or a monolithic one); `registry`
     already holds the series the role was built with, if any."""
     spec = role.loaded.spec
+    group, scheduler, api = config.group, config.scheduler, config.api
     registry = CollectorRegistry() if registry is None else registry
-    metrics = ServingMetrics(registry, config.rank, config.role)
+    metrics = ServingMetrics(registry, group.rank, group.role)
     engine = Engine(
         role.runner,
         role.kv_cache,
-        load_tokenizer(config.model),
+        load_tokenizer(config.load.model),
         spec.eos_token_ids,
-        config.max_num_seqs,
-        config.max_model_len_of(spec),
-        config.max_num_batched_tokens,
+        scheduler.max_num_seqs,
+        scheduler.max_model_len_of(spec),
+        scheduler.max_num_batched_tokens,
         role.device,
         observer=metrics,
         link=role.link,
-        prefill_itl_ratio=config.prefill_itl_ratio,
-        prefill_backlog_steps=config.prefill_backlog_steps,
-        hold_s=config.ffn_hold_s,
+        prefill_itl_ratio=scheduler.prefill_itl_ratio,
+        prefill_backlog_steps=scheduler.prefill_backlog_steps,
+        hold_s=config.link.ffn_hold_s,
         vocab_size=spec.vocab_size,  # the sampler's width: a seeded stream is advanced over it (afd.engine.recovery.carry)
     )
     metrics.track(engine)
     state = ServerState(
         engine=engine,
         tokenizer=engine.tokenizer,
-        model_name=config.served_model_name or os.path.basename(os.path.normpath(config.model)),
+        model_name=api.served_model_name or os.path.basename(os.path.normpath(config.load.model)),
         max_model_len=engine.max_model_len,
         vocab_size=spec.vocab_size,
         health=lambda: engine.problem,
         registry=registry,
-        limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
-        resume_key=config.group_secret.encode(),
-        api_keys=ApiKeys(config.api_keys),
-        reasoning=PARSERS.get(config.reasoning_parser), reasoning_content=config.reasoning_content,
+        limits=Limits.for_server(api.max_request_bytes, api.max_prompts, api.max_prompt_chars, engine.max_model_len),
+        resume_key=group.group_secret.encode(),
+        api_keys=ApiKeys(api.api_keys),
+        reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
     )
     if role.link is not None:  # a monolithic rank has no FFN link
-        watch_attention(registry, config, role, engine)
+        watch_attention(registry, group, role, engine)
     loaded = getattr(role, "loaded", None)
     if loaded is not None:
-        export_resident_bytes(registry, config, loaded.resident_bytes)
+        export_resident_bytes(registry, group, loaded.resident_bytes)
     return state, engine
 
 
@@ -132,33 +133,34 @@ def attention_probes(state: ServerState, listening: Callable[[], bool], stop: th
 def serve_api(config: AFDConfig, stop: threading.Event, role, registry: CollectorRegistry) -> int:
     """Serve the HTTP API of a loaded attention or monolithic `role` (its series already in `registry`) until `stop`
     is set, in this process or in API processes; the role is closed after; the exit code."""
+    group, api = config.group, config.api
     state, engine = build_server(config, role, registry)
-    if config.ceiling_batches:
-        export_ceiling(state.registry, config, role)
+    if config.graphs.ceiling_batches:
+        export_ceiling(state.registry, group, config.graphs, config.scheduler, role)
     WATCH.set_serving()
     engine.start()
     ffn_draining = lambda: getattr(role.link, "ffn_draining", None)  # noqa: E731
-    if config.api_children:  # the HTTP API in child processes (afd.server.api_process)
+    if api.api_children:  # the HTTP API in child processes (afd.server.api_process)
         try:
-            return serve_with_api_process(config, stop, state, engine,
+            return serve_with_api_process(group, api, config.process, config_to_env(config), stop, state, engine,
                                           lambda listening: attention_probes(state, listening, stop, ffn_draining))
         finally:
-            role.close(f"{config.role} rank shutting down")
+            role.close(f"{group.role} rank shutting down")
     # `probes` is bound below, before the server takes its first request
-    failover = FailoverSettings(config.failover_url, resume_key=config.group_secret.encode())
+    failover = FailoverSettings(api.failover_url, resume_key=group.group_secret.encode())
     app = Failover(create_app(state), lambda: probes.readiness() is not None, failover)
-    server = http_server(app, config)
+    server = http_server(app, api, config.process)
     probes = attention_probes(state, lambda: server.started, stop, ffn_draining, app.quiet_s)
-    probe = start_probe_server(config.http_host, config.metrics_port, probes, state.registry)
+    probe = start_probe_server(api.http_host, config.process.metrics_port, probes, state.registry)
     threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     threading.Thread(target=exit_if_engine_dies, args=(engine, server, stop), name="engine-watch", daemon=True).start()
-    log.info("%s rank %d serving on http://%s:%d/v1", config.role, config.rank, config.http_host, config.http_port)
+    log.info("%s rank %d serving on http://%s:%d/v1", group.role, group.rank, api.http_host, api.http_port)
     try:
         server.run()
     finally:
-        stop_serving(config, engine, probe)
-        role.close(f"{config.role} rank shutting down")
-    if engine_died(config, engine):
+        stop_serving(group, engine, probe)
+        role.close(f"{group.role} rank shutting down")
+    if engine_died(group, engine):
         return 1
-    log.info("%s rank %d stopped", config.role, config.rank)
+    log.info("%s rank %d stopped", group.role, group.rank)
     return 0

@@ -1,12 +1,14 @@
 """The config of `afd up` and `afd generate`: everything `afd serve` reads (a settings file, `AFD_*`, flags),
-less what a local group decides itself; a source that sets one of those is refused by name, not dropped."""
+less what a local group decides itself; a source that sets one of those is refused by name, not dropped.
+Torch-free."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Mapping
 
-from afd.config import AFDConfig, load_config
+from afd.config.load import load_config
+from afd.config.settings import AFDConfig
 
 TOPOLOGY_SETTINGS = ("num_attention_ranks", "num_ffn_ranks", "ffn_expert_parallel")
 # every rank on 127.0.0.1, each FFN process on its own pair of ports (the children get the real ports)
@@ -40,4 +42,5 @@ def local_config(command: str, flags: Mapping[str, Any], defaults: Mapping[str, 
         fixed.update(num_attention_ranks=1, num_ffn_ranks=1, ffn_expert_parallel=1)
     config = load_config(cli=flags, env=env, file=file, defaults={**defaults, **fixed},
                          decided=decided_settings(command, monolithic))
-    return config.replace(model=str(Path(config.model).resolve())) if config.model else config
+    model = config.load.model
+    return config.replace(model=str(Path(model).resolve())) if model else config
