@@ -24,14 +24,14 @@ step() {  # step SECONDS COMMAND...: the command's output into the log, its JSON
 tune_tokens=${TUNE_TOKENS:-1024,4096,64,256,2048}
 for shape in ${TUNE_SHAPES:-deepseek-v3:130:65 qwen3-30b-a3b:95:40}; do
   IFS=: read -r name limit deadline <<<"$shape"
-  step $limit python3 bench/moe_tune.py --fp8 --shape $name --tokens $tune_tokens --deadline $deadline --workers 15 \
+  step $limit python3 bench/kernels/moe_tune.py --fp8 --shape $name --tokens $tune_tokens --deadline $deadline --workers 15 \
     ${TUNE_ARGS:-}
 done
 for shape in ${BENCH_SHAPES:-deepseek-v3:50 qwen3-30b-a3b:35}; do
   IFS=: read -r name limit <<<"$shape"
-  step $limit python3 bench/moe_layer_fp8.py --shape $name --tokens ${BENCH_TOKENS:-64,256,1024,4096}
+  step $limit python3 bench/kernels/moe_layer_fp8.py --shape $name --tokens ${BENCH_TOKENS:-64,256,1024,4096}
 done
-(OUT=$JSON timeout 60 python3 bench/moe_fp8_spills.py --shape deepseek-v3 >/tmp/spills.log 2>&1) &
+(OUT=$JSON timeout 60 python3 bench/kernels/moe_fp8_spills.py --shape deepseek-v3 >/tmp/spills.log 2>&1) &
 step ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider --timeout 50 --maxfail 30 ${TESTS:-tests/gpu/test_gpu_fp8.py \
   tests/runtime/test_moe_fp8.py tests/runtime/test_routing_kernel.py tests/runtime/test_moe_tuned_configs.py}
 wait

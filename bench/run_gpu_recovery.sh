@@ -10,4 +10,4 @@ python3 -c "import torch; from afd.connector.transports.nccl import lib as nccl_
 AFD_GPU_RESULTS=$OUT/recovery.jsonl AFD_GPU_LOGS=$OUT/children.log NCCL_DEBUG=WARN timeout ${RECOVERY_S:-400} \
     python3 -m pytest -q -rA tests/gpu/test_gpu_recovery.py ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} -p no:cacheprovider --timeout 380 2>&1 | tee $OUT/gpu_recovery.log | tail -40
 grep -h "destroyed in\|teardown of the pair\|linked again\|re-handshake with\|aborting the NCCL pair\|dropping attention peer" $OUT/children.log | cut -c1-300 | tail -40
-[ "${TEARDOWN_S:-140}" = 0 ] || NCCL_DEBUG=WARN timeout ${TEARDOWN_S:-140} python3 bench/nccl_teardown.py 2>&1 | tee $OUT/nccl_teardown.log
+[ "${TEARDOWN_S:-140}" = 0 ] || NCCL_DEBUG=WARN timeout ${TEARDOWN_S:-140} python3 bench/cluster/nccl_teardown.py 2>&1 | tee $OUT/nccl_teardown.log

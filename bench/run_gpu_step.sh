@@ -7,7 +7,7 @@
 # Steps, most wanted first, each with its own time limit (STEPS picks some: tests floor serve0 serve2):
 #   tests   the kernels' tests and the GPU parity tests the fused glue touches (AFD over NCCL == monolith, gate on
 #           either side; graph replay == eager; piecewise prompt graphs == eager; no Triton compile while serving)
-#   floor   bench/step_floor.py, both shapes, batches 1,64,256, contexts 128,2048
+#   floor   bench/step/step_floor.py, both shapes, batches 1,64,256, contexts 128,2048
 #   serve0  serve_gpu monolithic at 1,16,64,256 streams, 64 again with penalties, 64 with arriving prompts; pacer off
 #   serve2  the same bursts (16,64,256) and arriving prompts with AFD_PREFILL_ITL_RATIO=2
 set -u
@@ -34,9 +34,9 @@ if [[ $steps == *" tests "* ]]; then
     "$gpu::test_piecewise_prompt_graphs_equal_eager_steps" tests/gpu/test_compile_watch_gpu.py
 fi
 if [[ $steps == *" floor "* ]]; then
-  step ${FLOOR_TIMEOUT:-200} python3 bench/step_floor.py --steps ${FLOOR_STEPS:-10} --batches ${FLOOR_BATCHES:-1,64,256}
+  step ${FLOOR_TIMEOUT:-200} python3 bench/step/step_floor.py --steps ${FLOOR_STEPS:-10} --batches ${FLOOR_BATCHES:-1,64,256}
 fi
-serve="python3 bench/serve_gpu.py --modes monolithic --output-tokens 256"
+serve="python3 bench/serving/serve_gpu.py --modes monolithic --output-tokens 256"
 if [[ $steps == *" serve0 "* ]]; then
   AFD_API_PROCESS=1 step ${SERVE0_TIMEOUT:-130} $serve --prefill-itl-ratio 0 --levels ${SERVE0_LEVELS:-1,16,64,256} \
     --penalty-levels 64 --arriving-levels 64

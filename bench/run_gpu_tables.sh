@@ -29,19 +29,19 @@ tables=" ${TABLES:-skinny bf16 fp8} "
 tokens=1,64,256,16,4,8,1024,4096,32,128,512,2048  # most wanted first: a deadline drops the last
 seconds() { python3 -c "print(int($1 * $scale))"; }
 if [[ $tables == *" skinny "* ]]; then
-  step $(seconds 75) python3 bench/skinny_tune.py --deadline $(seconds 40) --write
+  step $(seconds 75) python3 bench/kernels/skinny_tune.py --deadline $(seconds 40) --write
 fi
 if [[ $tables == *" bf16 "* ]]; then
   for shape in ${BF16_SHAPES:-qwen3-30b-a3b deepseek-v2-lite}; do
-    step $(seconds 330) python3 bench/moe_tune.py --shape $shape --tokens $tokens --deadline $(seconds 200) --workers 15
+    step $(seconds 330) python3 bench/kernels/moe_tune.py --shape $shape --tokens $tokens --deadline $(seconds 200) --workers 15
   done
 fi
 if [[ $tables == *" fp8 "* ]]; then
-  step $(seconds 130) python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 64,256,1024 --layouts 16,64 \
+  step $(seconds 130) python3 bench/kernels/moe_tune.py --fp8 --shape deepseek-v3 --tokens 64,256,1024 --layouts 16,64 \
     --deadline $(seconds 60) --workers 10  # DeepSeek-V3's FP8 experts take ~12 GB beside each worker's ~3.4 GB
-  step $(seconds 150) python3 bench/moe_tune.py --fp8 --shape deepseek-v3 --tokens 4096,2048 --layouts 64,128 \
+  step $(seconds 150) python3 bench/kernels/moe_tune.py --fp8 --shape deepseek-v3 --tokens 4096,2048 --layouts 64,128 \
     --deadline $(seconds 90) --workers 10
-  step $(seconds 95) python3 bench/moe_tune.py --fp8 --shape qwen3-30b-a3b --tokens 64,256,1024,4096 \
+  step $(seconds 95) python3 bench/kernels/moe_tune.py --fp8 --shape qwen3-30b-a3b --tokens 64,256,1024,4096 \
     --deadline $(seconds 40) --workers 15
 fi
 echo "=== done at +$((SECONDS - start)) s; tables in \$OUT: $(cd $OUT && ls *.json 2>/dev/null | tr '\n' ' ')" | tee -a $LOG

@@ -52,14 +52,14 @@ def render_configuration() -> str:
             roles = "".join(short[role] for role in spec.roles)
             lines.append(f"| `{spec.env}` | `{spec.name}` | {spec.type.__name__} | {shown} | {spec.allowed} | {roles} | "
                          f"{spec.help} |")
-    from afd_operator.render import CONFIG_ALWAYS, CONFIG_WHEN_SET
-    from afd_operator.render_pod import ENV_SETTINGS, VLLM_ENV_SETTINGS
+    from afd_operator.rendering.children import CONFIG_ALWAYS, CONFIG_WHEN_SET
+    from afd_operator.rendering.pod import ENV_SETTINGS, VLLM_ENV_SETTINGS
 
     def names(settings):
         return ", ".join(f"`{name}`" for name in settings)
 
     lines += ["", "## From an AFDDeployment", "",
-              "The operator renders `spec.afd` (`AFDSettings.runtime()` in `operator/afd_operator/model.py`: same names,",
+              "The operator renders `spec.afd` (`AFDSettings.runtime()` in `operator/afd_operator/model/spec.py`: same names,",
               "but `computeGateOnAttention` → `gate_on_attention`, `cudaGraphs.enabled` → `cuda_graphs`, `vllmArgs` →",
               "`vllm_args` shell-quoted, `apiServers` N > 0 → `api_process` and `api_servers`) into every pod:",
               f"as variables: {names(ENV_SETTINGS)}; on vLLM attention pods also {names(VLLM_ENV_SETTINGS)};",

@@ -16,10 +16,10 @@ from typing import Optional, Sequence
 
 import yaml
 
-from afd_operator.model import SpecError, parse_owner, parse_spec
-from afd_operator.render import dump_yaml, render_all
-from afd_operator.render_security import render_group_secret
-from afd_operator.secret import new_secret_value
+from afd_operator.model.spec import SpecError, parse_owner, parse_spec
+from afd_operator.rendering.children import dump_yaml, render_all
+from afd_operator.rendering.security import render_group_secret
+from afd_operator.reconcile.secret import new_secret_value
 
 
 def render_file(path: str, namespace: Optional[str] = None) -> str:

@@ -1,4 +1,4 @@
-"""kopf wiring: thin adapters from kopf's callbacks to `reconcile.reconcile`.
+"""kopf wiring: thin adapters from kopf's callbacks to `reconcile.deployment.reconcile`.
 
 Handlers live on a registry built by `build_registry()`, so a test can run a fresh
 operator against a mock API without global state. Spec changes reconcile at once; a
@@ -22,14 +22,14 @@ from typing import Any, Optional
 import kopf
 
 from afd.config import process_setting
-from afd_operator import labels as L
-from afd_operator.kube import KubeError, KubeStore, Store
+from afd_operator.model import labels as L
+from afd_operator.apiserver import KubeError, KubeStore, Store
 from afd_operator.metrics import OperatorMetrics
-from afd_operator.model import API_GROUP, PLURAL
-from afd_operator.observe import pod_facts
-from afd_operator.ratio_feed import RatioFeed
-from afd_operator.reconcile import Outcome, reconcile
-from afd_operator.slo_feed import ServiceFeed
+from afd_operator.model.spec import API_GROUP, PLURAL
+from afd_operator.groups.observe import pod_facts
+from afd_operator.ratio.feed import RatioFeed
+from afd_operator.reconcile.deployment import Outcome, reconcile
+from afd_operator.autoscaler.feed import ServiceFeed
 
 VERSION = "v1alpha1"
 RESYNC_ENV = "AFD_OPERATOR_RESYNC_SECONDS"  # default and check: afd.config.PROCESS_VARIABLES

@@ -19,7 +19,7 @@ from afd.kv_cache import DEFAULT_BLOCK_SIZE
 
 GRAPH_MARGIN_BYTES = 1 << 30  # the decode graphs' pool (captured after the cache) and allocator fragmentation
 # the piecewise prompt-step graphs' share of that pool, per token of their largest bucket (afd.graphs.mixed:
-# 0.95 GiB at 2,048 tokens at DeepSeek-V2-Lite shapes on an H200, bench/mixed_step.py)
+# 0.95 GiB at 2,048 tokens at DeepSeek-V2-Lite shapes on an H200, bench/step/mixed_step.py)
 MIXED_GRAPH_BYTES_PER_TOKEN = 512 << 10
 
 

@@ -19,7 +19,7 @@ from afd.connector.expert_link import ShardedLink
 from afd.connector.ffn_link import FFNLink
 from afd.connector.identity import identity_key
 from afd.connector.plane import DataContract, PlaneOptions
-from afd.graphs.ffn import FFNGraphs
+from afd.graphs.ffn_graphs import FFNGraphs
 from afd.kv_cache import KVCache
 from afd.metrics.layer_clock import StepInstruments
 from afd.models.loader import LoadedModel, load_model

@@ -99,7 +99,7 @@ def test_triton_moe_is_deterministic():
 
 def test_paged_decode_kernel_equals_sdpa():
     from afd.kernels.decode_attention import paged_decode_attention
-    from afd.models.attention import AttentionBatch, cached_attention
+    from afd.models.paged_attention import AttentionBatch, cached_attention
 
     torch.manual_seed(0)
     cache_k, cache_v = torch.randn(64, 2, 48, device="cuda"), torch.randn(64, 2, 32, device="cuda")
@@ -210,7 +210,7 @@ def test_steps_under_dbo_min_tokens_replay_one_micro_batch_graphs(checkpoints):
 def test_an_eager_mixed_step_never_waits_for_the_device_in_attention():
     """A step of decodes and a prompt chunk (no graph): building its metadata and attending never synchronize
     (a synchronization per layer serializes host launches with device work)."""
-    from afd.models.attention import AttentionBatch, cached_attention
+    from afd.models.paged_attention import AttentionBatch, cached_attention
 
     block, heads, latent = 16, 16, 576
     cache_k = torch.randn(64 * block, 1, latent, device="cuda", dtype=torch.bfloat16)
@@ -240,7 +240,7 @@ def test_an_eager_mixed_step_never_waits_for_the_device_in_attention():
 def test_one_varlen_call_equals_one_sdpa_per_prompt(dtype, heads, kv_heads, key_dim, value_dim):
     """All prompts of a step (fresh ones and chunks over cached keys, decodes between them) in one variable-length
     kernel call attend exactly as each prompt alone under SDPA's lower-right causal bias."""
-    from afd.models.attention import AttentionBatch, prompt_attention, prompts_attention
+    from afd.models.paged_attention import AttentionBatch, prompt_attention, prompts_attention
 
     torch.manual_seed(0)
     block = 16

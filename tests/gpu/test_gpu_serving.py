@@ -6,7 +6,7 @@ import torch
 
 from afd.config import AFDConfig, config_to_env
 from afd.engine.request import SamplingParams
-from afd.engine.tokenizer import load_tokenizer
+from afd.engine.text.tokenizer import load_tokenizer
 from afd.kv_budget import CudaMemory, profile_peak
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model

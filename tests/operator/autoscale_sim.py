@@ -1,6 +1,6 @@
 """Replay recorded serving scrapes through `autoscale.decide`: a small fleet simulator.
 
-The trace (bench/record_slo_trace.py) holds one real `afd up` group's attention-rank scrapes at
+The trace (bench/cluster/record_slo_trace.py) holds one real `afd up` group's attention-rank scrapes at
 fixed load levels (C concurrent streams). A simulated group carrying c streams shows the recorded
 interval of the level nearest c (on a log scale), the intervals taken in turn, added to its own
 cumulative histograms; its scrapes of the scale-down window are kept, as the operator's feed keeps them. The simulator
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from afd_operator.autoscale import Groups, decide
-from afd_operator.autoscaling_spec import Autoscaling
-from afd_operator.slo_signals import ServiceSample, delta, load_of, parse_service
+from afd_operator.autoscaler.group_count import Groups, decide
+from afd_operator.model.autoscaling import Autoscaling
+from afd_operator.autoscaler.signals import ServiceSample, delta, load_of, parse_service
 
 TRACE = Path(__file__).parent / "traces" / "cpu-2A1F-levels.json"
 

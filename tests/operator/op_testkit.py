@@ -9,8 +9,8 @@ from typing import Any
 
 import yaml
 
-from afd_operator import labels as L
-from afd_operator.kube import KubeError
+from afd_operator.model import labels as L
+from afd_operator.apiserver import KubeError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import check_crd  # noqa: E402  (scripts/ is not a package)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from afd_operator.autoscale import Groups, decide, initial_groups
-from afd_operator.autoscaling_spec import Autoscaling
-from afd_operator.model import SpecError, parse_spec
-from afd_operator.slo_signals import Load, ServiceSample, delta, load_of, parse_service, quantile
+from afd_operator.autoscaler.group_count import Groups, decide, initial_groups
+from afd_operator.model.autoscaling import Autoscaling
+from afd_operator.model.spec import SpecError, parse_spec
+from afd_operator.autoscaler.signals import Load, ServiceSample, delta, load_of, parse_service, quantile
 
 EXPOSITION = """\
 # TYPE afd_time_to_first_token_seconds histogram

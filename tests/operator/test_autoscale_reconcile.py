@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from afd_operator.model import parse_spec
-from afd_operator.observe import PodFacts, format_time
-from afd_operator.plan import Desired, GroupState, plan_groups
-from afd_operator.reconcile import reconcile
-from afd_operator.slo_signals import ServiceSample
+from afd_operator.model.spec import parse_spec
+from afd_operator.groups.observe import PodFacts, format_time
+from afd_operator.groups.plan import Desired, GroupState, plan_groups
+from afd_operator.reconcile.deployment import reconcile
+from afd_operator.autoscaler.signals import ServiceSample
 from op_testkit import FakeStore, make_cr
 
 NOW = 1_800_000_000.0

@@ -1,4 +1,4 @@
-"""spec.autoscaling simulated on a recorded trace (tests/operator/traces/, bench/record_slo_trace.py):
+"""spec.autoscaling simulated on a recorded trace (tests/operator/traces/, bench/cluster/record_slo_trace.py):
 a surge scales up within the window, a flapping load does not flap, a drop scales down after
 the window, the bounds hold."""
 
@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from afd_operator.autoscaling_spec import Autoscaling
-from afd_operator.slo_signals import load_of
+from afd_operator.model.autoscaling import Autoscaling
+from afd_operator.autoscaler.signals import load_of
 from autoscale_sim import RecordedLevels, simulate, square, steps
 
 TICK = 15.0

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from afd_operator.autoscaling_spec import REPLICAS_MANAGED_MESSAGE as REPLICAS_MANAGED
-from afd_operator.model import AFDDeploymentSpec, SpecError, parse_spec
+from afd_operator.model.autoscaling import REPLICAS_MANAGED_MESSAGE as REPLICAS_MANAGED
+from afd_operator.model.spec import AFDDeploymentSpec, SpecError, parse_spec
 from op_testkit import (
     CEL_REFUSED, SAMPLES, SCHEMA_REFUSED, apply_defaults, cel_failures, crd_schema, make_cr, walk_validations,
 )

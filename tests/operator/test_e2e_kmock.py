@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from afd_operator.handlers import OperatorMemo, build_registry
-from afd_operator.model import parse_spec
+from afd_operator.model.spec import parse_spec
 from kmock_cluster import (
     CR_PATH, NS, ApplyingEmulator, eventually, get, items, register, run_statefulsets, send,
     write_kubeconfig,

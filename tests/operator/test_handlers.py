@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from afd_operator.handlers import OperatorMemo, note_pod
-from afd_operator.observe import PodFacts
+from afd_operator.groups.observe import PodFacts
 
 
 def facts(name: str) -> PodFacts:

@@ -10,10 +10,10 @@ import pytest
 
 from afd import config as afd_config
 from afd.runners.handshake import token_digest
-from afd_operator import labels as L
-from afd_operator.model import parse_owner, parse_spec
-from afd_operator.render import render_all
-from afd_operator.render_security import SECRET_KEY, render_group_secret
+from afd_operator.model import labels as L
+from afd_operator.model.spec import parse_owner, parse_spec
+from afd_operator.rendering.children import render_all
+from afd_operator.rendering.security import SECRET_KEY, render_group_secret
 from op_testkit import make_cr
 from test_render import CASES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from afd_operator.model import SpecError, parse_owner, parse_spec
+from afd_operator.model.spec import SpecError, parse_owner, parse_spec
 
 from op_testkit import SAMPLES, make_cr
 
@@ -108,7 +108,7 @@ class TestRevision:
 def test_the_pod_contract_version_enters_the_revision(monkeypatch):
     """Pods of an older operator lack the group Secret: an upgrade must roll groups, never
     let a recreated rank (with the Secret) meet peers without it."""
-    from afd_operator import model
+    from afd_operator.model import spec as model
 
     before = parse_spec(make_cr()["spec"]).revision
     monkeypatch.setattr(model, "POD_CONTRACT", model.POD_CONTRACT + 1)

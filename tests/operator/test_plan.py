@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from afd_operator.plan import RECREATE, Desired, GroupState, plan_groups, restart_delay
+from afd_operator.groups.plan import RECREATE, Desired, GroupState, plan_groups, restart_delay
 
 SIZE = 3  # pods per group (e.g. 2 attention + 1 FFN)
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 
 from afd.planner.simulate import SimulatedGroup
 from afd.topology import Topology
-from afd_operator.model import parse_spec
-from afd_operator.observe import PodFacts
-from afd_operator.ratio import CONFIRMATIONS, Fleet, decide, effective_spec, max_unavailable
-from afd_operator.reconcile import reconcile
+from afd_operator.model.spec import parse_spec
+from afd_operator.groups.observe import PodFacts
+from afd_operator.ratio.recommend import CONFIRMATIONS, Fleet, decide, effective_spec, max_unavailable
+from afd_operator.reconcile.deployment import reconcile
 from op_testkit import FakeStore, make_cr
 
 T0 = 1_800_000_000.0

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from afd.planner.simulate import FakePrometheus, SimulatedGroup
-from afd_operator.model import parse_spec
-from afd_operator.observe import PodFacts
-from afd_operator.ratio_feed import RatioFeed
+from afd_operator.model.spec import parse_spec
+from afd_operator.groups.observe import PodFacts
+from afd_operator.ratio.feed import RatioFeed
 from op_testkit import make_cr
 
 T0 = 1_800_000_000.0

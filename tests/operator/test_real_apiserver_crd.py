@@ -102,8 +102,8 @@ def test_api_servers_are_stored_as_given_and_default_to_the_engines_process(clus
 def test_the_rendered_probes_and_prestop_drain_are_kept_by_the_api_server(cluster, namespace, afd):
     """Issue 22: 1 s readiness, /live liveness, the preStop drain (httpGet, or the kubelet's sleep
     for vLLM) and the grace period: a server that did not know a field would drop it silently."""
-    from afd_operator.model import parse_owner, parse_spec
-    from afd_operator.render import render_group
+    from afd_operator.model.spec import parse_owner, parse_spec
+    from afd_operator.rendering.children import render_group
 
     body = make_cr(name="drain", namespace=namespace, afd=afd)
     for sts in (o for o in render_group(parse_spec(body["spec"]), parse_owner(body), 0, "r1") if o["kind"] == "StatefulSet"):
@@ -124,8 +124,8 @@ def test_a_namespace_whose_quota_requires_requests_and_limits_admits_the_role_po
     """Issue 35: a ResourceQuota on requests and memory limits refuses a pod any of whose containers
     lacks them; the hf:// download init container has them now, so the rendered pods are admitted
     (dry run), and they carry no service-account token."""
-    from afd_operator.model import parse_owner, parse_spec
-    from afd_operator.render import render_group
+    from afd_operator.model.spec import parse_owner, parse_spec
+    from afd_operator.rendering.children import render_group
 
     cluster.create({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "needs-resources", "namespace": namespace},
                     "spec": {"hard": {"requests.cpu": "64", "requests.memory": "256Gi", "limits.memory": "512Gi"}}})
@@ -176,7 +176,7 @@ def test_the_api_server_refuses_what_the_schema_refuses(cluster, namespace, chan
 def test_replicas_cannot_change_while_autoscaling_not_even_through_scale(cluster, namespace):
     """spec.autoscaling owns the group count: a /scale write (kubectl scale) and an edit of
     spec.replicas are refused with the rule's message; other edits, and turning it off, are not."""
-    from afd_operator.autoscaling_spec import REPLICAS_MANAGED_MESSAGE
+    from afd_operator.model.autoscaling import REPLICAS_MANAGED_MESSAGE
 
     autoscaling = {"enabled": True, "maxGroups": 3, "targets": {"ttftP90Seconds": 2.0}}
     cluster.create(_cr(namespace, "scaled", autoscaling=autoscaling))

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import yaml
 
-from afd_operator import labels as L
-from afd_operator.kube import PLURALS
-from afd_operator.model import parse_spec
-from afd_operator.observe import GroupMemory, PodFacts, format_time, observe_groups, pod_facts, remember
-from afd_operator.reconcile import reconcile
-from afd_operator.status import merge_conditions, Condition
+from afd_operator.model import labels as L
+from afd_operator.apiserver import PLURALS
+from afd_operator.model.spec import parse_spec
+from afd_operator.groups.observe import GroupMemory, PodFacts, format_time, observe_groups, pod_facts, remember
+from afd_operator.reconcile.deployment import reconcile
+from afd_operator.reconcile.status import merge_conditions, Condition
 from op_testkit import ROOT, FakeStore, make_cr
 
 NOW = 1_800_000_000.0

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from afd import config as afd_config
-from afd_operator import labels as L
-from afd_operator.model import DEFAULT_SHUTDOWN_GRACE_S, SpecError, parse_owner, parse_spec
-from afd_operator.render import dump_yaml, render_all, render_group
-from afd_operator.render_pod import DRAIN_SECONDS, termination_grace_seconds
+from afd_operator.model import labels as L
+from afd_operator.model.spec import DEFAULT_SHUTDOWN_GRACE_S, SpecError, parse_owner, parse_spec
+from afd_operator.rendering.children import dump_yaml, render_all, render_group
+from afd_operator.rendering.pod import DRAIN_SECONDS, termination_grace_seconds
 from op_testkit import GOLDEN, ROOT, make_cr
 
 NEWEST = kubernetes_validate.utils.latest_version()

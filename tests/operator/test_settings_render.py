@@ -11,8 +11,8 @@ import yaml
 from pydantic.alias_generators import to_camel
 
 from afd.config import SETTINGS, load_config
-from afd_operator.model import AFDSettings, CudaGraphs, parse_owner, parse_spec
-from afd_operator.render import render_all
+from afd_operator.model.spec import AFDSettings, CudaGraphs, parse_owner, parse_spec
+from afd_operator.rendering.children import render_all
 from op_testkit import make_cr
 
 # fields that only make sense together with another one (the vLLM attention image and its arguments)

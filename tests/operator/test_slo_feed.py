@@ -3,9 +3,9 @@ keeps, and the drain call."""
 
 from __future__ import annotations
 
-from afd_operator.model import parse_spec
-from afd_operator.observe import PodFacts, format_time
-from afd_operator.slo_feed import ServiceFeed
+from afd_operator.model.spec import parse_spec
+from afd_operator.groups.observe import PodFacts, format_time
+from afd_operator.autoscaler.feed import ServiceFeed
 from op_testkit import make_cr
 
 T0 = 1_800_000_000.0

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from afd.models.attention import AttentionBatch, cached_attention
+from afd.models.paged_attention import AttentionBatch, cached_attention
 
 
 def _naive(q, keys, values, context: int, scale: float) -> torch.Tensor:

@@ -143,7 +143,7 @@ def test_slices_fill_the_device_from_shapes_alone():
     from afd.kernels.decode_attention import MAX_SPLITS, plan_splits
 
     assert plan_splits(1, 132) == MAX_SPLITS  # one sequence: its keys over many multiprocessors
-    assert plan_splits(32, 132) == 8  # at most two programs a multiprocessor (bench/decode_tune.py's best)
+    assert plan_splits(32, 132) == 8  # at most two programs a multiprocessor (bench/kernels/decode_tune.py's best)
     assert plan_splits(64, 132) == 4
     assert plan_splits(128, 132) == 2
     assert plan_splits(264, 132) == 1  # enough programs: no slices, no merge kernel

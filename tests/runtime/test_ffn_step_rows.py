@@ -9,7 +9,7 @@ from afd.roles import build_ffn
 
 
 class ReplayOnly:
-    """Stands in for afd.graphs.ffn.FFNGraphs holding a graph for every step: the body never runs."""
+    """Stands in for afd.graphs.ffn_graphs.FFNGraphs holding a graph for every step: the body never runs."""
 
     def run(self, plans, body):
         return "replay"

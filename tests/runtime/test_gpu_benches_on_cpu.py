@@ -9,9 +9,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_BENCHES = ["afd_decode", "attention_split", "decode_tune", "fp8_probe", "gemm_invariance", "graphs_vs_eager",
-               "mixed_step", "memory_probe", "mla_decode", "moe_deepgemm", "moe_fp8_spills", "moe_layer", "moe_layer_fp8",
-               "moe_small", "moe_tune", "pdl_chain", "plan_gpu", "skinny_tune", "step_floor"]
+GPU_BENCHES = ["cluster/afd_decode", "step/attention_split", "kernels/decode_tune", "kernels/fp8_probe",
+               "kernels/gemm_invariance", "step/graphs_vs_eager", "step/mixed_step", "step/memory_probe",
+               "kernels/mla_decode", "comparisons/moe_deepgemm", "kernels/moe_fp8_spills", "kernels/moe_layer",
+               "kernels/moe_layer_fp8", "kernels/moe_small", "kernels/moe_tune", "kernels/pdl_chain", "cluster/plan_gpu",
+               "kernels/skinny_tune", "step/step_floor"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: the benches would run")

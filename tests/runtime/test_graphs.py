@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from afd.graphs.buckets import bucket_for, capture_order, decode_buckets, ffn_graph_key, ffn_step_mode
-from afd.graphs.ffn import FFNGraphs
+from afd.graphs.ffn_graphs import FFNGraphs
 
 
 def test_buckets_cover_the_largest_batch_and_pad_up():

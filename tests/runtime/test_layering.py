@@ -1,5 +1,7 @@
 """The runtime's layers point one way: every import of `runtime/afd` (module-level and function-local,
 read with `ast`) goes to the same layer or one below, and no two packages or modules import each other.
+The benchmarks (`bench/`) too, by their own order (`BENCH_LAYERS`, the harness at the bottom): no `afd` module
+imports them, and they use `afd`'s public names only.
 
 The layer order is written once, here (`LAYERS`); docs/architecture.md's table must match it. A unit is a
 top-level module (`afd/config.py` → `config`) or package (`afd/engine/` → `engine`) of `afd`. An import inside a
@@ -48,8 +50,8 @@ def unit_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
-    """(imported afd module, line) for every import in `path`, at any depth (functions, `TYPE_CHECKING`)."""
+def imports_of(path: Path, module: str, top: str = "afd") -> list[tuple[str, int]]:
+    """(imported `top` module, line) for every import in `path`, at any depth (functions, `TYPE_CHECKING`)."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -62,18 +64,18 @@ def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
             names = [base] + [f"{base}.{alias.name}" for alias in node.names]  # `from afd.x import submodule`
         else:
             continue
-        found += [(name, node.lineno) for name in names if name == "afd" or name.startswith("afd.")]
+        found += [(name, node.lineno) for name in names if name == top or name.startswith(top + ".")]
     return found
 
 
-def import_graph(root: Path) -> dict[str, dict[str, int]]:
-    """module → {afd module it imports: line} over every `.py` under `root/afd` (names that are not modules,
-    like `from afd.x import function`, resolve to `afd.x`)."""
-    paths = {module_name(path, root): path for path in sorted((root / "afd").rglob("*.py"))}
+def import_graph(root: Path, package: str = "afd") -> dict[str, dict[str, int]]:
+    """module → {`package` module it imports: line} over every `.py` under `root/<package>` (names that are not
+    modules, like `from afd.x import function`, resolve to `afd.x`)."""
+    paths = {module_name(path, root): path for path in sorted((root / package).rglob("*.py"))}
     graph: dict[str, dict[str, int]] = {}
     for module, path in paths.items():
         graph[module] = {}
-        for name, line in imports_of(path, module):
+        for name, line in imports_of(path, module, package):
             if name in paths and name != module:
                 graph[module].setdefault(name, line)
     return graph
@@ -267,3 +269,114 @@ def test_an_unplaced_unit_and_a_stale_exception_are_named(tmp_path):
     root = _write(tmp_path / "stale", {"__init__.py": "", "layout.py": ""})
     assert layer_problems(root, _TOY_LAYERS, {("afd.layout", "afd.server"): "why"}) == [
         "exception afd.layout → afd.server is gone: remove it from EXCEPTIONS"]
+
+
+# ---------------------------------------------------------------------------------------------- the benchmarks
+BENCH_ROOT = ROOT  # holds bench/
+# bench/'s folders from the top: a folder imports folders of its own row or below, and `afd`'s public names.
+BENCH_LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("comparisons with other systems", frozenset({"comparisons"})),
+    ("ranks together", frozenset({"cluster"})),
+    ("serving", frozenset({"serving"})),
+    ("one step", frozenset({"step"})),
+    ("kernels", frozenset({"kernels"})),
+    ("harness", frozenset({"harness", "__init__"})),
+)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_afd_names(path: Path) -> list[str]:
+    """`path:line: name` of every private `afd` name `path` uses: an `afd` module or name with a leading underscore
+    imported, or an attribute with one read off a module or name imported from `afd` (`moe_triton._kernel`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound: set[str] = set()  # local names of afd modules and of names imported from afd
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "afd":
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if any(map(_private, node.module.split("."))) or _private(alias.name):
+                    found.append((node.lineno, f"{node.module}.{alias.name}"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "afd":
+                    bound.add(alias.asname or "afd")
+                    if any(map(_private, alias.name.split("."))):
+                        found.append((node.lineno, alias.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in bound:
+                found.append((node.lineno, ast.unparse(node)))
+    return [f"{path}:{line}: {name}" for line, name in sorted(set(found))]
+
+
+def bench_problems(root: Path = BENCH_ROOT, runtime: Path = RUNTIME, layers=BENCH_LAYERS) -> list[str]:
+    """Every bench folder missing from `layers`, bench import pointing up, module cycle, `afd` module importing
+    bench, and private `afd` name a bench uses."""
+    depth = {unit: level for level, (_, units) in enumerate(layers) for unit in units}
+    graph = import_graph(root, "bench")
+    problems = [f"bench/{unit} is in no layer: add it to BENCH_LAYERS"
+                for unit in sorted({unit_of(m) for m in graph} - set(depth))]
+    if problems:
+        return problems
+    for source, targets in graph.items():
+        for target, line in targets.items():
+            up, down = unit_of(source), unit_of(target)
+            if depth[down] < depth[up]:
+                problems.append(f"{source} (line {line}, '{layers[depth[up]][0]}') imports {target} "
+                                f"('{layers[depth[down]][0]}', above it)")
+    problems += [f"modules import each other: {' ⇄ '.join(group)}"
+                 for group in cycles({m: set(t) for m, t in graph.items()})]
+    for path in sorted((runtime / "afd").rglob("*.py")):
+        problems += [f"{module_name(path, runtime)} (line {line}) imports {name}: afd never imports a benchmark"
+                     for name, line in imports_of(path, module_name(path, runtime), "bench")]
+    for path in sorted((root / "bench").rglob("*.py")):
+        problems += [f"{where}: a private afd name (make it public in afd, or keep the logic in the bench)"
+                     for where in private_afd_names(path)]
+    return problems
+
+
+def test_bench_imports_point_down_to_its_harness_and_use_public_afd_names_only():
+    problems = bench_problems()
+    assert not problems, "\n".join(problems)
+
+
+def _write_bench(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_a_bench_import_pointing_up_a_cycle_an_afd_import_of_bench_and_a_private_name_are_named(tmp_path):
+    root = _write_bench(tmp_path, {
+        "bench/__init__.py": "", "bench/harness/__init__.py": "", "bench/kernels/__init__.py": "",
+        "bench/step/__init__.py": "",
+        "bench/harness/measure.py": "def f():\n    from bench.kernels import moe\n",
+        "bench/kernels/moe.py": "from afd.kernels import moe_triton, _hidden\nimport afd.kernels._x\n"
+                                "k = moe_triton._down\nfrom bench.harness import measure\n",
+        "bench/step/a.py": "from bench.step import b\nfrom afd.x import public\npublic.fine()\n",
+        "bench/step/b.py": "import bench.step.a\n",
+        "runtime/afd/__init__.py": "", "runtime/afd/cli.py": "def f():\n    import bench.step.a\n"})
+    layers = (("step", frozenset({"step"})), ("kernels", frozenset({"kernels"})),
+              ("harness", frozenset({"harness", "__init__"})))
+    problems = bench_problems(root, root / "runtime", layers)
+    moe = root / "bench" / "kernels" / "moe.py"
+    assert problems == [
+        "bench.harness.measure (line 2, 'harness') imports bench.kernels ('kernels', above it)",
+        "bench.harness.measure (line 2, 'harness') imports bench.kernels.moe ('kernels', above it)",
+        "modules import each other: bench.harness.measure ⇄ bench.kernels.moe",
+        "modules import each other: bench.step.a ⇄ bench.step.b",
+        "afd.cli (line 2) imports bench.step.a: afd never imports a benchmark",
+        f"{moe}:1: afd.kernels._hidden: a private afd name (make it public in afd, or keep the logic in the bench)",
+        f"{moe}:2: afd.kernels._x: a private afd name (make it public in afd, or keep the logic in the bench)",
+        f"{moe}:3: moe_triton._down: a private afd name (make it public in afd, or keep the logic in the bench)"]
+    assert bench_problems(root, root / "runtime", (("x", frozenset({"harness", "__init__"})),)) == [
+        "bench/kernels is in no layer: add it to BENCH_LAYERS", "bench/step is in no layer: add it to BENCH_LAYERS"]

@@ -5,12 +5,12 @@ import logging
 import signal
 
 from afd.connector.base import PeerLeft, PeerLost
-from afd.engine.link_care import LinkCare
+from afd.engine.recovery.link_care import LinkCare
 from afd.local.children import exit_summary
 
 
 def test_a_goodbye_is_info_a_loss_is_error(caplog):
-    caplog.set_level(logging.INFO, logger="afd.engine.link_care")
+    caplog.set_level(logging.INFO, logger="afd.engine.recovery.link_care")
     left, lost = LinkCare(link=None, check_s=1.0), LinkCare(link=None, check_s=1.0)
     left.lose(PeerLeft("ffn rank 0 closed the link: ffn rank shutting down"))
     lost.lose(PeerLost("ffn rank 0 is gone: connection reset"))

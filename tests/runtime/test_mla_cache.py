@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from afd.kv_cache import KVCache
-from afd.models.attention import AttentionBatch, _paged_decode_reference
+from afd.models.paged_attention import AttentionBatch, _paged_decode_reference
 from afd.models.spec import KVLayout, kv_layout
 
 LITE = {  # DeepSeek-V2-Lite's attention shapes (config.json of the published checkpoint)

@@ -1,4 +1,4 @@
-"""bench/moe_fp8_waits.py compiles the FP8 MoE kernels for Hopper (sm_90a) on a machine without a GPU: each K loop's
+"""bench/kernels/moe_fp8_waits.py compiles the FP8 MoE kernels for Hopper (sm_90a) on a machine without a GPU: each K loop's
 wgmma dots and waits, registers, spills and shared memory of the session-40 winners' settings."""
 
 import json
@@ -26,7 +26,7 @@ def test_compiled_for_hopper_every_fp8_dot_is_waited_for_in_its_step_and_nothing
     tensor cores idle during the promotion: the compute-bound gap of issue 32); no setting spills, and each fits an
     H200's shared memory (227 KiB a block)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_fp8_waits.py"), "--json"], capture_output=True,
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels" / "moe_fp8_waits.py"), "--json"], capture_output=True,
                           text=True, env=env, timeout=600, check=True)
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert {row["kernel"] for row in rows} == {"gate_up", "down"}

@@ -362,7 +362,7 @@ def test_the_kernels_compile_for_hopper_without_spilling(fp8, top_k, shared):
     assert all(stack == 0 and 0 < regs <= 255 for regs, stack in usage.values()), usage
 
 
-SAMPLE_SHAPES = {  # (routed, shared, top_k, hidden, inter, fp8): bench/common.py's MOE_SHAPES; DeepSeek-V3 with 32
+SAMPLE_SHAPES = {  # (routed, shared, top_k, hidden, inter, fp8): bench/harness/shapes.py's MOE_SHAPES; DeepSeek-V3 with 32
     # of its 256 routed experts (its hidden size and width, FP8; the kernels see only those)
     "deepseek-v2-lite": (64, 2, 6, 2048, 1408, False),
     "qwen3-30b-a3b": (128, 0, 8, 2048, 768, False),

@@ -278,8 +278,8 @@ def test_no_compile_time_constant_follows_the_token_count(persistent, monkeypatc
     from afd.kernels import moe_align, moe_triton
 
     launched = {}
-    monkeypatch.setattr(moe_triton, "_gate_up_kernel", LaunchRecorder(launched, "gate_up"))
-    monkeypatch.setattr(moe_triton, "_down_kernel", LaunchRecorder(launched, "down"))
+    monkeypatch.setattr(moe_triton, "gate_up_kernel", LaunchRecorder(launched, "gate_up"))
+    monkeypatch.setattr(moe_triton, "down_kernel", LaunchRecorder(launched, "down"))
     routed, num_shared, top_k, hidden, inter, layout_m = 8, 2, 3, 64, 48, 32
     cfg = kernel(BLOCK_M=16, TMA=True, PERSISTENT=persistent)
     for tokens in (37, 130, 1000):

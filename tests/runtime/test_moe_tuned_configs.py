@@ -143,7 +143,7 @@ def test_a_devices_table_comes_from_its_name_looked_up_once(monkeypatch):
 class SharedMemoryKernel:
     """Stands in for a Triton kernel whose launch needs more shared memory than the GPU has above `fits` stages."""
 
-    __name__ = "_down_kernel"
+    __name__ = "down_kernel"
 
     def __init__(self, fits: int):
         self.fits, self.launched = fits, []

@@ -21,7 +21,7 @@ import torch
 from afd.connector.transports.nccl import lib as nccl_lib
 from afd.connector.transports.nccl.ffn import NcclFFNPlane
 from afd.connector.plane import DataContract, PlaneOptions
-from afd.graphs.ffn import FFNGraphs
+from afd.graphs.ffn_graphs import FFNGraphs
 
 OLD, NEW = b"attention-0", b"attention-1"
 

@@ -91,7 +91,7 @@ def test_add_and_norm_in_one_launch_equals_the_add_then_the_norm_kernel():
 @pytest.mark.parametrize("arch", ["deepseek_v2", "qwen3_moe"])
 def test_the_monolithic_forward_with_fused_glue_equals_the_torch_path(arch, checkpoints, monkeypatch):
     from afd.kv_cache import KVCache
-    from afd.models.attention import AttentionBatch
+    from afd.models.paged_attention import AttentionBatch
 
     model = load_model(str(checkpoints[arch]), "monolithic").model.to(DEVICE)
     ids = torch.tensor([3, 5, 7, 11, 13, 17], device=DEVICE)
@@ -186,7 +186,7 @@ def test_a_decode_step_with_fused_glue_equals_the_torch_path(arch, checkpoints, 
     latent kernel takes the absorbed and rotary queries apart and the value GEMM writes o_proj's input (issue 33);
     logits and every cache row as the torch path leaves them."""
     from afd.kv_cache import KVCache
-    from afd.models.attention import AttentionBatch
+    from afd.models.paged_attention import AttentionBatch
 
     model = load_model(str(checkpoints[arch]), "monolithic").model.to(DEVICE)
     for layer in model.layers:  # the tiny checkpoints may not say; the fused glue needs its table

@@ -9,9 +9,9 @@ from afd.kernels import pdl
 
 @pytest.fixture(autouse=True)
 def fresh():
-    pdl._enabled.cache_clear()
+    pdl.enabled.cache_clear()
     yield
-    pdl._enabled.cache_clear()
+    pdl.enabled.cache_clear()
 
 
 @pytest.mark.parametrize("setting, capability, want", [

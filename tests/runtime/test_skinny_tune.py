@@ -1,4 +1,4 @@
-"""bench/skinny_tune.py without a GPU: the decode GEMMs it tunes are the sample models' real projections, and on
+"""bench/kernels/skinny_tune.py without a GPU: the decode GEMMs it tunes are the sample models' real projections, and on
 a machine without CUDA it says so and writes nothing."""
 
 import sys
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import skinny_tune  # noqa: E402
+from bench.kernels import skinny_tune  # noqa: E402
 
 
 def test_the_tuned_gemms_are_the_decode_projections_of_both_sample_models():
@@ -45,7 +45,7 @@ def test_candidates_fill_the_gpu_without_flooding_it_or_spilling():
 def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(sys, "argv", ["skinny_tune.py"])
-    with pytest.raises(SystemExit, match="bench/skinny_tune.py needs a CUDA GPU"):
+    with pytest.raises(SystemExit, match="bench/kernels/skinny_tune.py needs a CUDA GPU"):
         skinny_tune.main()
     assert list(tmp_path.iterdir()) == []
 

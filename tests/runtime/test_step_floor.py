@@ -1,4 +1,4 @@
-"""bench/step_floor.py's floor: what a decode step must read and compute, from the model's own tensors."""
+"""bench/step/step_floor.py's floor: what a decode step must read and compute, from the model's own tensors."""
 
 import os
 import sys
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from step_floor import (ExpertLayer, ModelTraffic, fitting_kv_cache, model_traffic, parse_pdl,  # noqa: E402
+from bench.step.step_floor import (ExpertLayer, ModelTraffic, fitting_kv_cache, model_traffic, parse_pdl,  # noqa: E402
                         pdl_launches, step_floor)
 
 from afd.models.loader import load_model  # noqa: E402

@@ -54,7 +54,7 @@ class OnePerPoll:
 
 @pytest.fixture(scope="module")
 def parts(checkpoints):
-    from afd.engine.tokenizer import load_tokenizer
+    from afd.engine.text.tokenizer import load_tokenizer
     from afd.models.loader import load_model
 
     return load_model(str(checkpoints["qwen3_moe"])), load_tokenizer(str(checkpoints["qwen3_moe"]))

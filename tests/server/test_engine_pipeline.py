@@ -6,8 +6,8 @@ import torch
 
 from afd.engine.engine import Engine
 from afd.engine.request import SamplingParams
-from afd.engine.step_cost import PrefillPacer, StepCostModel
-from afd.engine.tokenizer import load_tokenizer
+from afd.engine.scheduling.step_cost import PrefillPacer, StepCostModel
+from afd.engine.text.tokenizer import load_tokenizer
 from afd.generation import greedy_generate
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model

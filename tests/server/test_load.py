@@ -1,4 +1,4 @@
-"""Short CI version of the sustained-load test (the 2-minute run is `bench/load.py`)."""
+"""Short CI version of the sustained-load test (the 2-minute run is `bench/serving/load.py`)."""
 
 import subprocess
 import sys
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_64_clients_no_failed_request_and_bounded_rss():
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "load.py"), "--clients", "64", "--seconds", "10",
+        [sys.executable, str(ROOT / "bench" / "serving" / "load.py"), "--clients", "64", "--seconds", "10",
          "--port", str(free_port_block(1))],
         capture_output=True, text=True, timeout=280,
     )

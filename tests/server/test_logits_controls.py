@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from afd.engine.engine import Engine
-from afd.engine.logits_controls import ControlState, step_controls
 from afd.engine.request import InvalidRequest, Request, SamplingParams
-from afd.engine.sampler import mask_min_p, sample
-from afd.engine.text import StopChecker
-from afd.engine.tokenizer import load_tokenizer
+from afd.engine.sampling.logits_controls import ControlState, step_controls
+from afd.engine.sampling.sampler import mask_min_p, sample
+from afd.engine.text.stop_strings import StopChecker
+from afd.engine.text.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner

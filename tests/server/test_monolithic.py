@@ -35,7 +35,7 @@ def test_monolithic_server_answers_like_the_reference(checkpoints, tmp_path):
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
-    from afd.engine.tokenizer import load_tokenizer
+    from afd.engine.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(checkpoints["qwen3_moe"]))
     served = [r["choices"][0]["logprobs"]["tokens"] for r in texts]  # each token's text

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from afd.engine.request import RequestOutput, TokenLogprobs
-from afd.engine.text import IncrementalDetokenizer
-from afd.engine.tokenizer import load_tokenizer, text_decoder
+from afd.engine.text.detokenizer import IncrementalDetokenizer
+from afd.engine.text.tokenizer import load_tokenizer, text_decoder
 from afd.server.api.formatting import chat_chunk, completion_chunk
 from afd.server.api.handoff import LoopHandoff, OutputSink
 from afd.server.api.sse import StreamEvents

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from afd.engine.request import Request, SamplingParams
-from afd.engine.scheduler import Scheduler
-from afd.engine.step_cost import PrefillPacer
+from afd.engine.scheduling.scheduler import Scheduler
+from afd.engine.scheduling.step_cost import PrefillPacer
 from afd.kv_cache import KVCache
 from afd.models.spec import KVLayout
 

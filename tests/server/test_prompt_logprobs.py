@@ -5,7 +5,7 @@ import torch
 
 from afd.engine.engine import Engine
 from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
-from afd.engine.tokenizer import load_tokenizer
+from afd.engine.text.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner

@@ -4,8 +4,8 @@ cap holds next to decodes without starving prompts."""
 import torch
 
 from afd.engine.request import Request, SamplingParams
-from afd.engine.scheduler import Scheduler
-from afd.engine.step_cost import PrefillPacer, StepCostModel
+from afd.engine.scheduling.scheduler import Scheduler
+from afd.engine.scheduling.step_cost import PrefillPacer, StepCostModel
 from afd.kv_cache import KVCache
 from afd.models.spec import KVLayout
 

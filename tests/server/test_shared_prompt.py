@@ -1,13 +1,13 @@
 """The choices of one prompt (n > 1) share its prefill and full KV blocks: one prefill, fewer blocks, the same outputs
-as separate requests with the same seeds (`afd.engine.shared_prompt`)."""
+as separate requests with the same seeds (`afd.engine.scheduling.shared_prompt`)."""
 
 import pytest
 import torch
 
 from afd.engine.engine import Engine
 from afd.engine.request import Request, SamplingParams
-from afd.engine.scheduler import Scheduler
-from afd.engine.tokenizer import load_tokenizer
+from afd.engine.scheduling.scheduler import Scheduler
+from afd.engine.text.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner

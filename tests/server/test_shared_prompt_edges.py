@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from afd.connector.base import PeerLost
 from afd.engine.engine import Engine
 from afd.engine.request import SamplingParams
-from afd.engine.tokenizer import load_tokenizer
+from afd.engine.text.tokenizer import load_tokenizer
 from afd.kv_cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.monolithic import MonolithicRunner

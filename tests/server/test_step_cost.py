@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from afd.engine.step_cost import MIN_PREFILL_TOKENS, PrefillPacer, StepClock, StepCostModel, deadline_floor
+from afd.engine.scheduling.step_cost import MIN_PREFILL_TOKENS, PrefillPacer, StepClock, StepCostModel, deadline_floor
 
 
 def line(tokens, base=0.010, per_token=10e-6):

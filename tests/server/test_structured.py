@@ -107,7 +107,8 @@ def test_text_format_is_no_constraint_and_tools_stay_refused(server):
 def test_masks_unpack_on_the_device_and_a_failed_matcher_allows_only_eos(server):
     import torch
 
-    from afd.engine.structured import StepMask, consume, fill_bitmask
+    from afd.engine.structured_output.grammars import consume
+    from afd.engine.structured_output.step_mask import StepMask, fill_bitmask
 
     grammars = server.engine.grammars
     vocab, eos = grammars.vocab_size, sorted(server.engine.eos_token_ids)

@@ -69,7 +69,7 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
     ProcessVariable("AFD_MOE_SMALL_TOKENS", "8", "Up to this many tokens (at most 16) the `triton` MoE of 16-bit "
                     "experts runs as two GEMV launches (`afd.kernels.moe_small`: no alignment, no separate slot sum; "
                     "the same roundings, K summed in another order); `0`: never. FP8 experts keep the aligned path. "
-                    "Default by measurement on an H100 (`bench/moe_small.py`, session 45): 0.70-0.90x the aligned "
+                    "Default by measurement on an H100 (`bench/kernels/moe_small.py`, session 45): 0.70-0.90x the aligned "
                     "path's time at 1-8 tokens at both sample shapes, the batch-1 step 0.86-0.88x; not measured on "
                     "an H200.", "afd.kernels.moe", parse=_small_tokens),
     ProcessVariable("AFD_FP8_GEMM", "auto", "FP8 block-scaled GEMM: `scaled_mm` (torch, Hopper), `triton` or `auto` "
@@ -78,7 +78,7 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
     ProcessVariable("AFD_PDL", "false", "Experiment: launch the decode path's Triton kernels with programmatic "
                     "dependent launch (Hopper and later: each starts while the one before drains, waiting for it on "
                     "the device; `afd.kernels.pdl`). Off by measurement: 0.92-0.94x on the attention-only step at "
-                    "batch 1, 1.07x slower on the monolith's (bench/step_floor.py --pdl off,on, session 44).",
+                    "batch 1, 1.07x slower on the monolith's (bench/step/step_floor.py --pdl off,on, session 44).",
                     "afd.kernels.pdl", parse=parse_bool),
     ProcessVariable("AFD_BATCH_INVARIANT", "false", "`true`: on CUDA a token's result no longer depends on what "
                     "shares its step (`afd.kernels.batch_invariant`: every dense GEMM one fixed-tiling Triton kernel "

@@ -8,12 +8,12 @@ detokenization, stop strings and callbacks run on the output thread (`afd.engine
 A request that stops early (EOS, stop string) may so run one step more, whose token is
 dropped. The step function is the attention runner (remote FFN) or the monolithic model. A
 step failing because the FFN peer is gone ends every request in flight with an explicit
-error until the link is back (`afd.engine.link_care`), unless `hold_s` > 0: then the lost
-steps are taken back and every request is held while the link re-handshakes (`afd.engine.hold`);
+error until the link is back (`afd.engine.recovery.link_care`), unless `hold_s` > 0: then the lost
+steps are taken back and every request is held while the link re-handshakes (`afd.engine.recovery.hold`);
 any other exception fails only the requests it touched; if the thread dies anyway, `problem` says
 so and the rank turns unhealthy.
 With `prefill_itl_ratio`, every step's own duration (`StepClock`) teaches the scheduler's
-`PrefillPacer` what a step costs (`afd.engine.step_cost`).
+`PrefillPacer` what a step costs (`afd.engine.scheduling.step_cost`).
 """
 
 from __future__ import annotations
@@ -26,20 +26,21 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd.engine.hold import Hold
 from afd.engine.inputs import build_inputs, riders_of, to_device
 from afd.engine.intake import new_request, prepare
 from afd.engine.launched import Launched, run_step
-from afd.engine.link_care import LinkCare
-from afd.engine.logits_controls import Controls
 from afd.engine.outputs import OutputProcessor
-from afd.engine.prompt_logprobs import prompt_rows
+from afd.engine.recovery.hold import Hold
+from afd.engine.recovery.link_care import LinkCare
 from afd.engine.request import InvalidRequest, Request, RequestOutput, SamplingParams
-from afd.engine.sampler import sample
-from afd.engine.scheduler import Scheduler
-from afd.engine.shared_prompt import copy_tails
-from afd.engine.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
-from afd.engine.structured import Grammars, StepMask, consume_step, step_mask
+from afd.engine.sampling.logits_controls import Controls
+from afd.engine.sampling.prompt_logprobs import prompt_rows
+from afd.engine.sampling.sampler import sample
+from afd.engine.scheduling.scheduler import Scheduler
+from afd.engine.scheduling.shared_prompt import copy_tails
+from afd.engine.scheduling.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
+from afd.engine.structured_output.grammars import Grammars
+from afd.engine.structured_output.step_mask import StepMask, consume_step, step_mask
 from afd.kv_cache import KVCache
 from afd.layout import SeqLayout
 
@@ -109,8 +110,8 @@ class Engine:
         """Queue a request; `InvalidRequest` if it can never run here. `request_id`: the caller's id for it;
         `text=False`: outputs carry no text and stop strings are not looked for (the caller detokenizes);
         `arrival`: when the caller took it (`time.monotonic()`; default now), where its time to first token starts;
-        `carried`: output tokens the client already has from another rank, continued from (`afd.engine.carry`);
-        `group`: requests of one group with one prompt (a request's choices) share its prefill (`afd.engine.shared_prompt`)."""
+        `carried`: output tokens the client already has from another rank, continued from (`afd.engine.recovery.carry`);
+        `group`: requests of one group with one prompt (a request's choices) share its prefill (`afd.engine.scheduling.shared_prompt`)."""
         request = new_request(prompt_ids, params, on_output, carried, group, request_id, arrival)
         if carried and self.observer is not None and hasattr(self.observer, "on_carried"):
             self.observer.on_carried()

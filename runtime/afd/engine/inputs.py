@@ -5,7 +5,7 @@ from that step's device tensor (`prev_tokens`, row `sample_row`), so the host ne
 for it. A prompt is fed in the chunk the scheduler gave it; only a request whose prompt is
 complete after this step samples (`emit`), and one whose last token this step samples is
 `final_scheduled` (length limits are known in advance). The riders of a prompt's leader sample from its row in
-the step that feeds its last chunk (`afd.engine.shared_prompt`).
+the step that feeds its last chunk (`afd.engine.scheduling.shared_prompt`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from afd.engine.request import Request
-from afd.engine.shared_prompt import board
+from afd.engine.scheduling.shared_prompt import board
 from afd.host_copy import host_to_device
 from afd.layout import SeqLayout
 

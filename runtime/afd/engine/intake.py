@@ -6,15 +6,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd.engine.carry import carried_params, prime_text, seeded_generator
+from afd.engine.recovery.carry import carried_params, prime_text, seeded_generator
 from afd.engine.request import Request, RequestOutput, SamplingParams
-from afd.engine.structured import Grammars, consume
-from afd.engine.text import IncrementalDetokenizer, StopChecker
+from afd.engine.structured_output.grammars import Grammars, consume
+from afd.engine.text.detokenizer import IncrementalDetokenizer
+from afd.engine.text.stop_strings import StopChecker
 
 
 def new_request(prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
                 carried: Sequence[int], group: str | None, request_id: str | None, arrival: float | None) -> Request:
-    """The request of `prompt_ids` continued after `carried` output tokens (`afd.engine.carry`)."""
+    """The request of `prompt_ids` continued after `carried` output tokens (`afd.engine.recovery.carry`)."""
     sampling = carried_params(params, len(carried)) if carried else params
     request = Request(list(prompt_ids) + list(carried), sampling, on_output)
     request.carried, request.group = len(carried), group

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from afd.engine.inputs import to_device
-from afd.engine.prompt_logprobs import PromptLogprobs, PromptRows
 from afd.engine.request import Request
-from afd.engine.sampler import Sampled
+from afd.engine.sampling.prompt_logprobs import PromptLogprobs, PromptRows
+from afd.engine.sampling.sampler import Sampled
 from afd.layout import SeqLayout
 
 

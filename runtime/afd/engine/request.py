@@ -33,7 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report, 0 = only the chosen token
-    # Logits controls (`afd.engine.logits_controls`); a request that sets none takes the plain sampler.
+    # Logits controls (`afd.engine.sampling.logits_controls`); a request that sets none takes the plain sampler.
     presence_penalty: float = 0.0  # OpenAI: minus this once for each token already in the output
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
     repetition_penalty: float = 1.0  # transformers/vLLM: a token in the prompt or output is divided (>0) or multiplied
@@ -48,7 +48,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None  # the prompt's logprobs from the prefill, with this many alternatives
-    grammar: str | None = None  # structured output: an llguidance grammar (`afd.engine.structured`)
+    grammar: str | None = None  # structured output: an llguidance grammar (`afd.engine.structured_output.grammars`)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -156,8 +156,8 @@ class Request:
     done: bool = False  # its final output (or error) was delivered; later tokens are dropped
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # gathered over its prompt chunks
     grammar: object = None  # its llguidance matcher (structured output), advanced by the engine thread
-    carried: int = 0  # output tokens produced on an earlier rank, at the end of prompt_ids (`afd.engine.carry`)
-    # The choices of one prompt share its prefill and full KV blocks (`afd.engine.shared_prompt`).
+    carried: int = 0  # output tokens produced on an earlier rank, at the end of prompt_ids (`afd.engine.recovery.carry`)
+    # The choices of one prompt share its prefill and full KV blocks (`afd.engine.scheduling.shared_prompt`).
     group: str | None = None  # requests of one group with the same prompt may share it
     shares: "Request | None" = None  # the request whose prefill this one takes its prompt's KV cache from
     riders: list["Request"] = field(default_factory=list)  # the requests taking this one's prefill

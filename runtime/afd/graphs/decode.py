@@ -21,7 +21,7 @@ import torch
 from afd.graphs.buckets import bucket_for, capture_order, is_decode
 from afd.graphs.capture import make_pool
 from afd.kv_cache import KVCache
-from afd.models.attention import AttentionBatch
+from afd.models.paged_attention import AttentionBatch
 from afd.layout import SeqLayout
 from afd.stages import StagePolicy
 

@@ -1,7 +1,7 @@
 """Batch-invariant mode (`AFD_BATCH_INVARIANT`): a token's result no longer depends on what shares its step.
 
 cuBLAS picks its GEMM kernel (tile, split-K) by the row count, so the same token's projections round differently
-in a step of 256 rows than in one of 16 (bench/gemm_invariance.py). Where attention ranks split the requests
+in a step of 256 rows than in one of 16 (bench/kernels/gemm_invariance.py). Where attention ranks split the requests
 (2A1F), each rank's steps hold other rows than the monolith's, and bf16 greedy tokens can part (issue 32). In
 this mode every dense product of 16-bit or float32 CUDA tensors (aten mm, addmm, bmm and their out/dtype forms,
 so nn.Linear, the LM head, the router and MLA's absorptions alike) runs one Triton kernel with one fixed tiling

@@ -7,7 +7,7 @@ latent row, 64 with DeepSeek-V3's 128), so each cached row is read once per key 
 sequence's keys are cut into as many slices as give the device two programs a multiprocessor
 (`plan_splits`: many at batch 1, one from ~264 programs up), merged by a second small kernel
 (flash-decoding); slices and launch settings were measured against the KV byte floor
-(`bench/decode_tune.py`). The slice count is an argument, not a compile-time constant: an eager
+(`bench/kernels/decode_tune.py`). The slice count is an argument, not a compile-time constant: an eager
 step (decodes beside a prompt) meets every count from 1 to 16, and each compiled variant cost a JIT
 compile in the middle of serving (issue 33: TTFT 0.7-6 s at 16-64 streams); two variants remain.
 The block tables' width (the step's longest sequence, in blocks) is not specialized on either
@@ -132,7 +132,7 @@ class DecodeLaunch:
         return {"BLOCK_N": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-# The fastest settings of bench/decode_tune.py's sweep at batch 32-256 and contexts 1,024-4,096 (H100): two stages
+# The fastest settings of bench/kernels/decode_tune.py's sweep at batch 32-256 and contexts 1,024-4,096 (H100): two stages
 # of 64 key rows; the latent kernel's [16, 512] float32 accumulator wants 8 warps. With 64 heads a program the
 # latent kernel is bound by its math, not its reads: one program a multiprocessor.
 LATENT_LAUNCH = DecodeLaunch(block_n=64, num_warps=8, num_stages=2)

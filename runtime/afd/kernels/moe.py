@@ -2,7 +2,7 @@
 
 Two implementations of one function, `experts(x, weights, ids, gate_up, down)`:
 `triton` (alignment, `moe_align`, + two fused GEMM kernels, `moe_triton`, launched by `moe_launch`, + the slot
-sum, `moe_rows`, with block sizes from a table tuned per shape and device by `bench/moe_tune.py`) and
+sum, `moe_rows`, with block sizes from a table tuned per shape and device by `bench/kernels/moe_tune.py`) and
 `grouped` (`torch._grouped_mm` with a gather and a reordering pass). Both are capturable in CUDA graphs:
 every shape follows from the token count, never from the routing. `AFD_MOE_KERNEL` picks one
 (auto|triton|grouped); auto prefers Triton when it imports. Up to `AFD_MOE_SMALL_TOKENS` tokens (default 8)
@@ -66,7 +66,7 @@ FP8_DEFAULT_CONFIGS = {  # FP8 experts where no tuned table fits: BLOCK_K 128 (o
     4096: {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "TMA": True,
                                       "ONE_DOT": True, "GROUP_M": 16},
            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "TMA": True, "GROUP_M": 4}},
-}  # 1024 and 4096: what bench/moe_tune.py --fp8 chose at both sample shapes on an H200 (session 40)
+}  # 1024 and 4096: what bench/kernels/moe_tune.py --fp8 chose at both sample shapes on an H200 (session 40)
 DEFAULT_CONFIGS = {  # used where no tuned table fits the shapes and device
     1: {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
         "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}},
@@ -79,7 +79,7 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 
 
 def config_name(num_experts: int, hidden: int, inter: int, device_name: str, fp8: bool = False) -> str:
-    """File name of a tuned table (written by `bench/moe_tune.py`); FP8 experts have tables of their own."""
+    """File name of a tuned table (written by `bench/kernels/moe_tune.py`); FP8 experts have tables of their own."""
     return f"E{num_experts}_H{hidden}_I{inter}_{'fp8_' if fp8 else ''}{device_name.replace(' ', '_')}.json"
 
 

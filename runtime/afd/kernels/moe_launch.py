@@ -1,7 +1,7 @@
 """How the MoE GEMM kernels (`moe_triton`) are launched: a table entry's settings checked and filled in,
 the registers an FP8 tile holds, whether TMA works here, operands as TMA descriptors, and the grid.
 
-No kernel lives here; `moe_triton` launches its two GEMMs through `launch`, and `bench/moe_tune.py` reads
+No kernel lives here; `moe_triton` launches its two GEMMs through `launch`, and `bench/kernels/moe_tune.py` reads
 the same checks when it sweeps the settings.
 """
 
@@ -42,12 +42,12 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
     for key in REMOVED_KEYS:
         if key in cfg:
             raise ValueError(f"{kernel or 'MoE'} table entry has {key}: the FP8 {key} kernel variant was removed "
-                             f"(issue 32: it wrote wrong rows on the H200); drop {key} or re-run bench/moe_tune.py")
+                             f"(issue 32: it wrote wrong rows on the H200); drop {key} or re-run bench/kernels/moe_tune.py")
     settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "ONE_DOT": False, "PERSISTENT": 0,
                 **cfg}
     if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
         raise ValueError(f"kernel BLOCK_M {settings['BLOCK_M']} must be at least 16 and divide the layout's "
-                         f"BLOCK_M {layout_m}; re-run bench/moe_tune.py or fix the table")
+                         f"BLOCK_M {layout_m}; re-run bench/kernels/moe_tune.py or fix the table")
     if not isinstance(settings["PERSISTENT"], int) or settings["PERSISTENT"] < 0:
         raise ValueError(f"PERSISTENT {settings['PERSISTENT']!r} must be 0 (off) or programs per multiprocessor")
     if settings["ONE_DOT"] and not settings["TMA"]:
@@ -55,7 +55,7 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
     if fp8 and (GROUP % settings["BLOCK_K"] or (kernel == "gate_up" and settings["BLOCK_N"] % GROUP)):
         raise ValueError(f"FP8 {kernel} settings BLOCK_K {settings['BLOCK_K']} / BLOCK_N {settings['BLOCK_N']}: "
                          f"BLOCK_K must divide {GROUP} (and gate_up's BLOCK_N be a multiple of {GROUP}); "
-                         "re-run bench/moe_tune.py --fp8 or fix the table")
+                         "re-run bench/kernels/moe_tune.py --fp8 or fix the table")
     return settings
 
 
@@ -121,7 +121,7 @@ def launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, 
                 raise
             key = _stages_key(kernel, cfg, constants)
             log.warning("%s with %s %s needs more than this GPU has (%s): running it with num_stages %d instead of "
-                        "%d; re-run bench/moe_tune.py for this GPU", key[0], cfg, constants, err, stages - 1, stages)
+                        "%d; re-run bench/kernels/moe_tune.py for this GPU", key[0], cfg, constants, err, stages - 1, stages)
             stages -= 1
             _FITTING_STAGES[key] = stages
 

@@ -60,7 +60,7 @@ def label(cfg: dict) -> str:
     return "n{BLOCK_N}k{BLOCK_K}w{num_warps}s{num_stages}".format(**cfg)
 
 
-# FP8 → both kernels' settings: the T = 1 picks of `bench/moe_small.py --tokens 1,4,8 --variants 1,8` on an
+# FP8 → both kernels' settings: the T = 1 picks of `bench/kernels/moe_small.py --tokens 1,4,8 --variants 1,8` on an
 # H100 (session 45), one row for every token count, so that a token's result does not depend on how many tokens
 # share its step (the settings fix each column's summation order). gate_up runs one program per (pair, column
 # block); down one per (token, column block), each streaming all the token's slots at once, so its column block is

@@ -118,7 +118,7 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
 
 
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
-def _gate_up_kernel(
+def gate_up_kernel(
     x, w, act_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, x_scale, w_scale, act_scale,
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
@@ -191,7 +191,7 @@ def _down_job(act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, weights_p
 
 
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
-def _down_kernel(
+def down_kernel(
     act, w, out_ptr, shared_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, weights_ptr, act_scale, w_scale,
     num_pairs, top_k, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
@@ -242,7 +242,7 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
         w = operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (x_scale, w_scale, act_scale) if fp8 else (act, act, act)  # unread placeholders without FP8
     args = (x, w, act, pairs, tile_expert, used_tiles, *scales, num_pairs, slots, hidden, inter)
-    return launch(_gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
+    return launch(gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
                    act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8)
 
 
@@ -265,5 +265,5 @@ def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k
     shared = out if shared_out is None else shared_out  # an unwritten placeholder without shared rows apart
     args = (a, w, out, shared, pairs, tile_expert, used_tiles, weights, *scales, num_pairs, top_k, slots, hidden,
             inter)
-    return launch(_down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
+    return launch(down_kernel, args, pairs.shape[0], triton.cdiv(hidden, cfg["BLOCK_N"]), block_m, cfg,
                    act.device, FP8=fp8, SHARED_APART=shared_out is not None)

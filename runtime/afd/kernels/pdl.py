@@ -16,8 +16,8 @@ Measured (bench/RESULTS.md, issue 33, session 44): a chain of 64 one-token GEMVs
 3.42 with early release (H200); but a whole decode step gains only on the attention-only step at batch 1 (0.92-0.94x)
 and loses on the monolith even with GEMMs only waiting (1.07x, H100), so it stays off by default.
 
-Off unless `AFD_PDL=true` (and on compute capability 9.0 and later): `bench/pdl_chain.py` and
-`bench/step_floor.py --pdl off,on` measure it. A kernel takes the constexpr `GDC` (0, the default: off, so the
+Off unless `AFD_PDL=true` (and on compute capability 9.0 and later): `bench/kernels/pdl_chain.py` and
+`bench/step/step_floor.py --pdl off,on` measure it. A kernel takes the constexpr `GDC` (0, the default: off, so the
 interpreter and older GPUs never see the instructions; 1: wait; 2: wait, then release the next kernel) and calls
 `gdc_enter(GDC)` first; its launch passes `**launch_options(device)`.
 """
@@ -48,13 +48,15 @@ def gdc_enter(GDC: tl.constexpr):
 
 def launch_options(device: torch.device, release_early: bool = True) -> dict:
     """Keyword arguments for a launch on `device`: `GDC` and `launch_pdl` where PDL is on, else none."""
-    if device.type != "cuda" or not _enabled(device.index if device.index is not None else -1):
+    if device.type != "cuda" or not enabled(device.index if device.index is not None else -1):
         return _OFF
     return _RELEASE if release_early else _WAIT
 
 
 @functools.lru_cache(maxsize=None)
-def _enabled(index: int) -> bool:
+def enabled(index: int) -> bool:
+    """PDL on for device `index` (-1: the current one): `AFD_PDL` and compute capability 9.0 or later; cached, so a
+    caller that changes `AFD_PDL` clears it (`enabled.cache_clear()`)."""
     if not process_setting("AFD_PDL"):
         return False
     index = torch.cuda.current_device() if index < 0 else index

@@ -8,7 +8,7 @@ to fill the GPU) each of SPLIT_K programs per row block takes one slice of K and
 second launch adds the partials in split order, so the same inputs give the same bits every time (no atomics).
 DOT multiplies with `tl.dot` (x padded to 16 rows), else with float32 FMAs and a row sum per step.
 
-Whether a shape runs here is measured, never guessed: `bench/skinny_tune.py` writes
+Whether a shape runs here is measured, never guessed: `bench/kernels/skinny_tune.py` writes
 configs/skinny_<DEVICE>.json, mapping (N, K, M, output) to kernel settings or "cublas"; without the file every
 shape stays on torch's GEMM. The choice depends on shapes and device only (no host sync): capturable.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from afd.metrics.buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
+from afd.metrics.histogram_buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
 def _labels(rank: int) -> dict[str, str]:

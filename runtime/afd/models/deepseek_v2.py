@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.models.attention import (AttentionBatch, cached_attention, one_token_attention, prompts_attention,
+from afd.models.paged_attention import (AttentionBatch, cached_attention, one_token_attention, prompts_attention,
                                   single_tokens)
-from afd.models.base import DecoderLayer, MoECausalLM
+from afd.models.decoder import DecoderLayer, MoECausalLM
 from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_linear, apply_rope_pairs, fuse_linears,
                                fused_glue, fused_linear, yarn_mscale)
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters

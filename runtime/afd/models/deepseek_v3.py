@@ -12,7 +12,7 @@ not part of this model: the loader neither reads nor keeps them.
 from __future__ import annotations
 
 from afd.models import deepseek_v2
-from afd.models.base import MoECausalLM
+from afd.models.decoder import MoECausalLM
 from afd.models.layers import Routing
 from afd.models.spec import ModelSpec
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.models.base import MoECausalLM
+from afd.models.decoder import MoECausalLM
 from afd.models.layers import Experts, GatedMLP, MoE
 from afd.topology import shard_range
 

@@ -10,7 +10,7 @@ import torch
 
 from afd.config.process import process_setting
 from afd.models import deepseek_v2, deepseek_v3, qwen3_moe
-from afd.models.base import MoECausalLM
+from afd.models.decoder import MoECausalLM
 from afd.models.checkpoint import Checkpoint
 from afd.models.expert_shard import shard_ffn_model, shard_parts
 from afd.kernels.fp8_blocks import FP8_DTYPE, dequantize_block_fp8

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.models.attention import AttentionBatch, cached_attention
-from afd.models.base import DecoderLayer, MoECausalLM
+from afd.models.paged_attention import AttentionBatch, cached_attention
+from afd.models.decoder import DecoderLayer, MoECausalLM
 from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_linear, apply_rope_halves, fuse_linears,
                                fused_glue, fused_linear)
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from afd.models.base import MoECausalLM
+from afd.models.decoder import MoECausalLM
 
 ROLES = ("monolithic", "attention", "ffn")
 

@@ -20,7 +20,7 @@ from afd.connector import wire
 from afd.connector.attention_link import AttentionLink
 from afd.connector.base import AttnTransfer
 from afd.kv_cache import KVCache
-from afd.models.attention import AttentionBatch
+from afd.models.paged_attention import AttentionBatch
 from afd.models.loader import LoadedModel
 from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs

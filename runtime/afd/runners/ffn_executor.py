@@ -36,7 +36,7 @@ class FFNStepExecutor:
         self.crossing = loaded.crossing
         self.plane = plane
         self.expected = expected
-        self.graphs = graphs  # afd.graphs.ffn.FFNGraphs when CUDA graphs are on (NCCL data plane only)
+        self.graphs = graphs  # afd.graphs.ffn_graphs.FFNGraphs when CUDA graphs are on (NCCL data plane only)
         self.steps_run = 0
         self.rows_served = 0
         self.transfer_bytes = {"send": 0, "recv": 0}

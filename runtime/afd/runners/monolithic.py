@@ -8,7 +8,7 @@ from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs
 from afd.graphs.mixed import MixedGraphs, token_buckets
 from afd.kv_cache import KVCache
-from afd.models.attention import AttentionBatch
+from afd.models.paged_attention import AttentionBatch
 from afd.models.loader import LoadedModel
 from afd.layout import SeqLayout
 from afd.stages import StagePolicy

@@ -14,7 +14,7 @@ import torch
 
 from afd.config import AFDConfig
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
-from afd.engine.sampler import sample
+from afd.engine.sampling.sampler import sample
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel
 from afd.runners.attention_runner import AttentionRunner, StepOptions

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
-from afd.engine.sampler import sample
+from afd.engine.sampling.sampler import sample
 from afd.kv_cache import KVCache
 from afd.layout import SeqLayout
 

@@ -11,7 +11,7 @@ FFN as it does in our own runner's ping-pong. Stages split as everywhere (`afd.s
 `AttentionLink`, tested against our FFN ranks without vLLM installed.
 
 Between steps a daemon thread tends the link with the engine's own keeper
-(`afd.engine.link_care.LinkCare`): heartbeats, leaving a draining FFN rank once this rank has
+(`afd.engine.recovery.link_care.LinkCare`): heartbeats, leaving a draining FFN rank once this rank has
 run no step for `IDLE_AFTER_S` (vLLM steps back to back while any request runs), and once lost
 re-handshakes (fresh sockets) until it is back: a loss while idle heals without vLLM noticing,
 and a rolling FFN restart ends its drain without waiting out the fallback. A step
@@ -36,7 +36,7 @@ from afd.connector import wire
 from afd.connector.attention_link import AttentionLink, LinkOptions
 from afd.connector.base import AttnTransfer, PeerLost
 from afd.connector.tensors import DTYPE_NAMES
-from afd.engine.link_care import LinkCare
+from afd.engine.recovery.link_care import LinkCare
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import ModelSpec, parse_spec
 from afd.runners.handshake import make_hello

@@ -23,8 +23,8 @@ import uvicorn
 
 from afd.engine.engine import Engine
 from afd.engine.request import InvalidRequest
-from afd.engine.structured import Grammars
-from afd.engine.tokenizer import chat_prompt_ids
+from afd.engine.structured_output.grammars import Grammars
+from afd.engine.text.tokenizer import chat_prompt_ids
 from afd.server.api import choices, json_body, resume as resumes, streams, tokenize_api, validation
 from afd.server.api.formatting import PromptShown, chat_response, completion_response
 from afd.server.api.http_body import BodyTimeout, BodyTooLarge, read_body

@@ -2,7 +2,7 @@
 
 Each choice is its own engine request; the choices of one prompt are submitted together as one
 group, so the engine prefills the prompt once and they share its full KV blocks
-(`afd.engine.shared_prompt`). Choice j draws from its own seed stream: with `seed` s it is seeded
+(`afd.engine.scheduling.shared_prompt`). Choice j draws from its own seed stream: with `seed` s it is seeded
 s + j, so it equals an `n: 1` request with seed s + j. With `best_of` > n, `best_of` candidates
 run and the n with the highest cumulative log-probability are returned (OpenAI's rule); usage
 counts every candidate's tokens, and the prompt once.

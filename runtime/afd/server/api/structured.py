@@ -4,7 +4,7 @@
 Pure translation and checks: at most one constraint per request; a JSON schema must be an
 object (or a JSON string of one); a choice list non-empty strings. JSON is compact (no free
 whitespace between tokens), so a weak model cannot wander in blanks. The grammar is compiled
-(and cached) by `afd.engine.structured.Grammars`, which names the field if it does not compile.
+(and cached) by `afd.engine.structured_output.grammars.Grammars`, which names the field if it does not compile.
 """
 
 from __future__ import annotations

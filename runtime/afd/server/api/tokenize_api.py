@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from afd.engine.request import InvalidRequest
-from afd.engine.tokenizer import chat_prompt_ids
+from afd.engine.text.tokenizer import chat_prompt_ids
 from afd.server.api import validation
 from afd.server.api.protocol import ChatMessage, parse_request
 from afd.server.api.validation import Limits

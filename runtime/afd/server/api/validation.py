@@ -248,7 +248,7 @@ def bad_words(words: list[str] | None, tokenizer,
               limits: Limits) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """(token ids never to sample, multi-token words) of `bad_words`, tokenized as vLLM does: each word with its
     leading spaces stripped, and after one space when that gives other tokens of the same count. A word of
-    several tokens bans its last token where the others end the output (`afd.engine.banned_words`)."""
+    several tokens bans its last token where the others end the output (`afd.engine.sampling.banned_words`)."""
     if not words:
         return (), ()
     if len(words) > limits.max_bad_words:

@@ -25,7 +25,7 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
     # local import: after `_die_with`, so a child whose core is already gone exits before loading the app stack
     from prometheus_client import CollectorRegistry
 
-    from afd.engine.tokenizer import load_tokenizer
+    from afd.engine.text.tokenizer import load_tokenizer
     from afd.kv_cache import KVBlocks
     from afd.server.api.app import ServerState, create_app, http_server
     from afd.server.api.validation import Limits

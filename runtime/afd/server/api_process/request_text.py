@@ -10,7 +10,8 @@ request here; the caller aborts it in the core.
 from __future__ import annotations
 
 from afd.engine.request import RequestOutput, SamplingParams
-from afd.engine.text import IncrementalDetokenizer, StopChecker
+from afd.engine.text.detokenizer import IncrementalDetokenizer
+from afd.engine.text.stop_strings import StopChecker
 
 
 class RequestText:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from afd.config import AFDConfig
 from afd.engine.engine import Engine
-from afd.engine.tokenizer import load_tokenizer
+from afd.engine.text.tokenizer import load_tokenizer
 from afd.kv_budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
 from afd.kernels.compile_watch import WATCH
 from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
@@ -92,7 +92,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         prefill_itl_ratio=config.prefill_itl_ratio,
         prefill_backlog_steps=config.prefill_backlog_steps,
         hold_s=config.ffn_hold_s,
-        vocab_size=spec.vocab_size,  # the sampler's width: a seeded stream is advanced over it (afd.engine.carry)
+        vocab_size=spec.vocab_size,  # the sampler's width: a seeded stream is advanced over it (afd.engine.recovery.carry)
     )
     metrics.track(engine)
     state = ServerState(

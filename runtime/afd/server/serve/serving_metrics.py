@@ -6,7 +6,7 @@ import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from afd.metrics.buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
+from afd.metrics.histogram_buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 _HOLD_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 

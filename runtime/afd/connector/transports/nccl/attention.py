@@ -19,7 +19,7 @@ A lost peer's pair is aborted at once and never waited on: NCCL raises its abort
 before tearing down, so transfers stuck on the dead peer end and the stream drains within
 milliseconds; every new connection builds a new pair. A graceful close destroys the pair,
 and `ncclCommDestroy` waits for the other end's destroy and for every CUDA graph holding the
-pair's transfers, so graphs are released first (`bench/nccl_teardown.py` measures this).
+pair's transfers, so graphs are released first (`bench/cluster/nccl_teardown.py` measures this).
 This module is the attention end; the FFN end is `afd.connector.transports.nccl.ffn`; the registry entry
 `afd.connector.transports.nccl`.
 """

@@ -186,14 +186,20 @@ class PairComm:
 
         `ncclCommDestroy` waits until every CUDA graph that captured this pair's transfers
         is destroyed (measured: 0.46 s with the graphs freed first, > 20 s with one alive;
-        `bench/nccl_teardown.py`): release the graphs before closing the pair.
+        `bench/cluster/nccl_teardown.py`): release the graphs before closing the pair.
         """
         return self._release(library().lib.ncclCommDestroy, wait_s)
 
-    def _release(self, teardown, wait_s: float) -> bool:
-        if self._comm is None:
-            return True
+    def detach(self):
+        """Hand over the raw `ncclComm_t` (None if already closed): this pair is closed from here on, and tearing the
+        communicator down is the caller's."""
         comm, self._comm = self._comm, None
+        return comm
+
+    def _release(self, teardown, wait_s: float) -> bool:
+        comm = self.detach()
+        if comm is None:
+            return True
         worker = threading.Thread(target=teardown, args=(comm,), name="nccl-teardown", daemon=True)
         worker.start()
         worker.join(wait_s)

@@ -1,0 +1,1 @@
+"""Against other systems: vLLM serving, DeepGEMM's MoE GEMMs."""

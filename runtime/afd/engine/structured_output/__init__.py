@@ -1,0 +1,2 @@
+"""Structured outputs with llguidance: compiled grammars and a matcher per request, and each step's allowed-token
+masks on the device."""
