@@ -4,7 +4,7 @@ The other planner and ratio tests fit the linear cost model to synthetic metrics
 (`afd.planner.simulate`), so a small prediction error there is nearly given. Here the scrapes come from one
 `afd up` 2A1F group of the tiny Qwen3-MoE on CPU, streaming clients in phases of 2, 6, 12 and 8, recorded once:
 
-    .venv/bin/python bench/plan_check.py --phases 2,6,12,8 --seconds 15 \
+    .venv/bin/python bench/cluster/plan_check.py --phases 2,6,12,8 --seconds 15 \
         --dump tests/runtime/traces/plan-cpu-2A1F.json
 
 The plan's prediction of the last (steady) window, and each steady window predicted by a fit that never saw it or
