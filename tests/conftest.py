@@ -11,8 +11,8 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """name → folder of a tiny checkpoint (two seeds of DeepSeek-V2, one variant, Qwen3-MoE, DeepSeek-V3, FP8 ones)."""
-    from afd.fp8_convert import dequantize_folder
-    from afd.tiny import make_tiny_model
+    from afd.checkpoint_tools.fp8_convert import dequantize_folder
+    from afd.checkpoint_tools.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("checkpoints")
     folders = {

@@ -56,7 +56,8 @@ def ffn_main(args, q, events) -> None:
     from afd.connector.transports.nccl.lib import PairComm, new_unique_id
     from afd.metrics.layer_clock import LayerClock, StepInstruments
     from afd.models.loader import LoadedModel
-    from afd.roles import Share, assemble_ffn
+    from afd.roles.ffn import assemble_ffn
+    from afd.roles.share import Share
 
     config = v2_lite(args.layers)
     model, spec, crossing = random_model(config, "ffn")

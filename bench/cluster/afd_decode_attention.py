@@ -14,7 +14,8 @@ def _connect(args, phase, rank, loaded, kv):
     """A handshaken attention role around `loaded` and `kv`; the caller captures the decode graphs it measures."""
     import torch
 
-    from afd.roles import Share, assemble_attention
+    from afd.roles.attention import assemble_attention
+    from afd.roles.share import Share
 
     afd = afd_config(args, phase, "attention", rank).replace(cuda_graphs=False)  # the buckets measured, not the defaults
     return assemble_attention(afd, Share(loaded, torch.device("cuda"), "bfloat16"), kv)
@@ -40,8 +41,8 @@ def attn0_main(args, q, events) -> None:
     from afd.connector.transports.nccl.lib import PairComm, UniqueId
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
-    from afd.stages import StagePolicy
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.step.stages import StagePolicy
+    from afd.runners.monolithic_runner import MonolithicRunner
 
     config = v2_lite(args.layers)
     vocab, top = config["vocab_size"], max(args.batches)
@@ -107,7 +108,7 @@ def args_uid_from_queue(events) -> str:
 
 
 def _rank_share(batch: int, rank: int) -> int:
-    """Sequences of a total `batch` on attention rank `rank` of two (contiguous blocks, as `afd.topology`)."""
+    """Sequences of a total `batch` on attention rank `rank` of two (contiguous blocks, as `afd.config.topology`)."""
     return (batch + 1) // 2 if rank == 0 else batch // 2
 
 

@@ -40,6 +40,6 @@ def afd_config(args, phase: str, role: str, rank: int):
 
 
 def split_rows(total: int, stages: int) -> tuple:
-    from afd.stages import StagePolicy
+    from afd.step.stages import StagePolicy
 
     return StagePolicy(stages).rows(total)

@@ -180,7 +180,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="afd-vllm-bench-"))
     model = args.model
     if not model:
-        from afd.tiny import make_tiny_model
+        from afd.checkpoint_tools.tiny import make_tiny_model
 
         model = str(make_tiny_model("qwen3_moe", root / "tiny-qwen3_moe", seed=0, overrides={"head_dim": 32}))
     prompts = [f"Request {i}: tell me about attention and experts number {i % 7}." for i in range(args.requests)]

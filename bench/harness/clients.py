@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from afd.server.api.api_keys import env_bearer
+
 
 async def one_request(client, api, model, prompt, max_tokens, ttfts, itls, extra: dict | None = None) -> int:
     """Tokens of one streamed completion (TTFT and gaps appended); `extra`: more request fields (penalties)."""
@@ -76,7 +78,7 @@ def running_up(topology: str, port: int, log: str | None = None):
                 raise SystemExit("afd up did not start")
             time.sleep(0.5)
         state = json.loads(state_file.read_text())
-        yield state, httpx.get(f"{state['api']}/models").json()["data"][0]["id"]
+        yield state, httpx.get(f"{state['api']}/models", headers=env_bearer()).json()["data"][0]["id"]
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)

@@ -11,7 +11,7 @@ import time
 def kv_cache_for(model, max_seqs: int, context: int):
     import torch
 
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
 
     blocks = max_seqs * (-(-(context + 1) // 16)) + 8
     kv = KVCache(model.kv_layouts(), blocks, torch.bfloat16, "cuda", block_size=16)
@@ -22,7 +22,7 @@ def kv_cache_for(model, max_seqs: int, context: int):
 
 def capture_decode_graphs(runner_body, kv, buckets, policy=None, before=None):
     from afd.graphs.decode import DecodeGraphs
-    from afd.stages import StagePolicy
+    from afd.step.stages import StagePolicy
 
     graphs = DecodeGraphs(runner_body, kv, tuple(sorted(set(buckets))), policy or StagePolicy(), kv.keys[0].device,
                           before=before)
@@ -34,7 +34,7 @@ def time_steps(runner, kv, batch: int, steps: int, context: int, vocab: int, war
     """Median wall-clock ms of decode steps of `batch` sequences."""
     import torch
 
-    from afd.layout import SeqLayout
+    from afd.step.layout import SeqLayout
 
     tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
     layout = SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)
@@ -56,7 +56,7 @@ def profile_steps(runner, kv, batch: int, count: int, context: int, vocab: int) 
     import torch
 
     from afd.metrics.layer_clock import LayerClock, NullClock
-    from afd.layout import SeqLayout
+    from afd.step.layout import SeqLayout
 
     tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
     layout = SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)

@@ -48,7 +48,7 @@ def write_v2_lite(out: Path, layers: int, device: str = "cuda", seed: int = 0) -
 
     from afd.models import deepseek_v2
     from afd.models.spec import parse_spec
-    from afd.up import ensure_tiny_model
+    from afd.local.up import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     tiny_config = json.loads((tiny / "config.json").read_text())

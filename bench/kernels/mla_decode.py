@@ -30,7 +30,7 @@ def main() -> None:
     require_cuda(__file__)
 
     from afd.kernels.decode_attention import paged_decode_attention, paged_latent_decode_attention
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.models.paged_attention import AttentionBatch
     from afd.models.deepseek_v2 import MultiHeadLatentAttention
     from afd.models.spec import KVLayout, kv_layout

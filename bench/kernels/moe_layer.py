@@ -8,7 +8,8 @@ The layer is router + top-k routing + routed experts + shared experts (folded in
 bf16: by default DeepSeek-V2-Lite's (top-6 of 64, 2 shared, hidden 2048, width 1408, fp32 router), or
 Qwen3-30B-A3B's (top-8 of 128, normalized, no shared, hidden 2048, width 768, bf16 router). `router ms`
 is the router and top-k routing alone. Floor = max(bytes
-of the touched expert weights / measured copy bandwidth, matmul FLOPs / measured bf16 rate).
+of the touched expert weights / measured copy bandwidth, matmul FLOPs / measured bf16 rate). `÷ bf16`: the
+experts' matmul FLOPs over the Triton layer's time ÷ the bf16 rate measured in the same run (`torch.mm`, 8192³).
 """
 
 from __future__ import annotations
@@ -53,13 +54,14 @@ def build_layer(shape: dict) -> MoE:
     return layer
 
 
-def floor_ms(layer: MoE, x: torch.Tensor, limits: dict) -> float:
+def floor_ms(layer: MoE, x: torch.Tensor, limits: dict) -> tuple[float, float]:
+    """(floor ms, the experts' matmul FLOPs)."""
     weights, ids = layer.routing.select(layer.gate(x), x.dtype)
     touched = int(ids.unique().numel()) + layer.experts.num_shared
     hidden, width = layer.experts.down.shape[1], layer.experts.down.shape[2]
     weight_bytes = touched * 3 * hidden * width * 2 + layer.gate.weight.numel() * layer.gate.weight.element_size()
     flops = 2 * x.shape[0] * (ids.shape[1] + layer.experts.num_shared) * 3 * hidden * width
-    return 1e3 * max(weight_bytes / limits["copy_bytes_per_s"], flops / limits["bf16_flops"])
+    return 1e3 * max(weight_bytes / limits["copy_bytes_per_s"], flops / limits["bf16_flops"]), flops
 
 
 @contextlib.contextmanager
@@ -91,7 +93,8 @@ def main() -> None:
     with torch.inference_mode():
         for tokens in (int(count) for count in args.tokens.split(",")):
             x = torch.randn(tokens, shape["hidden"], dtype=torch.bfloat16, device="cuda")
-            row = {"tokens": tokens, "floor_ms": floor_ms(layer, x, limits),
+            floor, flops = floor_ms(layer, x, limits)
+            row = {"tokens": tokens, "floor_ms": floor, "flops": flops,
                    "router_ms": time_graph(lambda: layer.routing.select(layer.gate(x), x.dtype))}
             outputs = {}
             for kernel in ("triton", "grouped"):
@@ -105,6 +108,7 @@ def main() -> None:
                 os.environ["AFD_MOE_KERNEL"] = "triton"
                 with settings_from(args.before):
                     row["before_ms"] = time_graph(lambda: layer(x))
+            row["triton_of_bf16_rate"] = flops / (row["triton_ms"] / 1e3) / limits["bf16_flops"]
             row["triton_vs_grouped_rel_err"] = float((outputs["triton"] - outputs["grouped"]).norm() / outputs["grouped"].norm())
             rows.append(row)
     name = "moe_layer" if args.shape == "deepseek-v2-lite" else f"moe_layer-{args.shape}"
@@ -112,12 +116,13 @@ def main() -> None:
     print(f"copy {limits['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), bf16 matmul {limits['bf16_flops'] / 1e12:.0f} TFLOP/s")
     before = f" {'before ms':>10} {'x floor':>8} {'now/before':>10}" if args.before else ""
     print(f"{'tokens':>6} {'floor ms':>9} {'router ms':>10} {'triton ms':>10} {'x floor':>8} {'grouped ms':>11} "
-          f"{'x floor':>8} {'rel err':>8}{before}")
+          f"{'x floor':>8} {'rel err':>8} {'÷ bf16':>7}{before}")
     for r in rows:
         before = (f" {r['before_ms']:>10.3f} {r['before_ms'] / r['floor_ms']:>8.2f} {r['triton_ms'] / r['before_ms']:>10.2f}"
                   if args.before else "")
         print(f"{r['tokens']:>6} {r['floor_ms']:>9.3f} {r['router_ms']:>10.3f} {r['triton_ms']:>10.3f} {r['triton_ms'] / r['floor_ms']:>8.2f} "
-              f"{r['grouped_ms']:>11.3f} {r['grouped_ms'] / r['floor_ms']:>8.2f} {r['triton_vs_grouped_rel_err']:>8.1e}{before}")
+              f"{r['grouped_ms']:>11.3f} {r['grouped_ms'] / r['floor_ms']:>8.2f} {r['triton_vs_grouped_rel_err']:>8.1e} "
+              f"{r['triton_of_bf16_rate']:>7.2f}{before}")
 
 
 if __name__ == "__main__":

@@ -383,7 +383,10 @@ def main() -> None:
 def save_table(path: Path, kept: dict, table: dict, device: str, fp8: bool = False) -> dict:
     """Write the table file: `kept`'s rows with this run's rows merged in; returns its document."""
     configs = {**kept, **{str(tokens): row for tokens, row in table.items()}}
-    document = {"device": device, "torch": torch.__version__, **({"fp8": True} if fp8 else {}),
+    import triton  # local import: the tuner runs where Triton does
+
+    document = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+                **({"fp8": True} if fp8 else {}),
                 "configs": dict(sorted(configs.items(), key=lambda item: int(item[0])))}
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(document, indent=1) + "\n")

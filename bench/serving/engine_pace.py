@@ -33,7 +33,7 @@ from afd.engine.engine import Engine  # noqa: E402
 from afd.engine.outputs import OutputProcessor  # noqa: E402
 from afd.engine.request import SamplingParams  # noqa: E402
 from afd.engine.sampling.sampler import Sampled  # noqa: E402
-from afd.monolithic import build_monolithic  # noqa: E402
+from afd.roles.monolithic import build_monolithic  # noqa: E402
 from afd.server.serve.ceiling import step_seconds  # noqa: E402
 
 

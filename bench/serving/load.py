@@ -23,6 +23,8 @@ sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's
 
 from bench.harness.clients import client_loop, running_up  # noqa: E402
 
+from afd.server.api.api_keys import env_bearer  # noqa: E402
+
 
 def rss_bytes(pids: list[int]) -> int:
     total = 0
@@ -37,7 +39,7 @@ async def run_load(api, model, clients, seconds):
     latencies, failures, counter = [], [], [0]
     deadline = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=120, limits=limits, headers=env_bearer()) as client:
         await asyncio.gather(*(client_loop(client, api, model, deadline, latencies, failures, counter) for _ in range(clients)))
     return latencies, failures, counter[0]
 

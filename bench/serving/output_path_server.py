@@ -21,7 +21,7 @@ def serve(port: int, step_ms: float, tokenizer_path: str, profile: str | None = 
 
     from afd.engine.engine import Engine
     from afd.engine.text.tokenizer import load_tokenizer
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.models.spec import KVLayout
     from afd.server.api.app import ServerState, create_app
     from afd.server.front.failover import Failover, FailoverSettings
@@ -91,7 +91,7 @@ def serve_split(port: int, engine, state, tokenizer_path: str, stats) -> None:
 
     from afd.config import AFDConfig
     from afd.server.api_process.core import serve_with_api_process
-    from afd.server.serve.attention import attention_probes
+    from afd.server.serve.engine_api import attention_probes
 
     class Stats(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802

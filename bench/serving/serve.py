@@ -30,11 +30,12 @@ from bench.harness.clients import one_request  # noqa: E402
 from bench.harness.measure import percentile  # noqa: E402
 
 from afd.config import process_setting  # noqa: E402
+from afd.server.api.api_keys import env_bearer  # noqa: E402
 
 
 async def drive(api, model, prompts, clients, max_tokens):
     ttfts, itls, queue = [], [], list(prompts)
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, headers=env_bearer()) as client:
         async def worker():
             done = 0
             while queue:
@@ -87,7 +88,7 @@ def main() -> int:
                 raise SystemExit("afd up did not start")
             time.sleep(0.5)
         api = json.loads(state_file.read_text())["api"]
-        model = httpx.get(f"{api}/models").json()["data"][0]["id"]
+        model = httpx.get(f"{api}/models", headers=env_bearer()).json()["data"][0]["id"]
         model_path = args.model or str(process_setting("AFD_CACHE_DIR") / "tiny-qwen3_moe")  # where afd up made it
         asyncio.run(drive(api, model, prompts[: args.clients], args.clients, 4))  # warm-up
         tokens, seconds, ttfts, itls = asyncio.run(drive(api, model, prompts, args.clients, args.max_tokens))

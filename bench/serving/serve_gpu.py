@@ -46,7 +46,7 @@ from bench.harness.random_weights import write_v2_lite  # noqa: E402
 
 from afd.config import values_from_env  # noqa: E402
 from afd.local.children import LocalProcesses, free_port_block, threads_per_rank  # noqa: E402
-from afd.topology import Topology  # noqa: E402
+from afd.config.topology import Topology  # noqa: E402
 
 
 def shell_connector(default: str) -> str:
@@ -219,7 +219,7 @@ def largest_batch(mode: str, args, model: str) -> int:
     with serving(mode, probe, model) as (_, _, api):
         text = httpx.get(f"{api}/metrics", timeout=10).text
     capacity = float(re.search(r"^afd_kv_cache_capacity_tokens(?:\{[^}]*\})? (\S+)$", text, re.M).group(1))
-    block = 16  # afd.kv_cache.DEFAULT_BLOCK_SIZE
+    block = 16  # afd.kv.cache.DEFAULT_BLOCK_SIZE
     per_sequence = -(-(args.context + args.output_tokens) // block) * block
     fits = int(capacity) // per_sequence
     print(f"{mode}: KV cache of {int(capacity):,} tokens holds {fits:,} sequences of {args.context} + "

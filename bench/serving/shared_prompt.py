@@ -21,10 +21,10 @@ sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's
 from afd.engine.engine import Engine  # noqa: E402
 from afd.engine.request import SamplingParams  # noqa: E402
 from afd.engine.text.tokenizer import load_tokenizer  # noqa: E402
-from afd.kv_cache import KVCache  # noqa: E402
+from afd.kv.cache import KVCache  # noqa: E402
 from afd.models.loader import load_model  # noqa: E402
-from afd.runners.monolithic import MonolithicRunner  # noqa: E402
-from afd.tiny import make_tiny_model  # noqa: E402
+from afd.runners.monolithic_runner import MonolithicRunner  # noqa: E402
+from afd.checkpoint_tools.tiny import make_tiny_model  # noqa: E402
 
 
 class Counting:

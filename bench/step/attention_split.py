@@ -46,8 +46,8 @@ def main() -> None:
 
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
-    from afd.stages import StagePolicy
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.step.stages import StagePolicy
+    from afd.runners.monolithic_runner import MonolithicRunner
 
     config = v2_lite(args.layers)
     vocab, rows = config["vocab_size"], []

@@ -21,9 +21,9 @@ from bench.harness.measure import require_cuda, write_json  # noqa: E402
 from bench.harness.random_weights import random_model  # noqa: E402
 from bench.harness.shapes import V2_LITE  # noqa: E402
 
-from afd.kv_cache import KVCache  # noqa: E402
+from afd.kv.cache import KVCache  # noqa: E402
 from afd.models.loader import LoadedModel  # noqa: E402
-from afd.runners.monolithic import MonolithicRunner  # noqa: E402
+from afd.runners.monolithic_runner import MonolithicRunner  # noqa: E402
 
 BATCHES, CONTEXT, STEPS = (1, 4, 16, 32, 64), 128, 20
 

@@ -74,9 +74,9 @@ def memory_probe(layers: int, before: bool = True) -> dict:
 def kv_sizing(model, spec, crossing) -> dict:
     """What `afd serve` would size the monolith's KV cache to here (256 sequences, 2,048-token steps, graphs)."""
     from afd.config import AFDConfig
-    from afd.kv_budget import CudaMemory
+    from afd.kv.budget import CudaMemory
     from afd.models.loader import LoadedModel
-    from afd.server.serve.attention import profiled_cache_tokens
+    from afd.roles.kv_sizing import profiled_cache_tokens
 
     config = AFDConfig(role="monolithic", device="cuda", dtype="bfloat16", max_num_seqs=256,
                        max_num_batched_tokens=2048, cuda_graphs=True, max_model_len=4096)

@@ -26,8 +26,9 @@ sys.path[:0] = [str(REPO), str(REPO / "runtime")]  # `bench` and this checkout's
 from afd.config import AFDConfig  # noqa: E402
 from afd.metrics.layer_clock import LayerClock, NullClock  # noqa: E402
 from afd.metrics.layer_metrics import LayerMetrics  # noqa: E402
-from afd.roles import build_attention, build_ffn  # noqa: E402
-from afd.layout import SeqLayout  # noqa: E402
+from afd.roles.attention import build_attention  # noqa: E402
+from afd.roles.ffn import build_ffn  # noqa: E402
+from afd.step.layout import SeqLayout  # noqa: E402
 
 
 def main() -> int:
@@ -38,7 +39,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
     if args.model is None:
-        from afd.up import ensure_tiny_model
+        from afd.local.up import ensure_tiny_model
 
         args.model = str(ensure_tiny_model())
     config = AFDConfig(connector="loopback", model=args.model, ffn_address_template="overhead", profile_every=args.every)

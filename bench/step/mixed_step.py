@@ -31,8 +31,8 @@ from bench.harness.random_weights import random_model  # noqa: E402
 from bench.harness.shapes import V2_LITE  # noqa: E402
 
 from afd.models.loader import LoadedModel  # noqa: E402
-from afd.layout import SeqLayout  # noqa: E402
-from afd.runners.monolithic import MonolithicRunner  # noqa: E402
+from afd.step.layout import SeqLayout  # noqa: E402
+from afd.runners.monolithic_runner import MonolithicRunner  # noqa: E402
 
 SHAPES = (  # (decode rows, their context, prompt chunk lengths)
     (0, 0, (512,)),

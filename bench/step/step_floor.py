@@ -156,7 +156,7 @@ def recording_routes(record: list):
 
 
 def _layout(kv, batch: int, context: int):
-    from afd.layout import SeqLayout
+    from afd.step.layout import SeqLayout
 
     tables = [tuple(kv.allocate(context + 1)) for _ in range(batch)]
     return tables, SeqLayout(tuple(tables), (context,) * batch, (1,) * batch)
@@ -204,7 +204,7 @@ def experts_hit(runner, kv, batch: int, context: int, vocab: int, layers: int) -
 
 
 def kv_cache(model, batch: int, context: int):
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
 
     kv = KVCache(model.kv_layouts(), batch * (-(-(context + 1) // 16)) + 8, torch.bfloat16, "cuda", block_size=16)
     for tensor in kv.keys + [v for v, lay in zip(kv.values, kv.layouts) if not lay.values_in_keys]:
@@ -234,8 +234,8 @@ def run_shape(name: str, config: dict, batches: list[int], contexts: list[int], 
     from afd.graphs.decode import DecodeGraphs
     from afd.models.loader import LoadedModel
     from afd.runners.attention_runner import AttentionRunner, StepOptions
-    from afd.stages import StagePolicy
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.step.stages import StagePolicy
+    from afd.runners.monolithic_runner import MonolithicRunner
     from afd.runners.profile_step import StandInFFN
 
     rows = []

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
                                Histogram, start_http_server)
 
-from afd.topology import Topology, TopologyError
+from afd.config.topology import Topology, TopologyError
 
 log = logging.getLogger(__name__)
 

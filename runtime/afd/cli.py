@@ -19,8 +19,8 @@ from afd.local.log_folders import KEEP
 from afd.models.spec import UnsupportedModelError, parse_spec
 from afd.planner.command import add_parser as add_plan_parser
 from afd.planner.command import cmd_plan
-from afd.tiny import ARCHES, FP8_ARCHES, make_tiny_model
-from afd.topology import TopologyError
+from afd.checkpoint_tools.tiny import ARCHES, FP8_ARCHES, make_tiny_model
+from afd.config.topology import TopologyError
 from afd.vllm_plugin import serve as vllm_serve
 
 # Imported where used instead: whatever needs torch, msgpack or fastapi (the operator image runs `afd operator`
@@ -188,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if bad:
             raise ConfigError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary of {path} (size {spec.vocab_size})")
     if args.monolithic:
-        from afd.monolithic import generate_monolithic  # local import: torch
+        from afd.roles.monolithic import generate_monolithic  # local import: torch
 
         result = generate_monolithic(config, args.prompt_ids, args.max_tokens, args.ignore_eos)
         tokens, logits = result.tokens, [row.tolist() for row in result.last_logits]
@@ -240,10 +240,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if interval := process_setting("AFD_SWITCH_INTERVAL_S"):  # experiment: how often Python hands the GIL on
         sys.setswitchinterval(interval)
     if config.role == "ffn":
-        from afd.server.serve.ffn import serve_ffn  # local import: torch
+        from afd.roles.ffn import serve_ffn  # local import: torch
 
         return serve_ffn(config, stop)
-    from afd.server.serve.attention import serve_attention  # local import: torch, fastapi
+    if config.role == "monolithic":
+        from afd.roles.monolithic import serve_monolithic  # local import: torch, fastapi
+
+        return serve_monolithic(config, stop)
+    from afd.roles.attention import serve_attention  # local import: torch, fastapi
 
     return serve_attention(config, stop)
 
@@ -264,7 +268,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from afd.models.checkpoint import Checkpoint  # local import: torch
     from afd.server.front.door import FrontSettings  # local import: fastapi
-    from afd.up import ensure_tiny_model, run_up  # local import: torch
+    from afd.local.up import ensure_tiny_model, run_up  # local import: torch
 
     config = _group_config(args, "up", UP_DEFAULTS, max_request_bytes=args.max_request_bytes,
                            max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars)

@@ -21,13 +21,14 @@ from prometheus_client import CollectorRegistry
 from afd.config import AFDConfig
 from afd.engine.request import SamplingParams
 from afd.kernels.compile_watch import WATCH, kernel_name
-from afd.server.serve.attention import build_role, build_server
+from afd.roles.monolithic import build_monolithic
+from afd.server.serve.engine_api import build_server
 
 assert WATCH.install()
 config = AFDConfig(role="monolithic", model=sys.argv[1], device="cuda", dtype="bfloat16", cuda_graphs=True,
                    max_num_seqs=32, max_num_batched_tokens=1024, kv_cache_bytes=1 << 30)
 registry = CollectorRegistry()
-role = build_role(config, registry)
+role = build_monolithic(config)
 _, engine = build_server(config, role, registry)
 WATCH.set_serving()
 engine.start()

@@ -129,10 +129,10 @@ def test_latent_decode_kernel_equals_the_reference(dtype, heads):
 
 
 def monolithic(path, dtype, graphs=False, mixed_tokens=0, prompts=PROMPTS, max_tokens=GPU_TOKENS):
-    from afd.generation import greedy_generate
-    from afd.kv_cache import KVCache
+    from afd.engine.generation import greedy_generate
+    from afd.kv.cache import KVCache
     from afd.models.loader import load_model
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
 
     loaded = load_model(str(path), dtype=dtype, device="cuda")
     kv_cache = KVCache(loaded.model.kv_layouts(), 64, dtype, "cuda", block_size=16)

@@ -7,12 +7,12 @@ import torch
 from afd.config import AFDConfig, config_to_env
 from afd.engine.request import SamplingParams
 from afd.engine.text.tokenizer import load_tokenizer
-from afd.kv_budget import CudaMemory, profile_peak
-from afd.kv_cache import KVCache
+from afd.kv.budget import CudaMemory, profile_peak
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.runners.profile_step import run_largest_steps
-from afd.server.serve.attention import profiled_cache_tokens
+from afd.roles.kv_sizing import profiled_cache_tokens
 from afd.server.serve.ceiling import step_seconds
 from tests.server.test_engine_pipeline import PROMPTS, run_engine, tokens_of
 
@@ -65,7 +65,7 @@ def test_pipelined_afd_over_nccl_equals_step_by_step(checkpoints, graphs):
     after the next one is launched gives the same tokens as finishing every step first."""
     from afd.local.children import LocalProcesses
     from afd.local.group_processes import local_zmq_config
-    from afd.roles import build_attention
+    from afd.roles.attention import build_attention
 
     path = str(checkpoints["deepseek_v2"])
     config = local_zmq_config(AFDConfig(

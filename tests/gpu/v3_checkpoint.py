@@ -62,11 +62,11 @@ def write_v3_shaped(bf16_out: Path | None, fp8_out: Path | None, seed: int = 0, 
     other holds the same weights either way)."""
     from safetensors.torch import save_file
 
-    from afd.fp8_convert import SCALE_SUFFIX, is_quantized_weight, quantization_config
+    from afd.checkpoint_tools.fp8_convert import SCALE_SUFFIX, is_quantized_weight, quantization_config
     from afd.models import deepseek_v3
     from afd.kernels.fp8_blocks import quantize_block_fp8
     from afd.models.spec import parse_spec
-    from afd.up import ensure_tiny_model
+    from afd.local.up import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     tiny_config = json.loads((tiny / "config.json").read_text())

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 
 from afd.planner.simulate import SimulatedGroup
-from afd.topology import Topology
+from afd.config.topology import Topology
 from afd_operator.model.spec import parse_spec
 from afd_operator.groups.observe import PodFacts
 from afd_operator.ratio.recommend import CONFIRMATIONS, Fleet, decide, effective_spec, max_unavailable

@@ -97,6 +97,24 @@ def test_api_servers_are_stored_as_given_and_default_to_the_engines_process(clus
     assert cluster.create(_cr(namespace, "api-default"))["spec"]["afd"]["apiServers"] == 0
 
 
+def test_the_api_key_secret_ref_is_stored_defaulted_and_the_attention_pods_read_the_key_from_it(cluster, namespace):
+    """Issue 52: `spec.api.apiKeySecretRef` kept (its key defaulted); the rendered attention StatefulSet, as the API
+    server keeps it, takes AFD_API_KEY from the Secret, and no literal value of it is anywhere."""
+    from afd_operator.model.spec import parse_owner, parse_spec
+    from afd_operator.rendering.children import render_group
+
+    stored = cluster.create(_cr(namespace, "keyed", api={"apiKeySecretRef": {"name": "clients"}}))
+    assert stored["spec"]["api"]["apiKeySecretRef"] == {"name": "clients", "key": "api-key"}
+    body = make_cr(name="keyed", namespace=namespace, api=stored["spec"]["api"])
+    for sts in (o for o in render_group(parse_spec(body["spec"]), parse_owner(body), 0, "r1") if o["kind"] == "StatefulSet"):
+        sts["metadata"].pop("ownerReferences")
+        env = cluster.create(sts, dry_run=True)["spec"]["template"]["spec"]["containers"][0]["env"]
+        keys = [e for e in env if e["name"] == "AFD_API_KEY"]
+        role = sts["spec"]["template"]["metadata"]["labels"]["afd.io/role"]
+        assert keys == ([{"name": "AFD_API_KEY", "valueFrom": {"secretKeyRef": {"name": "clients", "key": "api-key"}}}]
+                        if role == "attention" else []), role
+
+
 @pytest.mark.parametrize("afd", [{}, {"attentionEngine": "vllm", "attentionImage": "registry.example/afd-vllm:0.1.0"}],
                          ids=["afd-engine", "vllm-engine"])
 def test_the_rendered_probes_and_prestop_drain_are_kept_by_the_api_server(cluster, namespace, afd):

@@ -7,7 +7,7 @@ import torch
 
 from afd.models.expert_shard import routed_expert_bytes
 from afd.models.loader import load_model
-from afd.topology import TopologyError, shard_range
+from afd.config.topology import TopologyError, shard_range
 
 
 def test_shard_ranges_cover_every_item_once():
@@ -155,7 +155,7 @@ def test_expert_load_counts_each_shards_experts(checkpoints):
 
 def test_afd_up_plans_one_process_per_shard(tmp_path):
     from afd.config import AFDConfig
-    from afd.up import plan_ranks
+    from afd.local.up import plan_ranks
 
     base = AFDConfig(num_attention_ranks=2, model=str(tmp_path), ffn_expert_parallel=2, port_stride=2)
     ranks = plan_ranks(base)
@@ -181,7 +181,7 @@ def test_config_checks_the_shard():
 @pytest.fixture(scope="module")
 def qwen_top6(tmp_path_factory):
     """Qwen3-MoE routing each token to 6 of its 8 experts: a shard then sums several of a token's pairs."""
-    from afd.tiny import make_tiny_model
+    from afd.checkpoint_tools.tiny import make_tiny_model
 
     return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("top6") / "qwen", seed=0,
                            overrides={"num_experts_per_tok": 6})
@@ -196,8 +196,9 @@ def test_bf16_shards_equal_the_unsharded_rank(shards, gate, qwen_top6):
     import threading
 
     from afd.config import AFDConfig
-    from afd.generation import greedy_generate
-    from afd.roles import build_attention, build_ffn
+    from afd.engine.generation import greedy_generate
+    from afd.roles.attention import build_attention
+    from afd.roles.ffn import build_ffn
     from tests.conftest import PROMPTS
 
     def generate(g):
@@ -251,7 +252,8 @@ def test_attention_transfer_bytes_count_every_shard(gate, checkpoints):
 
     from afd.config import AFDConfig
     from afd.engine.offline import generate_with_engine
-    from afd.roles import build_attention, build_ffn
+    from afd.roles.attention import build_attention
+    from afd.roles.ffn import build_ffn
     from tests.conftest import NEW_TOKENS, PROMPTS
 
     base = AFDConfig(connector="loopback", model=str(checkpoints["deepseek_v2"]), ffn_expert_parallel=2,

@@ -36,7 +36,9 @@ def test_check_hello_refuses_a_mis_sharded_peer(checkpoints):
 def test_a_shard_at_the_wrong_address_is_refused_in_the_handshake(checkpoints):
     """An FFN process that is shard 1 of 4 but reachable where shard 2 should be (a wrong ordinal)."""
     from afd.connector.attention_link import AttentionLink, LinkOptions
-    from afd.roles import build_ffn, load_share
+    from afd.roles.ffn import build_ffn
+    from afd.roles.share import load_share
+    from afd.runners.device import resolve_device
 
     base = AFDConfig(connector="loopback", model=str(checkpoints["qwen3_moe"]), ffn_expert_parallel=4,
                      ffn_address_template="mis-sharded", control_port=30000, data_port=30001, port_stride=10)
@@ -46,7 +48,7 @@ def test_a_shard_at_the_wrong_address_is_refused_in_the_handshake(checkpoints):
     thread = threading.Thread(target=ffn.serve, args=(stop,), daemon=True)
     thread.start()
     try:
-        share = load_share(base)
+        share = load_share(base, resolve_device(base))
         hello = dataclasses.replace(share.hello(base), ffn_shard=2)
         with pytest.raises(HandshakeError, match="mis-sharded peer: attention expects shard 2 of 4, this ffn process "
                                                  "is shard 1 of 4"):
@@ -60,7 +62,7 @@ def test_a_killed_shard_fails_the_step_and_the_group_recovers(checkpoints):
     from afd.engine.offline import generate_with_engine
     from afd.local.children import LocalProcesses, free_port_block, threads_per_rank
     from afd.local.group_processes import local_zmq_config
-    from afd.roles import build_attention
+    from afd.roles.attention import build_attention
     from tests.conftest import PROMPTS
 
     config = local_zmq_config(AFDConfig(model=str(checkpoints["deepseek_v2"]), ffn_expert_parallel=2, port_stride=2,

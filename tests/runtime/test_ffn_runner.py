@@ -13,8 +13,9 @@ from afd.config import AFDConfig
 from afd.connector import wire
 from afd.connector.base import AttnTransfer, HandshakeError, PeerLost
 from afd.connector.attention_link import AttentionLink
-from afd.generation import greedy_generate
-from afd.roles import build_attention, build_ffn
+from afd.engine.generation import greedy_generate
+from afd.roles.attention import build_attention
+from afd.roles.ffn import build_ffn
 from afd.runners.handshake import make_hello
 from afd.models.loader import load_model
 from tests.conftest import NEW_TOKENS, PROMPTS

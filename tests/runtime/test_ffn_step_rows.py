@@ -5,7 +5,7 @@ from __future__ import annotations
 from afd.config import AFDConfig
 from afd.connector import wire
 from afd.metrics.layer_clock import StepInstruments
-from afd.roles import build_ffn
+from afd.roles.ffn import build_ffn
 
 
 class ReplayOnly:

@@ -55,7 +55,7 @@ def test_fp8_expert_shards_read_their_experts_and_scales_only(gate_on_attention,
 
     from afd.models.checkpoint import Checkpoint
     from afd.models.loader import load_model
-    from afd.topology import shard_range
+    from afd.config.topology import shard_range
 
     path = str(checkpoints["deepseek_v3_fp8"])
     routed = {k for k in Checkpoint(path).keys() if re.search(r"^model\.layers\.[12]\.mlp\.experts\.", k)}

@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from afd.config import AFDConfig
 from afd.connector import wire
 from afd.connector.tensors import from_frame
-from afd.generation import greedy_generate
+from afd.engine.generation import greedy_generate
 from afd.local.children import free_port_block
-from afd.roles import build_attention, build_ffn
+from afd.roles.attention import build_attention
+from afd.roles.ffn import build_ffn
 from tests.conftest import NEW_TOKENS, PROMPTS
 
 packable_ints = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry

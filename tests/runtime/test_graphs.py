@@ -66,10 +66,10 @@ def test_a_new_set_of_peers_is_captured_and_a_lost_peers_graphs_are_dropped():
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2", "deepseek_v3_fp8"])
 def test_padded_decode_replay_equals_eager_steps(name, checkpoints):
     """The static-buffer path (eager stand-in for CUDA graphs on CPU) gives the eager tokens."""
-    from afd.generation import greedy_generate
-    from afd.kv_cache import KVCache
+    from afd.engine.generation import greedy_generate
+    from afd.kv.cache import KVCache
     from afd.models.loader import load_model
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
     from tests.conftest import NEW_TOKENS, PROMPTS
 
     loaded = load_model(str(checkpoints[name]))

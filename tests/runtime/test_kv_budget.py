@@ -5,11 +5,11 @@ import torch
 
 import afd.runners.profile_step as profile_step
 from afd.config import AFDConfig
-from afd.kv_budget import GRAPH_MARGIN_BYTES, graph_margin_bytes, kv_budget_from, plan_kv_budget, profile_peak
-from afd.kv_cache import KVCache
+from afd.kv.budget import GRAPH_MARGIN_BYTES, graph_margin_bytes, kv_budget_from, plan_kv_budget, profile_peak
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
 from afd.runners.profile_step import plan_profile_shapes
-from afd.server.serve.attention import profiled_cache_tokens
+from afd.roles.kv_sizing import profiled_cache_tokens
 
 GIB = 1 << 30
 
@@ -106,7 +106,7 @@ def test_piecewise_prompt_graphs_keep_their_pool_out_of_the_cache(checkpoints):
         tokens[graphs] = profiled_cache_tokens(config, loaded, FakeMemory([]), torch.float32, torch.device("cpu"))
     per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.float32)
     expected_drop = 40 * (512 << 10) // per_token  # 40 tokens of buckets: min(2048, max_num_batched_tokens)
-    graph_tables = 4 * 6 // 16 + 1  # graphs on: block-table bytes per token (afd.server.serve.attention)
+    graph_tables = 4 * 6 // 16 + 1  # graphs on: block-table bytes per token (afd.roles.kv_sizing)
     assert tokens[True] == (int(0.9 * 80 * GIB) - 20 * GIB - 2 * GIB - GRAPH_MARGIN_BYTES - 40 * (512 << 10)) // (
         per_token + graph_tables)
     assert tokens[False] - tokens[True] >= expected_drop

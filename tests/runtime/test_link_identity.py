@@ -15,10 +15,11 @@ from afd.connector import attention_link, wire
 from afd.connector.attention_link import AttentionLink
 from afd.connector.base import AttnTransfer
 from afd.connector.identity import check_identity, identity_key, new_identity, show
-from afd.generation import greedy_generate
+from afd.engine.generation import greedy_generate
 from afd.models.loader import load_model
 from afd.local.children import free_port_block
-from afd.roles import build_attention, build_ffn
+from afd.roles.attention import build_attention
+from afd.roles.ffn import build_ffn
 from afd.runners.handshake import make_hello
 from tests.conftest import NEW_TOKENS, PROMPTS
 

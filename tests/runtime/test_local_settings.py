@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import afd.up
+import afd.local.up
 from afd import cli
 from afd.config import ENV_VARS, ConfigError, config_to_env, load_config, values_from_env
 
@@ -28,6 +28,7 @@ HONOURED = {
     "AFD_FFN_BATCH_WINDOW_S": "0.002", "AFD_DBO_MIN_TOKENS": "64", "AFD_VLLM_ARGS": "--enforce-eager",
     "AFD_GPU_MEMORY_UTILIZATION": "0.5", "AFD_CEILING_BATCHES": "1,8", "AFD_CEILING_CONTEXT": "128",
     "AFD_API_PROCESS": "true", "AFD_API_SERVERS": "2", "AFD_FFN_HOLD_S": "4.5",
+    "AFD_API_KEY": "key-1,key-2", "AFD_REASONING_PARSER": "qwen3", "AFD_REASONING_CONTENT": "true",
 }
 # set by each test: the model, and where the two commands' defaults differ
 PER_COMMAND = {"up": {"AFD_STAGES": "1", "AFD_ATTENTION_ENGINE": "vllm"},
@@ -57,7 +58,7 @@ def clean_env(monkeypatch):
 
 def up_children(argv, monkeypatch):
     """The environment of every rank `afd up <argv>` would start, as each child sees it."""
-    from afd.up import Supervisor, plan_ranks
+    from afd.local.up import Supervisor, plan_ranks
 
     planned = {}
 
@@ -65,7 +66,7 @@ def up_children(argv, monkeypatch):
         planned.update(config=config, front=front)
         return 0
 
-    monkeypatch.setattr(afd.up, "run_up", fake_run_up)
+    monkeypatch.setattr(afd.local.up, "run_up", fake_run_up)
     assert cli.cmd_up(cli.build_parser().parse_args(["up", *argv])) == 0
     started = []
 

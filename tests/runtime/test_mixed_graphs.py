@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from afd.graphs.mixed import token_buckets
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 
 def test_token_buckets_double_to_256_then_step_by_256_then_512():
@@ -30,9 +30,9 @@ def _steps(kv_cache):
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2", "deepseek_v2_full", "deepseek_v3"])
 def test_piecewise_prompt_steps_give_the_eager_logits(name, checkpoints):
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.models.loader import load_model
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
 
     loaded = load_model(str(checkpoints[name]))
     results = {}
@@ -52,9 +52,9 @@ def test_piecewise_prompt_steps_give_the_eager_logits(name, checkpoints):
 
 def test_padding_rows_never_reach_the_cache(checkpoints):
     """Only the step's own tokens are written: every cache row outside its blocks is untouched."""
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.models.loader import load_model
-    from afd.runners.monolithic import MonolithicRunner
+    from afd.runners.monolithic_runner import MonolithicRunner
 
     loaded = load_model(str(checkpoints["deepseek_v2"]))
     kv_cache = KVCache(loaded.model.kv_layouts(), 40, torch.float32, "cpu", block_size=4)
@@ -94,7 +94,8 @@ def test_attention_ranks_replay_prompt_steps_piecewise_with_the_ffn_rank_behind(
 
     monkeypatch.setattr(mixed.MixedGraphs, "run", counting)
     # graphs on the attention rank only: an FFN rank's graph cache replays NCCL transfers, which carry no step id
-    monkeypatch.setattr("afd.roles.graphs_usable", lambda config, device, dtype: config.role == "attention")
+    for role in ("attention", "ffn"):
+        monkeypatch.setattr(f"afd.roles.{role}.graphs_usable", lambda config, device, dtype: config.role == "attention")
     config = loopback_config(checkpoints[name], topology, stages, gate, tag="piecewise-").replace(
         cuda_graphs=True, mixed_graph_tokens=32)
     tokens, logits = hf_reference(name)

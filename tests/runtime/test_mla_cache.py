@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.paged_attention import AttentionBatch, _paged_decode_reference
 from afd.models.spec import KVLayout, kv_layout
 

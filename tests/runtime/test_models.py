@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from afd.generation import greedy_generate
-from afd.kv_cache import KVCache
+from afd.engine.generation import greedy_generate
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from tests.conftest import NEW_TOKENS, PROMPTS, max_relative_error
 
 
@@ -84,7 +84,7 @@ def test_mtp_layers_are_neither_read_nor_resident(checkpoints, caplog):
 
 def test_deepseek_v3_without_a_query_lora_equals_transformers(tmp_path):
     """DeepSeek-V3's MLA with q_proj (q_lora_rank null), as well as the query LoRA of the shared fixture."""
-    from afd.tiny import make_tiny_model
+    from afd.checkpoint_tools.tiny import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_model("deepseek_v3", tmp_path / "v3", seed=5, overrides={"q_lora_rank": None})

@@ -29,10 +29,7 @@ MEMBER_SETS: dict[str, tuple[frozenset[str], str]] = {
 # Modules that repeat a name until another change moves them, by their paths under afd/, and why they are left:
 # the rule above does not judge them. An entry whose paths are not all there any more fails the test too, so what
 # replaced them is judged again.
-PENDING: dict[tuple[str, ...], str] = {
-    ("monolithic.py", "runners/monolithic.py"):
-        "the monolithic role's wiring and its runner, both moving into the roles package (issue 50 item 2)",
-}
+PENDING: dict[tuple[str, ...], str] = {}  # none left
 
 
 def modules_by_name(root: Path) -> dict[str, list[str]]:

@@ -90,7 +90,7 @@ def test_add_and_norm_in_one_launch_equals_the_add_then_the_norm_kernel():
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "qwen3_moe"])
 def test_the_monolithic_forward_with_fused_glue_equals_the_torch_path(arch, checkpoints, monkeypatch):
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.models.paged_attention import AttentionBatch
 
     model = load_model(str(checkpoints[arch]), "monolithic").model.to(DEVICE)
@@ -109,10 +109,10 @@ def test_the_monolithic_forward_with_fused_glue_equals_the_torch_path(arch, chec
 @pytest.mark.parametrize("stages", [1, 2])
 def test_the_attention_rank_with_fused_glue_equals_the_torch_path(stages, checkpoints, monkeypatch):
     """Each FFN output comes back added to the residual stream in one launch with the next layer's norm."""
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.runners.attention_runner import AttentionRunner, StepOptions
-    from afd.stages import StagePolicy
-    from afd.layout import SeqLayout
+    from afd.step.stages import StagePolicy
+    from afd.step.layout import SeqLayout
     from afd.runners.profile_step import StandInFFN
 
     loaded = load_model(str(checkpoints["deepseek_v2"]), "attention")
@@ -185,7 +185,7 @@ def test_a_decode_step_with_fused_glue_equals_the_torch_path(arch, checkpoints, 
     """A decode step through block tables (what the decode graphs capture): the glue writes the cache rows, MLA's
     latent kernel takes the absorbed and rotary queries apart and the value GEMM writes o_proj's input (issue 33);
     logits and every cache row as the torch path leaves them."""
-    from afd.kv_cache import KVCache
+    from afd.kv.cache import KVCache
     from afd.models.paged_attention import AttentionBatch
 
     model = load_model(str(checkpoints[arch]), "monolithic").model.to(DEVICE)

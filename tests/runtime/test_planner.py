@@ -18,7 +18,7 @@ from afd.planner.samples import parse_exposition
 from afd.planner.prometheus import PrometheusError, scrape_at, scrape_history, selector
 from afd.planner.simulate import FakePrometheus
 from afd.planner.simulate import SimulatedGroup as Group
-from afd.topology import Topology
+from afd.config.topology import Topology
 
 
 def test_a_line_needs_two_loads_to_have_a_slope():

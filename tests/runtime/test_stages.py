@@ -1,11 +1,11 @@
-"""One stage policy (afd.stages.StagePolicy) behind the attention runner, the decode graphs and the vLLM plugin."""
+"""One stage policy (afd.step.stages.StagePolicy) behind the attention runner, the decode graphs and the vLLM plugin."""
 
 import pytest
 
 from afd.config import AFDConfig
-from afd.layout import SeqLayout, split_layout
+from afd.step.layout import SeqLayout, split_layout
 from afd.runners.attention_runner import StepOptions
-from afd.stages import StagePolicy
+from afd.step.stages import StagePolicy
 from afd.vllm_plugin.link import LinkPlan
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from afd.topology import Topology, TopologyError, crossing_layers
+from afd.config.topology import Topology, TopologyError, crossing_layers
 
 
 @pytest.mark.parametrize(

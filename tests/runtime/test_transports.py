@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from afd import roles
 from afd.config import CONNECTORS, AFDConfig
 from afd.connector import registry
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import parse_spec
+from afd.roles.share import graphs_usable
 from afd.runners.handshake import make_hello
 
 
@@ -33,9 +33,9 @@ def capturable_zmq(monkeypatch):
 
 def test_graphs_follow_what_the_transport_can_capture(capturable_zmq, monkeypatch):
     config = AFDConfig(connector="zmq", cuda_graphs=True)
-    assert roles.graphs_usable(config, torch.device("cuda"), "bfloat16")  # no name check left
+    assert graphs_usable(config, torch.device("cuda"), "bfloat16")  # no name check left
     monkeypatch.undo()
-    assert not roles.graphs_usable(config, torch.device("cuda"), "bfloat16")  # host frames cannot be captured
+    assert not graphs_usable(config, torch.device("cuda"), "bfloat16")  # host frames cannot be captured
 
 
 def test_the_hello_names_the_transport_by_its_wire_name(capturable_zmq, checkpoints):

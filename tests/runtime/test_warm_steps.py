@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from afd.config import AFDConfig
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.runners.warm_steps import plan_warm_steps, run_warm_steps, warm_rank
 
 

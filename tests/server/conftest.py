@@ -51,9 +51,10 @@ class LiveServer:
         import uvicorn
 
         from afd.config import AFDConfig
-        from afd.roles import build_attention, build_ffn
+        from afd.roles.attention import build_attention
+        from afd.roles.ffn import build_ffn
         from afd.server.api.app import create_app
-        from afd.server.serve.attention import build_server
+        from afd.server.serve.engine_api import build_server
 
         self.config = AFDConfig(
             connector="loopback", model=str(checkpoint), stages=stages, max_num_seqs=max_num_seqs,

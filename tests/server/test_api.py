@@ -7,10 +7,10 @@ import httpx
 import pytest
 import torch
 
-from afd.generation import greedy_generate
-from afd.kv_cache import KVCache
+from afd.engine.generation import greedy_generate
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 
 PROMPT_IDS = [[5 + i, 6 + 2 * i, 7, 8 + i % 5, 9] for i in range(32)]
 

@@ -12,8 +12,8 @@ import zmq
 
 from afd.engine.engine import Engine
 from afd.engine.request import SamplingParams
-from afd.kv_cache import KVBlocks, KVCache
-from afd.runners.monolithic import MonolithicRunner
+from afd.kv.cache import KVBlocks, KVCache
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.server.api_process.core_link import ApiLink
 from afd.server.api_process.core_wire import CoreState
 from afd.server.api_process.engine_client import EngineClient

@@ -4,11 +4,10 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from afd.config import AFDConfig
-from afd.kv_cache import KVCache
-from afd.models.checkpoint import Checkpoint
-from afd.models.spec import parse_spec
-from afd.monolithic import build_monolithic
-from afd.server.serve.attention import cache_tokens_for
+from afd.kv.cache import KVCache
+from afd.models.loader import load_model
+from afd.roles.kv_sizing import serving_cache_tokens
+from afd.roles.monolithic import build_monolithic
 from afd.server.serve.ceiling import export_ceiling, step_seconds
 
 
@@ -23,11 +22,11 @@ def test_ceiling_is_timed_per_batch_exported_and_gives_its_blocks_back(checkpoin
 
 
 def test_kv_cache_bytes_overrides_and_cpu_defaults_to_one_gib(checkpoints):
-    spec = parse_spec(Checkpoint(checkpoints["qwen3_moe"]).config)
-    per_token = KVCache.bytes_per_token([spec.kv_layout] * spec.num_layers, torch.float32)
     config = AFDConfig(model=str(checkpoints["qwen3_moe"]), device="cpu")
-    assert cache_tokens_for(config, spec) == (1 << 30) // per_token
-    assert cache_tokens_for(config.replace(kv_cache_bytes=per_token * 100), spec) == 100
+    loaded, cpu = load_model(config.model, "attention"), torch.device("cpu")
+    per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), torch.float32)
+    assert serving_cache_tokens(config, loaded, cpu, torch.float32) == (1 << 30) // per_token
+    assert serving_cache_tokens(config.replace(kv_cache_bytes=per_token * 100), loaded, cpu, torch.float32) == 100
 
 
 def test_ceiling_steps_differ_row_by_row_over_a_cache_of_noise(checkpoints):

@@ -67,7 +67,7 @@ def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
     import zmq
 
     from afd.engine.request import SamplingParams
-    from afd.kv_cache import KVBlocks
+    from afd.kv.cache import KVBlocks
     from afd.server.api_process.core_link import addresses
     from afd.server.api_process.engine_client import EngineClient
 
@@ -111,7 +111,7 @@ def test_each_api_process_gets_the_outputs_of_its_own_requests_and_the_core_hear
     """Two API processes on one core (`AFD_API_SERVERS=2`): outputs go back to the process that submitted."""
     import asyncio
 
-    from afd.kv_cache import KVBlocks
+    from afd.kv.cache import KVBlocks
     from afd.server.api_process.core_link import ApiLink
     from afd.server.api_process.engine_client import EngineClient
 
@@ -337,7 +337,7 @@ class Sent:
 
 
 def _client(tmp_path, connected: bool):
-    from afd.kv_cache import KVBlocks
+    from afd.kv.cache import KVBlocks
     from afd.server.api_process.engine_client import EngineClient
 
     client = EngineClient(str(tmp_path), Letters(), KVBlocks(8, 16), 4, 64, 128)

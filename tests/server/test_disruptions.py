@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from afd.local.children import free_port_block
 from afd.server.probe_http import Probes, drain_seconds, start_probe_server
-from afd.server.serve.attention import attention_probes
+from afd.server.serve.engine_api import attention_probes
 from tests.runtime.test_generate_cli import processes_with_marker
 from tests.server.conftest import LiveServer, _free_port
 from tests.server.test_faults import stream

@@ -10,9 +10,9 @@ from afd.connector.base import PeerLost
 from afd.engine.engine import Engine
 from afd.engine.request import SamplingParams
 from afd.engine.text.tokenizer import load_tokenizer
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from tests.server.conftest import submit_all
 
 PROMPTS = [[5, 6, 7], [9, 8], [11, 12, 13, 14], [3, 4]]

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from afd.engine.offline import generate_with_engine
-from afd.generation import greedy_generate
-from afd.kv_cache import KVCache
+from afd.engine.generation import greedy_generate
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 
 PROMPTS = [[5 + i, 6 + 2 * i, 7, 8 + i % 5, 9][: 2 + i % 4] for i in range(7)] + [list(range(3, 40))]
 

@@ -8,10 +8,10 @@ from afd.engine.engine import Engine
 from afd.engine.request import SamplingParams
 from afd.engine.scheduling.step_cost import PrefillPacer, StepCostModel
 from afd.engine.text.tokenizer import load_tokenizer
-from afd.generation import greedy_generate
-from afd.kv_cache import KVCache
+from afd.engine.generation import greedy_generate
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from tests.server.conftest import submit_all
 
 PROMPTS = [[5 + i, 6 + 2 * i, 7, 8 + i % 5, 9][: 2 + i % 4] for i in range(12)]

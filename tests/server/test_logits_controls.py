@@ -10,9 +10,9 @@ from afd.engine.sampling.logits_controls import ControlState, step_controls
 from afd.engine.sampling.sampler import mask_min_p, sample
 from afd.engine.text.stop_strings import StopChecker
 from afd.engine.text.tokenizer import load_tokenizer
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from tests.server.conftest import submit_all
 
 VOCAB = 64

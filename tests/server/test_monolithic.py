@@ -6,7 +6,7 @@ import sys
 
 import httpx
 from afd.config import AFDConfig
-from afd.up import plan_ranks
+from afd.local.up import plan_ranks
 from tests.server.conftest import _free_port
 from tests.server.test_api import PROMPT_IDS, greedy_ids
 from tests.server.test_up import read_state, wait_for

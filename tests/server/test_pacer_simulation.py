@@ -15,7 +15,7 @@ import torch
 from afd.engine.request import Request, SamplingParams
 from afd.engine.scheduling.scheduler import Scheduler
 from afd.engine.scheduling.step_cost import PrefillPacer
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.spec import KVLayout
 
 DECODE_SECONDS = ((1, 0.0066), (16, 0.0139), (64, 0.0158), (256, 0.0178))  # batch → graph-replayed step

@@ -6,9 +6,9 @@ import torch
 from afd.engine.engine import Engine
 from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
 from afd.engine.text.tokenizer import load_tokenizer
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.server.api_process import core_wire
 from tests.server.conftest import submit_all
 

@@ -5,7 +5,7 @@ import time
 
 import httpx
 
-from afd.roles import build_ffn
+from afd.roles.ffn import build_ffn
 from tests.server.conftest import LiveServer
 
 

@@ -6,7 +6,7 @@ import torch
 from afd.engine.request import Request, SamplingParams
 from afd.engine.scheduling.scheduler import Scheduler
 from afd.engine.scheduling.step_cost import PrefillPacer, StepCostModel
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.spec import KVLayout
 
 

@@ -8,9 +8,9 @@ from afd.engine.engine import Engine
 from afd.engine.request import Request, SamplingParams
 from afd.engine.scheduling.scheduler import Scheduler
 from afd.engine.text.tokenizer import load_tokenizer
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from tests.server.conftest import Outputs
 
 N, MAX_TOKENS, BLOCK = 4, 6, 16

@@ -17,9 +17,9 @@ from afd.connector.base import PeerLost
 from afd.engine.engine import Engine
 from afd.engine.request import SamplingParams
 from afd.engine.text.tokenizer import load_tokenizer
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.loader import load_model
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.server.api.structured import grammar_of
 from afd.server.serve.serving_metrics import ServingMetrics
 from tests.server.test_engine_link_wait import FakeLink

@@ -5,13 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 
-import afd.up
+import afd.local.up
 from afd.config import AFDConfig
-from afd.up_messages import RANDOM_WEIGHTS_NOTE, WaitReport
+from afd.local.up_messages import RANDOM_WEIGHTS_NOTE, WaitReport
 
 
 class Clock:
-    """A stand-in for `time` in afd.up: sleeping moves it on at once."""
+    """A stand-in for `time` in afd.local.up: sleeping moves it on at once."""
 
     def __init__(self):
         self.now = 1000.0
@@ -26,13 +26,13 @@ class Clock:
 def test_waiting_for_ranks_says_what_changed_not_the_same_line_again(monkeypatch):
     """Two attention ranks ready after 20 s and 95 s: five lines, not one every 5 s."""
     clock, said = Clock(), []
-    ranks = afd.up.plan_ranks(AFDConfig(num_attention_ranks=2, num_ffn_ranks=1, model="m"))
-    supervisor = afd.up.Supervisor(ranks, SimpleNamespace(children={}), None, "http://127.0.0.1:1/v1")
+    ranks = afd.local.up.plan_ranks(AFDConfig(num_attention_ranks=2, num_ffn_ranks=1, model="m"))
+    supervisor = afd.local.up.Supervisor(ranks, SimpleNamespace(children={}), None, "http://127.0.0.1:1/v1")
     first, second = supervisor.attention_urls()
     ready_at = {first: clock.now + 20, second: clock.now + 95}
-    monkeypatch.setattr(afd.up, "time", clock)
-    monkeypatch.setattr(afd.up, "progress", said.append)
-    monkeypatch.setattr(afd.up.httpx, "get",
+    monkeypatch.setattr(afd.local.up, "time", clock)
+    monkeypatch.setattr(afd.local.up, "progress", said.append)
+    monkeypatch.setattr(afd.local.up.httpx, "get",
                         lambda url, timeout: SimpleNamespace(status_code=200 if clock.now >= ready_at[url[:-7]] else 503))
     supervisor.wait_healthy(timeout_s=600)
     assert said == ["waiting for 2 attention rank(s) to load, connect and warm up",
@@ -54,9 +54,9 @@ def test_the_demo_answer_says_when_the_weights_are_random(default_model, tmp_pat
     reply = {"choices": [{"message": {"content": "\ufffdP\x1b once7>fplits"}}], "usage": {"completion_tokens": 24}}
     posted = []
     monkeypatch.setenv("AFD_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(afd.up, "progress", said.append)
-    monkeypatch.setattr(afd.up.httpx, "post", lambda url, json, timeout: posted.append(json) or SimpleNamespace(json=lambda: reply))
-    afd.up._demo_request("http://127.0.0.1:1/v1", str(model), SimpleNamespace(started=True))
+    monkeypatch.setattr(afd.local.up, "progress", said.append)
+    monkeypatch.setattr(afd.local.up.httpx, "post", lambda url, json, timeout, headers=None: posted.append(json) or SimpleNamespace(json=lambda: reply))
+    afd.local.up._demo_request("http://127.0.0.1:1/v1", str(model), SimpleNamespace(started=True))
     assert posted[0]["model"] == model.name  # the served model's name, as /v1/models lists it
     assert said[0].startswith("demo request answered (24 tokens): ") and said[-1].startswith("ready: ")
     assert (RANDOM_WEIGHTS_NOTE in said) == default_model and "random weights" in RANDOM_WEIGHTS_NOTE

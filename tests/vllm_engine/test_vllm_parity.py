@@ -91,7 +91,7 @@ class Arch:
     @property
     def path(self) -> Path:
         if self._path is None:
-            from afd.tiny import make_tiny_model
+            from afd.checkpoint_tools.tiny import make_tiny_model
 
             self._path = make_tiny_model(self.name, self.root / self.name, seed=0, overrides=OVERRIDES[self.name])
         return self._path

@@ -12,7 +12,7 @@ import torch
 from afd.config import AFDConfig
 from afd.connector.base import PeerLost
 from afd.models.loader import load_model
-from afd.roles import build_ffn
+from afd.roles.ffn import build_ffn
 from afd.vllm_plugin import afd_architecture
 from afd.vllm_plugin.link import StepLink
 from afd.vllm_plugin.serve import cpu_mla_backend, engine_env, engine_overrides, vllm_serve_argv

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Optional
 
-from afd.topology import Topology
+from afd.config.topology import Topology
 from afd_operator.model.labels import GROUP, NAME, REVISION, ROLE
 from afd_operator.groups.plan import GroupState
 

@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from afd.config import SETTINGS, AttentionEngine, Dtype, StageCount
-from afd.topology import Topology
+from afd.config.topology import Topology
 from afd_operator.model.autoscaling import Autoscaling
 from afd_operator.model.options import (
     DisruptionBudget, GangScheduling, ImagePullSecret, Monitoring, NetworkPolicy, Placement, PodSecurity, Ratio,
@@ -188,6 +188,20 @@ class AFDSettings(_Model):
         return self
 
 
+class SecretKeyRef(_Model):
+    """One key of a Secret in the resource's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field(default="api-key", min_length=1, max_length=253)
+
+
+class ApiSettings(_Model):
+    """The OpenAI API of the attention pods."""
+
+    # the runtime's `api_key`: the pods read it from this Secret (env valueFrom), never from the ConfigMap
+    api_key_secret_ref: Optional[SecretKeyRef] = None
+
+
 class Ports(_Model):
     http: int = Field(default=8000, ge=1, le=65535)
     metrics: int = Field(default=9090, ge=1, le=65535)
@@ -256,6 +270,7 @@ class AFDDeploymentSpec(_Model):
     attention: RoleSpec = Field(default_factory=RoleSpec)
     ffn: FFNRoleSpec = Field(default_factory=FFNRoleSpec)
     afd: AFDSettings = Field(default_factory=AFDSettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
     ports: Ports = Field(default_factory=Ports)
     probes: Probes = Field(default_factory=Probes)
     rollout: Rollout = Field(default_factory=Rollout)

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional
 
 from afd.planner.advice import Bounds, TooFewMetrics, plan
 from afd.planner.samples import RankSample
-from afd.topology import Topology, TopologyError
+from afd.config.topology import Topology, TopologyError
 from afd_operator.model.spec import AFDDeploymentSpec
 from afd_operator.model.options import Ratio
 from afd_operator.groups.observe import format_time, parse_time

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 # The allowed values of the settings that name a choice; the tuples are what other modules check against.
-Role = Literal["attention", "ffn", "monolithic"]  # monolithic: one process, the FFN local (afd.monolithic)
+Role = Literal["attention", "ffn", "monolithic"]  # monolithic: one process, the FFN local (afd.roles.monolithic)
 Connector = Literal["loopback", "zmq", "nccl"]
 StageCount = Literal[1, 2]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -45,14 +45,15 @@ class ConfigError(ValueError):
 
 def setting(default: Any, help: str, *, section: str, roles: tuple[str, ...] = ROLES, ge: float | None = None,
             gt: float | None = None, le: float | None = None, check: Callable[[Any], str | None] | None = None,
-            flag: bool = True, secret: bool = False) -> Any:
+            flag: bool | None = None, secret: bool = False) -> Any:
     """Declare one `AFDConfig` field and everything derived from it. Its variable is `AFD_` + the name in
     capitals and its flag `--the-name`; `help` is its line in docs/configuration.md and `afd serve --help`;
     `ge`/`gt`/`le` bound a number (every number needs one: a test); a `Literal` type lists the allowed values;
     `check` says what is wrong with a value, or None; `roles` read it; `flag=False`: no `afd serve` flag (the rank
-    counts: `--topology` sets them); `secret`: no flag, not in repr, no default shown."""
+    counts: `--topology` sets them); `secret`: not in repr, errors or docs, no default shown, and no flag unless
+    `flag=True` says so (a value on a command line shows in `ps`)."""
     metadata = {"help": help, "section": section, "roles": roles, "ge": ge, "gt": gt, "le": le, "check": check,
-                "flag": flag and not secret, "secret": secret}
+                "flag": (not secret) if flag is None else flag, "secret": secret}
     return field(default=default, repr=not secret, metadata=metadata)
 
 
@@ -112,7 +113,7 @@ class Setting:
                                                                else f"be {self.allowed}"))
         problem = self.check_value(value) if self.check_value else None
         if problem:
-            raise ConfigError(f"{self.name}={value!r}: {problem}")
+            raise ConfigError(f"{self.name}={'(secret)' if self.secret else repr(value)}: {problem}")
 
 
 def settings_of(cls: type) -> dict[str, Setting]:

@@ -14,7 +14,7 @@ import yaml
 
 from afd.config.declare import PARSERS, ConfigError
 from afd.config.settings import ENV_VARS, SETTINGS, AFDConfig
-from afd.topology import Topology, TopologyError
+from afd.config.topology import Topology, TopologyError
 
 _ORDINAL_RE = re.compile(r"-(\d+)$")
 

@@ -13,13 +13,28 @@ from afd.config.declare import (
     MAX_API_SERVERS, MAX_EXPERT_PARALLEL, SECTIONS, AttentionEngine, ConfigError, Connector, Device, Dtype, Role,
     Setting, StageCount, A, F, M, setting, settings_of,
 )
-from afd.topology import Topology, TopologyError
+from afd.config.topology import Topology, TopologyError
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2")  # afd.server.api.reasoning.PARSERS
 
 
 def _positive_ints(text: str) -> str | None:
     """positive integers, comma-separated"""
     if any(not b.strip().isdigit() or int(b) < 1 for b in filter(None, str(text).split(","))):
         return "must be positive integers separated by commas"
+    return None
+
+
+def _reasoning_parser(name: str) -> str | None:
+    """empty, deepseek_r1, qwen3, deepseek_v3 or kimi_k2"""
+    return None if name in ("", *REASONING_PARSERS) else "must be empty or one of " + ", ".join(REASONING_PARSERS)
+
+
+def _api_keys(text: str) -> str | None:
+    """keys separated by commas: printable ASCII, no space (what an HTTP header carries as is)"""
+    keys = [key.strip() for key in str(text).split(",")]
+    if text and any(not key or not all("!" <= c <= "~" for c in key) for key in keys):
+        return "must be keys separated by commas, each printable ASCII without spaces"
     return None
 
 
@@ -108,6 +123,18 @@ class AFDConfig:
                                section="group", roles=(A, F))
     group_secret: str = setting("", "Shared secret of the group (from the operator's Secret); proves a peer in the "
                                 "handshake, never sent or logged.", section="group", roles=(A, F), secret=True)
+    reasoning_parser: str = setting(
+        "", "Chat completions: split the model's thinking from its answer into `message.reasoning` (streamed as "
+        "`delta.reasoning`), as vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `deepseek_v3` (V3.1's "
+        "thinking mode, `chat_template_kwargs: {\"thinking\": true}`) or `kimi_k2` (Kimi-K2-Thinking). Empty: the thinking stays in `content`.",
+        section="api", roles=(A, M), check=_reasoning_parser)
+    reasoning_content: bool = setting(False, "With `reasoning_parser`: the thinking also as `reasoning_content`, the "
+                                      "field older clients read.", section="api", roles=(A, M))
+    api_key: str = setting(
+        "", "Keys a client must send as `Authorization: Bearer <key>` on every `/v1` route and `/tokenize`, "
+        "`/detokenize` (401 otherwise); several separated by commas, any one accepted (vLLM's `--api-key`). `/health`, "
+        "`/live` and `/metrics` stay open. Empty: no key asked. Never logged; prefer the variable to the flag (a "
+        "command line shows in `ps`).", section="api", roles=(A, M), check=_api_keys, secret=True, flag=True)
     connect_timeout_s: float = setting(60.0, "How long an attention rank waits for its FFN rank at start-up and on "
                                        "reconnect.", section="link", roles=(A,), gt=0)
     peer_timeout_s: float = setting(5.0, "A peer silent this long is lost (an FFN rank's requests are then held for "
@@ -175,6 +202,11 @@ class AFDConfig:
                 f"ffn_address_template={self.ffn_address_template!r} has no '{{rank}}' and port_stride=0: "
                 f"all {self.num_ffn_ranks * self.ffn_expert_parallel} FFN processes would share one address"
             )
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys of `api_key`, one per comma (empty: the API asks for none)."""
+        return tuple(key.strip() for key in self.api_key.split(",") if key.strip())
 
     @property
     def api_children(self) -> int:

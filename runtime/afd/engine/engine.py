@@ -41,8 +41,8 @@ from afd.engine.scheduling.shared_prompt import copy_tails
 from afd.engine.scheduling.step_cost import BACKLOG_STEPS, PrefillPacer, StepClock
 from afd.engine.structured_output.grammars import Grammars
 from afd.engine.structured_output.step_mask import StepMask, consume_step, step_mask
-from afd.kv_cache import KVCache
-from afd.layout import SeqLayout
+from afd.kv.cache import KVCache
+from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 Step = Callable[[torch.Tensor, SeqLayout], torch.Tensor]

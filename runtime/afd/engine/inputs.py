@@ -16,8 +16,8 @@ import torch
 
 from afd.engine.request import Request
 from afd.engine.scheduling.shared_prompt import board
-from afd.host_copy import host_to_device
-from afd.layout import SeqLayout
+from afd.step.host_copy import host_to_device
+from afd.step.layout import SeqLayout
 
 
 @dataclass

@@ -11,7 +11,7 @@ from afd.engine.inputs import to_device
 from afd.engine.request import Request
 from afd.engine.sampling.prompt_logprobs import PromptLogprobs, PromptRows
 from afd.engine.sampling.sampler import Sampled
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 
 def run_step(step, input_ids: torch.Tensor, layout: SeqLayout, rows: PromptRows | None, device: torch.device

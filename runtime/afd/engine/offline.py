@@ -4,7 +4,7 @@ Every prompt is submitted at once with greedy parameters and the Engine schedule
 as it schedules API requests (continuous batching, chunked prefill). The logits that
 chose each sequence's last token are kept for `--with-logits` (the Engine's `on_logits`
 sees each step's batch and logits, row by row). The loop is not pipelined here, so no step runs after a
-sequence's last one. `afd.generation.greedy_generate` stays as the simple reference the
+sequence's last one. `afd.engine.generation.greedy_generate` stays as the simple reference the
 parity tests compare against.
 """
 
@@ -17,8 +17,8 @@ import torch
 
 from afd.engine.engine import Engine
 from afd.engine.request import RequestOutput, SamplingParams
-from afd.generation import GenerationResult, Stepper
-from afd.kv_cache import KVCache
+from afd.engine.generation import GenerationResult, Stepper
+from afd.kv.cache import KVCache
 
 
 class _NoText:

@@ -20,10 +20,10 @@ import torch
 
 from afd.graphs.buckets import bucket_for, capture_order, is_decode
 from afd.graphs.capture import make_pool
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.paged_attention import AttentionBatch
-from afd.layout import SeqLayout
-from afd.stages import StagePolicy
+from afd.step.layout import SeqLayout
+from afd.step.stages import StagePolicy
 
 log = logging.getLogger(__name__)
 Body = Callable[[torch.Tensor, list], torch.Tensor]

@@ -28,10 +28,10 @@ import torch
 
 from afd.graphs.buckets import bucket_for, capture_order
 from afd.graphs.capture import make_pool
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.paged_attention import AttentionBatch
 from afd.models.decoder import MoECausalLM
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Sequence
 
 from afd.local.offline_batch import run_attention_batch, split_prompts
 from afd.config import AFDConfig
-from afd.generation import GenerationResult
-from afd.roles import build_ffn
+from afd.engine.generation import GenerationResult
+from afd.roles.ffn import build_ffn
 
 
 def generate_in_threads(

@@ -11,9 +11,9 @@ from typing import Sequence
 
 from afd.config import AFDConfig
 from afd.engine.offline import generate_with_engine
-from afd.generation import GenerationResult
-from afd.kv_cache import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
-from afd.roles import build_attention
+from afd.engine.generation import GenerationResult
+from afd.kv.cache import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
+from afd.roles.attention import build_attention
 
 
 def split_prompts(num_prompts: int, num_ranks: int) -> list[list[int]]:

@@ -21,7 +21,7 @@ from torch import nn
 
 from afd.models.decoder import MoECausalLM
 from afd.models.layers import Experts, GatedMLP, MoE
-from afd.topology import shard_range
+from afd.config.topology import shard_range
 
 
 class ShardError(ValueError):

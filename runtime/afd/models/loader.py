@@ -20,7 +20,7 @@ from afd.models.moe_prep import fuse_shared_experts
 from afd.models.quantization import SCALE_SUFFIX, check_fp8_tensors, convert_to_fp8, parse_quantization, resident_bytes
 from afd.models.spec import ModelSpec, UnsupportedModelError, parse_spec
 from afd.models.split import prune_for_role
-from afd.topology import crossing_layers
+from afd.config.topology import crossing_layers
 
 log = logging.getLogger(__name__)
 FAMILIES = {"deepseek_v2": deepseek_v2.build, "qwen3_moe": qwen3_moe.build,

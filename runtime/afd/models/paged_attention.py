@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from afd.host_copy import host_to_device
+from afd.step.host_copy import host_to_device
 from afd.kernels import triton_available
 
 

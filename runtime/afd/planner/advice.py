@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from afd.planner.cost import CostModel, fit_model
 from afd.planner.samples import RankSample, RankWindow, window
-from afd.topology import Topology
+from afd.config.topology import Topology
 
 PREDICTION_TOLERANCE = 0.15
 

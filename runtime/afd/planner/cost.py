@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afd.planner.samples import RankWindow
-from afd.topology import Topology
+from afd.config.topology import Topology
 
 MIN_SPREAD = 1.2  # loads count as different when the largest is this much above the smallest
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.fp8_convert import is_projection_weight
-from afd.kv_budget import GRAPH_MARGIN_BYTES
-from afd.kv_cache import KVCache
+from afd.checkpoint_tools.fp8_convert import is_projection_weight
+from afd.kv.budget import GRAPH_MARGIN_BYTES
+from afd.kv.cache import KVCache
 from afd.models.loader import build_share
 from afd.models.quantization import parse_quantization
 

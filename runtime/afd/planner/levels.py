@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from afd.planner.advice import PREDICTION_TOLERANCE, Bounds, TooFewMetrics, describe, fit, recommend, window_rates
 from afd.planner.samples import RankSample
-from afd.topology import Topology
+from afd.config.topology import Topology
 
 
 def check_levels(scrapes: list[list[RankSample]], steady: list[int], topologies: list[str],

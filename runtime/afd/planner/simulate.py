@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from afd.planner.samples import RankSample, parse_exposition
-from afd.topology import Topology
+from afd.config.topology import Topology
 
 
 class SimulatedGroup:

@@ -19,15 +19,15 @@ from afd.config import AFDConfig
 from afd.connector import wire
 from afd.connector.attention_link import AttentionLink
 from afd.connector.base import AttnTransfer
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.paged_attention import AttentionBatch
 from afd.models.loader import LoadedModel
 from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs
 from afd.graphs.mixed import MixedGraphs, token_buckets
 from afd.metrics.layer_clock import StepInstruments
-from afd.layout import SeqLayout, split_layout
-from afd.stages import StagePolicy
+from afd.step.layout import SeqLayout, split_layout
+from afd.step.stages import StagePolicy
 
 
 @dataclass(frozen=True)

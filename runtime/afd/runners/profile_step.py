@@ -15,11 +15,11 @@ import torch
 from afd.config import AFDConfig
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
 from afd.engine.sampling.sampler import sample
-from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel
 from afd.runners.attention_runner import AttentionRunner, StepOptions
-from afd.runners.monolithic import MonolithicRunner
-from afd.layout import SeqLayout
+from afd.runners.monolithic_runner import MonolithicRunner
+from afd.step.layout import SeqLayout
 
 
 def plan_profile_shapes(max_tokens: int, max_seqs: int, max_model_len: int) -> list[tuple[int, ...]]:

@@ -25,8 +25,8 @@ import torch
 
 from afd.engine.request import MAX_LOGPROBS, SamplingParams
 from afd.engine.sampling.sampler import sample
-from afd.kv_cache import KVCache
-from afd.layout import SeqLayout
+from afd.kv.cache import KVCache
+from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ exchange then ships the layer's rows stage by stage and waits for the FFN's answ
 
 vLLM runs attention over the whole batch, so two stages split only the FFN exchange (the
 FFN computes stage 0 while stage 1 is still arriving); attention does not overlap with the
-FFN as it does in our own runner's ping-pong. Stages split as everywhere (`afd.stages`,
+FFN as it does in our own runner's ping-pong. Stages split as everywhere (`afd.step.stages`,
 `dboMinTokens` included). No vLLM import here: this is plain torch over our
 `AttentionLink`, tested against our FFN ranks without vLLM installed.
 
@@ -40,8 +40,8 @@ from afd.engine.recovery.link_care import LinkCare
 from afd.models.checkpoint import Checkpoint
 from afd.models.spec import ModelSpec, parse_spec
 from afd.runners.handshake import make_hello
-from afd.stages import StagePolicy
-from afd.topology import crossing_layers
+from afd.step.stages import StagePolicy
+from afd.config.topology import crossing_layers
 
 log = logging.getLogger(__name__)
 RECONNECT_TIMEOUT_S = 2.0

@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from afd.config import AFDConfig, load_config
+from afd.config import AFDConfig, ConfigError, load_config
 from afd.vllm_plugin import afd_architecture
 
 
@@ -67,15 +67,22 @@ def vllm_serve_argv(config: AFDConfig, dtype: str, extra: list[str] | None = Non
     ]
     if config.max_model_len:
         argv += ["--max-model-len", str(config.max_model_len)]
+    if config.reasoning_parser:  # vLLM's parsers of the same names
+        argv += ["--reasoning-parser", config.reasoning_parser]
     backend = cpu_mla_backend(config.model, dtype, device_type)
     if backend and not any(arg.startswith("--attention-backend") for arg in extra or []):
         argv += ["--attention-backend", backend]
     return argv + list(extra or [])
 
 
-def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """vLLM's environment: our plugin must load; no usage reports leave the pod."""
+def engine_env(env: dict[str, str] | None = None, api_keys: tuple[str, ...] = ()) -> dict[str, str]:
+    """vLLM's environment: our plugin must load; no usage reports leave the pod; the API key (`api_key`) in
+    `VLLM_API_KEY`, which takes one, so that it is on no command line."""
     env = dict(os.environ if env is None else env)
+    if len(api_keys) > 1:
+        raise ConfigError(f"api_key: attention_engine=vllm takes one key (VLLM_API_KEY), not {len(api_keys)}")
+    if api_keys:
+        env["VLLM_API_KEY"] = api_keys[0]
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     plugins = env.get("VLLM_PLUGINS")
     if plugins is not None and "afd" not in plugins.split(","):
@@ -91,7 +98,7 @@ def exec_vllm_server(config: AFDConfig, extra: list[str] | None = None) -> int:
     device = resolve_device(config)
     command = vllm_serve_argv(config, resolve_dtype(config, device), extra, device.type)
     print(f"afd: attention rank {config.rank} runs vLLM: {shlex.join(command[3:])}", file=sys.stderr, flush=True)
-    os.execve(command[0], command, engine_env())
+    os.execve(command[0], command, engine_env(api_keys=config.api_keys))
     return 1  # not reached
 
 

@@ -25,7 +25,7 @@ import torch
 from afd.engine.inputs import to_device
 from afd.engine.request import Request
 from afd.engine.sampling.banned_words import RING, BannedWords, step_words, tail_row
-from afd.host_copy import host_to_device
+from afd.step.host_copy import host_to_device
 
 MIN_SLOTS = 8
 

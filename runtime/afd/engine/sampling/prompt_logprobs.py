@@ -16,7 +16,7 @@ import torch
 
 from afd.engine.inputs import start_host_copy, to_device
 from afd.engine.request import Request, TokenLogprobs
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 
 @dataclass

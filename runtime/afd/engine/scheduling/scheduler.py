@@ -20,7 +20,7 @@ from itertools import islice
 from afd.engine.request import InvalidRequest, Request
 from afd.engine.scheduling.shared_prompt import BlockOwners, hand_over, leader_of, leave, rejoin, ride, riding, shared_blocks
 from afd.engine.scheduling.step_cost import PrefillPacer
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 
 
 class Scheduler:

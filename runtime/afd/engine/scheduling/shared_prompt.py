@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from afd.engine.request import Request
-from afd.host_copy import host_to_device
+from afd.step.host_copy import host_to_device
 
 
 class BlockOwners:

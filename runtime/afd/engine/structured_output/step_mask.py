@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from afd.engine.structured_output.grammars import consume
-from afd.host_copy import host_to_device
+from afd.step.host_copy import host_to_device
 
 
 def fill_bitmask(matchers: list, vocab_size: int, eos_token_ids) -> torch.Tensor:

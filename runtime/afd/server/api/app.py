@@ -26,11 +26,13 @@ from afd.engine.request import InvalidRequest
 from afd.engine.structured_output.grammars import Grammars
 from afd.engine.text.tokenizer import chat_prompt_ids
 from afd.server.api import choices, json_body, resume as resumes, streams, tokenize_api, validation
+from afd.server.api.api_keys import ApiKeys, RequireApiKey
 from afd.server.api.formatting import PromptShown, chat_response, completion_response
 from afd.server.api.http_body import BodyTimeout, BodyTooLarge, read_body
 from afd.server.api.liveness import LoopWatch
 from afd.server.api.protocol import (ChatRequest, CompletionRequest, ModelNotFound, Unavailable, error_response,
                                      parse_request)
+from afd.server.api.reasoning import Family, ThinkingSplit, grammar_after_thinking, opens_thinking
 from afd.server.api.sse import StreamEvents
 from afd.server.api.validation import Limits
 
@@ -55,6 +57,9 @@ class ServerState:
     exposition: Callable[[], bytes] | None = None
     grammars: Grammars | None = None  # structured-output grammars checked here when the engine is in another process
     resume_key: bytes = field(default=b"", repr=False)  # the group secret: signs streams moved here (`resume`)
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # `api_key`: what every route but the probes asks for
+    reasoning: Family | None = None  # `reasoning_parser`: how the thinking is split from chat answers; None: it is not
+    reasoning_content: bool = False  # the thinking also as `reasoning_content` (older clients)
 
     def problem(self) -> str | None:
         """Why this rank cannot serve (engine, FFN link or event loop), or None."""
@@ -78,6 +83,7 @@ def create_app(state: ServerState) -> FastAPI:
         watch.cancel()
 
     app = FastAPI(title="AFD attention rank", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(RequireApiKey, keys=state.api_keys)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -141,13 +147,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
-        request, prompt, params = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
+        request, prompt, params, thinking = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
         resume = _resume_of(state, http, request.stream, request.n)
         if request.stream:
             candidates = choices.candidate_params(params, request.n, None)
             streamed = streams.StreamedChoices(state.engine, prompt, candidates, resume)
             events = StreamEvents(state, resume.request_id("chat.completion.chunk") if resume else streamed.request_id,
-                                  "chat.completion.chunk", PromptShown([prompt], None, request.prompt_logprobs))
+                                  "chat.completion.chunk", PromptShown([prompt], None, request.prompt_logprobs),
+                                  _thinking_splits(state, thinking, resume))
             make = lambda index, out, first: events.chat(out, first, index, not resume)  # noqa: E731
             return streams.sse_response(streamed, events, make, request.include_usage, _wants_ids(http))
         submitted = streams.submit_all(state.engine, [prompt] * request.n, choices.candidate_params(params, request.n, None),
@@ -157,7 +164,7 @@ def create_app(state: ServerState) -> FastAPI:
             return Response(status_code=499)
         usage = _usage_of(len(prompt), choices.completion_tokens(results))
         return JSONResponse(chat_response(state, submitted[0].request.request_id, results, request.prompt_logprobs,
-                                          usage))
+                                          usage, thinking))
 
     return app
 
@@ -224,7 +231,8 @@ def _prepare_completion(state: ServerState, body: dict):
 
 
 def _prepare_chat(state: ServerState, body: dict):
-    """(request, prompt ids, sampling params), or InvalidRequest. Runs on a worker."""
+    """(request, prompt ids, sampling params, whether the answer starts inside the thinking), or InvalidRequest.
+    Runs on a worker."""
     request = parse_request(ChatRequest, body)
     _check_model_and_health(state, request.model)
     if request.n > state.limits.max_prompts:
@@ -232,20 +240,42 @@ def _prepare_chat(state: ServerState, body: dict):
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
     messages = validation.chat_messages([m.model_dump(exclude_none=True) for m in request.messages], state.limits)
-    prompt = chat_prompt_ids(state.tokenizer, messages)
+    template_kwargs = validation.template_kwargs(request.chat_template_kwargs)
+    prompt = chat_prompt_ids(state.tokenizer, messages, template_kwargs=template_kwargs)
+    # the prompt's last tokens say whether the template opened the thinking (`reasoning.opens_thinking`)
+    thinking = bool(state.reasoning) and opens_thinking(state.reasoning, state.tokenizer.decode(prompt[-8:]),
+                                                        template_kwargs)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params = request.sampling(_max_tokens(state, prompt, max_tokens), logprobs, state.vocab_size, state.limits,
-                              state.tokenizer, grammar=_grammar(state, request))
-    return request, prompt, params
+                              state.tokenizer, grammar=_grammar(state, request, thinking))
+    return request, prompt, params, thinking
 
 
-def _grammar(state: ServerState, request) -> str | None:
-    """The request's structured-output grammar, compiled (and cached) here on the worker, or None."""
+def _thinking_splits(state: ServerState, thinking: bool, resume: resumes.Resume | None):
+    """With a reasoning parser: what makes choice `index`'s `ThinkingSplit` on a stream; a moved stream's is first fed
+    the text its client already saw (only its state is kept: what is past the thinking, what is held back)."""
+    if state.reasoning is None:
+        return None
+    seen = [state.tokenizer.decode(list(ids)) for ids in resume.choices] if resume is not None else None
+
+    def split_of(index: int) -> ThinkingSplit:
+        split = ThinkingSplit(state.reasoning, thinking)
+        if seen:
+            split.feed(seen[index])
+        return split
+    return split_of
+
+
+def _grammar(state: ServerState, request, thinking: bool = False) -> str | None:
+    """The request's structured-output grammar, compiled (and cached) here on the worker, or None; with a reasoning
+    parser, a chat answer's grammar applies after its thinking (`thinking`: the answer starts inside it)."""
     found = request.grammar()
     if found is None:
         return None
     grammar, field = found
+    if state.reasoning is not None and isinstance(request, ChatRequest):
+        grammar = grammar_after_thinking(grammar, state.reasoning, thinking)
     grammars = getattr(state.engine, "grammars", None)
     if grammars is None:  # an API process: checked here on its own cache (the engine core compiles it again)
         with _GRAMMARS_LOCK:

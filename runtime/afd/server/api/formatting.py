@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from afd.engine.request import RequestOutput, TokenLogprobs
+from afd.server.api.reasoning import split
 
 
 def _token_text(tokenizer, token_id: int) -> str:
@@ -153,11 +154,12 @@ def completion_chunk(state, request_id: str, output: RequestOutput, prefix: str,
 
 
 def chat_response(state, request_id: str, results: list[list[RequestOutput]], prompt_logprobs: int | None = None,
-                  usage: dict | None = None) -> dict:
-    """One choice per entry of `results` (n of them); `usage` default: the first choice's."""
+                  usage: dict | None = None, thinking: bool = False) -> dict:
+    """One choice per entry of `results` (n of them); `usage` default: the first choice's; `thinking`: with
+    `state.reasoning`, the answers start inside the thinking."""
     choices = [{
         "index": index,
-        "message": {"role": "assistant", "content": "".join(o.text for o in outputs)},
+        "message": assistant_message(state, "".join(o.text for o in outputs), thinking),
         "logprobs": _chat_logprobs(state.tokenizer, [e for o in outputs for e in o.logprobs]),
         "finish_reason": outputs[-1].finish_reason if outputs else "abort",
     } for index, outputs in enumerate(results)]
@@ -169,11 +171,32 @@ def chat_response(state, request_id: str, results: list[list[RequestOutput]], pr
     return response
 
 
+def assistant_message(state, text: str, thinking: bool = False) -> dict:
+    """A whole answer's message: with `state.reasoning`, its thinking as `reasoning` (and `reasoning_content` where
+    `state.reasoning_content`), the rest as `content` (None where empty, as vLLM)."""
+    if state.reasoning is None:
+        return {"role": "assistant", "content": text}
+    reasoning, content = split(state.reasoning, thinking, text)
+    return {"role": "assistant", "content": content, **reasoning_fields(state, reasoning)}
+
+
+def reasoning_fields(state, reasoning: str | None) -> dict:
+    return {"reasoning": reasoning, **({"reasoning_content": reasoning} if state.reasoning_content else {})}
+
+
 def chat_chunk(state, request_id: str, output: RequestOutput, first: bool, index: int = 0,
-               prompt_logprobs: int | None = None) -> dict:
+               prompt_logprobs: int | None = None, parts: tuple[str, str] | None = None) -> dict:
     """One streamed choice's chunk (the role on its `first`); `prompt_logprobs`: vLLM's field beside the choices, from
-    this output's prompt entries (the stream's first chunk only)."""
-    delta = {"role": "assistant", "content": output.text} if first else {"content": output.text}
+    this output's prompt entries (the stream's first chunk only); `parts`: the (reasoning, content) of this output's
+    text, where the thinking is split (`afd.server.api.reasoning`)."""
+    if parts is None:
+        delta = {"content": output.text}
+    else:  # the fields that have text (content "" where neither has: a chunk that only ends the choice)
+        reasoning, content = parts
+        delta = {**(reasoning_fields(state, reasoning) if reasoning else {}),
+                 **({"content": content} if content or not reasoning else {})}
+    if first:
+        delta = {"role": "assistant", **delta}
     choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(state.tokenizer, output.logprobs),
               "finish_reason": output.finish_reason}
     chunk = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),

@@ -149,6 +149,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[Any] | None = None
+    reasoning: str | None = None  # an answer's thinking sent back (vLLM's name), for templates that show it
+    reasoning_content: str | None = None  # the same under the older name (Qwen3's template reads this one)
 
 
 class ChatRequest(_Common):
@@ -157,6 +159,7 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (Qwen3), {"thinking": true}
 
 
 def parse_request(model: type[BaseModel], body: dict):
@@ -179,8 +182,8 @@ def field_path(loc) -> str:
     return json_body.short(path, 80)
 
 
-_KINDS = {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
-          503: "service_unavailable"}
+_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+          408: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -319,13 +319,29 @@ def chat_messages(messages: Iterable[Mapping[str, Any]], limits: Limits) -> list
         if message.get("tool_calls"):
             raise InvalidRequest(f"{where}.tool_calls: tool calling is not supported", f"{where}.tool_calls")
         text = chat_content(content, f"{where}.content")
-        chars += len(text or "") + len(message.get("name") or "")
+        chars += len(text or "") + len(message.get("name") or "") + len(message.get("reasoning") or "") + \
+            len(message.get("reasoning_content") or "")
         result.append({k: v for k, v in {**message, "content": text}.items() if v is not None and k != "tool_calls"})
     if chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"messages have {chars} characters; at most {limits.max_prompt_chars} are accepted before tokenization "
             f"(AFD_MAX_PROMPT_CHARS)", "messages")
     return result
+
+
+# apply_chat_template's own parameters: a request's template variables may not set them
+_TEMPLATE_OWN = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                           "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs`: variables for the chat template (e.g. `enable_thinking`), none of the renderer's own."""
+    for name in kwargs or {}:
+        if name in _TEMPLATE_OWN:
+            raise InvalidRequest(f"chat_template_kwargs.{name}: set by the server, not by a request",
+                                 "chat_template_kwargs")
+    return dict(kwargs or {})
 
 
 def _is_int(value: Any) -> bool:

@@ -26,8 +26,10 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
     from prometheus_client import CollectorRegistry
 
     from afd.engine.text.tokenizer import load_tokenizer
-    from afd.kv_cache import KVBlocks
+    from afd.kv.cache import KVBlocks
+    from afd.server.api.api_keys import ApiKeys
     from afd.server.api.app import ServerState, create_app, http_server
+    from afd.server.api.reasoning import PARSERS
     from afd.server.api.validation import Limits
     from afd.server.api_process.engine_client import EngineClient
     from afd.server.front.failover import Failover, FailoverSettings
@@ -41,6 +43,8 @@ def serve_api(config: AFDConfig, facts: dict) -> int:
         registry=CollectorRegistry(),
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, facts["max_model_len"]),
         exposition=lambda: urllib.request.urlopen(facts["metrics_url"], timeout=5).read(),  # the core's series
+        api_keys=ApiKeys(config.api_keys),
+        reasoning=PARSERS.get(config.reasoning_parser), reasoning_content=config.reasoning_content,
     )
     app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(
         config.failover_url, resume_key=config.group_secret.encode()))

@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.engine.scheduling.scheduler import Scheduler
-from afd.kv_cache import KVBlocks
+from afd.kv.cache import KVBlocks
 from afd.server.api_process import core_wire
 from afd.server.api_process.core_link import addresses
 from afd.server.api_process.core_wire import CoreState

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from afd.server.api.api_keys import ApiKeys, RequireApiKey
 from afd.server.api.http_body import HOP_HEADERS, OWN_HEADERS, BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.api.protocol import error_response
 from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
@@ -40,6 +41,7 @@ class FrontSettings:
     shutdown_grace_s: float = 5.0  # SIGTERM: in-flight relays get this long, then are cut
     move_timeout_s: float = 30.0  # a stream whose rank died waits this long for another rank to continue it
     resume_key: bytes = field(default=b"", repr=False)  # the ranks' group secret: signs moved streams; b"": none move
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # the ranks' `api_key`, checked here too (and forwarded)
 
 
 class Backends:
@@ -56,6 +58,7 @@ class Backends:
 
 def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings()) -> FastAPI:
     app = FastAPI(title="AFD local deployment", docs_url=None, redoc_url=None)
+    app.add_middleware(RequireApiKey, keys=settings.api_keys)
     # Pooled connections expire before the ranks' keep-alive (30 s) closes them, so a request
     # is never written into a connection the server is closing at that moment.
     client = httpx.AsyncClient(timeout=httpx.Timeout(settings.read_timeout_s, connect=5.0),

@@ -1,3 +1,3 @@
-"""`afd serve`: the role entry points (`attention`: the engine and the HTTP API, in one process or with API
-processes; `ffn`: the FFN worker loop), each with its probe server, and what they measure at start and while
-serving (`ceiling`, `serving_metrics`)."""
+"""The engine's HTTP API around a loaded attention or monolithic rank (`engine_api`: in one process or with API
+processes, with its probe server), and what it measures at start and while serving (`ceiling`,
+`serving_metrics`). The roles' entry points are `afd.roles`."""

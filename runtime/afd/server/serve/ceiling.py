@@ -21,7 +21,7 @@ import time
 import torch
 from prometheus_client import CollectorRegistry, Gauge
 
-from afd.layout import SeqLayout
+from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
 CEILING_CONTEXT = 704  # the serving benchmark's mean context: prompts of 128-1024 tokens, half of 256 outputs

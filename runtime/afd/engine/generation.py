@@ -13,8 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from afd.kv_cache import KVCache
-from afd.layout import SeqLayout
+from afd.kv.cache import KVCache
+from afd.step.layout import SeqLayout
 
 Stepper = Callable[[torch.Tensor, SeqLayout], torch.Tensor]
 

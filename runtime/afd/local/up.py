@@ -24,9 +24,10 @@ import uvicorn
 from afd.config import AFDConfig, config_to_env, process_setting
 from afd.local.group_processes import local_zmq_config
 from afd.local.children import LocalProcesses, exit_summary, free_port_block, threads_per_rank
+from afd.server.api.api_keys import ApiKeys, bearer
 from afd.server.front.door import Backends, FrontSettings, create_front_app
-from afd.tiny import make_tiny_model
-from afd.up_messages import WaitReport, demo_answer
+from afd.checkpoint_tools.tiny import make_tiny_model
+from afd.local.up_messages import WaitReport, demo_answer
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
     front = front or FrontSettings(max_request_bytes=base.max_request_bytes)
     if not base.group_secret:  # the ranks' secret: signs the handshake and the streams the front door moves
         base = base.replace(group_secret=secrets.token_hex(16))
-    front = dataclasses.replace(front, resume_key=base.group_secret.encode())
+    front = dataclasses.replace(front, resume_key=base.group_secret.encode(), api_keys=ApiKeys(base.api_keys))
 
     ranks = plan_ranks(base)
     api = f"http://127.0.0.1:{port}/v1"
@@ -207,7 +208,7 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
         # The state file names the API URL: write it once that URL answers, so its readers can use it at once.
         threading.Thread(target=_when_serving, args=(server, supervisor.write_state), daemon=True).start()
         if demo:
-            threading.Thread(target=_demo_request, args=(api, base.model, server), daemon=True).start()
+            threading.Thread(target=_demo_request, args=(api, base.model, server, base.api_keys), daemon=True).start()
         try:
             server.run()
         except KeyboardInterrupt:
@@ -231,16 +232,17 @@ def _when_serving(server, action) -> None:
     action()
 
 
-def _demo_request(api: str, model: str, server) -> None:
-    """Once the front door is up, answer one real request so a newcomer sees it work."""
+def _demo_request(api: str, model: str, server, api_keys: tuple[str, ...] = ()) -> None:
+    """Once the front door is up, answer one real request so a newcomer sees it work (with the first API key)."""
     while not server.started:
         time.sleep(0.1)
     body = {"model": Path(model).name, "messages": [{"role": "user", "content": "Hello! What is AFD?"}],
             "max_tokens": 24, "temperature": 0}
     try:
-        reply = httpx.post(f"{api}/chat/completions", json=body, timeout=120).json()
+        reply = httpx.post(f"{api}/chat/completions", json=body, headers=bearer(api_keys), timeout=120).json()
         for line in demo_answer(reply, model, process_setting("AFD_CACHE_DIR")):  # saying so where the weights are random
             progress(line)
     except Exception as err:  # the demo must never take the deployment down
         progress(f"demo request failed: {err}")
-    progress(f"ready: {api}  (try: curl {api}/models ; Ctrl-C stops everything)")
+    key = ' -H "Authorization: Bearer <key>"' if api_keys else ""  # never the key itself
+    progress(f"ready: {api}  (try: curl{key} {api}/models ; Ctrl-C stops everything)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd.stages import StagePolicy
+from afd.step.stages import StagePolicy
 
 
 @dataclass(frozen=True)

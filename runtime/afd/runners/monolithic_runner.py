@@ -7,11 +7,11 @@ import torch
 from afd.graphs.buckets import decode_buckets
 from afd.graphs.decode import DecodeGraphs
 from afd.graphs.mixed import MixedGraphs, token_buckets
-from afd.kv_cache import KVCache
+from afd.kv.cache import KVCache
 from afd.models.paged_attention import AttentionBatch
 from afd.models.loader import LoadedModel
-from afd.layout import SeqLayout
-from afd.stages import StagePolicy
+from afd.step.layout import SeqLayout
+from afd.step.stages import StagePolicy
 
 
 class MonolithicRunner:

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from afd.kv_cache import DEFAULT_BLOCK_SIZE
+from afd.kv.cache import DEFAULT_BLOCK_SIZE
 
 GRAPH_MARGIN_BYTES = 1 << 30  # the decode graphs' pool (captured after the cache) and allocator fragmentation
 # the piecewise prompt-step graphs' share of that pool, per token of their largest bucket (afd.graphs.mixed:

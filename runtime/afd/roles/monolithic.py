@@ -8,20 +8,24 @@ same decode graphs (`AFD_CUDA_GRAPHS=true` on a GPU), no FFN peer and no connect
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from afd.config import AFDConfig
 from afd.engine.offline import generate_with_engine
-from afd.generation import GenerationResult
-from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from afd.engine.generation import GenerationResult
+from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
 from afd.models.loader import LoadedModel, load_model
 from afd.models.moe_prep import warm_up
+from afd.roles.kv_sizing import serving_cache_tokens
+from afd.roles.share import watched_registry
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
-from afd.runners.monolithic import MonolithicRunner
+from afd.runners.monolithic_runner import MonolithicRunner
 from afd.runners.warm_steps import warm_rank
+from afd.server.serve.engine_api import serve_api
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +48,18 @@ class MonolithicRole:
         log.info("monolithic rank closed (%s)", reason)
 
 
-def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedModel], int]) -> MonolithicRole:
-    """Load the whole model; a KV cache of `cache_tokens` (or of what the callable makes of the loaded model)."""
-    device = resolve_device(config)
+def build_monolithic(config: AFDConfig, cache_tokens: int | None = None,
+                     device: torch.device | None = None) -> MonolithicRole:
+    """The whole model on `device` (None: the config's); a KV cache of `cache_tokens` (None: sized for serving,
+    `afd.roles.kv_sizing`)."""
+    device = resolve_device(config) if device is None else device
     dtype = resolve_dtype(config, device)
     loaded = load_model(config.model, "monolithic", config.gate_on_attention, torch_dtype(dtype), device)
     if device.type == "cuda":
         warm_up(loaded.model)
-    tokens = cache_tokens(loaded) if callable(cache_tokens) else cache_tokens
-    kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch_dtype(dtype), device)
+    if cache_tokens is None:
+        cache_tokens = serving_cache_tokens(config, loaded, device, torch_dtype(dtype))
+    kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), cache_tokens, torch_dtype(dtype), device)
     log.info("monolithic rank: KV cache of %d tokens (%d blocks of %d), %.2f GiB",
              kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30)
     runner = MonolithicRunner(loaded, kv_cache)
@@ -68,6 +75,14 @@ def build_monolithic(config: AFDConfig, cache_tokens: int | Callable[[LoadedMode
     if device.type == "cuda":  # Triton compiles what prompt steps meet now, not while serving
         warm_rank(config, loaded.spec, runner, kv_cache)
     return MonolithicRole(loaded, kv_cache, runner, device)
+
+
+def serve_monolithic(config: AFDConfig, stop: threading.Event) -> int:
+    """`afd serve` with `AFD_ROLE=monolithic`: the whole model behind the engine and the HTTP API until `stop` is
+    set; the exit code."""
+    registry = watched_registry(config)
+    log.info("monolithic rank: loading %s", config.model)
+    return serve_api(config, stop, build_monolithic(config), registry)
 
 
 def generate_monolithic(config: AFDConfig, prompts: Sequence[Sequence[int]], max_tokens: int,

@@ -1,4 +1,4 @@
-"""What `afd up` tells a user while it starts and answers its demo request (pure; `afd.up` prints it)."""
+"""What `afd up` tells a user while it starts and answers its demo request (pure; `afd.local.up` prints it)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """How a step splits into stages (micro-batches): the one policy, pure and torch-free.
 
 `StagePolicy` (the `stages` and `dbo_min_tokens` settings) is what the attention runner
-(`afd.layout.split_layout`), the decode graphs and the vLLM plugin's link all ask, so
+(`afd.step.layout.split_layout`), the decode graphs and the vLLM plugin's link all ask, so
 `dboMinTokens` means the same on every attention engine.
 """
 

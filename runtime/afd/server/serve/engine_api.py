@@ -1,4 +1,5 @@
-"""`afd serve` for the attention role: connect to the FFN rank, start the engine, serve HTTP."""
+"""The engine and its HTTP API around a loaded rank (`afd.roles.attention`, `afd.roles.monolithic`): the engine
+and the app's state (`build_server`), the probes, and serving until stopped (`serve_api`)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,16 @@ import threading
 import time
 from typing import Callable
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from afd.config import AFDConfig
 from afd.engine.engine import Engine
 from afd.engine.text.tokenizer import load_tokenizer
-from afd.kv_budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
 from afd.kernels.compile_watch import WATCH
-from afd.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
-from afd.metrics.wiring import attention_instruments, export_kernel_compiles, export_resident_bytes, watch_attention
-from afd.models.checkpoint import Checkpoint
-from afd.models.spec import parse_spec
-from afd.monolithic import build_monolithic
-from afd.roles import build_attention
-from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
-from afd.runners.profile_step import run_largest_steps
+from afd.metrics.wiring import export_resident_bytes, watch_attention
+from afd.server.api.api_keys import ApiKeys
 from afd.server.api.app import ServerState, create_app, http_server
+from afd.server.api.reasoning import PARSERS
 from afd.server.api.validation import Limits
 from afd.server.api_process.core import serve_with_api_process
 from afd.server.front.failover import Failover, FailoverSettings
@@ -34,42 +28,6 @@ from afd.server.serve.ceiling import export_ceiling
 from afd.server.serve.serving_metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
-DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-def cache_tokens_for(config: AFDConfig, spec) -> int | Callable:
-    """KV-cache capacity in tokens: from `kv_cache_bytes` when set (1 GiB on CPU when not); on a GPU, by
-    default, a callable that sizes it from the device's free memory once the weights are loaded."""
-    device = resolve_device(config)
-    dtype = torch_dtype(resolve_dtype(config, device))
-    layouts = [spec.kv_layout] * spec.num_layers
-    if config.kv_cache_bytes or device.type != "cuda":
-        return (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // KVCache.bytes_per_token(layouts, dtype)
-    return lambda loaded: profiled_cache_tokens(config, loaded, CudaMemory(device), dtype, device)
-
-
-def profiled_cache_tokens(config: AFDConfig, loaded, memory: DeviceMemory, dtype: torch.dtype,
-                          device: torch.device) -> int:
-    """KV-cache tokens that fit beside the weights and the peak of the largest step, run now (`afd.kv_budget`)."""
-    try:
-        max_len = config.max_model_len_of(loaded.spec)
-        peak = profile_peak(lambda: run_largest_steps(config, loaded, dtype, device, max_len), memory)
-    except torch.cuda.OutOfMemoryError as err:
-        raise RuntimeError(
-            f"the largest step this rank can be given ({config.max_num_batched_tokens} tokens over up to "
-            f"{config.max_num_seqs} sequences) does not fit in GPU memory beside the weights: lower "
-            f"max_num_batched_tokens or max_num_seqs ({err})") from None
-    per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), dtype)
-    if config.cuda_graphs:  # the decode graphs' block tables grow with the cache
-        per_token += 4 * config.max_num_seqs // DEFAULT_BLOCK_SIZE + 1
-    mixed_tokens = config.piecewise_graph_tokens
-    budget = plan_kv_budget(memory, config.gpu_memory_utilization, peak, per_token, graph_margin_bytes(mixed_tokens))
-    log.info("KV cache sized from the GPU (activation peak of a %d-token step): %s", config.max_num_batched_tokens,
-             budget.describe(per_token))
-    if budget.held_bytes > 1 << 30:
-        log.warning("the CUDA caching allocator holds %.1f GiB that no tensor uses (fragments left by loading): the KV "
-                    "cache cannot take them", budget.held_bytes / 2**30)
-    return budget.tokens
 
 
 def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = None) -> tuple[ServerState, Engine]:
@@ -105,6 +63,8 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         registry=registry,
         limits=Limits.for_server(config.max_request_bytes, config.max_prompts, config.max_prompt_chars, engine.max_model_len),
         resume_key=config.group_secret.encode(),
+        api_keys=ApiKeys(config.api_keys),
+        reasoning=PARSERS.get(config.reasoning_parser), reasoning_content=config.reasoning_content,
     )
     if role.link is not None:  # a monolithic rank has no FFN link
         watch_attention(registry, config, role, engine)
@@ -169,23 +129,9 @@ def attention_probes(state: ServerState, listening: Callable[[], bool], stop: th
     return Probes(ready, live, drained=watch.drained, on_drain=watch.begin)
 
 
-def build_role(config: AFDConfig, registry: CollectorRegistry):
-    """The loaded role: the whole model (monolithic: no split step to time), or an attention rank connected to its
-    FFN rank, its step timed into `registry`."""
-    tokens = cache_tokens_for(config, parse_spec(Checkpoint(config.model).config))
-    if config.role == "monolithic":
-        log.info("monolithic rank: loading %s", config.model)
-        return build_monolithic(config, tokens)
-    log.info("attention rank %d: loading %s and connecting to ffn rank %d",
-             config.rank, config.model, config.topology.ffn_rank_of(config.rank))
-    return build_attention(config, tokens, attention_instruments(registry, config, resolve_device(config)))
-
-
-def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
-    registry = CollectorRegistry()
-    if WATCH.install():  # Triton kernels compiled after warm-up are logged and counted
-        export_kernel_compiles(registry, config, WATCH)
-    role = build_role(config, registry)
+def serve_api(config: AFDConfig, stop: threading.Event, role, registry: CollectorRegistry) -> int:
+    """Serve the HTTP API of a loaded attention or monolithic `role` (its series already in `registry`) until `stop`
+    is set, in this process or in API processes; the role is closed after; the exit code."""
     state, engine = build_server(config, role, registry)
     if config.ceiling_batches:
         export_ceiling(state.registry, config, role)

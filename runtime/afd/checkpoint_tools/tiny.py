@@ -179,7 +179,7 @@ def _add_mtp_layers(folder: Path, config) -> None:
 def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None,
                     fp8: bool = False) -> Path:
     """Write a random `arch` checkpoint (float32) with tokenizer and chat template to `out`; with `fp8` its
-    projection weights FP8 block-quantized as the published FP8 checkpoints (`afd.fp8_convert`)."""
+    projection weights FP8 block-quantized as the published FP8 checkpoints (`afd.checkpoint_tools.fp8_convert`)."""
     if arch not in ARCHES:
         raise ValueError(f"--arch {arch!r}: must be one of {', '.join(ARCHES)}")
     if fp8 and arch not in FP8_ARCHES:
@@ -200,7 +200,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
     if arch == "deepseek_v3":
         _add_mtp_layers(out, config)
     if fp8:
-        from afd.fp8_convert import quantize_folder  # local import: torch: afd.cli imports this module
+        from afd.checkpoint_tools.fp8_convert import quantize_folder  # local import: torch: afd.cli imports this module
 
         quantize_folder(out)
     tokenizer.save_pretrained(out)
