@@ -41,32 +41,37 @@ def checkpoints(tmp_path_factory):
 def hf_reference(checkpoints):
     """name → (tokens, last-step logits) of transformers' greedy `generate`, one prompt at a time; for an FP8
     checkpoint, of its dequantized copy (transformers does not run FP8 on CPU)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     cache = {}
 
     def reference(name):
         if name not in cache:
-            folder = checkpoints.get(f"{name}_dequantized", checkpoints[name])
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-            model.generation_config.eos_token_id = None  # like --ignore-eos: exactly NEW_TOKENS tokens
-            tokens, logits = [], []
-            for prompt in PROMPTS:
-                out = model.generate(
-                    torch.tensor([prompt]),
-                    max_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=0,
-                )
-                tokens.append(out.sequences[0, len(prompt) :].tolist())
-                logits.append(out.logits[-1][0].float())
-            cache[name] = (tokens, logits)
+            cache[name] = transformers_greedy(checkpoints.get(f"{name}_dequantized", checkpoints[name]))
         return cache[name]
 
     return reference
+
+
+def transformers_greedy(folder):
+    """(tokens, last-step logits) of transformers' greedy `generate` of PROMPTS over the checkpoint `folder`, one
+    prompt at a time, NEW_TOKENS each."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # like --ignore-eos: exactly NEW_TOKENS tokens
+    tokens, logits = [], []
+    for prompt in PROMPTS:
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        tokens.append(out.sequences[0, len(prompt) :].tolist())
+        logits.append(out.logits[-1][0].float())
+    return tokens, logits
 
 
 def max_relative_error(ours, theirs) -> float:

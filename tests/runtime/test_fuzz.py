@@ -11,7 +11,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from afd.config import AFDConfig
@@ -49,10 +49,13 @@ def test_decode_returns_a_message_or_a_protocol_error(data):
 
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64), st.integers(-4, 1 << 40), st.integers(-4, 1 << 40), st.sampled_from(["float32", "bfloat16", "int8", ""]))
+@example(b"", 0, -3, "float32")  # negative sizes whose product matches the frame: rare draws, so named here
+@example(bytes(16), -1, -4, "float32")
+@example(bytes(4), -2, -2, "int8")
 def test_tensor_frames_reject_every_size_mismatch(frame, rows, cols, dtype):
     try:
         tensor = from_frame(frame, rows, cols, dtype, "cpu")
-    except (wire.ProtocolError, ValueError, RuntimeError):
+    except wire.ProtocolError:  # the product's refusal; any other error (a raw torch one) fails the test
         return
     assert tuple(tensor.shape) == (rows, cols) and tensor.numel() * tensor.element_size() == len(frame)
 

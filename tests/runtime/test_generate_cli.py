@@ -99,16 +99,25 @@ def test_bad_input_gives_one_error_line_and_leaves_nothing_running(case, checkpo
     assert processes_with_marker(marker) == []
 
 
-def _start_long_generate(checkpoint, marker):
-    env = {**os.environ, "AFD_TEST_MARKER": marker}
+def _start_long_generate(checkpoint, marker, tmp_path):
+    """A 2A1F `afd generate` of 3000 tokens, once it decodes: its FFN rank has both attention ranks connected (its
+    log folder under `tmp_path`). A fixed wait is not enough: on a busy machine the ranks still import torch for
+    half a minute, when a rank cannot yet act on SIGTERM and is killed at the end of the grace period."""
+    env = {**os.environ, "AFD_TEST_MARKER": marker, "TMPDIR": str(tmp_path)}  # TMPDIR: where the log folder goes
     args = ["generate", "--model", checkpoint, "--topology", "2A1F", "--prompt-ids", "1,2,3", "--max-tokens", "3000", "--ignore-eos"]
     parent = subprocess.Popen([sys.executable, "-m", "afd", *map(str, args)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while len(processes_with_marker(marker)) < 4 and time.monotonic() < deadline:  # parent + 3 ranks
+    deadline = time.monotonic() + 180
+    while not _ffn_log(tmp_path).count(" connected (") >= 2:
+        assert parent.poll() is None and time.monotonic() < deadline, f"no 2A1F group decoding:\n{_ffn_log(tmp_path)}"
         time.sleep(0.2)
-    time.sleep(2)  # let the ranks load and start decoding
+    assert len(processes_with_marker(marker)) == 4  # parent + 3 ranks
+    time.sleep(1)  # a few steps
     return parent
+
+
+def _ffn_log(tmp_path) -> str:
+    return "".join(log.read_text(errors="replace") for log in tmp_path.glob("afd-local-*/ffn-0.log"))
 
 
 def _wait_gone(marker, timeout_s):
@@ -118,18 +127,18 @@ def _wait_gone(marker, timeout_s):
     return processes_with_marker(marker)
 
 
-def test_ctrl_c_stops_every_process(checkpoints):
+def test_ctrl_c_stops_every_process(checkpoints, tmp_path):
     marker = uuid.uuid4().hex
-    parent = _start_long_generate(checkpoints["qwen3_moe"], marker)
+    parent = _start_long_generate(checkpoints["qwen3_moe"], marker, tmp_path)
     os.killpg(parent.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     parent.wait(timeout=15)
     assert parent.returncode != 0
     assert _wait_gone(marker, 10) == []
 
 
-def test_children_die_with_a_killed_parent(checkpoints):
+def test_children_die_with_a_killed_parent(checkpoints, tmp_path):
     marker = uuid.uuid4().hex
-    parent = _start_long_generate(checkpoints["qwen3_moe"], marker)
+    parent = _start_long_generate(checkpoints["qwen3_moe"], marker, tmp_path)
     parent.kill()
     parent.wait(timeout=5)
     assert _wait_gone(marker, 10) == []

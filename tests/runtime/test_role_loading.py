@@ -136,9 +136,14 @@ def _checkpoint_error_as_another_user(folder: Path) -> str:
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("running as root without setpriv to drop privileges")
-    code = f"from afd.models.checkpoint import Checkpoint\nCheckpoint({str(folder)!r})"
-    result = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
-                            capture_output=True, text=True, timeout=120)
-    if "CheckpointError" not in result.stderr:
-        pytest.skip(f"uid 65534 cannot run the package from this checkout: {result.stderr[-300:]}")
+    def as_nobody(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+                              capture_output=True, text=True, timeout=120)
+
+    probe = as_nobody("import afd.models.checkpoint")  # whether that user can run the package at all
+    if probe.returncode != 0:
+        pytest.skip(f"uid 65534 cannot run the package from this checkout: {probe.stderr[-300:]}")
+    result = as_nobody(f"from afd.models.checkpoint import Checkpoint\nCheckpoint({str(folder)!r})")
+    # the package runs: anything but a CheckpointError (a raw OSError, or no error at all) is the regression
+    assert result.returncode != 0 and "CheckpointError" in result.stderr, result.stderr[-1000:]
     return result.stderr.strip().splitlines()[-1]

@@ -82,6 +82,26 @@ def _healthy(api):
         return False
 
 
+class HealthWatch(threading.Thread):
+    """Polls an API's /health every 0.1 s until stopped: (time, status code, body) each time it answered."""
+
+    def __init__(self, api):
+        super().__init__(daemon=True)
+        self.url, self.seen, self.done = api.removesuffix("/v1") + "/health", [], threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.1):
+            try:
+                reply = httpx.get(self.url, timeout=1)
+                self.seen.append((time.monotonic(), reply.status_code, reply.json()))
+            except (httpx.HTTPError, ValueError):
+                pass
+
+    def stop(self):
+        self.done.set()
+        self.join(5)
+
+
 @pytest.mark.timeout(400)
 def test_kill_ffn_and_attention_ranks_under_load(tmp_path):
     marker = uuid.uuid4().hex
@@ -104,6 +124,8 @@ def test_kill_ffn_and_attention_ranks_under_load(tmp_path):
                    for i in range(4) for name, api in (("a0-", api0), ("a1-", api1))]
         for worker in workers:
             worker.start()
+        health1 = HealthWatch(api1)
+        health1.start()
         time.sleep(2.0)
         killed_at = time.monotonic()
         os.kill(rank[("ffn", 1)]["pid"], signal.SIGKILL)
@@ -114,13 +136,20 @@ def test_kill_ffn_and_attention_ranks_under_load(tmp_path):
         failed_within = max(end for *_, end in cut) - killed_at
         assert failed_within < 10, failed_within
         assert all(results[f"a0-{i}"][:3] == ("length", 3000, None) for i in range(4))  # the other pair kept serving
-        assert not _healthy(api1) or True  # may already have recovered if the restart was quick
 
         # the supervisor restarts FFN rank 1; attention rank 1 re-handshakes without a restart
         wait_for(lambda: _healthy(api1) and (s := read_state(state_file)) and
                  next(r["pid"] for r in s["ranks"] if r["role"] == "ffn" and r["rank"] == 1) != rank[("ffn", 1)]["pid"],
                  120, "FFN rank 1 back and attention rank 1 healthy")
         recovered_in = time.monotonic() - killed_at
+        health1.stop()
+        # /health of attention rank 1: ok before the kill, then "unavailable" with the reason while its FFN rank was
+        # down (the restart loads the model: seconds, many polls), ok again once it re-handshook
+        before = [code for at, code, _ in health1.seen if at < killed_at]
+        down = [body for at, code, body in health1.seen if at > killed_at and code == 503]
+        assert before and set(before) == {200}, health1.seen
+        assert down and all(body["status"] == "unavailable" and body["reason"] for body in down), health1.seen
+        assert health1.seen[-1][1] == 200, health1.seen[-1]
         now = read_state(state_file)
         assert next(r["pid"] for r in now["ranks"] if r["role"] == "attention" and r["rank"] == 1) == rank[("attention", 1)]["pid"]
         after = httpx.post(f"{api1}/completions", json={"model": model, "prompt": "Hi", "max_tokens": 5}, timeout=30)
@@ -134,7 +163,8 @@ def test_kill_ffn_and_attention_ranks_under_load(tmp_path):
         os.kill(rank[("attention", 0)]["pid"], signal.SIGKILL)
         worker.join(60)
         assert survivors["s"][:3] == ("length", 1500, None)
-        print(f"\nfault timings: in-flight requests failed {failed_within:.2f} s after kill -9 of ffn-1; "
+        print(f"\nfault timings: in-flight requests failed {failed_within:.2f} s after kill -9 of ffn-1 "
+              f"(/health of attention-1 503 in {len(down)} polls); "
               f"ffn-1 restarted and attention-1 healthy again {recovered_in:.1f} s after the kill")
     finally:
         up.send_signal(signal.SIGTERM)

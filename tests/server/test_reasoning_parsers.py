@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd.config.settings import REASONING_PARSERS
+from afd.config.sections import REASONING_PARSERS
 from afd.server.api.reasoning import PARSERS, ThinkingSplit, opens_thinking, split
 
 R1, QWEN3, V31, KIMI = (PARSERS[name] for name in ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2"))

@@ -64,8 +64,12 @@ def run(parts, prompt, params_list, group, pipeline=True, budget=8192, device="c
         assert engine.num_running == 0 and cache.free_blocks == cache.num_blocks and not engine.scheduler.blocks.shared
     finally:
         engine.stop()
-    tokens = [[(t, round(lp.logprob, 4)) for o in outs for t, lp in zip(o.token_ids, o.logprobs)] for outs in results]
-    return tokens, step
+    return [_tokens(outs) for outs in results], step
+
+
+def _tokens(outs) -> list[tuple]:
+    """Every token of one request's outputs, each with its logprob (rounded) where they were asked for (else None)."""
+    return [(t, round(o.logprobs[i].logprob, 4) if o.logprobs else None) for o in outs for i, t in enumerate(o.token_ids)]
 
 
 @pytest.mark.parametrize("length", [40, 32])  # a partly filled last prompt block (copied per choice), and none
@@ -90,7 +94,8 @@ def test_chunked_prefill_riders_wait_for_the_last_chunk(parts):
     prompt = [(5 * i + 1) % 150 + 5 for i in range(40)]
     params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True) for _ in range(3)]
     shared, step = run(parts, prompt, params, group="g", budget=16)  # the prompt in 3 chunks
-    assert step.fed == 40 + 3 * 2 and shared[0] == shared[1] == shared[2]
+    alone = [run(parts, prompt, [p], group=None, budget=16)[0][0] for p in params]  # each choice as its own request
+    assert step.fed == 40 + 3 * 2 and shared == alone and all(len(tokens) == 3 for tokens in shared)
 
 
 def test_a_leader_ending_before_its_prompt_is_in_hands_its_riders_over():

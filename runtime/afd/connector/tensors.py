@@ -23,6 +23,8 @@ def from_frame(frame: bytes, rows: int, cols: int, dtype_name: str, device: torc
     dtype = DTYPES.get(dtype_name)
     if dtype is None:
         raise ProtocolError(f"unknown dtype {dtype_name!r}")
+    if rows < 0 or cols < 0:
+        raise ProtocolError(f"tensor frame header says {rows}x{cols}: a negative size")
     expected = rows * cols * torch.empty(0, dtype=dtype).element_size()
     if len(frame) != expected:
         raise ProtocolError(f"tensor frame has {len(frame)} bytes, header says {rows}x{cols} {dtype_name} = {expected}")
