@@ -4,12 +4,12 @@
 Runs `afd up --topology 1A1F` on the tiny model of a checkpoint-less machine (the demo request included) with a
 profile hook in every rank process; the attention rank records each call into an `afd` function that receives a
 settings object (the `AFDConfig` or one of its sections: an instance of a class defined under `afd.config`,
-`Topology` left out) as an argument. From that call sequence it prints:
+`Topology` left out) as an argument, with the module that called it. It prints:
 
-- modules entered: how many `afd` modules receive settings;
-- trips back up: consecutive calls whose callee's layer (tests/runtime/test_layering.py `LAYERS`) is above the
-  caller's, i.e. the settings climbing back up the layer order;
-- returns: calls into a module the settings had already left for another module.
+- how many `afd` modules receive settings, and the hand-overs: distinct (calling module → called module) pairs;
+- hand-overs up the layers (tests/runtime/test_layering.py `LAYERS`): a lower module passing settings to a higher one
+  (a callback up);
+- modules handed settings by more than one module: where the trip enters a module twice.
 
 Usage (from the repo root; `--root` measures another checkout, e.g. an older worktree, with its own LAYERS):
   .venv/bin/python scripts/settings_trip.py [--root DIR] [--list]
@@ -48,8 +48,9 @@ if _OUT and os.environ.get("AFD_ROLE") == "attention":
         values = frame.f_locals
         for name in code.co_varnames[:count]:
             if _is_settings(values.get(name)):
+                caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
                 with _lock:
-                    _file.write(f"{module} {code.co_qualname}\\n")
+                    _file.write(f"{caller} {module} {code.co_qualname}\\n")
                 return
 
     sys.setprofile(_hook)
@@ -57,8 +58,9 @@ if _OUT and os.environ.get("AFD_ROLE") == "attention":
 '''
 
 
-def record(root: Path, python: str, timeout_s: float) -> list[tuple[str, str]]:
-    """(module, function) of every settings-receiving call the attention rank of `afd up` made, in order."""
+def record(root: Path, python: str, timeout_s: float) -> list[tuple[str, str, str]]:
+    """(calling module, called module, function) of every settings-receiving call the attention rank of `afd up`
+    made, in order."""
     with tempfile.TemporaryDirectory(prefix="afd-trip-") as tmp:
         (Path(tmp) / "sitecustomize.py").write_text(HOOK)
         out = Path(tmp) / "calls.txt"
@@ -76,24 +78,23 @@ def record(root: Path, python: str, timeout_s: float) -> list[tuple[str, str]]:
         finally:
             os.killpg(up.pid, signal.SIGTERM)
             up.wait(60)
-        return [tuple(line.split(" ", 1)) for line in out.read_text().splitlines() if " " in line]
+        return [tuple(line.split(" ", 2)) for line in out.read_text().splitlines() if line.count(" ") >= 2]
 
 
-def analyse(calls: list[tuple[str, str]], root: Path) -> dict:
-    """The three counts of the module docstring, over `calls` with `root`'s own layer order."""
+def analyse(calls: list[tuple[str, str, str]], root: Path) -> dict:
+    """The hand-overs of settings between modules in `calls`, judged by `root`'s own layer order."""
     sys.path.insert(0, str(root / "tests" / "runtime"))
     from test_layering import LAYERS, unit_of  # the measured tree's own order
 
     depth = {unit: level for level, (_, units) in enumerate(LAYERS) for unit in units}
-    modules = [module for module, _ in calls]
-    path = [m for i, m in enumerate(modules) if i == 0 or m != modules[i - 1]]  # a stay in one module is one visit
-    ups = [(a, b) for a, b in zip(path, path[1:]) if depth.get(unit_of(b), 99) < depth.get(unit_of(a), 99)]
-    seen, returns = set(), []
-    for module in path:
-        if module in seen:
-            returns.append(module)
-        seen.add(module)
-    return {"modules": sorted(seen), "path": path, "ups": ups, "returns": returns}
+    modules = sorted({callee for _, callee, _ in calls})
+    edges = sorted({(caller, callee) for caller, callee, _ in calls if caller != callee})
+    up = [(a, b) for a, b in edges if a.startswith("afd.") and depth[unit_of(b)] < depth[unit_of(a)]]
+    callers: dict[str, set[str]] = {}
+    for caller, callee in edges:
+        callers.setdefault(callee, set()).add(caller)
+    again = {module: sorted(found) for module, found in callers.items() if len(found) > 1}
+    return {"modules": modules, "edges": edges, "up": up, "again": again}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     if not calls:
         raise SystemExit("no settings-receiving call was recorded (did the attention rank start?)")
     found = analyse(calls, root)
-    print(f"{root}: the attention rank's settings entered {len(found['modules'])} modules in {len(calls)} calls; "
-          f"{len(found['ups'])} trips back up the layers; {len(found['returns'])} returns to a module already left")
+    print(f"{root}: the attention rank's settings reach {len(found['modules'])} modules in {len(calls)} calls, over "
+          f"{len(found['edges'])} hand-overs between modules; {len(found['up'])} hand-overs up the layers; "
+          f"{len(found['again'])} modules handed settings by more than one module")
     if args.list:
-        print("path:", " → ".join(found["path"]))
-        for a, b in found["ups"]:
-            print(f"  up: {a} → {b}")
+        for caller, callee in found["edges"]:
+            mark = "  (up)" if (caller, callee) in found["up"] else ""
+            print(f"  {caller or '<entry>'} → {callee}{mark}")
+        for module, callers in found["again"].items():
+            print(f"  {module} is handed settings by {', '.join(callers)}")
     return 0
 
 
