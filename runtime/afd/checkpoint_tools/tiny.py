@@ -11,6 +11,7 @@ import copy
 from pathlib import Path
 
 FP8_ARCHES = ("deepseek_v3", "qwen3_moe")  # --fp8: the published FP8 checkpoints' format
+MTP_ARCHES = ("deepseek_v3", "glm4_moe")  # their checkpoints carry MTP layers that transformers does not write
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -102,6 +103,27 @@ ARCH_VALUES = {
                          "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                          "mscale_all_dim": 1.0},
     ),
+    # GLM-4.x's features at toy size: heads wider than hidden / heads with rotary on half of each, q/k norms and
+    # q/k/v biases, one dense first layer, 4 expert groups of which 2 are searched, a shared expert, one MTP layer
+    # in the files (written by `_add_mtp_layers`)
+    "glm4_moe": dict(
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=32,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        attention_bias=True,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_mtp_layers=1,
+        max_position_embeddings=4096,
+    ),
     "qwen3_moe": dict(
         num_hidden_layers=4,
         num_key_value_heads=2,
@@ -137,9 +159,11 @@ def _common(vocab_size: int, eos_ids: list[int]) -> dict:
 
 def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
     """`arch`'s transformers config: `_common`, then the arch's values, then `overrides`."""
-    from transformers import DeepseekV2Config, DeepseekV3Config, Qwen3MoeConfig  # local import: heavy: afd.cli imports this module
+    # local import: heavy: afd.cli imports this module
+    from transformers import DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, Qwen3MoeConfig
 
-    config_class = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "qwen3_moe": Qwen3MoeConfig}
+    config_class = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig,
+                    "qwen3_moe": Qwen3MoeConfig}
     # a copy: a config class may change the nested rope dicts in place
     return config_class[arch](**{**_common(vocab_size, eos_ids), **copy.deepcopy(ARCH_VALUES[arch]), **overrides})
 
@@ -154,7 +178,7 @@ def _randomize_router_biases(model) -> None:
 
 
 def _add_mtp_layers(folder: Path, config) -> None:
-    """Append DeepSeek-V3's next-token-prediction layers (`model.layers.{N..}`, N = num_hidden_layers) to the
+    """Append DeepSeek-V3's (or GLM-4.x's) next-token-prediction layers (`model.layers.{N..}`, N = num_hidden_layers) to the
     weights, as the published checkpoints carry them: a decoder layer plus enorm, hnorm, eh_proj and a shared
     head. transformers does not read them; neither do we."""
     import torch  # local import: heavy: afd.cli imports this module
@@ -197,7 +221,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
     with torch.no_grad():
         _randomize_router_biases(model)
     model.save_pretrained(out)
-    if arch == "deepseek_v3":
+    if arch in MTP_ARCHES:
         _add_mtp_layers(out, config)
     if fp8:
         from afd.checkpoint_tools.fp8_convert import quantize_folder  # local import: torch: afd.cli imports this module

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd.config.process import process_setting
-from afd.models import deepseek_v2, deepseek_v3, qwen3_moe
+from afd.models import deepseek_v2, deepseek_v3, glm4_moe, qwen3_moe
 from afd.models.decoder import MoECausalLM
 from afd.models.checkpoint import Checkpoint
 from afd.models.expert_shard import shard_ffn_model, shard_parts
@@ -23,7 +23,7 @@ from afd.models.split import prune_for_role
 from afd.config.topology import crossing_layers
 
 log = logging.getLogger(__name__)
-FAMILIES = {"deepseek_v2": deepseek_v2.build, "qwen3_moe": qwen3_moe.build,
+FAMILIES = {"deepseek_v2": deepseek_v2.build, "qwen3_moe": qwen3_moe.build, "glm4_moe": glm4_moe.build,
             **{arch: deepseek_v3.build for arch in deepseek_v3.ARCHES}}
 _EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up|down)(?P<scale>_scale)?$")
 
@@ -117,7 +117,7 @@ def finish_share(model: MoECausalLM, dtype: torch.dtype, device: str | torch.dev
 
 def _log_unread_mtp_layers(checkpoint: Checkpoint, num_layers: int) -> None:
     """One line naming the next-token-prediction layers (`model.layers.{N..}`, N = num_hidden_layers) that a
-    DeepSeek-V3 checkpoint carries for speculative decoding: this runtime neither reads nor keeps them."""
+    DeepSeek-V3 or GLM-4.x checkpoint carries for speculative decoding: this runtime neither reads nor keeps them."""
     layers: dict[int, int] = {}
     for key in checkpoint.keys():
         match = re.match(r"model\.layers\.(\d+)\.", key)

@@ -11,7 +11,7 @@ class UnsupportedModelError(ValueError):
 
 V3_ARCHES = ("deepseek_v3", "kimi_k2")  # Kimi-K2 is the DeepSeek-V3 architecture
 MLA_ARCHES = ("deepseek_v2", *V3_ARCHES)
-ARCHES = (*MLA_ARCHES, "qwen3_moe")
+ARCHES = (*MLA_ARCHES, "qwen3_moe", "glm4_moe")
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,14 @@ def moe_layer_mask(config: dict) -> tuple[bool, ...]:
         dense_only = set(config.get("mlp_only_layers") or [])
         step = config.get("decoder_sparse_step", 1) or 1
         return tuple(i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in layers)
+    if arch == "glm4_moe":  # Glm4MoeConfig's default: one dense first layer
+        first_dense = config.get("first_k_dense_replace", 1)
+        return tuple(num_experts(config) > 0 and i >= first_dense for i in layers)
     raise UnsupportedModelError(f"model_type={arch!r} is not supported (supported: {', '.join(ARCHES)})")
 
 
 def num_experts(config: dict) -> int:
-    if config.get("model_type") in MLA_ARCHES:
+    if config.get("model_type") in (*MLA_ARCHES, "glm4_moe"):
         return int(config.get("n_routed_experts") or 0)
     return int(config.get("num_experts") or config.get("num_local_experts") or 0)
 
@@ -100,6 +103,8 @@ def parse_spec(config: dict) -> ModelSpec:
         raise UnsupportedModelError(f"scoring_func={config['scoring_func']!r}: only softmax routing is supported")
     if config.get("model_type") in V3_ARCHES:
         check_deepseek_v3(config)
+    if config.get("model_type") == "glm4_moe":
+        check_expert_groups(config)
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     try:
@@ -129,6 +134,12 @@ def check_deepseek_v3(config: dict) -> None:
         raise UnsupportedModelError(f"topk_method={config['topk_method']!r}: DeepSeek-V3 routing supports noaux_tc only")
     if config.get("rope_interleave", True) is False:
         raise UnsupportedModelError("rope_interleave=false is not supported (DeepSeek-V3 checkpoints interleave)")
+    check_expert_groups(config)
+
+
+def check_expert_groups(config: dict) -> None:
+    """noaux_tc's groups (DeepSeek-V3, GLM-4.x): `n_group` equal groups of the routed experts, of which the best
+    `topk_group` hold at least `num_experts_per_tok` experts; anything else is refused by name."""
     experts, groups = int(config.get("n_routed_experts") or 0), int(config.get("n_group") or 1)
     topk_groups = int(config.get("topk_group") or 1)
     if experts and (experts % groups or not 1 <= topk_groups <= groups):
