@@ -10,7 +10,8 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """name → folder of a tiny checkpoint (two seeds of DeepSeek-V2, one variant, Qwen3-MoE, DeepSeek-V3, FP8 ones)."""
+    """name → folder of a tiny checkpoint (two seeds of DeepSeek-V2, one variant, Qwen3-MoE, DeepSeek-V3, GLM-4.x
+    with and without q/k norms, FP8 ones)."""
     from afd.checkpoint_tools.fp8_convert import dequantize_folder
     from afd.checkpoint_tools.tiny import make_tiny_model
 
@@ -28,6 +29,11 @@ def checkpoints(tmp_path_factory):
         ),
         # DeepSeek-V3: query LoRA, n_group 4 / topk_group 2, a dense first layer, YaRN, an MTP layer in the files
         "deepseek_v3": make_tiny_model("deepseek_v3", root / "deepseek_v3", seed=0),
+        # GLM-4.x: rotary on half of each head, q/k norms, q/k/v biases, a dense first layer, noaux_tc groups, an MTP
+        # layer in the files; and without q/k norms or biases, rotary on a quarter of each head
+        "glm4_moe": make_tiny_model("glm4_moe", root / "glm4_moe", seed=0),
+        "glm4_moe_plain": make_tiny_model("glm4_moe", root / "glm4_moe_plain", seed=6, overrides={
+            "use_qk_norm": False, "attention_bias": False, "partial_rotary_factor": 0.25}),
         # FP8 block-quantized (the published FP8 format) and, for transformers on CPU, their dequantized copies
         "deepseek_v3_fp8": make_tiny_model("deepseek_v3", root / "deepseek_v3_fp8", seed=3, fp8=True),
         "qwen3_moe_fp8": make_tiny_model("qwen3_moe", root / "qwen3_moe_fp8", seed=4, fp8=True),

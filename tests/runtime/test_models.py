@@ -16,7 +16,7 @@ def monolithic_generate(path):
     return greedy_generate(MonolithicRunner(loaded, kv_cache), kv_cache, PROMPTS, NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "qwen3_moe", "deepseek_v2_full"])
+@pytest.mark.parametrize("name", ["deepseek_v2", "qwen3_moe", "deepseek_v2_full", "glm4_moe", "glm4_moe_plain"])
 def test_monolithic_equals_transformers(name, checkpoints, hf_reference):
     tokens, logits = hf_reference(name)
     result = monolithic_generate(checkpoints[name])
@@ -65,12 +65,13 @@ def test_kimi_k2_is_served_as_deepseek_v3(checkpoints, tmp_path):
     assert monolithic_generate(tmp_path / "kimi").tokens == monolithic_generate(checkpoints["deepseek_v3"]).tokens
 
 
-def test_mtp_layers_are_neither_read_nor_resident(checkpoints, caplog):
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layers_are_neither_read_nor_resident(name, checkpoints, caplog):
     import logging
 
     from afd.models.checkpoint import Checkpoint
 
-    path = checkpoints["deepseek_v3"]
+    path = checkpoints[name]
     mtp = [key for key in Checkpoint(path).keys() if key.startswith("model.layers.3.")]
     assert any(key.endswith("eh_proj.weight") for key in mtp) and any(".mlp.experts." in key for key in mtp)
     with caplog.at_level(logging.INFO, logger="afd.models.loader"):

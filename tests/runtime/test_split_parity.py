@@ -48,6 +48,21 @@ def test_deepseek_v3_split_equals_transformers(name, topology, stages, gate, che
     assert max_relative_error(result.last_logits, logits) < 1e-4
 
 
+# GLM-4.x (partial rotary, q/k norms and biases, noaux_tc groups, a dense first layer, an MTP layer in the files):
+# 1A1F, 2A1F, 3A2F, both stage counts, the gate on either side; without q/k norms or biases at 2A1F
+GLM_CASES = [*itertools.product(["glm4_moe"], ["1A1F", "2A1F", "3A2F"], [1, 2], ["ffn", "attention"]),
+             ("glm4_moe_plain", "2A1F", 2, "attention")]
+
+
+@pytest.mark.parametrize("name, topology, stages, gate", GLM_CASES)
+def test_glm4_moe_split_equals_transformers(name, topology, stages, gate, checkpoints, hf_reference):
+    tokens, logits = hf_reference(name)
+    config = loopback_config(checkpoints[name], topology, stages, gate, tag=f"{name}-")
+    result = generate_in_threads(config, PROMPTS, NEW_TOKENS, ignore_eos=True)
+    assert result.tokens == tokens
+    assert max_relative_error(result.last_logits, logits) < 1e-4
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_split_equals_our_monolithic_model(stages, checkpoints):
     from tests.runtime.test_models import monolithic_generate
