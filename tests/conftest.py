@@ -37,8 +37,9 @@ def checkpoints(tmp_path_factory):
         # FP8 block-quantized (the published FP8 format) and, for transformers on CPU, their dequantized copies
         "deepseek_v3_fp8": make_tiny_model("deepseek_v3", root / "deepseek_v3_fp8", seed=3, fp8=True),
         "qwen3_moe_fp8": make_tiny_model("qwen3_moe", root / "qwen3_moe_fp8", seed=4, fp8=True),
+        "glm4_moe_fp8": make_tiny_model("glm4_moe", root / "glm4_moe_fp8", seed=7, fp8=True),
     }
-    for name in ("deepseek_v3_fp8", "qwen3_moe_fp8"):
+    for name in ("deepseek_v3_fp8", "qwen3_moe_fp8", "glm4_moe_fp8"):
         folders[f"{name}_dequantized"] = dequantize_folder(folders[name], root / f"{name}_dequantized")
     return folders
 

@@ -1,4 +1,4 @@
-"""FP8 block-quantized checkpoints (DeepSeek-V3 and Qwen3-MoE, the published format): on CPU the weights are
+"""FP8 block-quantized checkpoints (DeepSeek-V3, Qwen3-MoE and GLM-4.x, the published DeepSeek-V3 format): on CPU the weights are
 dequantized at load, so our model equals transformers run on the dequantized weights."""
 
 import re
@@ -9,7 +9,7 @@ from tests.conftest import max_relative_error
 from tests.runtime.test_models import monolithic_generate
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe_fp8", "deepseek_v3_fp8"])
+@pytest.mark.parametrize("name", ["qwen3_moe_fp8", "deepseek_v3_fp8", "glm4_moe_fp8"])
 def test_fp8_monolith_equals_transformers_on_the_dequantized_weights(name, checkpoints, hf_reference):
     tokens, logits = hf_reference(name)
     result = monolithic_generate(checkpoints[name])
@@ -46,6 +46,26 @@ def test_kept_fp8_layout_computes_what_the_dequantized_model_does(checkpoints):
     for index in (0, 1, 2):
         torch.testing.assert_close(kept.model.layers[index].ffn_half(hidden),
                                    plain.model.layers[index].ffn_half(hidden), rtol=1e-6, atol=1e-6)
+
+
+def test_kept_fp8_attention_with_biases_computes_what_the_dequantized_model_does(checkpoints):
+    """GLM-4.x's q/k/v projections carry biases: kept FP8 (what a GPU rank holds) they are Fp8Linear layers with
+    their bias, and the attention's query, key and value equal those of the model dequantized at load."""
+    import torch
+
+    from afd.models.fp8 import Fp8Linear
+    from afd.models.loader import load_model
+
+    path = str(checkpoints["glm4_moe_fp8"])
+    kept, plain = load_model(path, keep_fp8=True), load_model(path)
+    attention = kept.model.layers[1].self_attn
+    assert isinstance(attention.q_proj, Fp8Linear) and attention.q_proj.bias is not None
+    assert isinstance(attention.o_proj, Fp8Linear) and attention.o_proj.bias is None
+    torch.manual_seed(0)
+    hidden, positions = torch.randn(5, 64), torch.arange(5)
+    for ours, reference in zip(attention.project(hidden, positions),
+                               plain.model.layers[1].self_attn.project(hidden, positions)):
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True])

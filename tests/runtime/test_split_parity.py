@@ -49,9 +49,10 @@ def test_deepseek_v3_split_equals_transformers(name, topology, stages, gate, che
 
 
 # GLM-4.x (partial rotary, q/k norms and biases, noaux_tc groups, a dense first layer, an MTP layer in the files):
-# 1A1F, 2A1F, 3A2F, both stage counts, the gate on either side; without q/k norms or biases at 2A1F
+# 1A1F, 2A1F, 3A2F, both stage counts, the gate on either side; without q/k norms or biases at 2A1F; as an FP8
+# checkpoint (transformers runs its dequantized copy) at 3A2F
 GLM_CASES = [*itertools.product(["glm4_moe"], ["1A1F", "2A1F", "3A2F"], [1, 2], ["ffn", "attention"]),
-             ("glm4_moe_plain", "2A1F", 2, "attention")]
+             ("glm4_moe_plain", "2A1F", 2, "attention"), ("glm4_moe_fp8", "3A2F", 2, "ffn")]
 
 
 @pytest.mark.parametrize("name, topology, stages, gate", GLM_CASES)

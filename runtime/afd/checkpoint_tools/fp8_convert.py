@@ -2,8 +2,8 @@
 
 `quantize_folder` turns every projection weight (attention and MLP/expert `*_proj.weight`, 2-D)
 into float8_e4m3fn plus a float32 `weight_scale_inv` per 128×128 block, and writes the
-`quantization_config` the published checkpoints carry (DeepSeek-V3's, or Qwen3-FP8's with its
-`modules_to_not_convert`). Embeddings, norms, the router and the LM head keep their dtype.
+`quantization_config` the published checkpoints carry (DeepSeek-V3's, also written for GLM-4.x, or Qwen3-FP8's
+with its `modules_to_not_convert`). Embeddings, norms, the router and the LM head keep their dtype.
 `dequantize_folder` writes the float copy a reference (transformers on CPU) can run.
 """
 

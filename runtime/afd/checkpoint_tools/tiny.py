@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-FP8_ARCHES = ("deepseek_v3", "qwen3_moe")  # --fp8: the published FP8 checkpoints' format
+FP8_ARCHES = ("deepseek_v3", "qwen3_moe", "glm4_moe")  # --fp8: the published FP8 checkpoints' format
 MTP_ARCHES = ("deepseek_v3", "glm4_moe")  # their checkpoints carry MTP layers that transformers does not write
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
