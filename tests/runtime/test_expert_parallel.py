@@ -26,7 +26,7 @@ def _experts_read(keys):
     return {int(m[1]) for k in keys if (m := re.search(r"\.experts\.(\d+)\.", k))}
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["deepseek_v2", "qwen3_moe", "deepseek_v3", "glm4_moe"])
 @pytest.mark.parametrize("shards", [2, 3, 4])
 def test_shards_hold_their_experts_and_sum_to_the_whole(name, shards, checkpoints):
     """Each shard reads only its experts, holds ≈1/G of the routed expert bytes, and the G partial
@@ -83,6 +83,9 @@ GROUP_CASES = [
     ("deepseek_v3_fp8", "2A1F", 2, 1, "ffn", "loopback"),
     ("deepseek_v3", "1A1F", 2, 2, "ffn", "zmq"),
     ("deepseek_v3_fp8", "3A2F", 2, 1, "attention", "zmq"),
+    # GLM-4.x (V3's MoE behind partial-rotary GQA with q/k norms and biases) and its FP8 checkpoint
+    ("glm4_moe", "2A1F", 2, 2, "attention", "zmq"),
+    ("glm4_moe_fp8", "3A2F", 4, 1, "ffn", "loopback"),
 ]
 
 
