@@ -149,7 +149,7 @@ def test_published_quantization_configs_are_written(checkpoints):
     assert not_converted[0] == "lm_head" and "model.layers.1.mlp.gate" in not_converted
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_fp8"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_fp8", "glm4_moe_fp8"])
 def test_resident_bytes_of_the_roles_add_up_and_are_exported(name, checkpoints):
     """Attention and FFN (gate on the FFN) partition the monolith's bytes; the exported gauge is the loader's count."""
     from prometheus_client import CollectorRegistry

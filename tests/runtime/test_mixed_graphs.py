@@ -28,7 +28,7 @@ def _steps(kv_cache):
     ]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2", "deepseek_v2_full", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2", "deepseek_v2_full", "deepseek_v3", "glm4_moe"])
 def test_piecewise_prompt_steps_give_the_eager_logits(name, checkpoints):
     from afd.kv.cache import KVCache
     from afd.models.loader import load_model

@@ -27,7 +27,7 @@ def _main_layer_keys(path) -> set[str]:
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2", "qwen3_moe", "deepseek_v2_full", "deepseek_v3", "deepseek_v3_fp8",
-                                  "qwen3_moe_fp8"])
+                                  "qwen3_moe_fp8", "glm4_moe", "glm4_moe_fp8"])
 @pytest.mark.parametrize("gate", ["ffn", "attention"])
 def test_roles_partition_the_checkpoint(name, gate, checkpoints):
     """FP8 checkpoints too: each weight's scale is read by the role that reads the weight."""
