@@ -94,7 +94,7 @@ def test_the_definition_reads_a_hand_made_block_layout():
     assert w[129, 0] == 4.0 and w[128, 200] == 4.0 and w[129, 259] == 96.0
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe_fp8", "deepseek_v3_fp8"])
+@pytest.mark.parametrize("name", ["qwen3_moe_fp8", "deepseek_v3_fp8", "glm4_moe_fp8"])
 def test_fp8_monolith_equals_transformers_on_the_format_read_by_its_definition(name, checkpoints, references):
     tokens, logits = references(name)
     result = monolithic_generate(checkpoints[name])
