@@ -19,13 +19,14 @@ from afd.models.spec import ModelSpec
 ARCHES = ("deepseek_v3", "kimi_k2")
 
 
-def routing(config: dict, spec: ModelSpec) -> Routing:
-    """The noaux_tc router of a DeepSeek-V3 config (its defaults are transformers' DeepseekV3Config's)."""
+def routing(config: dict, spec: ModelSpec, default_scaling: float = 2.5) -> Routing:
+    """The noaux_tc router of a DeepSeek-V3 config (its defaults are transformers' DeepseekV3Config's; a family that
+    shares the router, GLM-4.x, gives its own default `routed_scaling_factor`)."""
     return Routing(
         top_k=int(config.get("num_experts_per_tok") or 8),
         num_experts=spec.num_experts,
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-        scaling_factor=float(config.get("routed_scaling_factor", 2.5)),
+        scaling_factor=float(config.get("routed_scaling_factor", default_scaling)),
         topk_method="noaux_tc",
         num_groups=int(config.get("n_group") or 1),
         topk_groups=int(config.get("topk_group") or 1),

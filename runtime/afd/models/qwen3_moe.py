@@ -5,28 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.models.paged_attention import AttentionBatch, cached_attention
 from afd.models.decoder import DecoderLayer, MoECausalLM
-from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_linear, apply_rope_halves, fuse_linears,
-                               fused_glue, fused_linear)
-from afd.models.spec import KVLayout, ModelSpec, rope_parameters
+from afd.models.gqa import GQAttention
+from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_halves, fused_glue, fused_linear
+from afd.models.spec import ModelSpec, rope_parameters
 
 
-class GroupedQueryAttention(nn.Module):
+class GroupedQueryAttention(GQAttention):
     """GQA with RMS-normed query and key heads, rotary in the half-split layout."""
 
     def __init__(self, config: dict):
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-        self.head_dim = config.get("head_dim") or hidden // self.heads
-        self.out_head_dim = self.head_dim  # per head, of what `attend` returns
-        bias = bool(config.get("attention_bias", False))
+        super().__init__(config, o_bias=True)
         eps = float(config.get("rms_norm_eps", 1e-6))
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
         self.rope = rope_parameters(config)
@@ -34,17 +24,6 @@ class GroupedQueryAttention(nn.Module):
         if self.rope_dim != self.head_dim:
             raise ValueError("partial_rotary_factor < 1 is not supported for qwen3_moe")
         self.rotary = Rotary(self.rope, self.head_dim, int(config.get("max_position_embeddings") or 0))
-        self.kv_layout = KVLayout(self.kv_heads, self.head_dim, self.head_dim)
-        self.scale = self.head_dim**-0.5
-        self.qkv_weight: torch.Tensor | None = None  # fuse_projections(): q, k and v in one GEMM
-
-    def fuse_projections(self) -> None:
-        """Once the weights are loaded: q_proj, k_proj and v_proj become views of one weight, one GEMM."""
-        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated, normed query [T, heads, d] and key [T, kv_heads, d], and the value [T, kv_heads, d]."""
-        return self._project(x, positions, None)[0]
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor, store) -> tuple[tuple, bool]:
         """`project`'s inputs, and whether the key and value are in the cache already: with `store` = (cache_k,
@@ -74,16 +53,6 @@ class GroupedQueryAttention(nn.Module):
         cos, sin = self.rotary(positions)
         return (apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v), False
 
-    def attend(self, inputs: tuple, batch: AttentionBatch, cache_k, cache_v, stored: bool = False) -> torch.Tensor:
-        """Store the keys and values (unless `stored`), attend: [T, heads, head_dim]."""
-        return cached_attention(*inputs, cache_k, cache_v, batch, self.scale, stored)
-
-    def finish(self, attended: torch.Tensor) -> torch.Tensor:
-        return apply_linear(self.o_proj, attended.reshape(attended.shape[0], -1))
-
-    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_k, cache_v) -> torch.Tensor:
-        inputs, stored = self._project(x, batch.positions, (cache_k, cache_v, batch.write_index))
-        return self.finish(self.attend(inputs, batch, cache_k, cache_v, stored))
 
 def build(config: dict, spec: ModelSpec) -> MoECausalLM:
     hidden = spec.hidden_size
