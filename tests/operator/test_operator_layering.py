@@ -8,12 +8,14 @@ The layer order is written once, here (`LAYERS`); docs/architecture.md describes
 
 from __future__ import annotations
 
-import ast
-import graphlib
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "operator"
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+
+from test_layering import cycles, import_graph, unit_of  # noqa: E402  the runtime check's reading of imports
 
 # From the entry points down; a unit imports units of its own layer or of layers below it.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
@@ -30,45 +32,10 @@ ADAPTER = "apiserver"
 ADAPTER_USERS = frozenset({"handlers", "reconcile"})  # the units allowed to import the adapter
 
 
-def unit_of(module: str) -> str:
-    """`afd_operator.ratio.feed` → `ratio`; `afd_operator` itself → `__init__`."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
-
-
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """module → the `afd_operator` modules it imports, at any depth, over every `.py` under `root/afd_operator`
-    (`from afd_operator.x import name` counts as importing `afd_operator.x`)."""
-    paths = {}
-    for path in sorted((root / "afd_operator").rglob("*.py")):
-        parts = path.relative_to(root).with_suffix("").parts
-        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph: dict[str, set[str]] = {}
-    for module, path in paths.items():
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                names.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names.add(node.module)
-                names.update(f"{node.module}.{alias.name}" for alias in node.names)  # a submodule by name
-        graph[module] = {name for name in names if name in paths and name != module}
-    return graph
-
-
-def _cycle(edges: dict[str, set[str]]) -> list[str]:
-    """One import cycle as `a → b → … → a` (each imports the next), or [] when there is none."""
-    try:
-        graphlib.TopologicalSorter(edges).prepare()
-    except graphlib.CycleError as err:
-        return list(reversed(err.args[1]))  # graphlib lists each node before the one that imports it
-    return []
-
-
 def layer_problems(root: Path, layers=LAYERS) -> list[str]:
     """Every unit in no layer, import pointing up, adapter import from elsewhere, and unit or module cycle."""
     depth = {unit: level for level, (_, units) in enumerate(layers) for unit in units}
-    graph = import_graph(root)
+    graph = import_graph(root, "afd_operator")
     problems = [f"{unit} is in no layer: add it to LAYERS" for unit in sorted({unit_of(m) for m in graph} - set(depth))]
     if problems:
         return problems
@@ -84,9 +51,8 @@ def layer_problems(root: Path, layers=LAYERS) -> list[str]:
             if depth[down] < depth[up]:
                 problems.append(f"{source} (layer '{layers[depth[up]][0]}') imports {target} "
                                 f"(layer '{layers[depth[down]][0]}', above it)")
-    for kind, edges in (("units", units), ("modules", graph)):
-        if cycle := _cycle(edges):
-            problems.append(f"{kind} import each other: {' → '.join(cycle)}")
+    for kind, edges in (("units", units), ("modules", {module: set(targets) for module, targets in graph.items()})):
+        problems += [f"{kind} import each other: {' ⇄ '.join(group)}" for group in cycles(edges)]
     return problems
 
 
@@ -96,7 +62,7 @@ def test_operator_imports_point_down_and_never_in_a_circle():
 
 
 def test_every_unit_of_the_operator_is_in_a_layer_and_every_layer_has_code():
-    found = {unit_of(module) for module in import_graph(OPERATOR)}
+    found = {unit_of(module) for module in import_graph(OPERATOR, "afd_operator")}
     assert found == {unit for _, units in LAYERS for unit in units}
 
 
