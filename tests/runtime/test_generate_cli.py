@@ -104,7 +104,9 @@ def _start_long_generate(checkpoint, marker, tmp_path):
     log folder under `tmp_path`). A fixed wait is not enough: on a busy machine the ranks still import torch for
     half a minute, when a rank cannot yet act on SIGTERM and is killed at the end of the grace period."""
     env = {**os.environ, "AFD_TEST_MARKER": marker, "TMPDIR": str(tmp_path)}  # TMPDIR: where the log folder goes
-    args = ["generate", "--model", checkpoint, "--topology", "2A1F", "--prompt-ids", "1,2,3", "--max-tokens", "3000", "--ignore-eos"]
+    # a prompt per attention rank: a rank given none finishes at once and leaves the group (not a stop to test)
+    args = ["generate", "--model", checkpoint, "--topology", "2A1F", *prompt_args([[1, 2, 3], [4, 5, 6]]),
+            "--max-tokens", "3000", "--ignore-eos"]
     parent = subprocess.Popen([sys.executable, "-m", "afd", *map(str, args)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 180
