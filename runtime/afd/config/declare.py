@@ -13,12 +13,14 @@ Role = Literal["attention", "ffn", "monolithic"]  # monolithic: one process, the
 Connector = Literal["loopback", "zmq", "nccl"]
 StageCount = Literal[1, 2]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "fp8"]  # afd.models.kv_dtype: auto = the model's dtype, fp8 = float8 e4m3
 Device = Literal["auto", "cpu", "cuda"]
 AttentionEngine = Literal["afd", "vllm"]  # vllm: the attention pod runs vLLM with afd.vllm_plugin
 ROLES: tuple[str, ...] = get_args(Role)
 CONNECTORS: tuple[str, ...] = get_args(Connector)
 STAGES: tuple[int, ...] = get_args(StageCount)
 DTYPES: tuple[str, ...] = get_args(Dtype)
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 DEVICES: tuple[str, ...] = get_args(Device)
 ATTENTION_ENGINES: tuple[str, ...] = get_args(AttentionEngine)
 MAX_EXPERT_PARALLEL = 64

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afd.config.declare import (
-    MAX_API_SERVERS, MAX_EXPERT_PARALLEL, AttentionEngine, Connector, Device, Dtype, Role, StageCount, A, F, M, setting,
+    MAX_API_SERVERS, MAX_EXPERT_PARALLEL, AttentionEngine, Connector, Device, Dtype, KVCacheDtype, Role, StageCount, A, F,
+    M, setting,
 )
 from afd.config.topology import Topology
 
@@ -181,6 +182,10 @@ class KVCacheSettings:
         0.9, "With `kv_cache_bytes` 0 on a GPU: the KV cache takes this fraction of the GPU's memory, less what is in "
         "use after loading the weights, the peak of the largest step (`max_num_batched_tokens`, profiled at start) "
         "and 1 GiB for the decode graphs (vLLM's `--gpu-memory-utilization`).", roles=(A, M), gt=0, le=1)
+    kv_cache_dtype: KVCacheDtype = setting(
+        "auto", "Element type of the KV cache (vLLM's `--kv-cache-dtype`): `auto` = the model's dtype; `fp8` = "
+        "float8 e4m3 with a static per-tensor scale of 1.0 (MLA's latent and rotary key, GQA's keys and values), "
+        "half the bytes a token, so about twice the tokens in the same memory.", roles=(A, M))
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ class MixedGraphs:
         largest = max(self.buckets)
         self.ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.hidden = torch.zeros(largest, model.spec.hidden_size, dtype=kv_cache.keys[0].dtype, device=device)
+        self.hidden = torch.zeros(largest, model.spec.hidden_size, dtype=model.model.embed_tokens.weight.dtype,
+                                  device=device)  # the model's dtype (the cache's may be FP8)
         with torch.inference_mode():  # the shapes of one token's attention inputs and output
             probe = model.layers[0].attention_inputs(self.hidden[:1], self.positions[:1])
         self.inputs = [None if t is None else torch.zeros((largest, *t.shape[1:]), dtype=t.dtype, device=device)

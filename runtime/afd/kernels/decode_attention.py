@@ -1,5 +1,8 @@
 """Paged decode attention in Triton: one new query per sequence, keys read through block tables.
 
+The cache may be FP8 (e4m3, static scale 1: `afd.models.kv_dtype`): its rows are converted to the queries' dtype
+as they are loaded, half the bytes read for the same dots.
+
 Graph-friendly: every shape is (batch, heads, dims); each sequence's length is read on
 the device, so one captured graph serves any mix of context lengths up to the table width.
 A program serves every query head that shares a key head (MLA: a block of 16 heads of the one
@@ -56,7 +59,7 @@ def _decode_kernel(
         block = tl.load(table_ptr + seq * table_width + pos // block_size, mask=live, other=0)
         rows = (block * block_size + pos % block_size).to(tl.int64)
         k = tl.load(k_ptr + rows[:, None] * stride_kr + kv_head * stride_kh + offs_dk[None, :],
-                    mask=live[:, None] & (offs_dk[None, :] < DK), other=0.0)  # [BN, BDK]
+                    mask=live[:, None] & (offs_dk[None, :] < DK), other=0.0)  # [BN, BDK]; FP8 converted below
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale  # [BH, BN]
         scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -268,8 +271,11 @@ def _latent_decode_kernel(
         live = pos < end
         block = tl.load(table_ptr + seq * table_width + pos // block_size, mask=live, other=0)
         rows = cache_ptr + (block * block_size + pos % block_size).to(tl.int64)[:, None] * stride_cr
-        latent = tl.load(rows + offs_l[None, :], mask=live[:, None] & (offs_l[None, :] < LATENT), other=0.0)  # [BN, BL]
-        rot = tl.load(rows + LATENT + offs_r[None, :], mask=live[:, None] & (offs_r[None, :] < ROPE), other=0.0)
+        # an FP8 cache's rows converted as loaded (static scale 1: afd.models.kv_dtype), the dots in the queries' dtype
+        latent = tl.load(rows + offs_l[None, :], mask=live[:, None] & (offs_l[None, :] < LATENT),
+                         other=0.0).to(q_lat.dtype)  # [BN, BL]
+        rot = tl.load(rows + LATENT + offs_r[None, :], mask=live[:, None] & (offs_r[None, :] < ROPE),
+                      other=0.0).to(q_rot.dtype)
         scores = (tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION)
                   + tl.dot(q_rot, tl.trans(rot), input_precision=PRECISION))  # [BH, BN]
         scores = tl.where(live[None, :], scores * scale, float("-inf"))

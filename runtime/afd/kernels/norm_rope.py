@@ -155,10 +155,24 @@ def _norm_rows_(ptrs, w_ptr, cols, live, size, eps):
 
 
 @triton.jit
+def _as_cache(x, cache_ptr, SATURATE: tl.constexpr):
+    """`x` as the cache at `cache_ptr` stores it; an FP8 cache (SATURATE = its largest value) saturates, as
+    `afd.models.kv_dtype.quantize` does (its static scale is 1)."""
+    if SATURATE:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -SATURATE), SATURATE)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+def _saturate(cache: torch.Tensor | None) -> float:
+    """The `SATURATE` of a cache tensor: e4m3's largest value for FP8 (the cast saturates there), else 0 (none)."""
+    return float(torch.finfo(cache.dtype).max) if cache is not None and cache.dtype == torch.float8_e4m3fn else 0.0
+
+
+@triton.jit
 def _mla_rows_kernel(q_ptr, row_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, index_ptr, heads, max_pos,
                      stride_qt, stride_qh, stride_row, stride_cache, eps, Q_ROPE: tl.constexpr, LATENT: tl.constexpr,
                      BLOCK_L: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr,
-                     GDC: tl.constexpr = 0):
+                     SATURATE: tl.constexpr = 0.0, GDC: tl.constexpr = 0):
     """One token of MLA: its query heads' rotary part (at column Q_ROPE), its latent normed and its rotary key
     rotated (both in place in the row), and, when STORE, the row written to its cache row."""
     gdc_enter(GDC)
@@ -177,9 +191,9 @@ def _mla_rows_kernel(q_ptr, row_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr
     key_a, key_b = _rotate(row + LATENT + 2 * i, row + LATENT + 2 * i + 1, cos, sin, i < HALF)
     if STORE:
         dest = cache_ptr + tl.load(index_ptr + token).to(tl.int64) * stride_cache
-        tl.store(dest + cols[None, :], latent.to(cache_ptr.dtype.element_ty), mask=live)
-        tl.store(dest + LATENT + 2 * i, key_a.to(cache_ptr.dtype.element_ty))
-        tl.store(dest + LATENT + 2 * i + 1, key_b.to(cache_ptr.dtype.element_ty))
+        tl.store(dest + cols[None, :], _as_cache(latent, cache_ptr, SATURATE), mask=live)
+        tl.store(dest + LATENT + 2 * i, _as_cache(key_a, cache_ptr, SATURATE))
+        tl.store(dest + LATENT + 2 * i + 1, _as_cache(key_b, cache_ptr, SATURATE))
 
 
 def mla_rows_(query: torch.Tensor, row: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
@@ -188,7 +202,8 @@ def mla_rows_(query: torch.Tensor, row: torch.Tensor, weight: torch.Tensor, eps:
     """MLA's glue after its projections, one launch: rotate `query` [T, heads, nope + rope]'s last `rope` columns
     (DeepSeek's pairs), norm `row` [T, latent + rope]'s latent by `weight` and rotate its last `rope` columns, all in
     place; with `cache` [rows, 1, latent + rope] also write each token's row to cache row `write_index[t]` (what
-    `cached_attention` would store; then it need not). Equals `rope_` on both and `rms_norm` on the latent."""
+    `cached_attention` would store; then it need not: a cache of the row's dtype, or FP8, saturated as
+    `afd.models.kv_dtype.quantize` saturates). Equals `rope_` on both and `rms_norm` on the latent."""
     tokens, heads, _ = query.shape
     half = cos.shape[1]
     latent = row.shape[1] - 2 * half
@@ -202,14 +217,16 @@ def mla_rows_(query: torch.Tensor, row: torch.Tensor, weight: torch.Tensor, eps:
             query, row, weight, positions, cos, sin, cache if store else row, write_index if store else positions,
             heads, cos.shape[0], query.stride(0), query.stride(1), row.stride(0), cache.stride(0) if store else 0, eps,
             Q_ROPE=query.shape[2] - 2 * half, LATENT=latent, BLOCK_L=triton.next_power_of_2(latent), HALF=half,
-            BLOCK_H=triton.next_power_of_2(heads), STORE=store, num_warps=4, **launch_options(row.device))
+            BLOCK_H=triton.next_power_of_2(heads), STORE=store, SATURATE=_saturate(cache), num_warps=4,
+            **launch_options(row.device))
 
 
 @triton.jit
 def _qk_rows_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, cache_k_ptr, cache_v_ptr,
                     index_ptr, heads, kv_heads, max_pos, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                     stride_vh, stride_ckr, stride_ckh, stride_cvr, stride_cvh, eps_q, eps_k, HALF: tl.constexpr,
-                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, GDC: tl.constexpr = 0):
+                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, SATURATE: tl.constexpr = 0.0,
+                    GDC: tl.constexpr = 0):
     """One token of a normed-q/k attention (Qwen3): every query and key head normed, then rotated (halves), in
     place; when STORE its key and value heads written to the cache row `index[token]`."""
     gdc_enter(GDC)
@@ -230,10 +247,10 @@ def _qk_rows_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_p
     if STORE:
         row = tl.load(index_ptr + token).to(tl.int64)
         dest_k = cache_k_ptr + row * stride_ckr + hk * stride_ckh
-        tl.store(dest_k + i, key_a.to(cache_k_ptr.dtype.element_ty), mask=hk < kv_heads)
-        tl.store(dest_k + HALF + i, key_b.to(cache_k_ptr.dtype.element_ty), mask=hk < kv_heads)
+        tl.store(dest_k + i, _as_cache(key_a, cache_k_ptr, SATURATE), mask=hk < kv_heads)
+        tl.store(dest_k + HALF + i, _as_cache(key_b, cache_k_ptr, SATURATE), mask=hk < kv_heads)
         value = tl.load(v_ptr + token * stride_vt + hk * stride_vh + dim, mask=hk < kv_heads, other=0.0)
-        tl.store(cache_v_ptr + row * stride_cvr + hk * stride_cvh + dim, value.to(cache_v_ptr.dtype.element_ty),
+        tl.store(cache_v_ptr + row * stride_cvr + hk * stride_cvh + dim, _as_cache(value, cache_v_ptr, SATURATE),
                  mask=hk < kv_heads)
 
 
@@ -244,7 +261,8 @@ def qk_rows_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.
     """Qwen3's glue after its projections, one launch: RMSNorm of every query head of `q` [T, heads, d] and key
     head of `k` [T, kv_heads, d], then rotary (halves layout) on both, in place; with `cache_k`/`cache_v`
     [rows, kv_heads, d] also each token's key and value `v` [T, kv_heads, d] written to cache row
-    `write_index[t]`. Equals `rms_norm` then `rope_` on each."""
+    `write_index[t]` (an FP8 cache saturated as `afd.models.kv_dtype.quantize` saturates). Equals `rms_norm` then
+    `rope_` on each."""
     tokens, heads, dim = q.shape
     half = cos.shape[1]
     if dim != 2 * half or half & (half - 1) or k.shape[2] != dim or v.shape[2] != dim:
@@ -262,4 +280,4 @@ def qk_rows_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.
             heads, k.shape[1], cos.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1), eps_q, eps_k, HALF=half,
             BLOCK_HQ=triton.next_power_of_2(heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]), STORE=store,
-            num_warps=4, **launch_options(q.device))
+            SATURATE=_saturate(cache_k), num_warps=4, **launch_options(q.device))

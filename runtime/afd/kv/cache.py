@@ -52,15 +52,20 @@ class KVCache(KVBlocks):
             raise ValueError(f"a KV cache needs at least one block, got {num_blocks}")
         super().__init__(num_blocks, block_size)
         self.scratch_block = num_blocks  # one extra block, never allocated: padded graph rows write here
-        rows = (num_blocks + 1) * block_size
+        self.rows = (num_blocks + 1) * block_size
         self.layouts = list(layouts)
-        self.keys = [torch.zeros(rows, lay.heads, lay.key_dim, dtype=dtype, device=device) for lay in self.layouts]
+        self.dtype, self.device = dtype, torch.device(device)  # dtype: the model's, or FP8 (afd.models.kv_dtype)
+        self.keys = [self.new_rows(lay.heads, lay.key_dim) for lay in self.layouts]
         self.values = [
-            keys[:, :, : lay.value_dim] if lay.values_in_keys
-            else torch.zeros(rows, lay.heads, lay.value_dim, dtype=dtype, device=device)
+            keys[:, :, : lay.value_dim] if lay.values_in_keys else self.new_rows(lay.heads, lay.value_dim)
             for keys, lay in zip(self.keys, self.layouts)
         ]
         self._free = list(range(num_blocks - 1, -1, -1))
+
+    def new_rows(self, heads: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A zeroed per-layer cache tensor [rows, heads, dim], one row per token slot of every block (the scratch
+        block's too), addressed by the same block ids (default dtype: the cache's)."""
+        return torch.zeros(self.rows, heads, dim, dtype=dtype or self.dtype, device=self.device)
 
     @classmethod
     def for_tokens(cls, layouts, num_tokens: int, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":

@@ -8,6 +8,7 @@ from torch import nn
 from afd.models.paged_attention import (AttentionBatch, cached_attention, one_token_attention, prompts_attention,
                                   single_tokens)
 from afd.models.decoder import DecoderLayer, MoECausalLM
+from afd.models.kv_dtype import fused_store, store_rows
 from afd.models.layers import (GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_linear, apply_rope_pairs, fuse_linears,
                                fused_glue, fused_linear, yarn_mscale)
 from afd.models.spec import KVLayout, ModelSpec, rope_parameters
@@ -84,7 +85,7 @@ class MultiHeadLatentAttention(nn.Module):
             from afd.kernels.norm_rope import mla_rows_
 
             query = q.view(tokens, self.heads, -1)  # [T, heads, nope + rope]
-            cache, index = store if store is not None and store[0].dtype == row.dtype else (None, None)
+            cache, index = store if store is not None and fused_store(store[0].dtype, row.dtype) else (None, None)
             mla_rows_(query, row, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, positions, *table, cache, index)
             return (query, row.view(tokens, 1, -1), None), cache is not None
         q_nope, q_pe = q.view(tokens, self.heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
@@ -107,7 +108,7 @@ class MultiHeadLatentAttention(nn.Module):
                 from afd.kernels.decode_attention import paged_latent_decode_attention
 
                 if not stored:
-                    cache_k[batch.write_index] = key.to(cache_k.dtype)
+                    store_rows(cache_k, batch.write_index, key)
                 latent = paged_latent_decode_attention(
                     self._absorb_latent(query), cache_k, self.kv_lora_rank, batch.block_table, batch.seq_lens,
                     batch.block_size, self.scale, q_rope=query[..., self.nope_dim :])
@@ -115,7 +116,7 @@ class MultiHeadLatentAttention(nn.Module):
                 latent = cached_attention(self._absorb(query), key, None, cache_k, cache_v, batch, self.scale, stored)
             return self._values(latent)
         if not stored:
-            cache_k[batch.write_index] = key.to(cache_k.dtype)
+            store_rows(cache_k, batch.write_index, key)
         out = query.new_empty(query.shape[0], self.heads, self.v_dim)
         if batch.single_longest:
             tokens = single_tokens(batch)

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from afd.step.host_copy import host_to_device
 from afd.kernels import triton_available
+from afd.models.kv_dtype import store_rows
+from afd.step.host_copy import host_to_device
 
 
 PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -147,9 +148,9 @@ def cached_attention(
     """Store k/v in their cache rows, then attend each query to its sequence's keys: [T, Hq, Dv].
     Nothing here copies from the host (that would wait for the device at every layer)."""
     if not stored:
-        cache_k[batch.write_index] = k.to(cache_k.dtype)
+        store_rows(cache_k, batch.write_index, k)
         if v is not None:
-            cache_v[batch.write_index] = v.to(cache_v.dtype)
+            store_rows(cache_v, batch.write_index, v)
     if batch.block_table is not None:  # decode: one query per sequence, keys through block tables
         if q.is_cuda and _paged_kernel_available():
             return _paged_kernel(q, cache_k, cache_v, batch.block_table, batch.seq_lens, batch.block_size, scale,

@@ -7,6 +7,7 @@ from torch import nn
 
 from afd.models.decoder import DecoderLayer, MoECausalLM
 from afd.models.gqa import GQAttention
+from afd.models.kv_dtype import fused_store
 from afd.models.layers import GatedMLP, MoE, RMSNorm, Rotary, Routing, apply_rope_halves, fused_glue, fused_linear
 from afd.models.spec import ModelSpec, rope_parameters
 
@@ -37,7 +38,8 @@ class GroupedQueryAttention(GQAttention):
             q, k, v = fused_linear(x, self.qkv_weight, self.q_proj, self.k_proj, self.v_proj)
             q = q.view(tokens, self.heads, self.head_dim)
             k, v = k.view(tokens, self.kv_heads, self.head_dim), v.view(tokens, self.kv_heads, self.head_dim)
-            cache_k, cache_v, index = store if store is not None and store[0].dtype == k.dtype else (None, None, None)
+            cache_k, cache_v, index = (store if store is not None and fused_store(store[0].dtype, k.dtype)
+                                      else (None, None, None))
             qk_rows_(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.k_norm.eps, positions,
                      *table, cache_k, cache_v, index)
             return (q, k, v), cache_k is not None

@@ -18,6 +18,7 @@ from afd.connector.expert_link import ShardedLink
 from afd.kv.cache import KVCache
 from afd.metrics.layer_clock import StepInstruments
 from afd.metrics.wiring import attention_instruments, export_group_info
+from afd.models.kv_dtype import cache_dtype
 from afd.models.loader import LoadedModel
 from afd.roles.kv_sizing import serving_cache_tokens
 from afd.roles.share import Share, graphs_usable, load_share, watched_registry
@@ -91,10 +92,11 @@ def build_attention(config: AFDConfig, cache_tokens: int | None = None, instrume
     if cache_tokens is None:
         cache_tokens = serving_cache_tokens("attention", config.kv, config.scheduler, config.split, config.graphs,
                                             share.loaded, share.device, dtype)
-    kv_cache = KVCache.for_tokens(share.loaded.model.kv_layouts(), cache_tokens, dtype, share.device)
-    log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token",
+    kv_dtype = cache_dtype(config.kv.kv_cache_dtype, dtype)
+    kv_cache = KVCache.for_tokens(share.loaded.model.kv_layouts(), cache_tokens, kv_dtype, share.device)
+    log.info("attention rank %d: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %d bytes per token (%s)",
              config.group.rank, kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size,
-             kv_cache.nbytes / 2**30, KVCache.bytes_per_token(kv_cache.layouts, dtype))
+             kv_cache.nbytes / 2**30, KVCache.bytes_per_token(kv_cache.layouts, kv_dtype), kv_dtype)
     return assemble_attention(config, share, kv_cache, instruments)
 
 

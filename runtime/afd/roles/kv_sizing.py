@@ -10,6 +10,7 @@ import torch
 from afd.config import GraphSettings, KVCacheSettings, SchedulerSettings, SplitSettings
 from afd.kv.budget import CudaMemory, DeviceMemory, graph_margin_bytes, plan_kv_budget, profile_peak
 from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
+from afd.models.kv_dtype import cache_dtype
 from afd.models.loader import LoadedModel
 from afd.models.spec import ModelSpec
 from afd.runners.profile_step import run_largest_steps
@@ -29,25 +30,27 @@ def serving_cache_tokens(role: str, kv: KVCacheSettings, scheduler: SchedulerSet
 
 
 def fixed_cache_tokens(kv: KVCacheSettings, spec: ModelSpec, dtype: torch.dtype) -> int:
-    """The tokens `kv_cache_bytes` (1 GiB when unset) holds."""
+    """The tokens `kv_cache_bytes` (1 GiB when unset) holds in a cache of `kv_cache_dtype` (a model of `dtype`)."""
     layouts = [spec.kv_layout] * spec.num_layers
-    return (kv.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // KVCache.bytes_per_token(layouts, dtype)
+    per_token = KVCache.bytes_per_token(layouts, cache_dtype(kv.kv_cache_dtype, dtype))
+    return (kv.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_token
 
 
 def profiled_cache_tokens(role: str, kv: KVCacheSettings, scheduler: SchedulerSettings, split: SplitSettings,
                           graphs: GraphSettings, loaded: LoadedModel, memory: DeviceMemory, dtype: torch.dtype,
                           device: torch.device) -> int:
     """KV-cache tokens that fit beside the weights and the peak of the largest step of a `role` rank (attention or
-    monolithic), run now (`afd.kv.budget`)."""
+    monolithic), run now (`afd.kv.budget`), in a cache of `kv_cache_dtype` (a model of `dtype`)."""
+    kv_dtype = cache_dtype(kv.kv_cache_dtype, dtype)
     try:
         max_len = scheduler.max_model_len_of(loaded.spec)
-        peak = profile_peak(lambda: run_largest_steps(role, scheduler, split, loaded, dtype, device, max_len), memory)
+        peak = profile_peak(lambda: run_largest_steps(role, scheduler, split, loaded, kv_dtype, device, max_len), memory)
     except torch.cuda.OutOfMemoryError as err:
         raise RuntimeError(
             f"the largest step this rank can be given ({scheduler.max_num_batched_tokens} tokens over up to "
             f"{scheduler.max_num_seqs} sequences) does not fit in GPU memory beside the weights: lower "
             f"max_num_batched_tokens or max_num_seqs ({err})") from None
-    per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), dtype)
+    per_token = KVCache.bytes_per_token(loaded.model.kv_layouts(), kv_dtype)
     if graphs.cuda_graphs:  # the decode graphs' block tables grow with the cache
         per_token += 4 * scheduler.max_num_seqs // DEFAULT_BLOCK_SIZE + 1
     mixed_tokens = graphs.piecewise_tokens(scheduler.max_num_batched_tokens)

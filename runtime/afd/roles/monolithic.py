@@ -18,6 +18,7 @@ from afd.config import AFDConfig
 from afd.engine.offline import generate_with_engine
 from afd.engine.generation import GenerationResult
 from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
+from afd.models.kv_dtype import cache_dtype
 from afd.models.loader import LoadedModel, load_model
 from afd.models.moe_prep import warm_up
 from afd.roles.kv_sizing import serving_cache_tokens
@@ -61,9 +62,11 @@ def build_monolithic(config: AFDConfig, cache_tokens: int | None = None,
     if cache_tokens is None:
         cache_tokens = serving_cache_tokens("monolithic", config.kv, scheduler, config.split, graphs, loaded, device,
                                             torch_dtype(dtype))
-    kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), cache_tokens, torch_dtype(dtype), device)
-    log.info("monolithic rank: KV cache of %d tokens (%d blocks of %d), %.2f GiB",
-             kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30)
+    kv_cache = KVCache.for_tokens(loaded.model.kv_layouts(), cache_tokens,
+                                  cache_dtype(config.kv.kv_cache_dtype, torch_dtype(dtype)), device)
+    log.info("monolithic rank: KV cache of %d tokens (%d blocks of %d), %.2f GiB, %s",
+             kv_cache.capacity_tokens, kv_cache.num_blocks, kv_cache.block_size, kv_cache.nbytes / 2**30,
+             kv_cache.dtype)
     runner = MonolithicRunner(loaded, kv_cache)
     if graphs.cuda_graphs:
         if device.type == "cuda" and dtype != "float32":

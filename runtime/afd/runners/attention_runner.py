@@ -83,6 +83,7 @@ class AttentionRunner:
         self._hidden_per_token = len(self.crossing) * hidden  # elements each way, per token and step
         self._logit_bytes_per_token = len(self.crossing) * 4 * loaded.spec.num_experts if gate_on_attention else 0
         self._shards = getattr(link, "shards", 1)  # an FFN rank of G expert shards: every row goes to each
+        self._hidden_element = self.model.model.embed_tokens.weight.element_size()  # the model's dtype, not the cache's
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
@@ -93,7 +94,7 @@ class AttentionRunner:
         step meanwhile. The FFN runs each peer's plans in order, so the next plan may go first.
         A graph replay is launched behind the step in flight; an eager step waits for it first.
         """
-        self._count_bytes(layout.num_tokens, self.kv_cache.keys[0].element_size())
+        self._count_bytes(layout.num_tokens, self._hidden_element)
         profiling = self.clock.should_profile(self.step_id + 1)
         if self.graphs is not None:
             if not profiling and self.logit_rows is None:

@@ -63,7 +63,7 @@ def _stepper(role: str, split: SplitSettings, loaded: LoadedModel, kv_cache: KVC
 def run_largest_steps(role: str, scheduler: SchedulerSettings, split: SplitSettings, loaded: LoadedModel,
                       dtype: torch.dtype, device: torch.device, max_model_len: int) -> None:
     """Run and sample each profiled shape of `scheduler`'s step budget on a `role` (attention or monolithic)
-    rank; nothing is kept."""
+    rank, over a scratch KV cache of `dtype` (the serving cache's); nothing is kept."""
     shapes = plan_profile_shapes(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, max_model_len)
     most = max(len(shape) for shape in shapes)
     scratch_tokens = scheduler.max_num_batched_tokens + most * DEFAULT_BLOCK_SIZE
