@@ -155,11 +155,23 @@ def _norm_rows_(ptrs, w_ptr, cols, live, size, eps):
 
 
 @triton.jit
+def _round_e4m3(x):
+    """float32 `x` (within ±448) rounded to the nearest e4m3 value, ties to even, still float32: the cast that
+    follows is exact, so every backend stores the same bits (Triton's interpreter rounds the cast itself wrongly
+    where the mantissa carries). Normals keep 3 of 23 mantissa bits; below 2^-6, multiples of 2^-9."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # -1048576: ~0xFFFFF
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, ties to even
+    subnormal = ((x * 512.0 + magic) - magic) * 0.001953125
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _as_cache(x, cache_ptr, SATURATE: tl.constexpr):
-    """`x` as the cache at `cache_ptr` stores it; an FP8 cache (SATURATE = its largest value) saturates, as
-    `afd.models.kv_dtype.quantize` does (its static scale is 1)."""
+    """`x` as the cache at `cache_ptr` stores it; an FP8 cache (SATURATE = its largest value) saturates and rounds
+    to nearest even, as `afd.models.kv_dtype.quantize` does (its static scale is 1)."""
     if SATURATE:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -SATURATE), SATURATE)
+        x = _round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -SATURATE), SATURATE))
     return x.to(cache_ptr.dtype.element_ty)
 
 
