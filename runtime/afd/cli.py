@@ -12,7 +12,8 @@ import threading
 from pathlib import Path
 
 from afd.config import (
-    SECTIONS, SETTINGS, AFDConfig, ConfigError, load_config, local_config, process_setting, values_from_topology,
+    KV_CACHE_DTYPES, SECTIONS, SETTINGS, AFDConfig, ConfigError, load_config, local_config, process_setting,
+    values_from_topology,
 )
 from afd.connector.base import ConnectorError
 from afd.local.children import ChildFailed
@@ -78,12 +79,16 @@ def _add_group_flags(parser: argparse.ArgumentParser, defaults: dict, model_defa
                         f"(default {defaults['gate']}; AFD_GATE_ON_ATTENTION=true: attention)")
     parser.add_argument("--ffn-expert-parallel", type=int, metavar="G",
                         help="shards per FFN rank, each holding 1/G of the routed experts (default 1; AFD_FFN_EXPERT_PARALLEL)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                        help="KV cache element type: auto (the model's dtype) or fp8 (e4m3, half the bytes a token) "
+                             "(default auto; AFD_KV_CACHE_DTYPE)")
 
 
 def _group_config(args: argparse.Namespace, command: str, defaults: dict, **flags):
     """The config of `afd generate` / `afd up` from their flags, built as `afd serve` builds its own."""
     defaults = dict(defaults)
     flags.update(model=args.model, stages=args.stages, ffn_expert_parallel=args.ffn_expert_parallel,
+                 kv_cache_dtype=args.kv_cache_dtype,
                  gate_on_attention=None if args.gate is None else args.gate == "attention")
     if args.topology is not None:
         flags.update(values_from_topology(args.topology, "--topology"))

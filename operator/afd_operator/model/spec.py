@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from afd.config import SETTINGS, AttentionEngine, Dtype, StageCount
+from afd.config import SETTINGS, AttentionEngine, Dtype, KVCacheDtype, StageCount
 from afd.config.topology import Topology
 from afd_operator.model.autoscaling import Autoscaling
 from afd_operator.model.options import (
@@ -167,6 +167,7 @@ class AFDSettings(_Model):
     api_servers: int = Field(default=0, ge=0, le=16)  # 0: the API in the engine's process (the runtime's api_process off)
     kv_cache_bytes: int = _runtime("kv_cache_bytes", ge=0, le=1 << 50)
     gpu_memory_utilization: float = _runtime("gpu_memory_utilization", ge=0.01, le=1)
+    kv_cache_dtype: KVCacheDtype = _runtime("kv_cache_dtype")
     attention_engine: AttentionEngine = _runtime("attention_engine")
     attention_image: Optional[str] = None
     vllm_args: list[str] = Field(default_factory=list)

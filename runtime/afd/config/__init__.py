@@ -21,8 +21,9 @@ outside the config). Import from `afd.config`.
 """
 
 from afd.config.declare import (
-    ATTENTION_ENGINES, CONNECTORS, DEVICES, DTYPES, MAX_API_SERVERS, MAX_EXPERT_PARALLEL, ROLES, STAGES,
-    AttentionEngine, ConfigError, Connector, Device, Dtype, Role, Setting, StageCount, section, setting, settings_of,
+    ATTENTION_ENGINES, CONNECTORS, DEVICES, DTYPES, KV_CACHE_DTYPES, MAX_API_SERVERS, MAX_EXPERT_PARALLEL, ROLES,
+    STAGES, AttentionEngine, ConfigError, Connector, Device, Dtype, KVCacheDtype, Role, Setting, StageCount, section,
+    setting, settings_of,
 )
 from afd.config.load import (
     config_to_env, load_config, setting_from_env, values_from_env, values_from_file, values_from_topology,
@@ -36,10 +37,10 @@ from afd.config.sections import (
 from afd.config.settings import ENV_VARS, SECTION_TYPES, SECTIONS, SETTINGS, AFDConfig
 
 __all__ = [
-    "ATTENTION_ENGINES", "CONNECTORS", "DEVICES", "DTYPES", "ENV_VARS", "MAX_API_SERVERS", "MAX_EXPERT_PARALLEL",
-    "PROCESS_VARIABLES", "ROLES", "SECTIONS", "SECTION_TYPES", "SETTINGS", "STAGES", "AFDConfig", "ApiSettings",
+    "ATTENTION_ENGINES", "CONNECTORS", "DEVICES", "DTYPES", "ENV_VARS", "KV_CACHE_DTYPES", "MAX_API_SERVERS",
+    "MAX_EXPERT_PARALLEL", "PROCESS_VARIABLES", "ROLES", "SECTIONS", "SECTION_TYPES", "SETTINGS", "STAGES", "AFDConfig", "ApiSettings",
     "AttentionEngine", "ConfigError", "Connector", "Device", "Dtype", "GraphSettings", "GroupSettings",
-    "KVCacheSettings", "LinkSettings", "LoadSettings", "ProcessSettings", "ProcessVariable", "Role",
+    "KVCacheDtype", "KVCacheSettings", "LinkSettings", "LoadSettings", "ProcessSettings", "ProcessVariable", "Role",
     "SchedulerSettings", "Setting", "SplitSettings", "StageCount", "config_to_env", "load_config", "local_config",
     "process_setting", "section", "setting", "setting_from_env", "settings_of", "values_from_env", "values_from_file",
     "values_from_topology",

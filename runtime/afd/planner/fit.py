@@ -8,6 +8,7 @@ device memory is the GPU's (from `nvidia.com/gpu.product` in the role's nodeSele
 what `gpuMemoryUtilization` of its device leaves after the weights and the graph margin
 (the runtime then profiles activations, so this is an upper bound); an FFN shard that cannot hold
 its share is refused with the arithmetic, one that leaves less than the margin is warned about.
+KV bytes per token are those of the cache's dtype (`kvCacheDtype`: FP8 halves them).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from afd.checkpoint_tools.fp8_convert import is_projection_weight
 from afd.kv.budget import GRAPH_MARGIN_BYTES
 from afd.kv.cache import KVCache
+from afd.models.kv_dtype import cache_dtype
 from afd.models.loader import build_share
 from afd.models.quantization import parse_quantization
 
@@ -67,6 +69,7 @@ class FitReport:
     dtype: str
     fp8: bool
     ranks: list[RankFit]
+    kv_cache_dtype: str = "auto"
 
     @property
     def refused(self) -> bool:
@@ -103,9 +106,10 @@ def role_device(role_spec: dict, gpu_memory_bytes: int | None, role: str) -> Dev
     return Device("cpu", "pod memory limit", quantity_bytes(memory))
 
 
-def share_bytes(config: dict, role: str, gate_on_attention: bool, dtype, shard: tuple[int, int], keep_fp8: bool):
-    """(weight bytes, FP8 scale bytes, KV bytes per token) of one role's share, built on the meta device as the
-    loader builds it."""
+def share_bytes(config: dict, role: str, gate_on_attention: bool, dtype, shard: tuple[int, int], keep_fp8: bool,
+                kv_dtype=None):
+    """(weight bytes, FP8 scale bytes, KV bytes per token in a cache of `kv_dtype` (None: `dtype`)) of one role's
+    share, built on the meta device as the loader builds it."""
     fmt = parse_quantization(config)
     fp8_weights = None
     if fmt is not None and keep_fp8:
@@ -121,7 +125,7 @@ def share_bytes(config: dict, role: str, gate_on_attention: bool, dtype, shard: 
             scales += size
         else:
             weights += size
-    kv = KVCache.bytes_per_token(model.kv_layouts(), dtype) if role == "attention" else 0
+    kv = KVCache.bytes_per_token(model.kv_layouts(), kv_dtype or dtype) if role == "attention" else 0
     return weights, scales, kv
 
 
@@ -138,25 +142,32 @@ def fit(config: dict, cr: dict, gpu_memory_bytes: int | None = None, model_name:
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
         raise FitError(f"afd.dtype={dtype_name!r}: not a dtype")
+    kv_name = afd.get("kvCacheDtype", "auto")
+    try:
+        kv_dtype = cache_dtype(kv_name, dtype)
+    except ValueError as err:
+        raise FitError(f"afd.kvCacheDtype: {err}") from None
     gate = bool(afd.get("computeGateOnAttention", False))
     utilization = float(afd.get("gpuMemoryUtilization", 0.9))
     kv_cache_bytes = int(afd.get("kvCacheBytes", 0) or 0)
     shards = int(ffn.get("expertParallel", 1) or 1)
     fp8 = parse_quantization(config) is not None
     ranks = [_attention_fit(config, gate, dtype, attention, attention_device, utilization, kv_cache_bytes, fp8,
-                            GRAPH_MARGIN_BYTES, int(afd.get("maxModelLen", 0) or 0))]
+                            GRAPH_MARGIN_BYTES, int(afd.get("maxModelLen", 0) or 0), kv_dtype)]
     for shard in sorted({0, shards - 1}):  # shard 0 also holds the dense layers: the largest
         ranks.append(_ffn_fit(config, gate, dtype, ffn, ffn_device, utilization, fp8, (shard, shards),
                               GRAPH_MARGIN_BYTES))
-    return FitReport(model_name or config.get("model_type", "?"), dtype_name, fp8, ranks)
+    return FitReport(model_name or config.get("model_type", "?"), dtype_name, fp8, ranks, kv_name)
 
 
 def _usable(device: Device, utilization: float) -> int:
     return int(device.total_bytes * utilization) if device.kind == "gpu" else device.total_bytes
 
 
-def _attention_fit(config, gate, dtype, role_spec, device, utilization, kv_cache_bytes, fp8, margin, max_model_len):
-    weights, scales, per_token = share_bytes(config, "attention", gate, dtype, (0, 1), fp8 and device.kind == "gpu")
+def _attention_fit(config, gate, dtype, role_spec, device, utilization, kv_cache_bytes, fp8, margin, max_model_len,
+                   kv_dtype=None):
+    weights, scales, per_token = share_bytes(config, "attention", gate, dtype, (0, 1), fp8 and device.kind == "gpu",
+                                             kv_dtype)
     usable = _usable(device, utilization)
     held = weights + scales
     if kv_cache_bytes:
@@ -214,7 +225,8 @@ def size(count: int) -> str:
 
 def render_fit(report: FitReport) -> str:
     """The sizing table (Markdown) and one line per rank kind with its arithmetic."""
-    lines = [f"{report.model}: {report.dtype}{', FP8 weights kept FP8 on GPUs' if report.fp8 else ''}", "",
+    kv = ", FP8 KV cache" if report.kv_cache_dtype == "fp8" else ""
+    lines = [f"{report.model}: {report.dtype}{', FP8 weights kept FP8 on GPUs' if report.fp8 else ''}{kv}", "",
              "| rank | pods | weights | FP8 scales | device | usable | KV tokens | verdict |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for rank in report.ranks:
