@@ -128,14 +128,14 @@ def test_latent_decode_kernel_equals_the_reference(dtype, heads):
     assert float((got.float().cpu() - want).norm() / want.norm()) < tolerance
 
 
-def monolithic(path, dtype, graphs=False, mixed_tokens=0, prompts=PROMPTS, max_tokens=GPU_TOKENS):
+def monolithic(path, dtype, graphs=False, mixed_tokens=0, prompts=PROMPTS, max_tokens=GPU_TOKENS, kv_dtype=None):
     from afd.engine.generation import greedy_generate
     from afd.kv.cache import KVCache
     from afd.models.loader import load_model
     from afd.runners.monolithic_runner import MonolithicRunner
 
     loaded = load_model(str(path), dtype=dtype, device="cuda")
-    kv_cache = KVCache(loaded.model.kv_layouts(), 64, dtype, "cuda", block_size=16)
+    kv_cache = KVCache(loaded.model.kv_layouts(), 64, kv_dtype or dtype, "cuda", block_size=16)
     runner = MonolithicRunner(loaded, kv_cache)
     if graphs:
         runner.capture_graphs(8, mixed_tokens)
@@ -167,7 +167,7 @@ def test_piecewise_prompt_graphs_equal_eager_steps(name, checkpoints):
     assert max_relative_error(graphed.last_logits, eager.last_logits) < 2e-2
 
 
-def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
+def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0, kv_cache_dtype="auto"):
     """Greedy tokens from real processes: FFN rank(s) on GPU 1, attention ranks on GPU 0 (or all on GPU 0:
     tests.gpu.nccl_env), NCCL data plane; with graphs the prompt step replays piecewise graphs."""
     from afd.config import AFDConfig, config_to_env
@@ -178,6 +178,7 @@ def afd_nccl(path, topology, stages, graphs, gate="ffn", dbo_min_tokens=0):
         num_attention_ranks=int(topology[0]), num_ffn_ranks=1, stages=stages, model=str(path), dtype="bfloat16",
         device="cuda", cuda_graphs=graphs, max_num_seqs=8, gate_on_attention=gate == "attention",
         ffn_batch_window_s=0.002 if topology == "2A1F" else 0.0, peer_timeout_s=60.0, dbo_min_tokens=dbo_min_tokens,
+        kv_cache_dtype=kv_cache_dtype,
     )
     config = local_zmq_config(base).replace(connector="nccl")
     with LocalProcesses() as processes:
