@@ -157,7 +157,8 @@ def run_step(args) -> list[dict]:
         kv = KVCache(model.kv_layouts(), blocks, dtype, "cuda", block_size=16)
         for tensor in kv.keys + [v for v, lay in zip(kv.values, kv.layouts) if not lay.values_in_keys]:
             if dtype == FP8:  # noise, not zeros: timings on zeros flatter
-                tensor.view(torch.uint8).copy_(quantize(torch.randn(tensor.shape, device="cuda"), FP8).view(torch.uint8))
+                noise = quantize(torch.randn(tensor.shape, device="cuda"), FP8)
+                tensor.view(torch.uint8).copy_(noise.view(torch.uint8))
             else:
                 tensor.normal_(0, 1)
         runner = MonolithicRunner(loaded, kv)

@@ -242,7 +242,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("no model: set AFD_MODEL or pass --model")
     if config.group.role == "attention" and config.load.attention_engine == "vllm":
         # this process becomes vLLM's OpenAI server (afd.vllm_plugin)
-        return vllm_serve.exec_vllm_server(config.group, config.load, config.api, config.scheduler)
+        return vllm_serve.exec_vllm_server(config.group, config.load, config.api, config.scheduler,
+                                           kv_cache_dtype=config.kv.kv_cache_dtype)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -85,9 +85,9 @@ def test_the_budget_fits_nearly_twice_the_tokens_in_fp8(config, family, least):
                                        torch.bfloat16) for name in ("auto", "fp8")}
     assert tokens["fp8"] / tokens["auto"] >= least
     layouts = [spec.kv_layout] * spec.num_layers
-    profiled = {name: kv_budget_from(80 << 30, 40 << 30, 30 << 30, 31 << 30, 0.9, 2 << 30,
-                                     KVCache.bytes_per_token(layouts, cache_dtype(name, torch.bfloat16)), 1 << 30).tokens
-                for name in ("auto", "fp8")}
+    per_token = {name: KVCache.bytes_per_token(layouts, cache_dtype(name, torch.bfloat16)) for name in ("auto", "fp8")}
+    profiled = {name: kv_budget_from(80 << 30, 40 << 30, 30 << 30, 31 << 30, 0.9, 2 << 30, size, 1 << 30).tokens
+                for name, size in per_token.items()}
     assert profiled["fp8"] / profiled["auto"] >= least
 
 

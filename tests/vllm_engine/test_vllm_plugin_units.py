@@ -111,6 +111,9 @@ def test_vllm_serve_command_from_afd_config(checkpoints):
     assert flags["--dtype"] == "float32" and flags["--max-num-seqs"] == "32" and flags["--max-model-len"] == "1024"
     assert json.loads(flags["--hf-overrides"]) == {"architectures": ["AFDQwen3MoeForCausalLM"]}
     assert argv[-1] == "--enforce-eager"
+    assert "--kv-cache-dtype" not in argv  # auto: vLLM's own default
+    fp8 = vllm_serve_argv(config.load, config.api, config.scheduler, "float32", kv_cache_dtype="fp8")
+    assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8"  # AFD_KV_CACHE_DTYPE=fp8 reaches vLLM's own flag
 
 
 def test_an_fp32_deepseek_on_a_cpu_asks_for_the_cpu_mla_backend(checkpoints):

@@ -52,8 +52,10 @@ def cpu_mla_backend(model_path: str, dtype: str, device_type: str) -> str | None
 
 
 def vllm_serve_argv(load: LoadSettings, api: ApiSettings, scheduler: SchedulerSettings, dtype: str,
-                    extra: list[str] | None = None, device_type: str = "cpu") -> list[str]:
-    """vLLM's OpenAI server command line for an attention rank (pure: no process, no vLLM import)."""
+                    extra: list[str] | None = None, device_type: str = "cpu",
+                    kv_cache_dtype: str = "auto") -> list[str]:
+    """vLLM's OpenAI server command line for an attention rank (pure: no process, no vLLM import); `kv_cache_dtype`
+    is the KV section's, vLLM's own flag of the same name."""
     if not load.model:
         raise ValueError("no model: set AFD_MODEL")
     argv = [
@@ -68,6 +70,8 @@ def vllm_serve_argv(load: LoadSettings, api: ApiSettings, scheduler: SchedulerSe
     ]
     if scheduler.max_model_len:
         argv += ["--max-model-len", str(scheduler.max_model_len)]
+    if kv_cache_dtype != "auto":
+        argv += ["--kv-cache-dtype", kv_cache_dtype]
     if api.reasoning_parser:  # vLLM's parsers of the same names
         argv += ["--reasoning-parser", api.reasoning_parser]
     backend = cpu_mla_backend(load.model, dtype, device_type)
@@ -92,13 +96,13 @@ def engine_env(env: dict[str, str] | None = None, api_keys: tuple[str, ...] = ()
 
 
 def exec_vllm_server(group: GroupSettings, load: LoadSettings, api: ApiSettings, scheduler: SchedulerSettings,
-                     extra: list[str] | None = None) -> int:
+                     extra: list[str] | None = None, kv_cache_dtype: str = "auto") -> int:
     """Replace this process with vLLM's OpenAI server for attention rank `group.rank`."""
     from afd.runners.device import resolve_device, resolve_dtype  # local import: torch: afd.cli imports this module torch-free
 
     extra = shlex.split(load.vllm_args) + list(extra or [])  # AFD_VLLM_ARGS, through the config
     device = resolve_device(load)
-    command = vllm_serve_argv(load, api, scheduler, resolve_dtype(load, device), extra, device.type)
+    command = vllm_serve_argv(load, api, scheduler, resolve_dtype(load, device), extra, device.type, kv_cache_dtype)
     print(f"afd: attention rank {group.rank} runs vLLM: {shlex.join(command[3:])}", file=sys.stderr, flush=True)
     os.execve(command[0], command, engine_env(api_keys=api.api_keys))
     return 1  # not reached
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra[:1] == ["--"]:
         extra = extra[1:]
     config = load_config(cli={"role": "attention"})
-    return exec_vllm_server(config.group, config.load, config.api, config.scheduler, extra)
+    return exec_vllm_server(config.group, config.load, config.api, config.scheduler, extra, config.kv.kv_cache_dtype)
 
 
 if __name__ == "__main__":
