@@ -213,3 +213,24 @@ def test_a_1a1f_group_over_zmq_with_an_fp8_cache_equals_the_fp8_monolith(checkpo
     for ours, theirs in zip(group["last_logits"], monolith["last_logits"]):
         assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-4 * max(map(abs, theirs))
     assert not math.isnan(sum(group["last_logits"][0]))
+
+
+def test_the_kv_metrics_count_the_caches_bytes_in_its_dtype():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from afd.server.serve.serving_metrics import ServingMetrics
+
+    layouts = [KVLayout(1, 576, 512, values_in_keys=True)] * 3
+    seen = {}
+    for dtype in (torch.bfloat16, FP8):
+        cache = KVCache(layouts, 10, dtype, "cpu")
+        registry = CollectorRegistry()
+        ServingMetrics(registry, 0).track(SimpleNamespace(kv_cache=cache, num_running=0, num_waiting=0, pacer=None))
+        labels = {"role": "attention", "rank": "0"}
+        seen[dtype] = {name: registry.get_sample_value(f"afd_kv_cache_{name}", labels)
+                       for name in ("bytes", "token_bytes", "capacity_tokens")}
+        assert seen[dtype]["bytes"] == cache.nbytes == (10 + 1) * 16 * seen[dtype]["token_bytes"]  # the scratch block too
+    assert seen[FP8]["token_bytes"] == 3 * 576 and seen[torch.bfloat16]["token_bytes"] == 3 * 576 * 2
+    assert seen[FP8]["capacity_tokens"] == seen[torch.bfloat16]["capacity_tokens"]  # same blocks, half the bytes

@@ -104,6 +104,11 @@ class KVCache(KVBlocks):
         tensors = self.keys + [v for v, lay in zip(self.values, self.layouts) if not lay.values_in_keys]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token takes in this cache, all layers, in its dtype."""
+        return self.bytes_per_token(self.layouts, self.dtype)
+
     @staticmethod
     def bytes_per_token(layouts: Sequence[KVLayout], dtype: torch.dtype) -> int:
         element = torch.empty(0, dtype=dtype).element_size()

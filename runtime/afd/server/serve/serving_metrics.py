@@ -35,6 +35,9 @@ class ServingMetrics:
         self.generation_tokens = make(Counter, "afd_generation_tokens", "Tokens generated")
         self.kv_usage = make(Gauge, "afd_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use")
         self.kv_capacity = make(Gauge, "afd_kv_cache_capacity_tokens", "Tokens the KV cache holds")
+        self.kv_bytes = make(Gauge, "afd_kv_cache_bytes", "Device bytes of the KV cache's tensors, in their dtype "
+                             "(kv_cache_dtype: FP8 holds twice the tokens of bf16 in the same bytes)")
+        self.kv_token_bytes = make(Gauge, "afd_kv_cache_token_bytes", "KV-cache bytes one token takes, all layers")
         self.step_duration = make(Histogram, "afd_step_duration_seconds", "Wall time of one engine step", buckets=LATENCY_BUCKETS)
         self.step_tokens = make(Histogram, "afd_step_tokens", "Tokens computed in one step", buckets=TOKEN_BUCKETS)
         self.request_errors = make(Counter, "afd_request_errors", "Requests ended by an error")
@@ -71,6 +74,9 @@ class ServingMetrics:
         self.waiting.set_function(lambda: engine.num_waiting)
         self.kv_usage.set_function(lambda: engine.kv_cache.usage)
         self.kv_capacity.set(engine.kv_cache.capacity_tokens)
+        if hasattr(engine.kv_cache, "nbytes"):  # the cache's tensors are in this process
+            self.kv_bytes.set(engine.kv_cache.nbytes)
+            self.kv_token_bytes.set(engine.kv_cache.token_bytes)
         pacer = engine.pacer
         self.prefill_cap.set_function(lambda: (pacer.last_cap or 0) if pacer is not None else 0)
 
