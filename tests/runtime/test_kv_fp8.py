@@ -234,3 +234,18 @@ def test_the_kv_metrics_count_the_caches_bytes_in_its_dtype():
         assert seen[dtype]["bytes"] == cache.nbytes == (10 + 1) * 16 * seen[dtype]["token_bytes"]  # the scratch block too
     assert seen[FP8]["token_bytes"] == 3 * 576 and seen[torch.bfloat16]["token_bytes"] == 3 * 576 * 2
     assert seen[FP8]["capacity_tokens"] == seen[torch.bfloat16]["capacity_tokens"]  # same blocks, half the bytes
+
+
+def test_shared_prompt_copies_and_ceiling_noise_move_fp8_rows_as_bytes():
+    """The shared-prompt tail copies and the step ceiling's noise work on an FP8 cache (torch has no indexed copies
+    or random draws of float8: they go through the bytes, or are drawn in float32 and quantized)."""
+    from afd.engine.scheduling.shared_prompt import copy_tails
+    from afd.server.serve.ceiling import fill_with_noise
+
+    cache = KVCache([KVLayout(1, 12, 8, values_in_keys=True), KVLayout(2, 4, 4)], 4, FP8, "cpu", block_size=4)
+    fill_with_noise(cache, [0])
+    assert all(bool(t[:4].float().abs().sum() > 0) and t[4:].float().abs().sum() == 0 for t in cache.keys)
+    copy_tails(cache, [(0, 2, 3)])
+    for tensor in (*cache.keys, cache.values[1]):
+        assert torch.equal(tensor[8:11].view(torch.uint8), tensor[0:3].view(torch.uint8))
+        assert tensor[11].float().abs().sum() == 0

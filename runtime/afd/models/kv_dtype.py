@@ -48,10 +48,16 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (x.float() / KV_SCALE).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def row_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """What to move whole cache rows through (index_select, index_copy_): FP8's bytes (torch has no indexed copies
+    of float8 tensors), any other cache as it is."""
+    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+
+
 def store_rows(cache: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
     """cache[index] = x as the cache stores it (FP8 through byte views: an indexed write is defined for bytes on
     every device and torch version)."""
     if is_fp8(cache.dtype):
-        cache.view(torch.uint8)[index] = quantize(x, cache.dtype).view(torch.uint8)
+        row_bytes(cache)[index] = quantize(x, cache.dtype).view(torch.uint8)
     else:
         cache[index] = x.to(cache.dtype)

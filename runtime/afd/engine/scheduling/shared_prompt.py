@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from afd.engine.request import Request
+from afd.models.kv_dtype import row_bytes
 from afd.step.host_copy import host_to_device
 
 
@@ -149,6 +150,8 @@ def copy_tails(kv_cache, copies: list[tuple[int, int, int]]) -> None:
     device = kv_cache.keys[0].device
     source, target = (host_to_device(torch.tensor(rows), device) for rows in (source, target))
     for keys, values, layout in zip(kv_cache.keys, kv_cache.values, kv_cache.layouts):
+        keys = row_bytes(keys)  # an FP8 cache's rows move as bytes
         keys.index_copy_(0, target, keys.index_select(0, source))
         if not layout.values_in_keys:
+            values = row_bytes(values)
             values.index_copy_(0, target, values.index_select(0, source))

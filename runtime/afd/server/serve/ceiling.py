@@ -22,6 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry, Gauge
 
 from afd.config import GraphSettings, GroupSettings, SchedulerSettings
+from afd.models.kv_dtype import store_rows
 from afd.step.layout import SeqLayout
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,8 @@ def fill_with_noise(kv_cache, blocks: list[int]) -> None:
     size = kv_cache.block_size
     rows = (torch.tensor(blocks).unsqueeze(1) * size + torch.arange(size)).flatten().to(kv_cache.keys[0].device)
     own_values = [v for v, lay in zip(kv_cache.values, kv_cache.layouts) if not lay.values_in_keys]
-    for tensor in (*kv_cache.keys, *own_values):
-        tensor.index_copy_(0, rows, torch.randn((len(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device))
+    for tensor in (*kv_cache.keys, *own_values):  # drawn in float32, stored as the cache stores (FP8: quantized)
+        store_rows(tensor, rows, torch.randn((len(rows), *tensor.shape[1:]), device=tensor.device))
 
 
 def export_ceiling(registry: CollectorRegistry, group: GroupSettings, graphs: GraphSettings,
