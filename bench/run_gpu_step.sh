@@ -10,6 +10,8 @@
 #   floor   bench/step/step_floor.py, both shapes, batches 1,64,256, contexts 128,2048
 #   serve0  serve_gpu monolithic at 1,16,64,256 streams, 64 again with penalties, 64 with arriving prompts; pacer off
 #   serve2  the same bursts (16,64,256) and arriving prompts with AFD_PREFILL_ITL_RATIO=2
+#   kvfp8   issue 54's FP8 KV cache (not in the default STEPS): its kernel and GPU tests, the decode step 256 x 2,048
+#           FP8 / bf16 cache at V2-Lite shape (goal <= 0.9), greedy agreement on a DeepSeek-V3-shaped model
 set -u
 source bench/gpu_env.sh || exit 1
 export AFD_GPU_SHARE_ONE=1
@@ -46,5 +48,11 @@ if [[ $steps == *" serve2 "* ]]; then
   AFD_API_PROCESS=1 step ${SERVE2_TIMEOUT:-100} $serve --prefill-itl-ratio 2 --levels ${SERVE2_LEVELS:-16,64,256} \
     --arriving-levels 64
   mv $JSON/serve_gpu.json $JSON/serve_gpu_ratio2.json 2>/dev/null; save
+fi
+if [[ $steps == *" kvfp8 "* ]]; then
+  step ${KVFP8_TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout 150 --maxfail 20 \
+    tests/runtime/test_kv_fp8_kernels.py tests/gpu/test_gpu_kv_fp8.py
+  step ${KVFP8_STEP_TIMEOUT:-240} python3 bench/step/kv_fp8.py step --batch 256 --context 2048
+  step ${KVFP8_AGREE_TIMEOUT:-180} python3 bench/step/kv_fp8.py agreement --shape deepseek-v3 --layers 4 --experts 16
 fi
 echo "=== done at +$((SECONDS - start)) s" | tee -a $LOG
