@@ -159,8 +159,8 @@ def test_afd_serve_hands_a_vllm_attention_rank_to_vllm(checkpoints, monkeypatch)
 
     seen = {}
 
-    def fake_exec(group, load, api, scheduler, extra=None):
-        seen.update(group=group, load=load)
+    def fake_exec(group, load, api, scheduler, extra=None, kv_cache_dtype="auto"):
+        seen.update(group=group, load=load, kv_cache_dtype=kv_cache_dtype)
         return 0
 
     monkeypatch.setattr(launcher, "exec_vllm_server", fake_exec)
@@ -170,8 +170,10 @@ def test_afd_serve_hands_a_vllm_attention_rank_to_vllm(checkpoints, monkeypatch)
     monkeypatch.setenv("AFD_MODEL", str(checkpoints["qwen3_moe"]))
     monkeypatch.setenv("AFD_RANK", "1")
     monkeypatch.setenv("AFD_NUM_ATTENTION_RANKS", "2")
+    monkeypatch.setenv("AFD_KV_CACHE_DTYPE", "fp8")
     assert main(["serve", "--role", "attention"]) == 0
     assert seen["group"].rank == 1 and seen["load"].attention_engine == "vllm"
+    assert seen["kv_cache_dtype"] == "fp8"  # on to vLLM's --kv-cache-dtype
 
 
 def _wait(condition, timeout_s: float) -> bool:
