@@ -5,7 +5,9 @@ calibration: one per tensor, 1.0, so quantizing is a saturating cast and dequant
 reader then needs nothing beside the cache tensor (the paged decode kernels convert each row as they load it, the
 prompt path casts the gathered rows); the values a cache holds are normed latents, normed keys (MLA, Qwen3) and
 projections of normed states, within e4m3's range. MLA's rotary key goes in the same FP8 row as its latent: one
-tensor, one row address for the kernels, 2× the tokens (a bf16 rotary part would keep 1.8×).
+tensor, one row address for the kernels, 2× the tokens (a bf16 rotary part would keep 1.8×). Per-token dynamic
+scales were the other choice: a scale tensor beside each block and one more load a row in every reader, and for
+GQA's 128-wide heads a float32 scale a head and token leaves 1.94× the tokens, under issue 54's 1.95.
 
 Torch only (the models layer: their attention writes the cache; `afd.kv` and the roles read the setting here).
 The Triton kernels cast as `quantize` does.
@@ -15,10 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from afd.config import KV_CACHE_DTYPES
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448: the cast saturates here (e4m3fn has no infinity)
-KV_SCALE = 1.0  # the static per-tensor scale: cache value = real value / KV_SCALE
-CACHE_DTYPES = ("auto", "fp8")
+KV_SCALE = 1.0  # the static per-tensor scale: cache value = real value / KV_SCALE (the Triton kernels assume 1)
 
 
 def cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -27,7 +30,7 @@ def cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
     if setting == "fp8":
         return FP8
-    raise ValueError(f"kv_cache_dtype={setting!r}: must be one of {', '.join(CACHE_DTYPES)}")
+    raise ValueError(f"kv_cache_dtype={setting!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
