@@ -57,7 +57,8 @@ SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROU
     "halves-pointers-half-tiles": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=2, HALVES=True),
                                    "down": kernel(64, TMA=True)},
     "halves-tma-gather-persistent": {"BLOCK_M": 16, "gate_up": kernel(64, TMA=True, GATHER=True, HALVES=True,
-                                                                      PERSISTENT=1), "down": kernel()},
+                                                                      PERSISTENT=1, MAX_REGS=168),
+                                     "down": kernel(MAX_REGS=128)},
 }
 
 
@@ -91,7 +92,8 @@ def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
     from afd.kernels.moe_launch import kernel_settings
 
     assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False, "GATHER": False,
-                                             "ONE_DOT": False, "HALVES": False, "PERSISTENT": 0}
+                                             "ONE_DOT": False, "HALVES": False, "PERSISTENT": 0,
+                                             "MAX_REGS": 0}
     with pytest.raises(ValueError, match="divide the layout's BLOCK_M 64"):
         kernel_settings(kernel(BLOCK_M=48), 64)
     with pytest.raises(ValueError, match="PERSISTENT -1 must be 0"):
@@ -102,6 +104,8 @@ def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
         kernel_settings(kernel(16, HALVES=True), 64)
     with pytest.raises(ValueError, match="HALVES .* ONE_DOT off"):
         kernel_settings(kernel(TMA=True, ONE_DOT=True, HALVES=True), 64)
+    with pytest.raises(ValueError, match="MAX_REGS 300 must be 0"):
+        kernel_settings(kernel(MAX_REGS=300), 64)
     with pytest.raises(ValueError, match="FP8 gate_up with HALVES needs BLOCK_N 128"):
         kernel_settings(kernel(256, 128, HALVES=True), 64, fp8=True, kernel="gate_up")
 

@@ -13,9 +13,9 @@ from afd.kernels import moe_launch
 from afd.kernels.moe_launch import kernel_settings
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "HALVES", "PERSISTENT"}  # newer tables: a
-# kernel's own tile height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot or in two
-# half-block passes, a persistent grid
+OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "HALVES", "PERSISTENT", "MAX_REGS"}  # newer
+# tables: a kernel's own tile height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot or in
+# two half-block passes, a persistent grid, a register cap
 
 
 def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:

@@ -38,7 +38,8 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
     ignores it), HALVES (off; on: gate_up makes a column block in two passes of one dot each over half its gate
     columns beside the same half's up columns, `moe_gate_up_halves`; not with ONE_DOT; `down` ignores it) and
     PERSISTENT (0: one program per job of the worst-case grid; n: n programs per multiprocessor loop over the used
-    tiles' jobs). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
+    tiles' jobs) and MAX_REGS (0: ptxas' choice; n: at most n registers a thread, Triton's `maxnreg`, so that more
+    programs share a multiprocessor: 168 lets three of 4 warps, 128 two of 8). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
     stays in one scale group) and gate_up's BLOCK_N a multiple of 128 (act is quantized per 128 columns there), 128
     with HALVES (a half's 64 columns in one weight block).
     The keys of removed kernel variants (`REMOVED_KEYS`) are refused."""
@@ -47,12 +48,15 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
             raise ValueError(f"{kernel or 'MoE'} table entry has {key}: the FP8 {key} kernel variant was removed "
                              f"(issue 32: it wrote wrong rows on the H200); drop {key} or re-run bench/kernels/moe_tune.py")
     settings = {"BLOCK_M": layout_m, "GROUP_M": 0, "TMA": False, "GATHER": False, "ONE_DOT": False, "HALVES": False,
-                "PERSISTENT": 0, **cfg}
+                "PERSISTENT": 0, "MAX_REGS": 0, **cfg}
     if settings["BLOCK_M"] < 16 or layout_m % settings["BLOCK_M"]:
         raise ValueError(f"kernel BLOCK_M {settings['BLOCK_M']} must be at least 16 and divide the layout's "
                          f"BLOCK_M {layout_m}; re-run bench/kernels/moe_tune.py or fix the table")
     if not isinstance(settings["PERSISTENT"], int) or settings["PERSISTENT"] < 0:
         raise ValueError(f"PERSISTENT {settings['PERSISTENT']!r} must be 0 (off) or programs per multiprocessor")
+    max_regs = settings["MAX_REGS"]
+    if not isinstance(max_regs, int) or isinstance(max_regs, bool) or not (max_regs == 0 or 24 <= max_regs <= 255):
+        raise ValueError(f"MAX_REGS {settings['MAX_REGS']!r} must be 0 (ptxas' choice) or 24-255 registers a thread")
     if settings["ONE_DOT"] and not settings["TMA"]:
         raise ValueError("ONE_DOT loads gate and up blocks in one TMA box: it needs TMA on")
     if settings["HALVES"] and (settings["ONE_DOT"] or settings["BLOCK_N"] < 32 or settings["BLOCK_N"] % 32):
@@ -125,6 +129,7 @@ def launch(kernel, args: tuple, rows: int, cols: int, layout_m: int, cfg: dict, 
                 *args, layout_m, cfg["GROUP_M"] or tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 BLOCK_K=cfg["BLOCK_K"], TMA=cfg["TMA"], PERSISTENT=bool(programs), PROGRAMS=programs,
                 num_warps=cfg["num_warps"], num_stages=stages, **constants,
+                **({"maxnreg": cfg["MAX_REGS"]} if cfg["MAX_REGS"] else {}),
                 **launch_options(device, release_early=False))
         except OutOfResources as err:  # raised before the kernel runs (at its first launch: warm-up)
             if stages <= 1:
