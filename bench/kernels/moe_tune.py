@@ -82,8 +82,8 @@ def load_options(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> lis
     persistent (with TMA: one program per multiprocessor looping over the used tiles' jobs); gate_up also
     from rows gathered first (GATHER) — with TMA, which only that makes possible for its rows, and with
     pointers on tiles of 64+ rows — and, with TMA, its gate and up blocks in one box and one dot (ONE_DOT), or,
-    FP8 on tiles of 64+ rows, a column block in two passes of one dot each (HALVES: FP8's two accumulators and
-    scaled product spill; bf16 adds each product in the dot)."""
+    FP8 on tiles of 64+ rows, a column block in two passes of one dot each (HALVES, one program per job:
+    FP8's two accumulators and scaled product spill; bf16 adds each product in the dot)."""
     options = [{"TMA": False, "PERSISTENT": 0}]
     if tma:
         options += [{"TMA": True, "PERSISTENT": persistent} for persistent in (0, 1)]
@@ -92,7 +92,7 @@ def load_options(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> lis
     return [{**option, "GATHER": gather, "ONE_DOT": one_dot, **({"HALVES": True} if halves else {})}
             for option in options for gather in (False, True) for one_dot in (False, True) for halves in (False, True)
             if (not gather or option["TMA"] or block_m >= 64) and (not one_dot or option["TMA"])
-            and (not halves or (fp8 and block_m >= 64 and not one_dot))]
+            and (not halves or (fp8 and block_m >= 64 and not one_dot and not option["PERSISTENT"]))]
 
 
 FP8_MAX_REGISTERS = 192  # float32 accumulator registers per thread (of 255) past which an FP8 tile is not tried
