@@ -59,14 +59,17 @@ if [[ $mode == variant ]]; then  # the shipped tables kept as the before, then r
   tokens=${TOKENS:-8192,32768}
   BEFORE_DIR=/tmp/before_variant
   mkdir -p $BEFORE_DIR && cp runtime/afd/kernels/configs/*_fp8_"$card".json $BEFORE_DIR/
-  step 165 python3 bench/kernels/moe_tune.py --fp8 --shape deepseek-v3 --tokens $tokens --layouts 128 --workers 12
-  step 60 python3 bench/kernels/moe_tune.py --fp8 --shape qwen3-30b-a3b --tokens $tokens --layouts 128 --workers 15
-  step 95 python3 bench/kernels/moe_layer_fp8.py --shape deepseek-v3 --tokens $tokens --profile \
+  step 155 python3 bench/kernels/moe_tune.py --fp8 --shape deepseek-v3 --tokens $tokens --layouts 128 --workers 12
+  step 50 python3 bench/kernels/moe_tune.py --fp8 --shape qwen3-30b-a3b --tokens $tokens --layouts 128 --workers 15
+  step 90 python3 bench/kernels/moe_layer_fp8.py --shape deepseek-v3 --tokens $tokens --profile \
     --before $BEFORE_DIR/$(fp8_table E257_H7168_I2048)
-  step 45 python3 bench/kernels/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens $tokens --profile \
+  step 40 python3 bench/kernels/moe_layer_fp8.py --shape qwen3-30b-a3b --tokens $tokens --profile \
     --before $BEFORE_DIR/$(fp8_table E128_H2048_I768)
+  # the new tables' entries and the HALVES settings against the dequantized experts, on this GPU
+  step 40 python3 -m pytest -q -p no:cacheprovider --timeout 30 tests/gpu/test_gpu_fp8.py \
+    tests/runtime/test_moe_fp8.py -k "shipped_fp8_table or halves"
   echo "=== the tunes' winners (each count's best gate_up with and without HALVES, first pass):"
-  grep -h "^=== \|best with\|^tokens \|spills: gate_up.*HALVES" $LOG | grep -v "moe_layer_fp8" | head -60
+  grep -h "^=== \|best with\|^tokens .*: BM\|spills: gate_up.*HALVES" $LOG | grep -v "moe_layer_fp8" | head -60
   echo "elapsed: $((SECONDS - start)) s" | tee -a $LOG
   exit 0
 fi

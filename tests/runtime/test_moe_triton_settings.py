@@ -55,7 +55,8 @@ SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROU
     "one-dot-gather-persistent": {"BLOCK_M": 16, "gate_up": kernel(TMA=True, GATHER=True, ONE_DOT=True, PERSISTENT=1),
                                   "down": kernel()},
     "halves-pointers-half-tiles": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=2, HALVES=True),
-                                   "down": kernel(64, TMA=True)},
+                                   "down": kernel(64, BLOCK_M=16, TMA=True)},  # (a 32-row down reads act rows
+    # that no half tile wrote: uninitialised, finite or not, in padding rows it never stores)
     "halves-tma-gather-persistent": {"BLOCK_M": 16, "gate_up": kernel(64, TMA=True, GATHER=True, HALVES=True,
                                                                       PERSISTENT=1, MAX_REGS=168),
                                      "down": kernel(MAX_REGS=128)},
