@@ -10,10 +10,10 @@ as a CUDA-graph replay on the real routing of each token count. Per token count 
 layout's block-M with the least gate_up + down time wins, each kernel with its own best
 tile height (the layout's or half of it), N/K/warps/stages, TMA loads and a persistent grid (on
 Hopper), and gate_up with its rows pre-gathered or not (GATHER: timed with its copy kernel), its gate
-and up blocks in one dot or two (ONE_DOT) or, on tiles of 64+ rows, its column block in two passes of one dot
-(HALVES, with 4 warps also under a cap of 168 registers: MAX_REGS). Every candidate is timed in two program orders, then the
-three best of each kernel are timed again, longer, under several (GROUP_M; no recompile, it is a
-run-time argument). `legacy` times are the best of the old search space
+and up blocks in one dot or two (ONE_DOT) or, FP8 on tiles of 64+ rows, its column block in two passes of one
+dot (HALVES, with 4 warps and TMA also under a cap of 168 registers: MAX_REGS). Every candidate is timed in two
+program orders, then the three best of each kernel are timed again, longer, under several (GROUP_M; no recompile,
+it is a run-time argument). `legacy` times are the best of the old search space
 (layout tiles, column-major order, pointer loads, no GATHER, one program per job) on today's code.
 The new rows are merged into the table in `runtime/afd/kernels/configs/` (read by
 `afd.kernels.moe.config_table`; token counts not tuned now keep their rows) and go to
@@ -292,8 +292,8 @@ def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: 
             best = min(((ms, cfg) for ms, cfg in times if cfg.get("HALVES", False) == halves), default=None,
                        key=lambda pair: pair[0])
             if best:
-                print(f"  {kernel} at {problem.num_pairs // problem.slots} tokens, best {'with' if halves else 'without'}"
-                      f" HALVES: {best[0]:.3f} ms {describe(best[1])}", flush=True)
+                print(f"  {kernel} at {problem.num_pairs // problem.slots} tokens, best "
+                      f"{'with' if halves else 'without'} HALVES: {best[0]:.3f} ms {describe(best[1])}", flush=True)
     leaders = {}  # the three fastest settings, whatever their order
     for _, cfg in sorted(times, key=lambda pair: pair[0]):
         leaders.setdefault(cfg_key(kernel, cfg), cfg)

@@ -39,9 +39,9 @@ def kernel_settings(cfg: dict, layout_m: int, fp8: bool = False, kernel: str = "
     columns beside the same half's up columns, `moe_gate_up_halves`; not with ONE_DOT; `down` ignores it) and
     PERSISTENT (0: one program per job of the worst-case grid; n: n programs per multiprocessor loop over the used
     tiles' jobs) and MAX_REGS (0: ptxas' choice; n: at most n registers a thread, Triton's `maxnreg`, so that more
-    programs share a multiprocessor: 168 lets three of 4 warps, 128 two of 8). FP8 (`fp8`) also needs BLOCK_K to divide 128 (a step
-    stays in one scale group) and gate_up's BLOCK_N a multiple of 128 (act is quantized per 128 columns there), 128
-    with HALVES (a half's 64 columns in one weight block).
+    programs share a multiprocessor: 168 lets three of 4 warps, 128 two of 8). FP8 (`fp8`) also needs BLOCK_K to
+    divide 128 (a step stays in one scale group) and gate_up's BLOCK_N a multiple of 128 (act is quantized per 128
+    columns there), 128 with HALVES (a half's 64 columns in one weight block).
     The keys of removed kernel variants (`REMOVED_KEYS`) are refused."""
     for key in REMOVED_KEYS:
         if key in cfg:

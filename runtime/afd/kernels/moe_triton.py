@@ -20,8 +20,8 @@ buffer (`x_rows`, zeros for padding), which `gate_up` then reads contiguously: t
 With `ONE_DOT` (TMA only) `gate_up` takes a column block's gate and up rows in one 3-D TMA
 box and multiplies them in one dot twice as wide, splitting the two halves after the loop. With `HALVES`
 (`moe_gate_up_halves`) a column block's act is made in two passes, each one dot over half its gate columns beside
-the same half's up columns (one accumulator, not two). A table entry's settings are checked and the grid sized in `moe_launch`; the tile loaders and the program order are in
-`moe_tiles`.
+the same half's up columns (one accumulator, not two). A table entry's settings are checked and the grid sized
+in `moe_launch`; the tile loaders and the program order are in `moe_tiles`.
 """
 
 from __future__ import annotations
