@@ -11,7 +11,7 @@ layout's block-M with the least gate_up + down time wins, each kernel with its o
 tile height (the layout's or half of it), N/K/warps/stages, TMA loads and a persistent grid (on
 Hopper), and gate_up with its rows pre-gathered or not (GATHER: timed with its copy kernel), its gate
 and up blocks in one dot or two (ONE_DOT) or, FP8 on tiles of 64+ rows, its column block in two passes of one
-dot (HALVES, with 4 warps and TMA also under a cap of 168 registers: MAX_REGS). Every candidate is timed in two
+dot (HALVES); FP8 TMA tiles also under a register cap (MAX_REGS, `register_caps`). Every candidate is timed in two
 program orders, then the three best of each kernel are timed again, longer, under several (GROUP_M; no recompile,
 it is a run-time argument). `legacy` times are the best of the old search space
 (layout tiles, column-major order, pointer loads, no GATHER, one program per job) on today's code.
@@ -96,7 +96,20 @@ def load_options(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> lis
 
 
 FP8_MAX_REGISTERS = 192  # float32 accumulator registers per thread (of 255) past which an FP8 tile is not tried
-HALVES_MAX_REGS = 168  # a register cap tried on HALVES tiles of 4 warps: three such programs fill a multiprocessor
+
+
+def register_caps(kernel: str, warps: int, stages: int, loads: dict) -> tuple[int, ...]:
+    """MAX_REGS tried besides ptxas' choice on an FP8 candidate with TMA (pointer tiles' addresses spill in the
+    loop): 168 on HALVES of 4 warps (three programs a multiprocessor instead of two; ~2 spilled registers a step as
+    compiled for sm_90a), 128 on 3-stage tiles of 8 warps — down's, HALVES' — (two programs instead of one; ~35
+    spill loads and stores a step)."""
+    if not loads["TMA"] or loads.get("PERSISTENT"):
+        return ()
+    if warps == 4 and loads.get("HALVES"):
+        return (168,)
+    if warps == 8 and stages == 3 and (kernel == "down" or loads.get("HALVES")):
+        return (128,)
+    return ()
 
 
 def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[dict]:
@@ -105,7 +118,7 @@ def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[
     64-256 columns, 8 warps only on tiles of 64+ rows, 2 stages too on tiles of 64+ rows of 4 warps (two such
     programs share a multiprocessor's shared memory), no tile whose accumulators would spill
     (`moe_launch.fp8_accumulator_registers`); TMA or pointers, persistent or not, as for bf16; HALVES of 4 warps
-    with TMA also capped at 168 registers (MAX_REGS: three programs a multiprocessor)."""
+    with TMA also capped (`register_caps`: more programs a multiprocessor)."""
     from afd.kernels.moe_launch import fp8_accumulator_registers
 
     if fp8:
@@ -116,8 +129,7 @@ def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[
         return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads, **cap)
                 for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma, fp8))
                 if not (loads.get("HALVES") and s == 2)  # HALVES' 64-row programs share a multiprocessor at 3
-                for cap in ({}, {"MAX_REGS": HALVES_MAX_REGS})
-                if not cap or (loads.get("HALVES") and w == 4 and loads["TMA"])  # pointers' addresses spill at 168
+                for cap in ({}, *({"MAX_REGS": regs} for regs in register_caps(kernel, w, s, loads)))
                 if fp8_accumulator_registers(kernel, block_m, n, w, loads.get("ONE_DOT", False),
                                              loads.get("HALVES", False)) <= FP8_MAX_REGISTERS]
     if block_m <= 32:
