@@ -54,8 +54,9 @@ class LightningIndexer(nn.Module):
         k = self.k_norm(apply_linear(self.wk, x)).unsqueeze(1)  # [T, 1, dim]
         q = torch.cat((apply_rope_halves(q[..., :rope], cos, sin), q[..., rope:]), dim=-1)
         k = torch.cat((apply_rope_halves(k[..., :rope], cos, sin), k[..., rope:]), dim=-1)
-        weight = self.weights_proj.weight
-        weights = F.linear(x.to(weight.dtype), weight).float() * self.heads**-0.5
+        if type(self.weights_proj) is nn.Linear:  # float32 (keep_float32) in a 16-bit model: its input too
+            x = x.to(self.weights_proj.weight.dtype)
+        weights = apply_linear(self.weights_proj, x).float() * self.heads**-0.5
         return q, k[:, 0], weights
 
 
