@@ -1,0 +1,93 @@
+"""DeepSeek-V3.2's sparse decode kernels (index scores over the paged index cache, top-k, latent attention over the
+chosen rows) equal the plain-torch path the CPU runs (afd.models.dsa). On a GPU, or in Triton's CPU interpreter
+(TRITON_INTERPRET=1 before Triton is imported)."""
+
+import pytest
+import torch
+
+from afd.models.dsa import chosen_keys, index_scores
+from tests.kernel_device import NO_KERNEL_DEVICE, kernel_device
+
+DEVICE = kernel_device()
+needs_triton = pytest.mark.skipif(DEVICE is None, reason=NO_KERNEL_DEVICE)
+LATENT, ROPE, INDEX_HEADS, INDEX_DIM, BLOCK = 32, 16, 4, 32, 4
+
+
+def _case(seed: int, heads: int, lens: list[int]):
+    """Queries, a shuffled paged cache (latent rows and index keys at the same rows) and its tables."""
+    torch.manual_seed(seed)
+    width = max(-(-n // BLOCK) for n in lens) + 1
+    rows = (len(lens) * width + 1) * BLOCK
+    order = torch.randperm(len(lens) * width)
+    tables = order.view(len(lens), width).to(torch.int32)
+    return dict(q=torch.randn(len(lens), heads, LATENT), q_rope=torch.randn(len(lens), heads, ROPE),
+                cache=torch.randn(rows, 1, LATENT + ROPE), index_q=torch.randn(len(lens), INDEX_HEADS, INDEX_DIM),
+                index_w=torch.randn(len(lens), INDEX_HEADS), cache_index=torch.randn(rows, INDEX_DIM),
+                tables=tables, lens=torch.tensor(lens, dtype=torch.int32))
+
+
+def _rows(case):
+    positions = torch.arange(case["tables"].shape[1] * BLOCK)
+    return case["tables"][:, positions // BLOCK].long() * BLOCK + positions % BLOCK  # [B, W * block]
+
+
+def _reference(case, topk: int, scale: float, index_scale: float) -> torch.Tensor:
+    """The CPU path's choice and attention, in float64: [B, H, latent]."""
+    rows = _rows(case)
+    allowed = torch.arange(rows.shape[1])[None, :] < case["lens"][:, None]
+    scores = index_scores(case["index_q"].unsqueeze(1), case["index_w"].unsqueeze(1), case["cache_index"][rows],
+                          index_scale)[:, 0]
+    chosen = chosen_keys(scores, allowed, topk)
+    out = torch.zeros(*case["q"].shape, dtype=torch.float64)
+    for s in range(rows.shape[0]):
+        keys = case["cache"][rows[s][chosen[s]], 0].double()  # [n, latent + rope]
+        query = torch.cat((case["q"][s], case["q_rope"][s]), dim=-1).double()  # [H, latent + rope]
+        out[s] = torch.softmax(query @ keys.T * scale, dim=-1) @ keys[:, :LATENT]
+    return out
+
+
+def _to(case):
+    return {name: t.to(DEVICE) for name, t in case.items()}
+
+
+@needs_triton
+def test_index_scores_kernel_equals_the_reference_and_is_minus_infinity_past_each_end():
+    from afd.kernels.sparse_decode import paged_index_scores
+
+    case = _case(1, 4, [9, 1, 70])
+    rows = _rows(case)
+    want = index_scores(case["index_q"].unsqueeze(1), case["index_w"].unsqueeze(1), case["cache_index"][rows],
+                        0.25)[:, 0]
+    d = _to(case)
+    got = paged_index_scores(d["index_q"], d["index_w"], d["cache_index"], 0.25, d["tables"], d["lens"], BLOCK).cpu()
+    assert got.shape == want.shape
+    live = torch.arange(rows.shape[1])[None, :] < case["lens"][:, None]
+    torch.testing.assert_close(got[live], want[live], rtol=1e-4, atol=1e-4)
+    assert torch.isneginf(got[~live]).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("heads, topk", [(4, 8), (40, 16), (4, 128)])  # sparse; three head blocks; dense (topk > keys)
+def test_sparse_latent_decode_equals_the_cpu_path(heads, topk, splits):
+    from afd.kernels.sparse_decode import sparse_latent_decode
+
+    case = _case(splits + heads, heads, [5, 1, 66, 23])
+    want = _reference(case, topk, 0.3, 0.25)
+    d = _to(case)
+    got = sparse_latent_decode(d["q"], d["q_rope"], d["cache"], LATENT, d["index_q"], d["index_w"], d["cache_index"],
+                               0.25, topk, d["tables"], d["lens"], BLOCK, 0.3, splits=splits)
+    assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-4
+
+
+@needs_triton
+def test_a_sequence_shorter_than_topk_attends_to_all_it_holds():
+    """Chosen positions past a sequence's end (it holds fewer keys than topk) are skipped, even a whole slice of them."""
+    from afd.kernels.sparse_decode import sparse_latent_attention
+
+    case = _case(3, 4, [3, 7])
+    d = _to(case)
+    positions = torch.tensor([[2, 40, 0, 41, 1, 42, 43, 44], [6, 5, 4, 3, 2, 1, 0, 30]], dtype=torch.int32)
+    got = sparse_latent_attention(d["q"], d["q_rope"], d["cache"], LATENT, positions.to(DEVICE), d["tables"],
+                                  d["lens"], BLOCK, 0.3, splits=4).cpu()
+    assert float((got.double() - _reference(case, 64, 0.3, 0.25)).norm()) < 1e-3
