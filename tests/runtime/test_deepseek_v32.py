@@ -175,3 +175,22 @@ def test_group_equals_transformers(name, topology, shards, stages, gate, connect
         got_tokens, got_logits = output["outputs"], [torch.tensor(row) for row in output["last_logits"]]
     assert got_tokens == tokens
     assert max_relative_error(got_logits, logits) < 1e-4
+
+
+def test_the_gpu_tests_v32_shaped_checkpoint_loads_with_its_indexer_fp8(tmp_path):
+    """tests/gpu/test_gpu_v32_afd.py's checkpoint writer, at small shapes on CPU: the indexer's wq_b/wk FP8 with their
+    scales, weights_proj and the LayerNorm not; a prompt of 40 tokens runs through the monolith."""
+    from afd.models.fp8 import Fp8Linear
+    from tests.gpu.v3_checkpoint import V32_SHAPED, write_v3_shaped
+
+    small = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, n_routed_experts=8,
+                 num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128, n_group=4,
+                 topk_group=2, num_experts_per_tok=2, index_n_heads=4, index_head_dim=64)
+    _, path = write_v3_shaped(None, tmp_path / "fp8", device="cpu", overrides={**V32_SHAPED, **small})
+    loaded = load_model(str(path), keep_fp8=True)
+    indexer = loaded.model.layers[1].self_attn.indexer
+    assert isinstance(indexer.wq_b, Fp8Linear) and isinstance(indexer.wk, Fp8Linear)
+    assert type(indexer.weights_proj) is torch.nn.Linear and indexer.k_norm.bias is not None
+    cache = KVCache(loaded.model.kv_layouts(), 8, torch.float32, "cpu", block_size=8)
+    result = greedy_generate(MonolithicRunner(loaded, cache), cache, [PROMPTS[0]], 4, ignore_eos=True)
+    assert len(result.tokens[0]) == 4

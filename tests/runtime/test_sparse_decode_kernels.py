@@ -91,3 +91,36 @@ def test_a_sequence_shorter_than_topk_attends_to_all_it_holds():
     got = sparse_latent_attention(d["q"], d["q_rope"], d["cache"], LATENT, positions.to(DEVICE), d["tables"],
                                   d["lens"], BLOCK, 0.3, splits=4).cpu()
     assert float((got.double() - _reference(case, 64, 0.3, 0.25)).norm()) < 1e-3
+
+
+@needs_triton
+def test_the_v32_attention_decodes_through_the_kernels_as_through_torch(tmp_path, monkeypatch):
+    """The tiny V3.2's attention layer, one decode step over a 40-token context in a graph-shaped batch
+    (`AttentionBatch.for_decode`): the kernel path (`fused_glue` on) equals the plain-torch path."""
+    from afd.checkpoint_tools.tiny import make_tiny_model
+    from afd.kv.cache import KVCache
+    from afd.models.loader import load_model
+    from afd.models.paged_attention import AttentionBatch
+
+    loaded = load_model(str(make_tiny_model("deepseek_v32", tmp_path / "v32")), device=DEVICE)
+    attention = loaded.model.layers[1].self_attn
+    cache = KVCache(loaded.model.kv_layouts(), 16, torch.float32, DEVICE, block_size=BLOCK)
+    tables = [[15, 3, 8, 1, 9, 0, 12, 4, 7, 2, 11], [5, 6, 10, 13, 14]]
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        prompts = AttentionBatch.build(tables, [0, 0], [40, 17], BLOCK, DEVICE)
+        attention(torch.randn(57, 160, device=DEVICE), prompts, *cache.layer(1))
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+        positions = torch.tensor([40, 17], device=DEVICE)
+        write = torch.tensor([table[0, 10] * BLOCK + 0, table[1, 4] * BLOCK + 1], device=DEVICE).long()
+        step = AttentionBatch.for_decode(positions, write, table, (positions + 1).to(torch.int32), BLOCK)
+        inputs = attention.project(torch.randn(2, 160, device=DEVICE), positions)
+        monkeypatch.setattr("afd.models.deepseek_v32.fused_glue", lambda t: True)
+        kernels = attention.attend(inputs, step, *cache.layer(1))
+        monkeypatch.setattr("afd.models.deepseek_v32.fused_glue", lambda t: False)
+        reference = attention.attend(inputs, step, *cache.layer(1))
+        attention.index_topk = 10**6
+        dense = attention.attend(inputs, step, *cache.layer(1))
+    assert float((kernels - reference).norm() / reference.norm()) < 1e-4
+    assert float((dense - reference).norm() / reference.norm()) > 1e-2  # 16 of 41 keys is not all of them
