@@ -104,7 +104,7 @@ class SparseLatentAttention(deepseek_v2.MultiHeadLatentAttention):
             return self._sparse_latent(query, index_q, index_w, rows, batch.single_lens, cache_k, cache_index)
         if fused_glue(query):
             # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
-            from afd.kernels.sparse_decode import sparse_latent_decode
+            from afd.kernels.sparse_mla import sparse_latent_decode
 
             return sparse_latent_decode(
                 self._absorb_latent(query), query[..., self.nope_dim :], cache_k, self.kv_lora_rank, index_q,

@@ -3,7 +3,7 @@
 The lightning indexer scores every cached key of a sequence for each query token with a few small
 heads (`index_scores`); each query then attends to its `topk` best-scored keys among those causality
 allows (`chosen_keys`), all of them while a sequence holds no more than `topk`. These functions are
-the CPU path and the reference the Triton kernels (`afd.kernels.sparse_decode`) are tested against.
+the CPU path and the reference the Triton kernels (`afd.kernels.sparse_mla`) are tested against.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def _to(case):
 
 @needs_triton
 def test_index_scores_kernel_equals_the_reference_and_is_minus_infinity_past_each_end():
-    from afd.kernels.sparse_decode import paged_index_scores
+    from afd.kernels.sparse_mla import paged_index_scores
 
     case = _case(1, 4, [9, 1, 70])
     rows = _rows(case)
@@ -70,7 +70,7 @@ def test_index_scores_kernel_equals_the_reference_and_is_minus_infinity_past_eac
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("heads, topk", [(4, 8), (40, 16), (4, 128)])  # sparse; three head blocks; dense (topk > keys)
 def test_sparse_latent_decode_equals_the_cpu_path(heads, topk, splits):
-    from afd.kernels.sparse_decode import sparse_latent_decode
+    from afd.kernels.sparse_mla import sparse_latent_decode
 
     case = _case(splits + heads, heads, [5, 1, 66, 23])
     want = _reference(case, topk, 0.3, 0.25)
@@ -83,7 +83,7 @@ def test_sparse_latent_decode_equals_the_cpu_path(heads, topk, splits):
 @needs_triton
 def test_a_sequence_shorter_than_topk_attends_to_all_it_holds():
     """Chosen positions past a sequence's end (it holds fewer keys than topk) are skipped, even a whole slice of them."""
-    from afd.kernels.sparse_decode import sparse_latent_attention
+    from afd.kernels.sparse_mla import sparse_latent_attention
 
     case = _case(3, 4, [3, 7])
     d = _to(case)
