@@ -124,3 +124,43 @@ def test_the_v32_attention_decodes_through_the_kernels_as_through_torch(tmp_path
         dense = attention.attend(inputs, step, *cache.layer(1))
     assert float((kernels - reference).norm() / reference.norm()) < 1e-4
     assert float((dense - reference).norm() / reference.norm()) > 1e-2  # 16 of 41 keys is not all of them
+
+
+@needs_triton
+def test_prompt_index_scores_kernel_equals_the_reference_causally():
+    from afd.kernels.sparse_mla import prompt_index_scores
+
+    torch.manual_seed(5)
+    q, w, keys = torch.randn(45, INDEX_HEADS, INDEX_DIM), torch.randn(45, INDEX_HEADS), torch.randn(110, INDEX_DIM)
+    want = index_scores(q, w, keys, 0.25)  # [45, 110]
+    got = prompt_index_scores(q.to(DEVICE), w.to(DEVICE), keys.to(DEVICE), 0.25).cpu()
+    allowed = torch.arange(110)[None, :] <= torch.arange(65, 110)[:, None]
+    torch.testing.assert_close(got[allowed], want[allowed], rtol=1e-4, atol=1e-4)
+    assert torch.isneginf(got[~allowed]).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("context", [0, 30])  # a whole prompt; a chunk after 30 cached tokens
+def test_the_v32_attention_prefills_through_the_kernels_as_through_torch(context, tmp_path, monkeypatch):
+    """The tiny V3.2's attention layer over a 40-token prompt (or chunk): the sparse latent prefill (absorbed, the
+    kernels) equals the CPU path (expanded per head, as transformers), decodes beside it included."""
+    from afd.checkpoint_tools.tiny import make_tiny_model
+    from afd.kv.cache import KVCache
+    from afd.models.loader import load_model
+    from afd.models.paged_attention import AttentionBatch
+
+    loaded = load_model(str(make_tiny_model("deepseek_v32", tmp_path / "v32")), device=DEVICE)
+    attention = loaded.model.layers[1].self_attn
+    cache = KVCache(loaded.model.kv_layouts(), 32, torch.float32, DEVICE, block_size=BLOCK)
+    tables = [list(range(31, 12, -1)), [2, 5, 9, 0, 1, 3, 4, 6, 7, 8]]
+    torch.manual_seed(context)
+    with torch.inference_mode():
+        earlier = AttentionBatch.build(tables, [0, 0], [max(context, 1), 33], BLOCK, DEVICE)
+        attention(torch.randn(max(context, 1) + 33, 160, device=DEVICE), earlier, *cache.layer(1))
+        step = AttentionBatch.build(tables, [context, 33], [40, 1], BLOCK, DEVICE)
+        inputs = attention.project(torch.randn(41, 160, device=DEVICE), step.positions)
+        monkeypatch.setattr("afd.models.deepseek_v32.fused_glue", lambda t: True)
+        kernels = attention.attend(inputs, step, *cache.layer(1))
+        monkeypatch.setattr("afd.models.deepseek_v32.fused_glue", lambda t: False)
+        reference = attention.attend(inputs, step, *cache.layer(1))
+    assert float((kernels - reference).norm() / reference.norm()) < 1e-4

@@ -1,14 +1,17 @@
-"""DeepSeek-V3.2's sparse decode in Triton: index scores over the paged index-key cache, top-k, latent attention
-over the chosen rows only.
+"""DeepSeek-V3.2's sparse MLA in Triton: index scores, top-k, latent attention over the chosen rows only.
 
-Three launches a layer, all shaped by (batch, table width) alone, so a captured decode graph serves any mix of
-context lengths: `_index_scores_kernel` scores every cached position of each sequence (one program per
+Decode is three launches a layer, all shaped by (batch, table width) alone, so a captured decode graph serves any
+mix of context lengths: `_index_scores_kernel` scores every cached position of each sequence (one program per
 sequence and BLOCK_N positions: the index queries of all index heads against BLOCK_N index keys, on tensor cores;
 positions past the sequence score -inf); `torch.topk` keeps the `index_topk` best positions; and
 `_sparse_latent_kernel` is `afd.kernels.decode_attention`'s latent kernel reading those positions' rows instead of
 every row (a chosen position past the sequence, where it holds fewer keys than `index_topk`, is skipped). The
 indexer reads index_head_dim values a token (128: a quarter of MLA's 576); the attention reads index_topk rows
-whatever the context. The plain-torch reference is `afd.models.dsa`.
+whatever the context. A prompt (or chunk) is the same three steps with every query token a sequence of its own:
+`_prompt_index_scores_kernel` scores query tiles against key tiles (the head sum fused, causal), and the latent
+kernel reads each token's chosen rows, absorbed as decode is (so is DeepSeek's sparse prefill: 576-wide keys rather
+than 192, but index_topk of them a query rather than every earlier one). The plain-torch reference is
+`afd.models.dsa`.
 """
 
 from __future__ import annotations
@@ -80,11 +83,11 @@ def paged_index_scores(
     return out
 
 
-@triton.jit(do_not_specialize=["splits", "table_width", "count"])
+@triton.jit(do_not_specialize=["splits", "count"])
 def _sparse_latent_kernel(
     q_ptr, r_ptr, cache_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr, idx_ptr,
-    heads, table_width, block_size, scale, splits, count,
-    stride_qb, stride_qh, stride_rb, stride_rh, stride_cr, stride_ob, stride_oh, stride_ib,
+    heads, block_size, scale, splits, count,
+    stride_qb, stride_qh, stride_rb, stride_rh, stride_cr, stride_ob, stride_oh, stride_ib, stride_tb,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     GDC: tl.constexpr = 0,
@@ -108,7 +111,7 @@ def _sparse_latent_kernel(
         slot = start + tl.arange(0, BLOCK_N)  # [BN] places in the chosen list
         pos = tl.load(idx_ptr + seq * stride_ib + slot, mask=slot < end, other=0)
         live = (slot < end) & (pos < length) & (pos >= 0)
-        block = tl.load(table_ptr + seq * table_width + pos // block_size, mask=live, other=0)
+        block = tl.load(table_ptr + seq * stride_tb + pos // block_size, mask=live, other=0)
         rows = cache_ptr + (block * block_size + pos % block_size).to(tl.int64)[:, None] * stride_cr
         latent = tl.load(rows + offs_l[None, :], mask=live[:, None] & (offs_l[None, :] < LATENT), other=0.0)
         rot = tl.load(rows + LATENT + offs_r[None, :], mask=live[:, None] & (offs_r[None, :] < ROPE), other=0.0)
@@ -132,7 +135,7 @@ def sparse_latent_attention(
     cache: torch.Tensor,  # [rows, 1, latent + rope]
     latent_dim: int,
     positions: torch.Tensor,  # [B, K] chosen positions of each sequence (any at or past its end are skipped)
-    block_table: torch.Tensor,  # [B, W] int32
+    block_table: torch.Tensor,  # [B, W] int32 (its rows may be one row repeated: stride 0)
     seq_lens: torch.Tensor,  # [B] int32
     block_size: int,
     scale: float,
@@ -142,7 +145,7 @@ def sparse_latent_attention(
     batch, heads = q.shape[:2]
     width = latent_dim + q_rope.shape[2]
     if cache.shape[1] != 1 or cache.shape[2] != width or cache.stride(2) != 1 or q.stride(2) != 1 or \
-            q_rope.stride(2) != 1 or positions.stride(1) != 1:
+            q_rope.stride(2) != 1 or positions.stride(1) != 1 or block_table.stride(1) != 1:
         raise ValueError(f"sparse_latent_attention needs a [rows, 1, {width}] unit-stride cache, unit-stride queries "
                          f"and positions; got cache {tuple(cache.shape)}, q {tuple(q.shape)}")
     rope = width - latent_dim
@@ -154,9 +157,9 @@ def sparse_latent_attention(
     part, stat = _partials(batch, heads, splits, block_l, q.device)
     _sparse_latent_kernel[(batch, head_blocks, splits)](
         q, q_rope, cache, out, part, stat, block_table, seq_lens, positions,
-        heads, block_table.shape[1], block_size, scale, splits, positions.shape[1],
+        heads, block_size, scale, splits, positions.shape[1],
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), out.stride(0), out.stride(1),
-        positions.stride(0),
+        positions.stride(0), block_table.stride(0),
         LATENT=latent_dim, ROPE=rope, BLOCK_H=block_h, BLOCK_L=block_l,
         BLOCK_R=max(16, triton.next_power_of_2(rope)), SPLIT=splits > 1, PRECISION=_precision(q.dtype),
         **launch.options(), **launch_options(q.device),
@@ -175,3 +178,72 @@ def sparse_latent_decode(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
     positions = scores.topk(min(topk, scores.shape[1]), dim=-1, sorted=False).indices.to(torch.int32)
     return sparse_latent_attention(q, q_rope, cache, latent_dim, positions, block_table, seq_lens, block_size,
                                    scale, splits)
+
+
+PROMPT_BLOCK_M, PROMPT_BLOCK_N = 32, 64  # query and key tiles of a prompt's index scores
+
+
+@triton.jit(do_not_specialize=["count", "length"])
+def _prompt_index_scores_kernel(
+    q_ptr, w_ptr, k_ptr, out_ptr, count, length, scale,
+    stride_qt, stride_qh, stride_wt, stride_kr, stride_ot,
+    HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, GDC: tl.constexpr = 0,
+):
+    """One program: BLOCK_M of a prompt's last `count` query tokens against BLOCK_N of its `length` keys,
+    Σ_h w_h · relu(scale · q_h · k), -inf where the key follows the query (a tile wholly after it skips the math)."""
+    gdc_enter(GDC)
+    tile_m, tile_n = tl.program_id(0), tl.program_id(1)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query tokens
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] key positions
+    live_m, live_n = rows < count, cols < length
+    offs_d = tl.arange(0, BLOCK_D)
+    live_d = offs_d < DIM
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if tile_n * BLOCK_N <= length - count + tile_m * BLOCK_M + BLOCK_M - 1:  # the tile's last query sees a key of it
+        k = tl.load(k_ptr + cols[:, None] * stride_kr + offs_d[None, :], mask=live_n[:, None] & live_d[None, :],
+                    other=0.0)  # [BN, BD]
+        for head in range(HEADS):
+            q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                        mask=live_m[:, None] & live_d[None, :], other=0.0)  # [BM, BD]
+            w = tl.load(w_ptr + rows * stride_wt + head, mask=live_m, other=0.0)  # [BM] float32
+            dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BM, BN]
+            acc += w[:, None] * tl.maximum(dots * scale, 0.0)
+    allowed = live_n[None, :] & (cols[None, :] <= (length - count + rows)[:, None])
+    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], tl.where(allowed, acc, float("-inf")),
+             mask=live_m[:, None] & live_n[None, :])
+
+
+def prompt_index_scores(index_q: torch.Tensor, index_w: torch.Tensor, index_keys: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Index scores of one prompt's (or chunk's) last `n` query tokens over its `L` keys: [n, L] float32, -inf
+    where causality forbids. index_q [n, heads, dim], index_w [n, heads], index_keys [L, dim]."""
+    count, heads, dim = index_q.shape
+    length = index_keys.shape[0]
+    if index_q.stride(2) != 1 or index_keys.stride(1) != 1 or count > length:
+        raise ValueError(f"prompt_index_scores needs unit-stride queries and keys and no more queries than keys; "
+                         f"got queries {tuple(index_q.shape)}, keys {tuple(index_keys.shape)}")
+    out = torch.empty(count, length, dtype=torch.float32, device=index_q.device)
+    index_w = index_w.float()
+    grid = (triton.cdiv(count, PROMPT_BLOCK_M), triton.cdiv(length, PROMPT_BLOCK_N))
+    _prompt_index_scores_kernel[grid](
+        index_q, index_w, index_keys, out, count, length, scale,
+        index_q.stride(0), index_q.stride(1), index_w.stride(0), index_keys.stride(0), out.stride(0),
+        HEADS=heads, DIM=dim, BLOCK_M=PROMPT_BLOCK_M, BLOCK_N=PROMPT_BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), PRECISION=_precision(index_q.dtype), num_warps=4,
+        **launch_options(index_q.device),
+    )
+    return out
+
+
+def sparse_latent_prefill(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, latent_dim: int,
+                          index_q: torch.Tensor, index_w: torch.Tensor, index_keys: torch.Tensor, key_rows: torch.Tensor,
+                          index_scale: float, topk: int, scale: float) -> torch.Tensor:
+    """One prompt's (or chunk's) last `n` query tokens over their chosen keys, absorbed: [n, H, latent]. `key_rows`
+    [L]: the cache row of each of its keys; `index_keys` [L, dim]: theirs, gathered."""
+    count, length = q.shape[0], key_rows.shape[0]
+    scores = prompt_index_scores(index_q, index_w, index_keys, index_scale)
+    positions = scores.topk(min(topk, length), dim=-1, sorted=False).indices.to(torch.int32)  # [n, K]
+    table = key_rows.to(torch.int32).view(1, length).expand(count, length)  # blocks of one row: the rows themselves
+    lengths = torch.arange(length - count + 1, length + 1, dtype=torch.int32, device=q.device)  # causal
+    return sparse_latent_attention(q, q_rope, cache, latent_dim, positions, table, lengths, 1, scale)

@@ -87,11 +87,10 @@ class SparseLatentAttention(deepseek_v2.MultiHeadLatentAttention):
         if batch.max_new == 1:
             return self._values(self._decode(query, index_q, index_w, batch, cache_k, cache_index))
         out = query.new_empty(query.shape[0], self.heads, self.v_dim)
-        if batch.single_longest:
+        if batch.single_longest:  # decodes beside prompts
             tokens = single_tokens(batch)
-            rows = batch.key_index[batch.single_seqs, : batch.single_longest]
-            out[tokens] = self._values(self._sparse_latent(query[tokens], index_q[tokens], index_w[tokens], rows,
-                                                           batch.single_lens, cache_k, cache_index))
+            out[tokens] = self._values(self._single_tokens(query[tokens], index_q[tokens], index_w[tokens], batch,
+                                                           cache_k, cache_index))
         if batch.prompts is not None:
             out[batch.prompts.tokens] = self._prompts(query, index_q, index_w, batch, cache_k, cache_index)
         return out
@@ -115,6 +114,20 @@ class SparseLatentAttention(deepseek_v2.MultiHeadLatentAttention):
         rows = batch.block_table[:, positions // size].long() * size + positions % size  # [B, W * block]
         return self._sparse_latent(query, index_q, index_w, rows, batch.seq_lens, cache_k, cache_index)
 
+    def _single_tokens(self, query, index_q, index_w, batch: AttentionBatch, cache_k, cache_index) -> torch.Tensor:
+        """The one-token sequences of a step that also carries prompts: [S, heads, latent] (the decode kernels on
+        CUDA, through their block tables)."""
+        if batch.single_table is not None and fused_glue(query):
+            # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
+            from afd.kernels.sparse_mla import sparse_latent_decode
+
+            return sparse_latent_decode(
+                self._absorb_latent(query), query[..., self.nope_dim :], cache_k, self.kv_lora_rank, index_q,
+                index_w, cache_index, self.indexer.scale, self.index_topk, batch.single_table, batch.single_lens,
+                batch.block_size, self.scale)
+        rows = batch.key_index[batch.single_seqs, : batch.single_longest]
+        return self._sparse_latent(query, index_q, index_w, rows, batch.single_lens, cache_k, cache_index)
+
     def _sparse_latent(self, query, index_q, index_w, rows, lengths, cache_k, cache_index) -> torch.Tensor:
         """One query per sequence over its chosen cached rows, absorbed: [S, heads, latent]. `rows` [S, L]: each
         sequence's cache rows by position, the first `lengths` [S] of them its own."""
@@ -128,13 +141,26 @@ class SparseLatentAttention(deepseek_v2.MultiHeadLatentAttention):
             attn_mask=chosen.view(count, 1, 1, length), scale=self.scale)[:, 0]
 
     def _prompts(self, query, index_q, index_w, batch: AttentionBatch, cache_k, cache_index) -> torch.Tensor:
-        """Every prompt's (or chunk's) queries over its chosen keys, expanded per head as MLA's prefill is:
-        [Q, heads, v] for the step's prompt tokens."""
+        """Every prompt's (or chunk's) queries over its chosen keys: [Q, heads, v] for the step's prompt tokens. On
+        CUDA in the latent space, as decode (`afd.kernels.sparse_mla`); elsewhere its keys and values expanded
+        per head, as MLA's prefill and transformers compute them."""
         layout = batch.prompts
-        keys, values = self._expand(cache_k[layout.key_rows].to(query.dtype))
         index_keys = cache_index[layout.key_rows]
         q, index_q, index_w = query[layout.tokens], index_q[layout.tokens], index_w[layout.tokens]
         out = q.new_empty(q.shape[0], self.heads, self.v_dim)
+        if fused_glue(query):
+            # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
+            from afd.kernels.sparse_mla import sparse_latent_prefill
+
+            absorbed = self._absorb_latent(q)  # [Q, heads, latent]
+            for q0, q1, k0, k1 in layout.spans_host:
+                latent = sparse_latent_prefill(
+                    absorbed[q0:q1], q[q0:q1, :, self.nope_dim :], cache_k, self.kv_lora_rank, index_q[q0:q1],
+                    index_w[q0:q1], index_keys[k0:k1], layout.key_rows[k0:k1], self.indexer.scale, self.index_topk,
+                    self.scale)
+                out[q0:q1] = self._values(latent)
+            return out
+        keys, values = self._expand(cache_k[layout.key_rows].to(query.dtype))
         for q0, q1, k0, k1 in layout.spans_host:
             chosen = prompt_choices(index_q[q0:q1], index_w[q0:q1], index_keys[k0:k1], self.indexer.scale,
                                     self.index_topk)
