@@ -96,37 +96,34 @@ class SparseLatentAttention(deepseek_v2.MultiHeadLatentAttention):
         return out
 
     def _decode(self, query, index_q, index_w, batch: AttentionBatch, cache_k, cache_index) -> torch.Tensor:
-        """One new token per sequence: [B, heads, latent], by the Triton kernels on CUDA (capturable), else by
-        the plain-torch path over the gathered rows."""
+        """One new token per sequence: [B, heads, latent]."""
         if batch.block_table is None:  # every sequence adds one token: the flat tokens are the sequences
-            rows = batch.key_index[batch.single_seqs, : batch.single_longest]
-            return self._sparse_latent(query, index_q, index_w, rows, batch.single_lens, cache_k, cache_index)
+            return self._single_tokens(query, index_q, index_w, batch, cache_k, cache_index)
+        return self._paged_tokens(query, index_q, index_w, batch.block_table, batch.seq_lens, batch.block_size,
+                                  cache_k, cache_index)
+
+    def _single_tokens(self, query, index_q, index_w, batch: AttentionBatch, cache_k, cache_index) -> torch.Tensor:
+        """The one-token sequences of a step (beside prompts, or all of a CPU decode step): [S, heads, latent]."""
+        if batch.single_table is not None:
+            return self._paged_tokens(query, index_q, index_w, batch.single_table, batch.single_lens,
+                                      batch.block_size, cache_k, cache_index)
+        rows = batch.key_index[batch.single_seqs, : batch.single_longest]
+        return self._sparse_latent(query, index_q, index_w, rows, batch.single_lens, cache_k, cache_index)
+
+    def _paged_tokens(self, query, index_q, index_w, table, lengths, block_size: int, cache_k,
+                      cache_index) -> torch.Tensor:
+        """One query per sequence through its block table [S, W]: [S, heads, latent], by the Triton kernels on CUDA
+        (capturable: what the decode graphs replay), else by the plain-torch path over the table's rows."""
         if fused_glue(query):
             # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
             from afd.kernels.sparse_mla import sparse_latent_decode
 
             return sparse_latent_decode(
                 self._absorb_latent(query), query[..., self.nope_dim :], cache_k, self.kv_lora_rank, index_q,
-                index_w, cache_index, self.indexer.scale, self.index_topk, batch.block_table, batch.seq_lens,
-                batch.block_size, self.scale)
-        size = batch.block_size
-        positions = torch.arange(batch.block_table.shape[1] * size, device=query.device)
-        rows = batch.block_table[:, positions // size].long() * size + positions % size  # [B, W * block]
-        return self._sparse_latent(query, index_q, index_w, rows, batch.seq_lens, cache_k, cache_index)
-
-    def _single_tokens(self, query, index_q, index_w, batch: AttentionBatch, cache_k, cache_index) -> torch.Tensor:
-        """The one-token sequences of a step that also carries prompts: [S, heads, latent] (the decode kernels on
-        CUDA, through their block tables)."""
-        if batch.single_table is not None and fused_glue(query):
-            # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
-            from afd.kernels.sparse_mla import sparse_latent_decode
-
-            return sparse_latent_decode(
-                self._absorb_latent(query), query[..., self.nope_dim :], cache_k, self.kv_lora_rank, index_q,
-                index_w, cache_index, self.indexer.scale, self.index_topk, batch.single_table, batch.single_lens,
-                batch.block_size, self.scale)
-        rows = batch.key_index[batch.single_seqs, : batch.single_longest]
-        return self._sparse_latent(query, index_q, index_w, rows, batch.single_lens, cache_k, cache_index)
+                index_w, cache_index, self.indexer.scale, self.index_topk, table, lengths, block_size, self.scale)
+        positions = torch.arange(table.shape[1] * block_size, device=query.device)
+        rows = table[:, positions // block_size].long() * block_size + positions % block_size  # [S, W * block]
+        return self._sparse_latent(query, index_q, index_w, rows, lengths, cache_k, cache_index)
 
     def _sparse_latent(self, query, index_q, index_w, rows, lengths, cache_k, cache_index) -> torch.Tensor:
         """One query per sequence over its chosen cached rows, absorbed: [S, heads, latent]. `rows` [S, L]: each
