@@ -27,7 +27,9 @@ from afd.kernels.pdl import gdc_enter, launch_options
 INDEX_BLOCK_N = 64  # positions an index-score program scores
 
 
-@triton.jit(do_not_specialize=["table_width"])
+# do_not_specialize: what varies with the step's table width or a prompt's length (Triton would compile apart values of
+# 1 and multiples of 16: a JIT compile in the middle of serving, `afd.kernels.decode_attention`)
+@triton.jit(do_not_specialize=["table_width", "stride_ob"])
 def _index_scores_kernel(
     q_ptr, w_ptr, k_ptr, out_ptr, table_ptr, lens_ptr,
     table_width, block_size, scale,
@@ -83,7 +85,7 @@ def paged_index_scores(
     return out
 
 
-@triton.jit(do_not_specialize=["splits", "count"])
+@triton.jit(do_not_specialize=["splits", "count", "stride_ib", "stride_tb"])
 def _sparse_latent_kernel(
     q_ptr, r_ptr, cache_ptr, out_ptr, part_ptr, stat_ptr, table_ptr, lens_ptr, idx_ptr,
     heads, block_size, scale, splits, count,
@@ -183,7 +185,7 @@ def sparse_latent_decode(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
 PROMPT_BLOCK_M, PROMPT_BLOCK_N = 32, 64  # query and key tiles of a prompt's index scores
 
 
-@triton.jit(do_not_specialize=["count", "length"])
+@triton.jit(do_not_specialize=["count", "length", "stride_ot"])
 def _prompt_index_scores_kernel(
     q_ptr, w_ptr, k_ptr, out_ptr, count, length, scale,
     stride_qt, stride_qh, stride_wt, stride_kr, stride_ot,
