@@ -104,13 +104,18 @@ def test_index_keys_are_cached_beside_the_latent_rows_and_counted(v32):
     assert cache.nbytes == 5 * 8 * 3 * (40 + 32) * 4  # 4 blocks and the scratch block
 
 
-def test_a_prompt_fed_in_chunks_equals_transformers(v32, reference):
+def test_a_prompt_fed_in_chunks_equals_transformers(v32, reference, monkeypatch):
     """The engine feeds the 150-token prompt 32 tokens a step: each chunk's queries choose among every key before them."""
     from afd.engine.engine import Engine
     from afd.engine.request import SamplingParams
     from afd.engine.text.tokenizer import load_tokenizer
     from tests.server.conftest import submit_all
 
+    from afd.models.paged_attention import AttentionBatch
+
+    steps, build = [], AttentionBatch.build
+    monkeypatch.setattr(AttentionBatch, "build", lambda tables, context, new, *args: steps.append(
+        list(zip(context, new))) or build(tables, context, new, *args))
     tokens, _ = reference("fp32")
     loaded = load_model(str(v32["fp32"]))
     cache = KVCache.for_tokens(loaded.model.kv_layouts(), 1024, torch.float32, "cpu")
@@ -123,6 +128,7 @@ def test_a_prompt_fed_in_chunks_equals_transformers(v32, reference):
     finally:
         engine.stop()
     assert [[t for out in outs for t in out.token_ids] for outs in outputs] == tokens
+    assert any(context > 16 and new > 1 for step in steps for context, new in step)  # a chunk after a sparse one
 
 
 # the loopback split: 1A1F, 2A1F, 3A2F, stages 1 and 2, the gate on either side (not the whole product: each case

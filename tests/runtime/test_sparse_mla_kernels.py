@@ -82,15 +82,18 @@ def test_sparse_latent_decode_equals_the_cpu_path(heads, topk, splits):
 
 @needs_triton
 def test_a_sequence_shorter_than_topk_attends_to_all_it_holds():
-    """Chosen positions past a sequence's end (it holds fewer keys than topk) are skipped, even a whole slice of them."""
+    """Chosen positions past a sequence's end (it holds fewer keys than topk; ascending, they come last) are skipped,
+    however the slices fall."""
     from afd.kernels.sparse_mla import sparse_latent_attention
 
     case = _case(3, 4, [3, 7])
     d = _to(case)
-    positions = torch.tensor([[2, 40, 0, 41, 1, 42, 43, 44], [6, 5, 4, 3, 2, 1, 0, 30]], dtype=torch.int32)
-    got = sparse_latent_attention(d["q"], d["q_rope"], d["cache"], LATENT, positions.to(DEVICE), d["tables"],
-                                  d["lens"], BLOCK, 0.3, splits=4).cpu()
-    assert float((got.double() - _reference(case, 64, 0.3, 0.25)).norm()) < 1e-3
+    positions = torch.tensor([[0, 1, 2, 40, 41, 42, 43, 44], [0, 1, 2, 3, 4, 5, 6, 30]], dtype=torch.int32)
+    want = _reference(case, 64, 0.3, 0.25)
+    for splits in (1, 4):
+        got = sparse_latent_attention(d["q"], d["q_rope"], d["cache"], LATENT, positions.to(DEVICE), d["tables"],
+                                      d["lens"], BLOCK, 0.3, splits=splits).cpu()
+        assert float((got.double() - want).norm() / want.norm()) < 1e-4
 
 
 @needs_triton
@@ -124,6 +127,16 @@ def test_the_v32_attention_decodes_through_the_kernels_as_through_torch(tmp_path
         dense = attention.attend(inputs, step, *cache.layer(1))
     assert float((kernels - reference).norm() / reference.norm()) < 1e-4
     assert float((dense - reference).norm() / reference.norm()) > 1e-2  # 16 of 41 keys is not all of them
+
+
+@needs_triton
+def test_chosen_positions_are_ascending_with_those_past_the_end_last():
+    from afd.kernels.sparse_mla import chosen_positions
+
+    scores = torch.tensor([[0.5, 3.0, -1.0, 2.0, float("-inf"), float("-inf")], [1.0, float("-inf")] + [0.0] * 4])
+    assert chosen_positions(scores.to(DEVICE), 4).tolist()[0] == [0, 1, 2, 3]
+    assert chosen_positions(scores[:1].to(DEVICE), 2).tolist() == [[1, 3]]
+    assert chosen_positions(scores[:1, :3].to(DEVICE), 4).tolist() == [[0, 1, 2]]
 
 
 @needs_triton
@@ -164,3 +177,21 @@ def test_the_v32_attention_prefills_through_the_kernels_as_through_torch(context
         monkeypatch.setattr("afd.models.deepseek_v32.fused_glue", lambda t: False)
         reference = attention.attend(inputs, step, *cache.layer(1))
     assert float((kernels - reference).norm() / reference.norm()) < 1e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_sequence_within_topk_is_read_as_the_dense_kernel_reads_it_whatever_the_table_width(splits):
+    """Holding no more than topk keys, a sequence's sparse step is the dense latent kernel's result to the bit, at
+    any table width (an eager step's, or a decode graph's wider one): graphs and eager steps round it alike."""
+    from afd.kernels.decode_attention import paged_latent_decode_attention
+    from afd.kernels.sparse_mla import sparse_latent_decode
+
+    d = _to(_case(11, 4, [5, 1, 23, 16]))
+    dense = paged_latent_decode_attention(d["q"], d["cache"], LATENT, d["tables"], d["lens"], BLOCK, 0.3,
+                                          splits=splits, q_rope=d["q_rope"])
+    for width in (d["tables"].shape[1], d["tables"].shape[1] + 9):
+        tables = torch.nn.functional.pad(d["tables"], (0, width - d["tables"].shape[1]))
+        sparse = sparse_latent_decode(d["q"], d["q_rope"], d["cache"], LATENT, d["index_q"], d["index_w"],
+                                      d["cache_index"], 0.25, 32, tables, d["lens"], BLOCK, 0.3, splits=splits)
+        assert torch.equal(sparse, dense)

@@ -94,11 +94,12 @@ def _sparse_latent_kernel(
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     GDC: tl.constexpr = 0,
 ):
-    """One program: a block of heads of one sequence over one of `splits` slices of its `count` chosen positions."""
+    """One program: a block of heads of one sequence over one of `splits` slices of its chosen positions (ascending:
+    the first min(count, length) are its own, the rest past its end)."""
     gdc_enter(GDC)
     seq, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + seq)
-    begin, end = _split_range(count, split, splits, BLOCK_N)
+    begin, end = _split_range(tl.minimum(count, length), split, splits, BLOCK_N)
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     offs_l, offs_r = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_R)
     live_h = offs_h < heads
@@ -136,14 +137,16 @@ def sparse_latent_attention(
     q_rope: torch.Tensor,  # [B, H, rope]
     cache: torch.Tensor,  # [rows, 1, latent + rope]
     latent_dim: int,
-    positions: torch.Tensor,  # [B, K] chosen positions of each sequence (any at or past its end are skipped)
+    positions: torch.Tensor,  # [B, K] chosen positions of each sequence, ascending (those past its end come last)
     block_table: torch.Tensor,  # [B, W] int32 (its rows may be one row repeated: stride 0)
     seq_lens: torch.Tensor,  # [B] int32
     block_size: int,
     scale: float,
     splits: int | None = None,
 ) -> torch.Tensor:
-    """MLA decode over each sequence's chosen positions only: [B, H, latent]."""
+    """MLA decode over each sequence's chosen positions only: [B, H, latent]. Slices cut the chosen positions it
+    holds (min(K, length)), in ascending order: a sequence's result does not depend on the table's width, and
+    while it holds no more than K keys its rows are read in the dense latent kernel's order."""
     batch, heads = q.shape[:2]
     width = latent_dim + q_rope.shape[2]
     if cache.shape[1] != 1 or cache.shape[2] != width or cache.stride(2) != 1 or q.stride(2) != 1 or \
@@ -170,6 +173,13 @@ def sparse_latent_attention(
     return out
 
 
+def chosen_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The `topk` best-scored positions of each row of `scores` [R, L] (all of them where L is no more), ascending:
+    [R, min(topk, L)] int32. Positions scored -inf (past a sequence's end) are chosen last, so they come last."""
+    chosen = scores.topk(min(topk, scores.shape[1]), dim=-1, sorted=False).indices
+    return chosen.sort(dim=-1).values.to(torch.int32)
+
+
 def sparse_latent_decode(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, latent_dim: int,
                          index_q: torch.Tensor, index_w: torch.Tensor, cache_index: torch.Tensor, index_scale: float,
                          topk: int, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
@@ -177,7 +187,7 @@ def sparse_latent_decode(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
     """DeepSeek-V3.2's decode step for one query per sequence: index scores, the `topk` best positions, latent
     attention over them: [B, H, latent]. Capturable: no host sync, shapes from the block table's width only."""
     scores = paged_index_scores(index_q, index_w, cache_index, index_scale, block_table, seq_lens, block_size)
-    positions = scores.topk(min(topk, scores.shape[1]), dim=-1, sorted=False).indices.to(torch.int32)
+    positions = chosen_positions(scores, topk)
     return sparse_latent_attention(q, q_rope, cache, latent_dim, positions, block_table, seq_lens, block_size,
                                    scale, splits)
 
@@ -245,7 +255,7 @@ def sparse_latent_prefill(q: torch.Tensor, q_rope: torch.Tensor, cache: torch.Te
     [L]: the cache row of each of its keys; `index_keys` [L, dim]: theirs, gathered."""
     count, length = q.shape[0], key_rows.shape[0]
     scores = prompt_index_scores(index_q, index_w, index_keys, index_scale)
-    positions = scores.topk(min(topk, length), dim=-1, sorted=False).indices.to(torch.int32)  # [n, K]
+    positions = chosen_positions(scores, topk)  # [n, K]
     table = key_rows.to(torch.int32).view(1, length).expand(count, length)  # blocks of one row: the rows themselves
     lengths = torch.arange(length - count + 1, length + 1, dtype=torch.int32, device=q.device)  # causal
     return sparse_latent_attention(q, q_rope, cache, latent_dim, positions, table, lengths, 1, scale)

@@ -24,7 +24,7 @@ from afd.models import deepseek_v2, deepseek_v3
 from afd.models.decoder import MoECausalLM
 from afd.models.dsa import index_scores, chosen_keys, masked_attention, prompt_choices
 from afd.models.layers import apply_linear, apply_rope_halves, fused_glue
-from afd.models.paged_attention import AttentionBatch, single_tokens
+from afd.models.paged_attention import AttentionBatch, prompt_attention, single_tokens
 from afd.models.spec import ModelSpec
 
 ARCHES = ("deepseek_v32",)
@@ -82,8 +82,10 @@ class SparseLatentAttention(deepseek_v2.MultiHeadLatentAttention):
         cache_index[batch.write_index] = index_k.to(cache_index.dtype)
         if not stored:
             cache_k[batch.write_index] = key.to(cache_k.dtype)
-        if 0 < batch.max_len <= self.index_topk:  # (a decode graph's batch has no max_len: the sparse path)
+        if 0 < batch.max_len <= self.index_topk and not fused_glue(query):  # nothing sparse in the step
             return super().attend(inputs, batch, cache_k, cache_v, stored=True)
+        # on CUDA a one-token sequence always takes the sparse kernels (all its keys while it holds no more than
+        # index_topk): a decode graph (which knows no lengths) and an eager step round it alike
         if batch.max_new == 1:
             return self._values(self._decode(query, index_q, index_w, batch, cache_k, cache_index))
         out = query.new_empty(query.shape[0], self.heads, self.v_dim)
@@ -151,6 +153,10 @@ class SparseLatentAttention(deepseek_v2.MultiHeadLatentAttention):
 
             absorbed = self._absorb_latent(q)  # [Q, heads, latent]
             for q0, q1, k0, k1 in layout.spans_host:
+                if k1 - k0 <= self.index_topk:  # every query sees all its keys: dense MLA, for this prompt alone
+                    keys, values = self._expand(cache_k[layout.key_rows[k0:k1]].to(query.dtype))
+                    out[q0:q1] = prompt_attention(q[q0:q1], keys, values, self.scale)
+                    continue
                 latent = sparse_latent_prefill(
                     absorbed[q0:q1], q[q0:q1, :, self.nope_dim :], cache_k, self.kv_lora_rank, index_q[q0:q1],
                     index_w[q0:q1], index_keys[k0:k1], layout.key_rows[k0:k1], self.indexer.scale, self.index_topk,
