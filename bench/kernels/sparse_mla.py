@@ -39,7 +39,8 @@ LATENT, ROPE, INDEX_DIM, INDEX_HEADS, HEADS, TOPK = 512, 64, 128, 64, 128, 2048
 
 def decode_rows(batches, contexts, bandwidth: float) -> list[dict]:
     from afd.kernels.decode_attention import paged_latent_decode_attention
-    from afd.kernels.sparse_mla import paged_index_scores, sparse_latent_attention, sparse_latent_decode
+    from afd.kernels.sparse_mla import (chosen_positions, paged_index_scores, sparse_latent_attention,
+                                        sparse_latent_decode)
 
     rows, block, bf16 = [], 64, torch.bfloat16
     print(f"{'batch':>6} {'context':>8} {'indexer ms':>11} {'floor':>7} {'sparse attn ms':>15} {'floor':>7} "
@@ -59,8 +60,8 @@ def decode_rows(batches, contexts, bandwidth: float) -> list[dict]:
             scale, index_scale = 0.1, INDEX_DIM**-0.5
 
             def indexer():
-                scores = paged_index_scores(index_q, index_w, index_cache, index_scale, table, lens, block)
-                return scores.topk(TOPK, dim=-1, sorted=False).indices.to(torch.int32)
+                return chosen_positions(paged_index_scores(index_q, index_w, index_cache, index_scale, table, lens,
+                                                           block), TOPK)
 
             positions = indexer()
             indexer_ms = time_graph(indexer)

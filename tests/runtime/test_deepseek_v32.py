@@ -200,3 +200,22 @@ def test_the_gpu_tests_v32_shaped_checkpoint_loads_with_its_indexer_fp8(tmp_path
     cache = KVCache(loaded.model.kv_layouts(), 8, torch.float32, "cpu", block_size=8)
     result = greedy_generate(MonolithicRunner(loaded, cache), cache, [PROMPTS[0]], 4, ignore_eos=True)
     assert len(result.tokens[0]) == 4
+
+
+def test_plan_fit_counts_what_the_loader_holds(v32):
+    """GPU sizing of the tiny FP8 V3.2 (its indexer's wq_b/wk FP8, weights_proj float32) equals the bytes
+    load_model(keep_fp8=True) holds, per role and shard; its KV bytes count the index keys."""
+    from afd.planner.fit import fit
+
+    path = str(v32["fp8"])
+    cr = {"spec": {"attention": {"ranks": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+                   "ffn": {"ranks": 1, "expertParallel": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+                   "afd": {"dtype": "float32", "computeGateOnAttention": True}}}
+    report = fit(json.loads((v32["fp8"] / "config.json").read_text()), cr, gpu_memory_bytes=1 << 30)
+    attention, *shards = report.ranks
+    held = load_model(path, "attention", True, keep_fp8=True)
+    assert attention.weight_bytes + attention.scale_bytes == held.resident_bytes
+    assert attention.kv_bytes_per_token == 3 * (32 + 8 + 32) * 4
+    for shard, rank in enumerate(shards):
+        assert rank.weight_bytes + rank.scale_bytes == load_model(path, "ffn", True, shard=(shard, 2),
+                                                                  keep_fp8=True).resident_bytes
