@@ -219,3 +219,26 @@ def test_plan_fit_counts_what_the_loader_holds(v32):
     for shard, rank in enumerate(shards):
         assert rank.weight_bytes + rank.scale_bytes == load_model(path, "ffn", True, shard=(shard, 2),
                                                                   keep_fp8=True).resident_bytes
+
+
+def test_a_prompt_whose_first_blocks_are_cached_computes_its_suffix_only_and_equals_transformers(v32, reference):
+    """A prefix-cache hit as the engine makes one: sequence B's table starts with the 12 full blocks (96 tokens) that
+    sequence A filled with the same prompt; B computes its last 54 tokens only, its queries choosing among index keys
+    A wrote. Its greedy tokens are transformers'."""
+    from afd.step.layout import SeqLayout
+
+    tokens, _ = reference("fp32")
+    prompt, block, hit = PROMPTS[1], 8, 96
+    loaded = load_model(str(v32["fp32"]))
+    cache = KVCache(loaded.model.kv_layouts(), 64, torch.float32, "cpu", block_size=block)
+    runner = MonolithicRunner(loaded, cache)
+    first = cache.allocate(hit)
+    runner(torch.tensor(prompt[:hit]), SeqLayout((tuple(first),), (0,), (hit,)))
+    table = tuple(first + cache.allocate(len(prompt) + NEW_TOKENS - hit))
+    pending, context, generated = prompt[hit:], hit, []
+    while len(generated) < NEW_TOKENS:
+        logits = runner(torch.tensor(pending), SeqLayout((table,), (context,), (len(pending),)))
+        context += len(pending)
+        pending = [int(logits[0].argmax())]
+        generated += pending
+    assert generated == tokens[1]
