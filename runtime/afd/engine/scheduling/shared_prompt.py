@@ -4,8 +4,8 @@ Requests submitted with one `group` and the same prompt: the first admitted (the
 the prompt; one admitted with it, or while its prompt is still being fed, rides it (`ride`): it
 feeds no token, and in the step that feeds the leader's last prompt chunk it samples its own first
 token from the leader's logits row (its own seed stream, controls and grammar), then decodes on
-its own. The prompt's full blocks are shared, with counted owners (`BlockOwners`: a block is freed
-when its last owner finishes); the blocks past them are each request's own, and the partly filled
+its own. The prompt's full blocks are shared, with counted owners (the cache's `afd.kv.block_pool.BlockPool`: a block
+is freed when its last owner finishes); the blocks past them are each request's own, and the partly filled
 last prompt block is copied into the rider's own before its first decode step (`copy_tails`), so
 no request ever writes into a block it shares. A leader that ends before its prompt is in hands
 its riders to the first of them, which prefills (`hand_over`); so do riders put back to wait for a leader that
@@ -22,43 +22,6 @@ import torch
 
 from afd.engine.request import Request
 from afd.step.host_copy import host_to_device
-
-
-class BlockOwners:
-    """Reference counts over a KV cache's blocks: `allocate` gives one owner, `share` adds one, `release` drops one
-    and frees the blocks nobody owns any more."""
-
-    def __init__(self, kv_cache):
-        self.kv_cache = kv_cache
-        self._extra: dict[int, int] = {}  # owners beyond the first, of shared blocks only
-
-    def allocate(self, num_tokens: int) -> list[int]:
-        return self.kv_cache.allocate(num_tokens)
-
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.kv_cache.can_allocate(num_tokens)
-
-    def share(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
-            self._extra[block] = self._extra.get(block, 0) + 1
-
-    def release(self, blocks: Sequence[int]) -> None:
-        free = []
-        for block in blocks:
-            extra = self._extra.get(block)
-            if extra is None:
-                free.append(block)
-            elif extra == 1:
-                del self._extra[block]
-            else:
-                self._extra[block] = extra - 1
-        if free:
-            self.kv_cache.release(free)
-
-    @property
-    def shared(self) -> int:
-        """Blocks with more than one owner now."""
-        return len(self._extra)
 
 
 def riding(request: Request) -> bool:
