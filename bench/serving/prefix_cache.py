@@ -1,10 +1,12 @@
 """Automatic prefix caching (issue 51) on a local deployment (`afd up`), caching on vs off: a multi-turn chat replay,
 a shared-system-prompt workload, and a workload with no sharing (the overhead). Prints, per workload and setting, TTFT
 p50/p99, output tokens/s and the prefix-cache hit rate (cached / prompt tokens, from each answer's streamed usage).
-Default: a tiny CPU model (random weights, fp32), one attention rank; `--model`, `--topology`, `--device` for GPUs.
+Default: a tiny CPU model (random weights, fp32), one attention rank; on GPUs pass `--model` and the ranks'
+settings as `AFD_*` variables (`afd up` hands them on).
 
-    .venv/bin/python bench/serving/prefix_cache.py                          # CPU, tiny qwen3_moe
-    .venv/bin/python bench/serving/prefix_cache.py --prefix 2048 --streams 16,64 --device cuda --model /models/X
+    .venv/bin/python bench/serving/prefix_cache.py --repeats 2                         # CPU, tiny qwen3_moe
+    AFD_DEVICE=cuda AFD_DTYPE=bfloat16 AFD_CUDA_GRAPHS=true python3 bench/serving/prefix_cache.py \
+        --model /models/X --prefix 2048 --streams 16,64 --vocab 30000 --tokens 64
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import json
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,6 +131,12 @@ def start_up(args, caching: bool, port: int, log: Path):
     return up, api, httpx.get(f"{api}/models").json()["data"][0]["id"]
 
 
+def median_row(rows: list[dict]) -> dict:
+    """Each figure's median over the repeats of one workload and setting."""
+    return {key: statistics.median(row[key] for row in rows) for key in ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s",
+                                                                          "hit_rate")}
+
+
 WORKLOADS = {"chat_replay": chat_replay, "shared_system": shared_system,
              "no_sharing": lambda api, model, args, rng: shared_system(api, model, args, rng, shared=False)}
 
@@ -145,10 +154,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=250, help="token ids drawn below this (the tiny model's vocabulary)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="deployments per setting, alternating on and off (a shared machine's load moves single runs)")
     args = parser.parse_args()
     results, logs = [], Path(tempfile.mkdtemp(prefix="prefix-cache-bench-"))
-    for caching in (True, False):
-        up, api, model = start_up(args, caching, free_port_block(1), logs / f"up-{caching}.log")
+    for repeat, caching in [(r, c) for r in range(args.repeats) for c in (True, False)]:
+        up, api, model = start_up(args, caching, free_port_block(1), logs / f"up-{caching}-{repeat}.log")
         try:
             asyncio.run(shared_system(api, model, argparse.Namespace(**{**vars(args), "streams": 1, "turns": 1}),
                                       random.Random(-1), shared=False))  # warm-up
@@ -167,10 +178,13 @@ def main() -> None:
             up.wait(timeout=60)
     for name in args.workloads.split(","):
         for streams in map(int, args.streams.split(",")):
-            on, off = ([r for r in results if r["workload"] == name and r["streams"] == streams and r["caching"] == c][0]
-                       for c in (True, False))
-            print(f"{name:>13} streams={streams:<3} caching on/off: TTFT p50 x{on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}, "
-                  f"tokens/s x{on['tokens_per_s'] / off['tokens_per_s']:.3f}", flush=True)
+            on, off = (median_row([r for r in results if r["workload"] == name and r["streams"] == streams
+                                   and r["caching"] == c]) for c in (True, False))
+            print(f"{name:>13} streams={streams:<3} caching on/off (median of {args.repeats}): TTFT p50 "
+                  f"{on['ttft_p50_ms']:.0f}/{off['ttft_p50_ms']:.0f} ms x{on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}, "
+                  f"p99 {on['ttft_p99_ms']:.0f}/{off['ttft_p99_ms']:.0f} ms, tokens/s {on['tokens_per_s']:.1f}/"
+                  f"{off['tokens_per_s']:.1f} x{on['tokens_per_s'] / off['tokens_per_s']:.3f}, hit rate "
+                  f"{100 * on['hit_rate']:.1f} %", flush=True)
     write_json("prefix_cache", {"args": vars(args), "results": results})
 
 
