@@ -163,3 +163,30 @@ def test_a_step_taken_back_never_publishes_and_tokens_equal_caching_off(family, 
     off, _ = one_by_one(parts, prompts, caching=False, params=params, budget=12)
     assert [token_ids(o) for o in on] == [token_ids(o) for o in off]
     assert on[1][-1].cached_tokens == 32
+
+
+def test_choices_whose_leader_ends_mid_prefill_go_on_from_its_published_blocks(checkpoints):
+    """n = 4 seeded choices, 16-token chunks of a 40-token prompt: the leader aborted at the launch of its second
+    chunk (the first one read); the first rider prefills from the published block on (never writing it again) and
+    every survivor equals its separate run."""
+    from tests.server.test_shared_prompt_edges import PROMPT, seeded, separate, submit
+
+    path = str(checkpoints["qwen3_moe"])
+    parts = (load_model(path), load_tokenizer(path))
+    params = seeded()
+    engine, probe = make(parts, budget=16, prefix_caching=True)
+    outputs = submit(engine, params)
+    at = 2
+    probe.hooks[at] = lambda: engine.abort("c0")
+    engine.start()
+    try:
+        results = outputs.wait([1, 2, 3])
+        settled(engine, probe)
+    finally:
+        engine.stop()
+    assert all(o.error is None for i in (1, 2, 3) for o in results[i])
+    expected = separate(parts, params)
+    assert [token_ids(results[i]) for i in (1, 2, 3)] == expected[1:]
+    # the leader's chunks (the last one in flight when it ended), the rest of the prompt after the published blocks,
+    # the survivors' decodes: the published part is never fed again (without it, 16 * (at - 1) more)
+    assert probe.fed == 16 * at + len(PROMPT) - 16 * (at - 1) + 3 * (6 - 1), probe.fed

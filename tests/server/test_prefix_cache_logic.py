@@ -151,3 +151,27 @@ def test_a_hit_that_leaves_too_little_room_waits_and_gives_its_cached_blocks_bac
     sched.add(big)
     assert big not in sched.schedule() and list(sched.waiting) == [big]
     assert sched.kv_cache.free_blocks == 2 and sched.kv_cache.pool.lookup(big.block_names[:1])
+
+
+def test_a_choice_that_takes_over_an_ended_leaders_prefill_starts_after_its_published_blocks():
+    sched = scheduler(budget=5)
+    leader, rider = request(range(1, 11)), request(range(1, 11))
+    leader.group = rider.group = "g"
+    sched.add(leader)
+    sched.add(rider)
+    assert sched.schedule() == [leader] and rider.shares is leader and leader.chunk == 5
+    leader.cached_tokens += leader.chunk
+    sched.publish([(leader, leader.cached_tokens)])  # its first block is written for good (and may be shared)
+    sched.finish(leader)  # ended mid-prefill: the rider prefills, from the published block on
+    assert rider.shares is None and (rider.cached_tokens, rider.published) == (4, 1)
+    assert sched.schedule() == [rider] and rider.chunk == 5
+    off = scheduler(budget=5, caching=False)  # without prefix caching nothing is published: it starts from 0
+    leader, rider = request(range(1, 11)), request(range(1, 11))
+    leader.group = rider.group = "g"
+    off.add(leader)
+    off.add(rider)
+    off.schedule()
+    leader.cached_tokens += leader.chunk
+    off.publish([(leader, leader.cached_tokens)])
+    off.finish(leader)
+    assert rider.shares is None and rider.cached_tokens == 0

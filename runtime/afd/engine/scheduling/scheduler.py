@@ -143,7 +143,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         if request.riders:
-            hand_over(request, self.leaders)
+            hand_over(request, self.leaders, self.kv_cache.block_size)
         if request.shares is not None:
             leave(request, self.leaders)
         if request.blocks:
@@ -153,7 +153,7 @@ class Scheduler:
     def taken_back(self) -> None:
         """Launched steps were taken back (hold and resume): riders waiting again for a leader that ended meanwhile
         ride the first of them (`afd.engine.scheduling.shared_prompt.rejoin`)."""
-        rejoin(self.running, self.leaders)
+        rejoin(self.running, self.leaders, self.kv_cache.block_size)
 
     def abort(self, request_ids: set[str]) -> list[Request]:
         """End and free the running or waiting requests of `request_ids` (tokens already launched are dropped)."""

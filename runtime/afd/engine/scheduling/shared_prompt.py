@@ -65,8 +65,10 @@ def board(leader: Request, block_size: int, copies: list) -> list[Request]:
     return boarding
 
 
-def hand_over(leader: Request, leaders: set[Request]) -> None:
-    """`leader` ends: its riders still waiting for its prefill ride the first of them, which prefills."""
+def hand_over(leader: Request, leaders: set[Request], block_size: int = 0) -> None:
+    """`leader` ends: its riders still waiting for its prefill ride the first of them, which prefills from the
+    leader's published blocks on (prefix caching: never written again, others may share them) unless it asks for
+    prompt logprobs."""
     waiting = [r for r in leader.riders if riding(r) and not r.done]
     leader.riders = []
     leaders.discard(leader)
@@ -74,13 +76,16 @@ def hand_over(leader: Request, leaders: set[Request]) -> None:
         return
     first, rest = waiting[0], waiting[1:]
     first.shares, first.riders, first.prompt_logprobs = None, rest, []
+    if leader.published and first.params.prompt_logprobs is None:
+        first.published, first.prefix_hit = leader.published, leader.prefix_hit
+        first.cached_tokens = min(leader.published * block_size, len(first.prompt_ids) - 1)
     for rider in rest:
         rider.shares, rider.prompt_logprobs = first, first.prompt_logprobs
     if rest:
         leaders.add(first)
 
 
-def rejoin(running: Sequence[Request], leaders: set[Request]) -> None:
+def rejoin(running: Sequence[Request], leaders: set[Request], block_size: int = 0) -> None:
     """After launched steps are taken back (hold and resume): riders put back to wait for a prefill whose leader has
     ended meanwhile ride the first of them, which prefills (as `hand_over` does)."""
     live, orphans = set(running), {}
@@ -89,7 +94,7 @@ def rejoin(running: Sequence[Request], leaders: set[Request]) -> None:
             orphans.setdefault(request.shares, []).append(request)
     for leader, riders in orphans.items():
         leader.riders = riders
-        hand_over(leader, leaders)
+        hand_over(leader, leaders, block_size)
 
 
 def leave(request: Request, leaders: set[Request]) -> None:
