@@ -5,8 +5,9 @@ Default: a tiny CPU model (random weights, fp32), one attention rank; on GPUs pa
 settings as `AFD_*` variables (`afd up` hands them on).
 
     .venv/bin/python bench/serving/prefix_cache.py --repeats 2                         # CPU, tiny qwen3_moe
+    python3 bench/harness/random_weights.py --out /tmp/ck/v2lite --layers 27     # DeepSeek-V2-Lite shapes
     AFD_DEVICE=cuda AFD_DTYPE=bfloat16 AFD_CUDA_GRAPHS=true python3 bench/serving/prefix_cache.py \
-        --model /models/X --prefix 2048 --streams 16,64 --vocab 30000 --tokens 64
+        --model /tmp/ck/v2lite --monolithic --prefix 2048 --streams 16,64 --vocab 30000 --tokens 64
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def start_up(args, caching: bool, port: int, log: Path):
                "--prefix-caching" if caching else "--no-prefix-caching"]
     if args.model:
         command += ["--model", args.model]
+    if args.monolithic:
+        command += ["--monolithic"]
     up = subprocess.Popen(command, stderr=open(log, "w"), stdout=subprocess.DEVNULL)
     while not state_file.exists():
         if up.poll() is not None:
@@ -146,6 +149,7 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder (default: afd up's tiny qwen3_moe)")
     parser.add_argument("--topology", default="1A1F")
     parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--monolithic", action="store_true", help="one process, the FFN local (afd up --monolithic)")
     parser.add_argument("--streams", default="8", help="concurrent clients, comma-separated for several runs")
     parser.add_argument("--turns", type=int, default=4, help="requests per client (chat: turns of a conversation)")
     parser.add_argument("--prefix", type=int, default=512, help="shared system prompt tokens (chat: ~words)")
