@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-prompts", type=int, help="prompts per /v1/completions request (default 128; AFD_MAX_PROMPTS)")
     up.add_argument("--max-prompt-chars", type=int,
                     help="characters of a prompt before tokenization (default 32 per context token; AFD_MAX_PROMPT_CHARS)")
+    up.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="keep prompts' prefixes in the KV cache for later requests (default on; AFD_PREFIX_CACHING)")
     up.add_argument("--read-timeout", type=float, default=600.0,
                     help="seconds the front door waits for a rank to send something (default 600)")
 
@@ -275,7 +277,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from afd.local.up import ensure_tiny_model, run_up  # local import: torch
 
     config = _group_config(args, "up", UP_DEFAULTS, max_request_bytes=args.max_request_bytes,
-                           max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars)
+                           max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars,
+                           prefix_caching=args.prefix_caching)
     if not config.load.model:
         config = config.replace(model=str(ensure_tiny_model()))
     Checkpoint(config.load.model)  # a clear error now rather than in every rank's log

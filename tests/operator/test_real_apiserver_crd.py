@@ -97,6 +97,11 @@ def test_api_servers_are_stored_as_given_and_default_to_the_engines_process(clus
     assert cluster.create(_cr(namespace, "api-default"))["spec"]["afd"]["apiServers"] == 0
 
 
+def test_prefix_caching_is_stored_as_given_and_defaults_on(cluster, namespace):
+    assert cluster.create(_cr(namespace, "prefix-off", afd={"prefixCaching": False}))["spec"]["afd"]["prefixCaching"] is False
+    assert cluster.create(_cr(namespace, "prefix-default"))["spec"]["afd"]["prefixCaching"] is True
+
+
 def test_the_api_key_secret_ref_is_stored_defaulted_and_the_attention_pods_read_the_key_from_it(cluster, namespace):
     """Issue 52: `spec.api.apiKeySecretRef` kept (its key defaulted); the rendered attention StatefulSet, as the API
     server keeps it, takes AFD_API_KEY from the Secret, and no literal value of it is anywhere."""

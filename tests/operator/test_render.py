@@ -387,6 +387,16 @@ def test_the_prefill_itl_ratio_reaches_the_runtime_only_when_set():
     assert afd_config.AFDConfig(**runtime).scheduler.prefill_itl_ratio == 2
 
 
+def test_prefix_caching_off_reaches_the_runtime_only_when_set():
+    def runtime_of(afd):
+        config_map = next(o for o in _render(make_cr(afd=afd)) if o["kind"] == "ConfigMap")
+        return yaml.safe_load(config_map["data"]["afd.yaml"])
+
+    assert "prefix_caching" not in runtime_of({}) and afd_config.AFDConfig().kv.prefix_caching  # on by default
+    runtime = runtime_of({"prefixCaching": False})
+    assert runtime["prefix_caching"] is False and not afd_config.AFDConfig(**runtime).kv.prefix_caching
+
+
 def test_api_servers_reach_the_runtime_as_api_processes_only_when_set():
     def runtime_of(afd):
         config_map = next(o for o in _render(make_cr(afd=afd)) if o["kind"] == "ConfigMap")

@@ -167,6 +167,7 @@ class AFDSettings(_Model):
     api_servers: int = Field(default=0, ge=0, le=16)  # 0: the API in the engine's process (the runtime's api_process off)
     kv_cache_bytes: int = _runtime("kv_cache_bytes", ge=0, le=1 << 50)
     gpu_memory_utilization: float = _runtime("gpu_memory_utilization", ge=0.01, le=1)
+    prefix_caching: bool = _runtime("prefix_caching")
     attention_engine: AttentionEngine = _runtime("attention_engine")
     attention_image: Optional[str] = None
     vllm_args: list[str] = Field(default_factory=list)

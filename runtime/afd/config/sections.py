@@ -171,7 +171,7 @@ class SchedulerSettings:
 
 @dataclass(frozen=True)
 class KVCacheSettings:
-    """The KV cache's budget."""
+    """The KV cache's budget, and whether it keeps prompts' prefixes."""
 
     kv_cache_bytes: int = setting(
         0, "KV-cache budget of an attention rank in bytes (0: sized from the device, see `gpu_memory_utilization`; "
@@ -181,6 +181,11 @@ class KVCacheSettings:
         0.9, "With `kv_cache_bytes` 0 on a GPU: the KV cache takes this fraction of the GPU's memory, less what is in "
         "use after loading the weights, the peak of the largest step (`max_num_batched_tokens`, profiled at start) "
         "and 1 GiB for the decode graphs (vLLM's `--gpu-memory-utilization`).", roles=(A, M), gt=0, le=1)
+    prefix_caching: bool = setting(
+        True, "Automatic prefix caching: a prompt's full KV-cache blocks stay cached after its request ends (evicted "
+        "least recently used when the cache needs room), and a later prompt with the same prefix (and `cache_salt`) "
+        "starts its prefill after them; `usage.prompt_tokens_details.cached_tokens` and "
+        "`afd_prefix_cache_hits_total` count them. false: every prompt is prefilled in full.", roles=(A, M))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ indexer keys) holds one more [rows, index_dim] tensor, addressed by the same row
 owns, shares or frees a block owns, shares or frees its index keys too.
 
 Sequences own lists of blocks (their block tables); memory is reserved per block,
-not per maximum length, so the cache holds as many tokens as its budget allows.
+not per maximum length, so the cache holds as many tokens as its budget allows. Which blocks are
+free, shared or cached for a prefix is its `pool`'s (`afd.kv.block_pool`).
 """
 
 from __future__ import annotations
@@ -15,21 +16,19 @@ from typing import Sequence
 
 import torch
 
+from afd.kv.block_pool import BlockPool
 from afd.models.spec import KVLayout
 
 DEFAULT_BLOCK_SIZE = 16
 
 
-class CacheFullError(RuntimeError):
-    """Not enough free blocks: the caller must wait for a sequence to finish."""
-
-
 class KVBlocks:
     """The block arithmetic of a KV cache of `num_blocks` blocks of `block_size` tokens (no tensors:
-    what admission needs, also where the cache lives in another process)."""
+    what admission needs, also where the cache lives in another process), and who holds which block."""
 
     def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.pool = BlockPool(num_blocks, block_size)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -64,7 +63,6 @@ class KVCache(KVBlocks):
         ]
         self.index_keys = [torch.zeros(rows, lay.index_dim, dtype=dtype, device=device) if lay.index_dim else None
                            for lay in self.layouts]
-        self._free = list(range(num_blocks - 1, -1, -1))
 
     @classmethod
     def for_tokens(cls, layouts, num_tokens: int, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
@@ -82,27 +80,23 @@ class KVCache(KVBlocks):
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks free for new sequences, cached prefixes nobody owns included."""
+        return self.pool.free_blocks
 
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= len(self._free)
+        return self.pool.can_allocate(num_tokens)
 
     def allocate(self, num_tokens: int) -> list[int]:
-        """Blocks holding `num_tokens` tokens; `CacheFullError` if too few are free."""
-        needed = self.blocks_for(num_tokens)
-        if needed > len(self._free):
-            raise CacheFullError(f"{needed} KV-cache blocks needed, {len(self._free)} of {self.num_blocks} free")
-        return [self._free.pop() for _ in range(needed)]
+        """Blocks holding `num_tokens` tokens; `afd.kv.block_pool.CacheFullError` if too few are free."""
+        return self.pool.allocate(num_tokens)
 
     def release(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
-            if not 0 <= block < self.num_blocks:
-                raise ValueError(f"block {block} is not a KV-cache block")
-        self._free.extend(blocks)
+        self.pool.release(blocks)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        """Owned blocks' share (cached blocks nobody owns count as free)."""
+        return 1.0 - self.pool.free_blocks / self.num_blocks
 
     @property
     def nbytes(self) -> int:

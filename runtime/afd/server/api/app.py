@@ -28,7 +28,7 @@ from afd.engine.structured_output.grammars import Grammars
 from afd.engine.text.tokenizer import chat_prompt_ids
 from afd.server.api import choices, json_body, resume as resumes, streams, tokenize_api, validation
 from afd.server.api.api_keys import ApiKeys, RequireApiKey
-from afd.server.api.formatting import PromptShown, chat_response, completion_response
+from afd.server.api.formatting import PromptShown, chat_response, completion_response, usage_of
 from afd.server.api.http_body import BodyTimeout, BodyTooLarge, read_body
 from afd.server.api.liveness import LoopWatch
 from afd.server.api.protocol import (ChatRequest, CompletionRequest, ModelNotFound, Unavailable, error_response,
@@ -143,7 +143,7 @@ def create_app(state: ServerState) -> FastAPI:
             results[i * count: (i + 1) * count], request.n, request.logprobs is not None)]
         per_choice = lambda values: [v for v in values for _ in range(request.n)]  # noqa: E731
         shown = PromptShown(per_choice(prompts), request.echo_logprobs, request.prompt_logprobs)
-        usage = _usage_of(sum(map(len, prompts)), choices.completion_tokens(results))
+        usage = usage_of(sum(map(len, prompts)), choices.completion_tokens(results), choices.cached_tokens(results, count))
         return JSONResponse(completion_response(state, picked, per_choice(echo), shown, usage))
 
     @app.post("/v1/chat/completions")
@@ -163,7 +163,7 @@ def create_app(state: ServerState) -> FastAPI:
         results = await streams.complete(http, submitted)
         if results is None:
             return Response(status_code=499)
-        usage = _usage_of(len(prompt), choices.completion_tokens(results))
+        usage = usage_of(len(prompt), choices.completion_tokens(results), choices.cached_tokens(results, request.n))
         return JSONResponse(chat_response(state, submitted[0].request.request_id, results, request.prompt_logprobs,
                                           usage, thinking))
 
@@ -285,11 +285,6 @@ def _grammar(state: ServerState, request, thinking: bool = False) -> str | None:
         grammars = state.grammars
     grammars.check(grammar, field)
     return grammar
-
-
-def _usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _check_model(state: ServerState, model: str | None) -> None:

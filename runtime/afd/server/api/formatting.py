@@ -14,11 +14,17 @@ def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens found in the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 def _usage(outputs: Sequence[RequestOutput]) -> dict:
     last = outputs[-1] if outputs else None
-    prompt = last.prompt_tokens if last else 0
-    completion = last.completion_tokens if last else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if last is None:
+        return usage_of(0, 0)
+    return usage_of(last.prompt_tokens, last.completion_tokens, max(o.cached_tokens for o in outputs))
 
 
 def _completion_logprobs(tokenizer, entries: list[TokenLogprobs], offset: int) -> dict | None:
@@ -110,7 +116,7 @@ def vllm_prompt_logprobs(tokenizer, entries: list, top: int) -> list[dict | None
 def completion_response(state, results: list[list[RequestOutput]], echo: list[str],
                         shown: PromptShown | None = None, usage: dict | None = None) -> dict:
     """One choice per entry of `results` (its prefix in `echo`); `usage` when it is not the choices' sum (n > 1)."""
-    choices, totals = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    choices, totals = [], usage_of(0, 0)
     for index, (outputs, prefix) in enumerate(zip(results, echo)):
         text = prefix + "".join(o.text for o in outputs)
         entries = [e for o in outputs for e in o.logprobs]
@@ -129,7 +135,10 @@ def completion_response(state, results: list[list[RequestOutput]], echo: list[st
                                                              shown.prompt_logprobs)
         choices.append(choice)
         for key, value in _usage(outputs).items():
-            totals[key] += value
+            if key == "prompt_tokens_details":
+                totals[key]["cached_tokens"] += value["cached_tokens"]
+            else:
+                totals[key] += value
     usage = usage or totals
     request_id = results[0][-1].request_id if results and results[0] else "cmpl"
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),

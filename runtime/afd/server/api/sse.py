@@ -13,7 +13,7 @@ import time
 from json.encoder import encode_basestring_ascii as _quote  # what json.dumps uses for a str
 
 from afd.engine.request import RequestOutput
-from afd.server.api.formatting import PromptShown, chat_chunk, completion_chunk
+from afd.server.api.formatting import PromptShown, chat_chunk, completion_chunk, usage_of
 
 DONE = "data: [DONE]\n\n"
 
@@ -87,10 +87,9 @@ class StreamEvents:
             reasoning, content = reasoning + more_reasoning, content + more_content
         return reasoning, content
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
         """The last chunk's usage: the prompt once, every choice's tokens."""
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
+        usage = usage_of(prompt_tokens, completion_tokens, cached_tokens)
         chunk = {"id": self.chunk_id, "object": self.kind, "created": int(time.time()),
                  "model": self.state.model_name, "choices": [], "usage": usage}
         return f"data: {json.dumps(chunk)}\n\n"

@@ -16,7 +16,7 @@ from dataclasses import astuple, dataclass, fields
 
 from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
 
-VERSION = 2  # 2: outputs carry prompt logprobs
+VERSION = 3  # 2: outputs carry prompt logprobs; 3: and cached prompt tokens
 SUBMIT, SUBMITS, ABORT, BEAT = "submit", "submits", "abort", "beat"
 
 
@@ -130,7 +130,8 @@ def _shown(value) -> str:
 def encode_outputs(state: CoreState, outputs: list[RequestOutput]) -> bytes:
     rows = [(o.request_id, o.text, o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs] if o.logprobs
              else None, o.finished, o.finish_reason, o.error, o.prompt_tokens, o.completion_tokens,
-             None if o.prompt_logprobs is None else [None if lp is None else astuple(lp) for lp in o.prompt_logprobs])
+             None if o.prompt_logprobs is None else [None if lp is None else astuple(lp) for lp in o.prompt_logprobs],
+             o.cached_tokens)
             for o in outputs]
     return pickle.dumps((VERSION, state.problem, state.unready, rows), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -142,6 +143,6 @@ def decode_outputs(message: bytes) -> tuple[CoreState, list[RequestOutput]]:
                          "both processes must come from one image")
     outputs = [RequestOutput(rid, text, ids, [TokenLogprobs(*lp) for lp in lps] if lps else [], finished, reason, error,
                              prompt, completion,
-                             None if shown is None else [None if lp is None else TokenLogprobs(*lp) for lp in shown])
-               for rid, text, ids, lps, finished, reason, error, prompt, completion, shown in rows]
+                             None if shown is None else [None if lp is None else TokenLogprobs(*lp) for lp in shown], cached)
+               for rid, text, ids, lps, finished, reason, error, prompt, completion, shown, cached in rows]
     return CoreState(problem, unready), outputs

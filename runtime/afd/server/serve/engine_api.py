@@ -51,6 +51,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         prefill_itl_ratio=scheduler.prefill_itl_ratio,
         prefill_backlog_steps=scheduler.prefill_backlog_steps,
         hold_s=config.link.ffn_hold_s,
+        prefix_caching=config.kv.prefix_caching,
         vocab_size=spec.vocab_size,  # the sampler's width: a seeded stream is advanced over it (afd.engine.recovery.carry)
     )
     metrics.track(engine)
