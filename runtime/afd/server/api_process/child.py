@@ -47,6 +47,7 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
         exposition=lambda: urllib.request.urlopen(facts["metrics_url"], timeout=5).read(),  # the core's series
         api_keys=ApiKeys(api.api_keys),
         reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
+        resume_key=group.group_secret.encode(),  # streams moved here from a lost rank (the core takes their tokens)
     )
     app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(
         api.failover_url, resume_key=group.group_secret.encode()))
