@@ -87,6 +87,7 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
     client = httpx.AsyncClient(timeout=httpx.Timeout(settings.read_timeout_s, connect=5.0),
                                limits=httpx.Limits(max_connections=None, keepalive_expiry=2.0))
     metrics = FrontMetrics(lambda: sum(backends.in_flight.values()), backends.metrics_urls())
+    app.state.front_metrics = metrics  # `afd route` serves these on its probe port
     watching: list[asyncio.Task] = []
 
     @app.on_event("startup")
