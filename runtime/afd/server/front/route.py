@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -24,10 +23,10 @@ from prometheus_client import Gauge
 from afd.server.api.liveness import LoopWatch
 from afd.server.front.discovery import RankDiscovery
 from afd.server.front.door import Backends, FrontSettings, create_front_app
-from afd.server.probe_http import Probes, start_probe_server
+from afd.server.front.failover import Failover, FailoverSettings
+from afd.server.probe_http import DrainWatch, Probes, start_probe_server
 
 log = logging.getLogger(__name__)
-QUIET_S = 1.0  # a drain ends once no request has run for this long
 
 
 @dataclass(frozen=True)
@@ -44,27 +43,14 @@ class RouteSettings:
     front: FrontSettings = field(default_factory=FrontSettings)
 
 
-class Quiet:
-    """Seconds since the last relayed request ended (0 while one runs), for the drain."""
-
-    def __init__(self, backends: Backends):
-        self.backends = backends
-        self._busy_at = time.monotonic()
-
-    def seconds(self) -> float:
-        if sum(self.backends.in_flight.values()):
-            self._busy_at = time.monotonic()
-            return 0.0
-        return time.monotonic() - self._busy_at
-
-
 def build_router(settings: RouteSettings):
-    """The ASGI app, its probes and the pieces tests look at: (app, probes, discovery, backends)."""
+    """The ASGI app (the front door behind `Failover`, which only closes connections while draining), its probes
+    and the pieces tests look at: (app, probes, discovery, backends)."""
     discovery = RankDiscovery(list(settings.ranks), settings.rank_http_port, settings.rank_metrics_port,
                               settings.refresh_s)
     backends = Backends(discovery.urls, probe_bases=discovery.probe_bases)
-    app = create_front_app(backends, settings.front)
-    loop_watch, quiet = LoopWatch(), Quiet(backends)
+    front = create_front_app(backends, settings.front)
+    loop_watch = LoopWatch()
 
     def ready() -> str | None:
         if not discovery.ranks:
@@ -73,19 +59,22 @@ def build_router(settings: RouteSettings):
             return f"none of the {len(discovery.ranks)} attention ranks is ready"
         return None
 
-    probes = Probes(ready, loop_watch.problem, drained=lambda: quiet.seconds() >= QUIET_S)
-    registry = app.state.front_metrics.registry
+    drain = DrainWatch(lambda: app.quiet_s())
+    probes = Probes(ready, loop_watch.problem, drained=drain.drained, on_drain=drain.begin)
+    # no failover URL: only `Connection: close` on every answer while draining, so clients reconnect elsewhere
+    app = Failover(front, lambda: probes.draining.is_set(), FailoverSettings())
+    registry = front.state.front_metrics.registry
     known = Gauge("afd_front_ranks", "Attention ranks the front door knows, by readiness", ["state"], registry=registry)
     known.labels(state="ready").set_function(lambda: sum(load.ready for load in backends.watch.seen.values()))
     known.labels(state="unready").set_function(lambda: sum(not load.ready for load in backends.watch.seen.values()))
     tasks: list[asyncio.Task] = []
 
-    @app.on_event("startup")
+    @front.on_event("startup")
     async def _find_ranks() -> None:
         await discovery.refresh()  # the first answer before the first request
         tasks.extend([asyncio.create_task(discovery.run()), asyncio.create_task(loop_watch.run())])
 
-    @app.on_event("shutdown")
+    @front.on_event("shutdown")
     async def _stop_finding() -> None:
         for task in tasks:
             task.cancel()
@@ -98,7 +87,7 @@ def run_route(settings: RouteSettings) -> int:
     if not settings.ranks:
         raise ValueError("afd route needs the attention ranks: --ranks or AFD_ROUTE_RANKS (DNS names or URLs)")
     app, probes, _, _ = build_router(settings)
-    start_probe_server(settings.host, settings.metrics_port, probes, app.state.front_metrics.registry)
+    start_probe_server(settings.host, settings.metrics_port, probes, app.app.state.front_metrics.registry)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_keep_alive=30,
                                            timeout_graceful_shutdown=max(1, round(settings.front.shutdown_grace_s))))
