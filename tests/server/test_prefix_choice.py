@@ -5,7 +5,7 @@ from __future__ import annotations
 from afd.server.front.prefix_choice import (
     ChoiceSettings, Chooser, PrefixMap, RankLoad, chunk_hashes, choose, prompt_text, request_hashes,
 )
-from afd.server.front.rank_watch import gauges
+from afd.server.front.rank_watch import RankWatch, gauges
 
 A, B, C = "http://a", "http://b", "http://c"
 SYSTEM = "You are a careful assistant. " * 40  # ~1,100 characters: 9 chunks of 128
@@ -95,3 +95,33 @@ def test_the_load_gauges_are_read_from_a_ranks_exposition():
     ])
     assert gauges(text) == (5.0, 0.42)
     assert gauges("garbage\nafd_requests_running oops") == (0.0, 0.0)
+
+
+def test_the_watch_counts_this_replicas_requests_now_and_the_others_as_last_polled():
+    import asyncio
+
+    import httpx
+
+    exposition = 'afd_requests_running{rank="0"} 3.0\nafd_requests_waiting{rank="0"} 1.0\nafd_kv_cache_usage_ratio 0.5\n'
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "gone":
+            raise httpx.ConnectError("refused")
+        if request.url.path == "/health":
+            return httpx.Response(200 if request.url.host == "a" else 503)
+        return httpx.Response(200, text=exposition)
+
+    own = {A: 2}
+    watch = RankWatch(lambda: {A: A, B: B, "http://gone": "http://gone"}, lambda: own)
+
+    async def poll():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await watch.poll(client)
+
+    asyncio.run(poll())
+    assert watch.seen[A] == RankLoad(requests=2.0, kv_usage=0.5, ready=True)  # 4 on the rank, 2 of them ours
+    assert watch.seen[B].ready is False and watch.seen["http://gone"] == RankLoad(ready=False)
+    own[A] = 0  # ours finished since: only the others' remain
+    assert watch.loads([A, C]) == {A: RankLoad(2.0, 0.5, True), C: RankLoad()}
+    own[A] = 1
+    assert watch.loads([A])[A].requests == 3.0

@@ -62,7 +62,8 @@ class Backends:
         self.in_flight: dict[str, int] = {}
         self.choice = choice
         self.chooser = Chooser(choice)
-        self.watch = RankWatch(probe_bases or (lambda: {url: url for url in self.urls()}), watch_interval_s)
+        self.watch = RankWatch(probe_bases or (lambda: {url: url for url in self.urls()}), lambda: self.in_flight,
+                               watch_interval_s)
         self._known: frozenset[str] = frozenset()
 
     def order(self, hashes: list[bytes] = ()) -> list[str]:
@@ -71,7 +72,7 @@ class Backends:
         if self._known != frozenset(urls):  # ranks came or went: forget where the gone ones' prefixes were
             self._known = frozenset(urls)
             self.chooser.prefixes.forget(urls)
-        return self.chooser.order(urls, self.watch.loads(urls, self.in_flight), list(hashes))
+        return self.chooser.order(urls, self.watch.loads(urls), list(hashes))
 
     def served(self, hashes: list[bytes], url: str) -> None:
         """`url` answered a request keyed by `hashes`: it holds that prefix now."""

@@ -13,7 +13,7 @@ a wrong guess only costs a prefill.
 holding for a lost FFN), unready ones last (tried only when every ready one refused). Among ready ranks, the one
 with the longest matching chunk chain wins unless its load exceeds the least-loaded ready rank's by more than
 `slack_requests` or `slack_ratio` of it, or its KV cache is nearly full (`kv_full`); otherwise the least loaded
-(fewest requests, then least KV use), ties taken in turn so that sequential requests spread evenly.
+(fewest requests, then least KV use in quarters), ties taken in turn so that sequential requests spread evenly.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ class ChoiceSettings:
 
 @dataclass
 class RankLoad:
-    """What the front door knows of one rank: requests on it (in flight from here, or running and waiting by its
-    own metrics, whichever is larger), the fraction of its KV cache in use, and whether its last probe said ready."""
+    """What the front door knows of one rank: requests on it (this replica's in flight, plus the other replicas' by
+    the rank's running and waiting gauges), the fraction of its KV cache in use, and whether its last probe said
+    ready."""
 
     requests: float = 0.0
     kv_usage: float = 0.0
@@ -181,8 +182,9 @@ def choose(ranks: list[str], loads: dict[str, RankLoad], matches: dict[str, int]
 
 
 def _by_load(ranks: list[str], load: dict[str, RankLoad], turn: int) -> list[str]:
-    """Fewest requests first, then least KV use; equal ranks in an order that turns with `turn`."""
+    """Fewest requests first, then least KV use in quarters (a polled gauge's small drift never decides); equal
+    ranks in an order that turns with `turn`."""
     if not ranks:
         return []
     rotated = ranks[turn % len(ranks):] + ranks[:turn % len(ranks)]
-    return sorted(rotated, key=lambda rank: (load[rank].requests, round(load[rank].kv_usage, 2)))
+    return sorted(rotated, key=lambda rank: (load[rank].requests, int(load[rank].kv_usage * 4)))
