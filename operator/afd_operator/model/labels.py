@@ -51,8 +51,14 @@ def router_selector(name: str) -> dict[str, str]:
     return {ROUTER: name}
 
 
-def router_labels(name: str) -> dict[str, str]:
+def router_pod_labels(name: str) -> dict[str, str]:
+    """The router's pods: `afd.io/router`, not `afd.io/name`, so no selector of the groups takes them."""
     return {ROUTER: name, COMPONENT: "router", MANAGED_BY: OPERATOR}
+
+
+def router_labels(name: str) -> dict[str, str]:
+    """The router's objects (Deployment, PodDisruptionBudget, PodMonitor): listed with the resource's others."""
+    return {NAME: name, **router_pod_labels(name)}
 
 
 def shared_labels(name: str) -> dict[str, str]:

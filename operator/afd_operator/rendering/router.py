@@ -6,7 +6,8 @@ When enabled: a headless Service `<name>-ranks` over the attention pods of every
 drain, the group Secret (it signs the streams it moves) and the API key Secret; a PodDisruptionBudget; a
 PodMonitor when `spec.monitoring.podMonitor`. The client Service (`rendering.children.render_client_service`)
 then selects the router pods instead of the attention pods. Router pods carry `afd.io/router`, not
-`afd.io/name`, so the groups' selectors (the deployment's PodDisruptionBudget and PodMonitor) never take them.
+`afd.io/name` (their Deployment does carry it), so the groups' selectors (the deployment's PodDisruptionBudget
+and PodMonitor, the operator's pod watch) never take them.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def render_router_deployment(spec: AFDDeploymentSpec, owner: Owner) -> dict:
             "selector": {"matchLabels": L.router_selector(owner.name)},
             # a new pod Ready before an old one drains: a rollout never lowers the serving replicas
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": L.router_labels(owner.name)}, "spec": pod},
+            "template": {"metadata": {"labels": L.router_pod_labels(owner.name)}, "spec": pod},
         },
     }
 
