@@ -63,3 +63,47 @@ def test_a_resume_signed_with_another_secret_is_refused_by_the_api_process(split
     header = sign(b"not the group secret", Resume("cmpl-abc", (1, 2)))
     answer = httpx.post(f"{split.url}/v1/completions", json=body, headers={RESUME_HEADER: header}, timeout=60)
     assert answer.status_code == 400 and "not signed by this deployment" in answer.text
+
+
+@pytest.mark.timeout(300)
+def test_streams_move_off_a_killed_api_process_rank_behind_the_front_door(tmp_path):
+    """`afd up` 2A1F with AFD_API_PROCESS=1 on every rank; kill -9 attention rank 0 (its core; the API process goes
+    with it) mid-stream: the front door moves its streams to rank 1's API process, every text equal to the
+    undisturbed one and usage counting every token once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from afd.local.children import free_port_block
+    from tests.runtime.test_generate_cli import processes_with_marker
+    from tests.server.test_rank_loss import front_series, pid_of, run_all
+    from tests.server.test_up import read_state, wait_for
+
+    marker, port, state_file = uuid.uuid4().hex, free_port_block(1), tmp_path / "state.json"
+    env = {**os.environ, "AFD_TEST_MARKER": marker, "AFD_CACHE_DIR": str(tmp_path / "cache"), "AFD_API_PROCESS": "1"}
+    up = subprocess.Popen([sys.executable, "-m", "afd", "up", "--topology", "2A1F", "--port", str(port),
+                           "--state-file", str(state_file), "--no-demo"], env=env, stdout=subprocess.DEVNULL,
+                          stderr=open(tmp_path / "up.log", "w"))
+    try:
+        api = wait_for(lambda: read_state(state_file), 240, "the state file")["api"]
+        model = httpx.get(f"{api}/models").json()["data"][0]["id"]
+        sampling = {"temperature": 1.0, "seed": 5}
+
+        def kill_attention(streams):
+            wait_for(lambda: min(s.events for s in streams if s.streamed) >= 8, 60, "every stream under way")
+            os.kill(pid_of(state_file, "attention", 0), signal.SIGKILL)
+
+        undisturbed = run_all(api, model, sampling)
+        moved_before = front_series(api, "afd_front_requests_moved_total")
+        disturbed = run_all(api, model, sampling, kill_attention)
+        for before, after in zip(undisturbed, disturbed):
+            assert after.error is None and after.done, (after.index, after.error)
+            assert after.text == before.text, (after.index, before.text, after.text)
+            assert after.usage == before.usage
+        assert front_series(api, "afd_front_requests_moved_total") > moved_before
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+    assert wait_for(lambda: processes_with_marker(marker) == [] or None, 15, "every process to stop")
