@@ -35,3 +35,14 @@ def test_without_ranks_found_the_router_is_not_ready():
     with TestClient(app):
         time.sleep(0.1)
         assert probes.readiness() == "no attention rank found at demo-ranks.ns.svc"
+
+
+def test_the_router_checks_the_api_key_as_the_ranks_do():
+    from afd.server.api.api_keys import ApiKeys
+    from afd.server.front.door import FrontSettings
+
+    app, _, _, _ = build_router(RouteSettings(ranks=("http://127.0.0.1:9",), front=FrontSettings(api_keys=ApiKeys(("k1",)))))
+    with TestClient(app) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 503  # no rank answers
