@@ -133,7 +133,7 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
         return await relay_to("/detokenize", request)
 
     async def relay_to(target: str, request: Request) -> Response:
-        """`request` answered by the least busy rank that serves, at `target` there."""
+        """`request` answered by the first rank of the choice (its prefix, bounded by load) that serves, at `target`."""
         body = await read_body(request, settings.max_request_bytes)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in HOP_HEADERS and not k.lower().startswith("x-afd-")}
