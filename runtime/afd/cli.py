@@ -1,4 +1,4 @@
-"""The `afd` command line: generate, serve, up, plan, make-tiny-model (and internal run-batch)."""
+"""The `afd` command line: generate, serve, up, route, plan, make-tiny-model (and internal run-batch)."""
 
 from __future__ import annotations
 
@@ -159,6 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--read-timeout", type=float, default=600.0,
                     help="seconds the front door waits for a rank to send something (default 600)")
 
+    route = commands.add_parser(
+        "route", help="the front door of `afd up` on its own: one OpenAI URL over ranks found by DNS (a Kubernetes "
+        "Deployment, spec.router)",
+        epilog="Listens on AFD_HTTP_PORT (API) and AFD_METRICS_PORT (/health, /live, /drain, /metrics); checks "
+        "AFD_API_KEY as the ranks do; signs moved streams with AFD_GROUP_SECRET (the ranks' group secret: without it "
+        "streams do not move); in-flight relays get AFD_SHUTDOWN_GRACE_S after SIGTERM.")
+    route.add_argument("--ranks", help="attention ranks, comma-separated DNS names (each address a rank) or "
+                       "http://host:port URLs (AFD_ROUTE_RANKS)")
+    route.add_argument("--port", type=int, help="API port (default 8000; AFD_HTTP_PORT)")
+    route.add_argument("--metrics-port", type=int, help="probe and metrics port (default 9090; AFD_METRICS_PORT)")
+    route.add_argument("--read-timeout", type=float, default=600.0,
+                       help="seconds the front door waits for a rank to send something (default 600)")
+
     add_plan_parser(commands)
 
     # listed for --help only: main() hands `operator` and `render` to afd_operator's own parsers
@@ -288,8 +301,31 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(config, args.port, Path(args.state_file) if args.state_file else None, demo=not args.no_demo, front=front)
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from afd.server.front.door import FrontSettings  # local import: fastapi
+    from afd.server.front.route import RouteSettings, run_route  # local import: fastapi, uvicorn
+    from afd.server.api.api_keys import ApiKeys  # local import: fastapi
+
+    config = load_config()
+    ranks = tuple(r.strip() for r in (args.ranks or process_setting("AFD_ROUTE_RANKS")).split(",") if r.strip())
+    if not ranks:
+        raise ConfigError("afd route needs the attention ranks: --ranks or AFD_ROUTE_RANKS (DNS names or URLs)")
+    if args.read_timeout <= 0:
+        raise ConfigError(f"--read-timeout {args.read_timeout}: must be positive")
+    front = FrontSettings(max_request_bytes=config.api.max_request_bytes, read_timeout_s=args.read_timeout,
+                          shutdown_grace_s=config.process.shutdown_grace_s,
+                          resume_key=config.group.group_secret.encode(), api_keys=ApiKeys(config.api.api_keys))
+    return run_route(RouteSettings(
+        ranks, host=config.api.http_host, port=args.port or config.api.http_port,
+        metrics_port=args.metrics_port or config.process.metrics_port,
+        rank_http_port=process_setting("AFD_ROUTE_RANK_HTTP_PORT"),
+        rank_metrics_port=process_setting("AFD_ROUTE_RANK_METRICS_PORT"),
+        refresh_s=process_setting("AFD_ROUTE_REFRESH_S"), front=front))
+
+
 COMMANDS = {
     "up": cmd_up,
+    "route": cmd_route,
     "plan": cmd_plan,
     "generate": cmd_generate,
     "serve": cmd_serve,
@@ -310,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         return (operator_main if argv[0] == "operator" else render_main)(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=process_setting("AFD_LOG_LEVEL") or ("INFO" if args.command in ("serve", "run-batch") else "WARNING"),
+        level=process_setting("AFD_LOG_LEVEL") or ("INFO" if args.command in ("serve", "run-batch", "route") else "WARNING"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack

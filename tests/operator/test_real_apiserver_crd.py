@@ -35,7 +35,7 @@ def test_the_crd_applies_server_side_and_is_established(cluster):
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     stored_rules = [rule["rule"] for _, rule in walk_validations(version["schema"]["openAPIV3Schema"])]
     assert sorted(stored_rules) == sorted(rule["rule"] for _, rule in walk_validations(crd_schema()))
-    assert len(stored_rules) == 13  # 8, spec.ratio's bounds, spec.autoscaling's bounds, target, positive targets, frozen replicas
+    assert len(stored_rules) == 14  # 8, spec.ratio's bounds, spec.autoscaling's bounds, target, positive targets, frozen replicas, spec.router's ports
 
 
 def _variant(change):

@@ -100,6 +100,8 @@ def test_children_count_and_names():
                            ("StatefulSet", f"qwen3-moe-g{g}-attn"), ("StatefulSet", f"qwen3-moe-g{g}-ffn")]
     expected = [x for g in range(3) for x in per_group(g)]
     expected += [("PodDisruptionBudget", "qwen3-moe"), ("PodMonitor", "qwen3-moe"), ("Service", "qwen3-moe")]
+    expected += [("Service", "qwen3-moe-ranks"), ("Deployment", "qwen3-moe-router"),  # spec.router
+                 ("PodDisruptionBudget", "qwen3-moe-router"), ("PodMonitor", "qwen3-moe-router")]
     assert kinds == sorted(expected)
 
 
@@ -140,7 +142,8 @@ def test_statefulsets_and_services_fit_together():
     assert services["dsv2-lite-g0-ffn"]["spec"]["publishNotReadyAddresses"] is True
     assert services["dsv2-lite-g0-ffn"]["spec"]["clusterIP"] == "None"
     client = services["dsv2-lite"]["spec"]
-    assert client["selector"] == {L.NAME: "dsv2-lite", L.ROLE: "attention"}
+    assert client["selector"] == {L.ROUTER: "dsv2-lite"}  # the sample's router takes the clients
+    assert services["dsv2-lite-ranks"]["spec"]["selector"] == {L.NAME: "dsv2-lite", L.ROLE: "attention"}
 
 
 def _pods(body):

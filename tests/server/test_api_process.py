@@ -23,9 +23,10 @@ PROMPTS = ["The keys and values of every sequence", "Experts of the feed-forward
 class Served:
     """A monolithic `afd serve` on the tiny Qwen3-MoE checkpoint, on free ports."""
 
-    def __init__(self, checkpoint: Path, api_process: bool, servers: int = 1):
+    def __init__(self, checkpoint: Path, api_process: bool, servers: int = 1, extra_env: dict | None = None):
         self.api, self.metrics = _free_port(), _free_port()
-        env = {**os.environ, "AFD_API_PROCESS": "1" if api_process else "0", "AFD_API_SERVERS": str(servers),
+        env = {**os.environ, **(extra_env or {}), "AFD_API_PROCESS": "1" if api_process else "0",
+               "AFD_API_SERVERS": str(servers),
                "AFD_HTTP_HOST": "127.0.0.1",
                "AFD_HTTP_PORT": str(self.api), "AFD_METRICS_PORT": str(self.metrics), "AFD_DEVICE": "cpu",
                "AFD_KV_CACHE_BYTES": str(64 << 20), "AFD_SHUTDOWN_GRACE_S": "10"}

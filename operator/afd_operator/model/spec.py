@@ -203,6 +203,27 @@ class ApiSettings(_Model):
     api_key_secret_ref: Optional[SecretKeyRef] = None
 
 
+class RouterSpec(_Model):
+    """The front door as a Deployment (`afd route`): the client Service's endpoint when enabled, spreading requests
+    over the Ready attention ranks of every group by prefix and load, moving streams whose rank dies."""
+
+    enabled: bool = False
+    replicas: int = Field(default=2, ge=1, le=100)
+    port: int = Field(default=8000, ge=1, le=65535)
+    metrics_port: int = Field(default=9090, ge=1, le=65535)
+    max_unavailable: int = Field(default=1, ge=0, le=100)
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> "RouterSpec":
+        if self.port == self.metrics_port:
+            raise ValueError(f"router.port and router.metricsPort must differ (both {self.port})")
+        return self
+
+
 class Ports(_Model):
     http: int = Field(default=8000, ge=1, le=65535)
     metrics: int = Field(default=9090, ge=1, le=65535)
@@ -272,6 +293,7 @@ class AFDDeploymentSpec(_Model):
     ffn: FFNRoleSpec = Field(default_factory=FFNRoleSpec)
     afd: AFDSettings = Field(default_factory=AFDSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
+    router: RouterSpec = Field(default_factory=RouterSpec)
     ports: Ports = Field(default_factory=Ports)
     probes: Probes = Field(default_factory=Probes)
     rollout: Rollout = Field(default_factory=Rollout)
@@ -338,7 +360,7 @@ class AFDDeploymentSpec(_Model):
         """
         pod_fields = set(type(self).model_fields) - {
             "replicas", "rollout", "restart_policy", "pod_disruption_budget", "monitoring",
-            "network_policy", "ratio", "autoscaling",
+            "network_policy", "ratio", "autoscaling", "router",
         }
         data = self.model_dump(include=pod_fields, exclude_defaults=True, by_alias=True, mode="json")
         data = {"spec": data, "podContract": POD_CONTRACT}

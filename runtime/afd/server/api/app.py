@@ -308,9 +308,6 @@ def _resume_of(state: ServerState, http: Request, stream: bool, n: int = 1) -> r
     if resume is not None and len(resume.choices) != n:
         raise InvalidRequest(f"{resumes.RESUME_HEADER} carries {len(resume.choices)} choices, the request asks n={n}",
                              resumes.RESUME_HEADER)
-    if resume is not None and not isinstance(state.engine, Engine):
-        raise InvalidRequest("a moved stream needs the engine in the API's process (AFD_API_PROCESS off)",
-                             resumes.RESUME_HEADER)
     return resume
 
 
