@@ -70,6 +70,9 @@ def vllm_serve_argv(load: LoadSettings, api: ApiSettings, scheduler: SchedulerSe
         argv += ["--max-model-len", str(scheduler.max_model_len)]
     if api.reasoning_parser:  # vLLM's parsers of the same names
         argv += ["--reasoning-parser", api.reasoning_parser]
+    if api.tool_call_parser not in ("", "none"):  # vLLM's of the same format (Qwen3's JSON form: its `hermes`)
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser",
+                 {"qwen3": "hermes"}.get(api.tool_call_parser, api.tool_call_parser)]
     backend = cpu_mla_backend(load.model, dtype, device_type)
     if backend and not any(arg.startswith("--attention-backend") for arg in extra or []):
         argv += ["--attention-backend", backend]

@@ -153,6 +153,28 @@ PARSERS: dict[str, Family] = {
 }
 
 
+DEFAULTS = {"kimi_k2": "kimi_k2", "qwen3_moe": "qwen3", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3"}
+
+
+def default_parser(model_type: str | None, chat_template: str | None) -> str | None:
+    """The parser of a checkpoint's architecture (`model_type`), or None: DeepSeek-V3's is `deepseek_v31` where its chat
+    template writes calls without the ```json fence (V3.1, R1-0528), and `kimi_k2` where it writes Kimi's markup."""
+    template = chat_template or ""
+    if KIMI_CALL in template:
+        return "kimi_k2"
+    name = DEFAULTS.get(model_type or "")
+    if name == "deepseek_v3" and DS_SEP in template and "```json" not in template:
+        return "deepseek_v31"
+    return name
+
+
+def chosen(setting: str, model_type: str | None, chat_template: str | None) -> Family | None:
+    """The parser `tool_call_parser` names; empty: the architecture's (`default_parser`); `none`: None."""
+    if setting == "none":
+        return None
+    return PARSERS.get(setting or default_parser(model_type, chat_template) or "")
+
+
 def _whole_matches(pattern: re.Pattern, text: str):
     return pattern.finditer(text)
 

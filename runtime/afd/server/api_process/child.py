@@ -30,6 +30,7 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
     from afd.kv.cache import KVBlocks
     from afd.server.api.api_keys import ApiKeys
     from afd.server.api.app import ServerState, create_app, http_server
+    from afd.server.api.parser_choice import tool_parser_for
     from afd.server.api.reasoning import PARSERS
     from afd.server.api.validation import Limits
     from afd.server.api_process.engine_client import EngineClient
@@ -47,6 +48,7 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
         exposition=lambda: urllib.request.urlopen(facts["metrics_url"], timeout=5).read(),  # the core's series
         api_keys=ApiKeys(api.api_keys),
         reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
+        tool_parser=tool_parser_for(api.tool_call_parser, load.model, tokenizer),
     )
     app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(
         api.failover_url, resume_key=group.group_secret.encode()))
