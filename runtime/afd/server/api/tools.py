@@ -105,14 +105,11 @@ def forced_grammar(tools: Tools) -> str:
 
 
 def forced_calls(tools: Tools, text: str) -> list[Call]:
-    """The calls of a forced choice's whole answer (none where it is empty or, cut short, not whole JSON)."""
+    """The calls of a forced choice's whole answer: a named function's (none where the answer is blank); `required`'s
+    whole objects (those before an answer cut short)."""
     if tools.named is not None:
         return [Call(tools.named, text, True)] if text.strip() else []
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
-    return [Call(item["name"], json.dumps(item["parameters"], ensure_ascii=False), True) for item in items
+    return [Call(item["name"], json.dumps(item["parameters"], ensure_ascii=False), True) for item in _whole_items(text)
             if isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item]
 
 
