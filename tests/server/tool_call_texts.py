@@ -68,3 +68,22 @@ TEXTS: dict[str, list[tuple[str, str]]] = {
     ],
 }
 VLLM_NAMES = {"qwen3": "hermes"}  # our parser -> vLLM's parser of that format, where the names differ
+
+# (parser, case) -> what the whole answer reads as: (content, [(name, arguments)]) — vLLM's parsers give the same
+_CITY, _BOTH = [("get_weather", PARIS)], [("get_weather", PARIS), ("get_time", TIME)]
+EXPECTED = {
+    **{(p, "single"): (None, _CITY) for p in TEXTS},
+    **{(p, "parallel"): (None, _BOTH) for p in TEXTS},
+    **{(p, "after_text"): ("Let me check.", [("get_weather", TOKYO)]) for p in ("deepseek_v3", "deepseek_v31", "kimi_k2")},
+    ("qwen3", "after_text"): ("Let me check.\n", [("get_weather", TOKYO)]),
+    **{(p, "blank_before"): (None, _CITY) for p in TEXTS},  # blanks before the calls are no content
+    **{(p, "no_calls"): ("It is sunny in Paris.", []) for p in TEXTS},
+    # DeepSeek's and Kimi's: markup that does not read as a call is dropped, the text before it kept
+    **{(p, "malformed"): ("Checking.", []) for p in ("deepseek_v3", "deepseek_v31", "kimi_k2")},
+    ("qwen3", "malformed"): (TEXTS["qwen3"][5][1], []),  # a call whose JSON does not read: all of it is content
+    **{(p, "unclosed"): ("Checking.", []) for p in ("deepseek_v3", "deepseek_v31")},  # cut short: no call
+    ("kimi_k2", "unclosed"): ("Checking.", _CITY),  # Kimi's and Qwen3's: a call cut short after its arguments counts
+    ("qwen3", "unclosed"): ("Checking.\n", _CITY),
+}
+# streamed, a call cut short shows what came of it before the end (its name and arguments so far, as vLLM's stream)
+STREAMED = {(p, "unclosed"): ("Checking.", [("get_weather", '{"city": "Pa')]) for p in ("deepseek_v3", "deepseek_v31")}
