@@ -77,7 +77,7 @@ class DeepSeekV3(Family):
     _CLOSE = "\n```" + DS_CALL_END
 
     def calls(self, section: str, final: bool) -> list[Call]:
-        found = [Call(m["name"], m["args"], True) for m in _whole_matches(self._CALL, section)]
+        found = [Call(m["name"], m["args"], True) for m in self._CALL.finditer(section)]
         rest = section[_end_of_last(self._CALL, section):]
         head = self._HEAD.search(rest)
         if head and not final and "\n" not in rest[head.end():].split(self._CLOSE)[0]:
@@ -92,7 +92,7 @@ class DeepSeekV31(Family):
     _HEAD = re.compile(re.escape(DS_CALL) + r"(?P<name>[^\n]*?)" + re.escape(DS_SEP))
 
     def calls(self, section: str, final: bool) -> list[Call]:
-        found = [Call(m["name"], m["args"], True) for m in _whole_matches(self._CALL, section)]
+        found = [Call(m["name"], m["args"], True) for m in self._CALL.finditer(section)]
         rest = section[_end_of_last(self._CALL, section):]
         head = self._HEAD.search(rest)
         if head and not final and "\n" not in rest[head.end():]:
@@ -173,10 +173,6 @@ def chosen(setting: str, model_type: str | None, chat_template: str | None) -> F
     if setting == "none":
         return None
     return PARSERS.get(setting or default_parser(model_type, chat_template) or "")
-
-
-def _whole_matches(pattern: re.Pattern, text: str):
-    return pattern.finditer(text)
 
 
 def _end_of_last(pattern: re.Pattern, text: str) -> int:
