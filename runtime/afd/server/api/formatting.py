@@ -180,12 +180,11 @@ def assistant_message(state, text: str, reading: AnswerReading) -> tuple[dict, b
     if reading.thinking_family is None and not reading.reads_calls:
         return {"role": "assistant", "content": text}, False
     reasoning, content, calls = whole_answer(reading, text)
-    message = {"role": "assistant", "content": content if not reading.reads_calls or calls or content else None}
+    forced = reading.reads_calls and reading.tools.forced
+    message = {"role": "assistant", "content": "" if forced else content}  # vLLM's forced choices: empty content
     if reading.thinking_family is not None:
         message.update(reasoning_fields(state, reasoning))
     if calls:
-        if reading.tools.forced and content is None:
-            message["content"] = ""  # vLLM's forced choices answer with empty content
         message["tool_calls"] = [{"id": call_id(), "type": "function",
                                   "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
     return message, bool(calls)
