@@ -31,7 +31,7 @@ deepgemm() {  # build DeepGEMM from the packed sources, then time it beside our 
     step ${DG_TIMEOUT:-200} python3 bench/comparisons/moe_deepgemm.py --formats ${DG_FORMATS:-fp8,bf16} --tokens $tokens
   fi
 }
-fp8_table() { echo "E$1_fp8_$card.json"; }  # fp8_table E257_H7168_I2048
+fp8_table() { echo "$1_fp8_$card.json"; }  # fp8_table E257_H7168_I2048
 case $mode in
 baseline)
   step 170 python3 bench/kernels/moe_layer_fp8.py --shape deepseek-v3 --tokens $tokens --profile
