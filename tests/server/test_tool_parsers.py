@@ -129,3 +129,12 @@ def test_calls_are_read_after_the_thinking():
 def test_finish_reasons_as_vllm_gives_them(choice, called, reason, streamed, expected):
     reading = AnswerReading(tools=tools_of(TOOLS, choice, None), parser=PARSERS["qwen3"])
     assert answers.finish_reason(reading, called, reason, streamed) == expected
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_auto():
+    reading = AnswerReading(tools=tools_of(TOOLS, "auto", False), parser=PARSERS["qwen3"])
+    text = dict(TEXTS["qwen3"])["parallel"]
+    assert [c.name for c in whole_answer(reading, text)[2]] == ["get_weather"]
+    stream = AnswerStream(reading)
+    deltas = [d for piece in text for d in stream.feed(piece)[2]] + stream.finish()[2]
+    assert {d.index for d in deltas} == {0}

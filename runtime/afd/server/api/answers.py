@@ -41,7 +41,7 @@ def whole_answer(reading: AnswerReading, text: str) -> tuple[str | None, str | N
     if reading.tools.forced:
         return reasoning, None, forced_calls(reading.tools, content or "")
     content, calls = tool_parsers.parse(reading.parser, content or "")
-    return reasoning, content, calls
+    return reasoning, content, calls if reading.tools.parallel else calls[:1]  # vLLM keeps the first
 
 
 def finish_reason(reading: AnswerReading, called: bool, reason: str | None, streamed: bool) -> str | None:
@@ -89,6 +89,8 @@ class AnswerStream:
         if final:
             more, later = self.calls.finish()
             content, deltas = content + more, deltas + later
+        if not self.reading.tools.parallel:  # `parallel_tool_calls: false`: the first call only, as vLLM
+            deltas = [delta for delta in deltas if delta.index == 0]
         return content, deltas
 
     def tool_calls(self, deltas: list[CallDelta]) -> list[dict]:
