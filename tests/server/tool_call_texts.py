@@ -36,6 +36,7 @@ TEXTS: dict[str, list[tuple[str, str]]] = {
         ("after_text", "Let me check." + B + _v3("get_weather", TOKYO) + E),
         ("blank_before", "\n\n" + B + _v3("get_weather", PARIS) + E),
         ("no_calls", "It is sunny in Paris."),
+        ("text_after", B + _v3("get_weather", PARIS) + E + "\nDone, it is sunny."),
         ("malformed", "Checking." + B + C + "function" + S + "get_weather\n{city: Paris" + CE + E),
         ("unclosed", "Checking." + B + C + "function" + S + "get_weather\n```json\n" + '{"city": "Pa'),
     ],
@@ -45,6 +46,7 @@ TEXTS: dict[str, list[tuple[str, str]]] = {
         ("after_text", "Let me check." + B + _v31("get_weather", TOKYO) + E),
         ("blank_before", "\n" + B + _v31("get_weather", PARIS) + E),
         ("no_calls", "It is sunny in Paris."),
+        ("text_after", B + _v31("get_weather", PARIS) + E + "\nDone, it is sunny."),
         ("malformed", "Checking." + B + C + "get_weather" + CE + E),
         ("unclosed", "Checking." + B + C + "get_weather" + S + '{"city": "Pa'),
     ],
@@ -54,8 +56,10 @@ TEXTS: dict[str, list[tuple[str, str]]] = {
         ("after_text", "Let me check." + KS + _kimi("get_weather", TOKYO) + KE),
         ("blank_before", "\n" + KS + _kimi("get_weather", PARIS) + KE),
         ("no_calls", "It is sunny in Paris."),
+        ("text_after", KS + _kimi("get_weather", PARIS) + KE + "\nDone, it is sunny."),
         ("malformed", "Checking." + KS + KC + "get_weather" + KA + PARIS + KCE + KE),
         ("unclosed", "Checking." + KS + _kimi("get_weather", PARIS)[:-len(KCE)]),
+        ("blank_arguments", KS + _kimi("get_weather", " " + PARIS + " \n") + _kimi("get_time", "", 1) + KE),
     ],
     "qwen3": [
         ("single", _hermes("get_weather", PARIS)),
@@ -63,6 +67,7 @@ TEXTS: dict[str, list[tuple[str, str]]] = {
         ("after_text", "Let me check.\n" + _hermes("get_weather", TOKYO)),
         ("blank_before", "\n\n" + _hermes("get_weather", PARIS)),
         ("no_calls", "It is sunny in Paris."),
+        ("text_after", _hermes("get_weather", PARIS) + "\nDone, it is sunny."),
         ("malformed", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'),
         ("unclosed", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'),
     ],
@@ -78,12 +83,14 @@ EXPECTED = {
     ("qwen3", "after_text"): ("Let me check.\n", [("get_weather", TOKYO)]),
     **{(p, "blank_before"): (None, _CITY) for p in TEXTS},  # blanks before the calls are no content
     **{(p, "no_calls"): ("It is sunny in Paris.", []) for p in TEXTS},
+    **{(p, "text_after"): (None, _CITY) for p in TEXTS},  # text after the calls is dropped
     # DeepSeek's and Kimi's: markup that does not read as a call is dropped, the text before it kept
     **{(p, "malformed"): ("Checking.", []) for p in ("deepseek_v3", "deepseek_v31", "kimi_k2")},
-    ("qwen3", "malformed"): (TEXTS["qwen3"][5][1], []),  # a call whose JSON does not read: all of it is content
+    ("qwen3", "malformed"): (dict(TEXTS["qwen3"])["malformed"], []),  # a call whose JSON does not read: all of it is content
     **{(p, "unclosed"): ("Checking.", []) for p in ("deepseek_v3", "deepseek_v31")},  # cut short: no call
     ("kimi_k2", "unclosed"): ("Checking.", _CITY),  # Kimi's and Qwen3's: a call cut short after its arguments counts
     ("qwen3", "unclosed"): ("Checking.\n", _CITY),
+    ("kimi_k2", "blank_arguments"): (None, [("get_weather", PARIS), ("get_time", "{}")]),  # stripped; none: {}
 }
 # streamed, a call cut short shows what came of it before the end (its name and arguments so far, as vLLM's stream)
 STREAMED = {(p, "unclosed"): ("Checking.", [("get_weather", '{"city": "Pa')]) for p in ("deepseek_v3", "deepseek_v31")}

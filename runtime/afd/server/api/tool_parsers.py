@@ -119,7 +119,8 @@ class KimiK2(Family):
             if done or final:
                 found.append(Call(name, arguments.strip() or "{}", True))
             else:
-                found.append(Call(name, _held_back(arguments.lstrip(), KIMI_CALL_END, KIMI_SECTION_END)))
+                # blanks at either end are not the arguments' (vLLM strips them): held until more comes
+                found.append(Call(name, _held_back(arguments.lstrip(), KIMI_CALL_END, KIMI_SECTION_END).rstrip()))
         return found
 
 
