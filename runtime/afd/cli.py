@@ -134,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting_flags(serve)
 
     tiny = commands.add_parser("make-tiny-model", help="write a small random MoE checkpoint with a tokenizer")
-    tiny.add_argument("--arch", required=True, help="deepseek_v2, deepseek_v3, qwen3_moe or glm4_moe")
+    tiny.add_argument("--arch", required=True, help="deepseek_v2, deepseek_v3, deepseek_v32, qwen3_moe or glm4_moe")
     tiny.add_argument("--fp8", action="store_true",
                       help="FP8 block-quantized weights (128x128 blocks, weight_scale_inv) as the published FP8 "
-                           "checkpoints: deepseek_v3, qwen3_moe or glm4_moe")
+                           "checkpoints: deepseek_v3, deepseek_v32, qwen3_moe or glm4_moe")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-FP8_ARCHES = ("deepseek_v3", "qwen3_moe", "glm4_moe")  # --fp8: the published FP8 checkpoints' format
-MTP_ARCHES = ("deepseek_v3", "glm4_moe")  # their checkpoints carry MTP layers that transformers does not write
+FP8_ARCHES = ("deepseek_v3", "deepseek_v32", "qwen3_moe", "glm4_moe")  # --fp8: the published FP8 checkpoints' format
+MTP_ARCHES = ("deepseek_v3", "deepseek_v32", "glm4_moe")  # their checkpoints carry MTP layers that transformers does not write
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, with the request's tools in a system turn, an assistant's calls in its family's markup (what its tool-call
 # parser reads) and a tool result tagged with its call's id; without tools or calls it renders plain ChatML
@@ -126,6 +126,36 @@ ARCH_VALUES = {
                          "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                          "mscale_all_dim": 1.0},
     ),
+    # DeepSeek-V3.2: V3's toy with the indexer: 8 index heads of 32 dims (their first 8 rotated), index_topk 16
+    # (prompts of a few dozen tokens already attend sparsely)
+    "deepseek_v32": dict(
+        hidden_size=160,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=16,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_mtp_layers=1,
+        max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0},
+    ),
     # GLM-4.x's features at toy size: heads wider than hidden / heads with rotary on half of each, q/k norms and
     # q/k/v biases, one dense first layer, 4 expert groups of which 2 are searched, a shared expert, one MTP layer
     # in the files (written by `_add_mtp_layers`)
@@ -183,10 +213,10 @@ def _common(vocab_size: int, eos_ids: list[int]) -> dict:
 def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
     """`arch`'s transformers config: `_common`, then the arch's values, then `overrides`."""
     # local import: heavy: afd.cli imports this module
-    from transformers import DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, Qwen3MoeConfig
+    from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, Qwen3MoeConfig
 
-    config_class = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig,
-                    "qwen3_moe": Qwen3MoeConfig}
+    config_class = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "deepseek_v32": DeepseekV32Config,
+                    "glm4_moe": Glm4MoeConfig, "qwen3_moe": Qwen3MoeConfig}
     # a copy: a config class may change the nested rope dicts in place
     return config_class[arch](**{**_common(vocab_size, eos_ids), **copy.deepcopy(ARCH_VALUES[arch]), **overrides})
 

@@ -138,7 +138,7 @@ class SplitSettings:
 class LoadSettings:
     """What the process loads and runs it on: the checkpoint, its dtype and device, the attention engine."""
 
-    model: str = setting("", "Checkpoint folder (a Hugging Face DeepSeek-V2, DeepSeek-V3/Kimi-K2, Qwen3-MoE or "
+    model: str = setting("", "Checkpoint folder (a Hugging Face DeepSeek-V2, DeepSeek-V3/Kimi-K2, DeepSeek-V3.2, Qwen3-MoE or "
                          "GLM-4.x layout; FP8 block-quantized too).")
     dtype: Dtype = setting("auto", "`auto` (bfloat16 on CUDA, float32 on CPU), `float32`, `bfloat16` or `float16`.")
     device: Device = setting("auto", "`auto`, `cpu` or `cuda`.")

@@ -1,7 +1,9 @@
 """Paged KV cache: per layer, one [blocks × block_size, heads, dim] pair of tensors.
 
 A layout whose values live in its keys (MLA's latent cache) stores one tensor; its
-value tensor is a view of the keys' first columns.
+value tensor is a view of the keys' first columns. A layout with an `index_dim` (DeepSeek-V3.2's
+indexer keys) holds one more [rows, index_dim] tensor, addressed by the same rows: whatever
+owns, shares or frees a block owns, shares or frees its index keys too.
 
 Sequences own lists of blocks (their block tables); memory is reserved per block,
 not per maximum length, so the cache holds as many tokens as its budget allows.
@@ -60,14 +62,23 @@ class KVCache(KVBlocks):
             else torch.zeros(rows, lay.heads, lay.value_dim, dtype=dtype, device=device)
             for keys, lay in zip(self.keys, self.layouts)
         ]
+        self.index_keys = [torch.zeros(rows, lay.index_dim, dtype=dtype, device=device) if lay.index_dim else None
+                           for lay in self.layouts]
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @classmethod
     def for_tokens(cls, layouts, num_tokens: int, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
         return cls(layouts, -(-num_tokens // block_size), dtype, device, block_size)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[index], self.values[index]
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
+        """Layer `index`'s (keys, values), then its index keys where its layout has them."""
+        extra = () if self.index_keys[index] is None else (self.index_keys[index],)
+        return (self.keys[index], self.values[index], *extra)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding cache rows, each once (value views of keys left out): what copies rows."""
+        own_values = [v for v, lay in zip(self.values, self.layouts) if not lay.values_in_keys]
+        return self.keys + own_values + [t for t in self.index_keys if t is not None]
 
     @property
     def free_blocks(self) -> int:
@@ -95,9 +106,8 @@ class KVCache(KVBlocks):
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the cache holds (value views of keys counted once)."""
-        tensors = self.keys + [v for v, lay in zip(self.values, self.layouts) if not lay.values_in_keys]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Device bytes the cache holds (value views of keys counted once, index keys included)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     @staticmethod
     def bytes_per_token(layouts: Sequence[KVLayout], dtype: torch.dtype) -> int:

@@ -148,7 +148,5 @@ def copy_tails(kv_cache, copies: list[tuple[int, int, int]]) -> None:
     target = [dst * size + i for _, dst, rows in copies for i in range(rows)]
     device = kv_cache.keys[0].device
     source, target = (host_to_device(torch.tensor(rows), device) for rows in (source, target))
-    for keys, values, layout in zip(kv_cache.keys, kv_cache.values, kv_cache.layouts):
-        keys.index_copy_(0, target, keys.index_select(0, source))
-        if not layout.values_in_keys:
-            values.index_copy_(0, target, values.index_select(0, source))
+    for rows in kv_cache.tensors():  # keys, values of their own, index keys
+        rows.index_copy_(0, target, rows.index_select(0, source))

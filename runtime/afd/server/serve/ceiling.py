@@ -59,8 +59,7 @@ def fill_with_noise(kv_cache, blocks: list[int]) -> None:
     """Unit-variance noise in the keys and values of `blocks` (timings on an empty cache flatter)."""
     size = kv_cache.block_size
     rows = (torch.tensor(blocks).unsqueeze(1) * size + torch.arange(size)).flatten().to(kv_cache.keys[0].device)
-    own_values = [v for v, lay in zip(kv_cache.values, kv_cache.layouts) if not lay.values_in_keys]
-    for tensor in (*kv_cache.keys, *own_values):
+    for tensor in kv_cache.tensors():
         tensor.index_copy_(0, rows, torch.randn((len(rows), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device))
 
 
