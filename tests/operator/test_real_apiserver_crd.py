@@ -230,3 +230,24 @@ def test_unknown_fields_are_refused_with_strict_field_validation(cluster, namesp
     with pytest.raises(ApiError) as err:
         cluster.create(_cr(namespace, attention={"rank": 2}))
     assert 'unknown field "spec.attention.rank"' in err.value.message, err.value.message
+
+
+def test_the_api_parsers_are_stored_and_reach_the_attention_pods(cluster, namespace):
+    """Issue 52: `spec.api.toolCallParser` / `reasoningParser` kept by the API server (unknown names refused), and the
+    rendered attention StatefulSet, as the server keeps it, carries them as AFD_TOOL_CALL_PARSER / AFD_REASONING_PARSER."""
+    from afd_operator.model.spec import parse_owner, parse_spec
+    from afd_operator.rendering.children import render_group
+
+    api = {"toolCallParser": "deepseek_v31", "reasoningParser": "deepseek_v3"}
+    stored = cluster.create(_cr(namespace, "parsers", api=api))
+    assert stored["spec"]["api"] == api
+    with pytest.raises(Exception):
+        cluster.create(_cr(namespace, "bad-parser", api={"toolCallParser": "hermes2"}))
+    body = make_cr(name="parsers", namespace=namespace, api=stored["spec"]["api"])
+    for sts in (o for o in render_group(parse_spec(body["spec"]), parse_owner(body), 0, "r1") if o["kind"] == "StatefulSet"):
+        sts["metadata"].pop("ownerReferences")
+        env = cluster.create(sts, dry_run=True)["spec"]["template"]["spec"]["containers"][0]["env"]
+        named = {e["name"]: e.get("value") for e in env if e["name"] in ("AFD_TOOL_CALL_PARSER", "AFD_REASONING_PARSER")}
+        role = sts["spec"]["template"]["metadata"]["labels"]["afd.io/role"]
+        assert named == ({"AFD_TOOL_CALL_PARSER": "deepseek_v31", "AFD_REASONING_PARSER": "deepseek_v3"}
+                         if role == "attention" else {}), role

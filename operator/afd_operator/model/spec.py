@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from afd.config import SETTINGS, AttentionEngine, Dtype, StageCount
+from afd.config.sections import REASONING_PARSERS, TOOL_CALL_PARSERS
 from afd.config.topology import Topology
 from afd_operator.model.autoscaling import Autoscaling
 from afd_operator.model.options import (
@@ -201,6 +202,9 @@ class ApiSettings(_Model):
 
     # the runtime's `api_key`: the pods read it from this Secret (env valueFrom), never from the ConfigMap
     api_key_secret_ref: Optional[SecretKeyRef] = None
+    # the runtime's `tool_call_parser` and `reasoning_parser` (unset: the runtime's default)
+    tool_call_parser: Optional[Literal["none", *TOOL_CALL_PARSERS]] = None
+    reasoning_parser: Optional[Literal[REASONING_PARSERS]] = None
 
 
 class RouterSpec(_Model):

@@ -83,6 +83,14 @@ def api_key_env(spec: AFDDeploymentSpec) -> list[dict]:
     return [{"name": SETTINGS["api_key"].env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
+def _parser_env(spec: AFDDeploymentSpec, role: str) -> list[dict]:
+    """Attention pods: the parsers `spec.api` names (tool calls, reasoning), where it names them."""
+    named = {"tool_call_parser": spec.api.tool_call_parser, "reasoning_parser": spec.api.reasoning_parser}
+    if role != "attention":
+        return []
+    return [{"name": SETTINGS[name].env, "value": value} for name, value in named.items() if value is not None]
+
+
 def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, revision: str) -> list[dict]:
     """The AFD_* environment of one role pod (the rank comes from $HOSTNAME)."""
     afd, ports = spec.afd, spec.ports
@@ -108,6 +116,7 @@ def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
     }
     env = [{"name": k, "value": _text(v)} for k, v in values.items()] + [group_secret_env(owner)]
     env += api_key_env(spec) if role == "attention" else []
+    env += _parser_env(spec, role)
     env += scratch_env()
     return env + [{"name": e.name, "value": e.value} for e in _role(spec, role).env]
 

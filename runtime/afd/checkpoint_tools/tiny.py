@@ -2,7 +2,8 @@
 
 Weights come from `transformers` itself (its config classes and `save_pretrained`), so
 the checkpoint is exactly what a Hugging Face user would produce. The tokenizer is a
-byte-level BPE trained on a built-in paragraph, with a ChatML chat template.
+byte-level BPE trained on a built-in paragraph, with a ChatML chat template that renders tools and tool calls
+(in the architecture's markup).
 """
 
 from __future__ import annotations
@@ -13,10 +14,32 @@ from pathlib import Path
 FP8_ARCHES = ("deepseek_v3", "deepseek_v32", "qwen3_moe", "glm4_moe")  # --fp8: the published FP8 checkpoints' format
 MTP_ARCHES = ("deepseek_v3", "deepseek_v32", "glm4_moe")  # their checkpoints carry MTP layers that transformers does not write
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# ChatML, with the request's tools in a system turn, an assistant's calls in its family's markup (what its tool-call
+# parser reads) and a tool result tagged with its call's id; without tools or calls it renders plain ChatML
+_CALLS = {
+    "deepseek": ("<｜tool▁calls▁begin｜>{% for call in message['tool_calls'] %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                 "{{ call['function']['name'] }}\n```json\n{{ call['function']['arguments'] }}\n```<｜tool▁call▁end｜>"
+                 "{% endfor %}<｜tool▁calls▁end｜>"),
+    "hermes": ("{% for call in message['tool_calls'] %}\n<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", "
+               "\"arguments\": {{ call['function']['arguments'] }}}\n</tool_call>{% endfor %}"),
+}
+
+
+def chat_template(calls: str) -> str:
+    """The tiny checkpoints' chat template, an assistant's calls written as `_CALLS[calls]`."""
+    return (
+        "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+        "<|im_end|>\n{% endif %}"
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['role'] == 'tool' and message['tool_call_id'] %}[{{ message['tool_call_id'] }}] {% endif %}"
+        "{{ message['content'] if message['content'] is not none else '' }}"
+        "{% if message['tool_calls'] %}" + _CALLS[calls] + "{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CALL_MARKUP = {"deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "glm4_moe": "hermes", "qwen3_moe": "hermes"}
+CHAT_TEMPLATE = chat_template("hermes")
 _CORPUS = """Attention-FFN disaggregation splits a mixture-of-experts model in two. Attention ranks keep
 the requests, the scheduler and the key-value cache; FFN ranks hold the experts and serve many
 attention ranks at once, so every expert weight is read once for a large batch of tokens.
@@ -25,7 +48,7 @@ Kubernetes runs the attention and FFN pods as StatefulSets; the operator reconci
 0 1 2 3 4 5 6 7 8 9 10 100 1000. Tokens, layers, experts, routers, gates, norms and heads."""
 
 
-def _train_tokenizer(vocab_size: int):
+def _train_tokenizer(vocab_size: int, template: str = CHAT_TEMPLATE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # local import: heavy: afd.cli imports this module
     from transformers import PreTrainedTokenizerFast  # local import: heavy: afd.cli imports this module
 
@@ -43,7 +66,7 @@ def _train_tokenizer(vocab_size: int):
         tokenizer_object=tokenizer,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=template,
     )
 
 
@@ -242,7 +265,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
     from transformers import AutoModelForCausalLM  # local import: heavy: afd.cli imports this module
 
     out = Path(out)
-    tokenizer = _train_tokenizer(vocab_size=384)
+    tokenizer = _train_tokenizer(vocab_size=384, template=chat_template(CALL_MARKUP[arch]))
     vocab_size = -(-len(tokenizer) // 64) * 64
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
     config = _config(arch, vocab_size, eos_ids, overrides or {})

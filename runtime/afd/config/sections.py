@@ -14,6 +14,7 @@ from afd.config.topology import Topology
 
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2")  # afd.server.api.reasoning.PARSERS
+TOOL_CALL_PARSERS = ("deepseek_v3", "deepseek_v31", "kimi_k2", "qwen3")  # afd.server.api.tool_parsers.PARSERS
 
 
 def _positive_ints(text: str) -> str | None:
@@ -26,6 +27,12 @@ def _positive_ints(text: str) -> str | None:
 def _reasoning_parser(name: str) -> str | None:
     """empty, deepseek_r1, qwen3, deepseek_v3 or kimi_k2"""
     return None if name in ("", *REASONING_PARSERS) else "must be empty or one of " + ", ".join(REASONING_PARSERS)
+
+
+def _tool_call_parser(name: str) -> str | None:
+    """empty (by architecture), none, deepseek_v3, deepseek_v31, kimi_k2 or qwen3"""
+    allowed = ("", "none", *TOOL_CALL_PARSERS)
+    return None if name in allowed else "must be empty, none or one of " + ", ".join(TOOL_CALL_PARSERS)
 
 
 def _api_keys(text: str) -> str | None:
@@ -213,6 +220,13 @@ class ApiSettings:
         "`delta.reasoning`), as vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `deepseek_v3` (V3.1's "
         "thinking mode, `chat_template_kwargs: {\"thinking\": true}`) or `kimi_k2` (Kimi-K2-Thinking). Empty: the thinking stays in `content`.",
         roles=(A, M), check=_reasoning_parser)
+    tool_call_parser: str = setting(
+        "", "Chat completions with `tools` and `tool_choice: auto`: how the calls the model writes in its own markup are "
+        "read into `message.tool_calls`, as vLLM's `--tool-call-parser`: `deepseek_v3` (DeepSeek-V3, R1), "
+        "`deepseek_v31` (V3.1, R1-0528), `kimi_k2` or `qwen3` (the Hermes `<tool_call>` JSON form). Empty: by the "
+        "checkpoint's architecture (DeepSeek-V3's by its chat template's markup); `none`: not read (the markup stays "
+        "in `content`). Named and `required` tool choices are constrained by a grammar whatever this says.",
+        roles=(A, M), check=_tool_call_parser)
     reasoning_content: bool = setting(False, "With `reasoning_parser`: the thinking also as `reasoning_content`, the "
                                       "field older clients read.", roles=(A, M))
     api_key: str = setting(

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from afd.engine.request import InvalidRequest, SamplingParams
 from afd.server.api import json_body, structured, validation
+from afd.server.api.tools import Tools, tools_of
 from afd.server.api.validation import Limits
 
 
@@ -164,6 +165,13 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (Qwen3), {"thinking": true}
+    # tool calling (`afd.server.api.tools`): checked there, as vLLM takes them
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+
+    def tool_request(self) -> Tools | None:
+        return tools_of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 def parse_request(model: type[BaseModel], body: dict):

@@ -30,6 +30,7 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
     from afd.kv.cache import KVBlocks
     from afd.server.api.api_keys import ApiKeys
     from afd.server.api.app import ServerState, create_app, http_server
+    from afd.server.api.parser_choice import tool_parser_for
     from afd.server.api.reasoning import PARSERS
     from afd.server.api.validation import Limits
     from afd.server.api_process.engine_client import EngineClient
@@ -48,6 +49,7 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
         api_keys=ApiKeys(api.api_keys),
         reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
         resume_key=group.group_secret.encode(),  # streams moved here from a lost rank (the core takes their tokens)
+        tool_parser=tool_parser_for(api.tool_call_parser, load.model, tokenizer),
     )
     app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(
         api.failover_url, resume_key=group.group_secret.encode()))

@@ -18,6 +18,7 @@ from afd.kernels.compile_watch import WATCH
 from afd.metrics.wiring import export_resident_bytes, watch_attention
 from afd.server.api.api_keys import ApiKeys
 from afd.server.api.app import ServerState, create_app, http_server
+from afd.server.api.parser_choice import tool_parser_for
 from afd.server.api.reasoning import PARSERS
 from afd.server.api.validation import Limits
 from afd.server.api_process.core import serve_with_api_process
@@ -67,6 +68,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         resume_key=group.group_secret.encode(),
         api_keys=ApiKeys(api.api_keys),
         reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
+        tool_parser=tool_parser_for(api.tool_call_parser, config.load.model, engine.tokenizer),
     )
     if role.link is not None:  # a monolithic rank has no FFN link
         watch_attention(registry, group, role, engine)
