@@ -40,7 +40,8 @@ endif
 KERNEL_TESTS := $(wildcard tests/runtime/test_moe_triton_settings.py tests/runtime/test_moe_fp8.py \
 	tests/runtime/test_routing_kernel.py tests/runtime/test_decode_kernels.py tests/runtime/test_norm_rope.py \
 	tests/runtime/test_shared_stack.py tests/runtime/test_skinny_gemm.py tests/runtime/test_moe_small.py \
-	tests/runtime/test_batch_invariant.py tests/runtime/test_kv_fp8_kernels.py)
+	tests/runtime/test_batch_invariant.py tests/runtime/test_sparse_mla_kernels.py \
+	tests/runtime/test_kv_fp8_kernels.py)
 test-kernels: install  ## the Triton kernel tests in Triton's CPU interpreter (needs the triton package: the dev extra)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)
 

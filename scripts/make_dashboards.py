@@ -106,6 +106,9 @@ def overview() -> dict:
                                                (quantile(0.99, "afd_step_duration_seconds"), "{{role}} p99")], "s"),
         panel("Tokens per step", [(mean("afd_step_tokens", "role"), "{{role}}")]),
         panel("KV-cache usage", [(f"max by (rank) (afd_kv_cache_usage_ratio{sel()})", "attention {{rank}}")], "percentunit"),
+        panel("Prefix-cache hit rate (prompt tokens found cached)", [
+            (f"sum by (rank) (rate(afd_prefix_cache_hits_total{sel()}[{RATE}])) / "
+             f"sum by (rank) (rate(afd_prefix_cache_queries_total{sel()}[{RATE}]))", "attention {{rank}}")], "percentunit"),
         panel("Prompt tokens/s and request errors", [
             (f"sum(rate(afd_prompt_tokens_total{sel()}[{RATE}]))", "prompt tokens/s"),
             (f"sum(rate(afd_request_errors_total{sel()}[{RATE}]))", "errors/s")]),

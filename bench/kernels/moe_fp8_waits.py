@@ -85,23 +85,28 @@ def down(block_m: int, block_n: int, block_k: int, warps: int, stages: int):
     return compile_variant(moe_triton.down_kernel, signature, constants, warps, stages)
 
 
-def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, one_dot: bool):
-    """The FP8 gate_up kernel with GATHER and TMA loads, its gate and up blocks in one box (ONE_DOT) or two."""
+def gate_up(block_m: int, block_n: int, block_k: int, warps: int, stages: int, one_dot: bool, halves: bool = False):
+    """The FP8 gate_up kernel with GATHER and TMA loads, its gate and up blocks in one box (ONE_DOT) or two, or
+    its column block in two passes of one box and one dot (HALVES)."""
     from afd.kernels import moe_triton
 
     signature = {"x": fp8_desc(block_m, block_k),
-                 "w": fp8_desc(2, block_n, block_k) if one_dot else fp8_desc(block_n, block_k),
+                 "w": fp8_desc(2, block_n, block_k) if one_dot else fp8_desc(2, block_n // 2, block_k) if halves
+                 else fp8_desc(block_n, block_k),
                  "act_ptr": "*fp8e4nv", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32", "used_tiles_ptr": "*i32",
                  "x_scale": "*fp32", "w_scale": "*fp32", "act_scale": "*fp32", "num_pairs": "i32", "slots": "i32",
                  "hidden": "i32", "inter": "i32", "layout_m": "i32", "group_m": "i32"}
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TMA=True, GATHER=True, ONE_DOT=one_dot,
-                     FP8=True, PERSISTENT=False, PROGRAMS=0)
+                     FP8=True, PERSISTENT=False, PROGRAMS=0, HALVES=halves)
     return compile_variant(moe_triton.gate_up_kernel, signature, constants, warps, stages)
 
 
 SETTINGS = [  # (kernel, settings): the session-40 winners at 1,024-4,096 tokens and their neighbours
     ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=True)),
     ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=8, stages=3, one_dot=False)),
+    # HALVES (issue 54): one BM×128 accumulator a pass, so 64-row tiles of 4 warps share a multiprocessor
+    ("gate_up", dict(block_m=64, block_n=128, block_k=128, warps=4, stages=3, one_dot=False, halves=True)),
+    ("gate_up", dict(block_m=128, block_n=128, block_k=128, warps=8, stages=3, one_dot=False, halves=True)),
     ("down", dict(block_m=64, block_n=128, block_k=128, warps=4, stages=3)),
     ("down", dict(block_m=128, block_n=128, block_k=128, warps=8, stages=3)),
 ]
@@ -125,7 +130,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         else:
             print(f"{kernel:>7} M{settings['block_m']} N{settings['block_n']} w{settings['warps']}"
-                  f" s{settings['stages']}{' ONE_DOT' if settings.get('one_dot') else ''}: loop [{row['loop']}], "
+                  f" s{settings['stages']}{' ONE_DOT' if settings.get('one_dot') else ''}"
+                  f"{' HALVES' if settings.get('halves') else ''}: loop [{row['loop']}], "
                   f"{row['reg']} registers, {row['stack']} stack bytes, {row['shared_bytes']} shared bytes", flush=True)
 
 

@@ -9,10 +9,11 @@ processes (Triton's on-disk cache then serves the timing process), then timed al
 as a CUDA-graph replay on the real routing of each token count. Per token count the
 layout's block-M with the least gate_up + down time wins, each kernel with its own best
 tile height (the layout's or half of it), N/K/warps/stages, TMA loads and a persistent grid (on
-Hopper), and gate_up with its rows pre-gathered or not (GATHER: timed with its copy kernel) and its gate
-and up blocks in one dot or two (ONE_DOT). Every candidate is timed in two program orders, then the
-three best of each kernel are timed again, longer, under several (GROUP_M; no recompile, it is a
-run-time argument). `legacy` times are the best of the old search space
+Hopper), and gate_up with its rows pre-gathered or not (GATHER: timed with its copy kernel), its gate
+and up blocks in one dot or two (ONE_DOT) or, FP8 on tiles of 64+ rows, its column block in two passes of one
+dot (HALVES); FP8 TMA tiles also under a register cap (MAX_REGS, `register_caps`). Every candidate is timed in two
+program orders, then the three best of each kernel are timed again, longer, under several (GROUP_M; no recompile,
+it is a run-time argument). `legacy` times are the best of the old search space
 (layout tiles, column-major order, pointer loads, no GATHER, one program per job) on today's code.
 The new rows are merged into the table in `runtime/afd/kernels/configs/` (read by
 `afd.kernels.moe.config_table`; token counts not tuned now keep their rows) and go to
@@ -76,37 +77,61 @@ def kernel_block_ms(layout_m: int) -> tuple[int, ...]:
     return (layout_m, layout_m // 2) if layout_m >= 32 else (layout_m,)
 
 
-def load_options(kernel: str, block_m: int, tma: bool) -> list[dict]:
+def load_options(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[dict]:
     """How a kernel may load its operands: pointers or TMA (where available), one program per job or
     persistent (with TMA: one program per multiprocessor looping over the used tiles' jobs); gate_up also
     from rows gathered first (GATHER) — with TMA, which only that makes possible for its rows, and with
-    pointers on tiles of 64+ rows — and, with TMA, its gate and up blocks in one box and one dot (ONE_DOT)."""
+    pointers on tiles of 64+ rows — and, with TMA, its gate and up blocks in one box and one dot (ONE_DOT), or,
+    FP8 on tiles of 64+ rows, a column block in two passes of one dot each (HALVES, one program per job:
+    FP8's two accumulators and scaled product spill; bf16 adds each product in the dot)."""
     options = [{"TMA": False, "PERSISTENT": 0}]
     if tma:
         options += [{"TMA": True, "PERSISTENT": persistent} for persistent in (0, 1)]
     if kernel != "gate_up":
         return options
-    return [{**option, "GATHER": gather, "ONE_DOT": one_dot} for option in options for gather in (False, True)
-            for one_dot in (False, True) if (not gather or option["TMA"] or block_m >= 64)
-            and (not one_dot or option["TMA"])]
+    return [{**option, "GATHER": gather, "ONE_DOT": one_dot, **({"HALVES": True} if halves else {})}
+            for option in options for gather in (False, True) for one_dot in (False, True) for halves in (False, True)
+            if (not gather or option["TMA"] or block_m >= 64) and (not one_dot or option["TMA"])
+            and (not halves or (fp8 and block_m >= 64 and not one_dot and not option["PERSISTENT"]))]
 
 
 FP8_MAX_REGISTERS = 192  # float32 accumulator registers per thread (of 255) past which an FP8 tile is not tried
 
 
+def register_caps(kernel: str, warps: int, stages: int, loads: dict) -> tuple[int, ...]:
+    """MAX_REGS tried besides ptxas' choice on an FP8 candidate with TMA (pointer tiles' addresses spill in the
+    loop): 168 on HALVES of 4 warps (three programs a multiprocessor instead of two; ~2 spilled registers a step as
+    compiled for sm_90a), 128 on 3-stage tiles of 8 warps — down's, HALVES' — (two programs instead of one; ~35
+    spill loads and stores a step)."""
+    if not loads["TMA"] or loads.get("PERSISTENT"):
+        return ()
+    if warps == 4 and loads.get("HALVES"):
+        return (168,)
+    if warps == 8 and stages == 3 and (kernel == "down" or loads.get("HALVES")):
+        return (128,)
+    return ()
+
+
 def candidates(kernel: str, block_m: int, tma: bool, fp8: bool = False) -> list[dict]:
     """Settings tried for `kernel` at a tile height: small tiles stream weights, large ones feed the tensor cores.
     FP8: gate_up's columns in blocks of 128 (its epilogue quantizes per 128), steps of 128 (one scale group), down
-    64-256 columns, 8 warps only on tiles of 64+ rows, no tile whose accumulators would spill
-    (`moe_launch.fp8_accumulator_registers`); TMA or pointers, persistent or not, as for bf16."""
+    64-256 columns, 8 warps only on tiles of 64+ rows, 2 stages too on tiles of 64+ rows of 4 warps (two such
+    programs share a multiprocessor's shared memory), no tile whose accumulators would spill
+    (`moe_launch.fp8_accumulator_registers`); TMA or pointers, persistent or not, as for bf16; HALVES of 4 warps
+    with TMA also capped (`register_caps`: more programs a multiprocessor)."""
     from afd.kernels.moe_launch import fp8_accumulator_registers
 
     if fp8:
         columns = (128,) if kernel == "gate_up" else (64, 128) if block_m <= 32 else (128, 256)
         space = itertools.product(columns, (128,), (4,) if block_m <= 32 else (4, 8), (3, 4))
-        return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads)
-                for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma))
-                if fp8_accumulator_registers(kernel, block_m, n, w, loads.get("ONE_DOT", False)) <= FP8_MAX_REGISTERS]
+        if block_m >= 64:
+            space = itertools.chain(space, itertools.product(columns, (128,), (4,), (2,)))
+        return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUP_M=0, **loads, **cap)
+                for (n, k, w, s), loads in itertools.product(space, load_options(kernel, block_m, tma, fp8))
+                if not (loads.get("HALVES") and s == 2)  # HALVES' 64-row programs share a multiprocessor at 3
+                for cap in ({}, *({"MAX_REGS": regs} for regs in register_caps(kernel, w, s, loads)))
+                if fp8_accumulator_registers(kernel, block_m, n, w, loads.get("ONE_DOT", False),
+                                             loads.get("HALVES", False)) <= FP8_MAX_REGISTERS]
     if block_m <= 32:
         space = itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
@@ -274,6 +299,13 @@ def tune_kernel(problem: Problem, kernel: str, layout_m: int, failed: set, tma: 
              for cfg in candidates(kernel, sub, tma, fp8) if cfg_key(kernel, cfg) not in failed
              for group_m in (0, FIRST_GROUP_M)]
     legacy = min((ms for ms, cfg in times if is_legacy(cfg, layout_m)), default=float("nan"))
+    if any(cfg.get("HALVES") for _, cfg in times):  # the best of the other forms, beside HALVES' best
+        for halves in (False, True):
+            best = min(((ms, cfg) for ms, cfg in times if cfg.get("HALVES", False) == halves), default=None,
+                       key=lambda pair: pair[0])
+            if best:
+                print(f"  {kernel} at {problem.num_pairs // problem.slots} tokens, best "
+                      f"{'with' if halves else 'without'} HALVES: {best[0]:.3f} ms {describe(best[1])}", flush=True)
     leaders = {}  # the three fastest settings, whatever their order
     for _, cfg in sorted(times, key=lambda pair: pair[0]):
         leaders.setdefault(cfg_key(kernel, cfg), cfg)
@@ -313,7 +345,9 @@ def tune(problem: Problem, tokens: int, failed: set, tma: bool, kernels: tuple[s
 
 def describe_loads(cfg: dict) -> str:
     return (("TMA" if cfg["TMA"] else "pointers") + (" GATHER" if cfg.get("GATHER") else "")
-            + (" ONE_DOT" if cfg.get("ONE_DOT") else "") + (" persistent" if cfg.get("PERSISTENT") else ""))
+            + (" ONE_DOT" if cfg.get("ONE_DOT") else "") + (" HALVES" if cfg.get("HALVES") else "")
+            + (" persistent" if cfg.get("PERSISTENT") else "")
+            + (f" maxreg{cfg['MAX_REGS']}" if cfg.get("MAX_REGS") else ""))
 
 
 def describe(cfg: dict) -> str:

@@ -27,6 +27,7 @@ PLURALS = {
     "Service": "services",
     "Pod": "pods",
     "StatefulSet": "statefulsets",
+    "Deployment": "deployments",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "PodMonitor": "podmonitors",
     "PodGroup": "podgroups",

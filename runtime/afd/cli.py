@@ -1,4 +1,4 @@
-"""The `afd` command line: generate, serve, up, plan, make-tiny-model (and internal run-batch)."""
+"""The `afd` command line: generate, serve, up, route, plan, make-tiny-model (and internal run-batch)."""
 
 from __future__ import annotations
 
@@ -139,10 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting_flags(serve)
 
     tiny = commands.add_parser("make-tiny-model", help="write a small random MoE checkpoint with a tokenizer")
-    tiny.add_argument("--arch", required=True, help="deepseek_v2, deepseek_v3, qwen3_moe or glm4_moe")
+    tiny.add_argument("--arch", required=True, help="deepseek_v2, deepseek_v3, deepseek_v32, qwen3_moe or glm4_moe")
     tiny.add_argument("--fp8", action="store_true",
                       help="FP8 block-quantized weights (128x128 blocks, weight_scale_inv) as the published FP8 "
-                           "checkpoints: deepseek_v3, qwen3_moe or glm4_moe")
+                           "checkpoints: deepseek_v3, deepseek_v32, qwen3_moe or glm4_moe")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
@@ -159,8 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-prompts", type=int, help="prompts per /v1/completions request (default 128; AFD_MAX_PROMPTS)")
     up.add_argument("--max-prompt-chars", type=int,
                     help="characters of a prompt before tokenization (default 32 per context token; AFD_MAX_PROMPT_CHARS)")
+    up.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="keep prompts' prefixes in the KV cache for later requests (default on; AFD_PREFIX_CACHING)")
     up.add_argument("--read-timeout", type=float, default=600.0,
                     help="seconds the front door waits for a rank to send something (default 600)")
+
+    route = commands.add_parser(
+        "route", help="the front door of `afd up` on its own: one OpenAI URL over ranks found by DNS (a Kubernetes "
+        "Deployment, spec.router)",
+        epilog="Listens on AFD_HTTP_PORT (API) and AFD_METRICS_PORT (/health, /live, /drain, /metrics); checks "
+        "AFD_API_KEY as the ranks do; signs moved streams with AFD_GROUP_SECRET (the ranks' group secret: without it "
+        "streams do not move); in-flight relays get AFD_SHUTDOWN_GRACE_S after SIGTERM.")
+    route.add_argument("--ranks", help="attention ranks, comma-separated DNS names (each address a rank) or "
+                       "http://host:port URLs (AFD_ROUTE_RANKS)")
+    route.add_argument("--port", type=int, help="API port (default 8000; AFD_HTTP_PORT)")
+    route.add_argument("--metrics-port", type=int, help="probe and metrics port (default 9090; AFD_METRICS_PORT)")
+    route.add_argument("--read-timeout", type=float, default=600.0,
+                       help="seconds the front door waits for a rank to send something (default 600)")
 
     add_plan_parser(commands)
 
@@ -281,7 +296,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from afd.local.up import ensure_tiny_model, run_up  # local import: torch
 
     config = _group_config(args, "up", UP_DEFAULTS, max_request_bytes=args.max_request_bytes,
-                           max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars)
+                           max_prompts=args.max_prompts, max_prompt_chars=args.max_prompt_chars,
+                           prefix_caching=args.prefix_caching)
     if not config.load.model:
         config = config.replace(model=str(ensure_tiny_model()))
     Checkpoint(config.load.model)  # a clear error now rather than in every rank's log
@@ -291,8 +307,31 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(config, args.port, Path(args.state_file) if args.state_file else None, demo=not args.no_demo, front=front)
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from afd.server.front.door import FrontSettings  # local import: fastapi
+    from afd.server.front.route import RouteSettings, run_route  # local import: fastapi, uvicorn
+    from afd.server.api.api_keys import ApiKeys  # local import: fastapi
+
+    config = load_config()
+    ranks = tuple(r.strip() for r in (args.ranks or process_setting("AFD_ROUTE_RANKS")).split(",") if r.strip())
+    if not ranks:
+        raise ConfigError("afd route needs the attention ranks: --ranks or AFD_ROUTE_RANKS (DNS names or URLs)")
+    if args.read_timeout <= 0:
+        raise ConfigError(f"--read-timeout {args.read_timeout}: must be positive")
+    front = FrontSettings(max_request_bytes=config.api.max_request_bytes, read_timeout_s=args.read_timeout,
+                          shutdown_grace_s=config.process.shutdown_grace_s,
+                          resume_key=config.group.group_secret.encode(), api_keys=ApiKeys(config.api.api_keys))
+    return run_route(RouteSettings(
+        ranks, host=config.api.http_host, port=args.port or config.api.http_port,
+        metrics_port=args.metrics_port or config.process.metrics_port,
+        rank_http_port=process_setting("AFD_ROUTE_RANK_HTTP_PORT"),
+        rank_metrics_port=process_setting("AFD_ROUTE_RANK_METRICS_PORT"),
+        refresh_s=process_setting("AFD_ROUTE_REFRESH_S"), front=front))
+
+
 COMMANDS = {
     "up": cmd_up,
+    "route": cmd_route,
     "plan": cmd_plan,
     "generate": cmd_generate,
     "serve": cmd_serve,
@@ -313,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         return (operator_main if argv[0] == "operator" else render_main)(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=process_setting("AFD_LOG_LEVEL") or ("INFO" if args.command in ("serve", "run-batch") else "WARNING"),
+        level=process_setting("AFD_LOG_LEVEL") or ("INFO" if args.command in ("serve", "run-batch", "route") else "WARNING"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack

@@ -26,6 +26,10 @@ V3_SHAPED = dict(
     rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 4096, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
 )
+# DeepSeek-V3.2's indexer at its real dimensions (64 heads of 128, wq_b from the 1536-wide query LoRA); index_topk 16,
+# not 2,048, so that the tests' short prompts attend sparsely within 32 tokens
+V32_SHAPED = dict(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], index_n_heads=64,
+                  index_head_dim=128, index_topk=16)
 EXPERTS_PER_FILE = 32  # bounds the host memory a file's tensors take before it is written
 
 
@@ -48,6 +52,8 @@ def _tensors(model, generator: torch.Generator, device: str):
         elif name.endswith(".mlp.e_score_correction_bias"):  # float32, in the gate, as published
             bias = torch.empty(param.shape, device=device).normal_(0, 0.05, generator=generator)
             yield group, name.replace(".mlp.", ".mlp.gate."), bias
+        elif name.endswith("k_norm.bias"):  # the indexer's LayerNorm
+            yield group, name, torch.zeros(param.shape, dtype=torch.bfloat16, device=device)
         elif "norm" in name.rsplit(".", 2)[-2]:
             yield group, name, torch.ones(param.shape, dtype=torch.bfloat16, device=device)
         else:
@@ -63,7 +69,7 @@ def write_v3_shaped(bf16_out: Path | None, fp8_out: Path | None, seed: int = 0, 
     from safetensors.torch import save_file
 
     from afd.checkpoint_tools.fp8_convert import SCALE_SUFFIX, is_quantized_weight, quantization_config
-    from afd.models import deepseek_v3
+    from afd.models.loader import FAMILIES
     from afd.kernels.fp8_blocks import quantize_block_fp8
     from afd.models.spec import parse_spec
     from afd.local.up import ensure_tiny_model
@@ -73,7 +79,7 @@ def write_v3_shaped(bf16_out: Path | None, fp8_out: Path | None, seed: int = 0, 
     config = {**V3_SHAPED, **(overrides or {}), "bos_token_id": tiny_config.get("bos_token_id"),
               "eos_token_id": tiny_config.get("eos_token_id")}
     with torch.device("meta"):
-        model = deepseek_v3.build(config, parse_spec(config))
+        model = FAMILIES[config["model_type"]](config, parse_spec(config))  # V3's, or V3.2's (`V32_SHAPED`)
     outs = [out for out in (bf16_out, fp8_out) if out is not None]
     for out in outs:
         shutil.rmtree(out, ignore_errors=True)
@@ -107,7 +113,7 @@ def write_v3_shaped(bf16_out: Path | None, fp8_out: Path | None, seed: int = 0, 
         (bf16_out / "config.json").write_text(json.dumps(config, indent=2))
     if fp8_out is not None:
         (fp8_out / "config.json").write_text(json.dumps(
-            {**config, "quantization_config": quantization_config("deepseek_v3", sorted(gates))}, indent=2))
+            {**config, "quantization_config": quantization_config(config["model_type"], sorted(gates))}, indent=2))
     for folder in outs:
         for file in tiny.iterdir():
             if "token" in file.name or file.name.endswith(".jinja"):

@@ -29,6 +29,7 @@ RESOURCES = {
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, []),
     "v1/events": ("Event", True, []),
     "apps/v1/statefulsets": ("StatefulSet", True, []),
+    "apps/v1/deployments": ("Deployment", True, []),
 }
 
 

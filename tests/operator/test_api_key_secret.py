@@ -53,3 +53,22 @@ def test_the_crd_takes_the_ref_defaults_its_key_and_refuses_one_without_a_name()
     assert parse_spec(defaulted["spec"]).api.api_key_secret_ref.key == "api-key"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(schema).validate(apply_defaults(schema, make_cr(api={"apiKeySecretRef": {"key": "k"}})))
+
+
+@pytest.mark.parametrize("engine", ["afd", "vllm"])
+def test_the_api_parsers_reach_the_attention_pods_only(engine):
+    """`spec.api.toolCallParser` / `reasoningParser` (issue 52): the attention pods' AFD_TOOL_CALL_PARSER and
+    AFD_REASONING_PARSER (the vLLM engine passes them on as its flags); unset, none; the CRD refuses unknown names."""
+    api = {"toolCallParser": "kimi_k2", "reasoningParser": "kimi_k2"}
+    body = make_cr(api=api, afd={"attentionEngine": engine, "attentionImage": "registry.example/afd-vllm:0.1.0"}
+                   if engine == "vllm" else {})
+    jsonschema.Draft7Validator(crd_schema()).validate(apply_defaults(crd_schema(), body))
+    envs = _pod_envs(render_all(parse_spec(body["spec"]), parse_owner(body)))
+    for env in envs["attention"]:
+        assert {e["name"]: e["value"] for e in env if e["name"].endswith("_PARSER")} == {
+            "AFD_TOOL_CALL_PARSER": "kimi_k2", "AFD_REASONING_PARSER": "kimi_k2"}
+    assert not any(e["name"].endswith("_PARSER") for env in envs["ffn"] for e in env)
+    plain = make_cr()
+    assert "_PARSER" not in json.dumps(render_all(parse_spec(plain["spec"]), parse_owner(plain)))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(crd_schema()).validate(apply_defaults(crd_schema(), make_cr(api={"toolCallParser": "x"})))

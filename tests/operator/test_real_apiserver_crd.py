@@ -35,7 +35,7 @@ def test_the_crd_applies_server_side_and_is_established(cluster):
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     stored_rules = [rule["rule"] for _, rule in walk_validations(version["schema"]["openAPIV3Schema"])]
     assert sorted(stored_rules) == sorted(rule["rule"] for _, rule in walk_validations(crd_schema()))
-    assert len(stored_rules) == 13  # 8, spec.ratio's bounds, spec.autoscaling's bounds, target, positive targets, frozen replicas
+    assert len(stored_rules) == 14  # 8, spec.ratio's bounds, spec.autoscaling's bounds, target, positive targets, frozen replicas, spec.router's ports
 
 
 def _variant(change):
@@ -95,6 +95,11 @@ def test_api_servers_are_stored_as_given_and_default_to_the_engines_process(clus
     stored = cluster.create(_cr(namespace, "api-servers", afd={"apiServers": 4}))
     assert stored["spec"]["afd"]["apiServers"] == 4
     assert cluster.create(_cr(namespace, "api-default"))["spec"]["afd"]["apiServers"] == 0
+
+
+def test_prefix_caching_is_stored_as_given_and_defaults_on(cluster, namespace):
+    assert cluster.create(_cr(namespace, "prefix-off", afd={"prefixCaching": False}))["spec"]["afd"]["prefixCaching"] is False
+    assert cluster.create(_cr(namespace, "prefix-default"))["spec"]["afd"]["prefixCaching"] is True
 
 
 def test_the_api_key_secret_ref_is_stored_defaulted_and_the_attention_pods_read_the_key_from_it(cluster, namespace):
@@ -225,3 +230,24 @@ def test_unknown_fields_are_refused_with_strict_field_validation(cluster, namesp
     with pytest.raises(ApiError) as err:
         cluster.create(_cr(namespace, attention={"rank": 2}))
     assert 'unknown field "spec.attention.rank"' in err.value.message, err.value.message
+
+
+def test_the_api_parsers_are_stored_and_reach_the_attention_pods(cluster, namespace):
+    """Issue 52: `spec.api.toolCallParser` / `reasoningParser` kept by the API server (unknown names refused), and the
+    rendered attention StatefulSet, as the server keeps it, carries them as AFD_TOOL_CALL_PARSER / AFD_REASONING_PARSER."""
+    from afd_operator.model.spec import parse_owner, parse_spec
+    from afd_operator.rendering.children import render_group
+
+    api = {"toolCallParser": "deepseek_v31", "reasoningParser": "deepseek_v3"}
+    stored = cluster.create(_cr(namespace, "parsers", api=api))
+    assert stored["spec"]["api"] == api
+    with pytest.raises(Exception):
+        cluster.create(_cr(namespace, "bad-parser", api={"toolCallParser": "hermes2"}))
+    body = make_cr(name="parsers", namespace=namespace, api=stored["spec"]["api"])
+    for sts in (o for o in render_group(parse_spec(body["spec"]), parse_owner(body), 0, "r1") if o["kind"] == "StatefulSet"):
+        sts["metadata"].pop("ownerReferences")
+        env = cluster.create(sts, dry_run=True)["spec"]["template"]["spec"]["containers"][0]["env"]
+        named = {e["name"]: e.get("value") for e in env if e["name"] in ("AFD_TOOL_CALL_PARSER", "AFD_REASONING_PARSER")}
+        role = sts["spec"]["template"]["metadata"]["labels"]["afd.io/role"]
+        assert named == ({"AFD_TOOL_CALL_PARSER": "deepseek_v31", "AFD_REASONING_PARSER": "deepseek_v3"}
+                         if role == "attention" else {}), role

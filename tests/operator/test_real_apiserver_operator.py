@@ -53,7 +53,7 @@ def test_the_operator_runs_as_its_service_account_not_as_admin(cluster, operator
     assert cluster.whoami() != as_operator.whoami()
     namespace = operator_namespace(as_operator)
     assert as_operator.whoami() == f"system:serviceaccount:{namespace}:afd-afd-operator"
-    with pytest.raises(ApiError) as err:  # e.g. it cannot list Secrets, nor touch Deployments
+    with pytest.raises(ApiError) as err:  # e.g. it cannot list Secrets, nor Deployments (it gets its router's by name)
         as_operator.list("Deployment", namespace)
     assert err.value.status == 403
 

@@ -398,9 +398,12 @@ def test_rank_pods_deleted_every_30_to_60_s_lose_no_request_and_change_no_text(t
         _report(steps)
 
 
-def test_the_tiny_deepseek_v3_sample_answers_through_its_client_service(tmp_path_factory):
-    """crds/samples/cpu-zmq-tiny-deepseek-v3.yaml as written (2A1F, the gate on the attention ranks), with
-    the image and a host-path tiny DeepSeek-V3: Ready, then a completion and a stream through the Service."""
+@pytest.mark.parametrize("arch, sample", [("deepseek_v3", "cpu-zmq-tiny-deepseek-v3.yaml"),
+                                          ("deepseek_v32", "cpu-zmq-tiny-deepseek-v32.yaml")])
+def test_the_tiny_deepseek_v3_sample_answers_through_its_client_service(arch, sample, tmp_path_factory):
+    """crds/samples/cpu-zmq-tiny-deepseek-v3.yaml (and the V3.2 one: sparse attention past 16 tokens) as written
+    (2A1F, the gate on the attention ranks), with the image and a host-path tiny model of its arch: Ready, then a
+    completion and a stream through the Service."""
     import copy
 
     import yaml
@@ -412,12 +415,12 @@ def test_the_tiny_deepseek_v3_sample_answers_through_its_client_service(tmp_path
     steps = Steps()
     if os.environ.get("AFD_E2E_REUSE_IMAGES") != "1":
         steps.run("build images and import them into the node", build_and_import_images)
-    model_dir = steps.run("afd make-tiny-model --arch deepseek_v3 on the host", tiny_model_on_the_host,
-                          tmp_path_factory.mktemp("v3-model") / "tiny-deepseek-v3", "deepseek_v3")
+    model_dir = steps.run(f"afd make-tiny-model --arch {arch} on the host", tiny_model_on_the_host,
+                          tmp_path_factory.mktemp("model") / f"tiny-{arch}", arch)
     release = _install_operator(cluster, steps)
     namespace = cluster.new_namespace("afd-v3")
     try:
-        body = copy.deepcopy(yaml.safe_load(next(p for p in SAMPLES if p.name == "cpu-zmq-tiny-deepseek-v3.yaml").read_text()))
+        body = copy.deepcopy(yaml.safe_load(next(p for p in SAMPLES if p.name == sample).read_text()))
         name = body["metadata"]["name"]
         body["metadata"]["namespace"] = namespace
         body["spec"].update(image=RUNTIME_IMAGE, imagePullPolicy="Never", servedModelName=SERVED)
@@ -429,7 +432,7 @@ def test_the_tiny_deepseek_v3_sample_answers_through_its_client_service(tmp_path
             conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
             return conditions.get("Ready") == "True" and status.get("groupsReady") == "1/1" and "groups 1/1"
 
-        steps.run("apply the tiny DeepSeek-V3 sample; Ready 1/1", eventually, ready, 900, f"{name} Ready", 1)
+        steps.run(f"apply the {sample} sample; Ready 1/1", eventually, ready, 900, f"{name} Ready", 1)
         url = service_url(cluster, namespace, name)
         steps.run("the Service answers", eventually, lambda: _answers(url), 60, "GET /health through the Service", 1)
         steps.run("completion and stream through the client Service", _ask, url)

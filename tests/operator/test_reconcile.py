@@ -159,11 +159,11 @@ def test_rbac_covers_every_kind_the_operator_writes():
     granted = {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
     assert not any("*" in x for x in granted)
     groups = {"ConfigMap": [""], "Service": [""], "Pod": [""], "Event": [""], "StatefulSet": ["apps"],
-              "PodDisruptionBudget": ["policy"], "PodMonitor": ["monitoring.coreos.com"],
+              "Deployment": ["apps"], "PodDisruptionBudget": ["policy"], "PodMonitor": ["monitoring.coreos.com"],
               "PodGroup": ["scheduling.volcano.sh", "scheduling.x-k8s.io"], "AFDDeployment": ["afd.io"],
               "Secret": [""], "NetworkPolicy": ["networking.k8s.io"]}
     needed = {"Pod": ["delete", "list", "watch"], "Event": ["create"], "AFDDeployment": ["list", "watch", "patch"],
-              "Secret": ["get", "create", "patch"]}
+              "Secret": ["get", "create", "patch"], "Deployment": ["get", "create", "patch", "delete"]}
     for kind, plural in PLURALS.items():
         for group in groups[kind]:
             for verb in needed.get(kind, ["create", "patch", "delete"]):

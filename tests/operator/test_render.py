@@ -100,6 +100,8 @@ def test_children_count_and_names():
                            ("StatefulSet", f"qwen3-moe-g{g}-attn"), ("StatefulSet", f"qwen3-moe-g{g}-ffn")]
     expected = [x for g in range(3) for x in per_group(g)]
     expected += [("PodDisruptionBudget", "qwen3-moe"), ("PodMonitor", "qwen3-moe"), ("Service", "qwen3-moe")]
+    expected += [("Service", "qwen3-moe-ranks"), ("Deployment", "qwen3-moe-router"),  # spec.router
+                 ("PodDisruptionBudget", "qwen3-moe-router"), ("PodMonitor", "qwen3-moe-router")]
     assert kinds == sorted(expected)
 
 
@@ -140,7 +142,8 @@ def test_statefulsets_and_services_fit_together():
     assert services["dsv2-lite-g0-ffn"]["spec"]["publishNotReadyAddresses"] is True
     assert services["dsv2-lite-g0-ffn"]["spec"]["clusterIP"] == "None"
     client = services["dsv2-lite"]["spec"]
-    assert client["selector"] == {L.NAME: "dsv2-lite", L.ROLE: "attention"}
+    assert client["selector"] == {L.ROUTER: "dsv2-lite"}  # the sample's router takes the clients
+    assert services["dsv2-lite-ranks"]["spec"]["selector"] == {L.NAME: "dsv2-lite", L.ROLE: "attention"}
 
 
 def _pods(body):
@@ -385,6 +388,16 @@ def test_the_prefill_itl_ratio_reaches_the_runtime_only_when_set():
     runtime = runtime_of({"prefillItlRatio": 2})  # the default is 0 (off): a ratio turns the pacer on
     assert runtime["prefill_itl_ratio"] == 2
     assert afd_config.AFDConfig(**runtime).scheduler.prefill_itl_ratio == 2
+
+
+def test_prefix_caching_off_reaches_the_runtime_only_when_set():
+    def runtime_of(afd):
+        config_map = next(o for o in _render(make_cr(afd=afd)) if o["kind"] == "ConfigMap")
+        return yaml.safe_load(config_map["data"]["afd.yaml"])
+
+    assert "prefix_caching" not in runtime_of({}) and afd_config.AFDConfig().kv.prefix_caching  # on by default
+    runtime = runtime_of({"prefixCaching": False})
+    assert runtime["prefix_caching"] is False and not afd_config.AFDConfig(**runtime).kv.prefix_caching
 
 
 def test_api_servers_reach_the_runtime_as_api_processes_only_when_set():

@@ -13,6 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 V3_CONFIG = ROOT / "docs/models/DeepSeek-V3.config.json"
 GPU_SAMPLE = ROOT / "crds/samples/gpu-nccl-deepseek-v3-fp8.yaml"
 CPU_SAMPLE = ROOT / "crds/samples/cpu-zmq-tiny-deepseek-v3.yaml"
+V32_CONFIG = ROOT / "docs/models/DeepSeek-V3.2.config.json"
+V32_GPU_SAMPLE = ROOT / "crds/samples/gpu-nccl-deepseek-v32-fp8.yaml"
+V32_CPU_SAMPLE = ROOT / "crds/samples/cpu-zmq-tiny-deepseek-v32.yaml"
 
 
 def test_the_deepseek_v3_gpu_sample_carries_its_current_sizing_table():
@@ -27,6 +30,29 @@ def test_the_deepseek_v3_gpu_sample_carries_its_current_sizing_table():
     # 32 of 256 routed experts x 58 MoE layers x 3 x 7168 x 2048 FP8 bytes, plus the 3 dense layers on shard 0
     assert 32 * 58 * 3 * 7168 * 2048 < shard0.weight_bytes < 32 * 58 * 3 * 7168 * 2048 + 2.2e9
     assert attention.kv_bytes_per_token == 61 * (512 + 64) * 2  # MLA latent + rotary key, bf16
+
+
+def test_the_deepseek_v32_gpu_sample_carries_its_current_sizing_table_with_the_index_cache():
+    report = fit(json.loads(V32_CONFIG.read_text()), yaml.safe_load(V32_GPU_SAMPLE.read_text()),
+                 model_name="docs/models/DeepSeek-V3.2.config.json")
+    assert not report.refused
+    table = render_fit(report).splitlines()[2:]
+    comment = [line[1:].removeprefix("   ") for line in V32_GPU_SAMPLE.read_text().splitlines() if line.startswith("#")]
+    start = comment.index(table[0])
+    assert comment[start:start + len(table)] == table
+    attention = report.ranks[0]
+    assert attention.kv_bytes_per_token == 61 * (512 + 64 + 128) * 2  # MLA latent + rotary key + index key, bf16
+    v3 = fit(json.loads(V3_CONFIG.read_text()), yaml.safe_load(GPU_SAMPLE.read_text())).ranks[0]
+    assert attention.kv_tokens < v3.kv_tokens * 0.83  # the index keys' 22% more bytes a token, and the indexer
+
+
+def test_the_tiny_v32_cpu_sample_fits_its_pods(tmp_path):
+    from afd.checkpoint_tools.tiny import make_tiny_model
+
+    path = make_tiny_model("deepseek_v32", tmp_path / "v32")
+    report = fit(json.loads(Path(path, "config.json").read_text()), yaml.safe_load(V32_CPU_SAMPLE.read_text()))
+    assert [r.verdict for r in report.ranks] == ["fits", "fits"]
+    assert report.ranks[0].kv_bytes_per_token == 3 * (32 + 8 + 32) * 4  # float32 latent + rotary + index key
 
 
 def test_dequantized_deepseek_v3_is_refused_on_the_same_gpus(tmp_path):

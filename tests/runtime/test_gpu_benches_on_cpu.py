@@ -13,7 +13,7 @@ GPU_BENCHES = ["cluster/afd_decode", "step/attention_split", "kernels/decode_tun
                "kernels/gemm_invariance", "step/graphs_vs_eager", "step/mixed_step", "step/memory_probe",
                "kernels/mla_decode", "comparisons/moe_deepgemm", "kernels/moe_fp8_spills", "kernels/moe_layer",
                "kernels/moe_layer_fp8", "kernels/moe_small", "kernels/moe_tune", "kernels/pdl_chain", "cluster/plan_gpu",
-               "kernels/skinny_tune", "step/step_floor"]
+               "kernels/skinny_tune", "kernels/sparse_mla", "step/step_floor"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: the benches would run")

@@ -29,6 +29,7 @@ HONOURED = {
     "AFD_GPU_MEMORY_UTILIZATION": "0.5", "AFD_CEILING_BATCHES": "1,8", "AFD_CEILING_CONTEXT": "128",
     "AFD_API_PROCESS": "true", "AFD_API_SERVERS": "2", "AFD_FFN_HOLD_S": "4.5",
     "AFD_API_KEY": "key-1,key-2", "AFD_REASONING_PARSER": "qwen3", "AFD_REASONING_CONTENT": "true",
+    "AFD_PREFIX_CACHING": "false",
 }
 # set by each test: the model, and where the two commands' defaults differ
 PER_COMMAND = {"up": {"AFD_STAGES": "1", "AFD_ATTENTION_ENGINE": "vllm"},
@@ -78,6 +79,14 @@ def up_children(argv, monkeypatch):
 
     Supervisor(plan_ranks(planned["config"]), Recorder(), None, "http://127.0.0.1:1/v1").start_all()
     return planned, started
+
+
+def test_afd_up_no_prefix_caching_reaches_every_attention_rank(clean_env, checkpoints):
+    clean_env.setenv("AFD_MODEL", str(checkpoints["qwen3_moe"]))
+    for flag, expected in (([], True), (["--no-prefix-caching"], False)):
+        _, children = up_children(["--topology", "2A1F", *flag], clean_env)
+        assert [load_config(env=env).kv.prefix_caching for name, env in children if name.startswith("attention")] == [
+            expected, expected]
 
 
 def generate_children(argv, tmp_path, monkeypatch):

@@ -133,6 +133,10 @@ FP8_SETTINGS = {  # id → a table entry for FP8 experts (gate_up's BLOCK_N a mu
     # columns over two weight blocks: a scale per column (BLOCK_N <= 128 takes one scale per block and step)
     "one-dot-wide-down-wide": {"BLOCK_M": 32, "gate_up": kernel(256, TMA=True, ONE_DOT=True),
                                "down": kernel(256, TMA=True, BLOCK_M=16)},
+    # gate_up's column block in two passes of one dot (half the gate columns beside the same half's up columns)
+    "halves-pointers": {"BLOCK_M": 32, "gate_up": kernel(HALVES=True, GROUP_M=2), "down": kernel(TMA=True)},
+    "halves-tma-gather-half-tiles": {"BLOCK_M": 32, "gate_up": kernel(block_k=64, BLOCK_M=16, TMA=True, GATHER=True,
+                                                                      HALVES=True), "down": kernel(64, 64, BLOCK_M=16)},
     **{f"default-{tokens}": FP8_DEFAULT_CONFIGS[tokens] for tokens in (1024, 4096)},  # the tall untuned ones
 }
 

@@ -32,8 +32,8 @@ def kernel(block_n=32, block_k=32, **new_keys):
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3, **new_keys}
 
 
-SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROUP_M, TMA, PERSISTENT, GATHER and
-    # ONE_DOT (gate_up)
+SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROUP_M, TMA, PERSISTENT, GATHER,
+    # ONE_DOT and HALVES (gate_up)
     "old-entry": {"BLOCK_M": 16, "gate_up": kernel(), "down": kernel()},
     "grouped-tma-down": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=2),
                          "down": kernel(64, BLOCK_M=32, GROUP_M=0, TMA=True)},
@@ -54,6 +54,12 @@ SETTINGS = {  # id → a table entry; the new keys: a kernel's own BLOCK_M, GROU
                            "down": kernel(64, TMA=True)},
     "one-dot-gather-persistent": {"BLOCK_M": 16, "gate_up": kernel(TMA=True, GATHER=True, ONE_DOT=True, PERSISTENT=1),
                                   "down": kernel()},
+    "halves-pointers-half-tiles": {"BLOCK_M": 32, "gate_up": kernel(BLOCK_M=16, GROUP_M=2, HALVES=True),
+                                   "down": kernel(64, BLOCK_M=16, TMA=True)},  # (a 32-row down reads act rows
+    # that no half tile wrote: uninitialised, finite or not, in padding rows it never stores)
+    "halves-tma-gather-persistent": {"BLOCK_M": 16, "gate_up": kernel(64, TMA=True, GATHER=True, HALVES=True,
+                                                                      PERSISTENT=1, MAX_REGS=168),
+                                     "down": kernel(MAX_REGS=128)},
 }
 
 
@@ -87,13 +93,22 @@ def test_a_kernel_tile_that_does_not_divide_the_layouts_is_refused():
     from afd.kernels.moe_launch import kernel_settings
 
     assert kernel_settings(kernel(), 64) == {**kernel(), "BLOCK_M": 64, "GROUP_M": 0, "TMA": False, "GATHER": False,
-                                             "ONE_DOT": False, "PERSISTENT": 0}
+                                             "ONE_DOT": False, "HALVES": False, "PERSISTENT": 0,
+                                             "MAX_REGS": 0}
     with pytest.raises(ValueError, match="divide the layout's BLOCK_M 64"):
         kernel_settings(kernel(BLOCK_M=48), 64)
     with pytest.raises(ValueError, match="PERSISTENT -1 must be 0"):
         kernel_settings(kernel(PERSISTENT=-1), 64)
     with pytest.raises(ValueError, match="ONE_DOT .* needs TMA on"):
         kernel_settings(kernel(ONE_DOT=True), 64)
+    with pytest.raises(ValueError, match="HALVES .* BLOCK_N 16 must be a multiple of 32, and ONE_DOT off"):
+        kernel_settings(kernel(16, HALVES=True), 64)
+    with pytest.raises(ValueError, match="HALVES .* ONE_DOT off"):
+        kernel_settings(kernel(TMA=True, ONE_DOT=True, HALVES=True), 64)
+    with pytest.raises(ValueError, match="MAX_REGS 300 must be 0"):
+        kernel_settings(kernel(MAX_REGS=300), 64)
+    with pytest.raises(ValueError, match="FP8 gate_up with HALVES needs BLOCK_N 128"):
+        kernel_settings(kernel(256, 128, HALVES=True), 64, fp8=True, kernel="gate_up")
 
 
 @pytest.mark.parametrize("tokens", [1, 37, 130])
@@ -234,21 +249,23 @@ def test_gate_up_on_pre_gathered_rows_writes_every_row_as_before(tokens, tma):
     assert not x_rows[used & ~real].any()
 
 
+@pytest.mark.parametrize("form", [{"TMA": True, "ONE_DOT": True}, {"HALVES": True}, {"TMA": True, "HALVES": True}],
+                         ids=["one-dot", "halves-pointers", "halves-tma"])
 @pytest.mark.parametrize("tokens", [1, 37, 130])
-def test_gate_up_in_one_dot_writes_what_two_dots_write(tokens):
-    """ONE_DOT changes how gate and up blocks are loaded and multiplied, not a value of a real row of `act`
-    (the last column block is partial: inter 48, BLOCK_N 32)."""
+def test_gate_up_in_one_dot_or_halves_writes_what_two_dots_write(tokens, form):
+    """ONE_DOT and HALVES change how gate and up blocks are loaded and multiplied, not a value of a real row of
+    `act` (the last column block is partial: inter 48, BLOCK_N 32; HALVES' second half of it lies past inter)."""
     from afd.kernels import moe_triton
 
     x, w_gate_up, layout, slots, num_pairs = gate_up_problem(tokens)
     acts = {}
-    for one_dot in (False, True):
-        acts[one_dot] = torch.zeros((layout.pairs.shape[0], w_gate_up.shape[1] // 2), dtype=DTYPE, device=DEVICE)
-        moe_triton.launch_gate_up(x, w_gate_up, acts[one_dot], layout, num_pairs, slots, GATE_UP_LAYOUT_M,
-                                  kernel(BLOCK_M=16, TMA=True, ONE_DOT=one_dot))
+    for name, settings in (("two dots", {"TMA": form.get("TMA", False)}), ("form", form)):
+        acts[name] = torch.zeros((layout.pairs.shape[0], w_gate_up.shape[1] // 2), dtype=DTYPE, device=DEVICE)
+        moe_triton.launch_gate_up(x, w_gate_up, acts[name], layout, num_pairs, slots, GATE_UP_LAYOUT_M,
+                                  kernel(BLOCK_M=16, **settings))
     real = layout.pairs < num_pairs
-    assert acts[True][real].abs().sum() > 0
-    torch.testing.assert_close(acts[True][real], acts[False][real], rtol=1e-2, atol=1e-3)
+    assert acts["form"][real].abs().sum() > 0
+    torch.testing.assert_close(acts["form"][real], acts["two dots"][real], rtol=1e-2, atol=1e-3)
 
 
 def test_gather_without_its_buffer_is_refused():

@@ -13,8 +13,9 @@ from afd.kernels import moe_launch
 from afd.kernels.moe_launch import kernel_settings
 
 KERNEL_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "PERSISTENT"}  # newer tables: a kernel's own
-# tile height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot, a persistent grid
+OPTIONAL_KEYS = {"BLOCK_M", "GROUP_M", "TMA", "GATHER", "ONE_DOT", "HALVES", "PERSISTENT", "MAX_REGS"}  # newer
+# tables: a kernel's own tile height, program order, TMA loads, gate_up's rows pre-gathered, gate_up in one dot or in
+# two half-block passes, a persistent grid, a register cap
 
 
 def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:
@@ -29,6 +30,7 @@ def assert_kernel_entry(kernel: dict, layout_m: int, fp8: str = "") -> None:
     assert isinstance(kernel.get("GROUP_M", 0), int) and kernel.get("GROUP_M", 0) >= 0
     assert isinstance(kernel.get("TMA", False), bool) and isinstance(kernel.get("GATHER", False), bool)
     assert kernel.get("ONE_DOT", False) in (False, kernel.get("TMA", False))  # one dot needs TMA
+    assert not (kernel.get("ONE_DOT", False) and kernel.get("HALVES", False))
     persistent = kernel.get("PERSISTENT", 0)
     assert isinstance(persistent, int) and not isinstance(persistent, bool) and persistent >= 0
     kernel_settings(kernel, layout_m, bool(fp8), fp8)  # and what the launcher itself refuses
@@ -57,7 +59,7 @@ def test_every_committed_table_is_complete(path):
         assert entry["BLOCK_M"] in (16, 32, 64, 128), tokens
         assert_kernel_entry(entry["gate_up"], entry["BLOCK_M"], "gate_up" if fp8 else "")
         assert_kernel_entry(entry["down"], entry["BLOCK_M"], "down" if fp8 else "")
-        assert "GATHER" not in entry["down"] and "ONE_DOT" not in entry["down"], tokens  # gate_up's options
+        assert not {"GATHER", "ONE_DOT", "HALVES"} & set(entry["down"]), tokens  # gate_up's options
 
 
 def test_defaults_are_complete():
@@ -73,7 +75,7 @@ def fp8_tile_registers(kernel: str, entry: dict) -> int:
 
     cfg = entry[kernel]
     return fp8_accumulator_registers(kernel, cfg.get("BLOCK_M", entry["BLOCK_M"]), cfg["BLOCK_N"], cfg["num_warps"],
-                                     cfg.get("ONE_DOT", False))
+                                     cfg.get("ONE_DOT", False), cfg.get("HALVES", False))
 
 
 @pytest.mark.parametrize("tokens", sorted(FP8_DEFAULT_CONFIGS))
@@ -90,6 +92,9 @@ def test_fp8_register_count_of_a_tile():
     assert fp8_accumulator_registers("down", 128, 256, 8) == 2 * 128 * 256 // 256
     assert fp8_accumulator_registers("gate_up", 64, 128, 4) == 3 * 64 * 128 // 128
     assert fp8_accumulator_registers("gate_up", 64, 128, 4, one_dot=True) == 4 * 64 * 128 // 128
+    # HALVES: one BM×BN accumulator, its product and the first half's act (BM×BN/2)
+    assert fp8_accumulator_registers("gate_up", 64, 128, 4, halves=True) == 64 + 64 + 32
+    assert fp8_accumulator_registers("gate_up", 128, 128, 8, halves=True) == 160
 
 
 @pytest.mark.parametrize("key", ["LAG", "K_PAIRS"])

@@ -327,3 +327,19 @@ def test_the_table_prints_a_null_rate_per_gpu():
 
     table = render_table({"current": "2A1F", "per_gpu": {"2A1F": 10.0, "4A1F": None}})
     assert table.splitlines()[-1].split() == ["4A1F", "-"] and "2A1F        10.0" in table
+
+
+def test_the_plan_reports_the_prefix_hit_rate_of_the_last_window():
+    """Prompt tokens found in the prefix cache are not computed: the plan says what share they were (issue 51)."""
+    from afd.planner.command import render_table
+
+    scrapes = Group("2A1F").scrapes([16, 32, 64])
+    assert plan(scrapes)["prefix_hit_rate"] is None  # no prefix-cache series: nothing said
+    for index, scrape in enumerate(scrapes):
+        for sample in scrape:
+            if sample.role == "attention":
+                sample.values.update({"afd_prefix_cache_queries_total": 1000.0 * index,
+                                      "afd_prefix_cache_hits_total": 300.0 * index + (index == len(scrapes) - 1) * 450})
+    result = plan(scrapes)
+    assert result["prefix_hit_rate"] == pytest.approx(0.75)  # the last window's: (300 + 450) of 1000
+    assert "prefix cache 75.0% of prompt tokens found cached" in render_table(result)

@@ -68,7 +68,9 @@ def test_streaming_and_whole_responses_agree(server):
     whole = complete(server, **body).json()
     text, finish, usage = stream_text(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert text == whole["choices"][0]["text"] and finish == whole["choices"][0]["finish_reason"] == "length"
-    assert usage == whole["usage"] and usage["completion_tokens"] == 20
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: what each found in the cache
+    assert [usage[k] for k in counts] == [whole["usage"][k] for k in counts] and usage["completion_tokens"] == 20
+    assert usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
     chat = {"model": server.model, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 15, "temperature": 0}
     whole_chat = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()
     streamed, _, _ = stream_text(server, "/v1/chat/completions", {**chat, "stream": True})

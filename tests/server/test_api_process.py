@@ -23,9 +23,10 @@ PROMPTS = ["The keys and values of every sequence", "Experts of the feed-forward
 class Served:
     """A monolithic `afd serve` on the tiny Qwen3-MoE checkpoint, on free ports."""
 
-    def __init__(self, checkpoint: Path, api_process: bool, servers: int = 1):
+    def __init__(self, checkpoint: Path, api_process: bool, servers: int = 1, extra_env: dict | None = None):
         self.api, self.metrics = _free_port(), _free_port()
-        env = {**os.environ, "AFD_API_PROCESS": "1" if api_process else "0", "AFD_API_SERVERS": str(servers),
+        env = {**os.environ, **(extra_env or {}), "AFD_API_PROCESS": "1" if api_process else "0",
+               "AFD_API_SERVERS": str(servers),
                "AFD_HTTP_HOST": "127.0.0.1",
                "AFD_HTTP_PORT": str(self.api), "AFD_METRICS_PORT": str(self.metrics), "AFD_DEVICE": "cpu",
                "AFD_KV_CACHE_BYTES": str(64 << 20), "AFD_SHUTDOWN_GRACE_S": "10"}
@@ -86,9 +87,10 @@ def test_greedy_completions_and_chat_equal_the_one_process_server(servers):
         expected, got = one.complete(prompt, logprobs=1), split.complete(prompt, logprobs=1)
         assert got["choices"][0]["text"] == expected["choices"][0]["text"]
         assert got["choices"][0]["logprobs"]["tokens"] == expected["choices"][0]["logprobs"]["tokens"]
-        assert got["usage"] == expected["usage"] == {"prompt_tokens": expected["usage"]["prompt_tokens"],
-                                                      "completion_tokens": 10,
-                                                      "total_tokens": expected["usage"]["prompt_tokens"] + 10}
+        counts = {k: got["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        assert counts == {"prompt_tokens": expected["usage"]["prompt_tokens"], "completion_tokens": 10,
+                          "total_tokens": expected["usage"]["prompt_tokens"] + 10}
+        assert expected["usage"] == {**counts, "prompt_tokens_details": expected["usage"]["prompt_tokens_details"]}
     chat = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 6, "temperature": 0}
     answers = [httpx.post(f"{s.url}/v1/chat/completions", json={"model": s.model, **chat}, timeout=60).json()
                for s in servers]

@@ -17,7 +17,7 @@ def test_a_submit_carries_every_sampling_parameter():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=("a", "bc"),
                             stop_token_ids=(4,), ignore_eos=True, logprobs=2)
     assert core_wire.decode_request(core_wire.encode_submit(2, "r1", [1, 2, 3], params, 12.5, "g")) == (
-        core_wire.SUBMIT, 2, "r1", [1, 2, 3], params, 12.5, "g")
+        core_wire.SUBMIT, 2, "r1", [1, 2, 3], params, 12.5, "g", [])
     assert core_wire.decode_request(core_wire.encode_abort(0, "r1")) == (core_wire.ABORT, 0, "r1")
     assert core_wire.decode_request(core_wire.encode_beat(1, True, None)) == (core_wire.BEAT, 1, True, None)
 
@@ -91,8 +91,8 @@ def test_the_api_side_reports_the_cores_state_and_its_silence(tmp_path):
         request = client.submit([1, 2], SamplingParams(max_tokens=3), got.append)
         while (message := core_wire.decode_request(core_in.recv()))[0] == core_wire.BEAT:
             assert message[1:] == (0, True, None)  # API process 0, listening, its loop turns
-        kind, api, request_id, prompt, params, arrival, _ = message
-        assert (kind, api, request_id, prompt, params.max_tokens) == (core_wire.SUBMIT, 0, request.request_id, [1, 2], 3)
+        kind, api, request_id, prompt, params, arrival, _, carried = message
+        assert (kind, api, request_id, prompt, params.max_tokens, carried) == (core_wire.SUBMIT, 0, request.request_id, [1, 2], 3, [])
         assert arrival == request.arrival  # the core's time to first token counts from the API's arrival
         core_out.send(core_wire.encode_outputs(CoreState(None, None), [RequestOutput(request_id, "", [0], [])]))
         await asyncio.sleep(1.0)  # then the core goes silent
@@ -120,7 +120,7 @@ def test_each_api_process_gets_the_outputs_of_its_own_requests_and_the_core_hear
 
         on_burst = None
 
-        def submit(self, prompt_ids, params, on_output, request_id, text, arrival, group):
+        def submit(self, prompt_ids, params, on_output, request_id, text, arrival, group, carried=()):
             on_output(RequestOutput(request_id, "", [prompt_ids[0]], [], finished=True, finish_reason="length"))
             self.on_burst()
 
@@ -187,7 +187,7 @@ def test_the_requests_of_a_gone_api_process_are_aborted_in_the_engine(tmp_path):
         def __init__(self):
             self.aborted, self.callbacks = [], {}
 
-        def submit(self, prompt_ids, params, on_output, request_id, text, arrival, group=None):
+        def submit(self, prompt_ids, params, on_output, request_id, text, arrival, group=None, carried=()):
             self.callbacks[request_id] = on_output
 
         def abort(self, request_id):
@@ -216,7 +216,7 @@ def test_the_api_side_holds_stop_strings_back_until_min_tokens():
 
 def test_a_batch_of_submits_arrives_as_sent():
     params = [SamplingParams(max_tokens=3, seed=5 + j, stop=("x",)) for j in range(3)]
-    submits = [(f"r{j}", [1, 2, j], params[j], 7.5 + j, "g") for j in range(3)]
+    submits = [(f"r{j}", [1, 2, j], params[j], 7.5 + j, "g", [4, j] if j else []) for j in range(3)]
     assert core_wire.decode_request(core_wire.encode_submits(1, submits)) == (core_wire.SUBMITS, 1, submits)
 
 
@@ -231,16 +231,17 @@ MALFORMED = [
     (b"\x80\x05garbage", "not a pickled message"),
     (_pickled(["submits", 0, []]), "not a request message"),
     (_pickled(("launch", 0)), "not a request message"),
-    (_pickled(("submits", "0", [("r", [1], _PARAMS, 1.0, "g")])), "API process '0'"),
+    (_pickled(("submits", "0", [("r", [1], _PARAMS, 1.0, "g", [])])), "API process '0'"),
     (_pickled(("submits", 0, [])), "non-empty list of submits"),
-    (_pickled(("submits", 0, ("r", [1], _PARAMS, 1.0, "g"))), "non-empty list of submits"),
-    (_pickled(("submits", 0, [("r", [1], _PARAMS, 1.0, "g"), ("s", [1], _PARAMS)])), "submit 1 of a batch is not"),
-    (_pickled(("submits", 0, [("r", [1, "2"], _PARAMS, 1.0, "g")])), "submit 0 of a batch (r) has prompt ids"),
-    (_pickled(("submits", 0, [("r", [1], _PARAMS[:2], 1.0, "g")])), "not a tuple of"),
-    (_pickled(("submits", 0, [("r", [1], (0,) + _PARAMS[1:], 1.0, "g")])), "max_tokens must be at least 1"),
-    (_pickled(("submits", 0, [(5, [1], _PARAMS, 1.0, "g")])), "request id 5, not a string"),
-    (_pickled(("submits", 0, [("r", [1], _PARAMS, "soon", "g")])), "arrival 'soon'"),
+    (_pickled(("submits", 0, ("r", [1], _PARAMS, 1.0, "g", []))), "non-empty list of submits"),
+    (_pickled(("submits", 0, [("r", [1], _PARAMS, 1.0, "g", []), ("s", [1], _PARAMS)])), "submit 1 of a batch is not"),
+    (_pickled(("submits", 0, [("r", [1, "2"], _PARAMS, 1.0, "g", [])])), "submit 0 of a batch (r) has prompt ids"),
+    (_pickled(("submits", 0, [("r", [1], _PARAMS[:2], 1.0, "g", [])])), "not a tuple of"),
+    (_pickled(("submits", 0, [("r", [1], (0,) + _PARAMS[1:], 1.0, "g", [])])), "max_tokens must be at least 1"),
+    (_pickled(("submits", 0, [(5, [1], _PARAMS, 1.0, "g", [])])), "request id 5, not a string"),
+    (_pickled(("submits", 0, [("r", [1], _PARAMS, "soon", "g", [])])), "arrival 'soon'"),
     (_pickled(("submit", 0, "r", [1], _PARAMS, 1.0)), "a submit message of 6 fields"),
+    (_pickled(("submits", 0, [("r", [1], _PARAMS, 1.0, "g", [1, "2"])])), "has carried tokens"),
     (_pickled(("abort", 0, None)), "abort of request id None"),
     (_pickled(("beat", 0, "yes", None)), "a beat of"),
 ]
@@ -269,7 +270,7 @@ class Recording:
         self.blocks.append(self.inside)
         self.inside = None
 
-    def submit(self, prompt_ids, params, on_output, request_id, text, arrival, group):
+    def submit(self, prompt_ids, params, on_output, request_id, text, arrival, group, carried=()):
         if prompt_ids[0] == 0:
             raise RuntimeError("the engine broke")
         self.inside.append(request_id)
@@ -297,8 +298,8 @@ def test_the_core_drops_a_garbage_batch_with_a_log_line_and_admits_a_good_one_to
     try:
         assert outputs.poll(10_000), "no beat from the link"  # connected: no output is sent before we listen
         requests.send(b"\x80\x05garbage")
-        requests.send(_pickled(("submits", 0, [("a", [1], astuple(params), 1.0, "g"), ("b", "oops", (), None, "g")])))
-        requests.send(core_wire.encode_submits(0, [(rid, [first], params, 1.0, "g")
+        requests.send(_pickled(("submits", 0, [("a", [1], astuple(params), 1.0, "g", []), ("b", "oops", (), None, "g", [])])))
+        requests.send(core_wire.encode_submits(0, [(rid, [first], params, 1.0, "g", [])
                                                    for rid, first in (("c", 3), ("d", 0), ("e", 4))]))
         answers = {}
         while len(answers) < 3:
@@ -359,9 +360,9 @@ def test_the_choices_of_one_together_go_to_the_core_as_one_message(tmp_path):
     lone = client.submit([3], SamplingParams(max_tokens=2), got.append)
     [batch, single] = client._requests.messages
     assert batch[:2] == (core_wire.SUBMITS, 0)
-    assert [(rid, ids, p.seed, arrival, group) for rid, ids, p, arrival, group in batch[2]] == [
+    assert [(rid, ids, p.seed, arrival, group) for rid, ids, p, arrival, group, _ in batch[2]] == [
         (first.request_id, [1, 2], 1, first.arrival, "g"), (last.request_id, [1, 2], 3, last.arrival, "g")]
-    assert single == (core_wire.SUBMIT, 0, lone.request_id, [3], SamplingParams(max_tokens=2), lone.arrival, None)
+    assert single == (core_wire.SUBMIT, 0, lone.request_id, [3], SamplingParams(max_tokens=2), lone.arrival, None, [])
     assert got == [] and client.num_waiting_here == 3
     client.close()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from afd.server.front.failover import Failover
-from afd.server.serve.engine_api import ENDPOINT_SPREAD_S, QUIET_S, DrainWatch
+from afd.server.probe_http import ENDPOINT_SPREAD_S, QUIET_S, DrainWatch
 
 
 def test_the_drain_waits_for_the_endpoint_removal_then_for_a_quiet_second():

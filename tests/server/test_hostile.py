@@ -204,7 +204,15 @@ def _cases() -> list[Case]:
         # fields we do not implement
         Case("logit-bias-out-of-range", COMPLETIONS, {"logit_bias": {"5": 500}}, 400, "logit_bias"),
         Case("response-format", CHAT, {"response_format": {"type": "xml"}}, 400, "response_format"),
-        Case("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        Case("tools-not-function", CHAT, {"tools": [{"type": "retrieval"}]}, 400, "tools[0]"),
+        Case("tools-parameters-string", CHAT, {"tools": [{"type": "function", "function": {"name": "f",
+             "parameters": "{}"}}]}, 400, "tools[0].function.parameters"),
+        Case("tool-choice-unknown", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}],
+             "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+        Case("tool-choice-without-tools", CHAT, {"tool_choice": "required"}, 400, "tool_choice"),
+        Case("tool-call-arguments-object", CHAT, {"messages": [{"role": "assistant", "tool_calls": [
+             {"id": "1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]}, 400,
+             "messages[0].tool_calls[0].function.arguments"),
         Case("best-of-streamed", COMPLETIONS, {"best_of": 2, "stream": True}, 400, "best_of"),
         Case("suffix", COMPLETIONS, {"suffix": "tail"}, 400, "suffix"),
         Case("unknown-field", COMPLETIONS, {"frobnicate": True}, 400, "frobnicate"),

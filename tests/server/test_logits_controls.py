@@ -208,8 +208,9 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_eos_back(checkpoints):
 
 def test_an_engine_over_a_bare_step_and_no_tokenizer_length_still_builds():
     from afd.engine.offline import _NoText
+    from afd.kv.cache import KVBlocks
 
-    engine = Engine(lambda ids, layout: None, object(), _NoText(), (), max_num_seqs=1, max_model_len=8)
+    engine = Engine(lambda ids, layout: None, KVBlocks(1), _NoText(), (), max_num_seqs=1, max_model_len=8)
     assert engine.vocab_size is None  # no grammar masks possible; nothing else needs it
 
 

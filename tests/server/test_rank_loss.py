@@ -1,5 +1,8 @@
 """No request lost when a rank dies (issue 38), on real processes behind `afd up`'s front door.
 
+Every prompt starts with one shared system prefix (issue 51): the disturbed runs hit the prefix cache that the
+undisturbed runs filled, so moved and held streams also go on over shared, cached blocks.
+
 8 concurrent streams of 256 tokens (64 in the n-choices test); kill -9 an FFN rank mid-stream (its attention ranks hold their requests and
 go on once it is restarted), then an attention rank mid-stream (the front door moves its streams to another
 rank): every stream completes, no error event, each text equal to the same request's undisturbed text, usage
@@ -27,6 +30,8 @@ STREAMS, TOKENS, NOT_STREAMED = 8, 64, 2
 # the FFN-then-attention test's streams: long enough that attention rank 0 still has streams under way when it is
 # killed just after its held streams resumed (at 64 tokens they ended within the health poll: 0-2 moved)
 LONG_TOKENS = 256
+SHARED_PREFIX = ("You are a patient storyteller. Every story has a beginning, a middle and an end, and each one "
+                 "is told in plain words for a young reader. ")
 
 
 class Stream:
@@ -34,7 +39,7 @@ class Stream:
 
     def __init__(self, api: str, model: str, index: int, sampling: dict, tokens: int = TOKENS):
         self.index, self.chat, self.streamed = index, index % 2 == 1, index < STREAMS
-        prompt = f"Tell me story number {index}"
+        prompt = f"{SHARED_PREFIX}Tell me story number {index}"
         body = {"model": model, "max_tokens": tokens, "ignore_eos": True, "stream": self.streamed, **sampling}
         if self.streamed:
             body["stream_options"] = {"include_usage": True}
@@ -161,6 +166,8 @@ def test_killing_the_ffn_then_an_attention_rank_mid_stream_loses_no_request(tmp_
                 assert after.usage["completion_tokens"] == LONG_TOKENS == before.usage["completion_tokens"]
                 assert after.usage["prompt_tokens"] == before.usage["prompt_tokens"]
             assert max(s.longest_pause for s in disturbed if s.streamed) > 0.5  # streams were held while the FFN was down
+            cached = [s.usage["prompt_tokens_details"]["cached_tokens"] for s in disturbed]
+            assert sum(c > 0 for c in cached) >= STREAMS // 2, cached  # on the prefix the undisturbed run cached
             moved = front_series(api, "afd_front_requests_moved_total") - moved_before
             assert moved > 0  # and moved from the killed rank
             waits = front_series(api, "afd_front_move_wait_seconds_sum")
@@ -197,7 +204,9 @@ def test_n_streams_move_each_choice_when_their_attention_rank_dies(tmp_path):
         for before, after in zip(undisturbed, disturbed):
             assert after.error is None and after.done, (after.index, after.error)
             assert after.texts == before.texts and set(after.texts) == {0, 1}, (after.index, before.texts, after.texts)
-            assert after.usage == before.usage and after.usage["completion_tokens"] == 2 * TOKENS
+            counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: what each run found cached
+            assert [after.usage[k] for k in counts] == [before.usage[k] for k in counts]
+            assert after.usage["completion_tokens"] == 2 * TOKENS
             assert after.roles == (2 if after.chat and after.streamed else 0)
         assert front_series(api, "afd_front_requests_moved_total") > 0
     finally:

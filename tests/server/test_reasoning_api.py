@@ -143,13 +143,14 @@ def test_each_choice_of_a_stream_has_its_own_split(tokenizer):
 def test_a_moved_stream_goes_on_from_what_its_client_saw():
     """A stream moved from a lost rank: its split is first fed the text already sent, so a tag cut by the move
     (here "</th" sent before, "ink>" after) still ends the thinking."""
-    from afd.server.api.app import _thinking_splits
+    from afd.server.api.answers import AnswerReading
+    from afd.server.api.app import _answer_streams
 
     decoded = {(1, 2): "Plan the reply.</th"}
-    state = SimpleNamespace(reasoning=PARSERS["deepseek_r1"], tokenizer=SimpleNamespace(decode=lambda ids: decoded[tuple(ids)]))
-    split = _thinking_splits(state, True, SimpleNamespace(choices=[(1, 2)]))(0)
-    assert split.feed("ink>Hello.") == ("", "Hello.")
-    assert _thinking_splits(SimpleNamespace(reasoning=None), True, None) is None
+    state = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: decoded[tuple(ids)]))
+    answer = _answer_streams(state, AnswerReading(PARSERS["deepseek_r1"], True), SimpleNamespace(choices=[(1, 2)]))(0)
+    assert answer.feed("ink>Hello.") == ("", "Hello.", [])
+    assert _answer_streams(state, AnswerReading(), None) is None
 
 
 def _accepts(grammars, grammar: str, tokenizer, text: str) -> bool:

@@ -168,7 +168,8 @@ def test_a_rank_continues_a_moved_stream_under_its_id_as_the_undisturbed_one_goe
     text = lambda chunks: "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])  # noqa: E731
     assert text(full[:5]) + text(rest) == text(full)
     assert {c["id"] for c in rest} == {full[0]["id"]} and all("role" not in c["choices"][0]["delta"] for c in rest[:-1])
-    assert rest[-1]["usage"] == full[-1]["usage"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: what each found in the cache
+    assert [rest[-1]["usage"][k] for k in counts] == [full[-1]["usage"][k] for k in counts]
 
 
 def test_an_outside_client_cannot_resume_a_stream(server):
@@ -285,3 +286,28 @@ def test_a_moved_echo_stream_shows_the_prompt_once(server):
     assert "prompt_logprobs" in full[0] and all("prompt_logprobs" not in c for c in rest)
     assert "".join(c["text"] for c in full[:2]) + "".join(c["text"] for c in rest) == "".join(c["text"] for c in full)
     assert [t for c in rest for t in c["logprobs"]["tokens"]] == [t for c in full[2:] for t in c["logprobs"]["tokens"]]
+
+
+def test_a_moved_stream_of_tool_calls_goes_on_without_sending_a_call_twice(server):
+    """Issue 52: a named tool choice's stream moved after 5 tokens: the new rank reads its answer from what the client
+    saw, so the call's id and name are not sent again and its arguments go on where they stopped (the grammar too)."""
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                        "tag": {"enum": ["alpha", "beta"]}},
+        "required": ["tag", "n"], "additionalProperties": False}}}]
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "stream": True,
+            "temperature": 0, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "pick"}}}
+    status, full, ids, _ = _stream(server, {IDS_HEADER: "1"}, body)
+    assert status == 200 and len(ids) > 5
+    server.state.resume_key = KEY
+    try:
+        header = sign(KEY, Resume(full[0]["id"], tuple(t for per_event in ids[:5] for t in per_event)))
+        status, rest, _, _ = _stream(server, {RESUME_HEADER: header}, body)
+    finally:
+        server.state.resume_key = b""
+    calls = lambda chunks: [call for c in chunks if c["choices"] for call in c["choices"][0]["delta"].get("tool_calls", [])]  # noqa: E731
+    arguments = lambda found: "".join(call["function"]["arguments"] for call in found)  # noqa: E731
+    assert status == 200 and not any("id" in call for call in calls(rest))
+    assert arguments(calls(full[:5])) + arguments(calls(rest)) == arguments(calls(full))
+    json.loads(arguments(calls(full)))
+    assert rest[-1]["choices"][0]["finish_reason"] == full[-1]["choices"][0]["finish_reason"] == "stop"

@@ -69,7 +69,7 @@ class Probe:
         for request in scheduler.running:
             for block in request.blocks:
                 held[block] = held.get(block, 0) + 1
-        free = list(cache._free)
+        free = cache.pool.free_ids()
         extra = scheduler.blocks._extra
         if len(set(free)) != len(free):
             self.violations.append(f"launch {self.launches}: a block is free twice")
@@ -83,13 +83,13 @@ class Probe:
 
 
 def make(parts, tokens=1024, max_num_seqs=8, budget=8192, link=None, hold_s=0.0, max_model_len=256, eos=(),
-         pipeline=True, pacer=0.0, observer=None):
+         pipeline=True, pacer=0.0, observer=None, prefix_caching=False):
     loaded, tokenizer = parts
     cache = KVCache.for_tokens(loaded.model.kv_layouts(), tokens, torch.float32, "cpu")
     probe = Probe(MonolithicRunner(loaded, cache))
     engine = Engine(probe, cache, tokenizer, eos, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                     max_num_batched_tokens=budget, link=link, link_check_s=0.05, hold_s=hold_s, pipeline=pipeline,
-                    prefill_itl_ratio=pacer, observer=observer)
+                    prefill_itl_ratio=pacer, observer=observer, prefix_caching=prefix_caching)
     probe.engine = engine
     return engine, probe
 
@@ -131,7 +131,7 @@ def settled(engine, probe, timeout=5.0):
                                            or cache.free_blocks != cache.num_blocks):
         time.sleep(0.01)
     assert not scheduler.running and not scheduler.waiting
-    assert sorted(cache._free) == list(range(cache.num_blocks))  # each block free exactly once
+    assert cache.pool.free_ids() == list(range(cache.num_blocks))  # each block free exactly once
     assert not scheduler.blocks.shared and not scheduler.leaders
     assert probe.violations == []
 
@@ -558,7 +558,7 @@ def test_stopping_the_engine_ends_every_choice_with_an_error_and_frees_every_blo
     results = outputs.wait(range(3), timeout=10)
     for outs in results:
         assert outs[-1].finish_reason == "error" and sum(o.finished for o in outs) == 1
-    assert sorted(engine.kv_cache._free) == list(range(engine.kv_cache.num_blocks))
+    assert engine.kv_cache.pool.free_ids() == list(range(engine.kv_cache.num_blocks))
     assert not engine.scheduler.blocks.shared and not engine.scheduler.leaders and not engine.scheduler.running
 
 

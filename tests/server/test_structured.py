@@ -95,13 +95,16 @@ def test_bad_constraints_are_400_naming_the_field(server, body, field):
     assert response.json()["error"]["param"] == field
 
 
-def test_text_format_is_no_constraint_and_tools_stay_refused(server):
+def test_text_format_is_no_constraint_and_tools_are_for_chat_only(server):
     assert grammar_of({"response_format": {"type": "text"}}) is None
     with pytest.raises(InvalidRequest):
         grammar_of({"response_format": "json"})
-    response = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
-                    tools=[{"type": "function", "function": {"name": "f"}}])
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    response = post(server, "/v1/completions", prompt="Hi", max_tokens=2, tools=tools)
     assert response.status_code == 400 and "tool calling is not supported" in response.json()["error"]["message"]
+    response = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                    tools=tools, tool_choice="none")  # issue 52: chat takes tools
+    assert response.status_code == 200, response.text
 
 
 def test_masks_unpack_on_the_device_and_a_failed_matcher_allows_only_eos(server):

@@ -116,6 +116,20 @@ def test_vllm_serve_command_from_afd_config(checkpoints):
     assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8"  # AFD_KV_CACHE_DTYPE=fp8 reaches vLLM's own flag
 
 
+def test_vllm_gets_the_tool_call_parser_ours_reads_with(checkpoints):
+    """Issue 52: the attention engine vLLM reads `tool_choice: auto` calls as ours would: the architecture's parser by
+    default (the tiny Qwen3's: vLLM's `hermes`, the same format), a named one, or none."""
+    path = str(checkpoints["qwen3_moe"])
+
+    def tool_flags(**settings):
+        config = AFDConfig(model=path, attention_engine="vllm", **settings)
+        argv = vllm_serve_argv(config.load, config.api, config.scheduler, "float32")
+        return argv[argv.index("--enable-auto-tool-choice"):][:3] if "--enable-auto-tool-choice" in argv else []
+    assert tool_flags() == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    assert tool_flags(tool_call_parser="kimi_k2") == ["--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2"]
+    assert tool_flags(tool_call_parser="none") == []
+
+
 def test_an_fp32_deepseek_on_a_cpu_asks_for_the_cpu_mla_backend(checkpoints):
     """vLLM prefers its AMX MLA backend on CPUs with AMX tiles, and it refuses float32 weights."""
     deepseek, qwen = str(checkpoints["deepseek_v2"]), str(checkpoints["qwen3_moe"])

@@ -6,6 +6,8 @@ NAME = "afd.io/name"
 GROUP = "afd.io/group"
 ROLE = "afd.io/role"
 REVISION = "afd.io/revision"
+ROUTER = "afd.io/router"  # the router's pods carry this instead of afd.io/name, so no group selector takes them
+COMPONENT = "app.kubernetes.io/component"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 OPERATOR = "afd-operator"  # also the server-side apply field manager
 
@@ -33,6 +35,30 @@ def podgroup_name(name: str, index: int) -> str:
 def secret_name(name: str) -> str:
     """The resource's Secret (AFD_GROUP_SECRET of every role pod, shared by all its groups)."""
     return f"{name}-group-secret"
+
+
+def router_name(name: str) -> str:
+    """The router's Deployment, PodDisruptionBudget and PodMonitor."""
+    return f"{name}-router"
+
+
+def ranks_name(name: str) -> str:
+    """The headless Service over the Ready attention pods of every group: the router resolves it to find them."""
+    return f"{name}-ranks"
+
+
+def router_selector(name: str) -> dict[str, str]:
+    return {ROUTER: name}
+
+
+def router_pod_labels(name: str) -> dict[str, str]:
+    """The router's pods: `afd.io/router`, not `afd.io/name`, so no selector of the groups takes them."""
+    return {ROUTER: name, COMPONENT: "router", MANAGED_BY: OPERATOR}
+
+
+def router_labels(name: str) -> dict[str, str]:
+    """The router's objects (Deployment, PodDisruptionBudget, PodMonitor): listed with the resource's others."""
+    return {NAME: name, **router_pod_labels(name)}
 
 
 def shared_labels(name: str) -> dict[str, str]:

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from afd.config import SETTINGS, AttentionEngine, Dtype, KVCacheDtype, StageCount
+from afd.config.sections import REASONING_PARSERS, TOOL_CALL_PARSERS
 from afd.config.topology import Topology
 from afd_operator.model.autoscaling import Autoscaling
 from afd_operator.model.options import (
@@ -168,6 +169,7 @@ class AFDSettings(_Model):
     kv_cache_bytes: int = _runtime("kv_cache_bytes", ge=0, le=1 << 50)
     gpu_memory_utilization: float = _runtime("gpu_memory_utilization", ge=0.01, le=1)
     kv_cache_dtype: KVCacheDtype = _runtime("kv_cache_dtype")
+    prefix_caching: bool = _runtime("prefix_caching")
     attention_engine: AttentionEngine = _runtime("attention_engine")
     attention_image: Optional[str] = None
     vllm_args: list[str] = Field(default_factory=list)
@@ -201,6 +203,30 @@ class ApiSettings(_Model):
 
     # the runtime's `api_key`: the pods read it from this Secret (env valueFrom), never from the ConfigMap
     api_key_secret_ref: Optional[SecretKeyRef] = None
+    # the runtime's `tool_call_parser` and `reasoning_parser` (unset: the runtime's default)
+    tool_call_parser: Optional[Literal["none", *TOOL_CALL_PARSERS]] = None
+    reasoning_parser: Optional[Literal[REASONING_PARSERS]] = None
+
+
+class RouterSpec(_Model):
+    """The front door as a Deployment (`afd route`): the client Service's endpoint when enabled, spreading requests
+    over the Ready attention ranks of every group by prefix and load, moving streams whose rank dies."""
+
+    enabled: bool = False
+    replicas: int = Field(default=2, ge=1, le=100)
+    port: int = Field(default=8000, ge=1, le=65535)
+    metrics_port: int = Field(default=9090, ge=1, le=65535)
+    max_unavailable: int = Field(default=1, ge=0, le=100)
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> "RouterSpec":
+        if self.port == self.metrics_port:
+            raise ValueError(f"router.port and router.metricsPort must differ (both {self.port})")
+        return self
 
 
 class Ports(_Model):
@@ -272,6 +298,7 @@ class AFDDeploymentSpec(_Model):
     ffn: FFNRoleSpec = Field(default_factory=FFNRoleSpec)
     afd: AFDSettings = Field(default_factory=AFDSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
+    router: RouterSpec = Field(default_factory=RouterSpec)
     ports: Ports = Field(default_factory=Ports)
     probes: Probes = Field(default_factory=Probes)
     rollout: Rollout = Field(default_factory=Rollout)
@@ -338,7 +365,7 @@ class AFDDeploymentSpec(_Model):
         """
         pod_fields = set(type(self).model_fields) - {
             "replicas", "rollout", "restart_policy", "pod_disruption_budget", "monitoring",
-            "network_policy", "ratio", "autoscaling",
+            "network_policy", "ratio", "autoscaling", "router",
         }
         data = self.model_dump(include=pod_fields, exclude_defaults=True, by_alias=True, mode="json")
         data = {"spec": data, "podContract": POD_CONTRACT}

@@ -20,6 +20,7 @@ from afd_operator.autoscaler.step import History, scale_step
 from afd_operator.groups.plan import RECREATE, Action, Desired, Plan, plan_groups
 from afd_operator.ratio.recommend import Fleet, Scrapes, decide, effective_spec, max_unavailable
 from afd_operator.rendering.children import optional_shared_kinds, render_group, render_shared, unwanted_group_objects
+from afd_operator.reconcile.router import reconcile_router
 from afd_operator.reconcile.secret import ensure_group_secret
 from afd_operator.reconcile.status import (
     GroupReport, StatusInput, invalid_spec_conditions, memories_from_status, merge_conditions,
@@ -99,7 +100,8 @@ def reconcile(
     plan = replace(plan, actions=plan.actions + tuple(scaling.deletes))
 
     secret = ensure_group_secret(store, owner)  # before any pod can be created
-    _apply(plan, spec, owner, views, store, full)
+    router = reconcile_router(spec, owner, store, full)
+    _apply(plan, spec, owner, views, store, full, router.serving)
     for pod in scaling.drain_pods if drain is not None else ():
         drain(pod, spec.ports.metrics)
     reports, problems = _report(spec, views, memories, plan, now)
@@ -110,6 +112,8 @@ def reconcile(
     if ratio.status is not None or previous.get("ratio"):
         status["ratio"] = ratio.status  # None: merge-patched as null, which removes it
     events += [Event(*e) for e in ratio.events]
+    if router.status is not None or previous.get("router"):
+        status["router"] = router.status  # None: merge-patched as null, which removes it
     if scaling.status is not None or previous.get("autoscaling"):
         status["autoscaling"] = scaling.status  # None: merge-patched as null, which removes it
     events += [Event(*e) for e in scaling.events]
@@ -122,7 +126,7 @@ def reconcile(
 
 
 def _apply(plan: Plan, spec: AFDDeploymentSpec, owner: Owner, views: list[GroupView],
-           store: Store, full: bool) -> None:
+           store: Store, full: bool, to_router: bool = False) -> None:
     pods_of = {v.state.index: v for v in views}
     acted = {a.index for a in plan.actions}
     for action in plan.actions:
@@ -147,7 +151,7 @@ def _apply(plan: Plan, spec: AFDDeploymentSpec, owner: Owner, views: list[GroupV
                     store.delete(api_version, kind, owner.namespace, name)
         for api_version, kind in optional_shared_kinds(spec):
             store.delete(api_version, kind, owner.namespace, owner.name)
-    for obj in render_shared(spec, owner):
+    for obj in render_shared(spec, owner, to_router):
         store.apply(obj)
 
 

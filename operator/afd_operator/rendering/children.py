@@ -2,7 +2,8 @@
 
 Per group: a ConfigMap, two headless Services (created first, so rank DNS exists before
 any pod starts), an optional PodGroup, and two StatefulSets. Per resource: the client
-Service over Ready attention pods, and an optional PodDisruptionBudget and PodMonitor.
+Service over Ready attention pods (or the router's pods, `rendering.router`), and an optional PodDisruptionBudget
+and PodMonitor.
 Every child carries the `afd.io/*` labels and a controller ownerReference.
 """
 
@@ -16,6 +17,7 @@ from afd_operator.model import labels as L
 from afd_operator.model.spec import AFDDeploymentSpec, AFDSettings, Owner
 from afd_operator.rendering.network import render_network_policy
 from afd_operator.rendering.pod import ENV_SETTINGS, VLLM_ENV_SETTINGS, render_pod_template
+from afd_operator.rendering.router import render_router
 
 VOLCANO_PODGROUP = "scheduling.volcano.sh/v1beta1"
 COSCHEDULING_PODGROUP = "scheduling.x-k8s.io/v1alpha1"
@@ -34,9 +36,10 @@ def render_group(spec: AFDDeploymentSpec, owner: Owner, index: int, revision: st
     return objects
 
 
-def render_shared(spec: AFDDeploymentSpec, owner: Owner) -> list[dict]:
-    """The objects shared by all groups of the resource."""
-    objects = [render_client_service(spec, owner)]
+def render_shared(spec: AFDDeploymentSpec, owner: Owner, to_router: bool = False) -> list[dict]:
+    """The objects shared by all groups of the resource (`to_router`: the client Service selects the router's pods;
+    the router's own objects are `rendering.router`'s)."""
+    objects = [render_client_service(spec, owner, to_router)]
     if spec.pod_disruption_budget.enabled:
         objects.append(render_disruption_budget(spec, owner))
     if spec.monitoring.pod_monitor:
@@ -47,13 +50,14 @@ def render_shared(spec: AFDDeploymentSpec, owner: Owner) -> list[dict]:
 def render_all(
     spec: AFDDeploymentSpec, owner: Owner, groups: Optional[dict[int, str]] = None
 ) -> list[dict]:
-    """Everything for `groups` (index → revision); by default groups 0..replicas-1 at the spec's revision."""
+    """Everything for `groups` (index → revision); by default groups 0..replicas-1 at the spec's revision; with
+    `spec.router` its objects and the client Service on the router (as once a router pod is Ready)."""
     if groups is None:
         groups = {i: spec.revision for i in range(spec.replicas)}
     objects: list[dict] = []
     for index in sorted(groups):
         objects += render_group(spec, owner, index, groups[index])
-    return objects + render_shared(spec, owner)
+    return objects + render_router(spec, owner) + render_shared(spec, owner, to_router=spec.router.enabled)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -168,15 +172,17 @@ def render_pod_group(spec: AFDDeploymentSpec, owner: Owner, index: int, revision
             "spec": {"minMember": members, "scheduleTimeoutSeconds": gang.timeout_seconds}}
 
 
-def render_client_service(spec: AFDDeploymentSpec, owner: Owner) -> dict:
-    """The API endpoint: Ready attention pods of every group (Ready = warmed up, serving)."""
+def render_client_service(spec: AFDDeploymentSpec, owner: Owner, to_router: bool = False) -> dict:
+    """The API endpoint: Ready attention pods of every group (Ready = warmed up, serving), or with `to_router` the
+    router's Ready pods (`spec.router`, once one is Ready), which spread requests over those ranks."""
+    selector = L.router_selector(owner.name) if to_router else {L.NAME: owner.name, L.ROLE: "attention"}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(owner, owner.name, _shared_labels(owner)),
         "spec": {
             "type": "ClusterIP",
-            "selector": {L.NAME: owner.name, L.ROLE: "attention"},
+            "selector": selector,
             "ports": [{"name": "http", "port": spec.ports.http, "targetPort": "http", "protocol": "TCP"}],
         },
     }

@@ -74,13 +74,21 @@ def _engine_env(spec: AFDDeploymentSpec, owner: Owner, role: str) -> dict:
     return _as_env(afd.runtime(), VLLM_ENV_SETTINGS)
 
 
-def _api_key_env(spec: AFDDeploymentSpec, role: str) -> list[dict]:
-    """Attention pods: AFD_API_KEY from the Secret `spec.api.apiKeySecretRef` names (kubelet reads it; the key is
-    in no ConfigMap, env literal or object the operator writes)."""
+def api_key_env(spec: AFDDeploymentSpec) -> list[dict]:
+    """Attention and router pods: AFD_API_KEY from the Secret `spec.api.apiKeySecretRef` names (kubelet reads it;
+    the key is in no ConfigMap, env literal or object the operator writes)."""
     ref = spec.api.api_key_secret_ref
-    if role != "attention" or ref is None:
+    if ref is None:
         return []
     return [{"name": SETTINGS["api_key"].env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def _parser_env(spec: AFDDeploymentSpec, role: str) -> list[dict]:
+    """Attention pods: the parsers `spec.api` names (tool calls, reasoning), where it names them."""
+    named = {"tool_call_parser": spec.api.tool_call_parser, "reasoning_parser": spec.api.reasoning_parser}
+    if role != "attention":
+        return []
+    return [{"name": SETTINGS[name].env, "value": value} for name, value in named.items() if value is not None]
 
 
 def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, revision: str) -> list[dict]:
@@ -107,7 +115,8 @@ def render_env(spec: AFDDeploymentSpec, owner: Owner, index: int, role: str, rev
         "AFD_CONFIG_FILE": CONFIG_FILE,
     }
     env = [{"name": k, "value": _text(v)} for k, v in values.items()] + [group_secret_env(owner)]
-    env += _api_key_env(spec, role)
+    env += api_key_env(spec) if role == "attention" else []
+    env += _parser_env(spec, role)
     env += scratch_env()
     return env + [{"name": e.name, "value": e.value} for e in _role(spec, role).env]
 

@@ -1,6 +1,7 @@
 """Rewrite a checkpoint folder's weights between float and FP8 block-quantized form.
 
-`quantize_folder` turns every projection weight (attention and MLP/expert `*_proj.weight`, 2-D)
+`quantize_folder` turns every projection weight (attention and MLP/expert `*_proj.weight`, DeepSeek-V3.2's
+indexer `wq_b`/`wk`; 2-D)
 into float8_e4m3fn plus a float32 `weight_scale_inv` per 128×128 block, and writes the
 `quantization_config` the published checkpoints carry (DeepSeek-V3's, also written for GLM-4.x, or Qwen3-FP8's
 with its `modules_to_not_convert`). Embeddings, norms, the router and the LM head keep their dtype.
@@ -21,10 +22,15 @@ from afd.kernels.fp8_blocks import BLOCK, FP8_DTYPE, dequantize_block_fp8, quant
 SCALE_SUFFIX = "_scale_inv"
 
 
+INDEXER_FP8 = ("indexer.wq_b.weight", "indexer.wk.weight")  # DeepSeek-V3.2's indexer projections stored FP8
+INDEXER_KEPT = "indexer.weights_proj.weight"  # its head weights: kept in their dtype (transformers keeps them float32)
+
+
 def is_projection_weight(key: str) -> bool:
-    """By name, the weights the published FP8 checkpoints store in FP8: projections (`*_proj.weight`), not the
-    router (`mlp.gate.weight`), embeddings, norms or the LM head."""
-    return key.endswith("_proj.weight")
+    """By name, the weights the published FP8 checkpoints store in FP8: projections (`*_proj.weight`) and
+    DeepSeek-V3.2's indexer `wq_b`/`wk`, not the indexer's `weights_proj`, the router (`mlp.gate.weight`),
+    embeddings, norms or the LM head."""
+    return (key.endswith("_proj.weight") and not key.endswith(INDEXER_KEPT)) or key.endswith(INDEXER_FP8)
 
 
 def is_quantized_weight(key: str, tensor: torch.Tensor) -> bool:

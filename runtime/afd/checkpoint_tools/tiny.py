@@ -2,7 +2,8 @@
 
 Weights come from `transformers` itself (its config classes and `save_pretrained`), so
 the checkpoint is exactly what a Hugging Face user would produce. The tokenizer is a
-byte-level BPE trained on a built-in paragraph, with a ChatML chat template.
+byte-level BPE trained on a built-in paragraph, with a ChatML chat template that renders tools and tool calls
+(in the architecture's markup).
 """
 
 from __future__ import annotations
@@ -10,13 +11,35 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-FP8_ARCHES = ("deepseek_v3", "qwen3_moe", "glm4_moe")  # --fp8: the published FP8 checkpoints' format
-MTP_ARCHES = ("deepseek_v3", "glm4_moe")  # their checkpoints carry MTP layers that transformers does not write
+FP8_ARCHES = ("deepseek_v3", "deepseek_v32", "qwen3_moe", "glm4_moe")  # --fp8: the published FP8 checkpoints' format
+MTP_ARCHES = ("deepseek_v3", "deepseek_v32", "glm4_moe")  # their checkpoints carry MTP layers that transformers does not write
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# ChatML, with the request's tools in a system turn, an assistant's calls in its family's markup (what its tool-call
+# parser reads) and a tool result tagged with its call's id; without tools or calls it renders plain ChatML
+_CALLS = {
+    "deepseek": ("<｜tool▁calls▁begin｜>{% for call in message['tool_calls'] %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                 "{{ call['function']['name'] }}\n```json\n{{ call['function']['arguments'] }}\n```<｜tool▁call▁end｜>"
+                 "{% endfor %}<｜tool▁calls▁end｜>"),
+    "hermes": ("{% for call in message['tool_calls'] %}\n<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", "
+               "\"arguments\": {{ call['function']['arguments'] }}}\n</tool_call>{% endfor %}"),
+}
+
+
+def chat_template(calls: str) -> str:
+    """The tiny checkpoints' chat template, an assistant's calls written as `_CALLS[calls]`."""
+    return (
+        "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+        "<|im_end|>\n{% endif %}"
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['role'] == 'tool' and message['tool_call_id'] %}[{{ message['tool_call_id'] }}] {% endif %}"
+        "{{ message['content'] if message['content'] is not none else '' }}"
+        "{% if message['tool_calls'] %}" + _CALLS[calls] + "{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CALL_MARKUP = {"deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "glm4_moe": "hermes", "qwen3_moe": "hermes"}
+CHAT_TEMPLATE = chat_template("hermes")
 _CORPUS = """Attention-FFN disaggregation splits a mixture-of-experts model in two. Attention ranks keep
 the requests, the scheduler and the key-value cache; FFN ranks hold the experts and serve many
 attention ranks at once, so every expert weight is read once for a large batch of tokens.
@@ -25,7 +48,7 @@ Kubernetes runs the attention and FFN pods as StatefulSets; the operator reconci
 0 1 2 3 4 5 6 7 8 9 10 100 1000. Tokens, layers, experts, routers, gates, norms and heads."""
 
 
-def _train_tokenizer(vocab_size: int):
+def _train_tokenizer(vocab_size: int, template: str = CHAT_TEMPLATE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # local import: heavy: afd.cli imports this module
     from transformers import PreTrainedTokenizerFast  # local import: heavy: afd.cli imports this module
 
@@ -43,7 +66,7 @@ def _train_tokenizer(vocab_size: int):
         tokenizer_object=tokenizer,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=template,
     )
 
 
@@ -100,6 +123,36 @@ ARCH_VALUES = {
         num_mtp_layers=1,
         max_position_embeddings=163840,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,  # DeepSeek-V3's
+                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0},
+    ),
+    # DeepSeek-V3.2: V3's toy with the indexer: 8 index heads of 32 dims (their first 8 rotated), index_topk 16
+    # (prompts of a few dozen tokens already attend sparsely)
+    "deepseek_v32": dict(
+        hidden_size=160,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=16,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_mtp_layers=1,
+        max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                          "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                          "mscale_all_dim": 1.0},
     ),
@@ -160,10 +213,10 @@ def _common(vocab_size: int, eos_ids: list[int]) -> dict:
 def _config(arch: str, vocab_size: int, eos_ids: list[int], overrides: dict):
     """`arch`'s transformers config: `_common`, then the arch's values, then `overrides`."""
     # local import: heavy: afd.cli imports this module
-    from transformers import DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, Qwen3MoeConfig
+    from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, Qwen3MoeConfig
 
-    config_class = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig,
-                    "qwen3_moe": Qwen3MoeConfig}
+    config_class = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "deepseek_v32": DeepseekV32Config,
+                    "glm4_moe": Glm4MoeConfig, "qwen3_moe": Qwen3MoeConfig}
     # a copy: a config class may change the nested rope dicts in place
     return config_class[arch](**{**_common(vocab_size, eos_ids), **copy.deepcopy(ARCH_VALUES[arch]), **overrides})
 
@@ -212,7 +265,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
     from transformers import AutoModelForCausalLM  # local import: heavy: afd.cli imports this module
 
     out = Path(out)
-    tokenizer = _train_tokenizer(vocab_size=384)
+    tokenizer = _train_tokenizer(vocab_size=384, template=chat_template(CALL_MARKUP[arch]))
     vocab_size = -(-len(tokenizer) // 64) * 64
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
     config = _config(arch, vocab_size, eos_ids, overrides or {})

@@ -33,6 +33,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise ValueError("must be a port, 1..65535")
+    return value
+
+
 def _path(text: str) -> Path:
     return Path(text).expanduser()  # depends on $HOME too: never cached
 
@@ -93,6 +100,18 @@ PROCESS_VARIABLES: dict[str, ProcessVariable] = {v.name: v for v in (
                     "afd up", parse=_path),
     ProcessVariable("AFD_OPERATOR_RESYNC_SECONDS", "10", "How often the operator reconciles every AFDDeployment "
                     "without an event.", "afd operator", parse=_seconds),
+    ProcessVariable("AFD_ROUTE_RANKS", "", "The attention ranks `afd route` spreads requests over, comma-separated: "
+                    "DNS names resolved again every `AFD_ROUTE_REFRESH_S` (each address a rank; the operator names a "
+                    "headless Service over the Ready attention pods of every group), or fixed `http://host:port` URLs; "
+                    "`--ranks`.", "afd route"),
+    ProcessVariable("AFD_ROUTE_RANK_HTTP_PORT", "8000", "The ranks' API port (`AFD_HTTP_PORT` of the ranks) for the "
+                    "addresses `AFD_ROUTE_RANKS` resolves to.", "afd route", parse=_port),
+    ProcessVariable("AFD_ROUTE_RANK_METRICS_PORT", "9090", "The ranks' probe and metrics port (`AFD_METRICS_PORT` of "
+                    "the ranks): `afd route` polls `/health` and `/metrics` there for readiness and load.",
+                    "afd route", parse=_port),
+    ProcessVariable("AFD_ROUTE_REFRESH_S", "2", "How often `afd route` resolves `AFD_ROUTE_RANKS` again (ranks "
+                    "that left are dropped, new ones added); ranks' readiness and load are polled every second.",
+                    "afd route", parse=_seconds),
 )}
 
 

@@ -15,6 +15,7 @@ from afd.config.topology import Topology
 
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "kimi_k2")  # afd.server.api.reasoning.PARSERS
+TOOL_CALL_PARSERS = ("deepseek_v3", "deepseek_v31", "kimi_k2", "qwen3")  # afd.server.api.tool_parsers.PARSERS
 
 
 def _positive_ints(text: str) -> str | None:
@@ -27,6 +28,12 @@ def _positive_ints(text: str) -> str | None:
 def _reasoning_parser(name: str) -> str | None:
     """empty, deepseek_r1, qwen3, deepseek_v3 or kimi_k2"""
     return None if name in ("", *REASONING_PARSERS) else "must be empty or one of " + ", ".join(REASONING_PARSERS)
+
+
+def _tool_call_parser(name: str) -> str | None:
+    """empty (by architecture), none, deepseek_v3, deepseek_v31, kimi_k2 or qwen3"""
+    allowed = ("", "none", *TOOL_CALL_PARSERS)
+    return None if name in allowed else "must be empty, none or one of " + ", ".join(TOOL_CALL_PARSERS)
 
 
 def _api_keys(text: str) -> str | None:
@@ -132,7 +139,7 @@ class SplitSettings:
 class LoadSettings:
     """What the process loads and runs it on: the checkpoint, its dtype and device, the attention engine."""
 
-    model: str = setting("", "Checkpoint folder (a Hugging Face DeepSeek-V2, DeepSeek-V3/Kimi-K2, Qwen3-MoE or "
+    model: str = setting("", "Checkpoint folder (a Hugging Face DeepSeek-V2, DeepSeek-V3/Kimi-K2, DeepSeek-V3.2, Qwen3-MoE or "
                          "GLM-4.x layout; FP8 block-quantized too).")
     dtype: Dtype = setting("auto", "`auto` (bfloat16 on CUDA, float32 on CPU), `float32`, `bfloat16` or `float16`.")
     device: Device = setting("auto", "`auto`, `cpu` or `cuda`.")
@@ -172,7 +179,7 @@ class SchedulerSettings:
 
 @dataclass(frozen=True)
 class KVCacheSettings:
-    """The KV cache's budget."""
+    """The KV cache's budget, its element type, and whether it keeps prompts' prefixes."""
 
     kv_cache_bytes: int = setting(
         0, "KV-cache budget of an attention rank in bytes (0: sized from the device, see `gpu_memory_utilization`; "
@@ -186,6 +193,11 @@ class KVCacheSettings:
         "auto", "Element type of the KV cache (vLLM's `--kv-cache-dtype`): `auto` = the model's dtype; `fp8` = "
         "float8 e4m3 with a static per-tensor scale of 1.0 (MLA's latent and rotary key, GQA's keys and values), "
         "half the bytes a token, so about twice the tokens in the same memory.", roles=(A, M))
+    prefix_caching: bool = setting(
+        True, "Automatic prefix caching: a prompt's full KV-cache blocks stay cached after its request ends (evicted "
+        "least recently used when the cache needs room), and a later prompt with the same prefix (and `cache_salt`) "
+        "starts its prefill after them; `usage.prompt_tokens_details.cached_tokens` and "
+        "`afd_prefix_cache_hits_total` count them. false: every prompt is prefilled in full.", roles=(A, M))
 
 
 @dataclass(frozen=True)
@@ -213,6 +225,13 @@ class ApiSettings:
         "`delta.reasoning`), as vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `deepseek_v3` (V3.1's "
         "thinking mode, `chat_template_kwargs: {\"thinking\": true}`) or `kimi_k2` (Kimi-K2-Thinking). Empty: the thinking stays in `content`.",
         roles=(A, M), check=_reasoning_parser)
+    tool_call_parser: str = setting(
+        "", "Chat completions with `tools` and `tool_choice: auto`: how the calls the model writes in its own markup are "
+        "read into `message.tool_calls`, as vLLM's `--tool-call-parser`: `deepseek_v3` (DeepSeek-V3, R1), "
+        "`deepseek_v31` (V3.1, R1-0528), `kimi_k2` or `qwen3` (the Hermes `<tool_call>` JSON form). Empty: by the "
+        "checkpoint's architecture (DeepSeek-V3's by its chat template's markup); `none`: not read (the markup stays "
+        "in `content`). Named and `required` tool choices are constrained by a grammar whatever this says.",
+        roles=(A, M), check=_tool_call_parser)
     reasoning_content: bool = setting(False, "With `reasoning_parser`: the thinking also as `reasoning_content`, the "
                                       "field older clients read.", roles=(A, M))
     api_key: str = setting(

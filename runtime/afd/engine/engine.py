@@ -12,6 +12,8 @@ error until the link is back (`afd.engine.recovery.link_care`), unless `hold_s` 
 steps are taken back and every request is held while the link re-handshakes (`afd.engine.recovery.hold`);
 any other exception fails only the requests it touched; if the thread dies anyway, `problem` says
 so and the rank turns unhealthy.
+With `prefix_caching`, the full prompt blocks of a step are published for later prompts once its tokens are read
+(`afd.engine.scheduling.prefix_hits`): a step taken back or failed never publishes.
 With `prefill_itl_ratio`, every step's own duration (`StepClock`) teaches the scheduler's
 `PrefillPacer` what a step costs (`afd.engine.scheduling.step_cost`).
 """
@@ -56,14 +58,14 @@ class Engine:
                  observer=None, link=None, link_check_s: float = 0.5, pipeline: bool = True,
                  on_logits: Callable[[list[Request], torch.Tensor], None] | None = None,
                  prefill_itl_ratio: float = 0.0, prefill_backlog_steps: int = BACKLOG_STEPS,
-                 vocab_size: int | None = None, hold_s: float = 0.0):
+                 vocab_size: int | None = None, hold_s: float = 0.0, prefix_caching: bool = False):
         self.step = step
         self.kv_cache = kv_cache
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         pacer = PrefillPacer(prefill_itl_ratio, backlog_steps=prefill_backlog_steps) if prefill_itl_ratio else None
-        self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len, pacer)
+        self.scheduler = Scheduler(kv_cache, max_num_seqs, max_num_batched_tokens, max_model_len, pacer, prefix_caching)
         self._clock = StepClock()
         self.observer = observer
         self.link = link  # the FFN link: end_step/wait_step per step, tended between steps; None when local
@@ -318,7 +320,7 @@ class Engine:
         undo.controls, undo.chosen = controls, sampled.tokens
         mark = self.link.end_step() if self.link is not None else None
         return Launched(sampling, sampled, inputs.finals, inputs.num_tokens, inputs.prompt_tokens, started,
-                         time.monotonic(), mark, prompt, mask is not None)
+                         time.monotonic(), mark, prompt, mask is not None, inputs.written)
 
     def _grammar_mask(self, sampling: list[Request], device: torch.device) -> StepMask | None:
         """The grammar masks of this step's structured rows (None: there are none). Their matchers need the previous
@@ -353,6 +355,7 @@ class Engine:
         if launched.structured:
             consume_step(launched.batch, tokens)
         now = time.monotonic()
+        self.scheduler.publish(launched.written)  # its prompt blocks are written for good: later prompts may share them
         for request in launched.finals:  # their last token is in: seats and blocks go back
             self.scheduler.finish(request)
         if prompt:

@@ -32,6 +32,7 @@ class StepInputs:
     num_tokens: int
     prompt_tokens: int  # of them, prompt tokens (0: a decode-only step)
     copies: list  # (from block, to block, rows) to copy before the next step: riders' last prompt blocks
+    written: list  # (request, prompt position its keys and values reach after this step) of the prompts it feeds
     boarded: bool = False  # some rows sample from a leader's logits row (emit repeats it)
 
 
@@ -49,6 +50,7 @@ def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, 
     requests whose riders sample from their row in the step that feeds their last prompt chunk."""
     ids, positions, rows, tables, context, new_lens, params, generators, finals, emit = [], [], [], [], [], [], [], [], [], []
     boarded, copies = [], []  # (emit position, rider); riders' last prompt blocks to copy before the next step
+    written = []  # (request, prompt position reached) of the prompt chunks fed (published once the step is read)
     leaders = leaders or None
     for row, request in enumerate(batch):
         if request.sample_step >= 0:
@@ -61,6 +63,7 @@ def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, 
         else:
             new = request.chunk
             ids.extend(request.prompt_ids[request.cached_tokens: request.cached_tokens + new])
+            written.append((request, request.cached_tokens + new))
         tables.append(request.blocks)
         context.append(request.cached_tokens)
         new_lens.append(new)
@@ -99,7 +102,7 @@ def build_inputs(batch: list[Request], step_id: int, prev_tokens: torch.Tensor, 
     for position, rider in boarded:
         sampling[position] = rider
     return StepInputs(input_ids, layout, emit, sampling, params, generators, finals, len(ids), len(ids) - len(positions),
-                      copies, bool(boarded))
+                      copies, written, bool(boarded))
 
 
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -41,3 +41,4 @@ class Launched:
     mark: object = None  # the link's end-of-step mark (`AttentionLink.end_step`), waited on before reading
     prompt: PromptLogprobs | None = None  # prompt logprobs of the step's prompt rows that asked for them
     structured: bool = False  # some rows follow a grammar: their matchers take the tokens when they are read
+    written: list | None = None  # (request, prompt position reached) of its prompt chunks: published once read

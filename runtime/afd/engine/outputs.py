@@ -110,6 +110,7 @@ class OutputProcessor:
             prompt_tokens=len(request.prompt_ids) - request.carried, completion_tokens=len(request.output_ids) + request.carried,
             prompt_logprobs=[None, *request.prompt_logprobs] if (
                 params.prompt_logprobs is not None and len(request.output_ids) == 1) else None,
+            cached_tokens=min((request.shares or request).prefix_hit, len(request.prompt_ids) - request.carried),
         ))
         if stopped:
             self.on_stopped(request)

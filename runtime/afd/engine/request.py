@@ -49,6 +49,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None  # the prompt's logprobs from the prefill, with this many alternatives
     grammar: str | None = None  # structured output: an llguidance grammar (`afd.engine.structured_output.grammars`)
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt (or none) share cached blocks
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -122,6 +123,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first output, when asked: None first
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (`usage.prompt_tokens_details.cached_tokens`)
 
 
 @dataclass(eq=False)  # identity: `in` and `remove` on batches must not compare prompts
@@ -161,6 +163,10 @@ class Request:
     group: str | None = None  # requests of one group with the same prompt may share it
     shares: "Request | None" = None  # the request whose prefill this one takes its prompt's KV cache from
     riders: list["Request"] = field(default_factory=list)  # the requests taking this one's prefill
+    # Prefix caching (`afd.engine.scheduling.prefix_hits`).
+    prefix_hit: int = 0  # prompt tokens found cached at admission (its prefill started after them)
+    block_names: list[bytes] | None = None  # the names of its full prompt blocks, worked out on first use
+    published: int = 0  # its first blocks that are published (or were found cached)
 
     @property
     def num_tokens(self) -> int:

@@ -45,10 +45,16 @@ def _onto_e4m3_grid(v):
 def quant_groups(values, FP8_MAX_C: tl.constexpr):
     """[R, G, 128] float32 → (e4m3 values, [R, G] float32 scales): each group divided by its amax / 448."""
     scale = tl.maximum(tl.max(tl.abs(values), axis=2) / FP8_MAX_C, 1e-10 / FP8_MAX_C)
-    quant = tl.clamp(values / scale[:, :, None], -FP8_MAX_C, FP8_MAX_C)
+    return quant_scaled(values, scale[:, :, None], FP8_MAX_C), scale
+
+
+@triton.jit
+def quant_scaled(values, scale, FP8_MAX_C: tl.constexpr):
+    """float32 `values` ÷ `scale` (broadcast) in e4m3: rounded to nearest even, saturated at ±FP8_MAX_C."""
+    quant = tl.clamp(values / scale, -FP8_MAX_C, FP8_MAX_C)
     if _INTERPRETED:
         quant = _onto_e4m3_grid(quant)
-    return quant.to(tl.float8e4nv), scale  # round to nearest even, saturated by the clamp
+    return quant.to(tl.float8e4nv)
 
 
 @triton.jit(do_not_specialize=["rows", "x_rows"])

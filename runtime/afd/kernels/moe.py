@@ -50,8 +50,8 @@ def small_tokens() -> int:
 
 
 # tokens → settings: the layout's BLOCK_M, and per kernel BLOCK_N/BLOCK_K/num_warps/num_stages plus,
-# optionally, its own BLOCK_M, GROUP_M, TMA, PERSISTENT and (gate_up) GATHER (defaults in
-# `moe_launch.kernel_settings`: the old behaviour).
+# optionally, its own BLOCK_M, GROUP_M, TMA, PERSISTENT, MAX_REGS and (gate_up) GATHER, ONE_DOT or HALVES (defaults
+# in `moe_launch.kernel_settings`: the old behaviour).
 FP8_DEFAULT_CONFIGS = {  # FP8 experts where no tuned table fits: BLOCK_K 128 (one scale group, 128 bytes a row),
     # gate_up's BLOCK_N 128 (its epilogue quantizes act per 128 columns); TMA loads on Hopper (pointers elsewhere).
     # Tall tiles keep at most 128 float32 accumulator registers a thread (FP8 holds each step's scaled product

@@ -18,9 +18,10 @@ its weights — and `down` its A rows — through TMA descriptors on Hopper. Wit
 a copy kernel (`moe_rows.gather_rows`) first writes `gate_up`'s A rows in layout order into a caller's
 buffer (`x_rows`, zeros for padding), which `gate_up` then reads contiguously: through TMA too.
 With `ONE_DOT` (TMA only) `gate_up` takes a column block's gate and up rows in one 3-D TMA
-box and multiplies them in one dot twice as wide, splitting the two halves after the loop. A table entry's
-settings are checked and the grid sized in `moe_launch`; the tile loaders and the program order are in
-`moe_tiles`.
+box and multiplies them in one dot twice as wide, splitting the two halves after the loop. With `HALVES`
+(`moe_gate_up_halves`) a column block's act is made in two passes, each one dot over half its gate columns beside
+the same half's up columns (one accumulator, not two). A table entry's settings are checked and the grid sized
+in `moe_launch`; the tile loaders and the program order are in `moe_tiles`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import triton.language as tl
 
 from afd.kernels.fp8_gemm import FP8, FP8_MAX, GROUP, quant_groups
 from afd.kernels.moe_align import Layout
+from afd.kernels.moe_gate_up_halves import gate_up_halves_job
 from afd.kernels.moe_launch import TensorDescriptor, kernel_settings, launch, operand, tma_supported
 from afd.kernels.moe_rows import gather_rows
 from afd.kernels.moe_tiles import gate_up_rows, row_tile, tile_and_col, weight_tile
@@ -117,13 +119,27 @@ def _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, ac
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
+@triton.jit
+def _gate_up_tile(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col, num_pairs, slots,
+                  hidden, inter, layout_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  TMA: tl.constexpr, GATHER: tl.constexpr, ONE_DOT: tl.constexpr, HALVES: tl.constexpr,
+                  FP8: tl.constexpr):
+    """One (tile, column block) job of gate_up: the two-dot or ONE_DOT form, or HALVES' two passes."""
+    if HALVES:
+        gate_up_halves_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
+                           num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, FP8)
+    else:
+        _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col, num_pairs,
+                     slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT, FP8)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "layout_m", "group_m"])
 def gate_up_kernel(
     x, w, act_ptr, pairs_ptr, tile_expert_ptr, used_tiles_ptr, x_scale, w_scale, act_scale,
     num_pairs, slots, hidden, inter, layout_m, group_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     GATHER: tl.constexpr, ONE_DOT: tl.constexpr, FP8: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-    GDC: tl.constexpr = 0,
+    HALVES: tl.constexpr = False, GDC: tl.constexpr = 0,
 ):
     """`x` is [T, H] (rows gathered here, per pair's token) or, with GATHER, the pre-gathered
     [rows, H] buffer (a TMA descriptor when TMA is on)."""
@@ -133,15 +149,15 @@ def gate_up_kernel(
         num_tiles = tl.load(used_tiles_ptr) * (layout_m // BLOCK_M)
         for job in tl.range(tl.program_id(0), num_tiles * num_cols, PROGRAMS, flatten=True):
             tile, col = tile_and_col(job, num_tiles, num_cols, group_m)
-            _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
-                         num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8)
+            _gate_up_tile(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
+                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
+                          HALVES, FP8)
     else:  # one job of the worst-case grid; a tile of padding only exits (an expert's real rows come first)
         tile, col = tile_and_col(tl.program_id(0), tl.num_programs(0) // num_cols, num_cols, group_m)
         if tl.load(pairs_ptr + tile * BLOCK_M) < num_pairs:
-            _gate_up_job(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
-                         num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
-                         FP8)
+            _gate_up_tile(x, w, act_ptr, pairs_ptr, tile_expert_ptr, x_scale, w_scale, act_scale, tile, col,
+                          num_pairs, slots, hidden, inter, layout_m, BLOCK_M, BLOCK_N, BLOCK_K, TMA, GATHER, ONE_DOT,
+                          HALVES, FP8)
 
 
 @triton.jit
@@ -235,15 +251,16 @@ def launch_gate_up(x, w_gate_up, act, layout: Layout, num_pairs: int, slots: int
             raise ValueError("GATHER needs x_rows: a [layout rows, hidden] buffer of x's dtype")
         gather_rows(x, x_rows, pairs, num_pairs, slots, block_m)
         x = operand(x_rows, [cfg["BLOCK_M"], cfg["BLOCK_K"]], cfg["TMA"])
-    if cfg["ONE_DOT"]:  # [2E, I, H]: block 2e is expert e's gate rows, 2e + 1 its up rows
-        blocks = w_gate_up.view(2 * experts, inter, hidden)
-        w = TensorDescriptor(blocks, list(blocks.shape), list(blocks.stride()), [2, cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    if cfg["TMA"] and (cfg["ONE_DOT"] or cfg["HALVES"]):  # [2E, I, H]: block 2e is expert e's gate rows, 2e + 1 its
+        blocks = w_gate_up.view(2 * experts, inter, hidden)  # up rows; HALVES' box holds half a column block of each
+        box = [2, cfg["BLOCK_N"] // (2 if cfg["HALVES"] else 1), cfg["BLOCK_K"]]
+        w = TensorDescriptor(blocks, list(blocks.shape), list(blocks.stride()), box)
     else:
         w = operand(w_gate_up, [cfg["BLOCK_N"], cfg["BLOCK_K"]], cfg["TMA"])
     scales = (x_scale, w_scale, act_scale) if fp8 else (act, act, act)  # unread placeholders without FP8
     args = (x, w, act, pairs, tile_expert, used_tiles, *scales, num_pairs, slots, hidden, inter)
     return launch(gate_up_kernel, args, pairs.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]), block_m, cfg,
-                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], FP8=fp8)
+                   act.device, GATHER=cfg["GATHER"], ONE_DOT=cfg["ONE_DOT"], HALVES=cfg["HALVES"], FP8=fp8)
 
 
 def launch_down(act, w_down, out, layout: Layout, weights, num_pairs: int, top_k: int, slots: int,

@@ -1,10 +1,13 @@
 """Paged KV cache: per layer, one [blocks × block_size, heads, dim] pair of tensors.
 
 A layout whose values live in its keys (MLA's latent cache) stores one tensor; its
-value tensor is a view of the keys' first columns.
+value tensor is a view of the keys' first columns. A layout with an `index_dim` (DeepSeek-V3.2's
+indexer keys) holds one more [rows, index_dim] tensor, addressed by the same rows: whatever
+owns, shares or frees a block owns, shares or frees its index keys too.
 
 Sequences own lists of blocks (their block tables); memory is reserved per block,
-not per maximum length, so the cache holds as many tokens as its budget allows.
+not per maximum length, so the cache holds as many tokens as its budget allows. Which blocks are
+free, shared or cached for a prefix is its `pool`'s (`afd.kv.block_pool`).
 """
 
 from __future__ import annotations
@@ -13,21 +16,19 @@ from typing import Sequence
 
 import torch
 
+from afd.kv.block_pool import BlockPool
 from afd.models.spec import KVLayout
 
 DEFAULT_BLOCK_SIZE = 16
 
 
-class CacheFullError(RuntimeError):
-    """Not enough free blocks: the caller must wait for a sequence to finish."""
-
-
 class KVBlocks:
     """The block arithmetic of a KV cache of `num_blocks` blocks of `block_size` tokens (no tensors:
-    what admission needs, also where the cache lives in another process)."""
+    what admission needs, also where the cache lives in another process), and who holds which block."""
 
     def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.pool = BlockPool(num_blocks, block_size)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -60,7 +61,11 @@ class KVCache(KVBlocks):
             keys[:, :, : lay.value_dim] if lay.values_in_keys else self.new_rows(lay.heads, lay.value_dim)
             for keys, lay in zip(self.keys, self.layouts)
         ]
-        self._free = list(range(num_blocks - 1, -1, -1))
+        if dtype == torch.float8_e4m3fn and any(lay.index_dim for lay in self.layouts):
+            raise ValueError("an FP8 KV cache (kv_cache_dtype=fp8) does not hold DeepSeek-V3.2's index keys yet: "
+                             "its sparse kernels read the model dtype; use kv_cache_dtype=auto")
+        self.index_keys = [torch.zeros(self.rows, lay.index_dim, dtype=dtype, device=self.device) if lay.index_dim
+                           else None for lay in self.layouts]
 
     def new_rows(self, heads: int, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A zeroed per-layer cache tensor [rows, heads, dim], one row per token slot of every block (the scratch
@@ -71,38 +76,40 @@ class KVCache(KVBlocks):
     def for_tokens(cls, layouts, num_tokens: int, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE) -> "KVCache":
         return cls(layouts, -(-num_tokens // block_size), dtype, device, block_size)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[index], self.values[index]
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
+        """Layer `index`'s (keys, values), then its index keys where its layout has them."""
+        extra = () if self.index_keys[index] is None else (self.index_keys[index],)
+        return (self.keys[index], self.values[index], *extra)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding cache rows, each once (value views of keys left out): what copies rows."""
+        own_values = [v for v, lay in zip(self.values, self.layouts) if not lay.values_in_keys]
+        return self.keys + own_values + [t for t in self.index_keys if t is not None]
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks free for new sequences, cached prefixes nobody owns included."""
+        return self.pool.free_blocks
 
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= len(self._free)
+        return self.pool.can_allocate(num_tokens)
 
     def allocate(self, num_tokens: int) -> list[int]:
-        """Blocks holding `num_tokens` tokens; `CacheFullError` if too few are free."""
-        needed = self.blocks_for(num_tokens)
-        if needed > len(self._free):
-            raise CacheFullError(f"{needed} KV-cache blocks needed, {len(self._free)} of {self.num_blocks} free")
-        return [self._free.pop() for _ in range(needed)]
+        """Blocks holding `num_tokens` tokens; `afd.kv.block_pool.CacheFullError` if too few are free."""
+        return self.pool.allocate(num_tokens)
 
     def release(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
-            if not 0 <= block < self.num_blocks:
-                raise ValueError(f"block {block} is not a KV-cache block")
-        self._free.extend(blocks)
+        self.pool.release(blocks)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        """Owned blocks' share (cached blocks nobody owns count as free)."""
+        return 1.0 - self.pool.free_blocks / self.num_blocks
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the cache holds (value views of keys counted once)."""
-        tensors = self.keys + [v for v, lay in zip(self.values, self.layouts) if not lay.values_in_keys]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Device bytes the cache holds (value views of keys counted once, index keys included)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     @property
     def token_bytes(self) -> int:

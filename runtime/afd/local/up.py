@@ -114,6 +114,11 @@ class Supervisor:
     def attention_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{r.config.api.http_port}" for r in self.ranks.values() if r.role != "ffn"]
 
+    def probe_bases(self) -> dict[str, str]:
+        """Each attention rank's API URL → its probe server (readiness, load gauges) on the metrics port."""
+        return {f"http://127.0.0.1:{r.config.api.http_port}": f"http://127.0.0.1:{r.config.process.metrics_port}"
+                for r in self.ranks.values() if r.role != "ffn"}
+
     def metrics_urls(self) -> dict[str, str]:
         return {name: f"http://127.0.0.1:{r.config.process.metrics_port}/metrics" for name, r in self.ranks.items()}
 
@@ -204,7 +209,7 @@ def run_up(base: AFDConfig, port: int, state_file: Path | None, demo: bool = Tru
         supervisor.wait_healthy(start_timeout_s)
         watcher = threading.Thread(target=supervisor.watch, name="supervisor", daemon=True)
         watcher.start()
-        app = create_front_app(Backends(supervisor.attention_urls, supervisor.metrics_urls), front)
+        app = create_front_app(Backends(supervisor.attention_urls, supervisor.metrics_urls, supervisor.probe_bases), front)
         # SIGTERM: stop taking requests, give in-flight relays a short grace, then cut them (never hang).
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=30,
                                                timeout_graceful_shutdown=max(1, round(front.shutdown_grace_s))))

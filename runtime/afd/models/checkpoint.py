@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
-SUPPORTED_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "qwen3_moe", "glm4_moe")
+SUPPORTED_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "qwen3_moe", "glm4_moe")
 _FINGERPRINT_SAMPLE_BYTES = 1 << 16
 
 

@@ -68,9 +68,9 @@ class MultiHeadLatentAttention(nn.Module):
         weight = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
         """(query [T, heads, nope + rope], the token's cache row [T, 1, latent + rope] = normed latent ‖
-        rotary key, None: the values are the latent part of the keys)."""
+        rotary key, None: the values are the latent part of the keys, then any `_side_inputs`)."""
         return self._project(x, positions, None)[0]
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor, store) -> tuple[tuple, bool]:
@@ -78,7 +78,9 @@ class MultiHeadLatentAttention(nn.Module):
         index), the fused glue writes them there in the same launch (then `attend` need not)."""
         tokens = x.shape[0]
         q, row = fused_linear(x, self.in_weight, *self._in_projections())  # [T, latent + rope] row: column views
-        q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora_rank else q
+        q_latent = self.q_a_layernorm(q) if self.q_lora_rank else None  # [T, q_lora_rank]
+        q = self.q_b_proj(q_latent) if self.q_lora_rank else q
+        side = self._side_inputs(x, q_latent, positions)
         table = self.rotary.table(x.device) if fused_glue(x) else None
         if table is not None:  # in place on the projections' fresh outputs: one launch instead of ~30
             # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
@@ -87,7 +89,7 @@ class MultiHeadLatentAttention(nn.Module):
             query = q.view(tokens, self.heads, -1)  # [T, heads, nope + rope]
             cache, index = store if store is not None and fused_store(store[0].dtype, row.dtype) else (None, None)
             mla_rows_(query, row, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, positions, *table, cache, index)
-            return (query, row.view(tokens, 1, -1), None), cache is not None
+            return (query, row.view(tokens, 1, -1), None, *side), cache is not None
         q_nope, q_pe = q.view(tokens, self.heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = row.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         cos, sin = self.rotary(positions)
@@ -95,13 +97,18 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = apply_rope_pairs(k_pe.view(tokens, 1, self.rope_dim), cos, sin)  # [T, 1, rope]
         query = torch.cat((q_nope, q_pe), dim=-1)  # [T, heads, nope + rope]
         key = torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_pe), dim=-1)  # [T, 1, latent + rope]
-        return (query, key, None), False
+        return (query, key, None, *side), False
+
+    def _side_inputs(self, x: torch.Tensor, q_latent: torch.Tensor | None, positions: torch.Tensor) -> tuple:
+        """More attention inputs of the layer's input `x` and query latent, after the three of `project`: none
+        here; DeepSeek-V3.2's indexer adds its own (afd.models.deepseek_v32)."""
+        return ()
 
     def attend(self, inputs: tuple, batch: AttentionBatch, cache_k, cache_v, stored: bool = False) -> torch.Tensor:
         """Store the cache rows (unless `stored`), attend: [T, heads, v]. One-token sequences attend in the latent
         space (key up-projection absorbed into the query, value up-projection after); a prompt's keys and values
         are expanded per head from its cached latents, as transformers computes them, for a flash kernel."""
-        query, key, _ = inputs
+        query, key = inputs[:2]
         if batch.max_new == 1:  # decode (what the decode graphs capture)
             if batch.block_table is not None and fused_glue(query):  # no concatenation: the kernel reads both parts
                 # local import: Triton is optional (CPU installs have none): loaded where its kernel runs
@@ -161,8 +168,10 @@ class MultiHeadLatentAttention(nn.Module):
         inputs, stored = self._project(x, batch.positions, (cache_k, batch.write_index))
         return self.finish(self.attend(inputs, batch, cache_k, cache_v, stored))
 
-def build(config: dict, spec: ModelSpec, routing: Routing | None = None) -> MoECausalLM:
-    """The model of a DeepSeek-V2 config; DeepSeek-V3 passes its own `routing` (afd.models.deepseek_v3)."""
+def build(config: dict, spec: ModelSpec, routing: Routing | None = None,
+          attention: type[nn.Module] = MultiHeadLatentAttention) -> MoECausalLM:
+    """The model of a DeepSeek-V2 config; DeepSeek-V3 passes its own `routing` (afd.models.deepseek_v3), V3.2 also
+    its sparse `attention` (afd.models.deepseek_v32)."""
     hidden = spec.hidden_size
     routing = routing or Routing(
         top_k=config["num_experts_per_tok"] if spec.num_experts else 1,
@@ -183,7 +192,7 @@ def build(config: dict, spec: ModelSpec, routing: Routing | None = None) -> MoEC
         return GatedMLP(hidden, config["intermediate_size"], bias=bool(config.get("mlp_bias", False)))
 
     layers = [
-        DecoderLayer(MultiHeadLatentAttention(config), mlp(is_moe), hidden, spec.rms_norm_eps)
+        DecoderLayer(attention(config), mlp(is_moe), hidden, spec.rms_norm_eps)
         for is_moe in spec.moe_layers
     ]
     return MoECausalLM(spec, layers)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd.config.process import process_setting
-from afd.models import deepseek_v2, deepseek_v3, glm4_moe, qwen3_moe
+from afd.models import deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe, qwen3_moe
 from afd.models.decoder import MoECausalLM
 from afd.models.checkpoint import Checkpoint
 from afd.models.expert_shard import shard_ffn_model, shard_parts
@@ -24,7 +24,7 @@ from afd.config.topology import crossing_layers
 
 log = logging.getLogger(__name__)
 FAMILIES = {"deepseek_v2": deepseek_v2.build, "qwen3_moe": qwen3_moe.build, "glm4_moe": glm4_moe.build,
-            **{arch: deepseek_v3.build for arch in deepseek_v3.ARCHES}}
+            "deepseek_v32": deepseek_v32.build, **{arch: deepseek_v3.build for arch in deepseek_v3.ARCHES}}
 _EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up|down)(?P<scale>_scale)?$")
 
 
@@ -89,6 +89,8 @@ def build_share(config: dict, role: str, gate_on_attention: bool, dtype: torch.d
             module.float()  # DeepSeek keeps its gate in float32
         if isinstance(module, MoE) and module.e_score_correction_bias is not None:
             module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()  # as transformers
+        if getattr(module, "keep_float32", False):  # DeepSeek-V3.2's indexer head weights, as transformers keeps them
+            module.float()
     if fp8_weights is not None:
         convert_to_fp8(model, fp8_weights)
     model.to_empty(device=device)

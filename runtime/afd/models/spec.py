@@ -9,7 +9,7 @@ class UnsupportedModelError(ValueError):
     """A config.json this runtime cannot serve, with the reason."""
 
 
-V3_ARCHES = ("deepseek_v3", "kimi_k2")  # Kimi-K2 is the DeepSeek-V3 architecture
+V3_ARCHES = ("deepseek_v3", "kimi_k2", "deepseek_v32")  # Kimi-K2 is the DeepSeek-V3 architecture; V3.2 adds DSA
 MLA_ARCHES = ("deepseek_v2", *V3_ARCHES)
 ARCHES = (*MLA_ARCHES, "qwen3_moe", "glm4_moe")
 
@@ -20,17 +20,20 @@ class KVLayout:
 
     With `values_in_keys` the values are the first `value_dim` columns of each key row and
     are stored once (MLA's latent cache: one [latent ‖ rotary key] row per token serves as
-    the key and, its latent part, as the value).
+    the key and, its latent part, as the value). `index_dim`: the width of one more row per
+    token, a sparse-attention indexer's key (DeepSeek-V3.2), kept in a tensor of its own at
+    the same cache rows.
     """
 
     heads: int
     key_dim: int
     value_dim: int
     values_in_keys: bool = False
+    index_dim: int = 0
 
     @property
     def elements_per_token(self) -> int:
-        return self.heads * (self.key_dim + (0 if self.values_in_keys else self.value_dim))
+        return self.heads * (self.key_dim + (0 if self.values_in_keys else self.value_dim)) + self.index_dim
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ def kv_layout(config: dict) -> KVLayout:
     """What each layer caches per token; MLA caches its latent and rotary key, not per-head K/V."""
     if config.get("model_type") in MLA_ARCHES:
         latent = config["kv_lora_rank"]
-        return KVLayout(1, latent + config["qk_rope_head_dim"], latent, values_in_keys=True)
+        index_dim = int(config.get("index_head_dim") or 128) if config.get("model_type") == "deepseek_v32" else 0
+        return KVLayout(1, latent + config["qk_rope_head_dim"], latent, values_in_keys=True, index_dim=index_dim)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return KVLayout(config["num_key_value_heads"], head_dim, head_dim)
 
@@ -63,9 +67,12 @@ def moe_layer_mask(config: dict) -> tuple[bool, ...]:
     """Which decoder layers hold routed experts, by each family's own rule."""
     arch = config.get("model_type")
     layers = range(config["num_hidden_layers"])
+    if arch == "deepseek_v32" and config.get("mlp_layer_types"):  # transformers writes both; the list wins
+        kinds = config["mlp_layer_types"][: config["num_hidden_layers"]]
+        return tuple(kind == "sparse" and bool(config.get("n_routed_experts")) for kind in kinds)
     if arch in MLA_ARCHES:
         experts = config.get("n_routed_experts") or 0
-        first_dense = config.get("first_k_dense_replace", 0)
+        first_dense = config.get("first_k_dense_replace", 3 if arch == "deepseek_v32" else 0)  # transformers' defaults
         every = config.get("moe_layer_freq", 1) or 1
         return tuple(bool(experts) and i >= first_dense and i % every == 0 for i in layers)
     if arch == "qwen3_moe":
@@ -103,6 +110,8 @@ def parse_spec(config: dict) -> ModelSpec:
         raise UnsupportedModelError(f"scoring_func={config['scoring_func']!r}: only softmax routing is supported")
     if config.get("model_type") in V3_ARCHES:
         check_deepseek_v3(config)
+    if config.get("model_type") == "deepseek_v32":
+        check_deepseek_v32(config)
     if config.get("model_type") == "glm4_moe":
         check_expert_groups(config)
     eos = config.get("eos_token_id")
@@ -135,6 +144,18 @@ def check_deepseek_v3(config: dict) -> None:
     if config.get("rope_interleave", True) is False:
         raise UnsupportedModelError("rope_interleave=false is not supported (DeepSeek-V3 checkpoints interleave)")
     check_expert_groups(config)
+
+
+def check_deepseek_v32(config: dict) -> None:
+    """DeepSeek-V3.2's sparse attention needs what its indexer is built from: a query LoRA (the indexer's queries
+    are read from its latent) and index heads at least as wide as the rotary part they rotate."""
+    if not config.get("q_lora_rank"):
+        raise UnsupportedModelError("deepseek_v32 without q_lora_rank: the indexer's queries come from the query LoRA")
+    if int(config.get("index_head_dim") or 128) < int(config["qk_rope_head_dim"]):
+        raise UnsupportedModelError(f"index_head_dim={config.get('index_head_dim')} is narrower than "
+                                    f"qk_rope_head_dim={config['qk_rope_head_dim']}, the part its rotary covers")
+    if int(config.get("index_topk") or 2048) < 1:
+        raise UnsupportedModelError(f"index_topk={config.get('index_topk')}: at least one token must be selected")
 
 
 def check_expert_groups(config: dict) -> None:

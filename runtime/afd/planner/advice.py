@@ -112,9 +112,12 @@ def window_rates(fitted: Fitted, index: int) -> dict:
     predicted = sum(w.generated_per_step / fitted.model.step_seconds(
         w.tokens_per_step, _ffn_rows(found, topology, w.rank, w.tokens_per_step)) for w in attention)
     concurrency = sum(w.tokens_per_step for w in attention) * topology.num_attention / max(len(attention), 1)
+    queried = sum(w.prompt_tokens for w in attention)
     return {"measured_tokens_per_s": round(measured, 2), "predicted_tokens_per_s": round(predicted, 2),
             "prediction_error": round(abs(predicted - measured) / measured, 4) if measured else None,
-            "concurrency": round(concurrency, 2)}
+            "concurrency": round(concurrency, 2),
+            # prompt tokens found in the prefix cache are never computed: the fitted step cost sees only the rest
+            "prefix_hit_rate": round(sum(w.cached_tokens for w in attention) / queried, 4) if queried else None}
 
 
 def plan(scrapes: list[list[RankSample]], bounds: Bounds = Bounds()) -> dict:

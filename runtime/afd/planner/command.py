@@ -109,6 +109,9 @@ def render_table(result: dict) -> str:
         + (f", {gain} per GPU" if result.get("predicted_gain") is not None else ""),
         f"why          {_text(result.get('why'))}",
     ]
+    if result.get("prefix_hit_rate") is not None:
+        lines.insert(3, f"prefix cache {result['prefix_hit_rate']:.1%} of prompt tokens found cached (not computed: "
+                        "the fitted step cost counts only the tokens computed)")
     if result.get("per_gpu"):
         lines.append("tokens/s per GPU at the same load per GPU:")
         ranked = sorted(result["per_gpu"].items(), key=lambda item: -(item[1] if item[1] is not None else float("-inf")))[:8]

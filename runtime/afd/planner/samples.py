@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 # series a window needs, by exposition name (histograms by their _sum/_count samples)
 _SUMMED = ("afd_step_duration_seconds", "afd_step_tokens")
 _PER_LAYER = ("afd_layer_compute_seconds", "afd_transfer_seconds")
+_COUNTED = ("afd_generation_tokens_total", "afd_prefix_cache_queries_total", "afd_prefix_cache_hits_total")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def parse_exposition(text: str, at: float) -> list[RankSample]:
             base = name.rsplit("_", 1)[0] if name.endswith(("_sum", "_count")) else name
             if base in _PER_LAYER and name.endswith(("_sum", "_count")):
                 name = f"{name}|{labels.get('layer', '')}|{labels.get('direction', '')}"
-            elif not (base in _SUMMED or name == "afd_generation_tokens_total"):
+            elif not (base in _SUMMED or name in _COUNTED):
                 continue
             bucket = values.setdefault(key, {})
             bucket[name] = bucket.get(name, 0.0) + sample.value
@@ -62,6 +63,8 @@ class RankWindow:
     send_s: float  # time spent handing inputs to the connector in a profiled step
     generated_per_step: float  # attention: tokens generated per step (0 on the FFN)
     profiled_steps: float
+    prompt_tokens: float = 0.0  # attention: prompt tokens admitted with prefix caching on, and of them found cached
+    cached_tokens: float = 0.0  # (not computed: the steps' measured tokens already leave them out)
 
 
 def window(before: RankSample, after: RankSample) -> RankWindow | None:
@@ -94,6 +97,8 @@ def window(before: RankSample, after: RankSample) -> RankWindow | None:
         send_s=_total(per_layer, "send"),
         generated_per_step=delta.get("afd_generation_tokens_total", 0.0) / steps,
         profiled_steps=profiled,
+        prompt_tokens=delta.get("afd_prefix_cache_queries_total", 0.0),
+        cached_tokens=delta.get("afd_prefix_cache_hits_total", 0.0),
     )
 
 

@@ -63,6 +63,31 @@ class Probes:
         return time.monotonic() - started
 
 
+ENDPOINT_SPREAD_S = 5.0  # the operator's DRAIN_SECONDS: the endpoint removal reaches every proxy within it
+QUIET_S = 1.0  # no HTTP request for this long: every client connection has been answered with `Connection: close`
+
+
+class DrainWatch:
+    """When a pod's preStop drain (an attention rank's, issue 38, or the router's) may end: once the endpoint removal
+    has had ENDPOINT_SPREAD_S to spread and no HTTP request has run for QUIET_S. Until then the pod serves on
+    (held requests included, should its FFN come back), answering with `Connection: close`: every
+    closed-loop client's connection gets one such answer, so the stop that follows never closes a
+    keep-alive connection a client is just sending on (a reset request). `quiet_s`: None when the API
+    runs elsewhere (api children): the drain ends after ENDPOINT_SPREAD_S."""
+
+    def __init__(self, quiet_s: Callable[[], float] | None, clock: Callable[[], float] = time.monotonic):
+        self.quiet_s, self.clock, self.started = quiet_s, clock, None
+
+    def begin(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
+
+    def drained(self) -> bool:
+        if self.started is None or self.clock() - self.started < ENDPOINT_SPREAD_S:
+            return False
+        return self.quiet_s is None or self.quiet_s() >= QUIET_S
+
+
 def drain_seconds(query: str) -> float:
     """`seconds` of a `/drain` query string; ValueError with the reason if absent or invalid."""
     values = parse_qs(query).get("seconds")

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from afd.config import ApiSettings, ConfigError, GroupSettings, LoadSettings, SchedulerSettings, load_config
+from afd.server.api.parser_choice import tool_parser_name
 from afd.vllm_plugin import afd_architecture
 
 
@@ -74,6 +75,9 @@ def vllm_serve_argv(load: LoadSettings, api: ApiSettings, scheduler: SchedulerSe
         argv += ["--kv-cache-dtype", kv_cache_dtype]
     if api.reasoning_parser:  # vLLM's parsers of the same names
         argv += ["--reasoning-parser", api.reasoning_parser]
+    tool_parser = tool_parser_name(api.tool_call_parser, load.model)  # the default by architecture, as ours
+    if tool_parser:  # vLLM's parser of the same format (Qwen3's JSON form: its `hermes`)
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", {"qwen3": "hermes"}.get(tool_parser, tool_parser)]
     backend = cpu_mla_backend(load.model, dtype, device_type)
     if backend and not any(arg.startswith("--attention-backend") for arg in extra or []):
         argv += ["--attention-backend", backend]

@@ -9,7 +9,9 @@ first-come-first-served: a large request at the head is not overtaken. With a `P
 a step that has decodes takes only as many prompt tokens as keep it within the pacer's
 multiple of a decode-only step, but enough that every prompt is in within `prefill_backlog_steps` steps of being
 queued (`afd.engine.scheduling.step_cost`). The choices of one prompt are admitted together where the cache allows and
-share its prefill and full blocks (`afd.engine.scheduling.shared_prompt`).
+share its prefill and full blocks (`afd.engine.scheduling.shared_prompt`). With `prefix_caching`, a request admitted
+shares the cached blocks of its prompt's longest published prefix and is prefilled from there
+(`afd.engine.scheduling.prefix_hits`); blocks are counted and cached by the cache's pool (`afd.kv.block_pool`).
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ from collections import deque
 from itertools import islice
 
 from afd.engine.request import InvalidRequest, Request
-from afd.engine.scheduling.shared_prompt import BlockOwners, hand_over, leader_of, leave, rejoin, ride, riding, shared_blocks
+from afd.engine.scheduling import prefix_hits
+from afd.engine.scheduling.shared_prompt import hand_over, leader_of, leave, rejoin, ride, riding, shared_blocks
 from afd.engine.scheduling.step_cost import PrefillPacer
 from afd.kv.cache import KVCache
 
 
 class Scheduler:
     def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 pacer: PrefillPacer | None = None):
+                 pacer: PrefillPacer | None = None, prefix_caching: bool = False):
         self.kv_cache = kv_cache
-        self.blocks = BlockOwners(kv_cache)  # blocks the choices of one prompt share have counted owners
+        self.blocks = kv_cache.pool  # blocks with counted owners (choices of one prompt, cached prefixes), cached ones
+        self.prefix_caching = prefix_caching
+        self.prefix_counts = prefix_hits.PrefixCounts()
         self.leaders: set[Request] = set()  # running requests whose prefill others ride (`afd.engine.scheduling.shared_prompt`)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -96,10 +101,9 @@ class Scheduler:
                 ride(head, leader, shared + tuple(self.blocks.allocate(own)), self.leaders)
                 self.running.append(self.waiting.popleft())
                 continue
-            if budget <= 0 or not self.blocks.can_allocate(self.reserved_tokens(head)):
+            if budget <= 0 or not self._admit(head):
                 break
-            head.blocks = tuple(self.blocks.allocate(self.reserved_tokens(head)))
-            head.chunk = min(len(head.prompt_ids), budget)
+            head.chunk = min(len(head.prompt_ids) - head.cached_tokens, budget)
             self.waiting.popleft()
             self.running.append(head)
             batch.append(head)
@@ -107,12 +111,30 @@ class Scheduler:
         self.steps += 1
         return batch
 
+    def _admit(self, head: Request) -> bool:
+        """Give `head` its blocks (cached ones of its prefix first, shared), or False: too few are free."""
+        cached = prefix_hits.lookup(self.blocks, head) if self.prefix_caching else []
+        self.blocks.share(cached)  # before allocating: no longer free, they cannot be evicted for head's own
+        own = self.reserved_tokens(head) - len(cached) * self.kv_cache.block_size
+        if not self.blocks.can_allocate(own):
+            self.blocks.release(cached)
+            return False
+        head.blocks = tuple(cached) + tuple(self.blocks.allocate(own))
+        if self.prefix_caching:
+            prefix_hits.hit(head, cached, self.kv_cache.block_size, self.prefix_counts)
+        return True
+
+    def publish(self, written) -> None:
+        """A committed step wrote these (request, prompt position) (`afd.engine.scheduling.prefix_hits.publish`)."""
+        if self.prefix_caching and written:
+            prefix_hits.publish(self.blocks, written)
+
     def _backlog(self, prefilling: list[Request]) -> list[tuple[int, int]]:
         """(prompt tokens left, steps scheduled since queued) of the running prompts and of the waiting ones that
         have a seat, oldest first."""
         seated = islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
         return ([(len(r.prompt_ids) - r.cached_tokens, self.steps - r.queued_step) for r in prefilling]
-                + [(len(r.prompt_ids), self.steps - r.queued_step) for r in seated])
+                + [(len(r.prompt_ids), self.steps - r.queued_step) for r in seated])  # before any cache hit
 
     def finish(self, request: Request) -> None:
         """Remove a running or waiting request and free its blocks."""
@@ -121,7 +143,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         if request.riders:
-            hand_over(request, self.leaders)
+            hand_over(request, self.leaders, self.kv_cache.block_size)
         if request.shares is not None:
             leave(request, self.leaders)
         if request.blocks:
@@ -131,7 +153,7 @@ class Scheduler:
     def taken_back(self) -> None:
         """Launched steps were taken back (hold and resume): riders waiting again for a leader that ended meanwhile
         ride the first of them (`afd.engine.scheduling.shared_prompt.rejoin`)."""
-        rejoin(self.running, self.leaders)
+        rejoin(self.running, self.leaders, self.kv_cache.block_size)
 
     def abort(self, request_ids: set[str]) -> list[Request]:
         """End and free the running or waiting requests of `request_ids` (tokens already launched are dropped)."""

@@ -4,8 +4,8 @@ Requests submitted with one `group` and the same prompt: the first admitted (the
 the prompt; one admitted with it, or while its prompt is still being fed, rides it (`ride`): it
 feeds no token, and in the step that feeds the leader's last prompt chunk it samples its own first
 token from the leader's logits row (its own seed stream, controls and grammar), then decodes on
-its own. The prompt's full blocks are shared, with counted owners (`BlockOwners`: a block is freed
-when its last owner finishes); the blocks past them are each request's own, and the partly filled
+its own. The prompt's full blocks are shared, with counted owners (the cache's `afd.kv.block_pool.BlockPool`: a block
+is freed when its last owner finishes); the blocks past them are each request's own, and the partly filled
 last prompt block is copied into the rider's own before its first decode step (`copy_tails`), so
 no request ever writes into a block it shares. A leader that ends before its prompt is in hands
 its riders to the first of them, which prefills (`hand_over`); so do riders put back to wait for a leader that
@@ -23,43 +23,6 @@ import torch
 from afd.engine.request import Request
 from afd.models.kv_dtype import row_bytes
 from afd.step.host_copy import host_to_device
-
-
-class BlockOwners:
-    """Reference counts over a KV cache's blocks: `allocate` gives one owner, `share` adds one, `release` drops one
-    and frees the blocks nobody owns any more."""
-
-    def __init__(self, kv_cache):
-        self.kv_cache = kv_cache
-        self._extra: dict[int, int] = {}  # owners beyond the first, of shared blocks only
-
-    def allocate(self, num_tokens: int) -> list[int]:
-        return self.kv_cache.allocate(num_tokens)
-
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.kv_cache.can_allocate(num_tokens)
-
-    def share(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
-            self._extra[block] = self._extra.get(block, 0) + 1
-
-    def release(self, blocks: Sequence[int]) -> None:
-        free = []
-        for block in blocks:
-            extra = self._extra.get(block)
-            if extra is None:
-                free.append(block)
-            elif extra == 1:
-                del self._extra[block]
-            else:
-                self._extra[block] = extra - 1
-        if free:
-            self.kv_cache.release(free)
-
-    @property
-    def shared(self) -> int:
-        """Blocks with more than one owner now."""
-        return len(self._extra)
 
 
 def riding(request: Request) -> bool:
@@ -103,8 +66,10 @@ def board(leader: Request, block_size: int, copies: list) -> list[Request]:
     return boarding
 
 
-def hand_over(leader: Request, leaders: set[Request]) -> None:
-    """`leader` ends: its riders still waiting for its prefill ride the first of them, which prefills."""
+def hand_over(leader: Request, leaders: set[Request], block_size: int = 0) -> None:
+    """`leader` ends: its riders still waiting for its prefill ride the first of them, which prefills from the
+    leader's published blocks on (prefix caching: never written again, others may share them) unless it asks for
+    prompt logprobs."""
     waiting = [r for r in leader.riders if riding(r) and not r.done]
     leader.riders = []
     leaders.discard(leader)
@@ -112,13 +77,16 @@ def hand_over(leader: Request, leaders: set[Request]) -> None:
         return
     first, rest = waiting[0], waiting[1:]
     first.shares, first.riders, first.prompt_logprobs = None, rest, []
+    if leader.published and first.params.prompt_logprobs is None:
+        first.published, first.prefix_hit = leader.published, leader.prefix_hit
+        first.cached_tokens = min(leader.published * block_size, len(first.prompt_ids) - 1)
     for rider in rest:
         rider.shares, rider.prompt_logprobs = first, first.prompt_logprobs
     if rest:
         leaders.add(first)
 
 
-def rejoin(running: Sequence[Request], leaders: set[Request]) -> None:
+def rejoin(running: Sequence[Request], leaders: set[Request], block_size: int = 0) -> None:
     """After launched steps are taken back (hold and resume): riders put back to wait for a prefill whose leader has
     ended meanwhile ride the first of them, which prefills (as `hand_over` does)."""
     live, orphans = set(running), {}
@@ -127,7 +95,7 @@ def rejoin(running: Sequence[Request], leaders: set[Request]) -> None:
             orphans.setdefault(request.shares, []).append(request)
     for leader, riders in orphans.items():
         leader.riders = riders
-        hand_over(leader, leaders)
+        hand_over(leader, leaders, block_size)
 
 
 def leave(request: Request, leaders: set[Request]) -> None:
@@ -149,9 +117,6 @@ def copy_tails(kv_cache, copies: list[tuple[int, int, int]]) -> None:
     target = [dst * size + i for _, dst, rows in copies for i in range(rows)]
     device = kv_cache.keys[0].device
     source, target = (host_to_device(torch.tensor(rows), device) for rows in (source, target))
-    for keys, values, layout in zip(kv_cache.keys, kv_cache.values, kv_cache.layouts):
-        keys = row_bytes(keys)  # an FP8 cache's rows move as bytes
-        keys.index_copy_(0, target, keys.index_select(0, source))
-        if not layout.values_in_keys:
-            values = row_bytes(values)
-            values.index_copy_(0, target, values.index_select(0, source))
+    for rows in kv_cache.tensors():  # keys, values of their own, index keys
+        rows = row_bytes(rows)  # an FP8 cache's rows move as bytes
+        rows.index_copy_(0, target, rows.index_select(0, source))

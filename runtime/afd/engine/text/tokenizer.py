@@ -17,15 +17,17 @@ def load_tokenizer(path: str):
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
     """Token ids of `messages` rendered by the checkpoint's chat template, ready for the reply (or, with
     `continue_final_message`, ending inside the last message); `template_kwargs`: the template's own variables
-    (`enable_thinking`, `thinking`)."""
+    (`enable_thinking`, `thinking`); `tools`: the request's function tools, as OpenAI's `tools` list."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                            continue_final_message=continue_final_message, **(template_kwargs or {}))
+                                            continue_final_message=continue_final_message, tools=tools or None,
+                                            **(template_kwargs or {}))
     except Exception as err:  # jinja errors for unexpected message shapes
         raise InvalidRequest(f"cannot render the chat template: {err}", "messages") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

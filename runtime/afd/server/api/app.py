@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -28,12 +29,15 @@ from afd.engine.structured_output.grammars import Grammars
 from afd.engine.text.tokenizer import chat_prompt_ids
 from afd.server.api import choices, json_body, resume as resumes, streams, tokenize_api, validation
 from afd.server.api.api_keys import ApiKeys, RequireApiKey
-from afd.server.api.formatting import PromptShown, chat_response, completion_response
+from afd.server.api.formatting import PromptShown, chat_response, completion_response, usage_of
 from afd.server.api.http_body import BodyTimeout, BodyTooLarge, read_body
 from afd.server.api.liveness import LoopWatch
 from afd.server.api.protocol import (ChatRequest, CompletionRequest, ModelNotFound, Unavailable, error_response,
                                      parse_request)
-from afd.server.api.reasoning import Family, ThinkingSplit, grammar_after_thinking, opens_thinking
+from afd.server.api.answers import AnswerReading, AnswerStream
+from afd.server.api.reasoning import Family, grammar_after_thinking, opens_thinking
+from afd.server.api.tool_parsers import Family as ToolFamily
+from afd.server.api.tools import forced_grammar
 from afd.server.api.sse import StreamEvents
 from afd.server.api.validation import Limits
 
@@ -61,6 +65,7 @@ class ServerState:
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # `api_key`: what every route but the probes asks for
     reasoning: Family | None = None  # `reasoning_parser`: how the thinking is split from chat answers; None: it is not
     reasoning_content: bool = False  # the thinking also as `reasoning_content` (older clients)
+    tool_parser: ToolFamily | None = None  # `tool_call_parser`: reads `tool_choice: auto` calls; None: not read
 
     def problem(self) -> str | None:
         """Why this rank cannot serve (engine, FFN link or event loop), or None."""
@@ -143,19 +148,19 @@ def create_app(state: ServerState) -> FastAPI:
             results[i * count: (i + 1) * count], request.n, request.logprobs is not None)]
         per_choice = lambda values: [v for v in values for _ in range(request.n)]  # noqa: E731
         shown = PromptShown(per_choice(prompts), request.echo_logprobs, request.prompt_logprobs)
-        usage = _usage_of(sum(map(len, prompts)), choices.completion_tokens(results))
+        usage = usage_of(sum(map(len, prompts)), choices.completion_tokens(results), choices.cached_tokens(results, count))
         return JSONResponse(completion_response(state, picked, per_choice(echo), shown, usage))
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
-        request, prompt, params, thinking = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
+        request, prompt, params, reading = await _off_loop(state, _prepare_chat, state, await _json_body(state, http))
         resume = _resume_of(state, http, request.stream, request.n)
         if request.stream:
             candidates = choices.candidate_params(params, request.n, None)
             streamed = streams.StreamedChoices(state.engine, prompt, candidates, resume)
             events = StreamEvents(state, resume.request_id("chat.completion.chunk") if resume else streamed.request_id,
                                   "chat.completion.chunk", PromptShown([prompt], None, request.prompt_logprobs),
-                                  _thinking_splits(state, thinking, resume))
+                                  _answer_streams(state, reading, resume))
             make = lambda index, out, first: events.chat(out, first, index, not resume)  # noqa: E731
             return streams.sse_response(streamed, events, make, request.include_usage, _wants_ids(http))
         submitted = streams.submit_all(state.engine, [prompt] * request.n, choices.candidate_params(params, request.n, None),
@@ -163,9 +168,9 @@ def create_app(state: ServerState) -> FastAPI:
         results = await streams.complete(http, submitted)
         if results is None:
             return Response(status_code=499)
-        usage = _usage_of(len(prompt), choices.completion_tokens(results))
+        usage = usage_of(len(prompt), choices.completion_tokens(results), choices.cached_tokens(results, request.n))
         return JSONResponse(chat_response(state, submitted[0].request.request_id, results, request.prompt_logprobs,
-                                          usage, thinking))
+                                          usage, reading))
 
     return app
 
@@ -232,8 +237,7 @@ def _prepare_completion(state: ServerState, body: dict):
 
 
 def _prepare_chat(state: ServerState, body: dict):
-    """(request, prompt ids, sampling params, whether the answer starts inside the thinking), or InvalidRequest.
-    Runs on a worker."""
+    """(request, prompt ids, sampling params, how its answers are read), or InvalidRequest. Runs on a worker."""
     request = parse_request(ChatRequest, body)
     _check_model_and_health(state, request.model)
     if request.n > state.limits.max_prompts:
@@ -242,36 +246,46 @@ def _prepare_chat(state: ServerState, body: dict):
         raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
     messages = validation.chat_messages([m.model_dump(exclude_none=True) for m in request.messages], state.limits)
     template_kwargs = validation.template_kwargs(request.chat_template_kwargs)
-    prompt = chat_prompt_ids(state.tokenizer, messages, template_kwargs=template_kwargs)
+    tools = request.tool_request()
+    prompt = chat_prompt_ids(state.tokenizer, messages, template_kwargs=template_kwargs,
+                             tools=request.tools if tools is not None else None)
     # the prompt's last tokens say whether the template opened the thinking (`reasoning.opens_thinking`)
     thinking = bool(state.reasoning) and opens_thinking(state.reasoning, state.tokenizer.decode(prompt[-8:]),
                                                         template_kwargs)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    reading = AnswerReading(state.reasoning, thinking, tools if tools is not None and tools.choice != "none" else None,
+                            state.tool_parser)
     params = request.sampling(_max_tokens(state, prompt, max_tokens), logprobs, state.vocab_size, state.limits,
-                              state.tokenizer, grammar=_grammar(state, request, thinking))
-    return request, prompt, params, thinking
+                              state.tokenizer, grammar=_grammar(state, request, thinking, reading))
+    if reading.reads_calls and not reading.tools.forced:  # the markup may be special tokens (Kimi-K2's): keep them
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return request, prompt, params, reading
 
 
-def _thinking_splits(state: ServerState, thinking: bool, resume: resumes.Resume | None):
-    """With a reasoning parser: what makes choice `index`'s `ThinkingSplit` on a stream; a moved stream's is first fed
-    the text its client already saw (only its state is kept: what is past the thinking, what is held back)."""
-    if state.reasoning is None:
+def _answer_streams(state: ServerState, reading: AnswerReading, resume: resumes.Resume | None):
+    """With a reasoning or tool-call reading: what makes choice `index`'s `AnswerStream`; a moved stream's is first
+    fed the text its client already saw (only its state is kept: what was shown, what is held back)."""
+    if reading.thinking_family is None and not reading.reads_calls:
         return None
     seen = [state.tokenizer.decode(list(ids)) for ids in resume.choices] if resume is not None else None
 
-    def split_of(index: int) -> ThinkingSplit:
-        split = ThinkingSplit(state.reasoning, thinking)
+    def answer_of(index: int) -> AnswerStream:
+        answer = AnswerStream(reading)
         if seen:
-            split.feed(seen[index])
-        return split
-    return split_of
+            answer.feed(seen[index])
+        return answer
+    return answer_of
 
 
-def _grammar(state: ServerState, request, thinking: bool = False) -> str | None:
-    """The request's structured-output grammar, compiled (and cached) here on the worker, or None; with a reasoning
-    parser, a chat answer's grammar applies after its thinking (`thinking`: the answer starts inside it)."""
-    found = request.grammar()
+def _grammar(state: ServerState, request, thinking: bool = False, reading: AnswerReading | None = None) -> str | None:
+    """The request's structured-output grammar, compiled (and cached) here on the worker, or None; a forced tool
+    choice's instead (`tools`); with a reasoning parser, a chat answer's grammar applies after its thinking
+    (`thinking`: the answer starts inside it)."""
+    if reading is not None and reading.tools is not None and reading.tools.forced:
+        found = forced_grammar(reading.tools), "tools"
+    else:
+        found = request.grammar()
     if found is None:
         return None
     grammar, field = found
@@ -285,11 +299,6 @@ def _grammar(state: ServerState, request, thinking: bool = False) -> str | None:
         grammars = state.grammars
     grammars.check(grammar, field)
     return grammar
-
-
-def _usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -312,9 +321,6 @@ def _resume_of(state: ServerState, http: Request, stream: bool, n: int = 1) -> r
         raise InvalidRequest(f"{resumes.RESUME_HEADER} continues streams only", resumes.RESUME_HEADER)
     if resume is not None and len(resume.choices) != n:
         raise InvalidRequest(f"{resumes.RESUME_HEADER} carries {len(resume.choices)} choices, the request asks n={n}",
-                             resumes.RESUME_HEADER)
-    if resume is not None and not isinstance(state.engine, Engine):
-        raise InvalidRequest("a moved stream needs the engine in the API's process (AFD_API_PROCESS off)",
                              resumes.RESUME_HEADER)
     return resume
 

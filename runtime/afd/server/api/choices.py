@@ -40,6 +40,12 @@ def pick_best(candidates: list[list[RequestOutput]], n: int, keep_logprobs: bool
     return [[dataclasses.replace(output, logprobs=[]) for output in outputs] for outputs in chosen]
 
 
+def cached_tokens(candidates: Sequence[Sequence[RequestOutput]], per_prompt: int) -> int:
+    """Prompt tokens found in the prefix cache: each prompt once (the most any of its `per_prompt` candidates found)."""
+    found = [max((o.cached_tokens for o in outputs), default=0) for outputs in candidates]
+    return sum(max(found[i: i + per_prompt], default=0) for i in range(0, len(found), per_prompt))
+
+
 def completion_tokens(candidates: Sequence[Sequence[RequestOutput]]) -> int:
     """Tokens generated over every candidate (what usage counts)."""
     return sum(outputs[-1].completion_tokens for outputs in candidates if outputs)

@@ -7,18 +7,24 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from afd.engine.request import RequestOutput, TokenLogprobs
-from afd.server.api.reasoning import split
+from afd.server.api.answers import AnswerReading, call_id, finish_reason, whole_answer
 
 
 def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens found in the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 def _usage(outputs: Sequence[RequestOutput]) -> dict:
     last = outputs[-1] if outputs else None
-    prompt = last.prompt_tokens if last else 0
-    completion = last.completion_tokens if last else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if last is None:
+        return usage_of(0, 0)
+    return usage_of(last.prompt_tokens, last.completion_tokens, max(o.cached_tokens for o in outputs))
 
 
 def _completion_logprobs(tokenizer, entries: list[TokenLogprobs], offset: int) -> dict | None:
@@ -110,7 +116,7 @@ def vllm_prompt_logprobs(tokenizer, entries: list, top: int) -> list[dict | None
 def completion_response(state, results: list[list[RequestOutput]], echo: list[str],
                         shown: PromptShown | None = None, usage: dict | None = None) -> dict:
     """One choice per entry of `results` (its prefix in `echo`); `usage` when it is not the choices' sum (n > 1)."""
-    choices, totals = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    choices, totals = [], usage_of(0, 0)
     for index, (outputs, prefix) in enumerate(zip(results, echo)):
         text = prefix + "".join(o.text for o in outputs)
         entries = [e for o in outputs for e in o.logprobs]
@@ -129,7 +135,10 @@ def completion_response(state, results: list[list[RequestOutput]], echo: list[st
                                                              shown.prompt_logprobs)
         choices.append(choice)
         for key, value in _usage(outputs).items():
-            totals[key] += value
+            if key == "prompt_tokens_details":
+                totals[key]["cached_tokens"] += value["cached_tokens"]
+            else:
+                totals[key] += value
     usage = usage or totals
     request_id = results[0][-1].request_id if results and results[0] else "cmpl"
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
@@ -154,15 +163,17 @@ def completion_chunk(state, request_id: str, output: RequestOutput, prefix: str,
 
 
 def chat_response(state, request_id: str, results: list[list[RequestOutput]], prompt_logprobs: int | None = None,
-                  usage: dict | None = None, thinking: bool = False) -> dict:
-    """One choice per entry of `results` (n of them); `usage` default: the first choice's; `thinking`: with
-    `state.reasoning`, the answers start inside the thinking."""
-    choices = [{
-        "index": index,
-        "message": assistant_message(state, "".join(o.text for o in outputs), thinking),
-        "logprobs": _chat_logprobs(state.tokenizer, [e for o in outputs for e in o.logprobs]),
-        "finish_reason": outputs[-1].finish_reason if outputs else "abort",
-    } for index, outputs in enumerate(results)]
+                  usage: dict | None = None, reading: AnswerReading | None = None) -> dict:
+    """One choice per entry of `results` (n of them); `usage` default: the first choice's; `reading`: how the answers
+    are read (thinking split off, tool calls read), None: as they are."""
+    reading = reading or AnswerReading()
+    choices = []
+    for index, outputs in enumerate(results):
+        message, called = assistant_message(state, "".join(o.text for o in outputs), reading)
+        reason = outputs[-1].finish_reason if outputs else "abort"
+        choices.append({"index": index, "message": message,
+                        "logprobs": _chat_logprobs(state.tokenizer, [e for o in outputs for e in o.logprobs]),
+                        "finish_reason": finish_reason(reading, called, reason, streamed=False)})
     response = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name, "choices": choices, "usage": usage or _usage(results[0])}
     if prompt_logprobs is not None:  # vLLM's field, beside the choices
@@ -171,13 +182,21 @@ def chat_response(state, request_id: str, results: list[list[RequestOutput]], pr
     return response
 
 
-def assistant_message(state, text: str, thinking: bool = False) -> dict:
-    """A whole answer's message: with `state.reasoning`, its thinking as `reasoning` (and `reasoning_content` where
-    `state.reasoning_content`), the rest as `content` (None where empty, as vLLM)."""
-    if state.reasoning is None:
-        return {"role": "assistant", "content": text}
-    reasoning, content = split(state.reasoning, thinking, text)
-    return {"role": "assistant", "content": content, **reasoning_fields(state, reasoning)}
+def assistant_message(state, text: str, reading: AnswerReading) -> tuple[dict, bool]:
+    """A whole answer's message and whether it called tools: with a reasoning parser, its thinking as `reasoning`
+    (and `reasoning_content` where `state.reasoning_content`), the rest as `content` (None where empty, as vLLM);
+    calls read from it as `tool_calls`."""
+    if reading.thinking_family is None and not reading.reads_calls:
+        return {"role": "assistant", "content": text}, False
+    reasoning, content, calls = whole_answer(reading, text)
+    forced = reading.reads_calls and reading.tools.forced
+    message = {"role": "assistant", "content": "" if forced else content}  # vLLM's forced choices: empty content
+    if reading.thinking_family is not None:
+        message.update(reasoning_fields(state, reasoning))
+    if calls:
+        message["tool_calls"] = [{"id": call_id(), "type": "function",
+                                  "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+    return message, bool(calls)
 
 
 def reasoning_fields(state, reasoning: str | None) -> dict:
@@ -185,20 +204,22 @@ def reasoning_fields(state, reasoning: str | None) -> dict:
 
 
 def chat_chunk(state, request_id: str, output: RequestOutput, first: bool, index: int = 0,
-               prompt_logprobs: int | None = None, parts: tuple[str, str] | None = None) -> dict:
+               prompt_logprobs: int | None = None, parts: tuple | None = None) -> dict:
     """One streamed choice's chunk (the role on its `first`); `prompt_logprobs`: vLLM's field beside the choices, from
-    this output's prompt entries (the stream's first chunk only); `parts`: the (reasoning, content) of this output's
-    text, where the thinking is split (`afd.server.api.reasoning`)."""
+    this output's prompt entries (the stream's first chunk only); `parts`: the (reasoning, content, tool calls,
+    finish reason) of this output's text, where the answer is read (`afd.server.api.answers`)."""
+    finish = output.finish_reason
     if parts is None:
         delta = {"content": output.text}
-    else:  # the fields that have text (content "" where neither has: a chunk that only ends the choice)
-        reasoning, content = parts
+    else:  # the fields that have text (content "" where none has: a chunk that only ends the choice)
+        reasoning, content, calls, finish = parts
         delta = {**(reasoning_fields(state, reasoning) if reasoning else {}),
-                 **({"content": content} if content or not reasoning else {})}
+                 **({"content": content} if content or not (reasoning or calls) else {}),
+                 **({"tool_calls": calls} if calls else {})}
     if first:
         delta = {"role": "assistant", **delta}
     choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(state.tokenizer, output.logprobs),
-              "finish_reason": output.finish_reason}
+              "finish_reason": finish}
     chunk = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
              "model": state.model_name, "choices": [choice]}
     if prompt_logprobs is not None:

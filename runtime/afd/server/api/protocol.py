@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from afd.engine.request import InvalidRequest, SamplingParams
 from afd.server.api import json_body, structured, validation
+from afd.server.api.tools import Tools, tools_of
 from afd.server.api.validation import Limits
 
 
@@ -56,6 +57,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
     # structured outputs (`afd.server.api.structured`): OpenAI's, and vLLM's older and current forms
     response_format: Any = None
     guided_json: Any = None
@@ -69,6 +71,8 @@ class _Common(BaseModel):
         """Ranges and unsupported fields; 400 naming the field."""
         validation.check_bounds(self.__dict__)
         validation.refuse_unsupported(self.model_extra or {})
+        if self.cache_salt is not None and not self.cache_salt:
+            raise InvalidRequest("cache_salt must be a non-empty string when set", "cache_salt")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
 
@@ -108,6 +112,7 @@ class _Common(BaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             prompt_logprobs=None if prompt_logprobs is None else min(prompt_logprobs, vocab_size),
             grammar=grammar,
+            cache_salt=self.cache_salt,
         )
 
     @property
@@ -160,6 +165,13 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (Qwen3), {"thinking": true}
+    # tool calling (`afd.server.api.tools`): checked there, as vLLM takes them
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+
+    def tool_request(self) -> Tools | None:
+        return tools_of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 def parse_request(model: type[BaseModel], body: dict):

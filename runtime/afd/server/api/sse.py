@@ -13,7 +13,8 @@ import time
 from json.encoder import encode_basestring_ascii as _quote  # what json.dumps uses for a str
 
 from afd.engine.request import RequestOutput
-from afd.server.api.formatting import PromptShown, chat_chunk, completion_chunk
+from afd.server.api.answers import finish_reason
+from afd.server.api.formatting import PromptShown, chat_chunk, completion_chunk, usage_of
 
 DONE = "data: [DONE]\n\n"
 
@@ -33,10 +34,10 @@ class StreamEvents:
     `shown`: what a completions stream shows of the prompt on each choice's first chunk (echo logprobs, vLLM's
     `prompt_logprobs`), or for chat the `prompt_logprobs` alternatives given once, on the stream's first chunk."""
 
-    def __init__(self, state, request_id: str, kind: str, shown: PromptShown | None = None, splits=None):
+    def __init__(self, state, request_id: str, kind: str, shown: PromptShown | None = None, answers=None):
         self.state, self.request_id, self.kind, self.shown = state, request_id, kind, shown
-        self.splits = splits  # chat with a reasoning parser: makes choice i's `reasoning.ThinkingSplit` (`splits(i)`)
-        self._split_of: dict = {}
+        self.answers = answers  # chat with its answers read: makes choice i's `answers.AnswerStream` (`answers(i)`)
+        self._answer_of: dict = {}
         prefix = {"text_completion": "cmpl", "chat.completion.chunk": "chatcmpl"}[kind]
         self.chunk_id = f"{prefix}-{request_id}"
         self._head = f'data: {{"id": {_quote(self.chunk_id)}, "object": {_quote(kind)}, "created": '
@@ -66,7 +67,7 @@ class StreamEvents:
         prompt_logprobs = None
         if show_prompt and self._shows_prompt and not self._prompt_shown and output.prompt_logprobs is not None:
             prompt_logprobs, self._prompt_shown = self.shown.prompt_logprobs, True
-        if output.logprobs or prompt_logprobs is not None or self.splits is not None:
+        if output.logprobs or prompt_logprobs is not None or self.answers is not None:
             chunk = chat_chunk(self.state, self.request_id, output, first, index, prompt_logprobs, self._parts(output, index))
             return f"data: {json.dumps(chunk)}\n\n"
         role = '"role": "assistant", ' if first else ""
@@ -74,23 +75,24 @@ class StreamEvents:
         return (f'{self._head}{int(time.time())}{choice}"delta": {{{role}"content": {_quote(output.text)}}}, '
                 f'"logprobs": null, "finish_reason": {_json(output.finish_reason)}}}]}}\n\n')
 
-    def _parts(self, output: RequestOutput, index: int) -> tuple[str, str] | None:
-        """The (reasoning, content) of choice `index`'s new text; all that was held back once it finished."""
-        if self.splits is None:
+    def _parts(self, output: RequestOutput, index: int) -> tuple | None:
+        """The (reasoning, content, tool calls, finish reason) of choice `index`'s new text; all that was held back
+        once it finished."""
+        if self.answers is None:
             return None
-        if index not in self._split_of:
-            self._split_of[index] = self.splits(index)
-        split = self._split_of[index]
-        reasoning, content = split.feed(output.text)
+        if index not in self._answer_of:
+            self._answer_of[index] = self.answers(index)
+        answer = self._answer_of[index]
+        reasoning, content, deltas = answer.feed(output.text)
         if output.finished:
-            more_reasoning, more_content = split.finish()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        return reasoning, content
+            more_reasoning, more_content, more_deltas = answer.finish()
+            reasoning, content, deltas = reasoning + more_reasoning, content + more_content, deltas + more_deltas
+        finish = finish_reason(answer.reading, answer.called, output.finish_reason, streamed=True)
+        return reasoning, content, answer.tool_calls(deltas), finish
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
         """The last chunk's usage: the prompt once, every choice's tokens."""
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
+        usage = usage_of(prompt_tokens, completion_tokens, cached_tokens)
         chunk = {"id": self.chunk_id, "object": self.kind, "created": int(time.time()),
                  "model": self.state.model_name, "choices": [], "usage": usage}
         return f"data: {json.dumps(chunk)}\n\n"

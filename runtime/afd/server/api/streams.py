@@ -112,6 +112,7 @@ class StreamedChoices:
         self.started = {i for i in range(self.n) if carried[i] or i in finished}  # choices the client saw
         self.tokens = [len(ids) for ids in carried]  # each choice's completion tokens so far
         self.prompt_tokens = len(prompt)
+        self.cached_tokens = 0  # of the prompt, found in the prefix cache (the most any choice found)
         try:
             with engine.together():
                 for index in sorted(self.open):
@@ -140,6 +141,7 @@ class StreamedChoices:
             taken.append((index, output, index not in self.started))
             self.started.add(index)
             self.tokens[index], self.prompt_tokens = output.completion_tokens, output.prompt_tokens
+            self.cached_tokens = max(self.cached_tokens, output.cached_tokens)
             if output.finished:
                 self.open.discard(index)
         return taken
@@ -179,7 +181,7 @@ def sse_response(outputs: StreamedChoices, events: StreamEvents, make_event, inc
                     opening = ""
                 if outputs.finished:
                     if include_usage:
-                        lines.append(events.usage(outputs.prompt_tokens, sum(outputs.tokens)))
+                        lines.append(events.usage(outputs.prompt_tokens, sum(outputs.tokens), outputs.cached_tokens))
                     lines.append(DONE)
                 yield "".join(lines)
         finally:

@@ -316,17 +316,37 @@ def chat_messages(messages: Iterable[Mapping[str, Any]], limits: Limits) -> list
         if isinstance(content, list) and len(content) > limits.max_content_parts:
             raise InvalidRequest(f"{where}.content has {len(content)} parts; at most {limits.max_content_parts}",
                                  f"{where}.content")
-        if message.get("tool_calls"):
-            raise InvalidRequest(f"{where}.tool_calls: tool calling is not supported", f"{where}.tool_calls")
+        calls = tool_calls(message.get("tool_calls"), f"{where}.tool_calls")
         text = chat_content(content, f"{where}.content")
         chars += len(text or "") + len(message.get("name") or "") + len(message.get("reasoning") or "") + \
-            len(message.get("reasoning_content") or "")
-        result.append({k: v for k, v in {**message, "content": text}.items() if v is not None and k != "tool_calls"})
+            len(message.get("reasoning_content") or "") + sum(len(c["function"]["arguments"]) for c in calls)
+        result.append({k: v for k, v in {**message, "content": text, "tool_calls": calls or None}.items()
+                       if v is not None})
     if chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"messages have {chars} characters; at most {limits.max_prompt_chars} are accepted before tokenization "
             f"(AFD_MAX_PROMPT_CHARS)", "messages")
     return result
+
+
+def tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` as sent back (OpenAI's form, arguments a JSON string), for the template."""
+    if calls is None or calls == []:
+        return []
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{where} must be a list", where)
+    checked = []
+    for index, call in enumerate(calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f"{at} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", at)
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise InvalidRequest(f"{at}.function.arguments must be a JSON string", f"{at}.function.arguments")
+        checked.append({"id": str(call.get("id") or f"call_{index}"), "type": "function",
+                        "function": {"name": function["name"], "arguments": arguments}})
+    return checked
 
 
 # apply_chat_template's own parameters: a request's template variables may not set them

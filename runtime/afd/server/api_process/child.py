@@ -1,7 +1,7 @@
 """An API process (`AFD_API_PROCESS=1`, started by `afd.server.api_process.core`): uvicorn with the rank's app
 (`create_app` behind `Failover`) on an `EngineClient` that talks to the engine core; it tokenizes, detokenizes,
-finds stop strings and formats events. It exits when the core dies (parent-death signal) and on SIGTERM once its
-in-flight requests finished."""
+finds stop strings and formats events. It exits at once when the core dies (parent-death signal: its connections
+are cut, so relays move their streams) and on SIGTERM once its in-flight requests finished."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
     from afd.kv.cache import KVBlocks
     from afd.server.api.api_keys import ApiKeys
     from afd.server.api.app import ServerState, create_app, http_server
+    from afd.server.api.parser_choice import tool_parser_for
     from afd.server.api.reasoning import PARSERS
     from afd.server.api.validation import Limits
     from afd.server.api_process.engine_client import EngineClient
@@ -47,6 +48,8 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
         exposition=lambda: urllib.request.urlopen(facts["metrics_url"], timeout=5).read(),  # the core's series
         api_keys=ApiKeys(api.api_keys),
         reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
+        resume_key=group.group_secret.encode(),  # streams moved here from a lost rank (the core takes their tokens)
+        tool_parser=tool_parser_for(api.tool_call_parser, load.model, tokenizer),
     )
     app = Failover(create_app(state), lambda: client.unready() is not None, FailoverSettings(
         api.failover_url, resume_key=group.group_secret.encode()))
@@ -57,15 +60,27 @@ def serve_api(load: LoadSettings, scheduler: SchedulerSettings, api: ApiSettings
     async def main() -> None:
         # listening (ready, for the core's probe) once the core was heard too: no 503 for the first requests
         link = asyncio.create_task(client.run(lambda: server.started and client.heard is not None, state.loop_watch.problem))
+        orphan = asyncio.create_task(_exit_with(facts["core_pid"]))
         try:
             # returns on SIGTERM once in-flight requests finished
             await server.serve(sockets=[shared_port(api.http_host, api.http_port)] if api.api_children > 1 else None)
         finally:
             link.cancel()
+            orphan.cancel()
 
     asyncio.run(main())
     client.close()
     return 0
+
+
+async def _exit_with(core_pid: int, every_s: float = 0.1) -> None:
+    """Exit at once when the core dies (this process is handed to another parent): every client connection is cut,
+    so a relay (the front door, the router, a failover) moves its streams to another rank, instead of each client
+    getting an error event once the core is found silent. (uvicorn's own SIGTERM handling would wait for them.)"""
+    while os.getppid() == core_pid:
+        await asyncio.sleep(every_s)
+    log.warning("the engine core is gone: closing every connection now so that relays move their streams")
+    os._exit(1)
 
 
 def shared_port(host: str, port: int) -> socket.socket:

@@ -178,13 +178,13 @@ class ApiLink:
                 self._heard[api] = time.monotonic()
 
     def _submit(self, api: int, request_id: str, prompt_ids: list[int], params, arrival: float | None = None,
-                group: str | None = None) -> None:
+                group: str | None = None, carried: list[int] | None = None) -> None:
         on_output = self._on_output[api]
         with self._lock:
             self._owned[api].add(request_id)
         try:
             self.engine.submit(prompt_ids, params, on_output, request_id=request_id, text=False,  # text: API side
-                               arrival=arrival, group=group)
+                               arrival=arrival, group=group, carried=carried or ())
         except InvalidRequest as err:  # the API checked it the same way: only a bug gets here
             on_output(RequestOutput(request_id, "", [], [], finished=True, finish_reason="error", error=str(err)))
         except Exception as err:  # noqa: BLE001 — answered, and the rest of its batch still admitted

@@ -16,7 +16,7 @@ from dataclasses import astuple, dataclass, fields
 
 from afd.engine.request import RequestOutput, SamplingParams, TokenLogprobs
 
-VERSION = 2  # 2: outputs carry prompt logprobs
+VERSION = 3  # 2: outputs carry prompt logprobs; 3: and cached prompt tokens
 SUBMIT, SUBMITS, ABORT, BEAT = "submit", "submits", "abort", "beat"
 
 
@@ -34,20 +34,21 @@ class CoreState:
 
 
 def encode_submit(api: int, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float,
-                  group: str | None = None) -> bytes:
+                  group: str | None = None, carried: list[int] | None = None) -> bytes:
     """`arrival`: `time.monotonic()` when the API process took the request (one clock for the pod's processes on
     Linux), so the core's time to first token counts from there, as in one process; `group`: the choices of one
-    prompt share its prefill (`Engine.submit`)."""
-    return pickle.dumps((SUBMIT, api, request_id, prompt_ids, astuple(params), arrival, group),
+    prompt share its prefill (`Engine.submit`); `carried`: the output tokens a stream moved from a lost rank already
+    sent its client (`Engine.submit`)."""
+    return pickle.dumps((SUBMIT, api, request_id, prompt_ids, astuple(params), arrival, group, list(carried or [])),
                         protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def encode_submits(api: int, submits: list[tuple]) -> bytes:
     """Several submits as one message, admitted by the core together (the choices of one prompt share its prefill
-    however the core's polls fall); each submit is (request id, prompt ids, params, arrival, group), as in
+    however the core's polls fall); each submit is (request id, prompt ids, params, arrival, group, carried), as in
     `encode_submit`."""
-    rows = [(request_id, prompt_ids, astuple(params), arrival, group)
-            for request_id, prompt_ids, params, arrival, group in submits]
+    rows = [(request_id, prompt_ids, astuple(params), arrival, group, list(carried))
+            for request_id, prompt_ids, params, arrival, group, carried in submits]
     return pickle.dumps((SUBMITS, api, rows), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -61,8 +62,8 @@ def encode_beat(api: int, listening: bool, loop_problem: str | None) -> bytes:
 
 
 def decode_request(message: bytes) -> tuple:
-    """(SUBMIT, api, id, prompt ids, SamplingParams, arrival, group) | (SUBMITS, api, [(id, prompt ids,
-    SamplingParams, arrival, group), ...]) | (ABORT, api, id) | (BEAT, api, listening, loop problem);
+    """(SUBMIT, api, id, prompt ids, SamplingParams, arrival, group, carried) | (SUBMITS, api, [(id, prompt ids,
+    SamplingParams, arrival, group, carried), ...]) | (ABORT, api, id) | (BEAT, api, listening, loop problem);
     `BadMessage` saying what is wrong if the message is not one of these (a batch is refused whole)."""
     try:
         decoded = pickle.loads(message)
@@ -89,16 +90,17 @@ def decode_request(message: bytes) -> tuple:
     return decoded
 
 
-_LENGTHS = {SUBMIT: 7, SUBMITS: 3, ABORT: 3, BEAT: 4}  # fields of each kind of request message
+_LENGTHS = {SUBMIT: 8, SUBMITS: 3, ABORT: 3, BEAT: 4}  # fields of each kind of request message
 _PARAM_FIELDS = len(fields(SamplingParams))
 
 
 def _submit(row, index: int | None = None) -> tuple:
-    """One submit's (id, prompt ids, SamplingParams, arrival, group), checked; `index`: its place in a batch."""
+    """One submit's (id, prompt ids, SamplingParams, arrival, group, carried), checked; `index`: its place in a
+    batch."""
     where = "a submit" if index is None else f"submit {index} of a batch"
-    if not isinstance(row, tuple) or len(row) != 5:
-        raise BadMessage(f"{where} is not (id, prompt ids, params, arrival, group): {_shown(row)}")
-    request_id, prompt_ids, params, arrival, group = row
+    if not isinstance(row, tuple) or len(row) != 6:
+        raise BadMessage(f"{where} is not (id, prompt ids, params, arrival, group, carried): {_shown(row)}")
+    request_id, prompt_ids, params, arrival, group, carried = row
     if not isinstance(request_id, str):
         raise BadMessage(f"{where} has request id {_shown(request_id)}, not a string")
     if not isinstance(prompt_ids, list) or not prompt_ids or set(map(type, prompt_ids)) != {int}:
@@ -107,6 +109,8 @@ def _submit(row, index: int | None = None) -> tuple:
         raise BadMessage(f"{where} ({request_id}) has arrival {_shown(arrival)}, not a time")
     if not (group is None or isinstance(group, str)):
         raise BadMessage(f"{where} ({request_id}) has group {_shown(group)}, not a string or None")
+    if not isinstance(carried, list) or (carried and set(map(type, carried)) != {int}):
+        raise BadMessage(f"{where} ({request_id}) has carried tokens {_shown(carried)}, not a list of ints")
     if not isinstance(params, tuple) or len(params) != _PARAM_FIELDS:
         raise BadMessage(f"{where} ({request_id}) has sampling parameters {_shown(params)}, not a tuple of "
                          f"{_PARAM_FIELDS} (both processes must come from one image)")
@@ -114,7 +118,7 @@ def _submit(row, index: int | None = None) -> tuple:
         sampling = SamplingParams(*params)
     except (TypeError, ValueError) as err:  # another build's fields, or values no API process sends
         raise BadMessage(f"{where} ({request_id}) has sampling parameters this core cannot read: {err}") from None
-    return request_id, prompt_ids, sampling, arrival, group
+    return request_id, prompt_ids, sampling, arrival, group, carried
 
 
 def _is_int(value) -> bool:
@@ -130,7 +134,8 @@ def _shown(value) -> str:
 def encode_outputs(state: CoreState, outputs: list[RequestOutput]) -> bytes:
     rows = [(o.request_id, o.text, o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs] if o.logprobs
              else None, o.finished, o.finish_reason, o.error, o.prompt_tokens, o.completion_tokens,
-             None if o.prompt_logprobs is None else [None if lp is None else astuple(lp) for lp in o.prompt_logprobs])
+             None if o.prompt_logprobs is None else [None if lp is None else astuple(lp) for lp in o.prompt_logprobs],
+             o.cached_tokens)
             for o in outputs]
     return pickle.dumps((VERSION, state.problem, state.unready, rows), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -142,6 +147,6 @@ def decode_outputs(message: bytes) -> tuple[CoreState, list[RequestOutput]]:
                          "both processes must come from one image")
     outputs = [RequestOutput(rid, text, ids, [TokenLogprobs(*lp) for lp in lps] if lps else [], finished, reason, error,
                              prompt, completion,
-                             None if shown is None else [None if lp is None else TokenLogprobs(*lp) for lp in shown])
-               for rid, text, ids, lps, finished, reason, error, prompt, completion, shown in rows]
+                             None if shown is None else [None if lp is None else TokenLogprobs(*lp) for lp in shown], cached)
+               for rid, text, ids, lps, finished, reason, error, prompt, completion, shown, cached in rows]
     return CoreState(problem, unready), outputs

@@ -15,11 +15,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import zmq
 import zmq.asyncio
 
+from afd.engine.recovery.carry import carried_params, prime_text
 from afd.engine.request import Request, RequestOutput, SamplingParams
 from afd.engine.scheduling.scheduler import Scheduler
 from afd.kv.cache import KVBlocks
@@ -57,13 +58,17 @@ class EngineClient:
 
     # -- what app.py uses of Engine (event loop) ----------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
-               group: str | None = None) -> Request:
+               group: str | None = None, carried: Sequence[int] = ()) -> Request:
         """Send a request to the core (inside `together()`: at its end); `InvalidRequest` if it can never run there.
-        `group`: as `Engine.submit`'s."""
-        request = self._admission.check(Request(list(prompt_ids), params, on_output))
+        `group`, `carried` (a stream moved here from a lost rank: the tokens its client has): as `Engine.submit`'s;
+        the text of the carried tokens is replayed here, where the text is made."""
+        sampling = carried_params(params, len(carried)) if carried else params
+        request = self._admission.check(Request(list(prompt_ids) + list(carried), sampling, on_output))
         self._waiting[request.request_id] = on_output
-        self._texts[request.request_id] = RequestText(self.tokenizer, params.stop, params)
-        submit = (request.request_id, request.prompt_ids, params, request.arrival, group)
+        text = self._texts[request.request_id] = RequestText(self.tokenizer, params.stop, params)
+        if carried:
+            prime_text(text.detokenizer, text.checker, carried)
+        submit = (request.request_id, list(prompt_ids), params, request.arrival, group, list(carried))
         if self._batch is not None:
             self._batch.append(submit)
         elif not self._send(core_wire.encode_submit(self.api, *submit)):

@@ -1,7 +1,8 @@
 """The front door of `afd up`: one OpenAI URL spreading requests over the attention ranks.
 
-Each request goes to the healthy attention rank with the fewest requests in flight;
-responses (streamed or not) are relayed as they come. A rank that refuses the
+Each request goes to the rank most likely to hold its prefix in its KV cache, unless that rank is much busier than
+the least-loaded one (`afd.server.front.prefix_choice`: ranks' readiness and load are polled by
+`afd.server.front.rank_watch`); responses (streamed or not) are relayed as they come. A rank that refuses the
 connection, or answers 503 (not serving), is skipped; with none left the client gets an
 OpenAI-style 503. Bodies are bounded, every call to a rank has a read timeout, and a
 client that leaves closes its relay, which the rank sees and aborts at its next step. A stream
@@ -13,6 +14,7 @@ whose rank dies is sent to the next rank.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,7 +28,10 @@ from afd.server.api.api_keys import ApiKeys, RequireApiKey
 from afd.server.api.http_body import HOP_HEADERS, OWN_HEADERS, BodyTimeout, BodyTooLarge, client_gone, read_body
 from afd.server.api.protocol import error_response
 from afd.server.api.resume import IDS_HEADER, RESUME_HEADER, Resume, sign
+from afd.server.front.failover import RELAYED
 from afd.server.front.metrics import FrontMetrics
+from afd.server.front.prefix_choice import ChoiceSettings, Chooser, request_hashes
+from afd.server.front.rank_watch import RankWatch
 from afd.server.front.splice import spliced
 
 
@@ -45,15 +50,34 @@ class FrontSettings:
 
 
 class Backends:
-    """Attention rank URLs and their in-flight counts; every rank's metrics URL by name."""
+    """Attention rank URLs, their in-flight counts, polled loads and the prefixes sent to each; every rank's metrics
+    URL by name (merged into the front door's `/metrics`). `probe_bases`: rank URL → where its `/health` and
+    `/metrics` are (default: the rank URL itself)."""
 
-    def __init__(self, urls: Callable[[], list[str]], metrics_urls: Callable[[], dict[str, str]] = dict):
+    def __init__(self, urls: Callable[[], list[str]], metrics_urls: Callable[[], dict[str, str]] = dict,
+                 probe_bases: Callable[[], dict[str, str]] | None = None, choice: ChoiceSettings = ChoiceSettings(),
+                 watch_interval_s: float = 1.0):
         self.urls = urls
         self.metrics_urls = metrics_urls
         self.in_flight: dict[str, int] = {}
+        self.choice = choice
+        self.chooser = Chooser(choice)
+        self.watch = RankWatch(probe_bases or (lambda: {url: url for url in self.urls()}), lambda: self.in_flight,
+                               watch_interval_s)
+        self._known: frozenset[str] = frozenset()
 
-    def order(self) -> list[str]:
-        return sorted(self.urls(), key=lambda url: self.in_flight.get(url, 0))
+    def order(self, hashes: list[bytes] = ()) -> list[str]:
+        """The ranks to try for a request keyed by `hashes` (`prefix_choice.request_hashes`), best first."""
+        urls = self.urls()
+        if self._known != frozenset(urls):  # ranks came or went: forget where the gone ones' prefixes were
+            self._known = frozenset(urls)
+            self.chooser.prefixes.forget(urls)
+        return self.chooser.order(urls, self.watch.loads(urls), list(hashes))
+
+    def served(self, hashes: list[bytes], url: str) -> None:
+        """`url` answered a request keyed by `hashes`: it holds that prefix now."""
+        if hashes:
+            self.chooser.prefixes.record(hashes, url)
 
 
 def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings()) -> FastAPI:
@@ -64,6 +88,12 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
     client = httpx.AsyncClient(timeout=httpx.Timeout(settings.read_timeout_s, connect=5.0),
                                limits=httpx.Limits(max_connections=None, keepalive_expiry=2.0))
     metrics = FrontMetrics(lambda: sum(backends.in_flight.values()), backends.metrics_urls())
+    app.state.front_metrics = metrics  # `afd route` serves these on its probe port
+    watching: list[asyncio.Task] = []
+
+    @app.on_event("startup")
+    async def _watch() -> None:
+        watching.append(asyncio.create_task(backends.watch.run(client)))
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
@@ -103,14 +133,16 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
         return await relay_to("/detokenize", request)
 
     async def relay_to(target: str, request: Request) -> Response:
-        """`request` answered by the least busy rank that serves, at `target` there."""
+        """`request` answered by the first rank of the choice (its prefix, bounded by load) that serves, at `target`."""
         body = await read_body(request, settings.max_request_bytes)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in HOP_HEADERS and not k.lower().startswith("x-afd-")}
         headers[IDS_HEADER] = "1"  # streams say their token ids, so one can move should its rank die
+        headers[RELAYED.decode()] = "1"  # a rank's failover never relays ours: a 503 comes back here, for the next rank
+        hashes = _hashes(target, request.method, body, backends.choice)
         gone = asyncio.ensure_future(client_gone(request))
         try:
-            urls = backends.order()
+            urls = backends.order(hashes)
             for index, url in enumerate(urls):
                 upstream = client.build_request(request.method, f"{url}{target}", content=body, headers=headers)
                 response = await _send(client, upstream, gone, backends, url)
@@ -125,11 +157,13 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
                         await _done(response, backends, url)
                     continue  # that rank is down, restarting, not serving, or closed the connection
                 metrics.count(response.status_code)
+                if response.status_code == 200:
+                    backends.served(hashes, url)
                 if settings.resume_key and response.status_code == 200 and \
                         response.headers.get("content-type", "").startswith("text/event-stream"):
                     return StreamingResponse(
                         _moving_stream(client, request.method, target, body, headers, response, url, backends,
-                                       settings, metrics),
+                                       settings, metrics, hashes),
                         status_code=200,
                         headers={k: v for k, v in response.headers.items() if k.lower() not in OWN_HEADERS},
                     )
@@ -145,9 +179,22 @@ def create_front_app(backends: Backends, settings: FrontSettings = FrontSettings
 
     @app.on_event("shutdown")
     async def _close() -> None:
+        for task in watching:
+            task.cancel()
         await client.aclose()
 
     return app
+
+
+def _hashes(target: str, method: str, body: bytes, choice: ChoiceSettings) -> list[bytes]:
+    """The prefix chunk hashes of a generation request (empty for anything else, or a body that is not JSON: the
+    rank answers that)."""
+    if method != "POST" or target not in ("/v1/chat/completions", "/v1/completions"):
+        return []
+    try:
+        return request_hashes(target, json.loads(body), choice)
+    except (ValueError, RecursionError):
+        return []
 
 
 async def _get(client: httpx.AsyncClient, url: str, timeout_s: float) -> httpx.Response | None:
@@ -187,7 +234,7 @@ async def _done(response: httpx.Response, backends: Backends, url: str) -> None:
 
 
 def _moving_stream(client, method: str, target: str, body: bytes, headers: dict, response: httpx.Response, url: str,
-                   backends: Backends, settings: FrontSettings, metrics: FrontMetrics):
+                   backends: Backends, settings: FrontSettings, metrics: FrontMetrics, hashes: list[bytes] = ()):
     """`response`'s stream, moved to another rank each time its rank is lost (`afd.server.front.splice`)."""
     owners = {id(response): url}
 
@@ -196,12 +243,13 @@ def _moving_stream(client, method: str, target: str, body: bytes, headers: dict,
         never = asyncio.get_running_loop().create_future()  # the client leaving cancels the whole stream instead
         deadline = time.monotonic() + settings.move_timeout_s
         while time.monotonic() < deadline:
-            for candidate in backends.order():
+            for candidate in backends.order(hashes):
                 upstream = client.build_request(method, f"{candidate}{target}", content=body, headers={**headers, **extra})
                 answer = await _send(client, upstream, never, backends, candidate)
                 if isinstance(answer, httpx.Response):
                     if answer.status_code == 200:
                         owners[id(answer)] = candidate
+                        backends.served(list(hashes), candidate)
                         return answer
                     await _done(answer, backends, candidate)
                     if answer.status_code != 503:

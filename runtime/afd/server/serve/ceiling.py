@@ -60,8 +60,7 @@ def fill_with_noise(kv_cache, blocks: list[int]) -> None:
     """Unit-variance noise in the keys and values of `blocks` (timings on an empty cache flatter)."""
     size = kv_cache.block_size
     rows = (torch.tensor(blocks).unsqueeze(1) * size + torch.arange(size)).flatten().to(kv_cache.keys[0].device)
-    own_values = [v for v, lay in zip(kv_cache.values, kv_cache.layouts) if not lay.values_in_keys]
-    for tensor in (*kv_cache.keys, *own_values):  # drawn in float32, stored as the cache stores (FP8: quantized)
+    for tensor in kv_cache.tensors():  # drawn in float32, stored as the cache stores (FP8: quantized)
         store_rows(tensor, rows, torch.randn((len(rows), *tensor.shape[1:]), device=tensor.device))
 
 

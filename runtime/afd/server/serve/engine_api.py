@@ -18,12 +18,13 @@ from afd.kernels.compile_watch import WATCH
 from afd.metrics.wiring import export_resident_bytes, watch_attention
 from afd.server.api.api_keys import ApiKeys
 from afd.server.api.app import ServerState, create_app, http_server
+from afd.server.api.parser_choice import tool_parser_for
 from afd.server.api.reasoning import PARSERS
 from afd.server.api.validation import Limits
 from afd.server.api_process.core import serve_with_api_process
 from afd.server.front.failover import Failover, FailoverSettings
 from afd.server.lifecycle import engine_died, exit_if_engine_dies, stop_serving
-from afd.server.probe_http import Probes, start_probe_server
+from afd.server.probe_http import DrainWatch, Probes, start_probe_server
 from afd.server.serve.ceiling import export_ceiling
 from afd.server.serve.serving_metrics import ServingMetrics
 
@@ -51,6 +52,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         prefill_itl_ratio=scheduler.prefill_itl_ratio,
         prefill_backlog_steps=scheduler.prefill_backlog_steps,
         hold_s=config.link.ffn_hold_s,
+        prefix_caching=config.kv.prefix_caching,
         vocab_size=spec.vocab_size,  # the sampler's width: a seeded stream is advanced over it (afd.engine.recovery.carry)
     )
     metrics.track(engine)
@@ -66,6 +68,7 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         resume_key=group.group_secret.encode(),
         api_keys=ApiKeys(api.api_keys),
         reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
+        tool_parser=tool_parser_for(api.tool_call_parser, config.load.model, engine.tokenizer),
     )
     if role.link is not None:  # a monolithic rank has no FFN link
         watch_attention(registry, group, role, engine)
@@ -73,31 +76,6 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
     if loaded is not None:
         export_resident_bytes(registry, group, loaded.resident_bytes)
     return state, engine
-
-
-ENDPOINT_SPREAD_S = 5.0  # the operator's DRAIN_SECONDS: the endpoint removal reaches every proxy within it
-QUIET_S = 1.0  # no HTTP request for this long: every client connection has been answered with `Connection: close`
-
-
-class DrainWatch:
-    """When an attention rank's preStop drain may end (issue 38): once the endpoint removal has had
-    ENDPOINT_SPREAD_S to spread and no HTTP request has run for QUIET_S. Until then the rank serves on
-    (held requests included, should its FFN come back), answering with `Connection: close`: every
-    closed-loop client's connection gets one such answer, so the stop that follows never closes a
-    keep-alive connection a client is just sending on (a reset request). `quiet_s`: None when the API
-    runs elsewhere (api children): the drain ends after ENDPOINT_SPREAD_S."""
-
-    def __init__(self, quiet_s: Callable[[], float] | None, clock: Callable[[], float] = time.monotonic):
-        self.quiet_s, self.clock, self.started = quiet_s, clock, None
-
-    def begin(self) -> None:
-        if self.started is None:
-            self.started = self.clock()
-
-    def drained(self) -> bool:
-        if self.started is None or self.clock() - self.started < ENDPOINT_SPREAD_S:
-            return False
-        return self.quiet_s is None or self.quiet_s() >= QUIET_S
 
 
 def attention_probes(state: ServerState, listening: Callable[[], bool], stop: threading.Event,

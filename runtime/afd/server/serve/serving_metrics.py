@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from afd.metrics.histogram_buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
 
@@ -52,6 +53,7 @@ class ServingMetrics:
         self.prefill_cap = make(Gauge, "afd_prefill_cap_tokens",
                                 "Prompt tokens the last step with decodes could take (prefill_itl_ratio); 0: uncapped")
         self._prefills_counted = weakref.WeakSet()  # the requests whose prefill afd_prompt_tokens has counted
+        self._registry, self._labels = registry, labels
 
     def on_token(self, request, now: float) -> None:
         if request.first_token_at is None:
@@ -77,6 +79,7 @@ class ServingMetrics:
         if hasattr(engine.kv_cache, "nbytes"):  # the cache's tensors are in this process
             self.kv_bytes.set(engine.kv_cache.nbytes)
             self.kv_token_bytes.set(engine.kv_cache.token_bytes)
+        self._registry.register(PrefixCacheCounts(engine.scheduler.prefix_counts, self._labels))
         pacer = engine.pacer
         self.prefill_cap.set_function(lambda: (pacer.last_cap or 0) if pacer is not None else 0)
 
@@ -97,3 +100,23 @@ class ServingMetrics:
 
     def on_error(self) -> None:
         self.request_errors.inc()
+
+
+class PrefixCacheCounts:
+    """The scheduler's prefix-cache counts (`afd.engine.scheduling.prefix_hits.PrefixCounts`), read when scraped."""
+
+    def __init__(self, counts, labels: dict[str, str]):
+        self.counts, self.labels = counts, labels
+
+    def describe(self) -> list:
+        return []  # collected at scrape time only
+
+    def collect(self):
+        names, values = list(self.labels), list(self.labels.values())
+        queries = CounterMetricFamily("afd_prefix_cache_queries", "Prompt tokens of the requests admitted while "
+                                      "prefix caching is on (looked up in the prefix cache)", labels=names)
+        queries.add_metric(values, self.counts.queries)
+        hits = CounterMetricFamily("afd_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                   "prefilled again)", labels=names)
+        hits.add_metric(values, self.counts.hits)
+        return [queries, hits]
