@@ -220,6 +220,7 @@ def test_the_kv_metrics_count_the_caches_bytes_in_its_dtype():
 
     from prometheus_client import CollectorRegistry
 
+    from afd.engine.scheduling.prefix_hits import PrefixCounts
     from afd.server.serve.serving_metrics import ServingMetrics
 
     layouts = [KVLayout(1, 576, 512, values_in_keys=True)] * 3
@@ -227,7 +228,9 @@ def test_the_kv_metrics_count_the_caches_bytes_in_its_dtype():
     for dtype in (torch.bfloat16, FP8):
         cache = KVCache(layouts, 10, dtype, "cpu")
         registry = CollectorRegistry()
-        ServingMetrics(registry, 0).track(SimpleNamespace(kv_cache=cache, num_running=0, num_waiting=0, pacer=None))
+        scheduler = SimpleNamespace(prefix_counts=PrefixCounts())
+        ServingMetrics(registry, 0).track(SimpleNamespace(kv_cache=cache, num_running=0, num_waiting=0, pacer=None,
+                                                          scheduler=scheduler))
         labels = {"role": "attention", "rank": "0"}
         seen[dtype] = {name: registry.get_sample_value(f"afd_kv_cache_{name}", labels)
                        for name in ("bytes", "token_bytes", "capacity_tokens")}
