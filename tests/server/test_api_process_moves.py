@@ -55,7 +55,8 @@ def test_an_api_process_rank_continues_a_moved_stream_as_the_undisturbed_one_goe
     assert rest_ids == []  # no ids asked for this time
     assert _text(full[:5]) + _text(rest) == _text(full)
     assert {c["id"] for c in rest} == {full[0]["id"]}
-    assert rest[-1]["usage"] == full[-1]["usage"]  # every token counted once
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens is what each run found
+    assert [rest[-1]["usage"][k] for k in counts] == [full[-1]["usage"][k] for k in counts]  # every token once
 
 
 def test_a_resume_signed_with_another_secret_is_refused_by_the_api_process(split):
@@ -101,7 +102,8 @@ def test_streams_move_off_a_killed_api_process_rank_behind_the_front_door(tmp_pa
         for before, after in zip(undisturbed, disturbed):
             assert after.error is None and after.done, (after.index, after.error)
             assert after.text == before.text, (after.index, before.text, after.text)
-            assert after.usage == before.usage
+            counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: what each run found
+            assert [after.usage[k] for k in counts] == [before.usage[k] for k in counts]
         assert front_series(api, "afd_front_requests_moved_total") > moved_before
     finally:
         up.send_signal(signal.SIGTERM)

@@ -38,7 +38,7 @@ def chat_template(calls: str) -> str:
     )
 
 
-CALL_MARKUP = {"deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "glm4_moe": "hermes", "qwen3_moe": "hermes"}
+CALL_MARKUP = {"deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "deepseek_v32": "deepseek", "glm4_moe": "hermes", "qwen3_moe": "hermes"}
 CHAT_TEMPLATE = chat_template("hermes")
 _CORPUS = """Attention-FFN disaggregation splits a mixture-of-experts model in two. Attention ranks keep
 the requests, the scheduler and the key-value cache; FFN ranks hold the experts and serve many
