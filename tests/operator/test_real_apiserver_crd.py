@@ -102,6 +102,13 @@ def test_prefix_caching_is_stored_as_given_and_defaults_on(cluster, namespace):
     assert cluster.create(_cr(namespace, "prefix-default"))["spec"]["afd"]["prefixCaching"] is True
 
 
+def test_the_kv_cache_dtype_is_stored_as_given_defaults_to_auto_and_refuses_others(cluster, namespace):
+    assert cluster.create(_cr(namespace, "kv-fp8", afd={"kvCacheDtype": "fp8"}))["spec"]["afd"]["kvCacheDtype"] == "fp8"
+    assert cluster.create(_cr(namespace, "kv-default"))["spec"]["afd"]["kvCacheDtype"] == "auto"
+    with pytest.raises(ApiError, match="kvCacheDtype"):
+        cluster.create(_cr(namespace, "kv-int8", afd={"kvCacheDtype": "int8"}))
+
+
 def test_the_api_key_secret_ref_is_stored_defaulted_and_the_attention_pods_read_the_key_from_it(cluster, namespace):
     """Issue 52: `spec.api.apiKeySecretRef` kept (its key defaulted); the rendered attention StatefulSet, as the API
     server keeps it, takes AFD_API_KEY from the Secret, and no literal value of it is anywhere."""
