@@ -29,7 +29,7 @@ HONOURED = {
     "AFD_GPU_MEMORY_UTILIZATION": "0.5", "AFD_CEILING_BATCHES": "1,8", "AFD_CEILING_CONTEXT": "128",
     "AFD_API_PROCESS": "true", "AFD_API_SERVERS": "2", "AFD_FFN_HOLD_S": "4.5",
     "AFD_API_KEY": "key-1,key-2", "AFD_REASONING_PARSER": "qwen3", "AFD_REASONING_CONTENT": "true",
-    "AFD_PREFIX_CACHING": "false",
+    "AFD_PREFIX_CACHING": "false", "AFD_KV_CACHE_DTYPE": "fp8", "AFD_TOOL_CALL_PARSER": "qwen3",
 }
 # set by each test: the model, and where the two commands' defaults differ
 PER_COMMAND = {"up": {"AFD_STAGES": "1", "AFD_ATTENTION_ENGINE": "vllm"},

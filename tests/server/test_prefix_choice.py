@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from afd.server.front.prefix_choice import (
     ChoiceSettings, Chooser, PrefixMap, RankLoad, chunk_hashes, choose, prompt_text, request_hashes,
 )
@@ -125,3 +127,18 @@ def test_the_watch_counts_this_replicas_requests_now_and_the_others_as_last_poll
     assert watch.loads([A, C]) == {A: RankLoad(2.0, 0.5, True), C: RankLoad()}
     own[A] = 1
     assert watch.loads([A])[A].requests == 3.0
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "text"}, None, 3, {"type": "image_url"}]}]},
+    {"messages": [{"role": ["x"], "content": {"a": 1}}, "not a message", 7]},
+    {"messages": [{"role": "user", "content": "\ud800" * 300}], "cache_salt": "\udfff"},
+    {"prompt": ["\ud800" * 300]},
+    {"prompt": [[1, 2], "x"]},
+])
+def test_a_hostile_body_is_keyed_never_an_error_so_the_rank_can_refuse_it_by_name(body):
+    """The front door keys every body it forwards; a body the rank will refuse (a text part's text a number, lone
+    surrogates) must reach the rank for its 400, not end in the front door's 500."""
+    hashes = request_hashes("/v1/chat/completions" if "messages" in body else "/v1/completions", body)
+    assert isinstance(hashes, list) and all(isinstance(h, bytes) for h in hashes)

@@ -78,20 +78,28 @@ def _message_text(message: Any) -> str:
         return json.dumps(message, sort_keys=True)
     content = message.get("content")
     if isinstance(content, list):  # parts: their text in order, anything else as its JSON
-        content = "".join(part.get("text", "") if isinstance(part, dict) and part.get("type") == "text"
-                          else json.dumps(part, sort_keys=True) for part in content)
+        content = "".join(_part_text(part) for part in content)
     elif not isinstance(content, str):
         content = json.dumps(content, sort_keys=True)
     return f"\x1e{message.get('role', '')}\x1f{content}"
 
 
+def _part_text(part: Any) -> str:
+    """A content part's text; any other part (or a text part whose text is no string: the rank refuses it) as its
+    JSON, so that a hostile body is keyed, never an error here."""
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    return json.dumps(part, sort_keys=True)
+
+
 def chunk_hashes(text: str, seed: str = "", chunk_chars: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS) -> list[bytes]:
     """The hash chain over `text`'s whole chunks (a partial last chunk is left out, as a KV cache keeps whole blocks
     only): hash i names chunks 0..i together, under `seed` (model, cache salt)."""
-    chained = hashlib.blake2b(seed.encode(), digest_size=_DIGEST).digest()
+    chained = hashlib.blake2b(seed.encode(errors="surrogatepass"), digest_size=_DIGEST).digest()
     hashes = []
     for start in range(0, min(len(text) // chunk_chars, max_chunks) * chunk_chars, chunk_chars):
-        chained = hashlib.blake2b(chained + text[start:start + chunk_chars].encode(), digest_size=_DIGEST).digest()
+        chunk = text[start:start + chunk_chars].encode(errors="surrogatepass")  # JSON may carry lone surrogates
+        chained = hashlib.blake2b(chained + chunk, digest_size=_DIGEST).digest()
         hashes.append(chained)
     return hashes
 
