@@ -40,7 +40,7 @@ def test_a_shard_at_the_wrong_address_is_refused_in_the_handshake(checkpoints):
     from afd.connector.attention_link import AttentionLink, LinkOptions
     from afd.roles.ffn import build_ffn
     from afd.roles.share import load_share
-    from afd.runners.device import resolve_device
+    from afd.runners.device import resolve_device, resolve_dtype
 
     base = AFDConfig(connector="loopback", model=str(checkpoints["qwen3_moe"]), ffn_expert_parallel=4,
                      ffn_address_template="mis-sharded", control_port=30000, data_port=30001, port_stride=10)
@@ -50,7 +50,8 @@ def test_a_shard_at_the_wrong_address_is_refused_in_the_handshake(checkpoints):
     thread = threading.Thread(target=ffn.serve, args=(stop,), daemon=True)
     thread.start()
     try:
-        share = load_share(base.group, base.split, base.load, resolve_device(base.load))
+        device = resolve_device(base.load)
+        share = load_share(base.group, base.split, base.load.model, device, resolve_dtype(base.load, device))
         hello = dataclasses.replace(share.hello(base.group, base.split, base.link), ffn_shard=2)
         with pytest.raises(HandshakeError, match="mis-sharded peer: attention expects shard 2 of 4, this ffn process "
                                                  "is shard 1 of 4"):

@@ -41,3 +41,4 @@ def test_monolithic_server_answers_like_the_reference(checkpoints, tmp_path):
     served = [r["choices"][0]["logprobs"]["tokens"] for r in texts]  # each token's text
     assert served == [[tokenizer.decode([t]) for t in ids] for ids in greedy_ids(checkpoints["qwen3_moe"], PROMPT_IDS[:4], 6)]
     assert 'afd_kv_cache_capacity_tokens{rank="0",role="monolithic"}' in metrics
+    assert 'afd_weights_resident_bytes{rank="0",role="monolithic"}' in metrics  # the role builder's series

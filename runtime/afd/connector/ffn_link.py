@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from typing import Callable
 
 from afd.connector import wire
@@ -23,7 +24,7 @@ from afd.connector.transport import ServerTransport
 
 log = logging.getLogger(__name__)
 DRAIN_NOTICE_S = 5.0  # after the notice, attention pods need this long to leave every proxy's endpoints
-DRAIN_QUIET_S = 3.0  # or no step for this long (peers that never leave): their requests have finished
+DRAIN_QUIET_S = 3.0  # or no step running or begun for this long (peers that never leave): their requests have finished
 
 
 class FFNLink:
@@ -39,7 +40,8 @@ class FFNLink:
         self.rejected: Counter[str] = Counter()
         self.handshake_failures = 0
         self.drain_started: float | None = None  # monotonic time of request_drain()
-        self.last_plan_at = 0.0
+        self.last_active_at = 0.0  # monotonic time of the last plan received or step ended (the drain's quiet time)
+        self._steps_running = 0  # steps the worker runs now (`running_step`)
         self._control: deque[tuple[bytes, object]] = deque()
         self._told_draining: set[bytes] = set()
         self.followers: dict[bytes, int] = {}  # shard 0 of an expert-parallel rank: the other shards' connections
@@ -116,14 +118,24 @@ class FFNLink:
 
     def drained(self) -> bool:
         """Nothing left to serve: every peer has left (an attention rank leaves once it has finished
-        what it ran after the notice), or since the notice had time to take effect no peer has
-        sent a step for a while."""
+        what it ran after the notice), or since the notice had time to take effect no step has run or
+        begun for a while (a step running however long, as on a starved CPU, is never quiet)."""
         if not self.peers:
             return True
-        if self.drain_started is None:
+        if self.drain_started is None or self._steps_running:
             return False
         now = time.monotonic()
-        return now - self.drain_started >= DRAIN_NOTICE_S and now - self.last_plan_at >= DRAIN_QUIET_S
+        return now - self.drain_started >= DRAIN_NOTICE_S and now - self.last_active_at >= DRAIN_QUIET_S
+
+    @contextmanager
+    def running_step(self):
+        """Around one step of the worker: the drain's quiet time counts from its end, not from its plan."""
+        self._steps_running += 1
+        try:
+            yield
+        finally:
+            self._steps_running -= 1
+            self.last_active_at = time.monotonic()
 
     def close(self) -> None:
         for peer in list(self.peers):
@@ -172,7 +184,7 @@ class FFNLink:
             if problem:
                 self.drop(peer, problem)
             else:  # a peer may run ahead by several plans (graph warm-up and capture): none is lost
-                self.last_plan_at = time.monotonic()
+                self.last_active_at = time.monotonic()
                 self.queued.setdefault(peer, deque()).append(message)
         elif isinstance(message, wire.Heartbeat):
             if peer in self.peers:

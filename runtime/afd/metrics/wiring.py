@@ -1,14 +1,25 @@
-"""Attach the metrics of a role to its runner: layer clock, per-layer histograms, collectors."""
+"""Attach the metrics of a role to its runner: its registry (`watched_registry`), layer clock, per-layer
+histograms, collectors."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from afd.config import GroupSettings, LinkSettings, ProcessSettings, SplitSettings
+from afd.kernels.compile_watch import WATCH
 from afd.metrics.expert_load import ExpertLoadCollector
 from afd.metrics.ffn_metrics import FFNLinkMetrics, FFNStepMetrics
 from afd.metrics.layer_clock import LayerClock, StepInstruments
 from afd.metrics.layer_metrics import LayerMetrics, RunnerCollector
+
+
+def watched_registry(group: GroupSettings) -> CollectorRegistry:
+    """A serving rank's registry, made before its role is built: Triton kernels compiled after warm-up are logged
+    and counted there."""
+    series = CollectorRegistry()
+    if WATCH.install():
+        export_kernel_compiles(series, group, WATCH)
+    return series
 
 
 def export_group_info(registry: CollectorRegistry, group: GroupSettings, split: SplitSettings,

@@ -17,15 +17,17 @@ from afd.connector.attention_link import AttentionLink
 from afd.connector.expert_link import ShardedLink
 from afd.kv.cache import KVCache
 from afd.metrics.layer_clock import StepInstruments
-from afd.metrics.wiring import attention_instruments, export_group_info
+from afd.metrics.wiring import (
+    attention_instruments, export_group_info, export_resident_bytes, watch_attention, watched_registry,
+)
 from afd.models.kv_dtype import cache_dtype
 from afd.models.loader import LoadedModel
 from afd.roles.kv_sizing import serving_cache_tokens
-from afd.roles.share import Share, graphs_usable, load_share, watched_registry
+from afd.roles.share import Share, graphs_usable, load_share
 from afd.runners.attention_runner import AttentionRunner, StepOptions
-from afd.runners.device import resolve_device, torch_dtype
+from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.warm_steps import warm_rank
-from afd.server.serve.engine_api import serve_api
+from afd.server.serve.engine_api import build_server, serve_api
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ def build_attention(config: AFDConfig, cache_tokens: int | None = None, instrume
     `cache_tokens` (None: sized for serving, `afd.roles.kv_sizing`), a handshaken FFN link, and what its runner
     reports to (`metrics.wiring.attention_instruments`)."""
     device = resolve_device(config.load) if device is None else device
-    share = load_share(config.group, config.split, config.load, device)
+    share = load_share(config.group, config.split, config.load.model, device, resolve_dtype(config.load, device))
     dtype = torch_dtype(share.dtype)
     if cache_tokens is None:
         cache_tokens = serving_cache_tokens("attention", config.kv, config.scheduler, config.split, config.graphs,
@@ -110,4 +112,7 @@ def serve_attention(config: AFDConfig, stop: threading.Event) -> int:
              group.rank, config.load.model, group.topology.ffn_rank_of(group.rank))
     export_group_info(registry, group, config.split, config.link)
     role = build_attention(config, None, attention_instruments(registry, group, config.process, device), device)
-    return serve_api(config, stop, role, registry)
+    state, engine = build_server(config, role, registry)
+    watch_attention(registry, group, role, engine)
+    export_resident_bytes(registry, group, role.loaded.resident_bytes)
+    return serve_api(config, stop, role, state, engine)

@@ -16,9 +16,9 @@ from afd.connector.plane import DataContract, PlaneOptions
 from afd.graphs.ffn_graphs import FFNGraphs
 from afd.metrics.expert_load import shard_labelled
 from afd.metrics.layer_clock import StepInstruments
-from afd.metrics.wiring import export_group_info, export_resident_bytes, ffn_instruments, watch_ffn
-from afd.roles.share import Share, graphs_usable, load_share, watched_registry
-from afd.runners.device import resolve_device
+from afd.metrics.wiring import export_group_info, export_resident_bytes, ffn_instruments, watch_ffn, watched_registry
+from afd.roles.share import Share, graphs_usable, load_share
+from afd.runners.device import resolve_device, resolve_dtype
 from afd.runners.ffn_executor import FFNStepExecutor
 from afd.runners.ffn_worker import MIN_STALL_S, FFNWorker
 from afd.runners.step_order import step_order
@@ -51,7 +51,8 @@ def build_ffn(config: AFDConfig, instruments: StepInstruments = StepInstruments(
               device: torch.device | None = None) -> FFNWorker:
     """FFN rank `config.group.rank` on `device` (None: the config's), listening for its attention peers."""
     device = resolve_device(config.load) if device is None else device
-    return assemble_ffn(config, load_share(config.group, config.split, config.load, device), instruments)
+    share = load_share(config.group, config.split, config.load.model, device, resolve_dtype(config.load, device))
+    return assemble_ffn(config, share, instruments)
 
 
 def serve_ffn(config: AFDConfig, stop: threading.Event) -> int:
@@ -59,7 +60,7 @@ def serve_ffn(config: AFDConfig, stop: threading.Event) -> int:
     group, process = config.group, config.process
     registry = watched_registry(group)  # compiles in steps its peers do not mark warm-up are counted
     device = resolve_device(config.load)  # once per process: the instruments and the weights use it
-    share = load_share(group, config.split, config.load, device)
+    share = load_share(group, config.split, config.load.model, device, resolve_dtype(config.load, device))
     export_group_info(registry, group, config.split, config.link)
     worker = assemble_ffn(config, share, ffn_instruments(registry, group, process, device))
     watch_ffn(registry, group, worker)

@@ -18,15 +18,15 @@ from afd.config import AFDConfig
 from afd.engine.offline import generate_with_engine
 from afd.engine.generation import GenerationResult
 from afd.kv.cache import DEFAULT_BLOCK_SIZE, KVCache
+from afd.metrics.wiring import export_resident_bytes, watched_registry
 from afd.models.kv_dtype import cache_dtype
 from afd.models.loader import LoadedModel, load_model
 from afd.models.moe_prep import warm_up
 from afd.roles.kv_sizing import serving_cache_tokens
-from afd.roles.share import watched_registry
 from afd.runners.device import resolve_device, resolve_dtype, torch_dtype
 from afd.runners.monolithic_runner import MonolithicRunner
 from afd.runners.warm_steps import warm_rank
-from afd.server.serve.engine_api import serve_api
+from afd.server.serve.engine_api import build_server, serve_api
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,10 @@ def serve_monolithic(config: AFDConfig, stop: threading.Event) -> int:
     set; the exit code."""
     registry = watched_registry(config.group)
     log.info("monolithic rank: loading %s", config.load.model)
-    return serve_api(config, stop, build_monolithic(config), registry)
+    role = build_monolithic(config)
+    state, engine = build_server(config, role, registry)
+    export_resident_bytes(registry, config.group, role.loaded.resident_bytes)
+    return serve_api(config, stop, role, state, engine)
 
 
 def generate_monolithic(config: AFDConfig, prompts: Sequence[Sequence[int]], max_tokens: int,

@@ -1,5 +1,5 @@
-"""What the roles share: a role's share of the weights (`load_share`), whether its CUDA graphs can run
-(`graphs_usable`), and the registry its series go to (`watched_registry`)."""
+"""What the roles share: a role's share of the weights (`load_share`) and whether its CUDA graphs can run
+(`graphs_usable`)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import CollectorRegistry
 
-from afd.config import GraphSettings, GroupSettings, LinkSettings, LoadSettings, SplitSettings
+from afd.config import GraphSettings, GroupSettings, LinkSettings, SplitSettings
 from afd.connector import registry
-from afd.kernels.compile_watch import WATCH
-from afd.metrics.wiring import export_kernel_compiles
 from afd.models.loader import LoadedModel, load_model
 from afd.models.moe_prep import warm_up
-from afd.runners.device import resolve_dtype, torch_dtype
+from afd.runners.device import torch_dtype
 from afd.runners.handshake import make_hello
 
 log = logging.getLogger(__name__)
@@ -34,11 +31,11 @@ class Share:
                           self.dtype)
 
 
-def load_share(group: GroupSettings, split: SplitSettings, load: LoadSettings, device: torch.device) -> Share:
-    """The weights of `group.role` on `device` (the FFN's MoE kernels warmed up on a GPU)."""
-    dtype = resolve_dtype(load, device)
+def load_share(group: GroupSettings, split: SplitSettings, model: str, device: torch.device, dtype: str) -> Share:
+    """The weights of `group.role` of the checkpoint at `model` on `device` in `dtype` (both resolved by the role
+    builder: `afd.runners.device`), the FFN's MoE kernels warmed up on a GPU."""
     shard = (group.ffn_shard, group.ffn_expert_parallel) if group.role == "ffn" else (0, 1)
-    loaded = load_model(load.model, group.role, split.gate_on_attention, torch_dtype(dtype), device, shard)
+    loaded = load_model(model, group.role, split.gate_on_attention, torch_dtype(dtype), device, shard)
     if group.role == "ffn" and device.type == "cuda":
         log.info("ffn rank %d: MoE kernels warmed up for %d token counts", group.rank, warm_up(loaded.model))
     return Share(loaded, device, dtype)
@@ -60,11 +57,3 @@ def graphs_usable(graphs: GraphSettings, link: LinkSettings, device: torch.devic
         log.warning("cuda_graphs is on but disabled here: %s", "; ".join(problems))
     return not problems
 
-
-def watched_registry(group: GroupSettings) -> CollectorRegistry:
-    """A serving rank's registry, made before its role is built: Triton kernels compiled after warm-up are logged
-    and counted there."""
-    series = CollectorRegistry()
-    if WATCH.install():
-        export_kernel_compiles(series, group, WATCH)
-    return series

@@ -58,7 +58,7 @@ class FFNWorker:
 
     def run_step(self, plans, stop: threading.Event | None = None) -> None:
         """One step; the peers that failed it are dropped, the others serve on."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self.link.running_step():
             failed = self.executor.run_step(plans, self.link, stop.is_set if stop else lambda: False)
         for peer, reason in failed.items():
             self.link.drop(peer, reason)

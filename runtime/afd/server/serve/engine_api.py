@@ -1,5 +1,6 @@
 """The engine and its HTTP API around a loaded rank (`afd.roles.attention`, `afd.roles.monolithic`): the engine
-and the app's state (`build_server`), the probes, and serving until stopped (`serve_api`)."""
+and the app's state (`build_server`), the probes, and serving until stopped (`serve_api`). The rank's own series
+(its link, its weights) are its role builder's (`afd.metrics.wiring`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from afd.config import AFDConfig, config_to_env
 from afd.engine.engine import Engine
 from afd.engine.text.tokenizer import load_tokenizer
 from afd.kernels.compile_watch import WATCH
-from afd.metrics.wiring import export_resident_bytes, watch_attention
 from afd.server.api.api_keys import ApiKeys
 from afd.server.api.app import ServerState, create_app, http_server
 from afd.server.api.parser_choice import tool_parser_for
@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 
 def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = None) -> tuple[ServerState, Engine]:
-    """Engine + app state around a connected attention role (or a monolithic one); `registry`
-    already holds the series the role was built with, if any."""
+    """Engine + app state around a connected attention role (or a monolithic one), the serving series added to
+    `registry` (None: a new one), which may already hold the role's."""
     spec = role.loaded.spec
     group, scheduler, api = config.group, config.scheduler, config.api
     registry = CollectorRegistry() if registry is None else registry
@@ -70,11 +70,6 @@ def build_server(config: AFDConfig, role, registry: CollectorRegistry | None = N
         reasoning=PARSERS.get(api.reasoning_parser), reasoning_content=api.reasoning_content,
         tool_parser=tool_parser_for(api.tool_call_parser, config.load.model, engine.tokenizer),
     )
-    if role.link is not None:  # a monolithic rank has no FFN link
-        watch_attention(registry, group, role, engine)
-    loaded = getattr(role, "loaded", None)
-    if loaded is not None:
-        export_resident_bytes(registry, group, loaded.resident_bytes)
     return state, engine
 
 
@@ -108,11 +103,10 @@ def attention_probes(state: ServerState, listening: Callable[[], bool], stop: th
     return Probes(ready, live, drained=watch.drained, on_drain=watch.begin)
 
 
-def serve_api(config: AFDConfig, stop: threading.Event, role, registry: CollectorRegistry) -> int:
-    """Serve the HTTP API of a loaded attention or monolithic `role` (its series already in `registry`) until `stop`
+def serve_api(config: AFDConfig, stop: threading.Event, role, state: ServerState, engine: Engine) -> int:
+    """Serve the HTTP API of a loaded attention or monolithic `role` and its engine (`build_server`) until `stop`
     is set, in this process or in API processes; the role is closed after; the exit code."""
     group, api = config.group, config.api
-    state, engine = build_server(config, role, registry)
     if config.graphs.ceiling_batches:
         export_ceiling(state.registry, group, config.graphs, config.scheduler, role)
     WATCH.set_serving()
