@@ -190,3 +190,24 @@ def test_choices_whose_leader_ends_mid_prefill_go_on_from_its_published_blocks(c
     # the leader's chunks (the last one in flight when it ended), the rest of the prompt after the published blocks,
     # the survivors' decodes: the published part is never fed again (without it, 16 * (at - 1) more)
     assert probe.fed == 16 * at + len(PROMPT) - 16 * (at - 1) + 3 * (6 - 1), probe.fed
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    """A tiny DeepSeek-V3.2 (16 keys a query, 8 index heads): the prompts below run past index_topk, so a hit's
+    suffix chooses among index keys that the cached blocks hold."""
+    from afd.checkpoint_tools.tiny import make_tiny_model
+
+    path = str(make_tiny_model("deepseek_v32", tmp_path_factory.mktemp("v32") / "deepseek_v32", seed=0))
+    return path, (load_model(path), load_tokenizer(path))
+
+
+def test_deepseek_v32_hits_read_the_cached_index_keys_and_equal_transformers_and_caching_off(v32):
+    """Issue 53: a prefix-cache hit on DeepSeek-V3.2 (the index-key cache rides on the latent cache's blocks)."""
+    path, parts = v32
+    first = SYSTEM + TAILS[0]
+    prompts = [first, SYSTEM + TAILS[1], first + TAILS[2]]
+    on, _ = one_by_one(parts, prompts, caching=True)
+    off, _ = one_by_one(parts, prompts, caching=False)
+    assert [token_ids(o) for o in on] == [token_ids(o) for o in off] == hf_greedy(path, prompts)
+    assert [outs[-1].cached_tokens for outs in on] == [0, 32, 48]
