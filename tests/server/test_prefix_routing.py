@@ -38,21 +38,34 @@ def delta(after: dict, before: dict) -> dict:
     return {rank: after[rank] - before[rank] for rank in after}
 
 
-def chat(api: str, model: str, messages: list[dict]) -> str:
+def chat_answer(api: str, model: str, messages: list[dict]) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": 3, "temperature": 0}
     answer = httpx.post(f"{api}/chat/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
-    return answer.json()["choices"][0]["message"]["content"]
+    return answer.json()
+
+
+def chat(api: str, model: str, messages: list[dict]) -> str:
+    return chat_answer(api, model, messages)["choices"][0]["message"]["content"]
 
 
 def check_routing(api: str, model: str, state: dict, tag: str) -> None:
     before = served_per_rank(state)
     conversation = [{"role": "system", "content": SYSTEM}]
+    usages = []
     for turn in range(6):  # one conversation: every turn extends the same prefix
         conversation.append({"role": "user", "content": f"{tag} question {turn}"})
-        conversation.append({"role": "assistant", "content": chat(api, model, conversation)})
+        answer = chat_answer(api, model, conversation)
+        usages.append(answer["usage"])
+        conversation.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
     shared = delta(served_per_rank(state), before)
     assert sorted(shared.values()) == [0, 6], shared  # every turn on one rank
+    # issue 51: >= 90 % of the turns after the first find the shared prefix's full blocks cached on that rank (the
+    # first turn's prompt, less its last 32 tokens: its user line and the template's assistant header)
+    prefix_blocks = 16 * ((usages[0]["prompt_tokens"] - 32) // 16)
+    cached = [u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages]
+    assert prefix_blocks >= 160, (usages[0], cached)  # (the first turn may hit what an earlier test left)
+    assert sum(c >= prefix_blocks for c in cached[1:]) >= 0.9 * len(cached[1:]), (prefix_blocks, cached)
 
     before = served_per_rank(state)
     for i in range(20):
